@@ -1,0 +1,159 @@
+"""Load scenarios from TOML, apply CLI overrides, and expand them into the load points a run measures."""
+from __future__ import annotations
+
+import dataclasses
+import re
+import tomllib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpfa.cli.errors import UserError
+from mpfa.scenarios import MODEL_DIR, SCENARIO_DIR
+
+
+@dataclass(frozen=True)
+class LoadPoint:
+    """One measured configuration: a context length at one concurrency or arrival rate."""
+
+    input_len: int
+    concurrency: int | None = None
+    rate: float | None = None
+    burstiness: float = 1.0
+
+    @property
+    def load(self) -> dict[str, Any]:
+        if self.concurrency is not None:
+            return {"concurrency": self.concurrency}
+        return {"rate": self.rate, "burstiness": self.burstiness}
+
+    @property
+    def label(self) -> str:
+        load = f"c={self.concurrency}" if self.concurrency is not None else f"rate={self.rate}/s"
+        return f"{self.input_len // 1024}K {load}" if self.input_len >= 1024 else f"{self.input_len} {load}"
+
+
+@dataclass
+class Scenario:
+    name: str
+    description: str
+    model: str
+    input_len: list[int]
+    output_len: int
+    num_requests: int
+    warmup_requests: int
+    repeats: int
+    seed: int
+    concurrency: list[int] = field(default_factory=list)
+    rate: list[float] = field(default_factory=list)
+    burstiness: float = 1.0
+
+    def points(self) -> list[LoadPoint]:
+        loads = [dict(concurrency=c) for c in self.concurrency] or [
+            dict(rate=r, burstiness=self.burstiness) for r in self.rate
+        ]
+        return [LoadPoint(input_len=n, **load) for n in self.input_len for load in loads]
+
+
+_INT_FIELDS = ("output_len", "num_requests", "warmup_requests", "repeats", "seed")
+
+
+def available_scenarios() -> list[str]:
+    return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
+
+
+def scenario_path(name_or_path: str) -> Path:
+    path = Path(name_or_path)
+    if path.suffix == ".toml":
+        if not path.is_file():
+            raise UserError(f"scenario file not found: {path}")
+        return path
+    path = SCENARIO_DIR / f"{name_or_path}.toml"
+    if not path.is_file():
+        raise UserError(
+            f"unknown scenario '{name_or_path}'; valid: {', '.join(available_scenarios())} (or a path to a .toml file)"
+        )
+    return path
+
+
+def _as_list(value: Any, kind: type, where: str) -> list:
+    values = value if isinstance(value, list) else [value]
+    if not values or not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
+        raise UserError(f"{where}: expected {kind.__name__} or a list of them, got {value!r}")
+    return values
+
+
+def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) -> Scenario:
+    """Read a scenario; `overrides` (CLI flags, None meaning "not given") replace fields before validation."""
+    path = scenario_path(name_or_path)
+    try:
+        raw = tomllib.loads(path.read_text())
+    except tomllib.TOMLDecodeError as exc:
+        found = re.search(r"\(at line (\d+), column \d+\)", str(exc))
+        line = found.group(1) if found else "?"
+        raise UserError(f"{path}:{line}: malformed TOML: {exc}") from None
+    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
+    if "concurrency" in (overrides or {}) and overrides["concurrency"] is not None:
+        raw.pop("rate", None)
+    known = {f.name for f in dataclasses.fields(Scenario)} - {"name"}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise UserError(f"{path}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    missing = [f for f in ("model", "input_len", "output_len", "num_requests") if f not in raw]
+    if missing:
+        raise UserError(f"{path}: missing field(s) {', '.join(missing)}")
+    if "concurrency" in raw and "rate" in raw:
+        raise UserError(f"{path}: give either concurrency or rate, not both")
+    if "concurrency" not in raw and "rate" not in raw:
+        raise UserError(f"{path}: give a concurrency list or a request rate list")
+    for key in _INT_FIELDS:
+        if key in raw:
+            _as_list(raw[key], int, f"{path}: {key}")
+    scenario = Scenario(
+        name=path.stem,
+        description=str(raw.get("description", "")),
+        model=str(raw["model"]),
+        input_len=_as_list(raw["input_len"], int, f"{path}: input_len"),
+        output_len=raw["output_len"],
+        num_requests=raw["num_requests"],
+        warmup_requests=raw.get("warmup_requests", 0),
+        repeats=raw.get("repeats", 1),
+        seed=raw.get("seed", 0),
+        concurrency=_as_list(raw["concurrency"], int, f"{path}: concurrency") if "concurrency" in raw else [],
+        rate=[float(r) for r in _as_list(raw["rate"], (int, float), f"{path}: rate")] if "rate" in raw else [],
+        burstiness=float(raw.get("burstiness", 1.0)),
+    )
+    _validate(scenario, path)
+    return scenario
+
+
+def _validate(s: Scenario, path: Path) -> None:
+    checks = [
+        (all(n >= 1 for n in s.input_len), "input_len must be >= 1"),
+        (s.output_len >= 1, "output_len must be >= 1 (the client measures generated tokens)"),
+        (s.num_requests >= 1, "num_requests must be >= 1"),
+        (s.warmup_requests >= 0, "warmup_requests must be >= 0"),
+        (s.repeats >= 1, "repeats must be >= 1"),
+        (all(c >= 1 for c in s.concurrency), "concurrency must be >= 1"),
+        (all(r > 0 for r in s.rate), "rate must be > 0 requests/s"),
+        (s.burstiness > 0, "burstiness must be > 0"),
+    ]
+    for ok, message in checks:
+        if not ok:
+            raise UserError(f"{path}: {message}")
+
+
+def model_dir(model: str) -> Path:
+    """A bundled config name (dummy weights) or a directory holding a HuggingFace config.json."""
+    bundled = MODEL_DIR / model
+    path = bundled if bundled.is_dir() else Path(model)
+    if not path.is_dir():
+        names = ", ".join(sorted(p.name for p in MODEL_DIR.iterdir() if p.is_dir()))
+        raise UserError(f"model '{model}' is neither a bundled config ({names}) nor a directory")
+    if not (path / "config.json").is_file():
+        raise UserError(f"model directory {path} has no config.json")
+    return path
+
+
+def is_bundled_model(model: str) -> bool:
+    return (MODEL_DIR / model).is_dir()

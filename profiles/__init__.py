@@ -1,0 +1,1 @@
+"""mpfa package."""
