@@ -66,11 +66,11 @@ class ServerLaunch:
     env: dict[str, str]
 
 
-def sim_launch(spec: BackendSpec, port: int, time_scale: float, model: str) -> ServerLaunch:
+def sim_launch(spec: BackendSpec, port: int, time_scale: float, model: str, extra_args: list[str]) -> ServerLaunch:
     return ServerLaunch(
         command=[
             sys.executable, "-m", "mpfa.cli.main", "serve-sim", "--host", "127.0.0.1", "--port", str(port),
-            "--backend", spec.name, "--time-scale", str(time_scale), "--model", model,
+            "--backend", spec.name, "--time-scale", str(time_scale), "--model", model, *extra_args,
         ],
         env={},
     )

@@ -1,0 +1,183 @@
+"""`mpfa bench`: for each backend, get a server, confirm what it runs, and measure every load point x repeat.
+
+Every finished request is written to the store as it completes, so a server crash or Ctrl-C loses only the
+requests in flight; the run is then marked failed or interrupted.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+import urllib.error
+import urllib.request
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ContextManager
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from mpfa.backends.specs import BackendSpec
+from mpfa.cli import client, metrics, workload
+from mpfa.cli.engines import READY_TIMEOUT_S, gpu_names, model_name, sglang_launch, sim_launch
+from mpfa.cli.environment import collect_environment
+from mpfa.cli.errors import UserError
+from mpfa.cli.records import RequestRecord, RunRecord
+from mpfa.cli.scenario import LoadPoint, Scenario
+from mpfa.cli.server import ServerError, ServerProcess, pick_port
+from mpfa.cli.store import ResultStore
+
+
+@dataclass
+class BenchOptions:
+    engine: str  # sim | sglang | url
+    run_dir: Path
+    url: str | None = None
+    api: str = "sglang"
+    port: int | None = None
+    time_scale: float = 1.0
+    ready_timeout_s: float | None = None
+    tp: int = 1
+    dp: int = 1
+    server_args: list[str] = field(default_factory=list)
+    slo: dict[str, float] | None = None
+
+
+class RunInterrupted(Exception):
+    """Ctrl-C during a run; the partial run is saved under `run_id`."""
+
+    def __init__(self, run_id: int | None) -> None:
+        super().__init__(f"interrupted; partial results saved (run {run_id})" if run_id else "interrupted")
+        self.run_id = run_id
+
+
+def _get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as response:
+            return json.loads(response.read())
+    except (urllib.error.URLError, OSError, ValueError) as exc:
+        raise UserError(f"could not read {url}: {exc}", exit_code=1) from None
+
+
+def _find_key(tree: Any, key: str) -> Any:
+    """First value stored under `key` anywhere in nested dicts/lists (SGLang nests some server state)."""
+    if isinstance(tree, dict):
+        if key in tree:
+            return tree[key]
+        tree = list(tree.values())
+    if isinstance(tree, list):
+        for item in tree:
+            if (found := _find_key(item, key)) is not None:
+                return found
+    return None
+
+
+def verify_server(info: dict[str, Any], spec: BackendSpec) -> None:
+    """Refuse to measure a server that runs something other than what the backend spec asked for."""
+    for key, want in spec.expect.items():
+        got = _find_key(info, key)
+        if got is not None and str(got) != want:
+            raise UserError(f"server reports {key}={got}, but backend '{spec.name}' asks for {want}", exit_code=1)
+
+
+def _server(spec: BackendSpec, scenario: Scenario, opts: BenchOptions) -> tuple[ContextManager, str]:
+    if opts.engine == "url":
+        return nullcontext(), opts.url.rstrip("/")
+    port = pick_port(opts.port)
+    if opts.engine == "sim":
+        launch = sim_launch(spec, port, opts.time_scale, scenario.model, opts.server_args)
+    else:
+        context = max(scenario.input_len) + scenario.output_len + 64
+        launch = sglang_launch(spec, port, scenario.model, context, opts.tp, opts.dp, opts.server_args)
+    url = f"http://127.0.0.1:{port}"
+    log = opts.run_dir / f"server-{spec.name}-{int(time.time())}.log"
+    return ServerProcess(launch.command, log, url, launch.env), url
+
+
+def run_bench(
+    scenario: Scenario, specs: list[BackendSpec], opts: BenchOptions, store: ResultStore, console: Console
+) -> list[int]:
+    """Measure every backend; returns the ids of the runs it stored."""
+    environment = collect_environment()
+    gpu = "simulated" if opts.engine == "sim" else (gpu_names() or ["unknown"])[0]
+    run_ids: list[int] = []
+    for spec in specs:
+        server, url = _server(spec, scenario, opts)
+        with server, _progress(console) as progress:
+            if isinstance(server, ServerProcess):
+                task = progress.add_task(f"{spec.name}: starting server", total=None)
+                timeout = opts.ready_timeout_s or READY_TIMEOUT_S[opts.engine]
+                took = server.wait_ready(timeout, on_tick=lambda _: progress.refresh())
+                progress.update(task, description=f"{spec.name}: ready after {took:.0f} s", total=1, completed=1)
+            info = _get_json(f"{url}/get_server_info")
+            if opts.engine != "url":
+                verify_server(info, spec)
+            warmed: set[int] = set()
+            for point in scenario.points():
+                for repeat in range(scenario.repeats):
+                    warmup = scenario.warmup_requests if point.input_len not in warmed else 0
+                    warmed.add(point.input_len)
+                    run = RunRecord(
+                        scenario=scenario.name, backend=spec.name, engine=opts.engine,
+                        simulated=opts.engine == "sim" or bool(info.get("simulated")),
+                        load=point.load, repeat=repeat, input_len=point.input_len, output_len=scenario.output_len,
+                        num_requests=scenario.num_requests, seed=scenario.seed,
+                        workload_hash=workload.workload_hash(
+                            seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,
+                            num_requests=scenario.num_requests, load=point.load,
+                        ),
+                        started_at=time.time(), model=model_name(scenario.model), gpu=gpu, server_info=info,
+                        backend_flags=list(spec.sglang_args) + opts.server_args, environment=environment,
+                    )
+                    run_id = store.begin_run(run)
+                    run_ids.append(run_id)
+                    _measure(run, run_id, point, warmup, scenario, opts, url, store, progress, server)
+    return run_ids
+
+
+def _measure(
+    run: RunRecord, run_id: int, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
+    url: str, store: ResultStore, progress: Progress, server: ContextManager,
+) -> None:
+    prompts = workload.make_prompts(scenario.seed, scenario.num_requests, point.input_len)
+    warmup_prompts = workload.make_prompts(scenario.seed + 1, warmup, point.input_len)
+    arrivals = (
+        workload.arrival_times(scenario.num_requests, point.rate, point.burstiness, scenario.seed)
+        if point.rate is not None else None
+    )
+    label = f"{run.backend} {point.label} #{run.repeat + 1}"
+    task = progress.add_task(label, total=scenario.num_requests + warmup)
+    records: list[RequestRecord] = []
+
+    def on_complete(record: RequestRecord) -> None:
+        store.add_request(run_id, record)
+        records.append(record)
+        progress.advance(task)
+
+    try:
+        asyncio.run(client.run_load(
+            url, prompts, scenario.output_len, concurrency=point.concurrency, arrivals=arrivals,
+            warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
+        ))
+    except KeyboardInterrupt:
+        store.finish_run(run_id, "interrupted", error="Ctrl-C", summary=metrics.summarize(records, opts.slo))
+        raise RunInterrupted(run_id) from None
+    summary = metrics.summarize(records, opts.slo)
+    if isinstance(server, ServerProcess) and not server.alive:
+        error = f"server died during the run; last log lines ({server.log_path}):\n{server.log_tail()}"
+        store.finish_run(run_id, "failed", error=error, summary=summary)
+        raise ServerError(f"run {run_id}: {error}")
+    failed = [r for r in records if r.error]
+    if failed:
+        store.finish_run(run_id, "failed", error=f"{len(failed)} request(s) failed: {failed[0].error}", summary=summary)
+    else:
+        store.finish_run(run_id, "ok", summary=summary)
+    progress.update(task, description=f"{label} [{'ok' if not failed else f'{len(failed)} failed'}]")
+
+
+def _progress(console: Console) -> Progress:
+    return Progress(
+        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=False,
+    )

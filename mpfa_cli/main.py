@@ -1,0 +1,213 @@
+"""The `mpfa` command line: bench, serve-sim, runs, show, compare, export, plot, gate, metrics, profile, accuracy."""
+from __future__ import annotations
+
+import functools
+import sys
+import time
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+from rich.console import Console
+
+from mpfa.backends.specs import BACKENDS
+from mpfa.cli.errors import UserError
+
+app = typer.Typer(
+    help="Benchmark and profile LLM serving across attention backends (FA4-BF16, FlashInfer-FP8, MpFA).",
+    no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
+)
+console = Console()
+err_console = Console(stderr=True)
+
+DbOption = Annotated[Optional[Path], typer.Option("--db", help="Results database (default: $MPFA_DB or ~/.local/share/mpfa/results.db).")]
+
+
+def cli_errors(fn: Callable) -> Callable:
+    """Bad input and unusable environments end in one line on stderr and a non-zero exit, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def _store(db: Path | None):
+    from mpfa.cli.store import ResultStore
+
+    return ResultStore(db)
+
+
+@app.command()
+@cli_errors
+def bench(
+    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario name or .toml path (see `mpfa scenarios`).")] = "smoke",
+    backend: Annotated[Optional[str], typer.Option("--backend", "-b", help="Comma-separated backends (see `mpfa backends`).")] = None,
+    engine: Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")] = "auto",
+    url: Annotated[Optional[str], typer.Option(help="Benchmark a server someone else started.")] = None,
+    api: Annotated[str, typer.Option(help="With --url: sglang (native /generate) or openai (/v1/completions).")] = "sglang",
+    model: Annotated[Optional[str], typer.Option(help="Bundled config name (dummy weights) or a model directory.")] = None,
+    concurrency: Annotated[Optional[str], typer.Option(help="Override: comma-separated concurrency list.")] = None,
+    rate: Annotated[Optional[str], typer.Option(help="Override: comma-separated request rates (req/s).")] = None,
+    input_len: Annotated[Optional[str], typer.Option("--input-len", help="Override: comma-separated input lengths.")] = None,
+    output_len: Annotated[Optional[int], typer.Option("--output-len")] = None,
+    num_requests: Annotated[Optional[int], typer.Option("--num-requests")] = None,
+    warmup_requests: Annotated[Optional[int], typer.Option("--warmup-requests")] = None,
+    repeats: Annotated[Optional[int], typer.Option()] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    slo: Annotated[Optional[str], typer.Option(help="Goodput SLO in ms, e.g. ttft=2000,tpot=50.")] = None,
+    port: Annotated[Optional[int], typer.Option(help="Preferred server port (another is picked if it is in use).")] = None,
+    tp: Annotated[int, typer.Option(help="SGLang tensor parallelism.")] = 1,
+    dp: Annotated[int, typer.Option(help="SGLang data parallelism.")] = 1,
+    time_scale: Annotated[float, typer.Option(help="Simulator only: multiply modelled times by this.")] = 1.0,
+    ready_timeout: Annotated[Optional[float], typer.Option(help="Seconds to wait for the server to get ready.")] = None,
+    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag, SGLang's or serve-sim's (repeatable).")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")] = None,
+    db: DbOption = None,
+) -> None:
+    """Run a scenario against one or more backends and store every request."""
+    from mpfa.cli.bench import BenchOptions, RunInterrupted, run_bench
+    from mpfa.cli.engines import resolve_backends, resolve_engine
+    from mpfa.cli.metrics import parse_slo
+    from mpfa.cli.report import compare_table
+    from mpfa.cli.scenario import load_scenario
+
+    overrides = {
+        "model": model, "output_len": output_len, "num_requests": num_requests,
+        "warmup_requests": warmup_requests, "repeats": repeats, "seed": seed,
+        "concurrency": _int_list(concurrency, "--concurrency"), "rate": _float_list(rate, "--rate"),
+        "input_len": _int_list(input_len, "--input-len"),
+    }
+    if overrides["rate"] is not None:
+        overrides["concurrency"] = None
+    spec = load_scenario(scenario, overrides)
+    if overrides["rate"] is not None:
+        spec.concurrency = []
+    chosen_engine = resolve_engine(engine, url)
+    default = "fa4-bf16,flashinfer-fp8,mpfa" if chosen_engine == "sim" else "fa4-bf16,flashinfer-fp8"
+    specs = resolve_backends(backend or default, chosen_engine)
+    if chosen_engine != "sglang" and (tp, dp) != (1, 1):
+        raise UserError("--tp/--dp apply to the sglang engine only")
+    with _store(db) as store:
+        opts = BenchOptions(
+            engine=chosen_engine, run_dir=run_dir or store.path.parent / "runs", url=url, api=api, port=port,
+            time_scale=time_scale, ready_timeout_s=ready_timeout, tp=tp, dp=dp, server_args=list(server_arg or []),
+            slo=parse_slo(slo) if slo else None,
+        )
+        if chosen_engine == "sim":
+            console.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
+        try:
+            run_ids = run_bench(spec, specs, opts, store, console)
+        except RunInterrupted as exc:
+            err_console.print(f"[yellow]{exc}[/]")
+            raise typer.Exit(130) from None
+        runs = [store.get_run(i) for i in run_ids]
+        console.print(compare_table(runs, ref_backend=specs[0].name))
+        console.print(f"stored runs {run_ids[0]}–{run_ids[-1]} in {store.path}")
+        if any(r.status != "ok" for r in runs):
+            raise UserError("some runs failed: see `mpfa runs`", exit_code=1)
+
+
+def _int_list(text: str | None, flag: str) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated integers, got '{text}'") from None
+
+
+def _float_list(text: str | None, flag: str) -> list[float] | None:
+    if text is None:
+        return None
+    try:
+        return [float(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated numbers, got '{text}'") from None
+
+
+@app.command("serve-sim")
+@cli_errors
+def serve_sim(
+    port: Annotated[int, typer.Option()] = 30000,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    backend: Annotated[str, typer.Option()] = "fa4-bf16",
+    model: Annotated[str, typer.Option()] = "llama-3.1-8b",
+    time_scale: Annotated[float, typer.Option(help="Multiply every modelled time by this.")] = 1.0,
+    startup_delay: Annotated[float, typer.Option(help="Seconds /health_generate answers 503 (tests readiness).")] = 0.0,
+    die_after_requests: Annotated[Optional[int], typer.Option(help="Exit abruptly after this many completed requests (fault tests).")] = None,
+) -> None:
+    """Serve SGLang's HTTP API on a deterministic latency model (every number it produces is simulated)."""
+    from mpfa.cli.server import port_free
+    from mpfa.cli.sim_server import run_sim_server
+
+    if not port_free(port, host):
+        raise UserError(f"port {port} on {host} is already in use")
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend '{backend}'; valid: {', '.join(BACKENDS)}")
+    run_sim_server(host, port, backend, time_scale=time_scale, startup_delay=startup_delay,
+                   die_after_requests=die_after_requests)
+
+
+@app.command()
+@cli_errors
+def backends() -> None:
+    """List the backends and whether each can run on SGLang here."""
+    from rich.table import Table
+
+    table = Table(title="Attention backends")
+    for col in ("name", "description", "SGLang flags", "on this machine"):
+        table.add_column(col)
+    for spec in BACKENDS.values():
+        missing = spec.missing()
+        if spec.plugin and spec.plugin in missing:
+            state = "[red]not built yet[/] (MpFA SGLang plugin); sim engine only"
+        elif missing:
+            state = f"[yellow]sim only[/] (missing {', '.join(missing)})"
+        else:
+            state = "[green]available[/]"
+        table.add_row(spec.name, spec.description, " ".join(spec.sglang_args), state)
+    console.print(table)
+
+
+@app.command()
+@cli_errors
+def scenarios() -> None:
+    """List the bundled scenarios."""
+    from rich.table import Table
+
+    from mpfa.cli.scenario import available_scenarios, load_scenario
+
+    table = Table(title="Scenarios")
+    for col in ("name", "model", "points", "output", "requests", "repeats", "description"):
+        table.add_column(col)
+    for name in available_scenarios():
+        s = load_scenario(name)
+        table.add_row(name, s.model, ", ".join(p.label for p in s.points()), str(s.output_len),
+                      str(s.num_requests), str(s.repeats), s.description)
+    console.print(table)
+
+
+@app.command("metrics")
+@cli_errors
+def metrics_cmd(explain: Annotated[bool, typer.Option("--explain", help="Print each metric's definition.")] = False) -> None:
+    """Explain the metrics every run reports."""
+    from mpfa.cli.metrics import EXPLANATIONS
+
+    if not explain:
+        console.print("metrics: " + ", ".join(EXPLANATIONS) + "  (use --explain for definitions)")
+        return
+    for name, text in EXPLANATIONS.items():
+        console.print(f"[bold]{name}[/]: {text}")
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,144 @@
+"""`mpfa bench` end to end against the simulator: a real subprocess serving real HTTP, and the faults."""
+from __future__ import annotations
+
+import json
+import signal
+import socket
+import sqlite3
+import time
+
+import psutil
+import pytest
+
+FAST = ["--time-scale", "0.02"]
+
+
+def _runs(db) -> list[sqlite3.Row]:
+    conn = sqlite3.connect(db)
+    conn.row_factory = sqlite3.Row
+    try:
+        return conn.execute("SELECT * FROM runs ORDER BY id").fetchall()
+    finally:
+        conn.close()
+
+
+def _requests(db, run_id: int, warmup: bool = False) -> list[sqlite3.Row]:
+    conn = sqlite3.connect(db)
+    conn.row_factory = sqlite3.Row
+    try:
+        return conn.execute("SELECT * FROM requests WHERE run_id = ? AND warmup = ?", (run_id, int(warmup))).fetchall()
+    finally:
+        conn.close()
+
+
+def _sim_servers(db) -> list[psutil.Process]:
+    """Simulator processes started by this test's `mpfa` (they inherit its MPFA_DB)."""
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if "serve-sim" in (proc.info["cmdline"] or []) and proc.environ().get("MPFA_DB") == str(db):
+                found.append(proc)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def test_bench_two_backends_stores_simulated_runs(mpfa, scenario_file) -> None:
+    path = scenario_file(concurrency=[1, 3], repeats=2)
+    result = mpfa("bench", "--scenario", str(path), "--backend", "fa4-bf16,mpfa", *FAST)
+    assert result.returncode == 0, result.stderr
+    assert "SIMULATED" in result.stdout
+    runs = _runs(mpfa.db)
+    assert len(runs) == 2 * 2 * 2  # backends x loads x repeats
+    for run in runs:
+        assert run["status"] == "ok" and run["simulated"] == 1 and run["engine"] == "sim"
+        requests = _requests(mpfa.db, run["id"])
+        assert len(requests) == 6
+        assert all(r["output_tokens"] == 8 and r["prompt_tokens"] == 256 and r["error"] is None for r in requests)
+        assert json.loads(run["server_info"])["attention_backend"] == run["backend"]
+    warm = [len(_requests(mpfa.db, run["id"], warmup=True)) for run in runs]
+    assert sum(warm) == 2  # one warmup request per backend and input length
+    assert not _sim_servers(mpfa.db)
+
+
+def test_unknown_backend_and_scenario_exit_2(mpfa) -> None:
+    result = mpfa("bench", "--backend", "fa9")
+    assert result.returncode == 2 and "unknown backend 'fa9'; valid: fa4-bf16" in result.stderr
+    assert "Traceback" not in result.stderr
+    result = mpfa("bench", "--scenario", "huge")
+    assert result.returncode == 2 and "unknown scenario 'huge'; valid:" in result.stderr
+
+
+def test_malformed_scenario_one_line_error(mpfa, tmp_path) -> None:
+    bad = tmp_path / "bad.toml"
+    bad.write_text("input_len = [1,\n")
+    result = mpfa("bench", "--scenario", str(bad))
+    assert result.returncode == 2 and f"{bad}:" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_zero_requests_rejected(mpfa) -> None:
+    result = mpfa("bench", "--num-requests", "0")
+    assert result.returncode == 2 and "num_requests must be >= 1" in result.stderr
+    result = mpfa("bench", "--output-len", "0")
+    assert result.returncode == 2 and "output_len must be >= 1" in result.stderr
+
+
+def test_port_in_use_picks_another(mpfa, scenario_file) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        result = mpfa("bench", "--scenario", str(scenario_file()), "--backend", "fa4-bf16", "--port", str(port), *FAST)
+    assert result.returncode == 0, result.stderr
+    assert [r["status"] for r in _runs(mpfa.db)] == ["ok"]
+
+
+def test_server_never_ready_times_out_without_orphans(mpfa, scenario_file) -> None:
+    result = mpfa(
+        "bench", "--scenario", str(scenario_file()), "--backend", "fa4-bf16", "--ready-timeout", "3",
+        "--server-arg=--startup-delay=60", *FAST,
+    )
+    assert result.returncode == 1
+    assert "not ready after 3 s" in result.stderr and "last log lines" in result.stderr
+    assert not _sim_servers(mpfa.db)
+
+
+def test_server_death_mid_run_keeps_completed_requests(mpfa, scenario_file) -> None:
+    path = scenario_file(num_requests=12, concurrency=[1], warmup_requests=0)
+    result = mpfa("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--server-arg=--die-after-requests=5", *FAST)
+    assert result.returncode == 1 and "server died" in result.stderr
+    (run,) = _runs(mpfa.db)
+    assert run["status"] == "failed"
+    requests = _requests(mpfa.db, run["id"])
+    ok = [r for r in requests if r["error"] is None]
+    assert len(ok) == 5 and all(r["output_tokens"] == 8 for r in ok)
+    assert not _sim_servers(mpfa.db)
+
+
+def test_ctrl_c_saves_partial_results_and_kills_server(mpfa, scenario_file) -> None:
+    path = scenario_file(num_requests=200, concurrency=[1], warmup_requests=0, output_len=16)
+    proc = mpfa.popen("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--time-scale", "0.2")
+    deadline = time.time() + 60
+    while time.time() < deadline:
+        runs = _runs(mpfa.db) if mpfa.db.exists() else []
+        if runs and len(_requests(mpfa.db, runs[0]["id"])) >= 3:
+            break
+        time.sleep(0.2)
+    else:
+        proc.kill()
+        pytest.fail("no requests completed within 60 s")
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert "partial results saved" in stderr
+    (run,) = _runs(mpfa.db)
+    assert run["status"] == "interrupted"
+    assert 3 <= len(_requests(mpfa.db, run["id"])) < 200
+    assert not _sim_servers(mpfa.db)
+
+
+def test_unwritable_database_is_a_clear_error(mpfa, tmp_path) -> None:
+    blocker = tmp_path / "file"
+    blocker.write_text("not a directory")
+    result = mpfa("runs", "--db", str(blocker / "results.db"))
+    assert result.returncode != 0 and "results database" in result.stderr and "Traceback" not in result.stderr
