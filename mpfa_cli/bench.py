@@ -128,7 +128,7 @@ def run_bench(
                             num_requests=scenario.num_requests, load=point.load,
                         ),
                         started_at=time.time(), model=model_name(scenario.model), gpu=gpu, server_info=info,
-                        backend_flags=list(spec.sglang_args) + opts.server_args, environment=environment,
+                        backend_flags=_flags(spec, opts), environment=environment,
                     )
                     run_id = store.begin_run(run)
                     run_ids.append(run_id)
@@ -174,6 +174,12 @@ def _measure(
     else:
         store.finish_run(run_id, "ok", summary=summary)
     progress.update(task, description=f"{label} [{'ok' if not failed else f'{len(failed)} failed'}]")
+
+
+def _flags(spec: BackendSpec, opts: BenchOptions) -> list[str]:
+    """The server flags that define what was measured, parallelism included."""
+    parallel = ["--tp-size", str(opts.tp), "--dp-size", str(opts.dp)] if opts.engine == "sglang" else []
+    return [*spec.sglang_args, *parallel, *opts.server_args]
 
 
 def _progress(console: Console) -> Progress:
