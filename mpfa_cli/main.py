@@ -76,7 +76,6 @@ def bench(
     """Run a scenario against one or more backends and store every request."""
     from mpfa.cli.bench import BenchOptions, RunInterrupted, run_bench
     from mpfa.cli.engines import resolve_backends, resolve_engine
-    from mpfa.cli.metrics import parse_slo
     from mpfa.cli.report import compare_table
     from mpfa.cli.scenario import load_scenario
 
@@ -100,7 +99,7 @@ def bench(
         opts = BenchOptions(
             engine=chosen_engine, run_dir=run_dir or store.path.parent / "runs", url=url, api=api, port=port,
             time_scale=time_scale, ready_timeout_s=ready_timeout, tp=tp, dp=dp, server_args=list(server_arg or []),
-            slo=parse_slo(slo) if slo else None,
+            slo=_parse_slo(slo) if slo else None,
         )
         if chosen_engine == "sim":
             console.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
@@ -109,11 +108,27 @@ def bench(
         except RunInterrupted as exc:
             err_console.print(f"[yellow]{exc}[/]")
             raise typer.Exit(130) from None
-        runs = [store.get_run(i) for i in run_ids]
-        console.print(compare_table(runs, ref_backend=specs[0].name))
+        runs = store.get_runs(run_ids)
         console.print(f"stored runs {run_ids[0]}–{run_ids[-1]} in {store.path}")
         if any(r.status != "ok" for r in runs):
-            raise UserError("some runs failed: see `mpfa runs`", exit_code=1)
+            raise UserError("some runs failed: see `mpfa runs` and `mpfa show RUN`", exit_code=1)
+        console.print(compare_table(runs, ref_backend=specs[0].name))
+
+
+def _parse_slo(text: str) -> dict[str, float]:
+    """`ttft=2000,tpot=50` (milliseconds) -> {"ttft": 2000.0, "tpot": 50.0}."""
+    from mpfa.cli.metrics import SLO_KEYS
+
+    slo: dict[str, float] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        try:
+            slo[key.strip()] = float(value)
+        except ValueError:
+            raise UserError(f"--slo: expected key=milliseconds pairs such as ttft=2000,tpot=50, got '{text}'") from None
+        if key.strip() not in SLO_KEYS or slo[key.strip()] <= 0:
+            raise UserError(f"--slo: '{part}' is not valid; keys: {', '.join(SLO_KEYS)}, values > 0 ms")
+    return slo
 
 
 def _int_list(text: str | None, flag: str) -> list[int] | None:
@@ -132,6 +147,118 @@ def _float_list(text: str | None, flag: str) -> list[float] | None:
         return [float(v) for v in text.split(",")]
     except ValueError:
         raise UserError(f"{flag}: expected comma-separated numbers, got '{text}'") from None
+
+
+def _selected_runs(store, run_ids: list[int] | None, scenario: str | None, backend: str | None) -> list:
+    """The runs named, else the newest successful run of each configuration (optionally filtered)."""
+    runs = store.get_runs(run_ids) if run_ids else store.latest_runs(scenario=scenario, backend=backend)
+    if not runs:
+        raise UserError(f"no runs in {store.path}; run `mpfa bench` first")
+    return runs
+
+
+RunIds = Annotated[Optional[list[int]], typer.Argument(help="Run ids (default: the newest run of each configuration).")]
+ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only runs of this scenario.")]
+BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
+
+
+@app.command()
+@cli_errors
+def runs(
+    scenario: ScenarioFilter = None, backend: BackendFilter = None,
+    limit: Annotated[int, typer.Option(help="Newest N runs.")] = 50, db: DbOption = None,
+) -> None:
+    """List stored runs, newest first."""
+    from mpfa.cli.report import runs_table
+
+    with _store(db) as store:
+        console.print(runs_table(store.list_runs(scenario=scenario, backend=backend, limit=limit)))
+
+
+@app.command()
+@cli_errors
+def show(run_id: Annotated[int, typer.Argument(help="Run id (see `mpfa runs`).")], db: DbOption = None) -> None:
+    """One run: metadata, server and environment, and its metrics."""
+    from mpfa.cli.report import show_run
+
+    with _store(db) as store:
+        console.print(show_run(store.get_run(run_id)))
+
+
+@app.command()
+@cli_errors
+def compare(
+    run_ids: RunIds = None, ref: Annotated[str, typer.Option("--ref", help="Reference backend.")] = "fa4-bf16",
+    scenario: ScenarioFilter = None, db: DbOption = None,
+) -> None:
+    """Backends side by side: mean ± 95% CI across repeats and the speedup vs the reference backend."""
+    from mpfa.cli.report import compare_table
+
+    with _store(db) as store:
+        console.print(compare_table(_selected_runs(store, run_ids, scenario, None), ref_backend=ref))
+
+
+@app.command()
+@cli_errors
+def export(
+    run_ids: RunIds = None,
+    fmt: Annotated[str, typer.Option("--format", help="json or csv.")] = "json",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
+    requests: Annotated[bool, typer.Option("--requests", help="Include every request (json only).")] = False,
+    scenario: ScenarioFilter = None, backend: BackendFilter = None, db: DbOption = None,
+) -> None:
+    """Export runs (with their `simulated` flag) as JSON or CSV."""
+    from mpfa.cli.export import export_runs
+
+    if fmt not in ("json", "csv"):
+        raise UserError(f"unknown format '{fmt}'; valid: json, csv")
+    with _store(db) as store:
+        ids = run_ids or [r.id for r in _selected_runs(store, None, scenario, backend)]
+        export_runs(store.get_runs(ids, with_requests=requests), fmt, output or sys.stdout, include_requests=requests)
+
+
+@app.command()
+@cli_errors
+def plot(
+    run_ids: RunIds = None, ref: Annotated[str, typer.Option("--ref", help="Reference backend.")] = "fa4-bf16",
+    output: Annotated[Path, typer.Option("--output", "-o", help="PNG file.")] = Path("mpfa-serving.png"),
+    scenario: ScenarioFilter = None, db: DbOption = None,
+) -> None:
+    """Paper-style PNG: OTPS and TTFT/TPOT speedup vs context length, per backend and load."""
+    from mpfa.cli.plot import plot_runs
+
+    with _store(db) as store:
+        path = plot_runs(_selected_runs(store, run_ids, scenario, None), ref_backend=ref, out_png=output)
+    console.print(f"wrote {path}")
+
+
+@app.command()
+@cli_errors
+def gate(
+    baseline: Annotated[Path, typer.Option("--baseline", help="Baseline JSON (profiles/baselines/).")],
+    results: Annotated[Optional[list[int]], typer.Option("--results", help="Run ids to judge (repeatable; default: newest runs).")] = None,
+    tolerance: Annotated[str, typer.Option(help="Allowed drop, e.g. 5% or 0.05.")] = "5%",
+    write_baseline: Annotated[bool, typer.Option("--write-baseline", help="Write the baseline from the runs instead of judging.")] = False,
+    benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write github-action-benchmark files with this prefix.")] = None,
+    scenario: ScenarioFilter = None, db: DbOption = None,
+) -> None:
+    """Fail (exit 1) when a metric dropped by more than the tolerance and the confidence intervals separate."""
+    from mpfa.cli import gate as gating
+
+    with _store(db) as store:
+        selected = _selected_runs(store, results, scenario, None)
+        if benchmark_json:
+            gating.write_github_benchmark(
+                selected, Path(f"{benchmark_json}-bigger.json"), Path(f"{benchmark_json}-smaller.json")
+            )
+        if write_baseline:
+            written = gating.write_baseline(selected, baseline)
+            console.print(f"wrote {len(written.entries)} baseline entries to {baseline}")
+            return
+        result = gating.run_gate(gating.read_baseline(baseline), selected, gating.parse_tolerance(tolerance))
+    console.print(gating.gate_table(result))
+    if not result.ok:
+        raise UserError(f"{len(result.regressions)} regression(s) beyond {tolerance}", exit_code=1)
 
 
 @app.command("serve-sim")

@@ -1,0 +1,281 @@
+"""Performance regression gate against a baseline JSON, and github-action-benchmark output.
+
+Gated metrics: `otps` (throughput), `ttft_ms_median` and `tpot_ms_median` (latency). Medians rather than
+means or p99 because they move with the kernels, not with one straggler request; p99 is too noisy over a
+handful of repeats to gate on.
+
+A (scenario, context, load, backend, metric) entry regresses only when BOTH
+  * it got worse than the baseline mean by more than the tolerance (relative), and
+  * the 95% confidence intervals across repeats separate (current interval entirely on the worse side).
+With a single repeat on either side no interval exists; that side counts as its point value, so the gate
+then falls back to the tolerance alone.
+
+github-action-benchmark takes one direction per file, so `write_github_benchmark` writes two:
+throughputs in `customBiggerIsBetter` format and latencies, unconverted, in `customSmallerIsBetter` format.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from mpfa.cli.errors import UserError
+from mpfa.cli.records import RunRecord
+from mpfa.cli.report import (
+    BackendResult, Config, Estimate, aggregate, context_label, format_number, higher_is_better, load_label, metric_unit,
+)
+from mpfa.cli.store import StoredRun, load_key
+
+GATED_METRICS = ("otps", "ttft_ms_median", "tpot_ms_median")
+DEFAULT_TOLERANCE = 0.05
+
+
+@dataclass
+class BaselineEntry:
+    scenario: str
+    backend: str
+    input_len: int
+    load: dict[str, Any]
+    metric: str
+    higher_is_better: bool
+    mean: float
+    ci_low: float | None  # None with a single repeat
+    ci_high: float | None
+    n: int
+
+    @property
+    def key(self) -> tuple[Config, str, str]:
+        return Config(self.scenario, self.input_len, load_key(self.load)), self.backend, self.metric
+
+    @property
+    def estimate(self) -> Estimate:
+        return Estimate(self.mean, self.ci_low, self.ci_high, self.n)
+
+
+@dataclass
+class Baseline:
+    gpu: str
+    model: str
+    simulated: bool
+    created_at: float
+    entries: list[BaselineEntry] = field(default_factory=list)
+
+
+@dataclass
+class GateCheck:
+    """One baseline entry judged against the current results; `current` is None when not measured."""
+
+    entry: BaselineEntry
+    current: Estimate | None
+    worsening: float  # relative: +0.10 is 10% worse than the baseline mean, negative is better
+    status: str  # regression | ok | within noise | improved | not measured
+
+
+@dataclass
+class GateResult:
+    checks: list[GateCheck]
+    tolerance: float
+
+    @property
+    def regressions(self) -> list[GateCheck]:
+        return [c for c in self.checks if c.status == "regression"]
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressions
+
+
+def parse_tolerance(text: str) -> float:
+    """'5%' or '0.05' -> 0.05."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise UserError(
+            f"--tolerance: expected a percentage such as 5% or a fraction such as 0.05, got '{text}'"
+        ) from None
+    if not 0 <= value < 1:
+        raise UserError(f"--tolerance must be in [0%, 100%), got '{text}'")
+    return value
+
+
+# --- baselines ---------------------------------------------------------------------------------------------------
+
+
+def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = GATED_METRICS) -> Baseline:
+    """A baseline of every gated metric of every (configuration, backend) among the runs that finished ok."""
+    gpu, model, simulated = _identity(runs)
+    entries = []
+    for (config, backend), result in _sorted_results(runs, metric_names):
+        for name, est in result.estimates.items():
+            entries.append(BaselineEntry(
+                scenario=config.scenario, backend=backend, input_len=config.input_len,
+                load=json.loads(config.load), metric=name, higher_is_better=higher_is_better(name),
+                mean=est.mean, ci_low=est.ci_low, ci_high=est.ci_high, n=est.n,
+            ))
+    if not entries:
+        raise UserError("no run that finished ok with gated metrics: nothing to put in a baseline")
+    return Baseline(gpu=gpu, model=model, simulated=simulated, created_at=time.time(), entries=entries)
+
+
+def write_baseline(runs: Sequence[StoredRun], path: Path) -> Baseline:
+    baseline = baseline_from_runs(runs)
+    _write_json(path, asdict(baseline), "baseline")
+    return baseline
+
+
+def read_baseline(path: Path) -> Baseline:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read baseline {path}: {exc.strerror or exc}") from None
+    except json.JSONDecodeError as exc:
+        raise UserError(f"baseline {path} is not valid JSON: {exc}") from None
+    try:
+        return Baseline(
+            gpu=doc["gpu"], model=doc["model"], simulated=bool(doc["simulated"]), created_at=doc["created_at"],
+            entries=[BaselineEntry(**e) for e in doc["entries"]],
+        )
+    except (KeyError, TypeError) as exc:
+        raise UserError(f"baseline {path} lacks or misnames a field ({exc}); write one with write_baseline") from None
+
+
+# --- gating ------------------------------------------------------------------------------------------------------
+
+
+def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = DEFAULT_TOLERANCE) -> GateResult:
+    """Judge each baseline entry against the runs; refuses results from another GPU, model or engine kind."""
+    gpu, model, simulated = _identity(runs)
+    for what, base, cur in (("GPU", baseline.gpu, gpu), ("model", baseline.model, model)):
+        if base != cur:
+            raise UserError(f"baseline was measured with {what} '{base}' but the results with '{cur}': "
+                            "not comparable")
+    if baseline.simulated != simulated:
+        kinds = {True: "simulated", False: "measured"}
+        raise UserError(f"baseline is {kinds[baseline.simulated]} but the results are {kinds[simulated]}: "
+                        "not comparable")
+    results = aggregate(runs, sorted({e.metric for e in baseline.entries}))
+    checks = []
+    for entry in baseline.entries:
+        config, backend, metric = entry.key
+        result = results.get((config, backend))
+        current = result.estimates.get(metric) if result else None
+        checks.append(_judge(entry, current, tolerance))
+    if all(c.current is None for c in checks):
+        raise UserError("none of the results match a baseline entry (scenario, context, load, backend)")
+    return GateResult(checks, tolerance)
+
+
+def _judge(entry: BaselineEntry, current: Estimate | None, tolerance: float) -> GateCheck:
+    if current is None:
+        return GateCheck(entry, None, math.nan, "not measured")
+    change = _relative_change(entry.mean, current.mean)
+    worsening = -change if entry.higher_is_better else change
+    base_low, base_high = _bounds(entry.estimate)
+    cur_low, cur_high = _bounds(current)
+    worse_apart = cur_high < base_low if entry.higher_is_better else cur_low > base_high
+    better_apart = cur_low > base_high if entry.higher_is_better else cur_high < base_low
+    if worsening > tolerance:
+        status = "regression" if worse_apart else "within noise"
+    elif -worsening > tolerance and better_apart:
+        status = "improved"
+    else:
+        status = "ok"
+    return GateCheck(entry, current, worsening, status)
+
+
+def _relative_change(base: float, current: float) -> float:
+    if base == 0:
+        return 0.0 if current == 0 else math.copysign(math.inf, current)
+    return (current - base) / abs(base)
+
+
+def _bounds(est: Estimate) -> tuple[float, float]:
+    if est.ci_low is None or est.ci_high is None:
+        return est.mean, est.mean
+    return est.ci_low, est.ci_high
+
+
+_STATUS_STYLE = {"regression": "bold red", "within noise": "yellow", "ok": "green", "improved": "cyan",
+                 "not measured": "dim"}
+
+
+def gate_table(result: GateResult) -> Table:
+    title = (f"Gate: {len(result.regressions)} regression(s) beyond {result.tolerance:.1%} with separated 95% CIs"
+             if result.regressions else f"Gate passed (tolerance {result.tolerance:.1%}, 95% CIs)")
+    table = Table(title=title, title_justify="left")
+    for column in ("scenario", "context", "load", "backend", "metric", "baseline", "current", "change", "status"):
+        table.add_column(column, justify="right" if column in ("baseline", "current", "change") else "left")
+    for check in result.checks:
+        e = check.entry
+        change = "—" if check.current is None else f"{_relative_change(e.mean, check.current.mean):+.1%}"
+        table.add_row(
+            e.scenario, context_label(e.input_len), load_label(e.load), e.backend,
+            f"{e.metric} ({metric_unit(e.metric)})", e.estimate.format(),
+            check.current.format() if check.current else "—", change,
+            Text(check.status, style=_STATUS_STYLE[check.status]),
+        )
+    return table
+
+
+# --- github-action-benchmark -------------------------------------------------------------------------------------
+
+
+def github_benchmark_entries(runs: Sequence[StoredRun],
+                             metric_names: Sequence[str] = GATED_METRICS) -> tuple[list[dict], list[dict]]:
+    """(bigger-is-better entries, smaller-is-better entries) in github-action-benchmark's custom format."""
+    bigger: list[dict] = []
+    smaller: list[dict] = []
+    for (config, backend), result in _sorted_results(runs, metric_names):
+        for name, est in result.estimates.items():
+            entry: dict[str, Any] = {
+                "name": f"{config.scenario}/{context_label(config.input_len)}/{config.load_label}/{backend}/{name}",
+                "unit": metric_unit(name),
+                "value": est.mean,
+                "extra": f"mean of {est.n} repeat(s)" + ("; SIMULATED" if result.simulated else ""),
+            }
+            if est.half_width is not None:
+                entry["range"] = f"± {format_number(est.half_width)}"
+            (bigger if higher_is_better(name) else smaller).append(entry)
+    return bigger, smaller
+
+
+def write_github_benchmark(runs: Sequence[StoredRun], bigger_path: Path, smaller_path: Path) -> None:
+    """Throughputs to `bigger_path` (tool: customBiggerIsBetter), latencies to `smaller_path`
+    (tool: customSmallerIsBetter), each a list of {name, unit, value, range?, extra}."""
+    bigger, smaller = github_benchmark_entries(runs)
+    _write_json(bigger_path, bigger, "benchmark")
+    _write_json(smaller_path, smaller, "benchmark")
+
+
+def _sorted_results(runs: Sequence[StoredRun],
+                    metric_names: Sequence[str]) -> list[tuple[tuple[Config, str], BackendResult]]:
+    results = aggregate(runs, metric_names)
+    return sorted(results.items(), key=lambda kv: (kv[0][0].sort_key(), kv[0][1]))
+
+
+def _identity(runs: Sequence[RunRecord]) -> tuple[str, str, bool]:
+    """The GPU, model and simulated flag shared by all runs; differing ones cannot be gated together."""
+    if not runs:
+        raise UserError("no runs given")
+    for what in ("gpu", "model", "simulated"):
+        values = {getattr(r, what) for r in runs}
+        if len(values) > 1:
+            raise UserError(f"runs differ in {what} ({', '.join(sorted(map(str, values)))}): gate one kind at a time")
+    first = runs[0]
+    return first.gpu, first.model, first.simulated
+
+
+def _write_json(path: Path, doc: Any, what: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write {what} file {path}: {exc.strerror or exc}") from None

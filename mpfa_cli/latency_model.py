@@ -1,0 +1,171 @@
+"""The simulator's latency model: SIMULATED step times per attention backend, not measurements.
+
+The simulator (`mpfa serve-sim`) sleeps for these times so the whole benchmark path (scheduling, streaming,
+client, metrics, store, reports) can run without a GPU. The numbers are a roofline sketch of one H200 serving
+one model; the per-backend efficiencies are plausible assumptions chosen to make the backends differ the way
+their designs suggest, never results. Nothing measured on the simulator says anything about real kernels.
+
+Notation: P = parameters that take part in the per-token matmuls (all layers + LM head), W = weight bytes,
+L = layers, H = query heads, d = head dim, Hkv = KV heads, F = dense BF16 peak FLOP/s, B = HBM bandwidth.
+
+    linear(t)        = max(2·P·t / (GEMM_EFFICIENCY·F),  W / (WEIGHT_STREAM_EFFICIENCY·B))   # t tokens in a step
+    prefill(n_1..n_k) = overhead + linear(Σ n_i) + Σ 4·L·H·d·n_i(n_i+1)/2 / (attention_efficiency·F)
+    decode(c_1..c_k)  = overhead + linear(k) + Σ c_i · kv_bytes_per_token / (kv_bandwidth_efficiency·B)
+    kv_bytes_per_token = L·Hkv·d·(k_bytes_per_element + v_bytes_per_element)
+    kv_capacity_tokens = (MEM_FRACTION_STATIC·HBM_BYTES − W) / kv_bytes_per_token
+
+The prefill attention term counts QKᵀ and PV (2 matmuls × 2 FLOP per multiply-add) over the causal half of
+the n×n score matrix; decode attention is bound by reading each running request's KV cache once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+# One H200 (SXM), from the public spec sheet.
+HBM_BYTES = 141e9
+HBM_BANDWIDTH = 4.8e12  # bytes/s
+DENSE_BF16_FLOPS = 989e12
+
+# Assumed fractions of peak, shared by every backend (the backends differ only in attention and KV cache).
+GEMM_EFFICIENCY = 0.6
+WEIGHT_STREAM_EFFICIENCY = 0.8
+MEM_FRACTION_STATIC = 0.85  # share of HBM for weights + KV cache, as SGLang's --mem-fraction-static
+
+# NVFP4: a 4-bit value per element plus one FP8 (E4M3) scale per 16 elements.
+NVFP4_BYTES_PER_ELEMENT = 0.5 + 1 / 16
+FP8_BYTES_PER_ELEMENT = 1.0
+BF16_BYTES_PER_ELEMENT = 2.0
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The geometry of the served model, which is all the latency model needs of it."""
+
+    name: str
+    layers: int
+    hidden: int
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+    intermediate: int
+    vocab: int
+    tied_embeddings: bool
+
+    @classmethod
+    def from_hf_config(cls, name: str, config: dict[str, Any]) -> "ModelShape":
+        """From a HuggingFace `config.json` of a dense decoder (Llama/Qwen style, gated MLP)."""
+        try:
+            hidden = int(config["hidden_size"])
+            q_heads = int(config["num_attention_heads"])
+            return cls(
+                name=name,
+                layers=int(config["num_hidden_layers"]),
+                hidden=hidden,
+                q_heads=q_heads,
+                kv_heads=int(config.get("num_key_value_heads", q_heads)),
+                head_dim=int(config.get("head_dim") or hidden // q_heads),
+                intermediate=int(config["intermediate_size"]),
+                vocab=int(config["vocab_size"]),
+                tied_embeddings=bool(config.get("tie_word_embeddings", False)),
+            )
+        except KeyError as exc:
+            raise ValueError(f"model config '{name}' lacks {exc.args[0]}") from None
+
+    @property
+    def matmul_params(self) -> int:
+        """Parameters each token multiplies through: attention and gated-MLP projections, and the LM head."""
+        attention = self.hidden * self.head_dim * (2 * self.q_heads + 2 * self.kv_heads)
+        mlp = 3 * self.hidden * self.intermediate
+        return self.layers * (attention + mlp) + self.vocab * self.hidden
+
+    @property
+    def weight_bytes(self) -> float:
+        embedding = 0 if self.tied_embeddings else self.vocab * self.hidden
+        return BF16_BYTES_PER_ELEMENT * (self.matmul_params + embedding)
+
+
+@dataclass(frozen=True)
+class SimBackendModel:
+    """What distinguishes one attention backend in the simulation (assumed, see the module docstring)."""
+
+    name: str
+    attention_backend: str  # as SGLang reports it in /get_server_info
+    kv_cache_dtype: str
+    k_bytes_per_element: float
+    v_bytes_per_element: float
+    attention_efficiency: float  # prefill attention FLOP/s as a fraction of the dense BF16 peak
+    kv_bandwidth_efficiency: float  # decode KV reads as a fraction of HBM bandwidth
+    step_overhead_s: float  # scheduling and launch cost of one batch step
+    page_size: int
+
+
+SIM_BACKENDS: dict[str, SimBackendModel] = {
+    m.name: m
+    for m in [
+        SimBackendModel("fa4-bf16", "fa4", "auto", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.55, kv_bandwidth_efficiency=0.80, step_overhead_s=0.5e-3,
+                        page_size=128),
+        SimBackendModel("flashinfer-fp8", "flashinfer", "fp8_e4m3", FP8_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.40, kv_bandwidth_efficiency=0.75, step_overhead_s=0.6e-3,
+                        page_size=1),
+        SimBackendModel("triton-bf16", "triton", "auto", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.30, kv_bandwidth_efficiency=0.65, step_overhead_s=0.6e-3,
+                        page_size=1),
+        # MpFA: NVFP4 K + FP8 V is (0.5625 + 1) / 2 = 0.78 of an FP8 cache; centering and the rank-one ΔS
+        # correction are assumed to cost a little attention throughput and bandwidth efficiency.
+        SimBackendModel("mpfa", "mpfa", "nvfp4_k_fp8_v", NVFP4_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.48, kv_bandwidth_efficiency=0.70, step_overhead_s=0.6e-3,
+                        page_size=128),
+        SimBackendModel("mpfa-direct", "mpfa-direct", "nvfp4_k_fp8_v", NVFP4_BYTES_PER_ELEMENT,
+                        FP8_BYTES_PER_ELEMENT, attention_efficiency=0.50, kv_bandwidth_efficiency=0.72,
+                        step_overhead_s=0.6e-3, page_size=128),
+    ]
+}
+
+
+@dataclass(frozen=True)
+class LatencyModel:
+    """Simulated step times of one backend serving one model (seconds, before any time scaling)."""
+
+    backend: SimBackendModel
+    model: ModelShape
+
+    @property
+    def kv_bytes_per_token(self) -> float:
+        m = self.model
+        return m.layers * m.kv_heads * m.head_dim * (self.backend.k_bytes_per_element + self.backend.v_bytes_per_element)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        free = MEM_FRACTION_STATIC * HBM_BYTES - self.model.weight_bytes
+        if free <= 0:
+            raise ValueError(f"model '{self.model.name}' does not fit in the simulated GPU's memory")
+        return int(free // self.kv_bytes_per_token)
+
+    def _linear_seconds(self, tokens: int) -> float:
+        compute = 2 * self.model.matmul_params * tokens / (GEMM_EFFICIENCY * DENSE_BF16_FLOPS)
+        stream = self.model.weight_bytes / (WEIGHT_STREAM_EFFICIENCY * HBM_BANDWIDTH)
+        return max(compute, stream)
+
+    def prefill_seconds(self, prompt_lens: Sequence[int]) -> float:
+        """One prefill step over new prompts of these lengths (each also yields its first output token)."""
+        if not prompt_lens:
+            raise ValueError("a prefill step needs at least one prompt")
+        m = self.model
+        pairs = sum(n * (n + 1) / 2 for n in prompt_lens)
+        attention = 4 * m.layers * m.q_heads * m.head_dim * pairs / (self.backend.attention_efficiency * DENSE_BF16_FLOPS)
+        return self.backend.step_overhead_s + self._linear_seconds(sum(prompt_lens)) + attention
+
+    def decode_step_seconds(self, context_lens: Sequence[int]) -> float:
+        """One decode step for running requests whose KV caches hold these many tokens each."""
+        if not context_lens:
+            raise ValueError("a decode step needs at least one running request")
+        kv_read = sum(context_lens) * self.kv_bytes_per_token / (self.backend.kv_bandwidth_efficiency * HBM_BANDWIDTH)
+        return self.backend.step_overhead_s + self._linear_seconds(len(context_lens)) + kv_read
+
+
+def latency_model(backend: str, model: ModelShape) -> LatencyModel:
+    if backend not in SIM_BACKENDS:
+        raise ValueError(f"unknown simulated backend '{backend}'; valid: {', '.join(SIM_BACKENDS)}")
+    return LatencyModel(SIM_BACKENDS[backend], model)

@@ -1,0 +1,344 @@
+"""Rich tables for stored runs (`mpfa runs`, `mpfa show`, `mpfa compare`) and the repeat aggregation behind them.
+
+Runs are grouped into configurations — (scenario, context length, load point) — and, per backend, each
+metric is averaged over the repeats that finished ok, with a 95% confidence interval (`metrics.mean_ci95`).
+`gate` and `plot` build on the same grouping.
+"""
+from __future__ import annotations
+
+import json
+import math
+import re
+import time
+from collections import defaultdict
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from rich.console import Group, RenderableType
+from rich.table import Table
+from rich.text import Text
+
+from mpfa.cli import metrics
+from mpfa.cli.errors import UserError
+from mpfa.cli.records import RunRecord
+from mpfa.cli.store import StoredRun, load_key
+
+COMPARE_METRICS = ("otps", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_p99")
+THROUGHPUT_METRICS = frozenset({"otps", "req_per_s", "goodput_req_per_s"})
+_LATENCY = re.compile(r"(ttft_ms|tpot_ms|itl_ms|e2e_s)_(mean|median|p90|p99|std)")
+_DISTRIBUTION_STATS = ("mean", "median", "p90", "p99")
+_SIMULATED = "SIMULATED"
+_STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
+
+
+def higher_is_better(metric: str) -> bool:
+    """True for throughputs, False for latencies; an unknown metric name is an error."""
+    if metric in THROUGHPUT_METRICS:
+        return True
+    if _LATENCY.fullmatch(metric):
+        return False
+    raise UserError(f"unknown metric '{metric}': use a throughput ({', '.join(sorted(THROUGHPUT_METRICS))}) "
+                    "or a latency such as ttft_ms_median, tpot_ms_p99, e2e_s_mean")
+
+
+def metric_unit(metric: str) -> str:
+    if metric == "otps":
+        return "tok/s"
+    if metric in THROUGHPUT_METRICS:
+        return "req/s"
+    return "s" if metric.startswith("e2e_s") else "ms"
+
+
+def speedup(metric: str, reference: float, value: float) -> float:
+    """How many times better `value` is than `reference`: value/ref for throughput, ref/value for latency."""
+    num, den = (value, reference) if higher_is_better(metric) else (reference, value)
+    return num / den if den > 0 else math.nan
+
+
+# --- grouping and repeat aggregation ---------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Config:
+    """One measured configuration; `load` is the canonical JSON of the load point."""
+
+    scenario: str
+    input_len: int
+    load: str
+
+    @classmethod
+    def of(cls, run: RunRecord) -> Config:
+        return cls(run.scenario, run.input_len, load_key(run.load))
+
+    @property
+    def load_label(self) -> str:
+        return load_label(json.loads(self.load))
+
+    def sort_key(self) -> tuple[Any, ...]:
+        """Scenario, context, then closed loops by concurrency before open loops by rate (numerically)."""
+        load = json.loads(self.load)
+        return (self.scenario, self.input_len, "concurrency" not in load, load.get("concurrency", 0),
+                load.get("rate", 0.0), load.get("burstiness", 1.0))
+
+
+def load_label(load: dict[str, Any]) -> str:
+    """'c=8' for a closed loop, 'rate=2.0/s' for an open loop (with burstiness when it is not 1)."""
+    if "concurrency" in load:
+        return f"c={load['concurrency']}"
+    label = f"rate={load['rate']}/s"
+    burstiness = load.get("burstiness", 1.0)
+    return label if burstiness == 1.0 else f"{label} b={burstiness}"
+
+
+def context_label(input_len: int) -> str:
+    return f"{input_len // 1024}K" if input_len >= 1024 and input_len % 1024 == 0 else str(input_len)
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """A metric across repeats: mean and 95% CI (None bounds with a single repeat)."""
+
+    mean: float
+    ci_low: float | None
+    ci_high: float | None
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float]) -> Estimate:
+        ci = metrics.mean_ci95(values)
+        if ci.half_width is None:
+            return cls(ci.mean, None, None, ci.n)
+        return cls(ci.mean, ci.mean - ci.half_width, ci.mean + ci.half_width, ci.n)
+
+    @property
+    def half_width(self) -> float | None:
+        return None if self.ci_high is None else (self.ci_high - self.mean)
+
+    def format(self) -> str:
+        if self.half_width is None:
+            return f"{format_number(self.mean)} (n=1)"
+        return f"{format_number(self.mean)} ± {format_number(self.half_width)}"
+
+
+@dataclass
+class BackendResult:
+    """One backend at one configuration: its ok runs and per-metric estimates across their repeats."""
+
+    config: Config
+    backend: str
+    runs: list[RunRecord]
+    estimates: dict[str, Estimate]
+
+    @property
+    def simulated(self) -> bool:
+        return self.runs[0].simulated
+
+
+def aggregate(runs: Sequence[StoredRun], metric_names: Sequence[str]) -> dict[tuple[Config, str], BackendResult]:
+    """Group runs that finished ok by (configuration, backend) and estimate each metric across repeats.
+
+    A metric enters an estimate from every repeat that has it (finite); one missing from all is left out.
+    Mixing simulated and measured runs of one backend and configuration is an error.
+    """
+    groups: dict[tuple[Config, str], list[StoredRun]] = defaultdict(list)
+    for run in runs:
+        if run.status == "ok":
+            groups[(Config.of(run), run.backend)].append(run)
+    results = {}
+    for (config, backend), group in groups.items():
+        if len({r.simulated for r in group}) > 1:
+            raise UserError(
+                f"runs {_ids(group)} of {backend} at {config.scenario} {context_label(config.input_len)} "
+                f"{config.load_label} mix simulated and measured results; select one kind"
+            )
+        estimates = {}
+        for name in metric_names:
+            values = [r.summary[name] for r in group if math.isfinite(r.summary.get(name, math.nan))]
+            if values:
+                estimates[name] = Estimate.of(values)
+        results[(config, backend)] = BackendResult(config, backend, group, estimates)
+    return results
+
+
+def _ids(runs: Sequence[RunRecord]) -> str:
+    return ", ".join(str(r.id) for r in runs)
+
+
+# --- compare -----------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class CompareRow:
+    config: Config
+    metric: str
+    values: dict[str, Estimate]  # by backend
+    speedups: dict[str, float]  # by non-reference backend; absent where either side was not measured
+
+
+def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
+                 metric_names: Sequence[str] = COMPARE_METRICS) -> tuple[list[str], list[CompareRow]]:
+    """The backends (reference first) and one row per (configuration, metric) with speedups vs the reference."""
+    for name in metric_names:
+        higher_is_better(name)  # rejects unknown names up front
+    results = aggregate(runs, metric_names)
+    backends = sorted({b for _, b in results})
+    if ref_backend not in backends:
+        measured = ", ".join(backends) or "none"
+        raise UserError(f"reference backend '{ref_backend}' has no ok run among these (backends: {measured})")
+    backends.remove(ref_backend)
+    backends.insert(0, ref_backend)
+    rows = []
+    for config in sorted({c for c, _ in results}, key=Config.sort_key):
+        for name in metric_names:
+            values = {b: results[(config, b)].estimates[name] for b in backends
+                      if (config, b) in results and name in results[(config, b)].estimates}
+            if not values:
+                continue
+            ref = values.get(ref_backend)
+            speedups = {b: speedup(name, ref.mean, v.mean) for b, v in values.items()
+                        if ref is not None and b != ref_backend}
+            rows.append(CompareRow(config, name, values, speedups))
+    return backends, rows
+
+
+def compare_table(runs: Sequence[StoredRun], ref_backend: str,
+                  metric_names: Sequence[str] = COMPARE_METRICS) -> Table:
+    """One value column per backend (mean ± 95% CI over repeats) and a speedup column per non-reference one."""
+    backends, rows = compare_rows(runs, ref_backend, metric_names)
+    title = f"Backends vs {ref_backend} (mean ± 95% CI over repeats; speedup ×: >1 is better)"
+    table = Table(title=_simulated_title(title, runs), title_justify="left")
+    for column in ("scenario", "context", "load", "metric"):
+        table.add_column(column)
+    for backend in backends:
+        table.add_column(backend, justify="right")
+        if backend != ref_backend:
+            table.add_column(f"{backend} speedup", justify="right")
+    for row in rows:
+        cells: list[RenderableType] = [row.config.scenario, context_label(row.config.input_len),
+                                       row.config.load_label, f"{row.metric} ({metric_unit(row.metric)})"]
+        for backend in backends:
+            cells.append(row.values[backend].format() if backend in row.values else "—")
+            if backend != ref_backend:
+                cells.append(_speedup_text(row.speedups.get(backend)))
+        table.add_row(*cells)
+    left_out = sum(r.status != "ok" for r in runs)
+    if left_out:
+        table.caption = f"{left_out} run(s) that did not finish ok are left out"
+    return table
+
+
+def _speedup_text(value: float | None) -> Text:
+    if value is None or not math.isfinite(value):
+        return Text("—")
+    style = "green" if value > 1 else "red" if value < 1 else ""
+    return Text(f"{value:.2f}×", style=style)
+
+
+def _simulated_title(title: str, runs: Sequence[RunRecord]) -> str:
+    return f"{_SIMULATED} — {title}" if any(r.simulated for r in runs) else title
+
+
+# --- runs and show -----------------------------------------------------------------------------------------------
+
+
+def engine_label(run: RunRecord) -> str:
+    return f"{run.engine} (simulated)" if run.simulated else run.engine
+
+
+def runs_table(runs: Sequence[StoredRun]) -> Table:
+    """The `mpfa runs` listing: one line per run with its key metrics."""
+    table = Table(title=_simulated_title("Runs", runs), title_justify="left")
+    for column in ("id", "when", "scenario", "backend", "engine", "context", "load", "repeat", "status"):
+        table.add_column(column, justify="right" if column in ("id", "repeat") else "left")
+    for column in ("OTPS (tok/s)", "TTFT p50 (ms)", "TPOT p50 (ms)"):
+        table.add_column(column, justify="right")
+    for run in runs:
+        table.add_row(
+            str(run.id), _when(run.started_at), run.scenario, run.backend,
+            Text(engine_label(run), style="magenta" if run.simulated else ""),
+            context_label(run.input_len), load_label(run.load), str(run.repeat),
+            Text(run.status, style=_STATUS_STYLE.get(run.status, "")),
+            *(format_number(run.summary.get(m)) for m in ("otps", "ttft_ms_median", "tpot_ms_median")),
+        )
+    if any(r.simulated for r in runs):
+        table.caption = "simulated runs come from the latency model (engine sim), not from a GPU"
+    return table
+
+
+def show_run(run: StoredRun) -> RenderableType:
+    """`mpfa show RUN`: the run's metadata, then its metrics (mean/median/p90/p99 per latency)."""
+    meta = Table.grid(padding=(0, 2))
+    meta.add_column(style="bold")
+    meta.add_column()
+    rows = [
+        ("run", str(run.id)),
+        ("scenario", run.scenario),
+        ("backend", run.backend),
+        ("engine", engine_label(run)),
+        ("load", f"{context_label(run.input_len)} input, {run.output_len} output, {load_label(run.load)}, "
+                 f"{run.num_requests} requests, repeat {run.repeat}, seed {run.seed}"),
+        ("workload", run.workload_hash),
+        ("model", run.model or "—"),
+        ("gpu", run.gpu or "—"),
+        ("started", _when(run.started_at)),
+        ("finished", _when(run.finished_at) if run.finished_at else "—"),
+        ("status", Text(run.status, style=_STATUS_STYLE.get(run.status, ""))),
+    ]
+    if run.error:
+        rows.append(("error", Text(run.error, style="red")))
+    if run.backend_flags:
+        rows.append(("server flags", " ".join(run.backend_flags)))
+    for key, value in rows:
+        meta.add_row(key, value)
+    parts: list[RenderableType] = []
+    if run.simulated:
+        parts.append(Text(f"{_SIMULATED}: every number below comes from the latency model, not a GPU",
+                          style="bold magenta"))
+    parts.append(meta)
+    summary, note = _display_summary(run)
+    if summary:
+        parts.extend(_summary_tables(summary))
+    if note:
+        parts.append(Text(note, style="yellow"))
+    return Group(*parts)
+
+
+def _display_summary(run: StoredRun) -> tuple[dict[str, float], str | None]:
+    """The stored summary or, for a run that never finished, the metrics of the requests it recorded."""
+    if run.summary:
+        return run.summary, None
+    if run.status == "running" and run.requests:
+        return (metrics.summarize(run.requests),
+                f"run never finished: metrics from the {len(run.requests)} request(s) it recorded")
+    return {}, "no metrics recorded for this run"
+
+
+def _summary_tables(summary: dict[str, float]) -> list[Table]:
+    latencies = Table(title="Latency", title_justify="left")
+    latencies.add_column("metric")
+    for stat in _DISTRIBUTION_STATS:
+        latencies.add_column(stat, justify="right")
+    for prefix, name in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
+                         ("e2e_s", "E2E (s)")):
+        if any(f"{prefix}_{s}" in summary for s in _DISTRIBUTION_STATS):
+            latencies.add_row(name, *(format_number(summary.get(f"{prefix}_{s}")) for s in _DISTRIBUTION_STATS))
+    totals = Table(title="Throughput and counts", title_justify="left")
+    totals.add_column("metric")
+    totals.add_column("value", justify="right")
+    for key in sorted(k for k in summary if not _LATENCY.fullmatch(k)):
+        totals.add_row(key, format_number(summary[key]))
+    return [latencies, totals]
+
+
+def format_number(value: float | None) -> str:
+    """Fixed point with precision that shrinks as the magnitude grows ('—' for missing or non-finite)."""
+    if value is None or not math.isfinite(value):
+        return "—"
+    if value == int(value) or abs(value) >= 100:
+        return f"{value:.0f}"
+    return f"{value:.2f}" if abs(value) >= 1 else f"{value:.3g}"
+
+
+def _when(epoch: float) -> str:
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch))

@@ -1,0 +1,476 @@
+"""A simulated SGLang server: the HTTP API subset the client uses, on a continuous-batching latency model.
+
+Every latency it produces is SIMULATED (see `latency_model`); `/get_server_info` says so with
+`"simulated": true`. What it does reproduce faithfully is the protocol: SGLang's native `/generate`
+(non-streaming JSON, or SSE `data: {json}` chunks ending with `data: [DONE]`), and an OpenAI-style
+`/v1/completions` stream. Like SGLang without `--incremental-streaming-output`, each `/generate` chunk
+carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts all tokens so far.
+
+One scheduler task runs the batch: it admits waiting requests while the KV cache has room for their prompt
+plus `max_new_tokens`, runs a prefill step for newly admitted requests (which yields their first token),
+and otherwise runs a decode step that yields one token for every running request. Output tokens are a
+deterministic function of the prompt.
+"""
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import sys
+import time
+from collections import deque
+from contextlib import suppress
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Callable
+
+import numpy as np
+from aiohttp import web
+
+from mpfa.cli.latency_model import LatencyModel, ModelShape, latency_model
+from mpfa.cli.workload import hashed_token_ids
+
+MAX_RUNNING_REQUESTS = 1024
+LATE_TOLERANCE_S = 2e-3  # a step that starts later than this behind schedule starts from now (no catch-up burst)
+DIE_EXIT_CODE = 3
+
+
+class BadRequest(ValueError):
+    """The request cannot be served; answered with HTTP 400 and SGLang's `{"error": {"message": ...}}`."""
+
+
+def prompt_digest(input_ids: list[int] | np.ndarray) -> str:
+    """sha256 of a prompt's token ids (little-endian int64): the key of its deterministic output and trace."""
+    return hashlib.sha256(np.asarray(input_ids, dtype="<i8").tobytes()).hexdigest()
+
+
+def load_model_shape(model: str) -> ModelShape:
+    """A bundled model config name or a directory with a HuggingFace config.json."""
+    from mpfa.cli.scenario import model_dir  # the CLI's resolver of bundled configs
+
+    path = model_dir(model)
+    return ModelShape.from_hf_config(path.name, json.loads((path / "config.json").read_text()))
+
+
+@dataclass(eq=False)
+class SimRequest:
+    rid: str
+    input_len: int
+    output_ids: list[int]
+    received_s: float  # time.perf_counter() when the handler started
+    emitted: int = 0
+    aborted: bool = False
+    progress: asyncio.Event = field(default_factory=asyncio.Event)
+    sent: list[tuple[float, int]] | None = None  # (perf_counter before the write, tokens so far) when tracing
+
+    @property
+    def finished(self) -> bool:
+        return self.emitted >= len(self.output_ids)
+
+    @property
+    def kv_tokens(self) -> int:
+        """KV-cache tokens reserved for the whole life of the request."""
+        return self.input_len + len(self.output_ids)
+
+
+class BatchScheduler:
+    """Continuous batching: prefill newly admitted requests first, else decode every running request."""
+
+    def __init__(self, latency: LatencyModel, time_scale: float, max_running: int = MAX_RUNNING_REQUESTS) -> None:
+        self.latency = latency
+        self.time_scale = time_scale
+        self.max_running = max_running
+        self.kv_capacity = latency.kv_capacity_tokens
+        self.kv_used = 0
+        self.waiting: deque[SimRequest] = deque()
+        self.running: list[SimRequest] = []
+        self._wakeup = asyncio.Event()
+
+    def check_fits(self, input_len: int, max_new_tokens: int) -> None:
+        if input_len + max_new_tokens > self.kv_capacity:
+            raise BadRequest(
+                f"prompt ({input_len}) + max_new_tokens ({max_new_tokens}) exceeds the "
+                f"simulated KV cache capacity of {self.kv_capacity} tokens"
+            )
+
+    def submit(self, request: SimRequest) -> None:
+        self.check_fits(request.input_len, len(request.output_ids))
+        self.waiting.append(request)
+        self._wakeup.set()
+
+    def _admit(self) -> list[SimRequest]:
+        admitted = []
+        while self.waiting and len(self.running) < self.max_running:
+            request = self.waiting[0]
+            if request.aborted:
+                self.waiting.popleft()
+                continue
+            if self.kv_used + request.kv_tokens > self.kv_capacity:
+                break
+            self.waiting.popleft()
+            self.kv_used += request.kv_tokens
+            self.running.append(request)
+            admitted.append(request)
+        return admitted
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time()
+        while True:
+            if not self.waiting and not self.running:
+                self._wakeup.clear()
+                await self._wakeup.wait()
+                deadline = loop.time()
+            admitted = self._admit()
+            if admitted:
+                stepped = admitted
+                seconds = self.latency.prefill_seconds([r.input_len for r in admitted])
+            elif self.running:
+                stepped = self.running
+                seconds = self.latency.decode_step_seconds([r.input_len + r.emitted for r in self.running])
+            else:  # only aborted requests were waiting
+                continue
+            now = loop.time()
+            deadline = (deadline if now - deadline < LATE_TOLERANCE_S else now) + seconds * self.time_scale
+            await asyncio.sleep(deadline - now)
+            for request in stepped:
+                request.emitted += 1
+                request.progress.set()
+            self._retire()
+
+    def _retire(self) -> None:
+        keep = []
+        for request in self.running:
+            if request.finished or request.aborted:
+                self.kv_used -= request.kv_tokens
+            else:
+                keep.append(request)
+        self.running = keep
+
+
+@dataclass(frozen=True)
+class _Parsed:
+    input_ids: np.ndarray
+    max_new_tokens: int
+    stream: bool
+    include_usage: bool = False  # OpenAI: final usage chunk
+    continuous_usage: bool = False  # OpenAI: usage on every chunk
+
+
+def _token_ids(value: Any, name: str) -> np.ndarray:
+    try:
+        ids = np.asarray(value)
+    except (ValueError, TypeError):
+        ids = None
+    if ids is None or ids.ndim != 1 or ids.size == 0 or ids.dtype.kind not in "iu" or ids.min() < 0:
+        raise BadRequest(f"'{name}' must be a non-empty list of non-negative integer token ids")
+    return ids
+
+
+def _positive_int(value: Any, name: str) -> int:
+    if type(value) is not int or value < 1:
+        raise BadRequest(f"'{name}' must be an integer >= 1, got {value!r}")
+    return value
+
+
+def _parse_generate(body: dict[str, Any]) -> _Parsed:
+    if "input_ids" not in body:
+        raise BadRequest("'input_ids' is required (the simulator has no tokenizer, like --skip-tokenizer-init)")
+    sampling = body.get("sampling_params") or {}
+    if not isinstance(sampling, dict):
+        raise BadRequest("'sampling_params' must be an object")
+    return _Parsed(
+        input_ids=_token_ids(body["input_ids"], "input_ids"),
+        max_new_tokens=_positive_int(sampling.get("max_new_tokens", 128), "sampling_params.max_new_tokens"),
+        stream=bool(body.get("stream", False)),
+    )
+
+
+def _parse_completions(body: dict[str, Any]) -> _Parsed:
+    if "prompt" not in body:
+        raise BadRequest("'prompt' is required (a list of token ids)")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object")
+    return _Parsed(
+        input_ids=_token_ids(body["prompt"], "prompt"),
+        max_new_tokens=_positive_int(body.get("max_tokens", 16), "max_tokens"),
+        stream=bool(body.get("stream", False)),
+        include_usage=bool(options.get("include_usage", False)),
+        continuous_usage=bool(options.get("continuous_usage_stats", False)),
+    )
+
+
+def _error(status: int, message: str) -> web.Response:
+    return web.json_response({"error": {"message": message}}, status=status)
+
+
+class SimServer:
+    """The simulator's state and HTTP handlers."""
+
+    def __init__(
+        self, backend: str, model: ModelShape, *, time_scale: float, startup_delay: float,
+        die_after_requests: int | None, incremental_streaming_output: bool, trace_chunks: bool,
+    ) -> None:
+        if not time_scale > 0:
+            raise ValueError(f"time_scale must be > 0, got {time_scale}")
+        if startup_delay < 0:
+            raise ValueError(f"startup_delay must be >= 0, got {startup_delay}")
+        if die_after_requests is not None and die_after_requests < 1:
+            raise ValueError(f"die_after_requests must be >= 1, got {die_after_requests}")
+        self.latency = latency_model(backend, model)
+        self.time_scale = time_scale
+        self.startup_delay = startup_delay
+        self.die_after_requests = die_after_requests
+        self.incremental = incremental_streaming_output
+        self.trace: dict[str, dict[str, Any]] | None = {} if trace_chunks else None
+        self.scheduler: BatchScheduler | None = None
+        self.ready_at = 0.0
+        self.completed = 0
+        self._next_rid = 0
+
+    # --- lifecycle -------------------------------------------------------------------------------------------
+
+    async def scheduler_context(self, app: web.Application) -> AsyncIterator[None]:
+        self.scheduler = BatchScheduler(self.latency, self.time_scale)
+        self.ready_at = time.monotonic() + self.startup_delay
+        task = asyncio.create_task(self.scheduler.run())
+        task.add_done_callback(_exit_if_crashed)
+        yield
+        task.cancel()
+        with suppress(asyncio.CancelledError):
+            await task
+
+    @property
+    def ready(self) -> bool:
+        return time.monotonic() >= self.ready_at
+
+    # --- info endpoints --------------------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok")
+
+    async def health_generate(self, request: web.Request) -> web.Response:
+        return web.Response(text="ok") if self.ready else _error(503, "server is starting")
+
+    async def server_info(self, request: web.Request) -> web.Response:
+        backend = self.latency.backend
+        return web.json_response({
+            "simulated": True,
+            "sim_backend": backend.name,
+            "attention_backend": backend.attention_backend,
+            "kv_cache_dtype": backend.kv_cache_dtype,
+            "page_size": backend.page_size,
+            "max_total_num_tokens": self.latency.kv_capacity_tokens,
+            "max_running_requests": MAX_RUNNING_REQUESTS,
+            "model_path": self.latency.model.name,
+            "skip_tokenizer_init": True,
+            "incremental_streaming_output": self.incremental,
+            "time_scale": self.time_scale,
+            "version": "mpfa-sim",
+        })
+
+    async def profile(self, request: web.Request) -> web.Response:
+        return web.json_response({"message": "simulated server: nothing to profile"})
+
+    async def sim_trace(self, request: web.Request) -> web.Response:
+        return web.json_response(self.trace)
+
+    # --- generation ------------------------------------------------------------------------------------------
+
+    async def generate(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, _parse_generate, _SglangFormat(self.incremental))
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, _parse_completions, _OpenAIFormat(self.latency.model.name))
+
+    async def _serve(
+        self, request: web.Request, parse: Callable[[dict[str, Any]], _Parsed], fmt: "_SglangFormat | _OpenAIFormat"
+    ) -> web.StreamResponse:
+        received = time.perf_counter()
+        if not self.ready:
+            return _error(503, "server is starting")
+        try:
+            body = await request.json()
+        except ValueError:
+            return _error(400, "request body is not valid JSON")
+        try:
+            if not isinstance(body, dict):
+                raise BadRequest("request body must be a JSON object")
+            parsed = parse(body)
+            sim = self._new_request(parsed, received)
+            self.scheduler.submit(sim)
+        except BadRequest as exc:
+            return _error(400, str(exc))
+        try:
+            if parsed.stream:
+                response = await self._stream(request, sim, parsed, fmt)
+            else:
+                while not sim.finished:
+                    await sim.progress.wait()
+                    sim.progress.clear()
+                response = web.json_response(fmt.result(sim, time.perf_counter() - received))
+                await response.prepare(request)
+                await response.write_eof()
+        finally:
+            if not sim.finished:
+                sim.aborted = True
+        await self._count_completed(request)
+        return response
+
+    def _new_request(self, parsed: _Parsed, received: float) -> SimRequest:
+        self.scheduler.check_fits(int(parsed.input_ids.size), parsed.max_new_tokens)
+        self._next_rid += 1
+        digest = prompt_digest(parsed.input_ids)
+        output_ids = hashed_token_ids(f"mpfa-sim-output:{digest}".encode(), parsed.max_new_tokens)
+        sim = SimRequest(f"sim-{self._next_rid}", int(parsed.input_ids.size), output_ids, received)
+        if self.trace is not None:
+            sim.sent = []
+            self.trace[digest] = {"received_s": received, "sent": sim.sent}
+        return sim
+
+    async def _stream(
+        self, request: web.Request, sim: SimRequest, parsed: _Parsed, fmt: "_SglangFormat | _OpenAIFormat"
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        sent = 0
+        while not sim.finished or sent < sim.emitted:
+            await sim.progress.wait()
+            sim.progress.clear()
+            emitted = sim.emitted
+            chunk = fmt.chunk(sim, sent, emitted, parsed, time.perf_counter() - sim.received_s)
+            data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+            if sim.sent is not None:
+                sim.sent.append((time.perf_counter(), emitted))
+            await response.write(data)
+            sent = emitted
+        for chunk in fmt.trailer(sim, parsed):
+            await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+    async def _count_completed(self, request: web.Request) -> None:
+        """Count a completed request; with --die-after-requests, exit abruptly once enough have completed."""
+        self.completed += 1
+        if self.die_after_requests is None or self.completed < self.die_after_requests:
+            return
+        transport = request.transport
+        for _ in range(1000):  # let the last response leave the process (at most ~1 s)
+            if transport is None or transport.get_write_buffer_size() == 0:
+                break
+            await asyncio.sleep(0.001)
+        print(f"sim server: exiting abruptly after {self.completed} completed requests "
+              "(--die-after-requests)", file=sys.stderr, flush=True)
+        os._exit(DIE_EXIT_CODE)
+
+
+class _SglangFormat:
+    """SGLang's native `/generate` bodies."""
+
+    def __init__(self, incremental: bool) -> None:
+        self.incremental = incremental
+
+    @staticmethod
+    def _meta(sim: SimRequest, tokens: int, elapsed_s: float) -> dict[str, Any]:
+        meta: dict[str, Any] = {
+            "id": sim.rid, "prompt_tokens": sim.input_len, "completion_tokens": tokens, "cached_tokens": 0,
+            "finish_reason": None,
+        }
+        if tokens == len(sim.output_ids):
+            meta["finish_reason"] = {"type": "length", "length": tokens}
+            meta["e2e_latency"] = elapsed_s
+        return meta
+
+    def chunk(self, sim: SimRequest, sent: int, emitted: int, parsed: _Parsed, elapsed_s: float) -> dict[str, Any]:
+        ids = sim.output_ids[sent:emitted] if self.incremental else sim.output_ids[:emitted]
+        return {"output_ids": ids, "meta_info": self._meta(sim, emitted, elapsed_s)}
+
+    def trailer(self, sim: SimRequest, parsed: _Parsed) -> list[dict[str, Any]]:
+        return []
+
+    def result(self, sim: SimRequest, elapsed_s: float) -> dict[str, Any]:
+        return {"output_ids": sim.output_ids, "meta_info": self._meta(sim, len(sim.output_ids), elapsed_s)}
+
+
+class _OpenAIFormat:
+    """OpenAI `/v1/completions` bodies; `text` is empty (no tokenizer), `token_ids` carries the new ids."""
+
+    def __init__(self, model: str) -> None:
+        self.model = model
+
+    @staticmethod
+    def _usage(sim: SimRequest, tokens: int) -> dict[str, int]:
+        return {"prompt_tokens": sim.input_len, "completion_tokens": tokens, "total_tokens": sim.input_len + tokens}
+
+    def _body(self, sim: SimRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {"id": sim.rid, "object": "text_completion", "created": int(time.time()), "model": self.model,
+                "choices": choices}
+
+    def chunk(self, sim: SimRequest, sent: int, emitted: int, parsed: _Parsed, elapsed_s: float) -> dict[str, Any]:
+        finish = "length" if emitted == len(sim.output_ids) else None
+        body = self._body(sim, [{"index": 0, "text": "", "token_ids": sim.output_ids[sent:emitted],
+                                 "logprobs": None, "finish_reason": finish}])
+        if parsed.continuous_usage:
+            body["usage"] = self._usage(sim, emitted)
+        return body
+
+    def trailer(self, sim: SimRequest, parsed: _Parsed) -> list[dict[str, Any]]:
+        if not parsed.include_usage:
+            return []
+        return [{**self._body(sim, []), "usage": self._usage(sim, len(sim.output_ids))}]
+
+    def result(self, sim: SimRequest, elapsed_s: float) -> dict[str, Any]:
+        choice = {"index": 0, "text": "", "token_ids": sim.output_ids, "logprobs": None, "finish_reason": "length"}
+        return {**self._body(sim, [choice]), "usage": self._usage(sim, len(sim.output_ids))}
+
+
+def _exit_if_crashed(task: asyncio.Task) -> None:
+    if not task.cancelled() and task.exception() is not None:
+        print(f"sim server: scheduler crashed: {task.exception()!r}", file=sys.stderr, flush=True)
+        os._exit(1)
+
+
+def build_app(
+    backend: str, *, model: str | ModelShape = "llama-3.1-8b", time_scale: float = 1.0,
+    startup_delay: float = 0.0, die_after_requests: int | None = None,
+    incremental_streaming_output: bool = False, trace_chunks: bool = False,
+) -> web.Application:
+    """The simulator as an aiohttp application (the scheduler starts with the app)."""
+    shape = model if isinstance(model, ModelShape) else load_model_shape(model)
+    sim = SimServer(
+        backend, shape, time_scale=time_scale, startup_delay=startup_delay, die_after_requests=die_after_requests,
+        incremental_streaming_output=incremental_streaming_output, trace_chunks=trace_chunks,
+    )
+    app = web.Application(client_max_size=256 * 1024**2)  # 128K-token prompts as JSON are a few MB
+    app.cleanup_ctx.append(sim.scheduler_context)
+    app.add_routes([
+        web.get("/health", sim.health),
+        web.get("/health_generate", sim.health_generate),
+        web.get("/get_server_info", sim.server_info),
+        web.post("/generate", sim.generate),
+        web.post("/v1/completions", sim.completions),
+        web.post("/start_profile", sim.profile),
+        web.post("/stop_profile", sim.profile),
+    ])
+    if trace_chunks:
+        app.add_routes([web.get("/sim_trace", sim.sim_trace)])
+    return app
+
+
+def run_sim_server(
+    host: str, port: int, backend: str, *, model: str | ModelShape = "llama-3.1-8b", time_scale: float = 1.0,
+    startup_delay: float = 0.0, die_after_requests: int | None = None,
+    incremental_streaming_output: bool = False, trace_chunks: bool = False,
+) -> None:
+    """Serve until SIGINT/SIGTERM (blocking)."""
+    app = build_app(
+        backend, model=model, time_scale=time_scale, startup_delay=startup_delay,
+        die_after_requests=die_after_requests, incremental_streaming_output=incremental_streaming_output,
+        trace_chunks=trace_chunks,
+    )
+    name = model.name if isinstance(model, ModelShape) else model
+    print(f"mpfa serve-sim: SIMULATED '{backend}' serving {name} on http://{host}:{port} "
+          f"(time scale {time_scale})", flush=True)
+    web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=1.0)

@@ -1,0 +1,405 @@
+"""SQLite store for benchmark runs and their per-request records.
+
+Every write is its own transaction and is committed at once, so a run that is interrupted keeps every
+request that completed before the interruption. The database runs in WAL mode (readers never block the
+writer) with a busy timeout; a database that stays locked or cannot be opened raises `StoreError` with a
+one-line message naming the file.
+"""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mpfa.cli.errors import UserError
+from mpfa.cli.records import RequestRecord, RunRecord
+
+SCHEMA_VERSION = 1
+FINAL_STATUSES = ("ok", "failed", "interrupted")
+DEFAULT_BUSY_TIMEOUT_S = 5.0
+
+_SCHEMA = """
+CREATE TABLE runs (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    scenario TEXT NOT NULL,
+    backend TEXT NOT NULL,
+    engine TEXT NOT NULL,
+    simulated INTEGER NOT NULL,
+    load JSON NOT NULL,
+    repeat INTEGER NOT NULL,
+    input_len INTEGER NOT NULL,
+    output_len INTEGER NOT NULL,
+    num_requests INTEGER NOT NULL,
+    seed INTEGER NOT NULL,
+    workload_hash TEXT NOT NULL,
+    started_at REAL NOT NULL,
+    finished_at REAL,
+    status TEXT NOT NULL,
+    error TEXT,
+    model TEXT NOT NULL,
+    gpu TEXT NOT NULL,
+    server_info JSON NOT NULL,
+    backend_flags JSON NOT NULL,
+    environment JSON NOT NULL,
+    summary JSON
+);
+CREATE INDEX runs_by_config ON runs (scenario, backend, started_at);
+CREATE TABLE requests (
+    run_id INTEGER NOT NULL REFERENCES runs (id) ON DELETE CASCADE,
+    "index" INTEGER NOT NULL,
+    warmup INTEGER NOT NULL,
+    input_len INTEGER NOT NULL,
+    max_new_tokens INTEGER NOT NULL,
+    dispatch_s REAL NOT NULL,
+    chunk_s JSON NOT NULL,
+    chunk_tokens JSON NOT NULL,
+    completion_s REAL,
+    output_tokens INTEGER NOT NULL,
+    prompt_tokens INTEGER,
+    error TEXT,
+    PRIMARY KEY (run_id, "index")
+);
+"""
+
+_RUN_COLUMNS = (
+    "scenario", "backend", "engine", "simulated", "load", "repeat", "input_len", "output_len",
+    "num_requests", "seed", "workload_hash", "started_at", "status", "error", "model", "gpu",
+    "server_info", "backend_flags", "environment",
+)
+_REQUEST_COLUMNS = (
+    "run_id", '"index"', "warmup", "input_len", "max_new_tokens", "dispatch_s", "chunk_s",
+    "chunk_tokens", "completion_s", "output_tokens", "prompt_tokens", "error",
+)
+
+
+class StoreError(UserError):
+    """The results database cannot be used; the message is one line and names the file."""
+
+
+@dataclass
+class StoredRun(RunRecord):
+    """A run as read back from the store: the record plus what the store adds when the run ends."""
+
+    finished_at: float | None = None
+    summary: dict[str, float] = field(default_factory=dict)
+
+
+def default_db_path() -> Path:
+    """`$MPFA_DB`, else `$XDG_DATA_HOME/mpfa/results.db`, else `~/.local/share/mpfa/results.db`."""
+    if env := os.environ.get("MPFA_DB"):
+        return Path(env).expanduser()
+    data_home = os.environ.get("XDG_DATA_HOME") or Path.home() / ".local" / "share"
+    return Path(data_home) / "mpfa" / "results.db"
+
+
+def load_key(load: dict[str, Any]) -> str:
+    """Canonical JSON of a load point, so equal loads compare and group equal (in Python and in SQL)."""
+    return json.dumps(load, sort_keys=True)
+
+
+def _json_or_none(value: dict[str, float] | None) -> str | None:
+    # NaN/inf are legal in a summary (e.g. a percentile of no samples); store them as null.
+    if value is None:
+        return None
+    return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
+                       for k, v in value.items()})
+
+
+class ResultStore:
+    """Runs and requests in one SQLite file. Use as a context manager or call `close()`."""
+
+    def __init__(self, path: str | Path | None = None, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
+        self.path = Path(path).expanduser() if path is not None else default_db_path()
+        try:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            # Autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE) in `_transaction`.
+            self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
+        except (OSError, sqlite3.Error) as exc:
+            raise StoreError(f"cannot open results database {self.path}: {_reason(exc)}") from None
+        self._conn.row_factory = sqlite3.Row
+        with self._errors("open"):
+            self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            self._conn.execute("PRAGMA journal_mode = WAL")
+            # In WAL mode NORMAL loses no committed transaction when the process dies (only on power loss).
+            self._conn.execute("PRAGMA synchronous = NORMAL")
+            self._conn.execute("PRAGMA foreign_keys = ON")
+            self._ensure_schema()
+
+    def close(self) -> None:
+        self._conn.close()
+
+    def __enter__(self) -> ResultStore:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # --- writing -----------------------------------------------------------------------------------
+
+    def begin_run(self, run: RunRecord) -> int:
+        """Insert `run` with status "running" (plus any requests it already holds); sets and returns its id."""
+        values = {c: getattr(run, c) for c in _RUN_COLUMNS}
+        values.update(
+            status="running",
+            simulated=int(run.simulated),
+            load=load_key(run.load),
+            server_info=json.dumps(run.server_info),
+            backend_flags=json.dumps(run.backend_flags),
+            environment=json.dumps(run.environment),
+        )
+        placeholders = ", ".join("?" for _ in _RUN_COLUMNS)
+        with self._transaction("record a new run"):
+            cursor = self._conn.execute(
+                f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({placeholders})",
+                list(values.values()),
+            )
+            run_id = int(cursor.lastrowid)
+            self._insert_requests(run_id, run.requests)
+        run.id = run_id
+        run.status = "running"
+        return run_id
+
+    def add_request(self, run_id: int, rec: RequestRecord) -> None:
+        """Record one finished request, committed at once."""
+        self.add_requests(run_id, [rec])
+
+    def add_requests(self, run_id: int, recs: Iterable[RequestRecord]) -> None:
+        """Record several finished requests in one transaction (all or none)."""
+        with self._transaction(f"record requests of run {run_id}"):
+            self._require_run(run_id)
+            self._insert_requests(run_id, recs)
+
+    def finish_run(self, run_id: int, status: str, error: str | None = None,
+                   summary: dict[str, float] | None = None) -> None:
+        """Close a run: status is one of ok | failed | interrupted; summary is the metrics dict, if any."""
+        if status not in FINAL_STATUSES:
+            raise ValueError(f"run status must be one of {', '.join(FINAL_STATUSES)}, not {status!r}")
+        with self._transaction(f"finish run {run_id}"):
+            self._require_run(run_id)
+            self._conn.execute(
+                "UPDATE runs SET status = ?, error = ?, summary = ?, finished_at = ? WHERE id = ?",
+                (status, error, _json_or_none(summary), time.time(), run_id),
+            )
+
+    # --- reading -----------------------------------------------------------------------------------
+
+    def get_run(self, run_id: int) -> StoredRun:
+        """The run with its requests (in request index order)."""
+        with self._errors(f"read run {run_id}"):
+            row = self._conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+            if row is None:
+                raise StoreError(f"no run with id {run_id} in {self.path}")
+            return self._with_requests([_run_from_row(row)])[0]
+
+    def get_runs(self, run_ids: Iterable[int], with_requests: bool = False) -> list[StoredRun]:
+        """The runs with these ids, in the order given; an unknown id is an error."""
+        ids = list(run_ids)
+        by_id = {r.id: r for r in self._select("id IN (SELECT value FROM json_each(?))", [json.dumps(ids)])}
+        if missing := [i for i in ids if i not in by_id]:
+            raise StoreError(f"no run with id {', '.join(map(str, missing))} in {self.path}")
+        runs = [by_id[i] for i in ids]
+        return self._with_requests(runs) if with_requests else runs
+
+    def list_runs(
+        self,
+        scenario: str | None = None,
+        backend: str | None = None,
+        engine: str | None = None,
+        status: str | None = None,
+        simulated: bool | None = None,
+        since: float | None = None,
+        limit: int | None = None,
+        with_requests: bool = False,
+    ) -> list[StoredRun]:
+        """Runs matching every filter given, newest first; `since` is a wall-clock epoch time."""
+        where, params = _filters(scenario, backend, engine, status, simulated, since)
+        runs = self._select(where, params, limit=limit)
+        return self._with_requests(runs) if with_requests else runs
+
+    def latest_runs(
+        self,
+        scenario: str | None = None,
+        backend: str | None = None,
+        engine: str | None = None,
+        simulated: bool | None = None,
+        with_requests: bool = False,
+    ) -> list[StoredRun]:
+        """For each (scenario, backend, engine, input_len, load, repeat) the newest run that finished ok.
+
+        This is the current result set of every configuration measured, the natural input of compare/plot.
+        """
+        where, params = _filters(scenario, backend, engine, "ok", simulated, None)
+        newest = (
+            f"id IN (SELECT MAX(id) FROM runs WHERE {where} "
+            "GROUP BY scenario, backend, engine, input_len, load, repeat)"
+        )
+        runs = self._select(newest, params)
+        return self._with_requests(runs) if with_requests else runs
+
+    # --- internals ---------------------------------------------------------------------------------
+
+    def _ensure_schema(self) -> None:
+        if self._schema_version() == SCHEMA_VERSION:
+            return
+        with self._transaction("create the schema"):
+            # Re-read under the write lock: another process may have created the schema meanwhile.
+            version = self._schema_version()
+            if version == SCHEMA_VERSION:
+                return
+            self._create_schema(version)
+
+    def _schema_version(self) -> int:
+        return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
+
+    def _create_schema(self, version: int) -> None:
+        if version > SCHEMA_VERSION:
+            raise StoreError(
+                f"results database {self.path} has schema version {version}; this mpfa reads up to "
+                f"{SCHEMA_VERSION} (upgrade mpfa)"
+            )
+        has_tables = self._conn.execute(
+            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name IN ('runs', 'requests')"
+        ).fetchone()[0]
+        if has_tables:
+            raise StoreError(f"{self.path} is not an mpfa results database (unversioned tables present)")
+        for statement in _SCHEMA.split(";"):
+            if statement.strip():
+                self._conn.execute(statement)
+        self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+
+    def _require_run(self, run_id: int) -> None:
+        if self._conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
+            raise StoreError(f"no run with id {run_id} in {self.path}")
+
+    def _insert_requests(self, run_id: int, recs: Iterable[RequestRecord]) -> None:
+        rows = [
+            (
+                run_id, r.index, int(r.warmup), r.input_len, r.max_new_tokens, r.dispatch_s,
+                json.dumps(r.chunk_s), json.dumps(r.chunk_tokens), r.completion_s, r.output_tokens,
+                r.prompt_tokens, r.error,
+            )
+            for r in recs
+        ]
+        placeholders = ", ".join("?" for _ in _REQUEST_COLUMNS)
+        self._conn.executemany(
+            f"INSERT INTO requests ({', '.join(_REQUEST_COLUMNS)}) VALUES ({placeholders})", rows
+        )
+
+    def _select(self, where: str, params: list[Any], limit: int | None = None) -> list[StoredRun]:
+        sql = f"SELECT * FROM runs WHERE {where} ORDER BY id DESC"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self._errors("read runs"):
+            return [_run_from_row(row) for row in self._conn.execute(sql, params)]
+
+    def _with_requests(self, runs: list[StoredRun]) -> list[StoredRun]:
+        with self._errors("read requests"):
+            for run in runs:
+                rows = self._conn.execute(
+                    'SELECT * FROM requests WHERE run_id = ? ORDER BY "index"', (run.id,)
+                )
+                run.requests = [_request_from_row(row) for row in rows]
+        return runs
+
+    @contextmanager
+    def _transaction(self, what: str) -> Iterator[None]:
+        with self._errors(what):
+            self._conn.execute("BEGIN IMMEDIATE")  # take the write lock now: no deadlock on upgrade
+            try:
+                yield
+            except BaseException:
+                self._conn.execute("ROLLBACK")
+                raise
+            self._conn.execute("COMMIT")
+
+    @contextmanager
+    def _errors(self, what: str) -> Iterator[None]:
+        try:
+            yield
+        except sqlite3.OperationalError as exc:
+            if "locked" in str(exc) or "busy" in str(exc):
+                raise StoreError(
+                    f"cannot {what}: results database {self.path} is locked by another process"
+                ) from None
+            raise StoreError(f"cannot {what} in results database {self.path}: {_reason(exc)}") from None
+        except sqlite3.DatabaseError as exc:
+            raise StoreError(f"cannot {what} in results database {self.path}: {_reason(exc)}") from None
+
+
+def _filters(
+    scenario: str | None, backend: str | None, engine: str | None, status: str | None,
+    simulated: bool | None, since: float | None,
+) -> tuple[str, list[Any]]:
+    clauses, params = ["1"], []
+    for column, value in (("scenario", scenario), ("backend", backend), ("engine", engine),
+                          ("status", status)):
+        if value is not None:
+            clauses.append(f"{column} = ?")
+            params.append(value)
+    if simulated is not None:
+        clauses.append("simulated = ?")
+        params.append(int(simulated))
+    if since is not None:
+        clauses.append("started_at >= ?")
+        params.append(since)
+    return " AND ".join(clauses), params
+
+
+def _summary_from_json(text: str | None) -> dict[str, float]:
+    if text is None:
+        return {}
+    return {k: (math.nan if v is None else v) for k, v in json.loads(text).items()}
+
+
+def _run_from_row(row: sqlite3.Row) -> StoredRun:
+    return StoredRun(
+        id=row["id"],
+        scenario=row["scenario"],
+        backend=row["backend"],
+        engine=row["engine"],
+        simulated=bool(row["simulated"]),
+        load=json.loads(row["load"]),
+        repeat=row["repeat"],
+        input_len=row["input_len"],
+        output_len=row["output_len"],
+        num_requests=row["num_requests"],
+        seed=row["seed"],
+        workload_hash=row["workload_hash"],
+        started_at=row["started_at"],
+        finished_at=row["finished_at"],
+        status=row["status"],
+        error=row["error"],
+        model=row["model"],
+        gpu=row["gpu"],
+        server_info=json.loads(row["server_info"]),
+        backend_flags=json.loads(row["backend_flags"]),
+        environment=json.loads(row["environment"]),
+        summary=_summary_from_json(row["summary"]),
+    )
+
+
+def _request_from_row(row: sqlite3.Row) -> RequestRecord:
+    return RequestRecord(
+        index=row["index"],
+        warmup=bool(row["warmup"]),
+        input_len=row["input_len"],
+        max_new_tokens=row["max_new_tokens"],
+        dispatch_s=row["dispatch_s"],
+        chunk_s=json.loads(row["chunk_s"]),
+        chunk_tokens=json.loads(row["chunk_tokens"]),
+        completion_s=row["completion_s"],
+        output_tokens=row["output_tokens"],
+        prompt_tokens=row["prompt_tokens"],
+        error=row["error"],
+    )
+
+
+def _reason(exc: BaseException) -> str:
+    return str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -1,0 +1,121 @@
+"""Reports: compare speedups and CIs on hand-checked numbers, simulated labelling, clear errors."""
+from __future__ import annotations
+
+import math
+
+import pytest
+from rich.console import Console
+
+from mpfa.cli import metrics
+from mpfa.cli.errors import UserError
+from mpfa.cli.report import compare_rows, compare_table, runs_table, show_run, speedup
+
+T975_DF2 = 4.302652729911275  # Student t 0.975 quantile, 2 degrees of freedom
+
+
+def render(renderable) -> str:
+    console = Console(record=True, width=250, color_system=None)
+    console.print(renderable)
+    return console.export_text()
+
+
+def two_backends(make_run, **overrides):
+    """fa4-bf16 (reference) and mpfa, three repeats each, OTPS and median TTFT set by hand."""
+    otps = {"fa4-bf16": [100.0, 120.0, 110.0], "mpfa": [220.0, 240.0, 200.0]}
+    ttft = {"fa4-bf16": [300.0, 330.0, 270.0], "mpfa": [100.0, 110.0, 90.0]}
+    return [
+        make_run(b, i, {"otps": otps[b][i], "ttft_ms_median": ttft[b][i]}, **overrides)
+        for b in otps for i in range(3)
+    ]
+
+
+def test_compare_speedups_and_confidence_intervals(make_run):
+    backends, rows = compare_rows(two_backends(make_run), "fa4-bf16", ["otps", "ttft_ms_median"])
+    assert backends == ["fa4-bf16", "mpfa"]
+    by_metric = {r.metric: r for r in rows}
+    assert by_metric["otps"].speedups == {"mpfa": pytest.approx(220.0 / 110.0)}  # throughput: x / ref
+    assert by_metric["ttft_ms_median"].speedups == {"mpfa": pytest.approx(300.0 / 100.0)}  # latency: ref / x
+    ref = by_metric["otps"].values["fa4-bf16"]
+    half = T975_DF2 * 10.0 / math.sqrt(3)  # sample std of 100, 120, 110 is 10
+    assert (ref.mean, ref.n) == (pytest.approx(110.0), 3)
+    assert ref.ci_low == pytest.approx(110.0 - half) and ref.ci_high == pytest.approx(110.0 + half)
+
+
+def test_compare_table_shows_speedup_column_and_no_simulated_marker(make_run):
+    text = render(compare_table(two_backends(make_run), "fa4-bf16", ["otps", "ttft_ms_median"]))
+    assert "mpfa speedup" in text and "2.00×" in text and "3.00×" in text
+    assert "110 ± 24.84" in text  # mean ± 95% CI half-width: 4.3027 * 10 / sqrt(3)
+    assert "SIMULATED" not in text
+
+
+def test_compare_title_says_simulated(make_run):
+    runs = two_backends(make_run, simulated=True, engine="sim")
+    assert render(compare_table(runs, "fa4-bf16", ["otps"])).lstrip().startswith("SIMULATED")
+
+
+def test_compare_groups_by_context_and_load(make_run):
+    runs = [
+        make_run(b, 0, {"otps": v}, input_len=n, load={"concurrency": c})
+        for b, scale in (("fa4-bf16", 1.0), ("mpfa", 1.5))
+        for n in (16384, 32768) for c in (1, 16)
+        for v in [scale * n / c]
+    ]
+    _, rows = compare_rows(runs, "fa4-bf16", ["otps"])
+    assert [(r.config.input_len, r.config.load_label) for r in rows] == [
+        (16384, "c=1"), (16384, "c=16"), (32768, "c=1"), (32768, "c=16")]
+    assert all(r.speedups["mpfa"] == pytest.approx(1.5) for r in rows)
+    assert all(r.values["mpfa"].n == 1 and r.values["mpfa"].half_width is None for r in rows)
+
+
+def test_compare_leaves_out_runs_that_did_not_finish_ok(make_run):
+    runs = two_backends(make_run) + [make_run("mpfa", 3, {"otps": 1e9}, status="failed")]
+    _, rows = compare_rows(runs, "fa4-bf16", ["otps"])
+    assert rows[0].values["mpfa"].mean == pytest.approx(220.0)
+    assert "1 run(s) that did not finish ok" in render(compare_table(runs, "fa4-bf16", ["otps"]))
+
+
+def test_missing_reference_is_a_clear_error(make_run):
+    with pytest.raises(UserError, match="reference backend 'triton-bf16' has no ok run"):
+        compare_table(two_backends(make_run), "triton-bf16")
+
+
+def test_mixing_simulated_and_measured_runs_is_refused(make_run):
+    runs = [make_run("mpfa", 0, {"otps": 1.0}), make_run("mpfa", 1, {"otps": 1.0}, simulated=True)]
+    with pytest.raises(UserError, match="mix simulated and measured"):
+        compare_rows(runs, "mpfa", ["otps"])
+
+
+def test_unknown_metric_is_a_clear_error(make_run):
+    with pytest.raises(UserError, match="unknown metric 'ttft_p50'"):
+        compare_rows(two_backends(make_run), "fa4-bf16", ["ttft_p50"])
+
+
+def test_speedup_direction():
+    assert speedup("otps", 100.0, 150.0) == pytest.approx(1.5)
+    assert speedup("tpot_ms_median", 30.0, 20.0) == pytest.approx(1.5)
+    assert math.isnan(speedup("ttft_ms_p99", 30.0, 0.0))
+
+
+def test_runs_table_labels_simulated_runs(make_run):
+    runs = [make_run("mpfa", 0, {"otps": 1234.5}, id=7, engine="sim", simulated=True),
+            make_run("fa4-bf16", 0, {"otps": 99.0}, id=8)]
+    text = render(runs_table(runs))
+    assert "SIMULATED" in text and "sim (simulated)" in text and "1234" in text
+    measured = render(runs_table(runs[1:]))
+    assert "simulated" not in measured.lower()
+
+
+def test_show_run_prints_metadata_and_distribution_stats(make_run, random_requests):
+    requests = random_requests(9)
+    summary = metrics.summarize(requests)
+    text = render(show_run(make_run("mpfa", 0, summary, id=3, requests=requests)))
+    for expected in ("mpfa", "16K input", "c=8", "TTFT (ms)", "TPOT (ms)", "p99", "n_failed", "otps"):
+        assert expected in text
+    assert f"{summary['ttft_ms_p99']:.0f}" in text or f"{summary['ttft_ms_p99']:.2f}" in text
+
+
+def test_show_unfinished_run_summarizes_recorded_requests(make_run, random_requests):
+    requests = random_requests(5)
+    run = make_run("mpfa", 0, None, status="running", finished_at=None, requests=requests, simulated=True)
+    text = render(show_run(run))
+    assert "SIMULATED" in text and "never finished" in text and "TTFT (ms)" in text
