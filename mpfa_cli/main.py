@@ -261,6 +261,38 @@ def gate(
         raise UserError(f"{len(result.regressions)} regression(s) beyond {tolerance}", exit_code=1)
 
 
+@app.command()
+@cli_errors
+def profile(
+    kind: Annotated[str, typer.Argument(help="prefill or decode.")],
+    seq: Annotated[str, typer.Option(help="Prompt length (prefill) or KV length (decode), e.g. 64k.")] = "64k",
+    batch: Annotated[int, typer.Option(help="Requests in the batch.")] = 1,
+    heads: Annotated[str, typer.Option(help="Query:KV heads.")] = "32:8",
+    head_dim: Annotated[int, typer.Option("--head-dim")] = 128,
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends.")] = "fa4-bf16,flashinfer-fp8,mpfa",
+    ncu: Annotated[bool, typer.Option("--ncu", help="Also profile each kernel with Nsight Compute.")] = False,
+    nsys: Annotated[bool, typer.Option("--nsys", help="Also trace (Nsight Systems, else the PyTorch profiler).")] = False,
+    out: Annotated[Path, typer.Option(help="Directory for raw results (JSON, ncu CSV, traces).")] = Path("mpfa-profiles"),
+) -> None:
+    """Time each backend's attention kernel side by side at one shape (needs a CUDA GPU)."""
+    from mpfa.profiles.errors import ProfileError
+    from mpfa.profiles.microbench import run_profile
+    from mpfa.profiles.registry import parse_backends
+    from mpfa.profiles.report import render_profile
+    from mpfa.profiles.workload import parse_heads, parse_seq
+
+    if kind not in ("prefill", "decode"):
+        raise UserError(f"unknown profile kind '{kind}'; valid: prefill, decode")
+    try:
+        result = run_profile(
+            kind, parse_seq(seq), batch, parse_heads(heads), head_dim, parse_backends(backend), ncu, nsys, out,
+            progress=lambda line: err_console.print(line, highlight=False),
+        )
+    except (ValueError, ProfileError) as exc:
+        raise UserError(str(exc)) from None
+    render_profile(result, console)
+
+
 @app.command("serve-sim")
 @cli_errors
 def serve_sim(
