@@ -1,1 +1,76 @@
-"""mpfa package."""
+"""MpFA numerics: bit-exact formats, sequence smoothing and the reference attention every kernel is tested against.
+
+Pure PyTorch, device-agnostic (CPU or CUDA tensors).
+"""
+
+from mpfa.kernels.capacity import capacity_table, compression_vs_bf16, format_capacity_table, kv_bytes_per_token
+from mpfa.kernels.formats import (
+    E2M1_GRID,
+    E2M1_MAX,
+    E4M3_MAX,
+    NVFP4_BLOCK,
+    P_FP8_SCALE,
+    FormatError,
+    NVFP4Tensor,
+    decode_e2m1,
+    dequantize_fp8,
+    dequantize_nvfp4,
+    encode_e2m1,
+    fake_quant_fp8,
+    fake_quant_nvfp4,
+    fake_quant_p_fp8,
+    nvfp4_global_scale,
+    pack_e2m1,
+    quantize_fp8,
+    quantize_nvfp4,
+    unpack_e2m1,
+)
+from mpfa.kernels.reference import (
+    VARIANTS,
+    DecodePartials,
+    VariantSpec,
+    attention,
+    attention_float64,
+    decode,
+    decode_partials,
+    merge_partials,
+)
+from mpfa.kernels.smoothing import SmoothingMeans, center, delta_s, sequence_means
+
+__all__ = [
+    "E2M1_GRID",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "NVFP4_BLOCK",
+    "P_FP8_SCALE",
+    "VARIANTS",
+    "DecodePartials",
+    "FormatError",
+    "NVFP4Tensor",
+    "SmoothingMeans",
+    "VariantSpec",
+    "attention",
+    "attention_float64",
+    "capacity_table",
+    "center",
+    "compression_vs_bf16",
+    "decode",
+    "decode_e2m1",
+    "decode_partials",
+    "delta_s",
+    "dequantize_fp8",
+    "dequantize_nvfp4",
+    "encode_e2m1",
+    "fake_quant_fp8",
+    "fake_quant_nvfp4",
+    "fake_quant_p_fp8",
+    "format_capacity_table",
+    "kv_bytes_per_token",
+    "merge_partials",
+    "nvfp4_global_scale",
+    "pack_e2m1",
+    "quantize_fp8",
+    "quantize_nvfp4",
+    "sequence_means",
+    "unpack_e2m1",
+]

@@ -14,12 +14,17 @@ them, and propagates; records already passed to `on_complete` stay intact.
 from __future__ import annotations
 
 import asyncio
-import json
 import time
-from collections.abc import Awaitable, Callable, Sequence
-from typing import Any
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
+from typing import Any, TypeVar
 
 import aiohttp
+import orjson
+
+try:
+    import uvloop
+except ImportError:  # not built for Windows
+    uvloop = None
 
 from mpfa.cli.records import RequestRecord
 
@@ -28,6 +33,7 @@ CONNECT_TIMEOUT_S = 30.0
 READ_TIMEOUT_S = 1800.0  # longest silence tolerated on a stream: a queued 128K prefill under load can be minutes
 ERROR_BODY_CHARS = 300
 
+T = TypeVar("T")
 _Job = tuple[int, list[int]]  # (record index, prompt)
 _SendOne = Callable[[int, list[int], bool], Awaitable[RequestRecord]]  # (index, prompt, warmup) -> record
 
@@ -132,7 +138,7 @@ async def _send(
 ) -> None:
     """Run one request and fill in `record` (timestamps, counts, or the error)."""
     build_payload, handle_event, _ = _EVENT_PARSERS[api]
-    body = json.dumps(build_payload(prompt, record.max_new_tokens, model)).encode()
+    body = orjson.dumps(build_payload(prompt, record.max_new_tokens, model))
     state = _StreamState()
     chunk_s, chunk_tokens = record.chunk_s, record.chunk_tokens
     try:
@@ -153,7 +159,7 @@ async def _send(
                     if data == b"[DONE]":
                         record.completion_s = arrived
                         continue
-                    event = json.loads(data)
+                    event = orjson.loads(data)
                     if (message := _error_message(event)) is not None:
                         record.error = f"server error: {message}"
                         return
@@ -175,14 +181,29 @@ async def _send(
     record.error = state.error or _check_counts(record, state)
 
 
+def new_event_loop() -> asyncio.AbstractEventLoop:
+    """uvloop where installed: it roughly halves the event loop's cost per streamed chunk."""
+    return uvloop.new_event_loop() if uvloop is not None else asyncio.new_event_loop()
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """`asyncio.run` on `new_event_loop()`; use it to drive `run_load`."""
+    with asyncio.Runner(loop_factory=new_event_loop) as runner:
+        return runner.run(main)
+
+
+async def _cancel_all(tasks: list[asyncio.Task]) -> None:
+    for task in tasks:
+        task.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+
+
 async def _finish_all(tasks: list[asyncio.Task]) -> None:
     """Await every task; on any failure or cancellation, cancel and reap the rest before re-raising."""
     try:
         await asyncio.gather(*tasks)
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
         raise
 
 
@@ -276,9 +297,7 @@ async def _open_loop(
                 await asyncio.sleep(delay)
             tasks.append(asyncio.create_task(capped(index, prompt)))
     except BaseException:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+        await _cancel_all(tasks)
         raise
     await _finish_all(tasks)
     return [task.result() for task in tasks]

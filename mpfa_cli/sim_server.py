@@ -25,8 +25,10 @@ from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Callable
 
 import numpy as np
+import orjson
 from aiohttp import web
 
+from mpfa.cli.client import new_event_loop
 from mpfa.cli.latency_model import LatencyModel, ModelShape, latency_model
 from mpfa.cli.workload import hashed_token_ids
 
@@ -291,7 +293,7 @@ class SimServer:
         if not self.ready:
             return _error(503, "server is starting")
         try:
-            body = await request.json()
+            body = await request.json(loads=orjson.loads)
         except ValueError:
             return _error(400, "request body is not valid JSON")
         try:
@@ -340,13 +342,13 @@ class SimServer:
             sim.progress.clear()
             emitted = sim.emitted
             chunk = fmt.chunk(sim, sent, emitted, parsed, time.perf_counter() - sim.received_s)
-            data = b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n"
+            data = b"data: " + orjson.dumps(chunk) + b"\n\n"
             if sim.sent is not None:
                 sim.sent.append((time.perf_counter(), emitted))
             await response.write(data)
             sent = emitted
         for chunk in fmt.trailer(sim, parsed):
-            await response.write(b"data: " + json.dumps(chunk, separators=(",", ":")).encode() + b"\n\n")
+            await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")
         await response.write(b"data: [DONE]\n\n")
         await response.write_eof()
         return response
@@ -473,4 +475,5 @@ def run_sim_server(
     name = model.name if isinstance(model, ModelShape) else model
     print(f"mpfa serve-sim: SIMULATED '{backend}' serving {name} on http://{host}:{port} "
           f"(time scale {time_scale})", flush=True)
-    web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=1.0)
+    web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=1.0,
+                loop=new_event_loop())

@@ -1,0 +1,489 @@
+"""Reference attention: the oracle the CuTe kernels are tested against.
+
+One tiled implementation of FlashAttention-2's forward pass (MpFA's Algorithm 1), run with the operand formats of a
+named variant, plus a dense float64 reference and the split-KV decode form.
+
+Layouts (flash-attn varlen): q [total_q, Hq, d]; k, v [total_k, Hkv, d] packed, or a paged cache
+[num_pages, page_size, Hkv, d] with page_table [batch, max_pages] (token t of sequence b lives in page
+``page_table[b, t // page_size]``, slot ``t % page_size``). ``cu_seqlens_q`` / ``cu_seqlens_k`` [batch + 1] give the
+sequence boundaries (both omitted: one sequence; a paged cache needs both). Hq must be a multiple of Hkv (GQA:
+query head h reads KV head ``h // (Hq / Hkv)``); d a multiple of 16 (the kernels build d = 64 and 128).
+
+Algorithm per (sequence, Q tile of ``block_m`` rows): KV tiles of ``block_n`` keys, aligned to the sequence start, are
+visited in REVERSE order (last tile first; ``reverse_kv=False`` gives the forward order, which changes rounding
+only). Per tile, in FP32:
+    S = Q_op K_op^T (+ Delta_S[j] for smoothing variants), masked entries -inf      (before the running max)
+    m_new = max(m, rowmax S);  P = exp2(S * lam - m_new * lam),  lam = log2(e) * sm_scale
+    alpha = exp2(m * lam - m_new * lam);  l = alpha * l + rowsum(P)    (rowsum of the FP32 P)
+    acc = alpha * acc + P_op V_op                                       (P_op: P in the variant's P format)
+and finally O = acc / l; rows that see no key (empty sequence, or q_len > kv_len under causal) give 0.
+Causal masking is bottom-right aligned as in FlashAttention: query i of a sequence sees keys
+``j <= i + kv_len - q_len``. Key tiles a whole Q tile cannot see are skipped (bit-identical to masking them).
+
+Operands: every variant except ``float64`` first rounds q, k, v to BF16 (the serving dtype). NVFP4 Q/K are blocked
+along head_dim; NVFP4 V (``qk4-pv4``) is blocked along tokens (the PV GEMM's reduction dimension, 16-token blocks
+from the sequence start) and NVFP4 P along the keys of its tile. FP8 K/V use scale 1.0 (FlashInfer's default; V takes
+an optional per-KV-head ``v_scale``), FP8 P the analytic scale 448. The ``fp8`` variant mirrors FlashInfer with an FP8
+KV cache: Q stays BF16, K/V are upcast exactly to BF16, P is BF16 for the PV GEMM. l always sums the FP32 P.
+Smoothing variants center Q and K with per-request means (computed from the inputs during prefill, passed in
+explicitly for decode) and add Delta_S in BF16. Outputs are FP32 (float64 for ``float64``). On CUDA keep TF32 off for
+FP32 matmuls (PyTorch's default): the FP8 P_hat / 448 is not TF32-exact.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from mpfa.kernels.formats import NVFP4_BLOCK, fake_quant_fp8, fake_quant_nvfp4, fake_quant_p_fp8
+from mpfa.kernels.smoothing import SmoothingMeans, center, check_cu_seqlens, delta_s, sequence_means
+
+_FORMATS = ("exact", "bf16", "fp8", "nvfp4")
+
+
+@dataclass(frozen=True)
+class VariantSpec:
+    """Operand formats of one attention variant. ``exact`` keeps float64 values (the ``float64`` reference only)."""
+
+    name: str
+    q: str
+    k: str
+    p: str
+    v: str
+    smoothing: bool
+    description: str
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return torch.float64 if self.q == "exact" else torch.float32
+
+
+VARIANTS: dict[str, VariantSpec] = {
+    spec.name: spec
+    for spec in (
+        VariantSpec("float64", "exact", "exact", "exact", "exact", False, "float64 throughout, no quantization"),
+        VariantSpec("bf16", "bf16", "bf16", "bf16", "bf16", False, "BF16 operands, FP32 accumulation (FA2/FA3)"),
+        VariantSpec("fp8", "bf16", "fp8", "bf16", "fp8", False, "FlashInfer-FP8 analogue: FP8 K/V cache, BF16 Q and P"),
+        VariantSpec("qk4-pv16", "nvfp4", "nvfp4", "bf16", "bf16", True, "centered NVFP4 Q/K + Delta_S, BF16 P/V"),
+        VariantSpec("qk4-pv8-direct", "nvfp4", "nvfp4", "fp8", "fp8", False, "NVFP4 Q/K without smoothing, FP8 P/V"),
+        VariantSpec("mpfa", "nvfp4", "nvfp4", "fp8", "fp8", True, "MpFA: centered NVFP4 Q/K + Delta_S, FP8 P and V"),
+        VariantSpec("qk4-pv4", "nvfp4", "nvfp4", "nvfp4", "nvfp4", True, "centered NVFP4 Q/K + Delta_S, NVFP4 P and V"),
+    )
+}
+
+
+@dataclass(frozen=True)
+class DecodePartials:
+    """Split-KV decode state per (request, query head, partition): ``m`` the max raw score (-inf when the partition
+    is empty), ``l`` the sum of ``exp2(lam * (S - m))`` (0 when empty), ``o`` the partition's normalized output
+    (0 when empty); m, l [batch, Hq, partitions], o [batch, Hq, partitions, d]. ``lam = log2(e) * sm_scale``."""
+
+    m: torch.Tensor
+    l: torch.Tensor
+    o: torch.Tensor
+    lam: float
+
+
+@dataclass(frozen=True)
+class _Sequences:
+    """Packed operands after layout resolution: k, v [total_k, Hkv, d] and int64 CPU cu_seqlens."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+
+
+def _variant(name: str) -> VariantSpec:
+    if name not in VARIANTS:
+        raise ValueError(f"unknown attention variant {name!r}; choose one of {', '.join(VARIANTS)}")
+    return VARIANTS[name]
+
+
+def _lam(sm_scale: float | None, head_dim: int) -> float:
+    scale = 1.0 / math.sqrt(head_dim) if sm_scale is None else float(sm_scale)
+    if not math.isfinite(scale) or scale <= 0:
+        raise ValueError(f"sm_scale must be positive and finite, got {sm_scale!r}")
+    return math.log2(math.e) * scale
+
+
+def _check_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_dims: int) -> None:
+    if q.dim() != 3:
+        raise ValueError(f"q must be [tokens, Hq, d], got shape {tuple(q.shape)}")
+    if k.dim() != kv_dims or k.shape != v.shape:
+        layout = "[num_pages, page_size, Hkv, d]" if kv_dims == 4 else "[total_k, Hkv, d]"
+        raise ValueError(f"k and v must both be {layout}, got {tuple(k.shape)} and {tuple(v.shape)}")
+    head_dim, num_q_heads, num_kv_heads = q.shape[-1], q.shape[-2], k.shape[-2]
+    if k.shape[-1] != head_dim:
+        raise ValueError(f"q head_dim {head_dim} differs from k/v head_dim {k.shape[-1]}")
+    if head_dim == 0 or head_dim % NVFP4_BLOCK:
+        raise ValueError(f"head_dim must be a positive multiple of {NVFP4_BLOCK} (kernels: 64 or 128), got {head_dim}")
+    if num_kv_heads == 0 or num_q_heads % num_kv_heads:
+        raise ValueError(f"Hq ({num_q_heads}) must be a multiple of Hkv ({num_kv_heads})")
+
+
+def _gather_pages(cache: torch.Tensor, page_table: torch.Tensor, cu_k: torch.Tensor) -> torch.Tensor:
+    page_size = cache.shape[1]
+    lengths = cu_k[1:] - cu_k[:-1]
+    seq = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
+    pos = torch.arange(int(cu_k[-1])) - cu_k[:-1][seq]
+    slots = page_table[seq, pos // page_size].long() * page_size + pos % page_size
+    return cache.flatten(0, 1)[slots.to(cache.device)]
+
+
+def _resolve(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seqlens_q: torch.Tensor | None,
+    cu_seqlens_k: torch.Tensor | None,
+    page_table: torch.Tensor | None,
+    page_size: int | None,
+) -> _Sequences:
+    """Validate shapes and bring a packed or paged KV input to packed sequences."""
+    paged = page_table is not None
+    _check_heads(q, k, v, 4 if paged else 3)
+    if paged:
+        if cu_seqlens_q is None or cu_seqlens_k is None:
+            raise ValueError("a paged KV cache needs cu_seqlens_q and cu_seqlens_k (the KV length of each sequence)")
+        if page_size is None or k.shape[1] != page_size:
+            raise ValueError(f"page_size {page_size} does not match the cache's page dimension {k.shape[1]}")
+        table = torch.as_tensor(page_table).detach().to("cpu", torch.int64)
+        lengths = torch.diff(torch.as_tensor(cu_seqlens_k).detach().to("cpu", torch.int64))
+        if table.dim() != 2 or table.shape[0] != lengths.numel():
+            raise ValueError(f"page_table must be [batch={lengths.numel()}, max_pages], got {tuple(table.shape)}")
+        pages_needed = (lengths + page_size - 1) // page_size
+        if bool((pages_needed > table.shape[1]).any()):
+            raise ValueError(f"a sequence needs more than the page_table's {table.shape[1]} pages")
+        used = torch.arange(table.shape[1]) < pages_needed[:, None]
+        if bool(((table < 0) | (table >= k.shape[0]))[used].any()):
+            raise ValueError(f"page_table refers to pages outside the cache's {k.shape[0]} pages")
+        cu_k = check_cu_seqlens(cu_seqlens_k, int(lengths.sum()), "cu_seqlens_k")
+        k, v = _gather_pages(k, table, cu_k), _gather_pages(v, table, cu_k)
+    elif (cu_seqlens_q is None) != (cu_seqlens_k is None):
+        raise ValueError("pass both cu_seqlens_q and cu_seqlens_k, or neither (one sequence)")
+    if cu_seqlens_q is None:
+        cu_seqlens_q = torch.tensor([0, q.shape[0]])
+        cu_seqlens_k = torch.tensor([0, k.shape[0]])
+    cu_q = check_cu_seqlens(cu_seqlens_q, q.shape[0], "cu_seqlens_q")
+    cu_k = check_cu_seqlens(cu_seqlens_k, k.shape[0], "cu_seqlens_k")
+    if cu_q.numel() != cu_k.numel():
+        raise ValueError(f"cu_seqlens_q has {cu_q.numel() - 1} sequences but cu_seqlens_k has {cu_k.numel() - 1}")
+    if not all(bool(torch.isfinite(x).all()) for x in (q, k, v)):
+        raise ValueError("q, k and v must be finite: the inputs (the used cache slots, if paged) hold NaN or Inf")
+    return _Sequences(k, v, cu_q, cu_k)
+
+
+def _fake_quant_along_tokens(v: torch.Tensor) -> torch.Tensor:
+    """NVFP4 for one sequence's V [L, Hkv, d] in 16-token blocks from its first token (zero-padded at the end)."""
+    length = v.shape[0]
+    pad = -length % NVFP4_BLOCK
+    by_channel = torch.nn.functional.pad(v.permute(1, 2, 0), (0, pad))  # [Hkv, d, L + pad]
+    return fake_quant_nvfp4(by_channel)[..., :length].permute(2, 0, 1)
+
+
+def _operand(x: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "bf16":
+        return x.float()
+    if fmt == "fp8":
+        return fake_quant_fp8(x)
+    return fake_quant_nvfp4(x)
+
+
+@dataclass(frozen=True)
+class _Operands:
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    delta_s: torch.Tensor | None  # [total_k, Hq] in the compute dtype
+
+
+def _check_means(means: SmoothingMeans, batch: int, q: torch.Tensor, k: torch.Tensor) -> None:
+    expected_q, expected_k = (batch, *q.shape[1:]), (batch, *k.shape[1:])
+    if tuple(means.q_mean.shape) != expected_q or tuple(means.k_mean.shape) != expected_k:
+        raise ValueError(
+            f"means must be q_mean {expected_q} and k_mean {expected_k}, "
+            f"got {tuple(means.q_mean.shape)} and {tuple(means.k_mean.shape)}"
+        )
+
+
+def _check_options(spec: VariantSpec, means: SmoothingMeans | None, v_scale: float | torch.Tensor | None) -> None:
+    """Options a variant does not use are an error rather than silently ignored."""
+    if means is not None and not spec.smoothing:
+        raise ValueError(f"means apply to smoothing variants; {spec.name!r} does not center Q/K")
+    if v_scale is not None and spec.v != "fp8":
+        raise ValueError(f"v_scale applies to FP8 V; variant {spec.name!r} stores V as {spec.v}")
+
+
+def _v_scale(v_scale: float | torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
+    """FP8 V scale broadcastable over v [total_k, Hkv, d]: a scalar or one value per KV head."""
+    scale = torch.as_tensor(1.0 if v_scale is None else v_scale, dtype=torch.float32, device=v.device)
+    if scale.dim() == 0:
+        return scale
+    if tuple(scale.shape) != (v.shape[1],):
+        raise ValueError(f"v_scale must be a scalar or one value per KV head [{v.shape[1]}], got {tuple(scale.shape)}")
+    return scale.view(1, -1, 1)
+
+
+def _prepare(
+    spec: VariantSpec,
+    q: torch.Tensor,
+    seqs: _Sequences,
+    means: SmoothingMeans | None,
+    v_scale: float | torch.Tensor | None,
+) -> _Operands:
+    """Round inputs to BF16, center (smoothing variants) and pass Q/K/V through the variant's formats."""
+    if spec.q == "exact":
+        return _Operands(q.double(), seqs.k.double(), seqs.v.double(), None)
+    q, k, v = (x.to(torch.bfloat16).float() for x in (q, seqs.k, seqs.v))
+    ds = None
+    if spec.smoothing:
+        if means is None:
+            means = SmoothingMeans(sequence_means(q, seqs.cu_q), sequence_means(k, seqs.cu_k))
+        _check_means(means, seqs.cu_q.numel() - 1, q, k)
+        q, k = center(q, means.q_mean, seqs.cu_q), center(k, means.k_mean, seqs.cu_k)
+        ds = delta_s(means.q_mean, k, seqs.cu_k).float()
+    if spec.v == "nvfp4":
+        bounds = seqs.cu_k.tolist()
+        v_op = torch.cat([_fake_quant_along_tokens(v[a:b]) for a, b in zip(bounds, bounds[1:])])
+    elif spec.v == "fp8":
+        v_op = fake_quant_fp8(v, _v_scale(v_scale, v))
+    else:
+        v_op = _operand(v, spec.v)
+    return _Operands(_operand(q, spec.q), _operand(k, spec.k), v_op, ds)
+
+
+def _p_operand(p: torch.Tensor, fmt: str) -> torch.Tensor:
+    if fmt == "exact":
+        return p
+    if fmt == "bf16":
+        return p.to(torch.bfloat16).float()
+    if fmt == "fp8":
+        return fake_quant_p_fp8(p)
+    pad = -p.shape[-1] % NVFP4_BLOCK  # masked keys past the tile's end are zeros in the kernel's full tile
+    return fake_quant_nvfp4(torch.nn.functional.pad(p, (0, pad)))[..., : p.shape[-1]]
+
+
+def _kv_tiles(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ds: torch.Tensor | None,
+    q_pos: torch.Tensor | None,
+    kv_range: tuple[int, int],
+    *,
+    spec: VariantSpec,
+    lam: float,
+    block_n: int,
+    reverse: bool,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Online softmax of one Q tile over the KV tiles of ``kv_range`` (tiles aligned to the sequence start).
+
+    q [Hq, rows, d]; k, v [Hkv, L, d]; ds [Hq, L] or None; q_pos [rows]: last visible key per row (None: all).
+    Returns m, l [Hq, rows] and the unnormalized acc [Hq, rows, d]."""
+    num_q_heads, rows, head_dim = q.shape
+    num_kv_heads = k.shape[0]
+    group = num_q_heads // num_kv_heads
+    q_grouped = q.view(num_kv_heads, group * rows, head_dim)
+    m = torch.full((num_q_heads, rows), -math.inf, dtype=q.dtype, device=q.device)
+    l = torch.zeros((num_q_heads, rows), dtype=q.dtype, device=q.device)
+    acc = torch.zeros((num_q_heads, rows, head_dim), dtype=q.dtype, device=q.device)
+    start, end = kv_range
+    last_visible = end - 1 if q_pos is None else min(end - 1, int(q_pos.max()))
+    tiles = list(range(start, last_visible + 1, block_n))
+    for t in reversed(tiles) if reverse else tiles:
+        keys = torch.arange(t, min(t + block_n, end), device=q.device)
+        s = (q_grouped @ k[:, keys].transpose(-1, -2)).view(num_q_heads, rows, keys.numel())
+        if ds is not None:
+            s = s + ds[:, None, keys]
+        if q_pos is not None:
+            s = s.masked_fill(keys[None, None, :] > q_pos[None, :, None], -math.inf)
+        m_new = torch.maximum(m, s.amax(-1))
+        m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all-masked row: exp2(-inf) = 0
+        p = torch.exp2(s * lam - (m_ref * lam)[..., None])
+        alpha = torch.exp2(m * lam - m_ref * lam)
+        l = alpha * l + p.sum(-1)
+        pv = _p_operand(p, spec.p).reshape(num_kv_heads, group * rows, keys.numel()) @ v[:, keys]
+        acc = alpha[..., None] * acc + pv.view(num_q_heads, rows, head_dim)
+        m = m_new
+    return m, l, acc
+
+
+def _normalize(acc: torch.Tensor, l: torch.Tensor) -> torch.Tensor:
+    safe = torch.where(l > 0, l, torch.ones_like(l))
+    return torch.where((l > 0)[..., None], acc / safe[..., None], torch.zeros_like(acc))
+
+
+def _check_block(name: str, value: int) -> None:
+    if value <= 0 or value % NVFP4_BLOCK:
+        raise ValueError(f"{name} must be a positive multiple of {NVFP4_BLOCK}, got {value}")
+
+
+def attention_float64(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    page_size: int | None = None,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """Dense float64 softmax attention with the layouts and masking of ``attention``; no quantization."""
+    seqs = _resolve(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, page_size)
+    scale = _lam(sm_scale, q.shape[-1]) / math.log2(math.e)
+    num_q_heads, num_kv_heads = q.shape[1], seqs.k.shape[1]
+    out = torch.full(q.shape, math.nan, dtype=torch.float64, device=q.device)
+    bounds_q, bounds_k = seqs.cu_q.tolist(), seqs.cu_k.tolist()
+    for (qa, qb), (ka, kb) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+        q_s = q[qa:qb].double().transpose(0, 1)  # [Hq, Lq, d]
+        k_s = seqs.k[ka:kb].double().transpose(0, 1).repeat_interleave(num_q_heads // num_kv_heads, 0)
+        v_s = seqs.v[ka:kb].double().transpose(0, 1).repeat_interleave(num_q_heads // num_kv_heads, 0)
+        s = (q_s @ k_s.transpose(-1, -2)) * scale
+        if causal:
+            rows, keys = torch.arange(qb - qa, device=q.device), torch.arange(kb - ka, device=q.device)
+            s = s.masked_fill(keys[None, :] > (rows + (kb - ka) - (qb - qa))[:, None], -math.inf)
+        row_max = s.amax(-1, keepdim=True) if kb > ka else torch.zeros_like(s[..., :1])
+        p = torch.exp(s - torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max))
+        out[qa:qb] = _normalize(p @ v_s, p.sum(-1)).transpose(0, 1)
+    return out
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    variant: str,
+    causal: bool,
+    cu_seqlens_q: torch.Tensor | None = None,
+    cu_seqlens_k: torch.Tensor | None = None,
+    page_table: torch.Tensor | None = None,
+    page_size: int | None = None,
+    block_m: int = 128,
+    block_n: int = 128,
+    sm_scale: float | None = None,
+    means: SmoothingMeans | None = None,
+    v_scale: float | torch.Tensor | None = None,
+    reverse_kv: bool = True,
+) -> torch.Tensor:
+    """Tiled attention (see the module docstring) of a named variant -> [total_q, Hq, d].
+
+    ``means``: smoothing means to use instead of the per-request means of q and k (smoothing variants only).
+    ``v_scale``: FP8 V dequantization scale, a float or one FP32 value per KV head (default 1.0; FP8-V variants).
+    ``variant='float64'`` is the dense float64 reference (tile sizes and order do not apply)."""
+    spec = _variant(variant)
+    _check_options(spec, means, v_scale)
+    if spec.q == "exact":
+        return attention_float64(
+            q, k, v, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
+            page_table=page_table, page_size=page_size, sm_scale=sm_scale,
+        )
+    _check_block("block_m", block_m)
+    _check_block("block_n", block_n)
+    seqs = _resolve(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, page_size)
+    lam = _lam(sm_scale, q.shape[-1])
+    ops = _prepare(spec, q, seqs, means, v_scale)
+    out = torch.full(q.shape, math.nan, dtype=spec.compute_dtype, device=q.device)
+    bounds_q, bounds_k = seqs.cu_q.tolist(), seqs.cu_k.tolist()
+    for (qa, qb), (ka, kb) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
+        k_s, v_s = ops.k[ka:kb].transpose(0, 1), ops.v[ka:kb].transpose(0, 1)
+        ds = None if ops.delta_s is None else ops.delta_s[ka:kb].transpose(0, 1)
+        for row in range(qa, qb, block_m):
+            rows = torch.arange(row - qa, min(row + block_m, qb) - qa, device=q.device)
+            q_pos = rows + (kb - ka) - (qb - qa) if causal else None
+            q_tile = ops.q[qa + rows].transpose(0, 1).contiguous()
+            m, l, acc = _kv_tiles(
+                q_tile, k_s, v_s, ds, q_pos, (0, kb - ka), spec=spec, lam=lam, block_n=block_n, reverse=reverse_kv
+            )
+            out[qa + rows] = _normalize(acc, l).transpose(0, 1)
+    return out
+
+
+def decode_partials(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    variant: str,
+    cu_seqlens_k: torch.Tensor,
+    page_table: torch.Tensor | None = None,
+    page_size: int | None = None,
+    partition_size: int = 1024,
+    block_n: int = 128,
+    sm_scale: float | None = None,
+    means: SmoothingMeans | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> DecodePartials:
+    """Split-KV decode: one query token per request, q [batch, Hq, d], against its cache (packed or paged, as in
+    ``attention``); the cache holds the current token. Partition p covers tokens
+    ``[p * partition_size, (p + 1) * partition_size)``; the number of partitions is set by the longest sequence and
+    shorter ones get empty partitions (m = -inf, l = 0, o = 0, no exponentials). Smoothing variants need the
+    request's frozen prefill ``means``; ``float64`` runs the same tiles in float64."""
+    spec = _variant(variant)
+    _check_options(spec, means, v_scale)
+    _check_block("block_n", block_n)
+    if partition_size <= 0 or partition_size % block_n:
+        raise ValueError(f"partition_size must be a positive multiple of block_n={block_n}, got {partition_size}")
+    if spec.smoothing and means is None:
+        raise ValueError(f"variant {variant!r} centers Q/K: pass the request's frozen prefill means")
+    cu_q = torch.arange(q.shape[0] + 1)
+    seqs = _resolve(q, k, v, cu_q, cu_seqlens_k, page_table, page_size)
+    lam = _lam(sm_scale, q.shape[-1])
+    ops = _prepare(spec, q, seqs, means, v_scale)
+    batch, num_q_heads, head_dim = q.shape
+    lengths = (seqs.cu_k[1:] - seqs.cu_k[:-1]).tolist()
+    parts = max(1, -(-max(lengths, default=0) // partition_size))
+    dtype, device = spec.compute_dtype, q.device
+    m = torch.full((batch, num_q_heads, parts), math.nan, dtype=dtype, device=device)
+    l = torch.full_like(m, math.nan)
+    o = torch.full((batch, num_q_heads, parts, head_dim), math.nan, dtype=dtype, device=device)
+    for b, (ka, length) in enumerate(zip(seqs.cu_k.tolist(), lengths)):
+        k_s, v_s = ops.k[ka : ka + length].transpose(0, 1), ops.v[ka : ka + length].transpose(0, 1)
+        ds = None if ops.delta_s is None else ops.delta_s[ka : ka + length].transpose(0, 1)
+        for p in range(parts):
+            start, end = p * partition_size, min((p + 1) * partition_size, length)
+            if start >= end:
+                m[b, :, p], l[b, :, p], o[b, :, p] = -math.inf, 0.0, 0.0
+                continue
+            mp, lp, acc = _kv_tiles(
+                ops.q[b][:, None], k_s, v_s, ds, None, (start, end), spec=spec, lam=lam, block_n=block_n, reverse=True
+            )
+            m[b, :, p], l[b, :, p], o[b, :, p] = mp[:, 0], lp[:, 0], _normalize(acc, lp)[:, 0]
+    return DecodePartials(m, l, o, lam)
+
+
+def merge_partials(partials: DecodePartials) -> torch.Tensor:
+    """Log-sum-exp merge of split-KV partials -> [batch, Hq, d]; a request with no keys gives 0."""
+    m_max = partials.m.amax(-1, keepdim=True)
+    m_ref = torch.where(torch.isinf(m_max), torch.zeros_like(m_max), m_max)
+    weights = partials.l * torch.exp2(partials.m * partials.lam - m_ref * partials.lam)
+    return _normalize((weights[..., None] * partials.o).sum(-2), weights.sum(-1))
+
+
+def decode(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    variant: str,
+    cu_seqlens_k: torch.Tensor,
+    page_table: torch.Tensor | None = None,
+    page_size: int | None = None,
+    partition_size: int = 1024,
+    block_n: int = 128,
+    sm_scale: float | None = None,
+    means: SmoothingMeans | None = None,
+    v_scale: float | torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``merge_partials(decode_partials(...))`` -> [batch, Hq, d]."""
+    return merge_partials(
+        decode_partials(
+            q, k, v, variant=variant, cu_seqlens_k=cu_seqlens_k, page_table=page_table, page_size=page_size,
+            partition_size=partition_size, block_n=block_n, sm_scale=sm_scale, means=means, v_scale=v_scale,
+        )
+    )

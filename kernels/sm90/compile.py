@@ -1,0 +1,35 @@
+"""Compile the sm90 CuTe DSL kernels from fake tensors: the same path on the H200 (then called with torch tensors
+through TVM-FFI) and on a CPU-only machine (CI compiles every kernel for sm_90a so a broken kernel fails CI).
+
+``CUTE_DSL_ARCH`` must name the target before `cutlass` is imported; `target_sm90a()` sets it when unset.
+Symbolic sizes (`cute.sym_int`) keep one compiled kernel per configuration, whatever the batch, cache size or
+number of partitions.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+ARCH = "sm_90a"
+
+
+def target_sm90a() -> None:
+    os.environ.setdefault("CUTE_DSL_ARCH", ARCH)
+
+
+def fake_tensor(dtype: Any, shape: tuple, *, align: int = 16) -> Any:
+    """A compact row-major fake tensor; ``None`` entries of ``shape`` become symbolic sizes."""
+    import cutlass.cute as cute
+
+    dims = tuple(cute.sym_int() if size is None else size for size in shape)
+    order = tuple(range(len(dims) - 1, -1, -1))
+    return cute.runtime.make_fake_compact_tensor(dtype, dims, stride_order=order, assumed_align=align)
+
+
+def compile_kernel(launcher: Any, *args: Any) -> Any:
+    """``cute.compile`` with a fake stream taken from the caller's current stream at call time (TVM-FFI)."""
+    import cutlass.cute as cute
+
+    stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
+    return cute.compile(launcher, *args, stream, options="--enable-tvm-ffi")

@@ -1,0 +1,289 @@
+"""Split-KV decode attention over the MpFA paged cache (NVFP4 K + e4m3 scales, FP8 V, BF16 Delta_S), CuTe DSL.
+
+One warp (one CTA) per (KV head, partition, request); the grid is sized by the preallocated workspace, so the
+launch never reads sequence lengths on the host and can be captured in a CUDA graph. The warp walks its
+partition's 32-key tiles last to first, exactly like `mpfa.kernels.reference.decode_partials` with
+``block_n = 32``:
+
+    S = Q_c K_c^T + Delta_S   (FP16 MMA on exactly dequantized NVFP4; Delta_S initialises the accumulator)
+    m = max(m, rowmax S);  P = exp2(lam S - lam m);  l = alpha l + rowsum P;  O = alpha O + e4m3(448 P) V
+
+and writes the partition's (m, l, O / (448 l)) to the workspace; `decode_merge` combines partitions. The
+register layout is in `decode_layout`. Exponentials run only for the group's real query heads (the other MMA rows
+are padding) and only on keys the tile holds; keys past the sequence end get S = -inf and are never read.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from mpfa.kernels.sm90 import decode_layout as lay
+from mpfa.kernels.sm90.ptx import (
+    bits_to_f32,
+    e4m3x2_to_f16x2,
+    exp2_approx,
+    f32x2_to_e4m3x2,
+    load_u16,
+    load_v4_u32,
+    mma_e4m3_m16n8k32,
+    mma_f16_m16n8k16,
+    mul_f16x2,
+    prmt,
+    shuffle_idx,
+    shuffle_xor,
+    store_v4_f32,
+)
+
+HEAD_DIM = 128
+K_ROW_BYTES = HEAD_DIM // 2
+SCALE_ROW_BYTES = HEAD_DIM // 16
+P_SCALE = 448.0
+BF16_MINUS_INF = 0xFF80
+MAX_GROUP = 8
+
+
+class SplitKVDecodeSm90:
+    """Compile-time shape of one decode kernel: ``num_kv_heads``, the GQA ``group`` (<= 8) and ``page_size``."""
+
+    def __init__(self, num_kv_heads: int, group: int, page_size: int) -> None:
+        if not 1 <= group <= MAX_GROUP:
+            raise ValueError(f"the sm90 decode kernel packs 1..{MAX_GROUP} query heads per KV head, got {group}")
+        if page_size <= 0 or page_size & (page_size - 1):
+            raise ValueError(f"page_size must be a power of two, got {page_size}")
+        self.num_kv_heads = num_kv_heads
+        self.group = group
+        self.page_size = page_size
+        self.page_shift = page_size.bit_length() - 1
+
+    @cute.jit
+    def __call__(
+        self,
+        q_codes: cute.Tensor,  # uint8 [B, Hq, 64]
+        q_scales: cute.Tensor,  # uint8 [B, Hq, 8]
+        k_codes: cute.Tensor,  # uint8 [slots, Hkv, 64]
+        k_scales: cute.Tensor,  # uint8 [slots, Hkv, 8]
+        v: cute.Tensor,  # uint8 [slots, Hkv, 128]
+        delta_s: cute.Tensor,  # bf16 [slots, Hq]
+        page_table: cute.Tensor,  # int32 [B, max_pages]
+        seq_lens: cute.Tensor,  # int32 [B]
+        m_part: cute.Tensor,  # fp32 [B, Hq, P]
+        l_part: cute.Tensor,  # fp32 [B, Hq, P]
+        o_part: cute.Tensor,  # fp32 [B, Hq, P, 128]
+        lam_scaled: Float32,  # log2(e) * sm_scale * 2**7 (the MMA yields S * 2**-7)
+        partition_size: Int32,  # a positive multiple of 32
+        stream,
+    ):
+        self.kernel(
+            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part, o_part,
+            lam_scaled, partition_size,
+        ).launch(grid=(self.num_kv_heads, m_part.shape[2], seq_lens.shape[0]), block=(32, 1, 1), stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_codes: cute.Tensor,
+        q_scales: cute.Tensor,
+        k_codes: cute.Tensor,
+        k_scales: cute.Tensor,
+        v: cute.Tensor,
+        delta_s: cute.Tensor,
+        page_table: cute.Tensor,
+        seq_lens: cute.Tensor,
+        m_part: cute.Tensor,
+        l_part: cute.Tensor,
+        o_part: cute.Tensor,
+        lam_scaled: Float32,
+        partition_size: Int32,
+    ):
+        group = self.group
+        num_kv_heads = self.num_kv_heads
+        num_q_heads = num_kv_heads * group
+        lane = cute.arch.lane_idx()
+        kv_head, part, batch_idx = cute.arch.block_idx()
+        g = lane >> 2
+        c = lane & 3
+        head = kv_head * group + g
+        row_valid = g < group
+        seq_len = seq_lens[batch_idx]
+        start = part * partition_size
+        end = cutlass.min(start + partition_size, seq_len)
+        num_parts = m_part.shape[2]
+
+        # Q: lane (g, c) holds head g's chunk c, exactly dequantized to FP16 (e2m1 * 2**-14 * 2**14 * scale).
+        q_row = Int64(batch_idx * num_q_heads + head)
+        q_words = load_v4_u32(q_codes.iterator.toint() + q_row * K_ROW_BYTES + 4 * 4 * c, Uint32(row_valid))
+        q_scale = e4m3x2_to_f16x2(
+            load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c, Uint32(row_valid), Uint32(0))
+        )
+        q_scale_blocks = (prmt(q_scale, q_scale, 0x1010), prmt(q_scale, q_scale, 0x3232))
+        q_regs = []
+        for reg in cutlass.range_constexpr(lay.QK_REGS):
+            word, j = divmod(reg, 4)
+            exact = mul_f16x2(lay.e2m1_word_to_f16x2(q_words[word], j), Uint32(lay.F16X2_TWO_POW_14))
+            q_regs.append(mul_f16x2(exact, q_scale_blocks[word // 2]))
+
+        state = cute.make_rmem_tensor((2,), Float32)  # running max (S * 2**-7) and sum of this lane's head g
+        state[0] = -math.inf
+        state[1] = Float32(0.0)
+        acc = cute.make_rmem_tensor((lay.M_TILES * 4,), Float32)  # O^T accumulators, m-tile major
+        for i in cutlass.range_constexpr(lay.M_TILES * 4):
+            acc[i] = Float32(0.0)
+
+        num_tiles = (cutlass.max(end - start, 0) + lay.TILE_KEYS - 1) // lay.TILE_KEYS
+        k_base = k_codes.iterator.toint()
+        ks_base = k_scales.iterator.toint()
+        v_base = v.iterator.toint()
+        ds_base = delta_s.iterator.toint()
+        for step in cutlass.range(num_tiles, unroll=1):
+            tile = start + (num_tiles - 1 - step) * lay.TILE_KEYS
+            scores = self._qk_tile(q_regs, tile, end, batch_idx, kv_head, head, row_valid, g, c, page_table,
+                                   k_base, ks_base, ds_base)
+            p_regs, alpha = self._online_softmax(scores, state, row_valid, lam_scaled)
+            self._pv_tile(p_regs, alpha, acc, tile, end, batch_idx, kv_head, g, c, page_table, v_base)
+
+        self._store_partials(state, acc, m_part, l_part, o_part, batch_idx, kv_head, part, num_parts, g, c)
+
+    # --- pieces of one tile ------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _slot(self, page_table: cute.Tensor, batch_idx: Int32, token: Int32) -> Int64:
+        if cutlass.const_expr(self.page_size == 1):
+            return Int64(page_table[batch_idx, token])
+        page = Int64(page_table[batch_idx, token >> self.page_shift])
+        return (page << self.page_shift) + Int64(token & (self.page_size - 1))
+
+    @cute.jit
+    def _qk_tile(self, q_regs, tile, end, batch_idx, kv_head, head, row_valid, g, c, page_table,
+                 k_base, ks_base, ds_base):
+        """Scores of the tile's keys for head g: [n-tile][half] = S * 2**-7 at key 8 n + 2c + half (-inf past end)."""
+        num_q_heads = self.num_kv_heads * self.group
+        k_words = []
+        k_scale_regs = []
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            token = tile + lay.qk_key(n_tile, g)
+            valid = token < end
+            slot = self._slot(page_table, batch_idx, cutlass.min(token, end - 1))
+            row = slot * self.num_kv_heads + kv_head
+            k_words.append(load_v4_u32(k_base + row * K_ROW_BYTES + 16 * c, Uint32(valid)))
+            k_scale_regs.append(load_u16(ks_base + row * SCALE_ROW_BYTES + 2 * c, Uint32(valid), Uint32(0)))
+        init = []
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            pair = []
+            for half in cutlass.range_constexpr(2):
+                token = tile + lay.score_key(n_tile, c, half)
+                valid = token < end
+                slot = self._slot(page_table, batch_idx, cutlass.min(token, end - 1))
+                default = Uint32(cutlass.select_(valid, Uint32(0), Uint32(BF16_MINUS_INF)))  # masked keys: S = -inf
+                bits = load_u16(ds_base + (slot * num_q_heads + head) * 2, Uint32(valid & row_valid), default)
+                pair.append(bits_to_f32(bits << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2))
+            init.append(pair)
+
+        scores = []
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            scale = mul_f16x2(e4m3x2_to_f16x2(k_scale_regs[n_tile]), Uint32(lay.F16X2_TWO_POW_7))
+            scale_blocks = (prmt(scale, scale, 0x1010), prmt(scale, scale, 0x3232))
+            c_regs = [init[n_tile][0], init[n_tile][1], Float32(0.0), Float32(0.0)]
+            for k_step in cutlass.range_constexpr(lay.K_STEPS_QK):
+                b_regs = []
+                for reg in lay.qk_step_regs(k_step):
+                    word, j = divmod(reg, 4)
+                    b_regs.append(mul_f16x2(lay.e2m1_word_to_f16x2(k_words[n_tile][word], j),
+                                            scale_blocks[lay.scale_block_of_step(k_step)]))
+                r0, r1 = lay.qk_step_regs(k_step)
+                c_regs = mma_f16_m16n8k16([q_regs[r0], Uint32(0), q_regs[r1], Uint32(0)], b_regs, c_regs)
+            scores.append([c_regs[0], c_regs[1]])
+        return scores
+
+    @cute.jit
+    def _online_softmax(self, scores, state: cute.Tensor, row_valid, lam_scaled: Float32):
+        """Update (m, l) of head g with the tile; -> (P^T fragments b0, b1 in e4m3 x 448, alpha of head g)."""
+        tile_max = scores[0][0]
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            for half in cutlass.range_constexpr(2):
+                tile_max = cute.arch.fmax(tile_max, scores[n_tile][half])
+        tile_max = cute.arch.fmax(tile_max, shuffle_xor(tile_max, 1))
+        tile_max = cute.arch.fmax(tile_max, shuffle_xor(tile_max, 2))
+        m_old = state[0]
+        m_new = cute.arch.fmax(m_old, tile_max)
+        m_lam = m_new * lam_scaled
+        probs = cute.make_rmem_tensor((lay.N_TILES * 2 + 1,), Float32)  # P of the lane's keys, then alpha
+        if row_valid:
+            for n_tile in cutlass.range_constexpr(lay.N_TILES):
+                for half in cutlass.range_constexpr(2):
+                    probs[2 * n_tile + half] = exp2_approx(scores[n_tile][half] * lam_scaled - m_lam)
+            probs[lay.N_TILES * 2] = exp2_approx(m_old * lam_scaled - m_lam)
+        else:
+            for i in cutlass.range_constexpr(lay.N_TILES * 2):
+                probs[i] = Float32(0.0)
+            probs[lay.N_TILES * 2] = Float32(1.0)
+        row_sum = probs[0]
+        for i in cutlass.range_constexpr(1, lay.N_TILES * 2):
+            row_sum = row_sum + probs[i]
+        row_sum = row_sum + shuffle_xor(row_sum, 1)
+        row_sum = row_sum + shuffle_xor(row_sum, 2)
+        alpha = probs[lay.N_TILES * 2]
+        state[0] = m_new
+        state[1] = alpha * state[1] + row_sum
+        pairs = []
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            pairs.append(f32x2_to_e4m3x2(probs[2 * n_tile] * Float32(P_SCALE), probs[2 * n_tile + 1] * Float32(P_SCALE)))
+        return [pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16)], alpha
+
+    @cute.jit
+    def _pv_tile(self, p_regs, alpha, acc: cute.Tensor, tile, end, batch_idx, kv_head, g, c, page_table, v_base):
+        """acc = alpha * acc + e4m3(448 P) V over the tile; lane (g, c) loads V chunk g of its 8 keys."""
+        alpha_heads = (shuffle_idx(alpha, Uint32(8 * c)), shuffle_idx(alpha, Uint32(8 * c + 4)))
+        for i in cutlass.range_constexpr(lay.M_TILES * 4):
+            acc[i] = acc[i] * alpha_heads[i % 2]
+        transposed = []
+        sel_lo, sel_hi, sel_even, sel_odd = lay.transpose_selectors()
+        for k_half in cutlass.range_constexpr(2):
+            rows = []
+            for j in cutlass.range_constexpr(4):
+                token = tile + lay.pv_key(k_half, c, j)
+                valid = token < end
+                slot = self._slot(page_table, batch_idx, cutlass.min(token, end - 1))
+                row = slot * self.num_kv_heads + kv_head
+                rows.append(load_v4_u32(v_base + row * HEAD_DIM + 16 * g, Uint32(valid)))
+            bytes_by_dim = []
+            for word in cutlass.range_constexpr(4):
+                lo01 = prmt(rows[0][word], rows[1][word], sel_lo)
+                hi01 = prmt(rows[0][word], rows[1][word], sel_hi)
+                lo23 = prmt(rows[2][word], rows[3][word], sel_lo)
+                hi23 = prmt(rows[2][word], rows[3][word], sel_hi)
+                bytes_by_dim += [prmt(lo01, lo23, sel_even), prmt(lo01, lo23, sel_odd),
+                                 prmt(hi01, hi23, sel_even), prmt(hi01, hi23, sel_odd)]
+            transposed.append(bytes_by_dim)
+        for m_tile in cutlass.range_constexpr(lay.M_TILES):
+            lower, upper = lay.pv_a_regs(m_tile)
+            a_regs = [transposed[0][lower], transposed[0][upper], transposed[1][lower], transposed[1][upper]]
+            c_regs = [acc[4 * m_tile + i] for i in range(4)]
+            c_regs = mma_e4m3_m16n8k32(a_regs, p_regs, c_regs)
+            for i in cutlass.range_constexpr(4):
+                acc[4 * m_tile + i] = c_regs[i]
+
+    @cute.jit
+    def _store_partials(self, state: cute.Tensor, acc: cute.Tensor, m_part, l_part, o_part,
+                        batch_idx, kv_head, part, num_parts, g, c):
+        """(m, l) of head g from lane (g, 0); O / (448 l) of heads 2c, 2c + 1 over dimensions 16g..16g+15."""
+        num_q_heads = self.num_kv_heads * self.group
+        if g < self.group and c == 0:
+            head = kv_head * self.group + g
+            m_part[batch_idx, head, part] = state[0] * Float32(2.0 ** lay.SCORE_SCALE_LOG2)
+            l_part[batch_idx, head, part] = state[1]
+        o_base = o_part.iterator.toint()
+        for which in cutlass.range_constexpr(2):
+            l_head = shuffle_idx(state[1], Uint32(8 * c + 4 * which))
+            inv = Float32(cutlass.select_(l_head > Float32(0.0), Float32(1.0) / (l_head * Float32(P_SCALE)), Float32(0.0)))
+            head_in_group = 2 * c + which
+            if head_in_group < self.group:
+                head = kv_head * self.group + head_in_group
+                row = (Int64(batch_idx * num_q_heads + head) * num_parts + part) * HEAD_DIM + 16 * g
+                for quad in cutlass.range_constexpr(4):
+                    values = [acc[4 * (2 * quad + pair) + which + 2 * upper] * inv
+                              for pair in range(2) for upper in range(2)]
+                    store_v4_f32(o_base + (row + 4 * quad) * 4, *values)

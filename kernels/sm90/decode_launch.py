@@ -1,0 +1,155 @@
+"""Host side of the sm90 MpFA decode: the split-KV workspace, compiled-kernel cache and the two launches.
+
+`mpfa_decode` never synchronises with the device: the grid comes from the workspace, which is sized for the
+largest context on the host (as SGLang sizes its CUDA graphs), and each CTA reads its request's length on the
+device. Kernels are compiled once per (KV heads, group, page size) and output dtype, from fake tensors with
+symbolic sizes (`compile_decode_kernels` is also what CI runs on a CPU-only machine).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import Any
+
+import torch
+
+from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
+from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
+from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
+
+HEAD_DIM = 128
+MIN_PARTITION = 256
+MAX_PARTITION = 8192
+WARPS_PER_SM_TARGET = 8  # enough decode warps per SM to keep DRAM busy (see profiles/NOTES.md)
+_OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
+
+
+def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
+    """Power-of-two partition (keys per warp) giving about ``WARPS_PER_SM_TARGET`` warps per SM at the longest
+    context, within [MIN_PARTITION, MAX_PARTITION]: shorter partitions cost more partial-state traffic."""
+    per_warp = max_seq_len * batch * num_kv_heads / (WARPS_PER_SM_TARGET * num_sms)
+    size = 1 << max(0, math.ceil(math.log2(max(per_warp, 1))))
+    return min(MAX_PARTITION, max(MIN_PARTITION, size))
+
+
+@dataclass(frozen=True)
+class DecodeWorkspace:
+    """Preallocated split-KV state: m, l [B, Hq, P] and O [B, Hq, P, d] FP32 for P partitions of
+    ``partition_size`` keys (contents are scratch; sized for ``max_seq_len``)."""
+
+    partition_size: int
+    m: torch.Tensor
+    l: torch.Tensor
+    o: torch.Tensor
+
+    @classmethod
+    def allocate(
+        cls,
+        batch: int,
+        num_q_heads: int,
+        num_kv_heads: int,
+        max_seq_len: int,
+        device: torch.device | str,
+        partition_size: int | None = None,
+    ) -> DecodeWorkspace:
+        if batch <= 0 or max_seq_len <= 0:
+            raise ValueError(f"need batch > 0 and max_seq_len > 0, got {batch} and {max_seq_len}")
+        if partition_size is None:
+            device = torch.device(device)
+            sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
+            partition_size = choose_partition_size(batch, num_kv_heads, max_seq_len, sms)
+        if partition_size <= 0 or partition_size % TILE_KEYS:
+            raise ValueError(f"partition_size must be a positive multiple of {TILE_KEYS}, got {partition_size}")
+        parts = -(-max_seq_len // partition_size)
+        m = torch.empty((batch, num_q_heads, parts), dtype=torch.float32, device=device)
+        return cls(partition_size, m, torch.empty_like(m),
+                   torch.empty((batch, num_q_heads, parts, HEAD_DIM), dtype=torch.float32, device=device))
+
+    @property
+    def num_partitions(self) -> int:
+        return self.m.shape[2]
+
+
+@lru_cache(maxsize=None)
+def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16") -> tuple:
+    """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI."""
+    target_sm90a()
+    import cutlass
+    from cutlass import Float32, Int32
+
+    from mpfa.kernels.sm90.decode import SplitKVDecodeSm90
+    from mpfa.kernels.sm90.decode_merge import DecodeMergeSm90
+
+    hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
+    u8, f32 = cutlass.Uint8, Float32
+    partials = (fake_tensor(f32, (None, hq, None)), fake_tensor(f32, (None, hq, None)),
+                fake_tensor(f32, (None, hq, None, d)))
+    seq_lens = fake_tensor(Int32, (None,), align=4)
+    split = compile_kernel(
+        SplitKVDecodeSm90(num_kv_heads, group, page_size),
+        fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
+        fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (None, hkv, d // 16), align=8),
+        fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (None, hq), align=4),
+        fake_tensor(Int32, (None, None), align=4), seq_lens, *partials, Float32(1.0), Int32(TILE_KEYS),
+    )
+    merge = compile_kernel(
+        DecodeMergeSm90(getattr(cutlass, out_dtype)), *partials, seq_lens,
+        fake_tensor(getattr(cutlass, out_dtype), (None, hq, d)), Float32(1.0), Int32(TILE_KEYS),
+    )
+    return split, merge
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def _check_inputs(query: CenteredQuery, cache: MpfaKVCache, page_table: torch.Tensor, seq_lens: torch.Tensor,
+                  workspace: DecodeWorkspace, out: torch.Tensor) -> None:
+    batch, num_q_heads = query.codes.shape[:2]
+    check_head_dim(cache.head_dim)
+    _require(num_q_heads == cache.num_q_heads, f"query has {num_q_heads} heads, the cache {cache.num_q_heads}")
+    _require(tuple(query.codes.shape) == (batch, num_q_heads, HEAD_DIM // 2) and query.codes.is_contiguous()
+             and query.scales.is_contiguous(), "query must be one contiguous centered NVFP4 row per request")
+    _require(seq_lens.dtype == torch.int32 and tuple(seq_lens.shape) == (batch,),
+             f"seq_lens must be int32 [{batch}], got {seq_lens.dtype} {tuple(seq_lens.shape)}")
+    _require(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == batch
+             and page_table.stride(1) == 1, f"page_table must be int32 [{batch}, max_pages] with unit column stride")
+    _require(tuple(workspace.m.shape[:2]) == (batch, num_q_heads),
+             f"workspace is for [{tuple(workspace.m.shape[:2])}] (batch, heads), not [{batch}, {num_q_heads}]")
+    _require(out.dtype in _OUT_DTYPES and tuple(out.shape) == (batch, num_q_heads, HEAD_DIM) and out.is_contiguous(),
+             f"out must be contiguous BF16 or FP32 [{batch}, {num_q_heads}, {HEAD_DIM}]")
+    for name, tensor in (("k_codes", cache.k_codes), ("k_scales", cache.k_scales), ("v", cache.v),
+                         ("delta_s", cache.delta_s), ("query codes", query.codes), ("query scales", query.scales)):
+        _require(tensor.is_contiguous() and tensor.data_ptr() % 16 == 0, f"{name} must be contiguous and 16-byte aligned")
+
+
+def mpfa_decode(
+    query: CenteredQuery,
+    cache: MpfaKVCache,
+    page_table: torch.Tensor,
+    seq_lens: torch.Tensor,
+    workspace: DecodeWorkspace,
+    *,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """One decode step: ``query`` [B, Hq] centered NVFP4 (from `quantize_to_cache`), each request's keys
+    ``seq_lens[b]`` (int32, on the device; the current token included) through ``page_table`` [B, max_pages]
+    (int32, pages of ``cache.page_size`` slots) -> attention output [B, Hq, 128] (``out`` or new BF16).
+    Sequences must fit the workspace (``seq_lens <= partition_size * num_partitions``; not checked on the host)."""
+    batch, num_q_heads = query.codes.shape[:2]
+    out = out if out is not None else torch.empty((batch, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
+                                                  device=query.codes.device)
+    _check_inputs(query, cache, page_table, seq_lens, workspace, out)
+    split, merge = compile_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
+                                          _OUT_DTYPES[out.dtype])
+    lam = float(torch.tensor(math.log2(math.e) * (sm_scale or 1.0 / math.sqrt(HEAD_DIM)), dtype=torch.float32))
+    u8 = torch.uint8
+    split(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
+          cache.delta_s, page_table, seq_lens, workspace.m, workspace.l, workspace.o,
+          lam * 2.0**SCORE_SCALE_LOG2, workspace.partition_size)
+    merge(workspace.m, workspace.l, workspace.o, seq_lens, out, lam, workspace.partition_size)
+    return out

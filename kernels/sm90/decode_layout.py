@@ -1,0 +1,89 @@
+"""Where every operand of the split-KV decode kernel sits in a warp's registers (pure index and bit arithmetic).
+
+The functions work on Python ints, NumPy arrays and CuTe DSL values alike, so the kernel traces them and the CPU
+tests run the same code through a NumPy model of the warp's MMAs (`tests/kernels_sm90`).
+
+One warp decodes one (request, KV head, partition), 32 keys per tile, with two warp-level MMAs whose fragment
+layouts are NVIDIA's (lane = 4 * g + c: g = lane // 4 "group", c = lane % 4 "thread in group"):
+
+* S = Q K^T on ``mma.m16n8k16`` FP16, one per 8-key n-tile and 16-element k-step. Rows are the group's query heads
+  (row g; rows >= group size and rows 8-15 are zero), columns the n-tile's keys. Lane (g, c) loads key
+  ``8 n + g``'s 16-byte chunk c of the NVFP4 K row (elements 32c..32c+31, blocks 2c and 2c+1) and supplies
+  those 32 elements over the 8 k-steps; it supplies the same elements of query head g's Q row, so the product
+  sums every d exactly once whatever the order. The accumulator starts at Delta_S (the compensation enters
+  through the MMA) and lane (g, c) ends with S[head g, keys 8 n + 2c, 8 n + 2c + 1].
+* O^T = V^T P^T on ``mma.m16n8k32`` e4m3, one per 16-dimension m-tile and 32-key step. P^T's k-index 4c..4c+3
+  is keys (2c, 2c+1) of n-tiles 0 and 1 and 16+4c.. those of n-tiles 2 and 3: exactly the scores lane (g, c)
+  already holds for head g, so P never leaves the registers. Lane (g, c) loads chunk g (dimensions 16g..16g+15)
+  of the V rows of those 8 keys and transposes bytes so a register holds 4 keys of one dimension.
+  Row g of m-tile t is dimension ``16g + 2t``, row g + 8 is ``16g + 2t + 1``; lane (g, c) ends with O for heads
+  2c and 2c + 1 over dimensions 16g..16g+15.
+"""
+
+from __future__ import annotations
+
+TILE_KEYS = 32
+N_TILES = TILE_KEYS // 8
+M_TILES = 8
+K_STEPS_QK = 8
+QK_REGS = 16  # f16x2 registers a lane holds for its 32-element chunk of a K (or Q) row
+
+F16X2_TWO_POW_14 = 0x74007400  # 2**14 in both halves
+F16X2_TWO_POW_7 = 0x58005800  # 2**7 in both halves
+SCORE_SCALE_LOG2 = 7  # the MMA produces S * 2**-7 (K is dequantized as e2m1 * scale * 2**-7 to stay exact in FP16)
+
+
+def qk_key(n_tile, g):
+    """Key (within the tile) whose K chunk lane-group g loads for n-tile ``n_tile``."""
+    return 8 * n_tile + g
+
+
+def score_key(n_tile, c, half):
+    """Key (within the tile) of accumulator column 2c + half of n-tile ``n_tile``."""
+    return 8 * n_tile + 2 * c + half
+
+
+def pv_key(k_half, c, j):
+    """Key (within the tile) at P^T k-index ``16 k_half + 4c + j`` (j in 0..3) of the 32-key PV step."""
+    return 8 * (2 * k_half + j // 2) + 2 * c + j % 2
+
+
+def o_dim(m_tile, g, upper):
+    """Head dimension of O^T row ``g + 8 upper`` in m-tile ``m_tile``."""
+    return 16 * g + 2 * m_tile + upper
+
+
+def e2m1_word_to_f16x2(word, j):
+    """Word of 8 e2m1 codes -> f16x2 of codes j (low half) and j + 4 (high half), as value * 2**-14, exact.
+
+    The code's exponent and mantissa bits become the low FP16 exponent bits and the top mantissa bit, so the
+    e2m1 subnormal 0.5 and zero land on FP16 subnormals/zero: no special cases."""
+    shift = 9 - 4 * j
+    magnitude = (word << shift) if shift >= 0 else (word >> -shift)
+    return (magnitude & 0x0E000E00) | ((word << (12 - 4 * j)) & 0x80008000)
+
+
+def chunk_element(reg, half):
+    """Element (0..31) of a lane's 32-element chunk in f16x2 register ``reg`` (= 4 * word + j), half 0 or 1."""
+    word, j = divmod(reg, 4)
+    return 8 * word + j + 4 * half
+
+
+def qk_step_regs(step):
+    """The two f16x2 registers (b0 = k 2c, 2c+1; b1 = k 2c+8, 2c+9) a lane feeds to QK k-step ``step``."""
+    return 2 * step, 2 * step + 1
+
+
+def scale_block_of_step(step):
+    """0 for the chunk's first NVFP4 block (block 2c), 1 for the second (block 2c + 1)."""
+    return step // 4
+
+
+def transpose_selectors():
+    """prmt selectors of a 4x4 byte transpose: rows r0..r3 -> X[b] = (r0.b, r1.b, r2.b, r3.b)."""
+    return 0x5140, 0x7362, 0x5410, 0x7632
+
+
+def pv_a_regs(m_tile):
+    """Indices into the transposed V bytes (4 x word + byte) feeding a0/a1 (first key half) and a2/a3 (second)."""
+    return 2 * m_tile, 2 * m_tile + 1

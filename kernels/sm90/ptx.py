@@ -1,0 +1,173 @@
+"""Inline-PTX building blocks for the sm90 CuTe DSL kernels: predicated vector loads, warp-level MMAs on raw
+registers, byte permutes and FP8 conversions.
+
+The kernels place every operand in registers themselves (their fragment maps are in `decode_layout`), so the
+MMAs take plain 32-bit registers instead of CuTe fragments. The CuTe DSL built against CUDA 12.9 refuses its
+SM89 FP8 warp-MMA atom, but ptxas accepts ``mma.sync ... e4m3`` for sm_90a, so it is issued here directly.
+"""
+
+from __future__ import annotations
+
+from cutlass import Float32, Int64, Uint32
+from cutlass._mlir.dialects import llvm
+from cutlass.cutlass_dsl import T, dsl_user_op
+
+
+def _asm(result_types: list, operands: list, text: str, constraints: str):
+    struct = len(result_types) > 1
+    return llvm.inline_asm(
+        llvm.StructType.get_literal(result_types) if struct else result_types[0],
+        operands,
+        text,
+        constraints,
+        has_side_effects=False,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    ), struct
+
+
+def _unpack(value, struct: bool, count: int, ir_type, wrap):
+    if not struct:
+        return wrap(value)
+    return [wrap(llvm.extractvalue(ir_type, value, [i])) for i in range(count)]
+
+
+def _u32(x, loc=None, ip=None):
+    return Uint32(x).ir_value(loc=loc, ip=ip)
+
+
+def _f32(x, loc=None, ip=None):
+    return Float32(x).ir_value(loc=loc, ip=ip)
+
+
+@dsl_user_op
+def load_v4_u32(address: Int64, predicate: Uint32, *, loc=None, ip=None) -> list:
+    """16 bytes from global memory (read-only path) as 4 x u32; zeros when ``predicate`` is 0 (nothing is read)."""
+    value, struct = _asm(
+        [T.i32()] * 4,
+        [Int64(address).ir_value(loc=loc, ip=ip), _u32(predicate, loc, ip)],
+        "{\n .reg .pred p;\n setp.ne.u32 p, $5, 0;\n"
+        " mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
+        " @p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
+        "=&r,=&r,=&r,=&r,l,r",
+    )
+    return _unpack(value, struct, 4, T.i32(), Uint32)
+
+
+@dsl_user_op
+def load_u16(address: Int64, predicate: Uint32, default: Uint32, *, loc=None, ip=None) -> Uint32:
+    """A 16-bit global load, zero-extended; ``default`` when ``predicate`` is 0 (nothing is read)."""
+    value, struct = _asm(
+        [T.i32()],
+        [Int64(address).ir_value(loc=loc, ip=ip), _u32(predicate, loc, ip), _u32(default, loc, ip)],
+        "{\n .reg .pred p;\n .reg .b16 h;\n setp.ne.u32 p, $2, 0;\n mov.b32 $0, $3;\n"
+        " @p ld.global.nc.u16 h, [$1];\n @p cvt.u32.u16 $0, h;\n}",
+        "=&r,l,r,r",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def store_v4_f32(address: Int64, a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None,
+        [Int64(address).ir_value(loc=loc, ip=ip), _f32(a, loc, ip), _f32(b, loc, ip), _f32(c, loc, ip), _f32(d, loc, ip)],
+        "st.global.v4.f32 [$0], {$1, $2, $3, $4};",
+        "l,f,f,f,f",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
+def mma_f16_m16n8k16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
+    """D = A B + C, A 16x16 row-major and B 16x8 column-major in FP16 (4 and 2 f16x2 registers), C/D FP32 (4)."""
+    value, struct = _asm(
+        [T.f32()] * 4,
+        [_u32(x, loc, ip) for x in a] + [_u32(x, loc, ip) for x in b] + [_f32(x, loc, ip) for x in c],
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+    )
+    return _unpack(value, struct, 4, T.f32(), Float32)
+
+
+@dsl_user_op
+def mma_e4m3_m16n8k32(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
+    """D = A B + C, A 16x32 row-major and B 32x8 column-major in FP8 e4m3 (4 and 2 registers of 4), C/D FP32."""
+    value, struct = _asm(
+        [T.f32()] * 4,
+        [_u32(x, loc, ip) for x in a] + [_u32(x, loc, ip) for x in b] + [_f32(x, loc, ip) for x in c],
+        "mma.sync.aligned.m16n8k32.row.col.f32.e4m3.e4m3.f32 {$0, $1, $2, $3}, {$4, $5, $6, $7}, {$8, $9}, "
+        "{$10, $11, $12, $13};",
+        "=f,=f,=f,=f,r,r,r,r,r,r,f,f,f,f",
+    )
+    return _unpack(value, struct, 4, T.f32(), Float32)
+
+
+@dsl_user_op
+def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
+    """Byte permute: byte i of the result is byte ``selector`` nibble i of {b, a} (a = bytes 0-3)."""
+    value, struct = _asm(
+        [T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip)], f"prmt.b32 $0, $1, $2, {selector:#x};", "=r,r,r"
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def mul_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Lane-wise FP16 product of two f16x2 registers, round to nearest (subnormals kept)."""
+    value, struct = _asm([T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r")
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def e4m3x2_to_f16x2(pair: Uint32, *, loc=None, ip=None) -> Uint32:
+    """The two e4m3 bytes in the low 16 bits of ``pair`` -> f16x2 (byte 0 to the low half); exact."""
+    value, struct = _asm(
+        [T.i32()], [_u32(pair, loc, ip)],
+        "{\n .reg .b16 h;\n cvt.u16.u32 h, $1;\n cvt.rn.f16x2.e4m3x2 $0, h;\n}", "=r,r",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def f32x2_to_e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two FP32 -> e4m3 (round to nearest even, saturating) in the low 16 bits: ``lo`` in byte 0, ``hi`` in byte 1."""
+    value, struct = _asm(
+        [T.i32()], [_f32(lo, loc, ip), _f32(hi, loc, ip)],
+        "{\n .reg .b16 h;\n cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;\n cvt.u32.u16 $0, h;\n}", "=r,f,f",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def exp2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
+    """2**x with the SFU (``ex2.approx.ftz``: ~2 ulp, exp2(-inf) = 0)."""
+    value, struct = _asm([T.f32()], [_f32(x, loc, ip)], "ex2.approx.ftz.f32 $0, $1;", "=f,f")
+    return _unpack(value, struct, 1, T.f32(), Float32)
+
+
+@dsl_user_op
+def shuffle_idx(x: Float32, lane: Uint32, *, loc=None, ip=None) -> Float32:
+    """The value of ``x`` held by ``lane`` (all 32 lanes must take part)."""
+    value, struct = _asm(
+        [T.f32()], [_f32(x, loc, ip), _u32(lane, loc, ip)], "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=f,f,r"
+    )
+    return _unpack(value, struct, 1, T.f32(), Float32)
+
+
+@dsl_user_op
+def shuffle_xor(x: Float32, mask: int, *, loc=None, ip=None) -> Float32:
+    """The value of ``x`` held by lane ``lane ^ mask`` (all 32 lanes must take part)."""
+    value, struct = _asm(
+        [T.f32()], [_f32(x, loc, ip)], f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;", "=f,f"
+    )
+    return _unpack(value, struct, 1, T.f32(), Float32)
+
+
+@dsl_user_op
+def bits_to_f32(bits: Uint32, *, loc=None, ip=None) -> Float32:
+    """Reinterpret a 32-bit pattern as FP32."""
+    return Float32(llvm.bitcast(T.f32(), _u32(bits, loc, ip), loc=loc, ip=ip))

@@ -1,0 +1,61 @@
+"""Launch one backend's attention kernel a few times, nothing else: the process ncu and nsys profile.
+
+    python -m mpfa.profiles.launch_one decode --seq 131072 --batch 8 --backend flashinfer-fp8 \
+        --warmup 3 --launches 1 [--profiler-range]
+
+The first `--warmup` calls compile (JIT) and warm up; then `--launches` calls follow, bracketed by
+cudaProfilerStart/Stop when `--profiler-range` is given (for nsys --capture-range=cudaProfilerApi).
+"""
+from __future__ import annotations
+
+import argparse
+
+from mpfa.profiles.inputs import DEFAULT_SEED
+from mpfa.profiles.registry import adapter_for
+from mpfa.profiles.workload import AttentionWorkload, add_workload_arguments, workload_arguments, \
+    workload_from_arguments
+
+MODULE = "mpfa.profiles.launch_one"
+
+
+def launch_arguments(workload: AttentionWorkload, backend: str, *, warmup: int, launches: int,
+                     profiler_range: bool) -> list[str]:
+    """Arguments after the Python executable that run this module for `backend` on `workload`."""
+    arguments = ["-m", MODULE, *workload_arguments(workload), "--backend", backend, "--warmup", str(warmup),
+                 "--launches", str(launches)]
+    return arguments + ["--profiler-range"] if profiler_range else arguments
+
+
+def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    add_workload_arguments(parser)
+    parser.add_argument("--backend", required=True)
+    parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument("--launches", type=int, default=1)
+    parser.add_argument("--profiler-range", action="store_true")
+    return parser.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_arguments(argv)
+    workload = workload_from_arguments(args)
+    adapter = adapter_for(args.backend)
+
+    import torch
+
+    prepared = adapter.prepare(workload, 1, torch.device("cuda"), DEFAULT_SEED)
+    for _ in range(args.warmup):
+        prepared.run(0)
+    torch.cuda.synchronize()
+    if args.profiler_range:
+        torch.cuda.profiler.start()
+    for _ in range(args.launches):
+        prepared.run(0)
+    torch.cuda.synchronize()
+    if args.profiler_range:
+        torch.cuda.profiler.stop()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,136 @@
+"""Nsight Compute: profile one launch of a backend's main attention kernel and read its `--page raw` CSV.
+
+ncu runs `launch_one` for the backend in a child process, skips the warm-up launches of the kernels matching
+the backend's name regex (`--launch-skip` counts matching launches only) and profiles the next one.
+`--csv --page raw --print-units base` prints a header row, a units row, then one row per profiled kernel.
+"""
+from __future__ import annotations
+
+import csv
+import re
+import sys
+from pathlib import Path
+
+from mpfa.profiles.errors import ToolError
+from mpfa.profiles.kernel_adapter import KernelAdapter
+from mpfa.profiles.launch_one import launch_arguments
+from mpfa.profiles.results import NcuKernel, NcuResult
+from mpfa.profiles.tools import find_tool, output_tail, parse_number, run_tool
+from mpfa.profiles.workload import AttentionWorkload
+
+CORE_METRICS = (
+    "gpu__time_duration.sum",
+    "sm__throughput.avg.pct_of_peak_sustained_elapsed",
+    "dram__bytes_read.sum",
+    "dram__bytes_write.sum",
+    "dram__throughput.avg.pct_of_peak_sustained_elapsed",
+    "sm__warps_active.avg.pct_of_peak_sustained_active",  # achieved occupancy
+    "launch__registers_per_thread",
+    "launch__shared_mem_per_block_static",
+    "launch__shared_mem_per_block_dynamic",
+    "launch__grid_size",
+    "launch__block_size",
+)
+# Tensor pipes on sm_90: warpgroup MMA (wgmma: FA4, CUTLASS) and warp-level mma.sync (FlashInfer fa2).
+# Dropped, and the run retried, if this ncu does not know them.
+TENSOR_METRICS = (
+    "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active",
+    "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",
+)
+WARMUP_LAUNCHES = 3
+TIMEOUT_S = 540.0
+
+_METRIC_COLUMN = re.compile(r"[a-z0-9]+__[a-z0-9_.]+")
+_PERMISSION = "ERR_NVGPUCTRPERM"
+_UNKNOWN_METRIC = re.compile(r"(failed to find|unknown|invalid) metrics?[^\n]*", re.IGNORECASE)
+# Unit -> (base unit, factor), for output printed without --print-units base.
+_TO_BASE = {
+    "Kbyte": ("byte", 1e3), "Mbyte": ("byte", 1e6), "Gbyte": ("byte", 1e9), "Tbyte": ("byte", 1e12),
+    "usecond": ("nsecond", 1e3), "msecond": ("nsecond", 1e6), "second": ("nsecond", 1e9),
+}
+
+
+def ncu_command(ncu: str, kernel_regex: str, launch_skip: int, metrics: tuple[str, ...],
+                target: list[str]) -> list[str]:
+    return [ncu, "--clock-control", "none", "--target-processes", "all",
+            "--kernel-name", f"regex:{kernel_regex}", "--launch-skip", str(launch_skip), "--launch-count", "1",
+            "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(metrics), *target]
+
+
+def parse_raw_csv(text: str) -> list[NcuKernel]:
+    """Kernels in ncu's `--csv --page raw` output; other lines (==PROF==, program output) are ignored."""
+    rows = list(csv.reader(line for line in text.splitlines() if line.startswith('"')))
+    header_at = next((i for i, row in enumerate(rows) if "ID" in row and "Kernel Name" in row), None)
+    if header_at is None:
+        raise ToolError("ncu printed no CSV header (no kernel was profiled)")
+    header, body = rows[header_at], rows[header_at + 1:]
+    units: dict[str, str] = {}
+    if body and body[0][header.index("ID")] == "":
+        units = dict(zip(header, body[0]))
+        body = body[1:]
+    metric_columns = [name for name in header if _METRIC_COLUMN.fullmatch(name)]
+    kernels = []
+    for row in body:
+        record = dict(zip(header, row))
+        metrics, metric_units = {}, {}
+        for name in metric_columns:
+            metrics[name], metric_units[name] = _to_base(parse_number(record.get(name, "")), units.get(name, ""))
+        kernels.append(NcuKernel(record["Kernel Name"], metrics, metric_units))
+    return kernels
+
+
+def _to_base(value: float | None, unit: str) -> tuple[float | None, str]:
+    head, slash, rest = unit.partition("/")
+    if head not in _TO_BASE:
+        return value, unit
+    base, factor = _TO_BASE[head]
+    return (None if value is None else value * factor), base + slash + rest
+
+
+class UnknownMetric(ToolError):
+    """This ncu (or this GPU) does not know one of the requested metrics."""
+
+
+def check_output(stdout: str, stderr: str, kernel_regex: str) -> None:
+    """Turn ncu's failure modes into one-line ToolErrors."""
+    text = stdout + "\n" + stderr
+    if _PERMISSION in text:
+        raise ToolError("ncu may not read the GPU performance counters (ERR_NVGPUCTRPERM): run it as root or "
+                        "load the NVIDIA driver with NVreg_RestrictProfilingToAdminUsers=0")
+    unknown_metric = _UNKNOWN_METRIC.search(text)
+    if unknown_metric:
+        raise UnknownMetric(unknown_metric.group(0).strip())
+    if "No kernels were profiled" in text:
+        raise ToolError(f"ncu profiled no kernel matching regex {kernel_regex!r}")
+
+
+def profile_with_ncu(adapter: KernelAdapter, workload: AttentionWorkload, out_dir: Path) -> NcuResult:
+    """Profile one warm launch of `adapter`'s kernel; failures are returned in `NcuResult.error`.
+
+    ncu's raw output is kept as `out_dir/ncu-<backend>.csv`.
+    """
+    result = NcuResult(adapter.name, [])
+    try:
+        ncu = find_tool("ncu")
+        try:
+            result.kernels = _run_ncu(ncu, adapter, workload, CORE_METRICS + TENSOR_METRICS, out_dir, result)
+        except UnknownMetric:
+            result.dropped_metrics = list(TENSOR_METRICS)
+            result.kernels = _run_ncu(ncu, adapter, workload, CORE_METRICS, out_dir, result)
+    except ToolError as exc:
+        result.error = str(exc)
+    return result
+
+
+def _run_ncu(ncu: str, adapter: KernelAdapter, workload: AttentionWorkload, metrics: tuple[str, ...],
+             out_dir: Path, result: NcuResult) -> list[NcuKernel]:
+    target = [sys.executable, *launch_arguments(workload, adapter.name, warmup=WARMUP_LAUNCHES, launches=1,
+                                                profiler_range=False)]
+    result.command = ncu_command(ncu, adapter.kernel_regex, WARMUP_LAUNCHES, metrics, target)
+    process = run_tool(result.command, TIMEOUT_S)
+    (out_dir / f"ncu-{adapter.name}.csv").write_text(process.stdout)
+    check_output(process.stdout, process.stderr, adapter.kernel_regex)
+    try:
+        return parse_raw_csv(process.stdout)
+    except ToolError:
+        raise ToolError(f"ncu produced no report: {output_tail(process)}") from None

@@ -1,0 +1,31 @@
+"""Backend name -> kernel adapter, and the reference backend each profile kind compares against."""
+from __future__ import annotations
+
+from mpfa.profiles.kernel_adapter import KernelAdapter
+from mpfa.profiles.kernels_fa4 import Fa4Bf16
+from mpfa.profiles.kernels_flashinfer import FlashInferPaged
+from mpfa.profiles.kernels_mpfa import MpfaAdapter
+
+ADAPTERS: dict[str, KernelAdapter] = {
+    adapter.name: adapter
+    for adapter in (Fa4Bf16(), FlashInferPaged(kv_fp8=True), FlashInferPaged(kv_fp8=False), MpfaAdapter())
+}
+DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")
+REFERENCE_BACKEND = {"prefill": "fa4-bf16", "decode": "flashinfer-fp8"}
+
+
+def adapter_for(name: str) -> KernelAdapter:
+    try:
+        return ADAPTERS[name]
+    except KeyError:
+        raise ValueError(f"unknown backend {name!r} (choose from {', '.join(ADAPTERS)})") from None
+
+
+def parse_backends(text: str) -> list[str]:
+    """'fa4-bf16,flashinfer-fp8' -> validated names in the given order, duplicates dropped."""
+    names = [part.strip() for part in text.split(",") if part.strip()]
+    if not names:
+        raise ValueError("no backend given (e.g. --backend fa4-bf16,flashinfer-fp8,mpfa)")
+    for name in names:
+        adapter_for(name)
+    return list(dict.fromkeys(names))

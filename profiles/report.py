@@ -1,0 +1,147 @@
+"""Render a ProfileResult: a rich table per section, or plain fixed-width text when rich is unavailable."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mpfa.profiles.results import NOT_BUILT, OK, BackendResult, NcuKernel, ProfileResult
+
+_DASH = "-"
+_NAME_WIDTH = 80  # keeps e.g. FA4's '...flash_fwd_sm90FlashAttentionForwardSm90' visible
+_TRACE_TOP = 5  # kernels shown per backend in the trace section
+
+
+@dataclass(frozen=True)
+class Section:
+    title: str
+    headers: list[str]
+    rows: list[list[str]]
+    notes: list[str]
+
+
+def _num(value: float | None, digits: int = 1) -> str:
+    return _DASH if value is None else f"{value:,.{digits}f}"
+
+
+def _short(name: str) -> str:
+    return name if len(name) <= _NAME_WIDTH else name[:_NAME_WIDTH - 3] + "..."
+
+
+def _setup_s(row: BackendResult) -> float | None:
+    """Input building + planning + first call: where the JIT compiles happen."""
+    parts = (row.prepare_s, row.first_call_s)
+    return None if None in parts else sum(parts)
+
+
+def timing_section(result: ProfileResult) -> Section:
+    w, peaks = result.workload, result.peaks
+    headers = ["backend", "median ms", "p20-p80 ms", "TFLOPS", "% peak", "GB/s", "% copy BW", "GB needed",
+               f"x vs {result.reference}", "setup s", "kernel / note"]
+    rows = []
+    for row in result.backends:
+        d = result.derived(row)
+        gb_needed = _num(row.bytes_needed / 1e9, 3) if row.bytes_needed is not None else _DASH
+        if row.status != OK:
+            label = "not built" if row.status == NOT_BUILT else "error"
+            rows.append([row.backend] + [_DASH] * 6 + [gb_needed, _DASH, _DASH, f"{label}: {row.error}"])
+            continue
+        t = row.timing
+        rows.append([row.backend, _num(t.median_ms, 3), f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", _num(d.tflops),
+                     f"{_num(d.pct_compute_peak)} {row.math_dtype}", _num(d.gbps, 0), _num(d.pct_bandwidth_peak),
+                     gb_needed, _num(d.speedup, 2), _num(_setup_s(row)), row.description])
+    notes = [f"peaks measured in this run: copy {_num(peaks.copy_gbps, 0)} GB/s (read+write), "
+             f"BF16 GEMM {_num(peaks.bf16_tflops)} TFLOPS, FP8 GEMM {_num(peaks.fp8_tflops)} TFLOPS"]
+    notes += [f"peak {name} not measured: {error}" for name, error in peaks.errors.items()]
+    notes.append(f"FLOPs {w.flops() / 1e12:.3f} T ({'causal, ' if w.kind == 'prefill' else ''}"
+                 f"QK^T + PV only); GB needed = Q + O + K + V once, at each backend's storage size")
+    return Section(f"{w.label()} on {result.device}", headers, rows, notes)
+
+
+def _smem_kb(kernel: NcuKernel) -> float | None:
+    parts = [kernel.metrics.get(f"launch__shared_mem_per_block_{kind}") for kind in ("static", "dynamic")]
+    return None if all(part is None for part in parts) else sum(part or 0 for part in parts) / 1024
+
+
+# (header, ncu metric, factor from its base unit, decimals)
+_NCU_COLUMNS = (
+    ("time us", "gpu__time_duration.sum", 1e-3, 1),
+    ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed", 1, 1),
+    ("wgmma %", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", 1, 1),
+    ("mma %", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", 1, 1),
+    ("DRAM rd MB", "dram__bytes_read.sum", 1e-6, 1),
+    ("DRAM wr MB", "dram__bytes_write.sum", 1e-6, 1),
+    ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", 1, 1),
+    ("occupancy %", "sm__warps_active.avg.pct_of_peak_sustained_active", 1, 1),
+    ("regs", "launch__registers_per_thread", 1, 0),
+)
+
+
+def ncu_section(result: ProfileResult) -> Section:
+    headers = ["backend", "kernel", *(column[0] for column in _NCU_COLUMNS), "smem KB"]
+    rows, notes = [], []
+    for ncu in result.ncu:
+        if ncu.error:
+            rows.append([ncu.backend, f"error: {ncu.error}"] + [_DASH] * (len(headers) - 2))
+        if ncu.dropped_metrics:
+            notes.append(f"{ncu.backend}: this ncu lacks {', '.join(ncu.dropped_metrics)}")
+        for kernel in ncu.kernels:
+            values = [kernel.metrics.get(metric) for _, metric, _, _ in _NCU_COLUMNS]
+            cells = [_num(None if value is None else value * factor, digits)
+                     for value, (_, _, factor, digits) in zip(values, _NCU_COLUMNS)]
+            rows.append([ncu.backend, _short(kernel.name), *cells, _num(_smem_kb(kernel))])
+    return Section("Nsight Compute, one warm launch of the main attention kernel", headers, rows, notes)
+
+
+def trace_section(result: ProfileResult) -> Section:
+    headers = ["backend", "source", "kernel", "calls", "total us", "avg us", "us per op"]
+    rows, notes = [], []
+    for trace in result.traces:
+        if trace.error:
+            rows.append([trace.backend, trace.source, f"error: {trace.error}"] + [_DASH] * 4)
+        for kernel in trace.kernels[:_TRACE_TOP]:
+            rows.append([trace.backend, trace.source, _short(kernel.name), str(kernel.calls),
+                         _num(kernel.total_us), _num(kernel.avg_us), _num(kernel.total_us / trace.launches)])
+        if trace.note:
+            notes.append(f"{trace.backend}: {trace.note}")
+    return Section("GPU kernels per backend (trace totals)", headers, rows, notes)
+
+
+def sections(result: ProfileResult) -> list[Section]:
+    found = [timing_section(result)]
+    if result.ncu:
+        found.append(ncu_section(result))
+    if result.traces:
+        found.append(trace_section(result))
+    return found
+
+
+def format_text(result: ProfileResult) -> str:
+    """All sections as plain fixed-width text."""
+    blocks = []
+    for section in sections(result):
+        widths = [max(len(cell) for cell in column) for column in zip(section.headers, *section.rows)]
+        lines = [section.title] + ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+                                   for row in [section.headers, *section.rows]]
+        blocks.append("\n".join(lines + section.notes))
+    return "\n\n".join(blocks)
+
+
+def render_profile(result: ProfileResult, console: object | None = None) -> None:
+    """Print the result with rich (to `console`, a rich Console, if given), or as plain text if rich fails."""
+    try:
+        from rich.console import Console
+        from rich.table import Table
+        from rich.text import Text
+
+        out = console if console is not None else Console()
+        for section in sections(result):
+            table = Table(title=section.title, title_justify="left")
+            for index, header in enumerate(section.headers):
+                table.add_column(header, justify="left" if index == 0 or header in ("kernel", "kernel / note",
+                                                                                      "source") else "right")
+            for row in section.rows:
+                table.add_row(*(Text(cell) for cell in row))
+            out.print(table)
+            for note in section.notes:
+                out.print(Text(note, style="dim"))
+    except Exception:  # a terminal rich cannot drive must not lose the numbers
+        print(format_text(result))

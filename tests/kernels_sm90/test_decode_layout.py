@@ -1,0 +1,172 @@
+"""The decode kernel's register layout, checked on the CPU: a NumPy model of one warp builds every operand
+register with `decode_layout` exactly as the kernel does, runs the MMAs with NVIDIA's fragment layouts (from
+CUTLASS's MMA traits for SM80 m16n8k16 FP16 and SM89 m16n8k32 e4m3), and must reproduce S = Q K^T + Delta_S
+and O = e4m3(448 P) V computed directly from the formats."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from mpfa.kernels import E2M1_GRID, dequantize_nvfp4, quantize_nvfp4
+from mpfa.kernels.formats import NVFP4Tensor
+from mpfa.kernels.sm90 import decode_layout as lay
+
+LANES = np.arange(32)
+G_OF_LANE, C_OF_LANE = LANES // 4, LANES % 4
+HEAD_DIM = 128
+
+
+def _f16_halves(reg: int) -> tuple[float, float]:
+    halves = np.array([reg & 0xFFFF, reg >> 16], dtype=np.uint16).view(np.float16)
+    return float(halves[0]), float(halves[1])
+
+
+def _mul_f16x2(a: int, b: int) -> int:
+    """mul.rn.f16x2 (the products in the kernel are exact in FP16, so NumPy's FP16 multiply is faithful)."""
+    lo = np.float16(_f16_halves(a)[0]) * np.float16(_f16_halves(b)[0])
+    hi = np.float16(_f16_halves(a)[1]) * np.float16(_f16_halves(b)[1])
+    bits = np.array([lo, hi], dtype=np.float16).view(np.uint16)
+    return int(bits[0]) | int(bits[1]) << 16
+
+
+def _e4m3(byte_values: np.ndarray) -> np.ndarray:
+    return torch.from_numpy(np.array(byte_values, dtype=np.uint8)).view(torch.float8_e4m3fn).double().numpy()
+
+
+def _words(row: np.ndarray) -> list[int]:
+    """16 bytes -> 4 little-endian u32."""
+    return [int(w) for w in np.ascontiguousarray(row, dtype=np.uint8).view("<u4")]
+
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    source = a.to_bytes(4, "little") + b.to_bytes(4, "little")
+    return int.from_bytes(bytes(source[(selector >> (4 * i)) & 7] for i in range(4)), "little")
+
+
+def _mma_f16(a: list[list[int]], b: list[list[int]], c: np.ndarray) -> np.ndarray:
+    """m16n8k16 row.col: lane (g, c) holds A regs (row g + 8 (r % 2), cols 2c + 8 (r // 2) + {0, 1}),
+    B regs (rows 2c + 8 r + {0, 1}, col g), C (row g + 8 (i // 2), col 2c + i % 2)."""
+    a_mat, b_mat = np.zeros((16, 16)), np.zeros((16, 8))
+    for lane, (g, t) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+        for r in range(4):
+            a_mat[g + 8 * (r % 2), 2 * t + 8 * (r // 2) + np.arange(2)] = _f16_halves(a[lane][r])
+        for r in range(2):
+            b_mat[2 * t + 8 * r + np.arange(2), g] = _f16_halves(b[lane][r])
+    d = a_mat @ b_mat
+    return c + np.array([[d[g + 8 * (i // 2), 2 * t + i % 2] for i in range(4)] for g, t in zip(G_OF_LANE, C_OF_LANE)])
+
+
+def _mma_e4m3(a: list[list[int]], b: list[list[int]]) -> np.ndarray:
+    """m16n8k32 row.col e4m3: A regs (row g + 8 (r % 2), k 4c + 16 (r // 2) + byte), B regs (k 4c + 16 r + byte,
+    col g), C as for m16n8k16."""
+    a_mat, b_mat = np.zeros((16, 32)), np.zeros((32, 8))
+    for lane, (g, t) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+        for r in range(4):
+            a_mat[g + 8 * (r % 2), 4 * t + 16 * (r // 2) + np.arange(4)] = _e4m3(np.frombuffer(a[lane][r].to_bytes(4, "little"), np.uint8))
+        for r in range(2):
+            b_mat[4 * t + 16 * r + np.arange(4), g] = _e4m3(np.frombuffer(b[lane][r].to_bytes(4, "little"), np.uint8))
+    d = a_mat @ b_mat
+    return np.array([[d[g + 8 * (i // 2), 2 * t + i % 2] for i in range(4)] for g, t in zip(G_OF_LANE, C_OF_LANE)])
+
+
+def test_e2m1_word_decodes_every_code_in_every_position():
+    for code in range(16):
+        word = sum(code << (4 * n) for n in range(8))
+        for j in range(4):
+            lo, hi = _f16_halves(lay.e2m1_word_to_f16x2(word, j))
+            expected = (-1.0 if code & 8 else 1.0) * E2M1_GRID[code & 7] * 2.0**-14
+            assert lo == hi == expected
+            assert np.signbit(lo) == bool(code & 8)
+
+
+def _qk_tile_model(q: NVFP4Tensor, k: NVFP4Tensor, ds: np.ndarray, group: int) -> np.ndarray:
+    """S * 2**-7 [group, 32] as the warp computes it (q: [group, d], k: [32, d] NVFP4; ds [32, group])."""
+    q_codes, q_scales = q.codes.numpy(), q.scales.view(torch.uint8).numpy()
+    k_codes, k_scales = k.codes.numpy(), k.scales.view(torch.uint8).numpy()
+    scores = np.full((group, lay.TILE_KEYS), np.nan)
+    q_regs = []
+    for g, c in zip(G_OF_LANE, C_OF_LANE):
+        words = _words(q_codes[g, 16 * c:16 * c + 16]) if g < group else [0] * 4
+        scale_pair = _e4m3(q_scales[g, 2 * c:2 * c + 2]) if g < group else np.zeros(2)
+        regs = []
+        for reg in range(lay.QK_REGS):
+            word, j = divmod(reg, 4)
+            exact = _mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), lay.F16X2_TWO_POW_14)
+            scale = np.array([scale_pair[word // 2]] * 2, dtype=np.float16).view(np.uint16)
+            regs.append(_mul_f16x2(exact, int(scale[0]) | int(scale[1]) << 16))
+        q_regs.append(regs)
+    for n_tile in range(lay.N_TILES):
+        a_steps, b_steps = [], []
+        init = np.zeros((32, 4))
+        for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+            key = lay.qk_key(n_tile, g)
+            words = _words(k_codes[key, 16 * c:16 * c + 16])
+            scales = _e4m3(k_scales[key, 2 * c:2 * c + 2]) * 2.0**lay.SCORE_SCALE_LOG2
+            steps_b = []
+            for step in range(lay.K_STEPS_QK):
+                scale = np.array([scales[lay.scale_block_of_step(step)]] * 2, dtype=np.float16).view(np.uint16)
+                steps_b.append([_mul_f16x2(lay.e2m1_word_to_f16x2(words[r // 4], r % 4), int(scale[0]) | int(scale[1]) << 16)
+                                for r in lay.qk_step_regs(step)])
+            b_steps.append(steps_b)
+            r_pairs = [lay.qk_step_regs(step) for step in range(lay.K_STEPS_QK)]
+            a_steps.append([[q_regs[lane][r0], 0, q_regs[lane][r1], 0] for r0, r1 in r_pairs])
+            for half in range(2):
+                init[lane, half] = ds[lay.score_key(n_tile, c, half), g] * 2.0**-lay.SCORE_SCALE_LOG2 if g < group else 0
+        acc = init
+        for step in range(lay.K_STEPS_QK):
+            acc = _mma_f16([a_steps[lane][step] for lane in LANES], [b_steps[lane][step] for lane in LANES], acc)
+        for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+            if g < group:
+                for half in range(2):
+                    scores[g, lay.score_key(n_tile, c, half)] = acc[lane, half]
+    return scores
+
+
+def test_qk_fragments_compute_scores_plus_delta_s():
+    gen = torch.Generator().manual_seed(11)
+    for group in (4, 5, 8):
+        q = quantize_nvfp4(torch.randn(group, HEAD_DIM, generator=gen) * 3)
+        k = quantize_nvfp4(torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 5)
+        ds = torch.randn(lay.TILE_KEYS, group, generator=gen).bfloat16().double().numpy()
+        expected = (dequantize_nvfp4(q).double() @ dequantize_nvfp4(k).double().T).numpy() + ds.T
+        np.testing.assert_allclose(_qk_tile_model(q, k, ds, group) * 2.0**lay.SCORE_SCALE_LOG2, expected,
+                                   rtol=1e-12, atol=1e-12)
+
+
+def test_pv_fragments_compute_fp8_p_times_v():
+    gen = torch.Generator().manual_seed(12)
+    sel_lo, sel_hi, sel_even, sel_odd = lay.transpose_selectors()
+    for group in (4, 5, 8):
+        p = torch.rand(group, lay.TILE_KEYS, generator=gen)
+        p_bytes = (p * 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        v = (torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 4).to(torch.float8_e4m3fn)
+        v_bytes = v.view(torch.uint8).numpy()
+        expected = _e4m3(p_bytes) @ v.double().numpy()  # [group, d]
+
+        a_regs, b_regs = [], []
+        for g, c in zip(G_OF_LANE, C_OF_LANE):
+            pairs = [int(p_bytes[g, lay.score_key(n, c, 0)]) | int(p_bytes[g, lay.score_key(n, c, 1)]) << 8
+                     if g < group else 0 for n in range(lay.N_TILES)]
+            b_regs.append([pairs[0] | pairs[1] << 16, pairs[2] | pairs[3] << 16])
+            transposed = []
+            for k_half in range(2):
+                rows = [_words(v_bytes[lay.pv_key(k_half, c, j), 16 * g:16 * g + 16]) for j in range(4)]
+                by_dim = []
+                for w in range(4):
+                    lo01, hi01 = _prmt(rows[0][w], rows[1][w], sel_lo), _prmt(rows[0][w], rows[1][w], sel_hi)
+                    lo23, hi23 = _prmt(rows[2][w], rows[3][w], sel_lo), _prmt(rows[2][w], rows[3][w], sel_hi)
+                    by_dim += [_prmt(lo01, lo23, sel_even), _prmt(lo01, lo23, sel_odd),
+                               _prmt(hi01, hi23, sel_even), _prmt(hi01, hi23, sel_odd)]
+                transposed.append(by_dim)
+            a_regs.append(transposed)
+        out = np.full((group, HEAD_DIM), np.nan)
+        for m_tile in range(lay.M_TILES):
+            lower, upper = lay.pv_a_regs(m_tile)
+            d = _mma_e4m3([[t[0][lower], t[0][upper], t[1][lower], t[1][upper]] for t in a_regs], b_regs)
+            for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+                for i in range(4):
+                    head = 2 * c + i % 2
+                    if head < group:
+                        out[head, lay.o_dim(m_tile, g, i // 2)] = d[lane, i]
+        np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)

@@ -1,0 +1,136 @@
+"""The fused quantize + paged-cache write (Triton) against the reference formats: codes, scales, FP8 V and the
+centered Q bit for bit, Delta_S to one BF16 ulp; and the smoothing-means reduction against float64.
+
+Runs on the GPU when there is one, else in Triton's CPU interpreter (see conftest)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mpfa.kernels import SmoothingMeans, center, delta_s, quantize_fp8, quantize_nvfp4  # noqa: E402
+from mpfa.kernels.cache_layout import MpfaKVCache  # noqa: E402
+from mpfa.kernels.smoothing import sequence_means as reference_means  # noqa: E402
+from mpfa.kernels.sm90.quantize_cache import quantize_to_cache  # noqa: E402
+from mpfa.kernels.sm90.sequence_means import sequence_means  # noqa: E402
+
+HEAD_DIM = 128
+POISON = 0xFF  # NaN in e4m3 and BF16
+
+
+def _cumulative(lengths: list[int]) -> torch.Tensor:
+    return torch.tensor([0, *lengths]).cumsum(0)
+
+
+def _random_rows(gen: torch.Generator, tokens: int, heads: int, scale: float, offset_std: float) -> torch.Tensor:
+    """Gaussian rows plus fixed per-channel offsets on 8 channels (the outliers real Q/K carry)."""
+    offsets = torch.zeros(HEAD_DIM)
+    offsets[torch.randperm(HEAD_DIM, generator=gen)[:8]] = torch.randn(8, generator=gen) * offset_std
+    return (torch.randn(tokens, heads, HEAD_DIM, generator=gen) * scale + offsets).bfloat16()
+
+
+def _write(q, k, v, lengths, slots, means, num_q_heads, num_kv_heads, device, num_pages=8, page_size=16):
+    cache = MpfaKVCache.allocate(num_pages, page_size, num_q_heads, num_kv_heads, HEAD_DIM, device).fill_(POISON)
+    request = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
+    dev_means = SmoothingMeans(means.q_mean.to(device), means.k_mean.to(device))
+    query = quantize_to_cache(q.to(device), k.to(device), v.to(device), slots.to(device), request.to(device),
+                              dev_means, cache)
+    return cache, query
+
+
+def _bits(x: torch.Tensor) -> torch.Tensor:
+    return x.cpu().view(torch.uint8)
+
+
+def _assert_written_exactly(cache, query, q, k, v, slots, means, cu):
+    k_ref = quantize_nvfp4(center(k.float(), means.k_mean, cu))
+    q_ref = quantize_nvfp4(center(q.float(), means.q_mean, cu))
+    assert torch.equal(cache.k_codes.cpu()[slots], k_ref.codes)
+    assert torch.equal(_bits(cache.k_scales)[slots], _bits(k_ref.scales))
+    assert torch.equal(_bits(cache.v)[slots], _bits(quantize_fp8(v)))
+    assert torch.equal(query.codes.cpu(), q_ref.codes)
+    assert torch.equal(_bits(query.scales), _bits(q_ref.scales))
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (10, 2)], ids=["gqa4", "gqa5"])
+def test_cache_write_is_bit_exact(device, gen, num_q_heads, num_kv_heads):
+    lengths = [5, 1, 9]
+    tokens = sum(lengths)
+    q = _random_rows(gen, tokens, num_q_heads, 1.0, 4.0)
+    k = _random_rows(gen, tokens, num_kv_heads, 1.5, 8.0)
+    v = _random_rows(gen, tokens, num_kv_heads, 1.0, 0.0)
+    cu = _cumulative(lengths)
+    means = SmoothingMeans(reference_means(q, cu).float(), reference_means(k, cu).float())
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens]
+    cache, query = _write(q, k, v, lengths, slots, means, num_q_heads, num_kv_heads, device)
+
+    _assert_written_exactly(cache, query, q, k, v, slots, means, cu)
+    ds_ref = delta_s(means.q_mean, center(k.float(), means.k_mean, cu), cu)
+    ds = cache.delta_s.cpu()[slots]
+    ulp = torch.finfo(torch.bfloat16).eps * ds_ref.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
+    assert bool(((ds.float() - ds_ref.float()).abs() <= ulp).all()), "Delta_S differs by more than one BF16 ulp"
+    assert (ds == ds_ref).float().mean() > 0.99, "Delta_S should almost always round like the reference"
+    untouched = torch.ones(cache.num_slots, dtype=torch.bool)
+    untouched[slots] = False
+    for field in (cache.k_codes, cache.k_scales, cache.v, cache.delta_s):
+        assert bool((_bits(field)[untouched] == POISON).all()), "a slot that was not written changed"
+
+
+def _edge_blocks() -> torch.Tensor:
+    """One row whose 8 blocks hit the rounding edges: e2m1 ties, subnormal/flushed/tied/large/saturated scales."""
+    midpoints = [6.0, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5.0, -0.0]
+    blocks = [
+        midpoints,  # scale 1: every element on an e2m1 midpoint (ties to the even code), -0.0 keeps its sign
+        [x * 2.0**-8 for x in midpoints],  # scale 2**-8: an e4m3 subnormal
+        [x * 2.0**-11 for x in midpoints],  # scale 2**-11 < 2**-10: flushed to zero
+        [x * 2.0**-10 for x in midpoints],  # scale exactly 2**-10: the tie rounds to 0, flushed
+        [6.375] + [1.0] * 15,  # scale 1.0625: halfway between 1 and 1.125, rounds to even (1.0)
+        [2688.0, -1000.0] + [3.0] * 14,  # scale 448: the largest e4m3
+        [2752.0] + [-7.0] * 15,  # scale 458.7: in (448, 464], rounds to 448, elements saturate at 6
+        [0.0] * 16,  # all zero
+    ]
+    return torch.tensor(blocks, dtype=torch.float32).flatten()
+
+
+def test_cache_write_rounding_edges(device):
+    row = _edge_blocks()
+    q = torch.stack([row, -row]).view(1, 2, HEAD_DIM).bfloat16()
+    k = row.view(1, 1, HEAD_DIM).bfloat16()
+    v = torch.tensor([448.0, -448.0, 500.0, -1e4, 2.0**-9, 2.0**-10, 3 * 2.0**-11, -0.0] * 16).view(1, 1, HEAD_DIM)
+    v = v.bfloat16()
+    assert torch.equal(q.float().view(2, -1)[0], row), "the edge values must be exact in BF16"
+    means = SmoothingMeans(torch.zeros(1, 2, HEAD_DIM), torch.zeros(1, 1, HEAD_DIM))
+    slots = torch.tensor([3])
+    cache, query = _write(q, k, v, [1], slots, means, 2, 1, device)
+    _assert_written_exactly(cache, query, q, k, v, slots, means, _cumulative([1]))
+
+
+def test_sequence_means_match_float64(device, gen):
+    lengths = [40, 0, 3, 70]
+    x = _random_rows(gen, sum(lengths), 3, 2.0, 20.0)
+    cu = _cumulative(lengths)
+    means = sequence_means(x.to(device), cu.to(device, torch.int32)).cpu()
+    expected = reference_means(x.double(), cu)
+    assert torch.equal(means[1], torch.zeros_like(means[1])), "an empty sequence has a zero mean"
+    torch.testing.assert_close(means.double(), expected, rtol=1e-6, atol=1e-6 * float(x.float().abs().max()))
+
+
+def test_bad_inputs_raise_clear_errors(device):
+    cache = MpfaKVCache.allocate(2, 16, 8, 2, HEAD_DIM, device)
+    q = torch.zeros(3, 8, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    kv = torch.zeros(3, 2, HEAD_DIM, dtype=torch.bfloat16, device=device)
+    slots = torch.arange(3, device=device)
+    request = torch.zeros(3, dtype=torch.int32, device=device)
+    means = SmoothingMeans(torch.zeros(1, 8, HEAD_DIM, device=device), torch.zeros(1, 2, HEAD_DIM, device=device))
+    with pytest.raises(ValueError, match="k must be BF16"):
+        quantize_to_cache(q, kv.float(), kv, slots, request, means, cache)
+    with pytest.raises(ValueError, match="slots and request_index"):
+        quantize_to_cache(q, kv, kv, slots[:2], request, means, cache)
+    with pytest.raises(ValueError, match="k_mean must be contiguous FP32"):
+        quantize_to_cache(q, kv, kv, slots, request, SmoothingMeans(means.q_mean, means.k_mean[:, :1]), cache)
+    with pytest.raises(ValueError, match="head_dim"):
+        MpfaKVCache.allocate(2, 16, 8, 2, 64, device)
+    with pytest.raises(ValueError, match="power-of-two page_size"):
+        MpfaKVCache.allocate(2, 12, 8, 2, HEAD_DIM, device)

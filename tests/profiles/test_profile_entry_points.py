@@ -1,0 +1,58 @@
+"""Entry points without a GPU: argument errors, the no-CUDA error, and the launch_one child's arguments."""
+import sys
+
+import pytest
+import torch
+
+from mpfa.profiles import launch_one, microbench
+from mpfa.profiles.errors import ProfileError
+from mpfa.profiles.workload import AttentionWorkload, workload_from_arguments
+
+
+def test_run_profile_needs_cuda(monkeypatch, tmp_path):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ProfileError, match="no CUDA device"):
+        microbench.run_profile("decode", 1024, 2, (32, 8), 128, ["flashinfer-fp8"], False, False, tmp_path)
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("kind,heads,backends,message", [
+    ("train", (32, 8), ["mpfa"], "unknown profile kind"),
+    ("decode", (30, 8), ["mpfa"], "multiple of KV heads"),
+    ("decode", (32, 8), ["fa3"], "unknown backend 'fa3'"),
+    ("decode", (32, 8), [], "no backend"),
+])
+def test_run_profile_rejects_bad_arguments_before_touching_the_gpu(kind, heads, backends, message, tmp_path):
+    with pytest.raises(ValueError, match=message):
+        microbench.run_profile(kind, 1024, 1, heads, 128, backends, False, False, tmp_path)
+
+
+def test_main_prints_one_line_errors(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert microbench.main(["decode", "--seq", "128k", "--batch", "8"]) == 2
+    message = capsys.readouterr().err.strip()
+    assert message == "error: no CUDA device: `mpfa profile` runs the attention kernels on a GPU"
+    assert microbench.main(["prefill", "--seq", "16k", "--heads", "32-8"]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: bad heads '32-8'")
+    assert microbench.main(["prefill", "--seq", "16k", "--backend", "fa4"]) == 2
+    assert "unknown backend 'fa4'" in capsys.readouterr().err
+
+
+def test_launch_one_arguments_round_trip():
+    workload = AttentionWorkload("decode", 131072, 8, 32, 8, 128)
+    arguments = launch_one.launch_arguments(workload, "flashinfer-fp8", warmup=3, launches=1, profiler_range=True)
+    assert arguments[:2] == ["-m", "mpfa.profiles.launch_one"]
+    parsed = launch_one.parse_arguments(arguments[2:])
+    assert workload_from_arguments(parsed) == workload
+    assert (parsed.backend, parsed.warmup, parsed.launches, parsed.profiler_range) == ("flashinfer-fp8", 3, 1, True)
+    assert not launch_one.parse_arguments(launch_one.launch_arguments(
+        workload, "mpfa", warmup=0, launches=2, profiler_range=False)[2:]).profiler_range
+
+
+def test_microbench_runs_as_a_script(tmp_path):
+    """`python -m mpfa.profiles.microbench` works from any directory (the GPU host runs it that way)."""
+    import subprocess
+
+    done = subprocess.run([sys.executable, "-m", "mpfa.profiles.microbench", "--help"], capture_output=True,
+                          text=True, cwd=tmp_path, check=False)
+    assert done.returncode == 0 and "--seq" in done.stdout and "--ncu" in done.stdout, done.stderr

@@ -1,0 +1,96 @@
+"""run_profile's orchestration on the CPU, with torch.cuda faked: one row per backend, a failing backend
+becomes an error row, an unbuilt one a "not built" row, and the raw JSON is written."""
+import json
+import time
+
+import pytest
+import torch
+
+from mpfa.profiles import microbench, registry
+from mpfa.profiles.errors import KernelNotBuilt
+from mpfa.profiles.kernel_adapter import PreparedKernel
+from mpfa.profiles.results import ERROR, NOT_BUILT, OK, Peaks
+from mpfa.profiles.workload import BF16
+
+
+class _FakeEvent:
+    def __init__(self, enable_timing=False):
+        self.at = None
+
+    def record(self):
+        self.at = time.perf_counter()
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1e3
+
+
+class _SleepyAdapter:
+    """Runs a CPU stand-in whose duration scales with the work: 2 ms."""
+
+    name, tensor_format, math_dtype, kernel_regex = "fa4-bf16", BF16, "bf16", "sleepy"
+
+    def __init__(self):
+        self.prepared_sets = []
+
+    def set_bytes(self, workload):
+        return 100 * 1024 * 1024
+
+    def prepare(self, workload, num_sets, device, seed):
+        self.prepared_sets.append(num_sets)
+
+        def run(index):
+            time.sleep(0.002)
+            return torch.zeros(1)
+
+        return PreparedKernel(run, lambda index: (None, None, None), num_sets, "sleeps 2 ms")
+
+
+class _BrokenAdapter(_SleepyAdapter):
+    name = "flashinfer-fp8"
+
+    def prepare(self, workload, num_sets, device, seed):
+        raise ImportError("libcuda.so.1: cannot open shared object file")
+
+
+class _UnbuiltAdapter(_SleepyAdapter):
+    name = "mpfa"
+
+    def prepare(self, workload, num_sets, device, seed):
+        raise KernelNotBuilt("not yet")
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "Fake GPU")
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "empty_cache", lambda: None)
+    monkeypatch.setattr(torch.cuda, "_sleep", lambda cycles: None)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (10 * 2**30, 16 * 2**30))
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device=None: type("P", (), {})())
+    monkeypatch.setattr(microbench, "measure_peaks", lambda device: Peaks(4000.0, 700.0, 1400.0))
+    adapters = {"fa4-bf16": _SleepyAdapter(), "flashinfer-fp8": _BrokenAdapter(), "mpfa": _UnbuiltAdapter()}
+    monkeypatch.setattr(microbench, "adapter_for", adapters.__getitem__)
+    return adapters
+
+
+def test_every_backend_gets_a_row_and_failures_do_not_stop_the_others(fake_cuda, tmp_path):
+    messages = []
+    result = microbench.run_profile("prefill", 4096, 1, (32, 8), 128, ["flashinfer-fp8", "mpfa", "fa4-bf16"],
+                                    ncu=False, nsys=False, out_dir=tmp_path / "out", progress=messages.append)
+    assert [row.backend for row in result.backends] == ["flashinfer-fp8", "mpfa", "fa4-bf16"]
+    broken, unbuilt, timed = result.backends
+    assert broken.status == ERROR and broken.error == "ImportError: libcuda.so.1: cannot open shared object file"
+    assert "Traceback" in broken.error_detail
+    assert unbuilt.status == NOT_BUILT and unbuilt.timing is None and unbuilt.error == "not yet"
+    assert timed.status == OK and timed.timing.samples == len(timed.times_ms) >= 10
+    assert 1.5 < timed.timing.median_ms < 50  # the 2 ms stand-in, timed through the (fake) events
+    # 100 MiB sets: 4 x the 50 MB default L2 needs 2 of them; both were built and rotated.
+    assert timed.num_sets == 2 and fake_cuda["fa4-bf16"].prepared_sets == [2]
+    assert result.derived(timed).speedup == 1.0 and result.reference == registry.REFERENCE_BACKEND["prefill"]
+    data = json.loads((tmp_path / "out" / "profile-prefill-s4096-b1-h32x8-d128.json").read_text())
+    assert [row["status"] for row in data["backends"]] == [ERROR, NOT_BUILT, OK]
+    assert data["device"] == "Fake GPU"
+    assert any("flashinfer-fp8: ImportError" in message for message in messages)
