@@ -5,7 +5,6 @@ requests in flight; the run is then marked failed or interrupted.
 """
 from __future__ import annotations
 
-import asyncio
 import json
 import time
 import urllib.error
@@ -156,7 +155,7 @@ def _measure(
         progress.advance(task)
 
     try:
-        asyncio.run(client.run_load(
+        client.run(client.run_load(
             url, prompts, scenario.output_len, concurrency=point.concurrency, arrivals=arrivals,
             warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
         ))

@@ -312,7 +312,7 @@ def serve_sim(
         raise UserError(f"port {port} on {host} is already in use")
     if backend not in BACKENDS:
         raise UserError(f"unknown backend '{backend}'; valid: {', '.join(BACKENDS)}")
-    run_sim_server(host, port, backend, time_scale=time_scale, startup_delay=startup_delay,
+    run_sim_server(host, port, backend, model=model, time_scale=time_scale, startup_delay=startup_delay,
                    die_after_requests=die_after_requests)
 
 
