@@ -82,8 +82,8 @@ def bench(
     overrides = {
         "model": model, "output_len": output_len, "num_requests": num_requests,
         "warmup_requests": warmup_requests, "repeats": repeats, "seed": seed,
-        "concurrency": _int_list(concurrency, "--concurrency"), "rate": _float_list(rate, "--rate"),
-        "input_len": _int_list(input_len, "--input-len"),
+        "concurrency": _number_list(concurrency, "--concurrency"), "rate": _number_list(rate, "--rate", float),
+        "input_len": _number_list(input_len, "--input-len"),
     }
     if overrides["rate"] is not None:
         overrides["concurrency"] = None
@@ -131,22 +131,14 @@ def _parse_slo(text: str) -> dict[str, float]:
     return slo
 
 
-def _int_list(text: str | None, flag: str) -> list[int] | None:
+def _number_list(text: str | None, flag: str, kind: type = int) -> list | None:
+    """`8,16` -> [8, 16]; None when the flag was not given."""
     if text is None:
         return None
     try:
-        return [int(v) for v in text.split(",")]
+        return [kind(v) for v in text.split(",")]
     except ValueError:
-        raise UserError(f"{flag}: expected comma-separated integers, got '{text}'") from None
-
-
-def _float_list(text: str | None, flag: str) -> list[float] | None:
-    if text is None:
-        return None
-    try:
-        return [float(v) for v in text.split(",")]
-    except ValueError:
-        raise UserError(f"{flag}: expected comma-separated numbers, got '{text}'") from None
+        raise UserError(f"{flag}: expected comma-separated {kind.__name__} values, got '{text}'") from None
 
 
 def _selected_runs(store, run_ids: list[int] | None, scenario: str | None, backend: str | None) -> list:
