@@ -69,6 +69,12 @@ class NVFP4Tensor:
     global_scale: torch.Tensor | None = None
 
 
+def _divide(x: torch.Tensor, divisor: float) -> torch.Tensor:
+    """IEEE (correctly rounded) ``x / divisor`` on every device: CUDA turns division by a Python scalar into a
+    multiplication by its rounded reciprocal, which would change roundings against the CPU."""
+    return x / torch.tensor(divisor, dtype=x.dtype, device=x.device)
+
+
 def _check_finite(x: torch.Tensor, what: str) -> None:
     if not bool(torch.isfinite(x).all()):
         raise FormatError(f"{what} contains NaN or Inf; cannot quantize")
@@ -118,7 +124,7 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     An all-zero tensor gets 1.0 (any positive scale encodes zeros)."""
     _check_finite(x, "NVFP4 input")
     amax = x.detach().float().abs().amax()
-    return torch.where(amax > 0, amax / (E4M3_MAX * E2M1_MAX), torch.ones_like(amax))
+    return torch.where(amax > 0, _divide(amax, E4M3_MAX * E2M1_MAX), torch.ones_like(amax))
 
 
 def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = None) -> NVFP4Tensor:
@@ -128,7 +134,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = 
     _check_finite(x, "NVFP4 input")
     g = _as_global_scale(global_scale, x.device)
     blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
-    scale = blocks.abs().amax(-1) / E2M1_MAX
+    scale = _divide(blocks.abs().amax(-1), E2M1_MAX)
     if g is not None:
         scale = scale / g
     if scale.numel() and bool((scale > _E4M3_OVERFLOW).any()):
@@ -186,4 +192,4 @@ def fake_quant_p_fp8(p: torch.Tensor) -> torch.Tensor:
     The kernel keeps ``448 * P`` in FP8 and divides once at the end; dividing here in FP32 differs from that by at
     most one FP32 rounding (2**-24 relative)."""
     _check_finite(p, "P")
-    return (p.float() * P_FP8_SCALE).to(torch.float8_e4m3fn).float() / P_FP8_SCALE
+    return _divide((p.float() * P_FP8_SCALE).to(torch.float8_e4m3fn).float(), P_FP8_SCALE)
