@@ -1,4 +1,4 @@
-"""SQLite store for benchmark runs and their per-request records.
+"""SQLite store for benchmark runs and their per-request records, and for kernel/serving profiles.
 
 Every write is its own transaction and is committed at once, so a run that is interrupted keeps every
 request that completed before the interruption. The database runs in WAL mode (readers never block the
@@ -21,7 +21,7 @@ from typing import Any
 from mpfa.cli.errors import UserError
 from mpfa.cli.records import RequestRecord, RunRecord
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
 FINAL_STATUSES = ("ok", "failed", "interrupted")
 DEFAULT_BUSY_TIMEOUT_S = 5.0
 
@@ -68,6 +68,22 @@ CREATE TABLE requests (
 );
 """
 
+# Version 2: profile results (`mpfa profile`), one row per profile, its figures as JSON.
+_PROFILES_SCHEMA = """
+CREATE TABLE profiles (
+    id INTEGER PRIMARY KEY AUTOINCREMENT,
+    kind TEXT NOT NULL,
+    created_at REAL NOT NULL,
+    gpu TEXT NOT NULL,
+    params JSON NOT NULL,
+    result JSON NOT NULL,
+    simulated INTEGER NOT NULL DEFAULT 0
+);
+CREATE INDEX profiles_by_kind ON profiles (kind, created_at);
+"""
+# The statements that bring a database from version N - 1 to version N.
+_UPGRADES = {1: _SCHEMA, 2: _PROFILES_SCHEMA}
+
 _RUN_COLUMNS = (
     "scenario", "backend", "engine", "simulated", "load", "repeat", "input_len", "output_len",
     "num_requests", "seed", "workload_hash", "started_at", "status", "error", "model", "gpu",
@@ -91,6 +107,19 @@ class StoredRun(RunRecord):
     summary: dict[str, float] = field(default_factory=dict)
 
 
+@dataclass
+class StoredProfile:
+    """A profile result as stored: `params` say what was profiled, `result` holds the figures."""
+
+    id: int
+    kind: str  # "prefill", "decode", "serving", ...
+    created_at: float
+    gpu: str
+    params: dict[str, Any]
+    result: dict[str, Any]
+    simulated: bool = False
+
+
 def default_db_path() -> Path:
     """`$MPFA_DB`, else `$XDG_DATA_HOME/mpfa/results.db`, else `~/.local/share/mpfa/results.db`."""
     if env := os.environ.get("MPFA_DB"):
@@ -104,12 +133,20 @@ def load_key(load: dict[str, Any]) -> str:
     return json.dumps(load, sort_keys=True)
 
 
+def _finite(value: Any) -> Any:
+    """`value` with every non-finite float inside it replaced by None (SQLite's JSON has no NaN)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _json_or_none(value: dict[str, float] | None) -> str | None:
     # NaN/inf are legal in a summary (e.g. a percentile of no samples); store them as null.
-    if value is None:
-        return None
-    return json.dumps({k: (None if isinstance(v, float) and not math.isfinite(v) else v)
-                       for k, v in value.items()})
+    return None if value is None else json.dumps(_finite(value))
 
 
 class ResultStore:
@@ -188,7 +225,37 @@ class ResultStore:
                 (status, error, _json_or_none(summary), time.time(), run_id),
             )
 
+    def add_profile(self, kind: str, gpu: str, params: dict[str, Any], result: dict[str, Any],
+                    simulated: bool = False, created_at: float | None = None) -> int:
+        """Store one profile result (committed at once); returns its id. Non-finite numbers become null."""
+        with self._transaction(f"record a {kind} profile"):
+            cursor = self._conn.execute(
+                "INSERT INTO profiles (kind, created_at, gpu, params, result, simulated) VALUES (?, ?, ?, ?, ?, ?)",
+                (kind, time.time() if created_at is None else created_at, gpu, json.dumps(_finite(params)),
+                 json.dumps(_finite(result)), int(simulated)),
+            )
+            return int(cursor.lastrowid)
+
     # --- reading -----------------------------------------------------------------------------------
+
+    def get_profile(self, profile_id: int) -> StoredProfile:
+        with self._errors(f"read profile {profile_id}"):
+            row = self._conn.execute("SELECT * FROM profiles WHERE id = ?", (profile_id,)).fetchone()
+        if row is None:
+            raise StoreError(f"no profile with id {profile_id} in {self.path}")
+        return _profile_from_row(row)
+
+    def list_profiles(self, kind: str | None = None, limit: int | None = None) -> list[StoredProfile]:
+        """Profiles (of `kind`, if given), newest first."""
+        sql, params = "SELECT * FROM profiles", []
+        if kind is not None:
+            sql += " WHERE kind = ?"
+            params.append(kind)
+        sql += " ORDER BY id DESC"
+        if limit is not None:
+            sql += f" LIMIT {int(limit)}"
+        with self._errors("read profiles"):
+            return [_profile_from_row(row) for row in self._conn.execute(sql, params)]
 
     def get_run(self, run_id: int) -> StoredRun:
         """The run with its requests (in request index order)."""
@@ -253,12 +320,13 @@ class ResultStore:
             version = self._schema_version()
             if version == SCHEMA_VERSION:
                 return
-            self._create_schema(version)
+            self._upgrade_schema(version)
 
     def _schema_version(self) -> int:
         return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
 
-    def _create_schema(self, version: int) -> None:
+    def _upgrade_schema(self, version: int) -> None:
+        """Create the schema (version 0) or add what later versions brought, in order."""
         if version > SCHEMA_VERSION:
             raise StoreError(
                 f"results database {self.path} has schema version {version}; this mpfa reads up to "
@@ -267,11 +335,12 @@ class ResultStore:
         has_tables = self._conn.execute(
             "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name IN ('runs', 'requests')"
         ).fetchone()[0]
-        if has_tables:
+        if version == 0 and has_tables:
             raise StoreError(f"{self.path} is not an mpfa results database (unversioned tables present)")
-        for statement in _SCHEMA.split(";"):
-            if statement.strip():
-                self._conn.execute(statement)
+        for step in range(version + 1, SCHEMA_VERSION + 1):
+            for statement in _UPGRADES[step].split(";"):
+                if statement.strip():
+                    self._conn.execute(statement)
         self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _require_run(self, run_id: int) -> None:
@@ -398,6 +467,18 @@ def _request_from_row(row: sqlite3.Row) -> RequestRecord:
         output_tokens=row["output_tokens"],
         prompt_tokens=row["prompt_tokens"],
         error=row["error"],
+    )
+
+
+def _profile_from_row(row: sqlite3.Row) -> StoredProfile:
+    return StoredProfile(
+        id=row["id"],
+        kind=row["kind"],
+        created_at=row["created_at"],
+        gpu=row["gpu"],
+        params=json.loads(row["params"]),
+        result=json.loads(row["result"]),
+        simulated=bool(row["simulated"]),
     )
 
 

@@ -96,9 +96,12 @@ def main() -> None:
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    code = (f"from mpfa.cli.sim_server import run_sim_server; run_sim_server('127.0.0.1', {port}, "
-            f"{args.backend!r}, time_scale={args.time_scale}, trace_chunks=True, "
-            f"incremental_streaming_output={args.incremental})")
+    # The server runs on asyncio's own loop, whose transports send on write(); uvloop would batch the writes
+    # of a loop iteration and send them after the stamps, which would count server time as client lag.
+    code = (f"from aiohttp import web; from mpfa.cli.sim_server import build_app; "
+            f"web.run_app(build_app({args.backend!r}, time_scale={args.time_scale}, trace_chunks=True, "
+            f"incremental_streaming_output={args.incremental}), host='127.0.0.1', port={port}, print=None, "
+            f"access_log=None)")
     server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
     try:
         _wait_healthy(url, server)

@@ -6,6 +6,10 @@ class ProfileError(RuntimeError):
     """The profile cannot run here (no CUDA device, not enough memory, ...)."""
 
 
+class ServingProfileError(ProfileError):
+    """A serving profile failed: the server refused a profile request, a request failed, or no usable trace."""
+
+
 class KernelNotBuilt(RuntimeError):
     """The backend's kernel does not exist yet; its row says so instead of showing a number."""
 

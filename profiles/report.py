@@ -1,4 +1,4 @@
-"""Render a ProfileResult: a rich table per section, or plain fixed-width text when rich is unavailable."""
+"""Render profiles as sections: a rich table per section, or plain fixed-width text when rich is unavailable."""
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -8,6 +8,7 @@ from mpfa.profiles.results import NOT_BUILT, OK, BackendResult, NcuKernel, Profi
 _DASH = "-"
 _NAME_WIDTH = 80  # keeps e.g. FA4's '...flash_fwd_sm90FlashAttentionForwardSm90' visible
 _TRACE_TOP = 5  # kernels shown per backend in the trace section
+_TEXT_COLUMNS = {"kernel", "kernel / note", "source", "category"}  # left-aligned like the first column
 
 
 @dataclass(frozen=True)
@@ -18,11 +19,11 @@ class Section:
     notes: list[str]
 
 
-def _num(value: float | None, digits: int = 1) -> str:
+def num_cell(value: float | None, digits: int = 1) -> str:
     return _DASH if value is None else f"{value:,.{digits}f}"
 
 
-def _short(name: str) -> str:
+def short_name(name: str) -> str:
     return name if len(name) <= _NAME_WIDTH else name[:_NAME_WIDTH - 3] + "..."
 
 
@@ -39,17 +40,18 @@ def timing_section(result: ProfileResult) -> Section:
     rows = []
     for row in result.backends:
         d = result.derived(row)
-        gb_needed = _num(row.bytes_needed / 1e9, 3) if row.bytes_needed is not None else _DASH
+        gb_needed = num_cell(row.bytes_needed / 1e9, 3) if row.bytes_needed is not None else _DASH
         if row.status != OK:
             label = "not built" if row.status == NOT_BUILT else "error"
             rows.append([row.backend] + [_DASH] * 6 + [gb_needed, _DASH, _DASH, f"{label}: {row.error}"])
             continue
         t = row.timing
-        rows.append([row.backend, _num(t.median_ms, 3), f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", _num(d.tflops),
-                     f"{_num(d.pct_compute_peak)} {row.math_dtype}", _num(d.gbps, 0), _num(d.pct_bandwidth_peak),
-                     gb_needed, _num(d.speedup, 2), _num(_setup_s(row)), row.description])
-    notes = [f"peaks measured in this run: copy {_num(peaks.copy_gbps, 0)} GB/s (read+write), "
-             f"BF16 GEMM {_num(peaks.bf16_tflops)} TFLOPS, FP8 GEMM {_num(peaks.fp8_tflops)} TFLOPS"]
+        rows.append([row.backend, num_cell(t.median_ms, 3), f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", num_cell(d.tflops),
+                     f"{num_cell(d.pct_compute_peak)} {row.math_dtype}", num_cell(d.gbps, 0),
+                     num_cell(d.pct_bandwidth_peak), gb_needed, num_cell(d.speedup, 2), num_cell(_setup_s(row)),
+                     row.description])
+    notes = [f"peaks measured in this run: copy {num_cell(peaks.copy_gbps, 0)} GB/s (read+write), "
+             f"BF16 GEMM {num_cell(peaks.bf16_tflops)} TFLOPS, FP8 GEMM {num_cell(peaks.fp8_tflops)} TFLOPS"]
     notes += [f"peak {name} not measured: {error}" for name, error in peaks.errors.items()]
     notes.append(f"FLOPs {w.flops() / 1e12:.3f} T ({'causal, ' if w.kind == 'prefill' else ''}"
                  f"QK^T + PV only); GB needed = Q + O + K + V once, at each backend's storage size")
@@ -65,8 +67,7 @@ def _smem_kb(kernel: NcuKernel) -> float | None:
 _NCU_COLUMNS = (
     ("time us", "gpu__time_duration.sum", 1e-3, 1),
     ("SM %", "sm__throughput.avg.pct_of_peak_sustained_elapsed", 1, 1),
-    ("wgmma %", "sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active", 1, 1),
-    ("mma %", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", 1, 1),
+    ("tensor pipe %", "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active", 1, 1),
     ("DRAM rd MB", "dram__bytes_read.sum", 1e-6, 1),
     ("DRAM wr MB", "dram__bytes_write.sum", 1e-6, 1),
     ("DRAM %", "dram__throughput.avg.pct_of_peak_sustained_elapsed", 1, 1),
@@ -85,9 +86,9 @@ def ncu_section(result: ProfileResult) -> Section:
             notes.append(f"{ncu.backend}: this ncu lacks {', '.join(ncu.dropped_metrics)}")
         for kernel in ncu.kernels:
             values = [kernel.metrics.get(metric) for _, metric, _, _ in _NCU_COLUMNS]
-            cells = [_num(None if value is None else value * factor, digits)
+            cells = [num_cell(None if value is None else value * factor, digits)
                      for value, (_, _, factor, digits) in zip(values, _NCU_COLUMNS)]
-            rows.append([ncu.backend, _short(kernel.name), *cells, _num(_smem_kb(kernel))])
+            rows.append([ncu.backend, short_name(kernel.name), *cells, num_cell(_smem_kb(kernel))])
     return Section("Nsight Compute, one warm launch of the main attention kernel", headers, rows, notes)
 
 
@@ -98,8 +99,9 @@ def trace_section(result: ProfileResult) -> Section:
         if trace.error:
             rows.append([trace.backend, trace.source, f"error: {trace.error}"] + [_DASH] * 4)
         for kernel in trace.kernels[:_TRACE_TOP]:
-            rows.append([trace.backend, trace.source, _short(kernel.name), str(kernel.calls),
-                         _num(kernel.total_us), _num(kernel.avg_us), _num(kernel.total_us / trace.launches)])
+            rows.append([trace.backend, trace.source, short_name(kernel.name), str(kernel.calls),
+                         num_cell(kernel.total_us), num_cell(kernel.avg_us),
+                         num_cell(kernel.total_us / trace.launches)])
         if trace.note:
             notes.append(f"{trace.backend}: {trace.note}")
     return Section("GPU kernels per backend (trace totals)", headers, rows, notes)
@@ -114,10 +116,10 @@ def sections(result: ProfileResult) -> list[Section]:
     return found
 
 
-def format_text(result: ProfileResult) -> str:
-    """All sections as plain fixed-width text."""
+def format_sections(found: list[Section]) -> str:
+    """Sections as plain fixed-width text."""
     blocks = []
-    for section in sections(result):
+    for section in found:
         widths = [max(len(cell) for cell in column) for column in zip(section.headers, *section.rows)]
         lines = [section.title] + ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
                                    for row in [section.headers, *section.rows]]
@@ -125,23 +127,31 @@ def format_text(result: ProfileResult) -> str:
     return "\n\n".join(blocks)
 
 
-def render_profile(result: ProfileResult, console: object | None = None) -> None:
-    """Print the result with rich (to `console`, a rich Console, if given), or as plain text if rich fails."""
+def render_sections(found: list[Section], console: object | None = None) -> None:
+    """Print sections with rich (to `console`, a rich Console, if given), or as plain text if rich fails."""
     try:
         from rich.console import Console
         from rich.table import Table
         from rich.text import Text
 
         out = console if console is not None else Console()
-        for section in sections(result):
+        for section in found:
             table = Table(title=section.title, title_justify="left")
             for index, header in enumerate(section.headers):
-                table.add_column(header, justify="left" if index == 0 or header in ("kernel", "kernel / note",
-                                                                                      "source") else "right")
+                table.add_column(header, justify="left" if index == 0 or header in _TEXT_COLUMNS else "right")
             for row in section.rows:
                 table.add_row(*(Text(cell) for cell in row))
             out.print(table)
             for note in section.notes:
                 out.print(Text(note, style="dim"))
     except Exception:  # a terminal rich cannot drive must not lose the numbers
-        print(format_text(result))
+        print(format_sections(found))
+
+
+def format_text(result: ProfileResult) -> str:
+    """All sections of a kernel profile as plain fixed-width text."""
+    return format_sections(sections(result))
+
+
+def render_profile(result: ProfileResult, console: object | None = None) -> None:
+    render_sections(sections(result), console)

@@ -7,6 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from mpfa.profiles.timing import TimingSummary
+from mpfa.profiles.torch_trace import KernelTotal
 from mpfa.profiles.workload import AttentionWorkload
 
 OK, NOT_BUILT, ERROR = "ok", "not built", "error"
@@ -84,17 +85,6 @@ class NcuResult:
     kernels: list[NcuKernel] = field(default_factory=list)
     dropped_metrics: list[str] = field(default_factory=list)
     error: str | None = None
-
-
-@dataclass
-class KernelTotal:
-    name: str
-    calls: int
-    total_us: float
-
-    @property
-    def avg_us(self) -> float:
-        return self.total_us / self.calls
 
 
 @dataclass

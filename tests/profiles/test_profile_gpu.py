@@ -9,6 +9,7 @@ import torch
 
 from mpfa.kernels.reference import attention_float64
 from mpfa.profiles import microbench
+from mpfa.profiles.kernel_categories import ATTENTION, classify
 from mpfa.profiles.ncu import profile_with_ncu
 from mpfa.profiles.registry import adapter_for
 from mpfa.profiles.results import NOT_BUILT, OK
@@ -70,8 +71,9 @@ def test_kernel_regex_matches_the_traced_kernels(backend, tmp_path):
     workload = AttentionWorkload("decode", 4096, 2, 32, 8, 128)
     trace = microbench._trace_in_process(adapter, workload, torch.device("cuda"), tmp_path, note="test")
     assert trace.error is None and trace.kernels
-    assert any(re.search(adapter.kernel_regex, kernel.name) for kernel in trace.kernels), \
-        [kernel.name for kernel in trace.kernels]
+    main_kernels = [kernel.name for kernel in trace.kernels if re.search(adapter.kernel_regex, kernel.name)]
+    assert main_kernels, [kernel.name for kernel in trace.kernels]
+    assert {classify(name) for name in main_kernels} == {ATTENTION}  # the serving breakdown counts them right
 
 
 @pytest.mark.slow

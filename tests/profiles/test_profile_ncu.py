@@ -1,4 +1,4 @@
-"""Nsight Compute: command line, `--csv --page raw` parsing and the failure modes, with ncu faked."""
+"""Nsight Compute: command line, `--csv --page raw` parsing of real H200 captures, and the failure modes."""
 import subprocess
 import sys
 from pathlib import Path
@@ -10,7 +10,13 @@ from mpfa.profiles.errors import ToolError
 from mpfa.profiles.registry import adapter_for
 from mpfa.profiles.workload import AttentionWorkload
 
-FIXTURE = Path(__file__).parent / "fixtures" / "ncu_raw_example.csv"
+FIXTURES = Path(__file__).parent / "fixtures"
+# Real `ncu --csv --page raw --print-units base` output from the H200 (mpfa profile ... --ncu).
+PREFILL_FA4 = FIXTURES / "ncu_h200_prefill64k_fa4.csv"
+PREFILL_FLASHINFER = FIXTURES / "ncu_h200_prefill64k_flashinfer_fp8.csv"
+DECODE_FA4 = FIXTURES / "ncu_h200_decode128k_b8_fa4.csv"
+DECODE_FLASHINFER = FIXTURES / "ncu_h200_decode128k_b8_flashinfer_fp8.csv"
+TENSOR_PIPE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 WORKLOAD = AttentionWorkload("decode", 131072, 8, 32, 8, 128)
 
 
@@ -33,20 +39,48 @@ def test_metric_lists_cover_the_issue():
     assert all("tensor" in metric for metric in ncu.TENSOR_METRICS)
 
 
-def test_parse_hand_made_fixture():
-    kernels = ncu.parse_raw_csv(FIXTURE.read_text())
-    assert [kernel.name for kernel in kernels] == ["BatchPrefillWithPagedKVCacheKernel", "MergeStatesKernel"]
-    main = kernels[0].metrics
-    assert main["dram__bytes_read.sum"] == 2_147_483_648  # thousands separators removed
-    assert main["gpu__time_duration.sum"] == 1_234_567
-    assert main["sm__throughput.avg.pct_of_peak_sustained_elapsed"] == 43.75
-    assert main["launch__shared_mem_per_block_dynamic"] == 98_304
-    assert main["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"] is None  # "n/a"
-    assert kernels[0].units["gpu__time_duration.sum"] == "nsecond"
-    assert kernels[1].metrics["sm__pipe_tensor_op_gmma_cycles_active.avg.pct_of_peak_sustained_active"] is None
-    assert kernels[1].metrics["launch__shared_mem_per_block_static"] == 1024
-    # Identity columns are not metrics.
-    assert "Grid Size" not in kernels[0].metrics and "Kernel Name" not in kernels[0].metrics
+# (file, kernel name part, ns, registers, DRAM bytes read, DRAM bytes written, SM %, tensor pipe %, DRAM %,
+#  occupancy %, dynamic shared memory bytes, grid size, block size), read off the captures.
+REAL_CAPTURES = [
+    (PREFILL_FA4, "FlashAttentionForwardSm90", 52_605_408, 168, 1_586_091_264, 523_258_880, 77.65, 77.69, 0.83,
+     14.04, 164_864, 16_384, 384),
+    (PREFILL_FLASHINFER, "BatchPrefillWithPagedKVCacheKernel<KernelTraits<1, 128,", 184_256_832, 255, 691_663_616,
+     543_836_160, 56.56, 30.40, 0.14, 12.40, 49_184, 16_384, 128),
+    (DECODE_FA4, "FlashAttentionForwardSm90", 1_515_872, 168, 4_295_168_512, 2_373_376, 37.39, 77.54, 58.92, 14.07,
+     164_864, 64, 384),
+    (DECODE_FLASHINFER, "BatchPrefillWithPagedKVCacheKernel<KernelTraits<0, 16,", 859_296, 255, 2_151_865_856,
+     2_149_888, 48.93, 13.16, 52.10, 12.11, 69_664, 256, 128),
+]
+
+
+@pytest.mark.parametrize("path,name,ns,regs,read,written,sm,tensor,dram,occupancy,smem,grid,block", REAL_CAPTURES,
+                         ids=lambda value: value.stem if isinstance(value, Path) else None)
+def test_parse_real_h200_captures(path, name, ns, regs, read, written, sm, tensor, dram, occupancy, smem, grid,
+                                  block):
+    text = path.read_text()
+    assert text.startswith("==WARNING==") and "==PROF== Disconnected" in text  # ncu's own lines come first
+    [kernel] = ncu.parse_raw_csv(text)
+    assert name in kernel.name
+    m = kernel.metrics
+    assert m["gpu__time_duration.sum"] == ns and kernel.units["gpu__time_duration.sum"] == "ns"
+    assert m["launch__registers_per_thread"] == regs
+    assert m["dram__bytes_read.sum"] == read and m["dram__bytes_write.sum"] == written
+    assert m["sm__throughput.avg.pct_of_peak_sustained_elapsed"] == pytest.approx(sm)
+    assert m[TENSOR_PIPE] == pytest.approx(tensor)
+    assert m["dram__throughput.avg.pct_of_peak_sustained_elapsed"] == pytest.approx(dram)
+    assert m["sm__warps_active.avg.pct_of_peak_sustained_active"] == pytest.approx(occupancy)
+    assert m["launch__shared_mem_per_block_dynamic"] == smem and m["launch__shared_mem_per_block_static"] == 0
+    assert (m["launch__grid_size"], m["launch__block_size"]) == (grid, block)
+    # Identity columns are not metrics; every metric this profiler asks for is in the capture.
+    assert "Grid Size" not in m and "Kernel Name" not in m
+    assert set(ncu.CORE_METRICS + ncu.TENSOR_METRICS) <= set(m)
+
+
+def test_real_capture_texts_become_none_not_numbers():
+    """Text-valued metrics in a real capture (the display name, the cluster policy) parse as None."""
+    [kernel] = ncu.parse_raw_csv(PREFILL_FA4.read_text())
+    assert kernel.metrics["device__attribute_display_name"] is None
+    assert kernel.metrics["launch__cluster_scheduling_policy"] is None
 
 
 def test_parse_converts_scaled_units_to_base():
@@ -79,16 +113,17 @@ def _fake_ncu(monkeypatch, outputs):
 
 
 def test_profile_runs_launch_one_under_ncu_and_keeps_the_raw_output(monkeypatch, tmp_path):
-    calls = _fake_ncu(monkeypatch, [(FIXTURE.read_text(), "", 0)])
+    capture = DECODE_FLASHINFER.read_text()
+    calls = _fake_ncu(monkeypatch, [(capture, "", 0)])
     result = ncu.profile_with_ncu(adapter_for("flashinfer-fp8"), WORKLOAD, tmp_path)
-    assert result.error is None and len(result.kernels) == 2
+    assert result.error is None and [k.metrics["gpu__time_duration.sum"] for k in result.kernels] == [859_296]
     command = calls[0]
     target = command[command.index(sys.executable):]
     assert target[1:3] == ["-m", "mpfa.profiles.launch_one"]
     assert "--backend" in target and target[target.index("--backend") + 1] == "flashinfer-fp8"
     assert target[target.index("--warmup") + 1] == str(ncu.WARMUP_LAUNCHES)
     assert command[command.index("--launch-skip") + 1] == str(ncu.WARMUP_LAUNCHES)
-    assert (tmp_path / "ncu-flashinfer-fp8.csv").read_text() == FIXTURE.read_text()
+    assert (tmp_path / "ncu-flashinfer-fp8.csv").read_text() == capture
 
 
 def test_permission_error_is_named(monkeypatch, tmp_path):
@@ -100,13 +135,14 @@ def test_permission_error_is_named(monkeypatch, tmp_path):
 
 
 def test_unknown_tensor_metric_retries_with_core_metrics(monkeypatch, tmp_path):
-    calls = _fake_ncu(monkeypatch, [("", "==ERROR== Failed to find metric sm__pipe_tensor_op_gmma_cycles_active", 1),
-                                    (FIXTURE.read_text(), "", 0)])
+    calls = _fake_ncu(monkeypatch, [("", f"==ERROR== Failed to find metric {TENSOR_PIPE}", 1),
+                                    (DECODE_FA4.read_text(), "", 0)])
     result = ncu.profile_with_ncu(adapter_for("fa4-bf16"), WORKLOAD, tmp_path)
     assert result.error is None and len(calls) == 2
     retried_metrics = calls[1][calls[1].index("--metrics") + 1].split(",")
     assert retried_metrics == list(ncu.CORE_METRICS)
     assert result.dropped_metrics == list(ncu.TENSOR_METRICS)
+    assert result.kernels[0].metrics["dram__bytes_read.sum"] == 4_295_168_512
 
 
 def test_no_matching_kernel_and_crashes_are_errors(monkeypatch, tmp_path):

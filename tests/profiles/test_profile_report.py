@@ -1,9 +1,11 @@
 """Derived rates (TFLOPS, GB/s, % of peak, speedup) and the rendered tables."""
 import json
+from pathlib import Path
 
 import pytest
 from rich.console import Console
 
+from mpfa.profiles.ncu import parse_raw_csv
 from mpfa.profiles.report import format_text, render_profile, sections
 from mpfa.profiles.results import (ERROR, NOT_BUILT, OK, BackendResult, KernelTotal, NcuKernel, NcuResult, Peaks,
                                    ProfileResult, TraceResult)
@@ -76,7 +78,7 @@ def test_ncu_and_trace_sections_only_when_present():
     ncu_table, trace_table = sections(result)[1:]
     fa4 = ncu_table.rows[0]
     assert fa4[1].endswith("...") and len(fa4[1]) == 80
-    assert fa4[2] == "4,200.0" and fa4[6] == "300.0" and fa4[-1] == "194.0"  # us, MB, KB
+    assert fa4[2] == "4,200.0" and fa4[5] == "300.0" and fa4[-1] == "194.0"  # us, MB, KB
     assert ncu_table.rows[1][1].startswith("error: ncu may not read")
     assert trace_table.rows[0][-1] == "4,200.0"  # us per op call: 21 ms over 5 launches
     assert trace_table.notes == ["fa4-bf16: nsys failed (no report)"]
@@ -113,3 +115,14 @@ def test_json_has_raw_times_and_derived_rates(tmp_path):
     assert fa4["derived"]["speedup"] == pytest.approx(1.0)
     assert data["backends"][2]["status"] == "not built" and data["backends"][2]["derived"]["tflops"] is None
     assert data["workload"]["seq"] == 16384 and data["peaks"]["bf16_tflops"] == 700.0
+
+
+def test_ncu_columns_from_a_real_h200_capture():
+    """FA4 prefill 64K as ncu measured it on the H200: the row shows its real figures, tensor pipe included."""
+    capture = Path(__file__).parent / "fixtures" / "ncu_h200_prefill64k_fa4.csv"
+    result = _result()
+    result.ncu = [NcuResult("fa4-bf16", ["ncu"], parse_raw_csv(capture.read_text()))]
+    table = sections(result)[1]
+    assert table.headers[2:] == ["time us", "SM %", "tensor pipe %", "DRAM rd MB", "DRAM wr MB", "DRAM %",
+                                 "occupancy %", "regs", "smem KB"]
+    assert table.rows[0][2:] == ["52,605.4", "77.7", "77.7", "1,586.1", "523.3", "0.8", "14.0", "168", "161.0"]
