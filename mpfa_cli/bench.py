@@ -9,10 +9,11 @@ import json
 import time
 import urllib.error
 import urllib.request
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
@@ -80,18 +81,30 @@ def verify_server(info: dict[str, Any], spec: BackendSpec) -> None:
             raise UserError(f"server reports {key}={got}, but backend '{spec.name}' asks for {want}", exit_code=1)
 
 
-def _server(spec: BackendSpec, scenario: Scenario, opts: BenchOptions) -> tuple[ContextManager, str]:
+@contextmanager
+def served(
+    spec: BackendSpec, model: str, context_len: int, opts: BenchOptions, progress: Progress
+) -> Iterator[tuple[str, dict[str, Any], ServerProcess | None]]:
+    """A ready server for `spec` (launched, or the one at --url): yields its URL, server info and process."""
     if opts.engine == "url":
-        return nullcontext(), opts.url.rstrip("/")
+        url = opts.url.rstrip("/")
+        yield url, _get_json(f"{url}/get_server_info"), None
+        return
     port = pick_port(opts.port)
     if opts.engine == "sim":
-        launch = sim_launch(spec, port, opts.time_scale, scenario.model, opts.server_args)
+        launch = sim_launch(spec, port, opts.time_scale, model, opts.server_args)
     else:
-        context = max(scenario.input_len) + scenario.output_len + 64
-        launch = sglang_launch(spec, port, scenario.model, context, opts.tp, opts.dp, opts.server_args)
+        launch = sglang_launch(spec, port, model, context_len, opts.tp, opts.dp, opts.server_args)
     url = f"http://127.0.0.1:{port}"
     log = opts.run_dir / f"server-{spec.name}-{int(time.time())}.log"
-    return ServerProcess(launch.command, log, url, launch.env), url
+    with ServerProcess(launch.command, log, url, launch.env) as server:
+        task = progress.add_task(f"{spec.name}: starting server", total=None)
+        timeout = opts.ready_timeout_s or READY_TIMEOUT_S[opts.engine]
+        took = server.wait_ready(timeout, on_tick=lambda _: progress.refresh())
+        progress.update(task, description=f"{spec.name}: ready after {took:.0f} s", total=1, completed=1)
+        info = _get_json(f"{url}/get_server_info")
+        verify_server(info, spec)
+        yield url, info, server
 
 
 def run_bench(
@@ -100,18 +113,12 @@ def run_bench(
     """Measure every backend; returns the ids of the runs it stored."""
     environment = collect_environment()
     gpu = "simulated" if opts.engine == "sim" else (gpu_names() or ["unknown"])[0]
+    context_len = max(scenario.input_len) + scenario.output_len + 64
     run_ids: list[int] = []
     for spec in specs:
-        server, url = _server(spec, scenario, opts)
-        with server, _progress(console) as progress:
-            if isinstance(server, ServerProcess):
-                task = progress.add_task(f"{spec.name}: starting server", total=None)
-                timeout = opts.ready_timeout_s or READY_TIMEOUT_S[opts.engine]
-                took = server.wait_ready(timeout, on_tick=lambda _: progress.refresh())
-                progress.update(task, description=f"{spec.name}: ready after {took:.0f} s", total=1, completed=1)
-            info = _get_json(f"{url}/get_server_info")
-            if opts.engine != "url":
-                verify_server(info, spec)
+        with progress_bar(console) as progress, served(spec, scenario.model, context_len, opts, progress) as (
+            url, info, server,
+        ):
             warmed: set[int] = set()
             for point in scenario.points():
                 for repeat in range(scenario.repeats):
@@ -137,7 +144,7 @@ def run_bench(
 
 def _measure(
     run: RunRecord, run_id: int, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
-    url: str, store: ResultStore, progress: Progress, server: ContextManager,
+    url: str, store: ResultStore, progress: Progress, server: ServerProcess | None,
 ) -> None:
     prompts = workload.make_prompts(scenario.seed, scenario.num_requests, point.input_len)
     warmup_prompts = workload.make_prompts(scenario.seed + 1, warmup, point.input_len)
@@ -163,7 +170,7 @@ def _measure(
         store.finish_run(run_id, "interrupted", error="Ctrl-C", summary=metrics.summarize(records, opts.slo))
         raise RunInterrupted(run_id) from None
     summary = metrics.summarize(records, opts.slo)
-    if isinstance(server, ServerProcess) and not server.alive:
+    if server is not None and not server.alive:
         error = f"server died during the run; last log lines ({server.log_path}):\n{server.log_tail()}"
         store.finish_run(run_id, "failed", error=error, summary=summary)
         raise ServerError(f"run {run_id}: {error}")
@@ -181,7 +188,7 @@ def _flags(spec: BackendSpec, opts: BenchOptions) -> list[str]:
     return [*spec.sglang_args, *parallel, *opts.server_args]
 
 
-def _progress(console: Console) -> Progress:
+def progress_bar(console: Console) -> Progress:
     return Progress(
         TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
         console=console, transient=False,

@@ -9,6 +9,7 @@ from typing import Annotated, Callable, Optional
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from mpfa.backends.specs import BACKENDS
 from mpfa.cli.errors import UserError
@@ -31,7 +32,7 @@ def cli_errors(fn: Callable) -> Callable:
         try:
             return fn(*args, **kwargs)
         except UserError as exc:
-            err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True, soft_wrap=True)
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
             raise typer.Exit(exc.exit_code) from None
         except KeyboardInterrupt:
             err_console.print("interrupted")
@@ -256,33 +257,74 @@ def gate(
 @app.command()
 @cli_errors
 def profile(
-    kind: Annotated[str, typer.Argument(help="prefill or decode.")],
-    seq: Annotated[str, typer.Option(help="Prompt length (prefill) or KV length (decode), e.g. 64k.")] = "64k",
+    kind: Annotated[str, typer.Argument(help="prefill, decode (kernel microbenchmarks) or serving (a live server's kernel breakdown).")],
+    seq: Annotated[str, typer.Option(help="Prompt length (prefill, serving) or KV length (decode), e.g. 64k.")] = "64k",
     batch: Annotated[int, typer.Option(help="Requests in the batch.")] = 1,
     heads: Annotated[str, typer.Option(help="Query:KV heads.")] = "32:8",
     head_dim: Annotated[int, typer.Option("--head-dim")] = 128,
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends.")] = "fa4-bf16,flashinfer-fp8,mpfa",
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends (serving: one).")] = "fa4-bf16,flashinfer-fp8,mpfa",
     ncu: Annotated[bool, typer.Option("--ncu", help="Also profile each kernel with Nsight Compute.")] = False,
     nsys: Annotated[bool, typer.Option("--nsys", help="Also trace (Nsight Systems, else the PyTorch profiler).")] = False,
+    steps: Annotated[int, typer.Option(help="serving: scheduler steps in each profile window.")] = 8,
+    url: Annotated[Optional[str], typer.Option(help="serving: profile a server someone else started.")] = None,
+    model: Annotated[str, typer.Option(help="serving: bundled config name or model directory.")] = "llama-3.1-8b",
     out: Annotated[Path, typer.Option(help="Directory for raw results (JSON, ncu CSV, traces).")] = Path("mpfa-profiles"),
+    db: DbOption = None,
 ) -> None:
-    """Time each backend's attention kernel side by side at one shape (needs a CUDA GPU)."""
+    """Profile attention: kernels side by side at one shape, or a serving run's GPU-time breakdown (needs a GPU)."""
+    from dataclasses import asdict
+
     from mpfa.profiles.errors import ProfileError
-    from mpfa.profiles.microbench import run_profile
-    from mpfa.profiles.registry import parse_backends
-    from mpfa.profiles.report import render_profile
     from mpfa.profiles.workload import parse_heads, parse_seq
 
-    if kind not in ("prefill", "decode"):
-        raise UserError(f"unknown profile kind '{kind}'; valid: prefill, decode")
+    if kind not in ("prefill", "decode", "serving"):
+        raise UserError(f"unknown profile kind '{kind}'; valid: prefill, decode, serving")
     try:
+        length = parse_seq(seq)
+        if kind == "serving":
+            _profile_serving(length, batch, steps, backend, url, model, out, db)
+            return
+        from mpfa.profiles.microbench import run_profile
+        from mpfa.profiles.registry import parse_backends
+        from mpfa.profiles.report import render_profile
+
         result = run_profile(
-            kind, parse_seq(seq), batch, parse_heads(heads), head_dim, parse_backends(backend), ncu, nsys, out,
+            kind, length, batch, parse_heads(heads), head_dim, parse_backends(backend), ncu, nsys, out,
             progress=lambda line: err_console.print(line, highlight=False),
         )
     except (ValueError, ProfileError) as exc:
         raise UserError(str(exc)) from None
     render_profile(result, console)
+    with _store(db) as store:
+        profile_id = store.add_profile(kind, result.device, asdict(result.workload), result.to_json())
+    console.print(f"stored profile {profile_id} in {store.path}")
+
+
+def _profile_serving(
+    input_len: int, batch: int, steps: int, backend: str, url: str | None, model: str, out: Path, db: Path | None
+) -> None:
+    """Launch SGLang for one backend (or use --url), profile a prefill and a decode window, store the breakdown."""
+    from mpfa.cli.bench import BenchOptions, progress_bar, served
+    from mpfa.cli.engines import gpu_names, resolve_backends, resolve_engine
+    from mpfa.profiles.serving import profile_serving
+    from mpfa.profiles.serving_report import render_serving
+
+    if "," in backend:
+        raise UserError("profile serving takes one backend")
+    engine = resolve_engine("sglang", url)
+    (spec,) = resolve_backends(backend, engine)
+    with _store(db) as store:
+        opts = BenchOptions(engine=engine, run_dir=out, url=url)
+        with progress_bar(console) as progress, served(spec, model, input_len + steps + 64, opts, progress) as (
+            server_url, _, _,
+        ):
+            result = profile_serving(server_url, input_len, batch, steps, out,
+                                     progress=lambda line: err_console.print(line, highlight=False))
+        render_serving(result, console)
+        gpu = (gpu_names() or ["unknown"])[0]
+        params = {"backend": spec.name, "input_len": input_len, "batch": batch, "steps": steps, "server": result.server}
+        profile_id = store.add_profile("serving", gpu, params, result.to_json())
+    console.print(f"stored profile {profile_id} in {store.path}")
 
 
 @app.command("serve-sim")
