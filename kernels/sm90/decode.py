@@ -28,6 +28,7 @@ from mpfa.kernels.sm90.ptx import (
     exp2_approx,
     f32x2_to_e4m3x2,
     load_u16,
+    load_u32,
     load_v4_u32,
     mma_e4m3_m16n8k32,
     mma_f16_m16n8k16,
@@ -44,6 +45,7 @@ SCALE_ROW_BYTES = HEAD_DIM // 16
 P_SCALE = 448.0
 BF16_MINUS_INF = 0xFF80
 MAX_GROUP = 8
+LANE_KEYS = lay.N_TILES * 3  # keys a lane touches per tile: one QK key and two score/V keys per n-tile
 
 
 class SplitKVDecodeSm90:
@@ -133,60 +135,73 @@ class SplitKVDecodeSm90:
         for i in cutlass.range_constexpr(lay.M_TILES * 4):
             acc[i] = Float32(0.0)
 
+        # Per-lane base addresses of the lane's chunk in a slot's row; + slot * row stride per key.
+        bases = (
+            k_codes.iterator.toint() + kv_head * K_ROW_BYTES + 16 * c,
+            k_scales.iterator.toint() + kv_head * SCALE_ROW_BYTES + 2 * c,
+            delta_s.iterator.toint() + head * 2,
+            v.iterator.toint() + kv_head * HEAD_DIM + 16 * g,
+        )
         num_tiles = (cutlass.max(end - start, 0) + lay.TILE_KEYS - 1) // lay.TILE_KEYS
-        k_base = k_codes.iterator.toint()
-        ks_base = k_scales.iterator.toint()
-        v_base = v.iterator.toint()
-        ds_base = delta_s.iterator.toint()
+        last_tile = start + (num_tiles - 1) * lay.TILE_KEYS  # tiles run last to first
+        slots = cute.make_rmem_tensor((LANE_KEYS,), Int32)  # slots of the next tile's keys, fetched a tile ahead
+        self._fetch_slots(slots, page_table, batch_idx, last_tile, end, g, c)
         for step in cutlass.range(num_tiles, unroll=1):
-            tile = start + (num_tiles - 1 - step) * lay.TILE_KEYS
-            scores = self._qk_tile(q_regs, tile, end, batch_idx, kv_head, head, row_valid, g, c, page_table,
-                                   k_base, ks_base, ds_base)
+            tile = last_tile - step * lay.TILE_KEYS
+            tile_slots = [slots[i] for i in range(LANE_KEYS)]
+            self._fetch_slots(slots, page_table, batch_idx, tile - lay.TILE_KEYS, end, g, c)
+            k_words, k_scales_raw, ds_bits, v_rows = self._load_tile(tile_slots, tile, end, row_valid, g, c, bases)
+            scores = self._qk_tile(q_regs, k_words, k_scales_raw, ds_bits)
             p_regs, alpha = self._online_softmax(scores, state, row_valid, lam_scaled)
-            self._pv_tile(p_regs, alpha, acc, tile, end, batch_idx, kv_head, g, c, page_table, v_base)
+            self._pv_tile(p_regs, alpha, acc, v_rows, c)
 
         self._store_partials(state, acc, m_part, l_part, o_part, batch_idx, kv_head, part, num_parts, g, c)
 
     # --- pieces of one tile ------------------------------------------------------------------------------------
 
     @cute.jit
-    def _slot(self, page_table: cute.Tensor, batch_idx: Int32, token: Int32) -> Int64:
-        if cutlass.const_expr(self.page_size == 1):
-            return Int64(page_table[batch_idx, token])
-        page = Int64(page_table[batch_idx, token >> self.page_shift])
-        return (page << self.page_shift) + Int64(token & (self.page_size - 1))
+    def _fetch_slots(self, slots: cute.Tensor, page_table: cute.Tensor, batch_idx: Int32, tile: Int32, end: Int32,
+                     g: Int32, c: Int32):
+        """Slots of the lane's keys in ``tile``: [n-tile] its QK key, then [4 + 2 n-tile + half] its score / V keys.
+        Keys past the end are clamped to the last key (their loads are predicated off)."""
+        keys = [lay.qk_key(n_tile, g) for n_tile in range(lay.N_TILES)]
+        keys += [lay.score_key(n_tile, c, half) for n_tile in range(lay.N_TILES) for half in range(2)]
+        row = page_table.iterator.toint() + Int64(batch_idx) * page_table.stride[0] * 4
+        for i in cutlass.range_constexpr(LANE_KEYS):
+            token = cutlass.max(cutlass.min(tile + keys[i], end - 1), 0)
+            page = Int32(load_u32(row + Int64(token >> self.page_shift) * 4))
+            slots[i] = (page << self.page_shift) + (token & (self.page_size - 1))
 
     @cute.jit
-    def _qk_tile(self, q_regs, tile, end, batch_idx, kv_head, head, row_valid, g, c, page_table,
-                 k_base, ks_base, ds_base):
-        """Scores of the tile's keys for head g: [n-tile][half] = S * 2**-7 at key 8 n + 2c + half (-inf past end)."""
+    def _load_tile(self, tile_slots, tile, end, row_valid, g, c, bases):
+        """Issue every load of the tile: the lane's K chunks and scale pairs (QK keys), Delta_S of head g and V
+        chunk g (score keys); keys past the end read nothing (zeros; Delta_S = -inf so that S = -inf)."""
+        k_base, ks_base, ds_base, v_base = bases
         num_q_heads = self.num_kv_heads * self.group
-        k_words = []
-        k_scale_regs = []
+        k_words, k_scales_raw, ds_bits, v_rows = [], [], [], []
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
-            token = tile + lay.qk_key(n_tile, g)
-            valid = token < end
-            slot = self._slot(page_table, batch_idx, cutlass.min(token, end - 1))
-            row = slot * self.num_kv_heads + kv_head
-            k_words.append(load_v4_u32(k_base + row * K_ROW_BYTES + 16 * c, Uint32(valid)))
-            k_scale_regs.append(load_u16(ks_base + row * SCALE_ROW_BYTES + 2 * c, Uint32(valid), Uint32(0)))
-        init = []
+            valid = Uint32(tile + lay.qk_key(n_tile, g) < end)
+            slot = Int64(tile_slots[n_tile])
+            k_words.append(load_v4_u32(k_base + slot * (self.num_kv_heads * K_ROW_BYTES), valid))
+            k_scales_raw.append(load_u16(ks_base + slot * (self.num_kv_heads * SCALE_ROW_BYTES), valid, Uint32(0)))
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
-            pair = []
             for half in cutlass.range_constexpr(2):
-                token = tile + lay.score_key(n_tile, c, half)
-                valid = token < end
-                slot = self._slot(page_table, batch_idx, cutlass.min(token, end - 1))
-                default = Uint32(cutlass.select_(valid, Uint32(0), Uint32(BF16_MINUS_INF)))  # masked keys: S = -inf
-                bits = load_u16(ds_base + (slot * num_q_heads + head) * 2, Uint32(valid & row_valid), default)
-                pair.append(bits_to_f32(bits << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2))
-            init.append(pair)
+                valid = tile + lay.score_key(n_tile, c, half) < end
+                slot = Int64(tile_slots[lay.N_TILES + 2 * n_tile + half])
+                default = Uint32(cutlass.select_(valid, Uint32(0), Uint32(BF16_MINUS_INF)))
+                ds_bits.append(load_u16(ds_base + slot * (num_q_heads * 2), Uint32(valid & row_valid), default))
+                v_rows.append(load_v4_u32(v_base + slot * (self.num_kv_heads * HEAD_DIM), Uint32(valid)))
+        return k_words, k_scales_raw, ds_bits, v_rows
 
+    @cute.jit
+    def _qk_tile(self, q_regs, k_words, k_scales_raw, ds_bits):
+        """Scores of the tile's keys for head g: [n-tile][half] = S * 2**-7 at key 8 n + 2c + half (-inf past end)."""
         scores = []
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
-            scale = mul_f16x2(e4m3x2_to_f16x2(k_scale_regs[n_tile]), Uint32(lay.F16X2_TWO_POW_7))
+            scale = mul_f16x2(e4m3x2_to_f16x2(k_scales_raw[n_tile]), Uint32(lay.F16X2_TWO_POW_7))
             scale_blocks = (prmt(scale, scale, 0x1010), prmt(scale, scale, 0x3232))
-            c_regs = [init[n_tile][0], init[n_tile][1], Float32(0.0), Float32(0.0)]
+            c_regs = [bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
+                      for half in range(2)] + [Float32(0.0), Float32(0.0)]
             for k_step in cutlass.range_constexpr(lay.K_STEPS_QK):
                 b_regs = []
                 for reg in lay.qk_step_regs(k_step):
@@ -234,21 +249,15 @@ class SplitKVDecodeSm90:
         return [pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16)], alpha
 
     @cute.jit
-    def _pv_tile(self, p_regs, alpha, acc: cute.Tensor, tile, end, batch_idx, kv_head, g, c, page_table, v_base):
-        """acc = alpha * acc + e4m3(448 P) V over the tile; lane (g, c) loads V chunk g of its 8 keys."""
+    def _pv_tile(self, p_regs, alpha, acc: cute.Tensor, v_rows, c):
+        """acc = alpha * acc + e4m3(448 P) V over the tile (V rows of the lane's score keys, chunk g)."""
         alpha_heads = (shuffle_idx(alpha, Uint32(8 * c)), shuffle_idx(alpha, Uint32(8 * c + 4)))
         for i in cutlass.range_constexpr(lay.M_TILES * 4):
             acc[i] = acc[i] * alpha_heads[i % 2]
         transposed = []
         sel_lo, sel_hi, sel_even, sel_odd = lay.transpose_selectors()
         for k_half in cutlass.range_constexpr(2):
-            rows = []
-            for j in cutlass.range_constexpr(4):
-                token = tile + lay.pv_key(k_half, c, j)
-                valid = token < end
-                slot = self._slot(page_table, batch_idx, cutlass.min(token, end - 1))
-                row = slot * self.num_kv_heads + kv_head
-                rows.append(load_v4_u32(v_base + row * HEAD_DIM + 16 * g, Uint32(valid)))
+            rows = [v_rows[4 * k_half + j] for j in range(4)]  # keys pv_key(k_half, c, j) = score keys 4 k_half + j
             bytes_by_dim = []
             for word in cutlass.range_constexpr(4):
                 lo01 = prmt(rows[0][word], rows[1][word], sel_lo)
@@ -271,7 +280,7 @@ class SplitKVDecodeSm90:
                         batch_idx, kv_head, part, num_parts, g, c):
         """(m, l) of head g from lane (g, 0); O / (448 l) of heads 2c, 2c + 1 over dimensions 16g..16g+15."""
         num_q_heads = self.num_kv_heads * self.group
-        if g < self.group and c == 0:
+        if (g < self.group) & (c == 0):
             head = kv_head * self.group + g
             m_part[batch_idx, head, part] = state[0] * Float32(2.0 ** lay.SCORE_SCALE_LOG2)
             l_part[batch_idx, head, part] = state[1]

@@ -22,7 +22,7 @@ WARPS = 8
 
 
 class DecodeMergeSm90:
-    """Compile-time shape: ``num_q_heads`` and the output dtype (``cutlass.BFloat16`` or ``cutlass.Float32``)."""
+    """Compile-time choice: the output dtype (``cutlass.BFloat16`` or ``cutlass.Float32``)."""
 
     def __init__(self, out_dtype) -> None:
         if out_dtype not in (cutlass.BFloat16, cutlass.Float32):

@@ -13,14 +13,16 @@ from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
 
-def _asm(result_types: list, operands: list, text: str, constraints: str):
+def _asm(result_types: list, operands: list, text: str, constraints: str, *, pinned: bool = False):
+    """``pinned``: keep the instruction where the kernel issues it (LLVM otherwise sinks loads next to their first
+    use, which serialises the memory latency the kernel prefetches to hide)."""
     struct = len(result_types) > 1
     return llvm.inline_asm(
         llvm.StructType.get_literal(result_types) if struct else result_types[0],
         operands,
         text,
         constraints,
-        has_side_effects=False,
+        has_side_effects=pinned,
         is_align_stack=False,
         asm_dialect=llvm.AsmDialect.AD_ATT,
     ), struct
@@ -50,6 +52,7 @@ def load_v4_u32(address: Int64, predicate: Uint32, *, loc=None, ip=None) -> list
         " mov.b32 $0, 0;\n mov.b32 $1, 0;\n mov.b32 $2, 0;\n mov.b32 $3, 0;\n"
         " @p ld.global.nc.v4.u32 {$0, $1, $2, $3}, [$4];\n}",
         "=&r,=&r,=&r,=&r,l,r",
+        pinned=True,
     )
     return _unpack(value, struct, 4, T.i32(), Uint32)
 
@@ -63,7 +66,16 @@ def load_u16(address: Int64, predicate: Uint32, default: Uint32, *, loc=None, ip
         "{\n .reg .pred p;\n .reg .b16 h;\n setp.ne.u32 p, $2, 0;\n mov.b32 $0, $3;\n"
         " @p ld.global.nc.u16 h, [$1];\n @p cvt.u32.u16 $0, h;\n}",
         "=&r,l,r,r",
+        pinned=True,
     )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def load_u32(address: Int64, *, loc=None, ip=None) -> Uint32:
+    """A 32-bit global load, issued where the kernel places it."""
+    value, struct = _asm([T.i32()], [Int64(address).ir_value(loc=loc, ip=ip)], "ld.global.nc.u32 $0, [$1];", "=r,l",
+                         pinned=True)
     return _unpack(value, struct, 1, T.i32(), Uint32)
 
 

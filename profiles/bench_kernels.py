@@ -1,0 +1,191 @@
+"""Side-by-side decode benchmark of the sm90 MpFA kernels against FlashInfer-FP8 and FA4-BF16, one process.
+
+    python -m mpfa.profiles.bench_kernels decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
+
+For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
+(JIT), then timed with CUDA events (`profiles.timing`, median); the copy bandwidth is measured in the same run.
+"Read" is the bytes the kernel actually has to move: the KV cache in the backend's format, the page table /
+indices it walks, Q and O, and for MpFA the split-KV partials it writes and merges. A backend that fails prints
+an error row; the others still run.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from mpfa.profiles.errors import KernelNotBuilt, ProfileError
+from mpfa.profiles.inputs import random_tensor
+from mpfa.profiles.kernel_adapter import PreparedKernel
+from mpfa.profiles.microbench import benchmark_backend
+from mpfa.profiles.peaks import copy_gbps
+from mpfa.profiles.registry import adapter_for
+from mpfa.profiles.results import OK, BackendResult
+from mpfa.profiles.workload import MPFA, AttentionWorkload, parse_heads, parse_seq
+
+if TYPE_CHECKING:
+    import torch
+
+DEFAULT_BACKENDS = ("mpfa", "flashinfer-fp8", "fa4-bf16")
+REFERENCE = "flashinfer-fp8"
+_FILL_TOKENS = 1 << 16  # tokens quantized into the cache per write-kernel launch (bounds the BF16 staging)
+_INDEX_BYTES = 4
+
+
+class MpfaSm90Decode:
+    """The sm90 MpFA decode (Triton KV write to fill the cache, CuTe split-KV + merge timed) as a kernel adapter,
+    page size 1 like FlashInfer's. Decode only; correctness lives in tests/kernels_sm90."""
+
+    name = "mpfa"
+    tensor_format = MPFA
+    math_dtype = "bf16"  # FP16 tensor-core MMAs on exactly dequantized operands (sm_90 has no FP4 MMA)
+    kernel_regex = "SplitKVDecode|DecodeMerge"
+
+    def set_bytes(self, workload: AttentionWorkload) -> int:
+        return int(workload.bytes_needed(self.tensor_format))
+
+    def prepare(self, workload: AttentionWorkload, num_sets: int, device: "torch.device", seed: int) -> PreparedKernel:
+        import torch
+
+        from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
+        from mpfa.kernels.smoothing import SmoothingMeans
+        from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode
+        from mpfa.kernels.sm90.quantize_cache import quantize_to_cache
+
+        w = workload
+        if w.kind != "decode":
+            raise KernelNotBuilt("the sm90 MpFA prefill kernel is not built yet")
+        generator = torch.Generator(device=device).manual_seed(seed)
+        tokens = w.batch * w.seq
+        means = SmoothingMeans(torch.randn(w.batch, w.q_heads, w.head_dim, device=device, generator=generator),
+                               torch.randn(w.batch, w.kv_heads, w.head_dim, device=device, generator=generator))
+
+        def make_set() -> tuple[CenteredQuery, MpfaKVCache]:
+            cache = MpfaKVCache.allocate(tokens, 1, w.q_heads, w.kv_heads, w.head_dim, device)
+            query = CenteredQuery.allocate(w.batch, w.q_heads, w.head_dim, device)
+            for first in range(0, tokens, _FILL_TOKENS):
+                count = min(_FILL_TOKENS, tokens - first)
+                slots = torch.arange(first, first + count, device=device)
+                q, k, v = (random_tensor((count, heads, w.head_dim), torch.bfloat16, device, generator)
+                           for heads in (w.q_heads, w.kv_heads, w.kv_heads))
+                chunk_query = quantize_to_cache(q, k, v, slots, (slots // w.seq).int(), means, cache)
+                ends = slots[(slots + 1) % w.seq == 0]  # each request's last token is its decode query
+                query.codes[ends // w.seq] = chunk_query.codes[ends - first]
+                query.scales[ends // w.seq] = chunk_query.scales[ends - first]
+            return query, cache
+
+        sets = [make_set() for _ in range(num_sets)]
+        page_table = torch.arange(tokens, dtype=torch.int32, device=device).view(w.batch, w.seq)
+        seq_lens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
+        workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device)
+        outputs = [torch.empty((w.batch, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
+                   for _ in range(num_sets)]
+
+        def run(i: int) -> torch.Tensor:
+            query, cache = sets[i]
+            return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i])
+
+        def dense_inputs(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels_sm90 checks outputs")
+
+        return PreparedKernel(run, dense_inputs, num_sets,
+                              f"Triton KV write + CuTe split-KV decode ({workspace.num_partitions} partitions of "
+                              f"{workspace.partition_size} keys) + merge, page 1")
+
+
+def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float:
+    """Bytes the decode kernel(s) move: KV cache in the backend's format + Q + O (`workload.bytes_needed`), the
+    token indices it walks (page size 1; FA4: one entry per 128-token page), and MpFA's partials (written once,
+    read once by the merge: m, l and O in FP32 per partition)."""
+    from mpfa.kernels.sm90.decode_launch import choose_partition_size
+
+    w = workload
+    tokens = w.batch * w.seq
+    if backend == "mpfa":
+        partitions = -(-w.seq // choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms))
+        partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
+        return w.bytes_needed(MPFA) + tokens * _INDEX_BYTES + partial_bytes
+    base = w.bytes_needed(_adapter(backend).tensor_format)
+    return base + (tokens // 128 if backend == "fa4-bf16" else tokens) * _INDEX_BYTES
+
+
+def _adapter(name: str):
+    return MpfaSm90Decode() if name == "mpfa" else adapter_for(name)
+
+
+def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], copy_bandwidth: float | None,
+                 num_sms: int) -> str:
+    header = (f"{'context':>8} {'batch':>5}  {'backend':<15} {'median us':>10} {'read MB':>9} {'TB/s':>6} "
+              f"{'% copy':>7} {'x FI-FP8':>8}")
+    lines = [f"copy bandwidth (read + write, measured in this run): "
+             f"{copy_bandwidth / 1e3:.2f} TB/s" if copy_bandwidth else "copy bandwidth: not measured", header]
+    for workload, rows in results:
+        by_name = {row.backend: row for row in rows}
+        reference = by_name.get(REFERENCE)
+        for row in rows:
+            prefix = f"{workload.seq:>8} {workload.batch:>5}  {row.backend:<15}"
+            if row.status != OK or row.timing is None:
+                lines.append(f"{prefix} {row.status.upper()}: {row.error}")
+                continue
+            seconds = row.timing.median_ms / 1e3
+            read = bytes_read(row.backend, workload, num_sms)
+            rate = read / seconds
+            pct = f"{100 * rate / (copy_bandwidth * 1e9):6.1f}%" if copy_bandwidth else "      -"
+            speedup = (f"{reference.timing.median_ms / row.timing.median_ms:8.2f}"
+                       if reference is not None and reference.timing is not None else "       -")
+            lines.append(f"{prefix} {row.timing.median_ms * 1e3:>10.1f} {read / 1e6:>9.1f} {rate / 1e12:>6.2f} "
+                         f"{pct} {speedup}")
+    return "\n".join(lines)
+
+
+def run_decode_bench(seqs: list[int], batches: list[int], heads: tuple[int, int], backends: list[str],
+                     say: Callable[[str], None]) -> str:
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ProfileError("no CUDA device: the kernel benchmark runs on a GPU")
+    device = torch.device("cuda", torch.cuda.current_device())
+    say("measuring copy bandwidth")
+    try:
+        bandwidth = copy_gbps(device)
+    except Exception as exc:  # the table still prints, without the % column
+        say(f"copy bandwidth failed: {type(exc).__name__}: {exc}")
+        bandwidth = None
+    results = []
+    for seq in seqs:
+        for batch in batches:
+            workload = AttentionWorkload("decode", seq, batch, heads[0], heads[1], 128)
+            say(f"--- {workload.label()}")
+            results.append((workload, [benchmark_backend(_adapter(name), workload, device, say) for name in backends]))
+    return format_table(results, bandwidth, torch.cuda.get_device_properties(device).multi_processor_count)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.bench_kernels",
+                                     description="MpFA sm90 kernels vs FlashInfer-FP8 and FA4-BF16, side by side.")
+    parser.add_argument("kind", choices=["decode"])
+    parser.add_argument("--seq", default="8192,32768,131072", help="comma-separated KV lengths (e.g. 8k,128k)")
+    parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("--heads", default="32:8", help="QUERY:KV heads")
+    parser.add_argument("--backend", default=",".join(DEFAULT_BACKENDS), help="comma-separated backends")
+    args = parser.parse_args(argv)
+    try:
+        seqs = [parse_seq(part) for part in args.seq.split(",")]
+        batches = [int(part) for part in args.batch.split(",")]
+        if any(b <= 0 for b in batches):
+            raise ValueError(f"batch sizes must be positive, got {args.batch}")
+        backends = [name.strip() for name in args.backend.split(",") if name.strip()]
+        for name in backends:
+            _adapter(name)
+        table = run_decode_bench(seqs, batches, parse_heads(args.heads), backends,
+                                 lambda message: print(message, file=sys.stderr, flush=True))
+    except (ValueError, ProfileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    print(table)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,98 @@
+"""Every sm90 kernel compiles for sm_90a on a CPU-only machine, so a broken kernel fails CI.
+
+The CuTe DSL kernels compile from fake tensors (the very path `mpfa_decode` takes on the GPU), the Triton kernels
+through Triton's ahead-of-time compiler for a CUDA 9.0 target. Both run in a fresh process: the DSL reads its
+dump settings once at import, and this test session runs Triton in interpreter mode on machines without a GPU.
+The decode SASS must use the tensor cores and must not spill; the Triton PTX must divide with IEEE rounding."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
+pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
+
+CONFIGS = [(8, 4, 1), (8, 5, 16), (8, 4, 128)]  # (KV heads, group, page size): Llama-3.1-8B, Qwen3-14B
+
+
+def _python(code: str, **env: str) -> str:
+    clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env={**clean, **env}, capture_output=True,
+                            text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return result.stdout
+
+
+@pytest.fixture(scope="module")
+def decode_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int], list[Path]]:
+    """Compile the split and merge kernels of every config (both output dtypes) -> the cubins of each config."""
+    found = {}
+    for config in CONFIGS:
+        dump = tmp_path_factory.mktemp("hkv{}-g{}-page{}".format(*config))
+        _python(f"""
+            from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
+            for out_dtype in ("BFloat16", "Float32"):
+                compile_decode_kernels({config[0]}, {config[1]}, {config[2]}, out_dtype)
+            """, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
+        found[config] = sorted(dump.glob("*.cubin"))
+    return found
+
+
+def _cuobjdump(*args: str) -> str:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if not tool.exists():
+        pytest.skip("cuobjdump (shipped with triton) not found to inspect the SASS")
+    return subprocess.run([str(tool), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}".format(*c))
+def test_decode_kernels_compile_for_sm90a(decode_cubins, config):
+    cubins = decode_cubins[config]
+    split = [c for c in cubins if "SplitKVDecode" in c.name]
+    assert split and any("DecodeMerge" in c.name for c in cubins), f"missing cubins: {[c.name for c in cubins]}"
+    sass = _cuobjdump("--dump-sass", str(split[0]))
+    # 8 k-steps x 4 n-tiles of QK^T, and 8 m-tiles of PV (an e4m3 m16n8k32 is two FP16 MMAs on sm_90).
+    assert sass.count("HMMA.16816.F32") == 48, "QK^T and PV must run on the tensor cores"
+    usage = _cuobjdump("--dump-resource-usage", str(split[0]))
+    assert re.search(r"LOCAL:0\b", usage), f"the decode kernel spills: {usage}"
+
+
+def test_triton_kernels_compile_for_sm90():
+    ptx_by_kernel = _python("""
+        import json
+        from triton import compile
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+        from mpfa.kernels.sm90.quantize_cache import _quantize_cache_kernel
+        from mpfa.kernels.sm90.sequence_means import _sequence_means_kernel
+
+        byte_args = {"k_codes_ptr", "k_scales_ptr", "v_cache_ptr", "q_codes_ptr", "q_scales_ptr"}
+        quantize = {n: "*u8" if n in byte_args else "*fp32" if n.endswith("_ptr") else "i32"
+                    for n in _quantize_cache_kernel.arg_names}
+        quantize.update(q_ptr="*bf16", k_ptr="*bf16", v_ptr="*bf16", slot_ptr="*i64", req_ptr="*i32",
+                        delta_s_ptr="*i16")
+        kernels = {
+            "quantize_cache": (_quantize_cache_kernel, quantize,
+                               dict(NUM_KV_HEADS=8, GROUP=5, GROUP_POW2=8, HEAD_DIM=128)),
+            "sequence_means": (_sequence_means_kernel, dict(x_ptr="*bf16", cu_ptr="*i32", out_ptr="*fp32",
+                               x_stride="i32"), dict(NUM_HEADS=8, HEAD_DIM=128, TOKENS=32)),
+        }
+        ptx = {}
+        for name, (kernel, signature, constants) in kernels.items():
+            signature.update({c: "constexpr" for c in constants})
+            ptx[name] = compile(ASTSource(kernel, signature, constants), target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+        print(json.dumps(ptx))
+        """)
+    import json
+
+    for name, ptx in json.loads(ptx_by_kernel).items():
+        assert ".target sm_90" in ptx, name
+        assert "div.full" not in ptx and "div.approx" not in ptx, f"{name}: format rounding needs IEEE division"
