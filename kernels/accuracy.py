@@ -85,6 +85,8 @@ def load_or_capture(
     (`layers` default: `capture.evenly_spaced_layers`)."""
     if str(source) in MODELS:
         return capture_qkv(str(source), layers, seq_len=seq_len, cache_dir=cache_dir)
+    if not Path(source).is_file():
+        raise ValueError(f"{source}: neither an activation file nor a known model ({', '.join(sorted(MODELS))})")
     acts = ActivationSet.load(Path(source))
     if layers is not None:
         missing = sorted(set(layers) - {lay.layer for lay in acts.layers})
@@ -184,18 +186,29 @@ def nvfp4_scale_report(acts: ActivationSet) -> list[dict]:
 
 
 def render_scale_table(rows: list[dict]) -> Table:
+    """Rich table of `nvfp4_scale_report` rows, one line per operand over all layers: extremes of amax and of the
+    block scales (with the layer holding the largest amax), layers that overflow, and mean fractions and errors."""
     model = rows[0]["model"] if rows else "?"
     table = Table(title=f"NVFP4 block scales amax/6 without a global scale ({model}); e4m3 max {E4M3_MAX:g}")
-    columns = ("layer", "operand", "amax", "min scale", "max scale", "overflow", "subnormal", "flushed", "err",
-               "err w/ global")
+    columns = ("operand", "max amax (layer)", "min scale", "max scale", "overflow layers", "subnormal", "flushed",
+               "mean err", "mean err w/ global")
     for col in columns:
         table.add_column(col, justify="right")
-    for r in rows:
+    operands = list(dict.fromkeys(r["operand"] for r in rows))
+    for name in operands:
+        group = [r for r in rows if r["operand"] == name]
+        worst = max(group, key=lambda r: r["amax"])
+        n = len(group)
         table.add_row(
-            str(r["layer"]), r["operand"], f"{r['amax']:.3g}", f"{r['min_block_scale']:.3g}",
-            f"{r['max_block_scale']:.3g}",
-            "yes" if r["overflow"] else "no", f"{r['subnormal_blocks']:.2%}", f"{r['flushed_blocks']:.2%}",
-            f"{r['err_no_global']:.3e}", f"{r['err_global']:.3e}",
+            name,
+            f"{worst['amax']:.3g} ({worst['layer']})",
+            f"{min(r['min_block_scale'] for r in group):.3g}",
+            f"{max(r['max_block_scale'] for r in group):.3g}",
+            str(sum(r["overflow"] for r in group)),
+            f"{sum(r['subnormal_blocks'] for r in group) / n:.3%}",
+            f"{sum(r['flushed_blocks'] for r in group) / n:.3%}",
+            f"{sum(r['err_no_global'] for r in group) / n:.4e}",
+            f"{sum(r['err_global'] for r in group) / n:.4e}",
         )
     return table
 

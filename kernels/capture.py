@@ -101,7 +101,10 @@ def essay_text(cache_dir: Path | None = None) -> str:
     return cached.read_text(encoding="utf-8")
 
 
-def _select_heads(num_q: int, num_kv: int, kv_heads: Sequence[int] | None, q_per_kv: int | None):
+def _select_heads(
+    num_q: int, num_kv: int, kv_heads: Sequence[int] | None, q_per_kv: int | None
+) -> tuple[list[int], list[int]]:
+    """Kept KV heads and their first `q_per_kv` query heads (GQA: query head h reads KV head h // group)."""
     group = num_q // num_kv
     kv = list(range(num_kv)) if kv_heads is None else list(kv_heads)
     if not kv or any(h < 0 or h >= num_kv for h in kv) or len(set(kv)) != len(kv):

@@ -7,8 +7,11 @@ import math
 import pytest
 import torch
 
+from rich.console import Console
+
 from mpfa.kernels.accuracy import (
     load_or_capture,
+    print_kernel_accuracy,
     recovery,
     relative_l2,
     render_accuracy_table,
@@ -76,6 +79,8 @@ def test_layer_filter_of_an_activation_file(tmp_path):
     assert [lay.layer for lay in load_or_capture(tmp_path / "a.pt", layers=[7, 1]).layers] == [1, 7]
     with pytest.raises(ValueError, match=r"layers \[2\] were not captured"):
         load_or_capture(tmp_path / "a.pt", layers=[2])
+    with pytest.raises(ValueError, match="neither an activation file nor a known model"):
+        load_or_capture(tmp_path / "qwen-typo")
 
 
 def test_relative_l2_and_recovery():
@@ -105,3 +110,12 @@ def test_unknown_variant_is_a_clear_error():
         run_kernel_accuracy(_random_set(5), ["bf16", "fp4"])
     with pytest.raises(ValueError, match="unknown or missing variants"):
         run_kernel_accuracy(_random_set(5), ["float64"])
+
+
+def test_study_report_prints_both_tables(tmp_path):
+    _random_set(6).save(tmp_path / "a.pt")
+    console = Console(record=True, width=200)
+    rows = print_kernel_accuracy(tmp_path / "a.pt", ["qk4-pv8-direct", "mpfa"], layers=[5], console=console)
+    text = console.export_text()
+    assert [(r["layer"], r["kv_head"]) for r in rows] == [(5, 0), (5, 1)]
+    assert "recovery of the qk4-pv8-direct error by mpfa" in text and "k centered" in text

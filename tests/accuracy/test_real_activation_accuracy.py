@@ -23,8 +23,9 @@ from mpfa.kernels.models import MODELS
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "activations"
 FIXTURE_FILES = sorted(FIXTURES.glob("*.pt"))
 ORDER_VARIANTS = ("bf16", "fp8", "mpfa", "qk4-pv8-direct")
-# rms(K) / rms(K - mean_t K): how much of a head's keys is one constant (bias) vector.
-UNBIASED_MAX, BIAS_DOMINATED_MIN = 2.0, 4.0
+# rms(K) / rms(K - mean_t K): how much of a head's keys is one constant (bias) vector. In the full Qwen study
+# (docs/accuracy.md) FP8 beats MpFA on every head up to 4.2 and loses on every head from 5.4.
+UNBIASED_MAX, BIAS_DOMINATED_MIN = 2.0, 5.0
 
 
 def _k_bias_ratio(k: torch.Tensor) -> float:
