@@ -13,85 +13,17 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
-from mpfa.profiles.errors import KernelNotBuilt, ProfileError
-from mpfa.profiles.inputs import random_tensor
-from mpfa.profiles.kernel_adapter import PreparedKernel
+from mpfa.profiles.errors import ProfileError
 from mpfa.profiles.microbench import benchmark_backend
 from mpfa.profiles.peaks import copy_gbps
 from mpfa.profiles.registry import adapter_for
 from mpfa.profiles.results import OK, BackendResult
 from mpfa.profiles.workload import MPFA, AttentionWorkload, parse_heads, parse_seq
 
-if TYPE_CHECKING:
-    import torch
-
 DEFAULT_BACKENDS = ("mpfa", "flashinfer-fp8", "fa4-bf16")
 REFERENCE = "flashinfer-fp8"
-_FILL_TOKENS = 1 << 16  # tokens quantized into the cache per write-kernel launch (bounds the BF16 staging)
 _INDEX_BYTES = 4
-
-
-class MpfaSm90Decode:
-    """The sm90 MpFA decode (Triton KV write to fill the cache, CuTe split-KV + merge timed) as a kernel adapter,
-    page size 1 like FlashInfer's. Decode only; correctness lives in tests/kernels_sm90."""
-
-    name = "mpfa"
-    tensor_format = MPFA
-    math_dtype = "bf16"  # FP16 tensor-core MMAs on exactly dequantized operands (sm_90 has no FP4 MMA)
-    kernel_regex = "SplitKVDecode|DecodeMerge"
-
-    def set_bytes(self, workload: AttentionWorkload) -> int:
-        return int(workload.bytes_needed(self.tensor_format))
-
-    def prepare(self, workload: AttentionWorkload, num_sets: int, device: "torch.device", seed: int) -> PreparedKernel:
-        import torch
-
-        from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-        from mpfa.kernels.smoothing import SmoothingMeans
-        from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode
-        from mpfa.kernels.sm90.quantize_cache import quantize_to_cache
-
-        w = workload
-        if w.kind != "decode":
-            raise KernelNotBuilt("the sm90 MpFA prefill kernel is not built yet")
-        generator = torch.Generator(device=device).manual_seed(seed)
-        tokens = w.batch * w.seq
-        means = SmoothingMeans(torch.randn(w.batch, w.q_heads, w.head_dim, device=device, generator=generator),
-                               torch.randn(w.batch, w.kv_heads, w.head_dim, device=device, generator=generator))
-
-        def make_set() -> tuple[CenteredQuery, MpfaKVCache]:
-            cache = MpfaKVCache.allocate(tokens, 1, w.q_heads, w.kv_heads, w.head_dim, device)
-            query = CenteredQuery.allocate(w.batch, w.q_heads, w.head_dim, device)
-            for first in range(0, tokens, _FILL_TOKENS):
-                count = min(_FILL_TOKENS, tokens - first)
-                slots = torch.arange(first, first + count, device=device)
-                q, k, v = (random_tensor((count, heads, w.head_dim), torch.bfloat16, device, generator)
-                           for heads in (w.q_heads, w.kv_heads, w.kv_heads))
-                chunk_query = quantize_to_cache(q, k, v, slots, (slots // w.seq).int(), means, cache)
-                ends = slots[(slots + 1) % w.seq == 0]  # each request's last token is its decode query
-                query.codes[ends // w.seq] = chunk_query.codes[ends - first]
-                query.scales[ends // w.seq] = chunk_query.scales[ends - first]
-            return query, cache
-
-        sets = [make_set() for _ in range(num_sets)]
-        page_table = torch.arange(tokens, dtype=torch.int32, device=device).view(w.batch, w.seq)
-        seq_lens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
-        workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device)
-        outputs = [torch.empty((w.batch, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
-                   for _ in range(num_sets)]
-
-        def run(i: int) -> torch.Tensor:
-            query, cache = sets[i]
-            return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i])
-
-        def dense_inputs(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels_sm90 checks outputs")
-
-        return PreparedKernel(run, dense_inputs, num_sets,
-                              f"Triton KV write + CuTe split-KV decode ({workspace.num_partitions} partitions of "
-                              f"{workspace.partition_size} keys) + merge, page 1")
 
 
 def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float:
@@ -106,12 +38,8 @@ def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float
         partitions = -(-w.seq // choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms))
         partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
         return w.bytes_needed(MPFA) + tokens * _INDEX_BYTES + partial_bytes
-    base = w.bytes_needed(_adapter(backend).tensor_format)
+    base = w.bytes_needed(adapter_for(backend).tensor_format)
     return base + (tokens // 128 if backend == "fa4-bf16" else tokens) * _INDEX_BYTES
-
-
-def _adapter(name: str):
-    return MpfaSm90Decode() if name == "mpfa" else adapter_for(name)
 
 
 def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], copy_bandwidth: float | None,
@@ -157,7 +85,7 @@ def run_decode_bench(seqs: list[int], batches: list[int], heads: tuple[int, int]
         for batch in batches:
             workload = AttentionWorkload("decode", seq, batch, heads[0], heads[1], 128)
             say(f"--- {workload.label()}")
-            results.append((workload, [benchmark_backend(_adapter(name), workload, device, say) for name in backends]))
+            results.append((workload, [benchmark_backend(adapter_for(name), workload, device, say) for name in backends]))
     return format_table(results, bandwidth, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
@@ -177,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError(f"batch sizes must be positive, got {args.batch}")
         backends = [name.strip() for name in args.backend.split(",") if name.strip()]
         for name in backends:
-            _adapter(name)
+            adapter_for(name)
         table = run_decode_bench(seqs, batches, parse_heads(args.heads), backends,
                                  lambda message: print(message, file=sys.stderr, flush=True))
     except (ValueError, ProfileError) as exc:
