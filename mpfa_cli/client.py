@@ -1,11 +1,16 @@
 """The load generator: stream requests to an SGLang-compatible server and record when each token arrived.
 
-One aiohttp session serves the whole run (no connection cap, so 512+ concurrent streams are fine). Each
-network read is timestamped with `time.perf_counter()` before anything is parsed; the SSE events it
-completes get that timestamp. Tokens per chunk come from the server's running count
-(`meta_info.completion_tokens` on `/generate`, `usage.completion_tokens` on `/v1/completions` with
-continuous usage stats), which is right whether the server streams cumulative or incremental `output_ids`
-and when it coalesces several steps into one chunk.
+One aiohttp session serves the whole run (no connection cap, so 512+ concurrent streams are fine). The
+timestamps are taken where the bytes are (`stamped_reads`), not where a request's task happens to run:
+a chunk's arrival is stamped by the connection on the socket read that delivered it, before any parsing,
+and a request's dispatch right before its bytes are written to the socket. Everything else the client does
+(parsing the SSE events, building the next request, the caller's `on_complete`) waits for quiet sockets
+(`stamped_reads.Turns`), and Python's cyclic garbage collector is paused for the run.
+
+Tokens per chunk come from the server's running count (`meta_info.completion_tokens` on `/generate`,
+`usage.completion_tokens` on `/v1/completions` with continuous usage stats), which is right whether the
+server streams cumulative or incremental `output_ids` and when it coalesces several steps into one chunk.
+Each SSE event gets the stamp of the read that delivered the end of its line.
 
 A request that fails (HTTP error, connection lost, token counts that differ from the request) becomes a
 record with `error` set; it never raises. Cancellation (Ctrl-C) cancels the requests in flight, waits for
@@ -14,6 +19,9 @@ them, and propagates; records already passed to `on_complete` stay intact.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
+import gc
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -27,28 +35,19 @@ except ImportError:  # not built for Windows
     uvloop = None
 
 from mpfa.cli.records import RequestRecord
+from mpfa.cli.stamped_reads import LastRead, StampingConnector, Turns, request_trace
 
 APIS = ("sglang", "openai")
 CONNECT_TIMEOUT_S = 30.0
 READ_TIMEOUT_S = 1800.0  # longest silence tolerated on a stream: a queued 128K prefill under load can be minutes
 ERROR_BODY_CHARS = 300
+PARSE_BATCH_BYTES = 32 * 1024  # stream bytes parsed per turn (~0.1-0.3 ms), and kept unparsed before one is due
 
 T = TypeVar("T")
 _Job = tuple[int, list[int]]  # (record index, prompt)
-_SendOne = Callable[[int, list[int], bool], Awaitable[RequestRecord]]  # (index, prompt, warmup) -> record
-
-
-class _StreamState:
-    """What one request's stream has told us so far."""
-
-    __slots__ = ("counted", "server_total", "prompt_tokens", "finished", "error")
-
-    def __init__(self) -> None:
-        self.counted = 0  # tokens attributed to chunks
-        self.server_total: int | None = None  # the server's latest count of all output tokens
-        self.prompt_tokens: int | None = None
-        self.finished = False
-        self.error: str | None = None
+_Started = tuple[RequestRecord, "_EventStream | None"]
+_Start = Callable[[int, list[int], bool], Awaitable[_Started]]  # (index, prompt, warmup) -> sent and ended
+_Finish = Callable[[RequestRecord, "_EventStream | None"], Awaitable[RequestRecord]]
 
 
 def _sglang_payload(prompt: list[int], output_len: int, model: str | None) -> dict[str, Any]:
@@ -79,7 +78,7 @@ def _error_message(event: dict[str, Any]) -> str | None:
     return None
 
 
-def _sglang_event(event: dict[str, Any], state: _StreamState) -> int:
+def _sglang_event(event: dict[str, Any], state: "_EventStream") -> int:
     """Update `state` from one `/generate` chunk; returns the new tokens it carries."""
     meta = event["meta_info"]
     total = int(meta["completion_tokens"])
@@ -93,7 +92,7 @@ def _sglang_event(event: dict[str, Any], state: _StreamState) -> int:
     return total - state.counted
 
 
-def _openai_event(event: dict[str, Any], state: _StreamState) -> int:
+def _openai_event(event: dict[str, Any], state: "_EventStream") -> int:
     """Update `state` from one `/v1/completions` chunk; returns the new tokens it carries.
 
     Without per-chunk usage, each chunk with a choice is taken as one token; the final usage chunk then
@@ -117,7 +116,7 @@ _EVENT_PARSERS = {"sglang": (_sglang_payload, _sglang_event, "/generate"),
                   "openai": (_openai_payload, _openai_event, "/v1/completions")}
 
 
-def _check_counts(record: RequestRecord, state: _StreamState) -> str | None:
+def _check_counts(record: RequestRecord, state: "_EventStream") -> str | None:
     """Why the finished stream's token counts cannot be trusted, if they cannot."""
     if not state.finished:
         return "stream ended before the server finished the request"
@@ -132,53 +131,154 @@ def _check_counts(record: RequestRecord, state: _StreamState) -> str | None:
     return None
 
 
-async def _send(
-    session: aiohttp.ClientSession, url: str, api: str, model: str | None, record: RequestRecord,
-    prompt: list[int],
-) -> None:
-    """Run one request and fill in `record` (timestamps, counts, or the error)."""
-    build_payload, handle_event, _ = _EVENT_PARSERS[api]
-    body = orjson.dumps(build_payload(prompt, record.max_new_tokens, model))
-    state = _StreamState()
-    chunk_s, chunk_tokens = record.chunk_s, record.chunk_tokens
+class _EventStream:
+    """One SSE response body (a `stamped_reads.BodySink`). The connection only keeps each read with its
+    stamp (`add`, about a microsecond); `parse` turns them into events later, in a turn of the client's.
+    Each event that carries new tokens is noted with the stamp of the read that delivered the end of its
+    line. A request's task sleeps until `end`, then wakes at its next turn."""
+
+    __slots__ = ("_handle_event", "_on_backlog", "_pieces", "_parsed", "_backlog_bytes", "_pending",
+                 "last_read_s", "ended", "failure", "on_end", "parse_scheduled", "chunk_s", "chunk_tokens",
+                 "done_s", "counted", "server_total", "prompt_tokens", "finished", "error", "stopped")
+
+    def __init__(self, handle_event: Callable[[dict[str, Any], "_EventStream"], int],
+                 on_backlog: Callable[["_EventStream"], None]) -> None:
+        self._handle_event = handle_event
+        self._on_backlog = on_backlog  # called once the unparsed reads pass PARSE_BATCH_BYTES
+        self._pieces: list[tuple[float, bytes] | None] = []  # (stamp, body bytes) per read; None once parsed
+        self._parsed = 0
+        self._backlog_bytes = 0
+        self._pending = b""  # the start of an unfinished line
+        self.last_read_s = time.perf_counter()  # made when the response head arrives
+        self.ended = False
+        self.failure: BaseException | None = None  # what broke the body, if it did not end cleanly
+        self.on_end: Callable[[], None] | None = None  # set by the request's task
+        self.parse_scheduled = False
+        self.chunk_s: list[float] = []
+        self.chunk_tokens: list[int] = []
+        self.done_s: float | None = None  # when `data: [DONE]` arrived
+        self.counted = 0  # tokens attributed to chunks
+        self.server_total: int | None = None  # the server's latest count of all output tokens
+        self.prompt_tokens: int | None = None
+        self.finished = False
+        self.error: str | None = None
+        self.stopped = False  # by an error event or an unreadable chunk: the rest is not parsed
+
+    def add(self, arrived: float, data: bytes) -> None:
+        self.last_read_s = arrived
+        self._pieces.append((arrived, data))
+        self._backlog_bytes += len(data)
+        if self._backlog_bytes > PARSE_BATCH_BYTES and not self.parse_scheduled:
+            self.parse_scheduled = True
+            self._on_backlog(self)
+
+    def end(self, failure: BaseException | None = None) -> None:
+        self.ended, self.failure = True, failure
+        if self.on_end is not None:
+            self.on_end()
+
+    @property
+    def unparsed(self) -> bool:
+        return self._parsed < len(self._pieces)
+
+    def parse(self, budget_bytes: int = PARSE_BATCH_BYTES) -> None:
+        """Parse the kept reads, oldest first, until about `budget_bytes` are done."""
+        pieces, done = self._pieces, 0
+        while self._parsed < len(pieces) and done < budget_bytes:
+            arrived, data = pieces[self._parsed]  # type: ignore[misc]
+            pieces[self._parsed] = None  # free the bytes
+            self._parsed += 1
+            done += len(data)
+            if not self.stopped:
+                self._parse_piece(arrived, data)
+        self._backlog_bytes -= done
+
+    def _parse_piece(self, arrived: float, data: bytes) -> None:
+        *lines, self._pending = (self._pending + data).split(b"\n")
+        try:
+            for line in lines:
+                if line.startswith(b"data:"):
+                    self._event(arrived, line[5:].strip())
+        except (ValueError, KeyError, TypeError) as exc:  # malformed JSON or an event without the expected fields
+            self._stop(f"unreadable stream chunk: {type(exc).__name__}: {exc}")
+
+    def _event(self, arrived: float, data: bytes) -> None:
+        if self.stopped:
+            return
+        if data == b"[DONE]":
+            self.done_s = arrived
+            return
+        event = orjson.loads(data)
+        if (message := _error_message(event)) is not None:
+            self._stop(f"server error: {message}")
+            return
+        if (new_tokens := self._handle_event(event, self)) > 0:
+            self.chunk_s.append(arrived)
+            self.chunk_tokens.append(new_tokens)
+            self.counted += new_tokens
+
+    def _stop(self, error: str) -> None:
+        self.error, self.stopped = error, True
+
+
+async def _wait_end(stream: _EventStream, turns: Turns, timeout_s: float) -> None:
+    """Return at the first turn after the body ended (raising what broke it, if anything). A server silent
+    for `timeout_s` since the last read is an error: one timer per request, where aiohttp's sock_read
+    re-arms one on every read."""
+    waiter = asyncio.get_running_loop().create_future()
+    stream.on_end = functools.partial(turns.give, waiter)
+    if stream.ended:
+        turns.give(waiter)
     try:
-        record.dispatch_s = time.perf_counter()
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"}) as response:
+        while True:
+            silent_until = stream.last_read_s + timeout_s
+            if silent_until <= time.perf_counter():
+                raise aiohttp.SocketTimeoutError(f"no data from the server for {timeout_s:g} s")
+            try:
+                async with asyncio.timeout(silent_until - time.perf_counter()):
+                    await asyncio.shield(waiter)
+                break
+            except TimeoutError:
+                continue  # reads may have come since the timer was set: measure the silence again
+    finally:
+        waiter.cancel()  # no-op once resolved; otherwise it gives up its place in the turns
+    if stream.failure is not None:
+        raise stream.failure
+
+
+async def _send(
+    session: aiohttp.ClientSession, connector: StampingConnector, turns: Turns, url: str, api: str,
+    model: str | None, record: RequestRecord, prompt: list[int], read_timeout_s: float,
+) -> _EventStream | None:
+    """Run one request to the end of its response: its stream (at a turn), or None with `record.error`."""
+    body = orjson.dumps(_EVENT_PARSERS[api][0](prompt, record.max_new_tokens, model))
+    try:
+        async with session.post(url, data=body, headers={"Content-Type": "application/json"},
+                                trace_request_ctx=record) as response:
             if response.status != 200:
                 text = (await response.text(errors="replace"))[:ERROR_BODY_CHARS]
                 record.error = f"HTTP {response.status}: {text.strip()}"
-                return
-            pending = b""
-            async for piece in response.content.iter_any():
-                arrived = time.perf_counter()
-                *lines, pending = (pending + piece).split(b"\n")
-                for line in lines:
-                    if not line.startswith(b"data:"):
-                        continue
-                    data = line[5:].strip()
-                    if data == b"[DONE]":
-                        record.completion_s = arrived
-                        continue
-                    event = orjson.loads(data)
-                    if (message := _error_message(event)) is not None:
-                        record.error = f"server error: {message}"
-                        return
-                    new_tokens = handle_event(event, state)
-                    if new_tokens > 0:
-                        chunk_s.append(arrived)
-                        chunk_tokens.append(new_tokens)
-                        state.counted += new_tokens
-            if record.completion_s is None:  # a stream that ends without [DONE] completes at its end
-                record.completion_s = time.perf_counter()
+                return None
+            stream = connector.take_sink(response.content)
+            await _wait_end(stream, turns, read_timeout_s)
+            record.completion_s = stream.last_read_s  # a stream that ends without [DONE] completes at its end
     except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
         record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        return None
+    return stream
+
+
+def _fill(record: RequestRecord, stream: _EventStream) -> None:
+    """Chunk times, counts and any error of a fully parsed stream."""
+    record.chunk_s, record.chunk_tokens = stream.chunk_s, stream.chunk_tokens
+    if stream.stopped:  # the counts are incomplete
+        record.completion_s = None
+        record.error = stream.error
         return
-    except (ValueError, KeyError, TypeError) as exc:  # malformed JSON or a chunk without the expected fields
-        record.error = f"unreadable stream chunk: {type(exc).__name__}: {exc}"
-        return
-    record.output_tokens = state.server_total or 0
-    record.prompt_tokens = state.prompt_tokens
-    record.error = state.error or _check_counts(record, state)
+    record.completion_s = stream.done_s or record.completion_s
+    record.output_tokens = stream.server_total or 0
+    record.prompt_tokens = stream.prompt_tokens
+    record.error = stream.error or _check_counts(record, stream)
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -239,63 +339,160 @@ async def run_load(
     if arrivals is not None and len(arrivals) != len(prompts):
         raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
     endpoint = url.rstrip("/") + _EVENT_PARSERS[api][2]
+    with _CyclicGcPause() as gc_pause:
+        return await _run_load(endpoint, prompts, output_len, concurrency, arrivals, warmup_prompts, on_complete,
+                               api, model, read_timeout_s, gc_pause)
 
-    connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+
+class _CyclicGcPause:
+    """Pauses Python's cyclic garbage collector for a run, as `timeit` does: with thousands of live objects a
+    collection stalls the event loop for milliseconds to tens of milliseconds, and every read waiting
+    meanwhile is stamped late. A successful request leaves no reference cycles (measured: the same few dozen
+    cyclic objects after 1024 or 2048 requests); a failed one leaves ~80 (its exception and traceback), so
+    they are collected after every FAILURES_PER_COLLECTION failures, at a turn of the client's."""
+
+    FAILURES_PER_COLLECTION = 1000
+
+    def __init__(self) -> None:
+        self._failures = 0
+        self._was_enabled = gc.isenabled()
+
+    def __enter__(self) -> "_CyclicGcPause":
+        gc.disable()
+        return self
+
+    def __exit__(self, *exc_info: Any) -> None:
+        if self._was_enabled:
+            gc.enable()
+
+    def note_failure(self) -> bool:
+        """Count a failed request; True when the failures' garbage is due to be collected."""
+        self._failures += 1
+        return self._failures % self.FAILURES_PER_COLLECTION == 0
+
+
+async def _run_load(
+    endpoint: str, prompts: Sequence[list[int]], output_len: int, concurrency: int | None,
+    arrivals: Sequence[float] | None, warmup_prompts: Sequence[list[int]],
+    on_complete: Callable[[RequestRecord], None] | None, api: str, model: str | None, read_timeout_s: float,
+    gc_pause: _CyclicGcPause,
+) -> list[RequestRecord]:
+    last_read = LastRead()
+    turns = Turns(last_read)
+    parsers: set[asyncio.Task] = set()
+
+    async def parse_backlog(stream: _EventStream) -> None:
+        while stream.unparsed:
+            await turns.take()
+            stream.parse()
+        stream.parse_scheduled = False
+
+    def on_backlog(stream: _EventStream) -> None:
+        task = asyncio.create_task(parse_backlog(stream))
+        parsers.add(task)
+        task.add_done_callback(parsers.discard)
+
+    new_stream = functools.partial(_EventStream, _EVENT_PARSERS[api][1], on_backlog)
+    connector = StampingConnector(new_stream, last_read, limit=0, limit_per_host=0)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout) as session:
+    async with aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
+                                     trace_configs=[request_trace(turns)]) as session:
 
-        async def one(index: int, prompt: list[int], warmup: bool) -> RequestRecord:
+        async def start(index: int, prompt: list[int], warmup: bool) -> _Started:
+            """Send a request (at a turn the caller holds) and return at a turn once its response has ended."""
             record = RequestRecord(index=index, input_len=len(prompt), max_new_tokens=output_len,
                                    dispatch_s=0.0, warmup=warmup)
-            await _send(session, endpoint, api, model, record, prompt)
+            stream = await _send(session, connector, turns, endpoint, api, model, record, prompt, read_timeout_s)
+            if stream is None:
+                await turns.take()
+            return record, stream
+
+        async def finish(record: RequestRecord, stream: _EventStream | None) -> RequestRecord:
+            """Parse the stream, fill in the record and hand it to `on_complete`, each at a turn."""
+            if stream is not None:
+                while stream.unparsed:
+                    await turns.take()
+                    stream.parse()
+                _fill(record, stream)
+            if record.error is not None and gc_pause.note_failure():
+                await turns.take()
+                gc.collect()
             if on_complete is not None:
+                await turns.take()
                 on_complete(record)
             return record
 
-        warm = [(-1 - i, p) for i, p in enumerate(warmup_prompts)]
-        records = await _closed_loop(one, warm, concurrency or max(len(warm), 1), warmup=True)
-        jobs = list(enumerate(prompts))
-        if arrivals is None:
-            records += await _closed_loop(one, jobs, concurrency, warmup=False)
-        else:
-            records += await _open_loop(one, jobs, arrivals, concurrency)
+        try:
+            warm = [(-1 - i, p) for i, p in enumerate(warmup_prompts)]
+            records = await _closed_loop(turns, start, finish, warm, concurrency or max(len(warm), 1), warmup=True)
+            jobs = list(enumerate(prompts))
+            if arrivals is None:
+                records += await _closed_loop(turns, start, finish, jobs, concurrency, warmup=False)
+            else:
+                records += await _open_loop(turns, start, finish, jobs, arrivals, concurrency)
+        finally:
+            await _cancel_all(list(parsers))
     return records
 
 
-async def _closed_loop(one: _SendOne, jobs: list[_Job], concurrency: int, warmup: bool) -> list[RequestRecord]:
-    """`concurrency` workers, each sending the next job as soon as its previous one finished."""
+async def _closed_loop(
+    turns: Turns, start: _Start, finish: _Finish, jobs: list[_Job], concurrency: int, warmup: bool
+) -> list[RequestRecord]:
+    """`concurrency` workers, each sending its next job at the turn its previous response ended; the ended
+    ones are finished (parsed, handed to `on_complete`) at later turns, off the workers' path. A failure
+    while finishing (say, in `on_complete`) stops the workers and is raised."""
     queue = iter(jobs)
-    results: list[RequestRecord] = []
+    workers: list[asyncio.Task] = []
+    finishing: list[asyncio.Task] = []
+    failures: list[BaseException] = []
+
+    def stop_on_failure(task: asyncio.Task) -> None:
+        if not task.cancelled() and task.exception() is not None and not failures:
+            failures.append(task.exception())
+            for worker_task in workers:
+                worker_task.cancel()
 
     async def worker() -> None:
+        await turns.take()
         for index, prompt in queue:
-            results.append(await one(index, prompt, warmup))
+            record, stream = await start(index, prompt, warmup)
+            finishing.append(task := asyncio.create_task(finish(record, stream)))
+            task.add_done_callback(stop_on_failure)
 
-    await _finish_all([asyncio.create_task(worker()) for _ in range(min(concurrency, len(jobs)))])
-    return sorted(results, key=lambda r: abs(r.index))
+    workers.extend(asyncio.create_task(worker()) for _ in range(min(concurrency, len(jobs))))
+    try:
+        await asyncio.gather(*workers)
+        await asyncio.gather(*finishing)
+    except BaseException:
+        await _cancel_all(workers + finishing)
+        if failures:
+            raise failures[0] from None
+        raise
+    return sorted((task.result() for task in finishing), key=lambda r: abs(r.index))
 
 
 async def _open_loop(
-    one: _SendOne, jobs: list[_Job], arrivals: Sequence[float], concurrency: int | None
+    turns: Turns, start: _Start, finish: _Finish, jobs: list[_Job], arrivals: Sequence[float],
+    concurrency: int | None,
 ) -> list[RequestRecord]:
     """Dispatch each job at its arrival time (waiting for a free slot when `concurrency` caps the load)."""
-    slots = asyncio.Semaphore(concurrency) if concurrency is not None else None
+    slots = asyncio.Semaphore(concurrency) if concurrency is not None else contextlib.nullcontext()
     loop = asyncio.get_running_loop()
-    start = loop.time()
+    begin = loop.time()
     tasks: list[asyncio.Task] = []
 
-    async def capped(index: int, prompt: list[int]) -> RequestRecord:
-        if slots is None:
-            return await one(index, prompt, False)
+    async def one(index: int, prompt: list[int]) -> RequestRecord:
         async with slots:
-            return await one(index, prompt, False)
+            await turns.take()
+            record, stream = await start(index, prompt, False)
+        return await finish(record, stream)
 
     try:
         for (index, prompt), offset in zip(jobs, arrivals):
-            delay = start + offset - loop.time()
+            delay = begin + offset - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(capped(index, prompt)))
+            tasks.append(asyncio.create_task(one(index, prompt)))
     except BaseException:
         await _cancel_all(tasks)
         raise

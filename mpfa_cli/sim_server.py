@@ -63,7 +63,9 @@ class SimRequest:
     emitted: int = 0
     aborted: bool = False
     progress: asyncio.Event = field(default_factory=asyncio.Event)
-    sent: list[tuple[float, int]] | None = None  # (perf_counter before the write, tokens so far) when tracing
+    # When tracing, per chunk: (perf_counter before its write, after it, tokens so far). On asyncio's own loop
+    # a write is the send() itself, so on loopback the bytes are in the client's socket by the second stamp.
+    sent: list[tuple[float, float, int]] | None = None
 
     @property
     def finished(self) -> bool:
@@ -343,9 +345,12 @@ class SimServer:
             emitted = sim.emitted
             chunk = fmt.chunk(sim, sent, emitted, parsed, time.perf_counter() - sim.received_s)
             data = b"data: " + orjson.dumps(chunk) + b"\n\n"
-            if sim.sent is not None:
-                sim.sent.append((time.perf_counter(), emitted))
-            await response.write(data)
+            if sim.sent is None:
+                await response.write(data)
+            else:
+                before = time.perf_counter()
+                await response.write(data)
+                sim.sent.append((before, time.perf_counter(), emitted))
             sent = emitted
         for chunk in fmt.trailer(sim, parsed):
             await response.write(b"data: " + orjson.dumps(chunk) + b"\n\n")

@@ -1,38 +1,67 @@
-"""How much latency the load client adds to TTFT and ITL with many concurrent streams.
+"""How much time the load client adds to the TTFT and ITL it measures, with many concurrent streams.
 
-The simulator runs in its own process with chunk tracing on: right before writing each SSE chunk it notes
-`time.perf_counter()`. The client (`mpfa.cli.client.run_load`, unchanged) stamps each network read on
-arrival. On Linux `perf_counter` is CLOCK_MONOTONIC, one clock for every process on the host, so for each
-output token, lag = arrival - send is what the loopback path plus the client's event loop added before the
-client saw that token. What that does to the metrics:
+The simulator runs in its own process on asyncio's own event loop, with chunk tracing on: around the write
+of each SSE chunk it notes `time.perf_counter()` before and after. That loop's write is the `send()` itself,
+and on loopback `send()` returns with the bytes already in the receiving socket, so the "after" stamp is
+when the chunk became readable by the client. The client (`mpfa.cli.client.run_load`, unchanged) stamps
+each socket read on arrival. On Linux `perf_counter` is CLOCK_MONOTONIC, one clock for every process on the
+host, so per output token:
 
-  TTFT  gains the first token's lag;
-  ITL   gains the change in lag between consecutive tokens (a constant lag leaves every gap unchanged),
-        reported as |lag_i - lag_(i-1)|.
+  client lag      = client stamp - sim stamp after the send: bytes waiting in the client's socket until the
+                    client noted them. This is the error the client's timestamps carry.
+  end-to-end lag  = client stamp - sim stamp before the send: the above plus the simulator's send syscall.
 
-The dispatch row (client dispatch stamp to the server handler's start) also holds the server's own queueing
-(it parses requests while streaming to hundreds of others), so it only bounds the client's dispatch cost.
+What that does to the metrics: TTFT gains the first token's lag; ITL gains the change in lag between
+consecutive tokens (a constant lag leaves every gap unchanged), reported as |lag_i - lag_(i-1)|.
 
-    python profiles/bench_client_overhead.py --streams 512 --requests 1024
+Client lag also holds what the host adds: waking the client's process and scheduling it. `--reference`
+runs the same workload through a minimal reader (raw uvloop protocol: stamp, keep the bytes, nothing else)
+to measure that floor on the machine at hand; whatever the reference shows is not the client's doing.
+`--realtime` runs both processes under SCHED_FIFO, so other work on the host cannot delay them (needs
+CAP_SYS_NICE; the kernel still caps real-time tasks at 95% of each second by default).
+
+Dispatch: the client stamps a request right before writing it to the socket; "dispatch -> sim handler" runs
+from there to the simulator's handler starting, so it also holds the simulator's own queueing (it parses
+requests while streaming to hundreds of others) and only bounds the client's part. "refill delay" is what
+the closed loop adds: the i-th completion to the (streams + i)-th dispatch, both in time order.
+
+    python profiles/bench_client_overhead.py --streams 512 --requests 1024 --runs 3 --reference --realtime
 """
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
+import os
+import resource
 import socket
 import subprocess
 import sys
 import time
 import urllib.request
+from dataclasses import dataclass
 
 import numpy as np
+import orjson
 
 from mpfa.cli import client
 from mpfa.cli.client import new_event_loop, run_load
-from mpfa.cli.records import RequestRecord
 from mpfa.cli.sim_server import prompt_digest
 from mpfa.cli.workload import make_prompts
+
+PERCENTILES = (50, 90, 99)
+REALTIME_PRIORITY = 50
+
+
+@dataclass
+class Stream:
+    """What a client saw of one measured request: when each event carrying tokens arrived."""
+
+    index: int
+    dispatch_s: float
+    completion_s: float
+    event_s: list[float]
 
 
 def _free_port() -> int:
@@ -54,28 +83,167 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 30.0) 
     raise SystemExit("simulator did not start")
 
 
-def _per_token_arrivals(times: list[float], cumulative: list[int], tokens: int) -> np.ndarray:
+def _set_realtime(pid: int) -> None:
+    try:
+        os.sched_setscheduler(pid, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
+    except PermissionError:
+        raise SystemExit("--realtime needs permission to set SCHED_FIFO (root or CAP_SYS_NICE)") from None
+
+
+def _start_sim(args: argparse.Namespace, port: int) -> subprocess.Popen:
+    # asyncio's own loop: its transports send on write(), while uvloop batches the writes of a loop iteration
+    # and sends them after the "after" stamps, which would count simulator time as client lag.
+    code = (f"from aiohttp import web; from mpfa.cli.sim_server import build_app; "
+            f"web.run_app(build_app({args.backend!r}, time_scale={args.time_scale}, trace_chunks=True, "
+            f"incremental_streaming_output={args.incremental}), host='127.0.0.1', port={port}, print=None, "
+            f"access_log=None)")
+    process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
+    if args.realtime:
+        _set_realtime(process.pid)
+    return process
+
+
+async def _mpfa_client(url: str, prompts: list[list[int]], output_len: int, streams: int) -> list[Stream]:
+    records = await run_load(url, prompts, output_len, concurrency=streams)
+    failed = [r for r in records if not r.ok]
+    if failed:
+        raise SystemExit(f"{len(failed)} requests failed, e.g. {failed[0].error}")
+    return [Stream(r.index, r.dispatch_s, r.completion_s, r.chunk_s) for r in records]
+
+
+class _ReferenceConnection(asyncio.Protocol):
+    """One keep-alive connection of the reference reader: stamps each read, keeps the bytes, and recognises
+    the end of a chunked response (the simulator's SSE bodies cannot end in the terminating chunk)."""
+
+    def __init__(self) -> None:
+        self.reads: list[tuple[float, bytes]] = []
+        self.tail = b""  # the last bytes received, to see a terminating chunk split across reads
+        self.ended: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def data_received(self, data: bytes) -> None:
+        self.reads.append((time.perf_counter(), data))
+        self.tail = (self.tail + data)[-7:]
+        if self.tail == b"\r\n0\r\n\r\n" and self.ended is not None:
+            self.ended.set_result(None)
+
+
+def _event_ends(reads: list[tuple[float, bytes]]) -> list[float]:
+    """The stamp of the read that completed each SSE event with tokens (every one but `[DONE]`)."""
+    body = b"".join(data for _, data in reads)
+    offsets = np.cumsum([len(data) for _, data in reads])
+    stamps, start = [], body.find(b"data: ")
+    while (end := body.find(b"\n\n", start)) >= 0:
+        if not body.startswith(b"data: [DONE]", start):
+            stamps.append(reads[int(np.searchsorted(offsets, end + 2))][0])
+        start = body.find(b"data: ", end)
+        if start < 0:
+            break
+    return stamps
+
+
+async def _reference_client(url: str, prompts: list[list[int]], output_len: int, streams: int) -> list[Stream]:
+    """Closed loop over `streams` keep-alive connections; the reads are only sorted into events afterwards."""
+    loop = asyncio.get_running_loop()
+    host, port = url.removeprefix("http://").split(":")
+    jobs, finished = iter(enumerate(prompts)), []
+
+    async def worker() -> None:
+        _, connection = await loop.create_connection(_ReferenceConnection, host, int(port))
+        for index, prompt in jobs:
+            body = orjson.dumps({"input_ids": prompt, "stream": True,
+                                 "sampling_params": {"max_new_tokens": output_len, "ignore_eos": True}})
+            request = (b"POST /generate HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: %d\r\n\r\n%s" % (host.encode(), len(body), body))
+            connection.reads, connection.ended = [], loop.create_future()
+            dispatch = time.perf_counter()
+            connection.transport.write(request)
+            await connection.ended
+            finished.append((index, dispatch, connection.reads))
+        connection.transport.close()
+
+    gc.disable()  # as run_load does: a collection would stall the loop
+    try:
+        await asyncio.gather(*(worker() for _ in range(min(streams, len(prompts)))))
+    finally:
+        gc.enable()
+    return [Stream(index, dispatch, reads[-1][0], _event_ends(reads)) for index, dispatch, reads in finished]
+
+
+CLIENTS = {"mpfa": _mpfa_client, "reference": _reference_client}
+
+
+def _per_token(times: np.ndarray, cumulative: np.ndarray, tokens: int) -> np.ndarray:
     """For tokens 1..tokens: the time of the first chunk whose running count reaches it."""
-    return np.asarray(times)[np.searchsorted(np.asarray(cumulative), np.arange(1, tokens + 1))]
+    return times[np.searchsorted(cumulative, np.arange(1, tokens + 1))]
 
 
-def overheads(records: list[RequestRecord], prompts: list[list[int]], trace: dict) -> dict[str, np.ndarray]:
-    """Seconds of client-side lag per metric, over all measured requests (see the module docstring)."""
-    first, gap_error, lag_all, dispatch = [], [], [], []
-    for record in records:
-        if record.warmup or not record.ok:
-            continue
-        server = trace[prompt_digest(prompts[record.index])]
-        sent_s, sent_count = zip(*server["sent"])
-        n = record.output_tokens
-        lag = (_per_token_arrivals(record.chunk_s, np.cumsum(record.chunk_tokens).tolist(), n)
-               - _per_token_arrivals(list(sent_s), list(sent_count), n))
-        first.append(lag[0])
-        gap_error.extend(np.abs(np.diff(lag)))
-        lag_all.extend(lag)
-        dispatch.append(server["received_s"] - record.dispatch_s)
-    return {"TTFT: first-token lag": np.array(first), "ITL: |change in lag|": np.array(gap_error),
-            "any token: lag": np.array(lag_all), "dispatch -> server (upper bound)": np.array(dispatch)}
+def overheads(streams: list[Stream], prompts: list[list[int]], trace: dict, concurrency: int
+              ) -> dict[str, np.ndarray]:
+    """Seconds per measured request or token, by row of the report (see the module docstring)."""
+    rows: dict[str, list[float]] = {name: [] for name in (
+        "TTFT: first-token client lag", "ITL: |change in client lag|", "any token: client lag",
+        "TTFT: first-token end-to-end lag", "ITL: |change in end-to-end lag|", "sim send (write syscall)",
+        "dispatch -> sim handler (bound)")}
+    for stream in streams:
+        server = trace[prompt_digest(prompts[stream.index])]
+        before, after, count = (np.asarray(column) for column in zip(*server["sent"]))
+        if len(stream.event_s) != len(count):
+            raise SystemExit(f"request {stream.index}: the client saw {len(stream.event_s)} chunks with tokens, "
+                             f"the simulator sent {len(count)}")
+        n = int(count[-1])
+        arrived = _per_token(np.asarray(stream.event_s), count, n)
+        lag = arrived - _per_token(after, count, n)
+        e2e = arrived - _per_token(before, count, n)
+        rows["TTFT: first-token client lag"].append(lag[0])
+        rows["ITL: |change in client lag|"].extend(np.abs(np.diff(lag)))
+        rows["any token: client lag"].extend(lag)
+        rows["TTFT: first-token end-to-end lag"].append(e2e[0])
+        rows["ITL: |change in end-to-end lag|"].extend(np.abs(np.diff(e2e)))
+        rows["sim send (write syscall)"].extend(after - before)
+        rows["dispatch -> sim handler (bound)"].append(server["received_s"] - stream.dispatch_s)
+    completions = np.sort([s.completion_s for s in streams])
+    dispatches = np.sort([s.dispatch_s for s in streams])
+    refills = dispatches[concurrency:] - completions[:len(dispatches) - concurrency]
+    return {**{name: np.asarray(values) for name, values in rows.items()}, "refill delay (closed loop)": refills}
+
+
+def measure(args: argparse.Namespace, kind: str) -> tuple[dict[str, np.ndarray], str]:
+    """One run of one client against a fresh simulator: the overhead rows and a line about the run."""
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    server = _start_sim(args, port)
+    try:
+        _wait_healthy(url, server)
+        prompts = make_prompts(0, args.requests, args.input_len)
+        load_before = os.getloadavg()[0]
+        cpu_before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+        loop_factory = asyncio.new_event_loop if args.plain_asyncio else new_event_loop
+        gc.collect()
+        with asyncio.Runner(loop_factory=loop_factory) as runner:
+            streams = runner.run(CLIENTS[kind](url, prompts, args.output_len, args.streams))
+        wall = time.perf_counter() - started
+        cpu_after = resource.getrusage(resource.RUSAGE_SELF)
+        with urllib.request.urlopen(url + "/sim_trace", timeout=60) as response:
+            trace = json.loads(response.read())
+    finally:
+        server.terminate()
+        server.wait(timeout=10)
+    cpu = cpu_after.ru_utime - cpu_before.ru_utime + cpu_after.ru_stime - cpu_before.ru_stime
+    chunks = sum(len(s.event_s) for s in streams)
+    note = (f"{wall:.1f} s wall, client CPU {cpu:.2f} s = {cpu / chunks * 1e6:.1f} us per chunk "
+            f"(requests included), load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
+    return overheads(streams, prompts, trace, args.streams), note
+
+
+def _print_table(rows: dict[str, np.ndarray]) -> None:
+    print(f"{'overhead (ms)':34s} {'n':>7s}" + "".join(f" {f'p{p}':>7s}" for p in PERCENTILES) + f" {'max':>7s}")
+    for name, values in rows.items():
+        ms = values * 1e3
+        print(f"{name:34s} {len(ms):7d}" + "".join(f" {np.percentile(ms, p):7.3f}" for p in PERCENTILES)
+              + f" {ms.max():7.3f}")
 
 
 def main() -> None:
@@ -88,47 +256,37 @@ def main() -> None:
     parser.add_argument("--time-scale", type=float, default=1.0, help="simulator time scale (1 = modelled H200)")
     parser.add_argument("--incremental", action="store_true", help="server streams only new ids per chunk")
     parser.add_argument("--plain-asyncio", action="store_true", help="client on asyncio's own loop, not uvloop")
+    parser.add_argument("--runs", type=int, default=1, help="repeat the whole measurement on fresh simulators")
+    parser.add_argument("--reference", action="store_true", help="also run the minimal reference reader")
+    parser.add_argument("--realtime", action="store_true", help="run client and simulator under SCHED_FIFO")
     args = parser.parse_args()
+    if args.requests < args.streams:
+        raise SystemExit(f"--requests ({args.requests}) must be at least --streams ({args.streams})")
 
     clock = time.get_clock_info("perf_counter").implementation
     if "CLOCK_MONOTONIC" not in clock:
         raise SystemExit(f"perf_counter is {clock}, not a host-wide clock; this measurement needs Linux")
+    if args.realtime:
+        _set_realtime(0)
 
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    # The server runs on asyncio's own loop, whose transports send on write(); uvloop would batch the writes
-    # of a loop iteration and send them after the stamps, which would count server time as client lag.
-    code = (f"from aiohttp import web; from mpfa.cli.sim_server import build_app; "
-            f"web.run_app(build_app({args.backend!r}, time_scale={args.time_scale}, trace_chunks=True, "
-            f"incremental_streaming_output={args.incremental}), host='127.0.0.1', port={port}, print=None, "
-            f"access_log=None)")
-    server = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
-    try:
-        _wait_healthy(url, server)
-        prompts = make_prompts(0, args.requests, args.input_len)
-        started = time.perf_counter()
-        loop_factory = asyncio.new_event_loop if args.plain_asyncio else new_event_loop
-        with asyncio.Runner(loop_factory=loop_factory) as runner:
-            records = runner.run(run_load(url, prompts, args.output_len, concurrency=args.streams))
-        wall = time.perf_counter() - started
-        with urllib.request.urlopen(url + "/sim_trace", timeout=60) as response:
-            trace = json.loads(response.read())
-    finally:
-        server.terminate()
-        server.wait(timeout=10)
-
-    failed = [r for r in records if not r.ok]
-    if failed:
-        raise SystemExit(f"{len(failed)} requests failed, e.g. {failed[0].error}")
     mode = "incremental" if args.incremental else "cumulative"
     loop = "asyncio" if args.plain_asyncio or client.uvloop is None else "uvloop"
     print(f"{args.requests} requests, {args.streams} concurrent streams, {args.input_len} in / {args.output_len} "
-          f"out, sim {args.backend} x{args.time_scale}, {mode} output_ids, client loop {loop}, {wall:.1f} s wall")
-    print(f"{'client-side overhead (ms)':34s} {'n':>7s} {'p50':>7s} {'p90':>7s} {'p99':>7s} {'max':>7s}")
-    for name, values in overheads(records, prompts, trace).items():
-        ms = values * 1e3
-        print(f"{name:34s} {len(ms):7d} {np.percentile(ms, 50):7.3f} {np.percentile(ms, 90):7.3f} "
-              f"{np.percentile(ms, 99):7.3f} {ms.max():7.3f}")
+          f"out, sim {args.backend} x{args.time_scale}, {mode} output_ids, client loop {loop}, "
+          f"{os.cpu_count()} CPUs, {'SCHED_FIFO' if args.realtime else 'default scheduling'}")
+    kinds = ["mpfa", "reference"] if args.reference else ["mpfa"]
+    p99s: dict[tuple[str, str], list[float]] = {}
+    for run in range(args.runs):
+        for kind in kinds:
+            rows, note = measure(args, kind)
+            print(f"\nrun {run + 1}, {kind} client: {note}")
+            _print_table(rows)
+            for name, values in rows.items():
+                p99s.setdefault((kind, name), []).append(np.percentile(values, 99) * 1e3)
+    if args.runs > 1:
+        print(f"\np99 (ms) over {args.runs} runs: best / median / worst")
+        for (kind, name), values in p99s.items():
+            print(f"{kind:9s} {name:34s} {min(values):7.3f} / {np.median(values):7.3f} / {max(values):7.3f}")
 
 
 if __name__ == "__main__":

@@ -2,13 +2,17 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import itertools
 import json
+import time
 
 import pytest
 from aiohttp import web
 
 from mpfa.cli import metrics
-from mpfa.cli.client import run_load
+from mpfa.cli.client import run, run_load
+from mpfa.cli.sim_server import prompt_digest
 from mpfa.cli.workload import arrival_times, make_prompts
 
 
@@ -24,8 +28,7 @@ def max_in_flight(records) -> int:
 def test_closed_loop_counts_warmup_and_concurrency(sim):
     prompts, warmup = make_prompts(1, 12, 300), make_prompts(2, 2, 300)
     seen = []
-    records = asyncio.run(run_load(sim.url, prompts, 6, concurrency=3, warmup_prompts=warmup,
-                                   on_complete=seen.append))
+    records = run(run_load(sim.url, prompts, 6, concurrency=3, warmup_prompts=warmup, on_complete=seen.append))
     assert len(seen) == 14 and {id(r) for r in seen} == {id(r) for r in records}
     assert [(r.index, r.warmup) for r in records[:2]] == [(-1, True), (-2, True)]
     assert [r.index for r in records[2:]] == list(range(12)) and not any(r.warmup for r in records[2:])
@@ -38,17 +41,17 @@ def test_closed_loop_counts_warmup_and_concurrency(sim):
 
 
 def test_openai_api_counts_tokens_from_usage(sim):
-    records = asyncio.run(run_load(sim.url, make_prompts(3, 4, 50), 5, concurrency=2, api="openai"))
+    records = run(run_load(sim.url, make_prompts(3, 4, 50), 5, concurrency=2, api="openai"))
     assert all(r.ok and r.output_tokens == sum(r.chunk_tokens) == 5 and r.prompt_tokens == 50 for r in records)
 
 
 def test_arrival_schedule_is_followed(sim):
     arrivals = arrival_times(10, rate=40.0, burstiness=1.0, seed=5)
+    started = time.perf_counter()  # a little before the schedule's origin
     records = asyncio.run(run_load(sim.url, make_prompts(4, 10, 64), 3, arrivals=arrivals))
-    start = records[0].dispatch_s
-    late = [r.dispatch_s - start - a for r, a in zip(records, arrivals)]
+    late = [r.dispatch_s - started - a for r, a in zip(records, arrivals)]  # dispatch: stamped at the send
     assert all(r.ok for r in records)
-    assert min(late) > -1e-3 and max(late) < 0.05
+    assert min(late) > 0 and max(late) < 0.05
 
 
 def test_arrivals_with_concurrency_cap(sim):
@@ -73,7 +76,7 @@ def test_output_length_one_has_no_tpot(sim):
 
 def test_server_death_keeps_completed_requests(start_sim):
     server = start_sim(die_after_requests=3)
-    records = asyncio.run(run_load(server.url, make_prompts(8, 10, 64), 20, concurrency=2))
+    records = run(run_load(server.url, make_prompts(8, 10, 64), 20, concurrency=2))
     assert server.process.wait(timeout=10) == 3
     ok = [r for r in records if r.ok]
     assert len(ok) == 3 and all(r.output_tokens == 20 for r in ok)
@@ -93,12 +96,13 @@ def test_connection_refused_becomes_record_error(start_sim):
     assert len(records) == 3 and all(r.error and not r.ok for r in records)
 
 
-def test_cancellation_propagates_and_keeps_completed(start_sim):
-    server = start_sim(time_scale=0.2)
+@pytest.mark.parametrize("output_len", [30, 400])  # 400: streams long enough to be parsed while they run
+def test_cancellation_propagates_and_keeps_completed(start_sim, output_len):
+    server = start_sim(time_scale=0.2 if output_len == 30 else 0.02)
     done = []
 
     async def main() -> None:
-        task = asyncio.create_task(run_load(server.url, make_prompts(11, 40, 64), 30, concurrency=2,
+        task = asyncio.create_task(run_load(server.url, make_prompts(11, 40, 64), output_len, concurrency=2,
                                             on_complete=done.append))
         while len(done) < 2:
             await asyncio.sleep(0.01)
@@ -108,7 +112,78 @@ def test_cancellation_propagates_and_keeps_completed(start_sim):
         assert asyncio.all_tasks() == {asyncio.current_task()}
 
     asyncio.run(main())
-    assert 2 <= len(done) < 40 and all(r.ok and r.output_tokens == 30 for r in done)
+    assert 2 <= len(done) < 40 and all(r.ok and r.output_tokens == output_len for r in done)
+
+
+def test_chunk_stamps_follow_the_servers_writes(start_sim):
+    """Every chunk is stamped once, after the simulator began writing it; dispatch before the server saw it."""
+    server = start_sim(trace_chunks=True)
+    prompts = make_prompts(12, 24, 64)
+    started = time.perf_counter()
+    records = run(run_load(server.url, prompts, 12, concurrency=8))
+    status, raw = server.get("/sim_trace")
+    trace = json.loads(raw)
+    for record in records:
+        entry = trace[prompt_digest(prompts[record.index])]
+        before, after, counts = zip(*entry["sent"])
+        assert record.ok and list(itertools.accumulate(record.chunk_tokens)) == list(counts)
+        assert all(b <= c for b, c in zip(before, record.chunk_s))  # one host-wide clock: causality
+        assert started < record.dispatch_s <= entry["received_s"]
+
+
+def test_long_cumulative_streams_are_parsed_in_batches(sim):
+    # 400 cumulative output_ids make ~0.6 MB per stream: parsed in many batches while it streams
+    records = run(run_load(sim.url, make_prompts(13, 3, 32), 400, concurrency=3))
+    for record in records:
+        assert record.ok, record.error
+        assert sum(record.chunk_tokens) == record.output_tokens == 400
+        assert record.chunk_s == sorted(record.chunk_s) and record.dispatch_s < record.chunk_s[0]
+        assert record.chunk_s[-1] <= record.completion_s
+
+
+def test_chunks_are_stamped_when_they_arrive_not_when_the_stream_ends():
+    pieces = [sglang_event(1), sglang_event(2), sglang_event(3), sglang_event(4, finished=True) + b"data: [DONE]\n\n"]
+    written: list[float] = []
+    record = asyncio.run(scripted_run(pieces, gaps_s=[0.15] * 4, written_s=written))
+    assert record.ok, record.error
+    assert record.chunk_tokens == [1, 1, 1, 1]
+    assert all(0 <= stamp - sent < 0.1 for stamp, sent in zip(record.chunk_s, written))  # pieces are 0.15 s apart
+
+
+def test_silent_stream_times_out():
+    pieces = [sglang_event(1), sglang_event(2)]
+    started = time.perf_counter()
+    record = asyncio.run(scripted_run(pieces, gaps_s=[5.0, 0.0], read_timeout_s=0.3))
+    assert not record.ok and "no data from the server for 0.3 s" in record.error
+    assert time.perf_counter() - started < 3.0
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_run_load_restores_the_garbage_collector(sim, enabled):
+    was = gc.isenabled()
+    (gc.enable if enabled else gc.disable)()
+    try:
+        run(run_load(sim.url, make_prompts(14, 2, 16), 3, concurrency=2))
+        assert gc.isenabled() == enabled
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_failing_on_complete_stops_the_run(sim):
+    seen = []
+
+    def store(record) -> None:
+        seen.append(record)
+        if len(seen) == 3:
+            raise RuntimeError("store broke")
+
+    async def main() -> None:
+        with pytest.raises(RuntimeError, match="store broke"):
+            await run_load(sim.url, make_prompts(15, 200, 32), 8, concurrency=4, on_complete=store)
+        assert asyncio.all_tasks() == {asyncio.current_task()}
+
+    asyncio.run(main())
+    assert len(seen) < 20
 
 
 def test_bad_arguments_raise():
@@ -127,28 +202,34 @@ def sglang_event(total: int, prompt: int = 4, finished: bool = False) -> bytes:
     return b"data: " + json.dumps({"output_ids": list(range(total)), "meta_info": meta}).encode() + b"\n\n"
 
 
-async def scripted_run(pieces: list[bytes], output_len: int = 4):
-    """Serve one SSE response written as `pieces` (10 ms apart) and run one request against it."""
+async def scripted_run(pieces: list[bytes], output_len: int = 4, gaps_s: list[float] | None = None,
+                       read_timeout_s: float = 30.0, written_s: list[float] | None = None):
+    """Serve one SSE response written as `pieces` (after each, a pause: `gaps_s` or 10 ms) and run one
+    request against it; `written_s` collects when each piece was written."""
+    gaps_s = gaps_s or [0.01] * len(pieces)
 
     async def handler(request: web.Request) -> web.StreamResponse:
         await request.read()
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for piece in pieces:
+        for piece, gap in zip(pieces, gaps_s):
             await response.write(piece)
-            await asyncio.sleep(0.01)
+            if written_s is not None:
+                written_s.append(time.perf_counter())
+            await asyncio.sleep(gap)
         await response.write_eof()
         return response
 
     app = web.Application()
     app.router.add_post("/generate", handler)
-    runner = web.AppRunner(app)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)
     await site.start()
     port = site._server.sockets[0].getsockname()[1]
     try:
-        (record,) = await run_load(f"http://127.0.0.1:{port}", [[1, 2, 3, 4]], output_len, concurrency=1)
+        (record,) = await run_load(f"http://127.0.0.1:{port}", [[1, 2, 3, 4]], output_len, concurrency=1,
+                                   read_timeout_s=read_timeout_s)
     finally:
         await runner.cleanup()
     return record

@@ -141,3 +141,18 @@ def test_request_takes_at_least_the_modelled_time(start_sim):
     took = time.perf_counter() - start
     assert status == 200
     assert modelled * scale <= took < 2 * modelled * scale + 0.25
+
+
+def test_chunk_trace_brackets_every_write(start_sim):
+    server = start_sim(trace_chunks=True)
+    prompt = make_prompt(seed=14, index=0, input_len=32)
+    status, raw = generate(server, prompt, 6, stream=True)
+    assert status == 200
+    counts = [json.loads(e)["meta_info"]["completion_tokens"] for e in events(raw)]
+    status, trace = server.get("/sim_trace")
+    (entry,) = json.loads(trace).values()
+    before, after, sent_counts = zip(*entry["sent"])
+    assert list(sent_counts) == counts  # one trace entry per SSE chunk written, with the tokens so far
+    assert entry["received_s"] <= before[0]
+    assert all(b <= a for b, a in zip(before, after))
+    assert all(a <= b for a, b in zip(after, before[1:]))

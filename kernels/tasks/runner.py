@@ -1,0 +1,180 @@
+"""`mpfa accuracy task`: run a real LM on QA / multiple-choice tasks once per attention variant.
+
+Prompts are built once per task and reused verbatim for every variant; only the attention computation changes
+(see attention_swap). SQuAD (and its long-context form `squad-long`) is scored by greedy answers (F1 / EM),
+multiple-choice tasks by the log-likelihood of each choice.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+from mpfa.kernels.reference import VARIANTS
+from mpfa.kernels.tasks import data
+from mpfa.kernels.tasks.attention_swap import install
+from mpfa.kernels.tasks.generation import LoadedModel, choice_logprobs, greedy_answer, load_model
+from mpfa.kernels.tasks.report import AGREEMENT, BASELINE, TaskAccuracyReport, TaskScores
+from mpfa.kernels.tasks.scoring import best_choice, choice_grade, squad_exact_match, squad_f1
+
+TASKS = ("squad", "squad-long", *data.MULTIPLE_CHOICE_TASKS)
+DEFAULT_TASKS = ("squad", "social_iqa")
+DEFAULT_VARIANTS = ("bf16", "fp8", "qk4-pv8-direct", "mpfa")
+DEFAULT_CONTEXT_PAD = 1024
+DEFAULT_MAX_NEW_TOKENS = 16
+_SQUAD_INSTRUCTION = (
+    "Answer the question with a short span copied from the passage. "
+    "Reply with the answer only, in at most five words."
+)
+
+# (task, variant, examples done, examples total) -> None
+ProgressFn = Callable[[str, str, int, int], None]
+
+
+def _chat_ids(lm: LoadedModel, text: str) -> list[int]:
+    """Token ids of `text` as a user turn followed by the assistant prompt (plain text without a chat template)."""
+    tok = lm.tokenizer
+    if tok.chat_template:
+        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
+        return tok(chat, add_special_tokens=False).input_ids
+    return tok(text + "\nAnswer:").input_ids
+
+
+def squad_prompts(
+    lm: LoadedModel, examples: Sequence[data.SquadExample], context_pad: int | None, others: Sequence[str] = ()
+) -> list[list[int]]:
+    """Prompt ids per question; with `context_pad` the passage is hidden among passages of `others` until it has
+    that many tokens."""
+    count = lambda text: len(lm.tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
+    prompts = []
+    for ex in examples:
+        passage = ex.context if context_pad is None else data.pad_context(ex, others, context_pad, count)
+        prompts.append(_chat_ids(lm, f"{_SQUAD_INSTRUCTION}\n\nPassage: {passage}\n\nQuestion: {ex.question}"))
+    return prompts
+
+
+def choice_prompts(lm: LoadedModel, examples: Sequence[data.ChoiceExample]) -> list[tuple[list[int], list[list[int]]]]:
+    """(context ids, ids of each choice) per question, the choices listed in the context (BIG-bench style)."""
+    out = []
+    for ex in examples:
+        context = f"{ex.question}\nOptions: {'; '.join(ex.choices)}\nAnswer:"
+        out.append((
+            lm.tokenizer(context).input_ids,
+            [lm.tokenizer(" " + c, add_special_tokens=False).input_ids for c in ex.choices],
+        ))
+    return out
+
+
+def _check_request(
+    tasks: Sequence[str], variants: Sequence[str], limit: int | None, context_pad: int, max_new_tokens: int
+) -> None:
+    if not tasks or not variants:
+        raise ValueError("pass at least one task and one variant")
+    if bad := [t for t in tasks if t not in TASKS]:
+        raise ValueError(f"unknown task {', '.join(bad)}; choose from {', '.join(TASKS)}")
+    if bad := [v for v in variants if v not in VARIANTS]:
+        raise ValueError(f"unknown variant {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
+    if len(set(tasks)) != len(tasks) or len(set(variants)) != len(variants):
+        raise ValueError("tasks and variants must not repeat")
+    if limit is not None and limit < 1:
+        raise ValueError(f"--limit must be at least 1, got {limit}")
+    if context_pad < 1:
+        raise ValueError(f"--context-pad must be a positive number of tokens, got {context_pad}")
+    if max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+
+
+def _add_agreement(result: TaskScores, outputs: dict[str, list]) -> None:
+    """Share of examples whose output (answer text, or chosen option) equals BF16's; far less noisy than the
+    score difference on a few examples."""
+    if BASELINE in outputs:
+        for variant, outs in outputs.items():
+            result.metrics[variant][AGREEMENT] = statistics.fmean(a == b for a, b in zip(outs, outputs[BASELINE]))
+
+
+def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, progress) -> TaskScores:
+    result, answers = TaskScores(task, "f1", len(examples)), {}
+    for variant in variants:
+        attention, start = install(lm.model, variant), time.perf_counter()
+        answers[variant] = []
+        for i, prompt in enumerate(prompts):
+            answers[variant].append(greedy_answer(lm, prompt, attention, max_new_tokens))
+            progress(task, variant, i + 1, len(examples))
+        result.seconds[variant] = time.perf_counter() - start
+        result.metrics[variant] = {
+            "f1": statistics.fmean(squad_f1(a, ex.answers) for a, ex in zip(answers[variant], examples)),
+            "em": statistics.fmean(squad_exact_match(a, ex.answers) for a, ex in zip(answers[variant], examples)),
+        }
+    _add_agreement(result, answers)
+    return result
+
+
+def _run_choice(lm, task, examples, prompts, variants, progress) -> TaskScores:
+    result, picks = TaskScores(task, "grade", len(examples)), {}
+    for variant in variants:
+        attention, start = install(lm.model, variant), time.perf_counter()
+        picks[variant], grades = [], []
+        for i, (ex, (context, choices)) in enumerate(zip(examples, prompts)):
+            logprobs = choice_logprobs(lm, context, choices, attention)
+            picks[variant].append(best_choice(logprobs))
+            grades.append(choice_grade(logprobs, ex.correct))
+            progress(task, variant, i + 1, len(examples))
+        result.seconds[variant] = time.perf_counter() - start
+        result.metrics[variant] = {"grade": statistics.fmean(grades)}
+    _add_agreement(result, picks)
+    return result
+
+
+def run_task_accuracy(
+    model: str,
+    tasks: Sequence[str] = DEFAULT_TASKS,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
+    *,
+    limit: int | None = None,
+    context_pad: int = DEFAULT_CONTEXT_PAD,
+    device: str = "cpu",
+    max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    progress: ProgressFn | None = None,
+) -> TaskAccuracyReport:
+    """Score every variant on every task with the same prompts; `limit` keeps the first N examples of each task
+    (file order); `context_pad` is the token length `squad-long` pads each passage to."""
+    tasks, variants = list(tasks), list(variants)
+    _check_request(tasks, variants, limit, context_pad, max_new_tokens)
+    lm = load_model(model, device)
+    report_progress = progress or (lambda *_: None)
+    results = []
+    for task in tasks:
+        if task in ("squad", "squad-long"):
+            everything = data.load_squad(data.task_file("squad"))
+            examples = everything[:limit]
+            pad = context_pad if task == "squad-long" else None
+            prompts = squad_prompts(lm, examples, pad, [ex.context for ex in everything])
+            results.append(_run_squad(lm, task, examples, prompts, variants, max_new_tokens, report_progress))
+        else:
+            examples = data.load_multiple_choice(data.task_file(task))[:limit]
+            prompts = choice_prompts(lm, examples)
+            results.append(_run_choice(lm, task, examples, prompts, variants, report_progress))
+    params = {"tasks": tasks, "variants": variants, "limit": limit, "context_pad": context_pad,
+              "max_new_tokens": max_new_tokens}
+    return TaskAccuracyReport(lm.name, str(lm.device), params, results)
+
+
+def print_task_accuracy(model: str, console, **kwargs) -> TaskAccuracyReport:
+    """`run_task_accuracy` with a rich progress bar over examples (per task and variant), then the table."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from mpfa.kernels.tasks.report import render_task_accuracy
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        bars: dict[tuple[str, str], int] = {}
+
+        def advance(task: str, variant: str, done: int, total: int) -> None:
+            if (task, variant) not in bars:
+                bars[(task, variant)] = bar.add_task(f"{task} {variant}", total=total)
+            bar.update(bars[(task, variant)], completed=done)
+
+        report = run_task_accuracy(model, progress=advance, **kwargs)
+    render_task_accuracy(report, console)
+    return report

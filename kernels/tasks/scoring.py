@@ -1,0 +1,67 @@
+"""Task metrics: SQuAD v1.1 F1 / exact match (the official evaluation script's normalisation) and the
+multiple-choice grade from per-choice log-likelihoods."""
+
+from __future__ import annotations
+
+import math
+import re
+import string
+from collections import Counter
+from collections.abc import Collection, Sequence
+
+import torch
+
+_ARTICLES = re.compile(r"\b(a|an|the)\b")
+_PUNCTUATION = frozenset(string.punctuation)
+
+
+def normalize_answer(text: str) -> str:
+    """Lower-case, drop punctuation and the articles a/an/the, collapse whitespace (SQuAD v1.1 evaluation)."""
+    text = "".join(ch for ch in text.lower() if ch not in _PUNCTUATION)
+    return " ".join(_ARTICLES.sub(" ", text).split())
+
+
+def _f1(prediction: str, truth: str) -> float:
+    pred_tokens, true_tokens = normalize_answer(prediction).split(), normalize_answer(truth).split()
+    common = sum((Counter(pred_tokens) & Counter(true_tokens)).values())
+    if common == 0:
+        return 0.0
+    precision, recall = common / len(pred_tokens), common / len(true_tokens)
+    return 2 * precision * recall / (precision + recall)
+
+
+def _require_truths(truths: Sequence[str]) -> None:
+    if not truths:
+        raise ValueError("a SQuAD question needs at least one reference answer")
+
+
+def squad_f1(prediction: str, truths: Sequence[str]) -> float:
+    """Token-level F1 against the best-matching reference answer, in [0, 1]."""
+    _require_truths(truths)
+    return max(_f1(prediction, t) for t in truths)
+
+
+def squad_exact_match(prediction: str, truths: Sequence[str]) -> float:
+    """1.0 when the normalised prediction equals a normalised reference answer, else 0.0."""
+    _require_truths(truths)
+    return float(any(normalize_answer(prediction) == normalize_answer(t) for t in truths))
+
+
+def continuation_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> float:
+    """Sum of log p(tokens[i]) under logits[i] ([n, vocab] predicting the n tokens), computed in float64."""
+    if logits.dim() != 2 or tokens.dim() != 1 or logits.shape[0] != tokens.shape[0] or tokens.numel() == 0:
+        raise ValueError(f"logits [n, vocab] must predict tokens [n], got {tuple(logits.shape)}, {tuple(tokens.shape)}")
+    logprobs = torch.log_softmax(logits.double(), dim=-1)
+    return float(logprobs.gather(1, tokens.long()[:, None]).sum())
+
+
+def best_choice(choice_logprobs: Sequence[float]) -> int:
+    """Index of the most likely choice, the first one on ties."""
+    if not choice_logprobs or not all(math.isfinite(x) for x in choice_logprobs):
+        raise ValueError(f"choice log-likelihoods must be finite and not empty, got {list(choice_logprobs)}")
+    return max(range(len(choice_logprobs)), key=lambda i: (choice_logprobs[i], -i))
+
+
+def choice_grade(choice_logprobs: Sequence[float], correct: Collection[int]) -> float:
+    """BIG-bench multiple_choice_grade: 1.0 when the most likely choice (first on ties) is a correct one."""
+    return float(best_choice(choice_logprobs) in correct)

@@ -1,0 +1,96 @@
+"""The attention swap really replaces the computation, on a tiny randomly initialised Llama (no download)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+
+from mpfa.kernels.smoothing import sequence_means  # noqa: E402
+from mpfa.kernels.tasks.attention_swap import AttentionSwapError, VariantAttention, install  # noqa: E402
+
+
+def _tiny_model(seed: int):
+    torch.manual_seed(seed)
+    config = transformers.LlamaConfig(
+        vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=128,
+    )
+    model = transformers.LlamaForCausalLM(config).eval()
+    model.set_attn_implementation("sdpa")
+    return model
+
+
+def _ids(seed: int, length: int) -> torch.Tensor:
+    return torch.randint(0, 96, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).norm() / b.norm())
+
+
+@torch.inference_mode()
+def test_bf16_matches_transformers_and_direct_nvfp4_differs():
+    model, ids = _tiny_model(1), _ids(2, 40)
+    reference = model(ids).logits
+    errors = {}
+    for variant in ("float64", "bf16", "qk4-pv8-direct"):
+        install(model, variant)
+        out = model(ids).logits
+        assert torch.isfinite(out).all()
+        errors[variant] = _rel(out, reference)
+    assert errors["float64"] < 1e-5  # the swap itself is exact: same math as SDPA
+    assert errors["bf16"] < 1e-2  # BF16 operand rounding only
+    assert errors["qk4-pv8-direct"] > 3 * errors["bf16"]  # NVFP4 Q/K + FP8 P/V: measurably different
+
+
+@torch.inference_mode()
+def test_decode_with_cache_matches_transformers_and_means_stay_frozen():
+    model, ids = _tiny_model(3), _ids(4, 33)
+    prompt, step = ids[:, :32], ids[:, 32:]
+    sdpa_out = model(input_ids=prompt, use_cache=True)
+    sdpa_next = model(input_ids=step, cache=sdpa_out.cache, use_cache=True).logits
+
+    bf16 = install(model, "bf16")
+    bf16.reset()
+    out = model(input_ids=prompt, use_cache=True)
+    assert _rel(model(input_ids=step, cache=out.cache, use_cache=True).logits, sdpa_next) < 1e-2
+
+    mpfa = install(model, "mpfa")
+    mpfa.reset()
+    captured = {}
+    layer0 = model.model.layers[0].self_attn
+
+    def keep_means(*_) -> None:
+        captured["means"] = mpfa._means[0]
+
+    hook = layer0.register_forward_hook(keep_means)
+    out = model(input_ids=prompt, use_cache=True)
+    hook.remove()
+    prefill_means = captured["means"]
+    model(input_ids=step, cache=out.cache, use_cache=True)
+    assert mpfa._means[0] is prefill_means  # decode reused the prompt's means
+    # ... which are the means of the prompt's BF16 keys (the first 32 of the cache's 33)
+    keys = out.cache.layers[0].keys[0, :, :32].transpose(0, 1).to(torch.bfloat16)
+    torch.testing.assert_close(prefill_means.k_mean, sequence_means(keys, torch.tensor([0, 32])), rtol=0, atol=0)
+
+
+def test_misuse_is_a_clear_error():
+    model = _tiny_model(5)
+    with pytest.raises(AttentionSwapError, match="unknown attention variant"):
+        install(model, "fp4")
+    mpfa = install(model, "mpfa")
+    mpfa.reset()
+    with torch.inference_mode():
+        out = model(input_ids=_ids(6, 20), use_cache=True)
+        mpfa.reset()
+        with pytest.raises(AttentionSwapError, match="before any prefill"):
+            model(input_ids=_ids(7, 1), cache=out.cache, use_cache=True)
+        with pytest.raises(AttentionSwapError, match="one sequence per call"):
+            model(input_ids=torch.cat([_ids(8, 10), _ids(9, 10)]))
+
+
+def test_variant_attention_needs_a_known_variant():
+    with pytest.raises(AttentionSwapError):
+        VariantAttention("int8")
