@@ -25,10 +25,13 @@ def max_in_flight(records) -> int:
     return peak
 
 
-def test_closed_loop_counts_warmup_and_concurrency(sim):
+def test_closed_loop_counts_warmup_and_concurrency(start_sim):
+    # steps of ~0.5 ms: the client sends between them (at 100x speed a stream of chunks never pauses, and a
+    # request may end before the client, waiting up to 20 ms for quiet sockets, has sent the third)
+    server = start_sim(time_scale=0.1)
     prompts, warmup = make_prompts(1, 12, 300), make_prompts(2, 2, 300)
     seen = []
-    records = run(run_load(sim.url, prompts, 6, concurrency=3, warmup_prompts=warmup, on_complete=seen.append))
+    records = run(run_load(server.url, prompts, 6, concurrency=3, warmup_prompts=warmup, on_complete=seen.append))
     assert len(seen) == 14 and {id(r) for r in seen} == {id(r) for r in records}
     assert [(r.index, r.warmup) for r in records[:2]] == [(-1, True), (-2, True)]
     assert [r.index for r in records[2:]] == list(range(12)) and not any(r.warmup for r in records[2:])
