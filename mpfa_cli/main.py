@@ -351,6 +351,34 @@ def accuracy_kernel(
         raise UserError(str(exc)) from None
 
 
+@accuracy_app.command("task")
+@cli_errors
+def accuracy_task(
+    model: Annotated[str, typer.Option("--model", help="qwen2.5-coder-1.5b, smollm2-135m, a .gguf file or a model directory.")],
+    tasks: Annotated[str, typer.Option(help="Comma-separated: squad, squad-long, social_iqa.")] = "squad,social_iqa",
+    variants: Annotated[str, typer.Option(help="Comma-separated attention variants.")] = "bf16,fp8,qk4-pv8-direct,mpfa",
+    limit: Annotated[Optional[int], typer.Option(help="Examples per task (default: all).")] = None,
+    context_pad: Annotated[int, typer.Option("--context-pad", help="squad-long: pad each passage to this many tokens.")] = 1024,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    db: DbOption = None,
+) -> None:
+    """Task scores of each attention variant on a real model (greedy decoding), loss vs bf16 and recovery."""
+    from mpfa.kernels.tasks.runner import print_task_accuracy
+
+    try:
+        report = print_task_accuracy(
+            model, console, tasks=tuple(t.strip() for t in tasks.split(",")),
+            variants=tuple(v.strip() for v in variants.split(",")), limit=limit, context_pad=context_pad,
+            device=device,
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    with _store(db) as store:
+        params = {**report.params, "model": report.model}
+        accuracy_id = store.add_profile("accuracy-task", report.device, params, report.to_json())
+    console.print(f"stored accuracy result {accuracy_id} in {store.path}")
+
+
 @app.command("serve-sim")
 @cli_errors
 def serve_sim(

@@ -13,3 +13,8 @@ def test_accuracy_kernel_on_fixture_reports_recovery(mpfa) -> None:
 def test_accuracy_kernel_bad_variant_is_one_line(mpfa) -> None:
     result = mpfa("accuracy", "kernel", str(FIXTURE), "--variants", "bf16,fp3")
     assert result.returncode == 2 and "fp3" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_accuracy_task_unknown_model_is_one_line(mpfa) -> None:
+    result = mpfa("accuracy", "task", "--model", "nosuch", "--limit", "1")
+    assert result.returncode == 2 and "known model" in result.stderr and "Traceback" not in result.stderr
