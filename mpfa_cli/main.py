@@ -363,6 +363,10 @@ def accuracy_task(
     db: DbOption = None,
 ) -> None:
     """Task scores of each attention variant on a real model (greedy decoding), loss vs bf16 and recovery."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise UserError("`mpfa accuracy task` needs the accuracy extra: pip install -e '.[accuracy]'")
     from mpfa.kernels.tasks.runner import print_task_accuracy
 
     try:

@@ -17,4 +17,6 @@ def test_accuracy_kernel_bad_variant_is_one_line(mpfa) -> None:
 
 def test_accuracy_task_unknown_model_is_one_line(mpfa) -> None:
     result = mpfa("accuracy", "task", "--model", "nosuch", "--limit", "1")
-    assert result.returncode == 2 and "known model" in result.stderr and "Traceback" not in result.stderr
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    # Without transformers (CI installs no accuracy extra) the command says which extra it needs.
+    assert ("known model" in result.stderr) != ("accuracy extra" in result.stderr)
