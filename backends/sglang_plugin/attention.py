@@ -1,0 +1,107 @@
+"""One attention layer of the MpFA backend on plain tensors (SGLang-free, so it is testable without SGLang).
+
+KV write (extend and decode): `mpfa.kernels.sm90.quantize_cache.quantize_to_cache` writes the new tokens' centered
+NVFP4 K, FP8 V and Delta_S into their slots and returns this step's centered NVFP4 Q; for ``mpfa`` an extend first
+freezes the means of the requests it starts (`kv_store.freeze_means`).
+Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable).
+Extend: the SLOW REFERENCE PATH (`reference_extend`), eager only.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from itertools import accumulate
+
+import torch
+
+from mpfa.backends.sglang_plugin.decode_plan import DecodeBatch
+from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore, freeze_means, requests_starting
+from mpfa.backends.sglang_plugin.reference_extend import reference_extend
+from mpfa.backends.sglang_plugin.variants import BackendVariant
+from mpfa.kernels.cache_layout import CenteredQuery
+from mpfa.kernels.smoothing import SmoothingMeans
+
+
+@dataclass(frozen=True)
+class ExtendBatch:
+    """An extend step: ``slots`` [T] of the new tokens, ``req_pool_indices`` [B], ``token_request`` [T] (each
+    token's request row), ``cu_seqlens_q`` int32 [B + 1] on the device, ``starting`` bool [B] (empty prefix: new
+    means), ``kv_slots`` the slots of every request's whole sequence in order, and host ``cu_q`` / ``cu_k``."""
+
+    slots: torch.Tensor
+    req_pool_indices: torch.Tensor
+    token_request: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    starting: torch.Tensor
+    kv_slots: torch.Tensor
+    cu_q: list[int]
+    cu_k: list[int]
+
+    @classmethod
+    def build(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, slots: torch.Tensor,
+              prefix_lens: list[int], extend_lens: list[int]) -> ExtendBatch:
+        """From SGLang's batch fields: ``req_to_token`` [rows, max_context] (already holding the new tokens'
+        slots), host prefix / extend lengths per request."""
+        device = req_to_token.device
+        total_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
+        cu_q, cu_k = [0, *accumulate(extend_lens)], [0, *accumulate(total_lens)]
+        extend = torch.tensor(extend_lens, dtype=torch.long, device=device)
+        lengths = torch.tensor(total_lens, dtype=torch.long, device=device)
+        seq = torch.repeat_interleave(torch.arange(len(total_lens), device=device), lengths, output_size=cu_k[-1])
+        starts = torch.tensor(cu_k[:-1], dtype=torch.long, device=device)
+        position = torch.arange(cu_k[-1], device=device) - starts[seq]
+        rows = req_pool_indices.to(device, torch.long)
+        return cls(
+            slots=slots,
+            req_pool_indices=rows,
+            token_request=torch.repeat_interleave(rows, extend, output_size=cu_q[-1]),
+            cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
+            starting=requests_starting(torch.tensor(prefix_lens, device=device)),
+            kv_slots=req_to_token[rows[seq], position],
+            cu_q=cu_q,
+            cu_k=cu_k,
+        )
+
+
+class MpfaAttention:
+    """The KV write, decode and slow prefill of every layer of one `MpfaKVStore`."""
+
+    def __init__(self, store: MpfaKVStore, variant: BackendVariant) -> None:
+        if variant.smoothing != store.smoothing:
+            raise ValueError(f"backend {variant.backend} needs a store with smoothing={variant.smoothing}")
+        self.store, self.variant = store, variant
+        self.num_q_heads, self.head_dim = store.geometry.num_q_heads, store.geometry.head_dim
+
+    def _means(self, layer: int, rows: torch.Tensor) -> tuple[SmoothingMeans, torch.Tensor]:
+        """The layer's means table and each token's row in it (row 0, the zero row, without smoothing)."""
+        return self.store.means(layer), rows if self.variant.smoothing else torch.zeros_like(rows)
+
+    def write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+              rows: torch.Tensor) -> CenteredQuery:
+        """Quantize the new tokens into their slots; return their centered NVFP4 Q. q [T, Hq * d] or [T, Hq, d]."""
+        from mpfa.kernels.sm90.quantize_cache import quantize_to_cache
+
+        means, rows = self._means(layer, rows)
+        return quantize_to_cache(q.view(-1, self.num_q_heads, self.head_dim), k, v, slots, rows, means,
+                                 self.store.layer(layer))
+
+    def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ExtendBatch,
+               sm_scale: float) -> torch.Tensor:
+        """Prefill / chunked-prefill step (SLOW REFERENCE PATH) -> [T, Hq, d] in q's dtype."""
+        q3 = q.view(-1, self.num_q_heads, self.head_dim)
+        if self.variant.smoothing:
+            freeze_means(self.store, layer, q3, k, batch.cu_seqlens_q, batch.req_pool_indices, batch.starting)
+        query = self.write(layer, q3, k, v, batch.slots, batch.token_request)
+        out = reference_extend(query, self.store.layer(layer), batch.kv_slots, batch.cu_q, batch.cu_k,
+                               variant=self.variant.reference_variant, sm_scale=sm_scale)
+        return out.to(q.dtype)
+
+    def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
+               req_pool_indices: torch.Tensor, batch: DecodeBatch, sm_scale: float,
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """One decode token per request -> [B, Hq, d] (``out`` if given: contiguous BF16 [B, Hq, d])."""
+        from mpfa.kernels.sm90.decode_launch import mpfa_decode
+
+        query = self.write(layer, q, k, v, slots, req_pool_indices)
+        return mpfa_decode(query, self.store.layer(layer), batch.page_table, batch.seq_lens, batch.workspace,
+                           sm_scale=sm_scale, out=out)

@@ -1,0 +1,94 @@
+"""Byte accounting of the MpFA KV pool, as SGLang sizes its pools (pure arithmetic, no torch).
+
+SGLang turns free GPU memory into a token capacity with ``tokens = available_bytes // cell_size`` (cell_size: bytes
+one token costs over all layers). The MpFA pool reports its real cost per token and layer, the layout of
+`mpfa.kernels.cache_layout.MpfaKVCache`:
+
+    Hkv * (d/2 NVFP4 K codes + d/16 e4m3 K scales + d FP8 V) + Hq * 2 (BF16 Delta_S)
+
+Both backends store Delta_S: the decode kernel always reads it (``mpfa-direct`` writes zeros there). The frozen
+per-request means are not per token: ``(Hq + Hkv) * d`` FP32 per layer for every request slot SGLang can
+allocate (``mpfa`` only). They are reserved from the available bytes before the token capacity is computed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+NVFP4_BLOCK = 16
+BF16_BYTES = 2
+FP32_BYTES = 4
+DEFAULT_MAX_REQUEST_SLOTS = 4096  # SGLang's cap on max_running_requests when it is not given (_resolve_max_num_reqs)
+
+
+@dataclass(frozen=True)
+class PoolGeometry:
+    """Per-rank attention shape of one model: heads after tensor parallelism, head_dim, KV layers."""
+
+    num_q_heads: int
+    num_kv_heads: int
+    head_dim: int
+    num_layers: int
+
+    def __post_init__(self) -> None:
+        if min(self.num_q_heads, self.num_kv_heads, self.head_dim, self.num_layers) <= 0:
+            raise ValueError(f"every pool dimension must be positive, got {self}")
+        if self.num_q_heads % self.num_kv_heads or self.head_dim % NVFP4_BLOCK:
+            raise ValueError(f"need Hq % Hkv == 0 and head_dim % {NVFP4_BLOCK} == 0, got {self}")
+
+
+def mpfa_bytes_per_token_layer(g: PoolGeometry) -> int:
+    """Bytes one token occupies in one layer of the MpFA cache (K codes + K scales + V + Delta_S)."""
+    d = g.head_dim
+    return g.num_kv_heads * (d // 2 + d // NVFP4_BLOCK + d) + g.num_q_heads * BF16_BYTES
+
+
+def bf16_bytes_per_token_layer(g: PoolGeometry) -> int:
+    """What SGLang's BF16 MHA pool spends per token and layer (K + V), for comparison."""
+    return 2 * g.num_kv_heads * g.head_dim * BF16_BYTES
+
+
+def cell_size(g: PoolGeometry) -> int:
+    """SGLang's ``cell_size`` for the MpFA pool: bytes per token over all KV layers."""
+    return mpfa_bytes_per_token_layer(g) * g.num_layers
+
+
+def means_bytes_per_request(g: PoolGeometry, smoothing: bool) -> int:
+    """Frozen Q/K means of one request over all layers (FP32); 0 without smoothing."""
+    return (g.num_q_heads + g.num_kv_heads) * g.head_dim * FP32_BYTES * g.num_layers if smoothing else 0
+
+
+def request_slot_bound(max_running_requests: int | None, dp_size: int = 1) -> int:
+    """Request slots SGLang may allocate per worker (+1: req_to_token's padding row 0), an upper bound known
+    before the token capacity is: the user's ``--max-running-requests`` per DP worker, else SGLang's cap."""
+    per_worker = DEFAULT_MAX_REQUEST_SLOTS if max_running_requests is None else max_running_requests // max(dp_size, 1)
+    return max(per_worker, 1) + 1
+
+
+def reserved_bytes(g: PoolGeometry, smoothing: bool, request_slots: int) -> int:
+    """Bytes set aside (before the token capacity is computed) for the per-request means."""
+    return means_bytes_per_request(g, smoothing) * request_slots
+
+
+def token_capacity(available_bytes: int, g: PoolGeometry, page_size: int, reserved: int = 0) -> int:
+    """Tokens the pool can hold: SGLang's formula on the MpFA cell size, after the reserve, page-aligned."""
+    tokens = max(available_bytes - reserved, 0) // cell_size(g)
+    return tokens // page_size * page_size
+
+
+def compression_vs_bf16(g: PoolGeometry) -> float:
+    """How many more tokens fit than in SGLang's BF16 pool for the same bytes (means reserve aside)."""
+    return bf16_bytes_per_token_layer(g) / mpfa_bytes_per_token_layer(g)
+
+
+def capacity_log_line(backend: str, g: PoolGeometry, num_tokens: int, request_slots: int, smoothing: bool) -> str:
+    """The one startup line that states the pool's real size (what the bench logs should be grepped for)."""
+    per_token = cell_size(g)
+    means = means_bytes_per_request(g, smoothing) * request_slots
+    gib = 1 << 30
+    return (
+        f"MpFA KV pool ({backend}): {num_tokens} tokens x {per_token} B/token over {g.num_layers} layers = "
+        f"{num_tokens * per_token / gib:.2f} GiB (BF16 would need {bf16_bytes_per_token_layer(g) * g.num_layers} "
+        f"B/token: {compression_vs_bf16(g):.2f}x more tokens per byte); frozen means {means / gib:.2f} GiB for "
+        f"{request_slots} request slots"
+    )

@@ -1,0 +1,137 @@
+"""The SGLang hooks (``sglang.srt.plugins.hook_registry``) that give the MpFA backends their server settings and
+KV pool without forking SGLang. Every hook is a pass-through unless ``--attention-backend`` is an MpFA backend.
+
+* ``ServerArgs._handle_attention_backend_compatibility`` (AFTER): validate the server arguments, the model and the
+  machine in the launcher, before any scheduler starts; disable the radix cache and the prefill CUDA graph.
+* ``DefaultPoolConfigurator._compute_cell_size`` (AROUND): the MpFA bytes per token (`capacity.cell_size`), so the
+  token capacity SGLang derives from free memory reflects the real cache; it also records the means reserve.
+* ``DefaultPoolConfigurator.calculate_pool_sizes`` (AROUND): subtract the means reserve from the available bytes.
+* ``ModelRunnerKVCacheMixin._init_pools`` (AROUND): run SGLang's own pool construction with its MHA pool class
+  swapped for `MpfaTokenToKVPool` for the duration of the call (req_to_token pool and allocator stay SGLang's).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from mpfa.backends.sglang_plugin.capacity import cell_size, request_slot_bound, reserved_bytes
+from mpfa.backends.sglang_plugin.setup_checks import (
+    MpfaSetupError,
+    check_device,
+    check_kernel_packages,
+    check_model,
+    check_server_args,
+)
+from mpfa.backends.sglang_plugin.variants import is_mpfa_backend, variant_of
+
+logger = logging.getLogger(__name__)
+
+_SERVER_ARGS = "sglang.srt.server_args.ServerArgs._handle_attention_backend_compatibility"
+_CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
+_POOL_SIZES = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes"
+_INIT_POOLS = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._init_pools"
+_MIXIN_MODULE = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
+_RESERVE_ATTR = "_mpfa_reserved_bytes"
+
+
+def _backend_of(runner: Any) -> str | None:
+    return getattr(runner.server_args, "attention_backend", None)
+
+
+def after_attention_backend_compat(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
+    """Launcher-side validation; raises `MpfaSetupError` (one line) for any unsupported setup."""
+    if not is_mpfa_backend(getattr(server_args, "attention_backend", None)):
+        return None
+    for change in check_server_args(server_args):
+        logger.warning("MpFA attention backend: %s", change)
+    check_kernel_packages()
+    import torch
+
+    check_device(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
+    config, tp = server_args.get_model_config(), max(1, int(getattr(server_args, "tp_size", 1) or 1))
+    check_model(config.head_dim, config.v_head_dim, config.get_num_attention_heads(tp), config.get_num_kv_heads(tp),
+                str(config.dtype))
+    return None
+
+
+def around_compute_cell_size(original: Callable, configurator: Any, runner: Any, num_layers: int, *args: Any,
+                             **kwargs: Any) -> int:
+    backend = _backend_of(runner)
+    if not is_mpfa_backend(backend):
+        return original(configurator, runner, num_layers, *args, **kwargs)
+    from mpfa.backends.sglang_plugin.runner_checks import geometry_of
+
+    geometry, smoothing = geometry_of(runner, num_layers), variant_of(backend).smoothing
+    slots = request_slot_bound(runner.server_args.max_running_requests, getattr(runner, "dp_size", 1) or 1)
+    setattr(configurator, _RESERVE_ATTR, reserved_bytes(geometry, smoothing, slots))
+    logger.info("MpFA KV pool sizing: %d B/token over %d layers (BF16 pool: %d); %.2f GiB reserved for the frozen "
+                "means of up to %d request slots", cell_size(geometry), num_layers,
+                2 * geometry.num_kv_heads * geometry.head_dim * 2 * num_layers,
+                getattr(configurator, _RESERVE_ATTR) / (1 << 30), slots)
+    return cell_size(geometry)
+
+
+def around_calculate_pool_sizes(original: Callable, configurator: Any, available_bytes: int, *args: Any,
+                                **kwargs: Any) -> Any:
+    reserve = getattr(configurator, _RESERVE_ATTR, 0)
+    return original(configurator, available_bytes - reserve, *args, **kwargs)
+
+
+def pool_factory(runner: Any, backend: str) -> Callable[..., Any]:
+    """A drop-in for SGLang's ``MHATokenToKVPool(...)`` call that builds the MpFA pool for this runner."""
+    from mpfa.backends.sglang_plugin.runner_checks import attention_tp_size
+    from mpfa.backends.sglang_plugin.sglang_pool import MpfaTokenToKVPool
+
+    def make(*args: Any, **kwargs: Any) -> MpfaTokenToKVPool:
+        return MpfaTokenToKVPool(
+            *args, backend=backend, smoothing=variant_of(backend).smoothing,
+            num_q_heads=runner.model_config.get_num_attention_heads(attention_tp_size()),
+            request_slots=runner.req_to_token_pool.req_to_token.shape[0], **kwargs)
+
+    return make
+
+
+def around_init_pools(original: Callable, runner: Any, *args: Any, **kwargs: Any) -> Any:
+    backend = _backend_of(runner)
+    if not is_mpfa_backend(backend):
+        return original(runner, *args, **kwargs)
+    import importlib
+
+    from mpfa.backends.sglang_plugin.runner_checks import check_runner
+    from mpfa.backends.sglang_plugin.sglang_pool import MpfaTokenToKVPool
+
+    check_runner(runner)
+    mixin = importlib.import_module(_MIXIN_MODULE)
+    saved = mixin.MHATokenToKVPool
+    mixin.MHATokenToKVPool = pool_factory(runner, backend)
+    try:
+        result = original(runner, *args, **kwargs)
+    finally:
+        mixin.MHATokenToKVPool = saved
+    if not isinstance(runner.token_to_kv_pool, MpfaTokenToKVPool):
+        raise MpfaSetupError(f"MpFA attention backend: SGLang built a {type(runner.token_to_kv_pool).__name__} for "
+                             f"this model; only plain MHA/GQA models are supported")
+    return result
+
+
+def hook_table() -> dict[str, tuple[Callable, str]]:
+    """Target -> (hook, HookType name)."""
+    return {
+        _SERVER_ARGS: (after_attention_backend_compat, "AFTER"),
+        _CELL_SIZE: (around_compute_cell_size, "AROUND"),
+        _POOL_SIZES: (around_calculate_pool_sizes, "AROUND"),
+        _INIT_POOLS: (around_init_pools, "AROUND"),
+    }
+
+
+def register_hooks() -> None:
+    """Register every hook once per process (load_plugins applies them right after the plugins ran)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    registered = getattr(HookRegistry, "_hooks", {})
+    for target, (hook, kind) in hook_table().items():
+        if any(existing is hook for _, existing, _ in registered.get(target, ())):
+            continue
+        HookRegistry.register(target, hook, HookType[kind])

@@ -1,0 +1,124 @@
+"""The extend path of one layer (`MpfaAttention.extend`) on SGLang-shaped paged inputs: KV write through the
+Triton kernel, frozen means under chunked prefill, and the SLOW REFERENCE prefill against `mpfa.kernels.reference`
+(the quantized variant with the same means: identical up to Delta_S's one-ulp rounding; and float64 truth: no
+further than the quantized reference is). The cache is NaN-poisoned first: a slot that is read without being
+written makes the reference raise. Runs on the GPU, or in Triton's CPU interpreter without one."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention  # noqa: E402
+from mpfa.backends.sglang_plugin.capacity import PoolGeometry  # noqa: E402
+from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
+from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402
+from mpfa.kernels import SmoothingMeans, attention, attention_float64  # noqa: E402
+from mpfa.kernels.smoothing import sequence_means  # noqa: E402
+
+HQ, HKV, D = 8, 2, 128
+SCALE = D**-0.5
+POISON = 0xFF  # NaN in e4m3 and BF16
+
+
+def _setup(paged, lengths, backend, device, page_size=16, layers=2):
+    p = paged(lengths, HQ, HKV, page_size, device)
+    variant = variant_of(backend)
+    store = MpfaKVStore.allocate(p.num_slots, page_size, PoolGeometry(HQ, HKV, D, layers),
+                                 p.req_to_token.shape[0], variant.smoothing, device)
+    for cache in store.caches:
+        cache.fill_(POISON)
+    return p, store, MpfaAttention(store, variant)
+
+
+def _extend(core, p, spans, device, layer=1):
+    s = p.step(spans, device)
+    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"])
+    out = torch.full((s["q"].shape[0], HQ * D), math.nan, dtype=torch.bfloat16, device=device)
+    out.copy_(core.extend(layer, s["q"].flatten(1), s["k"], s["v"], batch, SCALE).flatten(1))
+    return out.view(-1, HQ, D), batch
+
+
+def _reference(p, spans, variant, means=None):
+    """Reference attention of each span's queries over the request's tokens [0, span end)."""
+    q = torch.cat([x[a:b] for x, (a, b) in zip(p.q, spans)])
+    k = torch.cat([x[:b] for x, (_, b) in zip(p.k, spans)])
+    v = torch.cat([x[:b] for x, (_, b) in zip(p.v, spans)])
+    cu_q = torch.tensor([0, *[b - a for a, b in spans]]).cumsum(0)
+    cu_k = torch.tensor([0, *[b for _, b in spans]]).cumsum(0)
+    kw = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sm_scale=SCALE)
+    return attention(q, k, v, variant=variant, means=means, **kw), attention_float64(q, k, v, **kw)
+
+
+def _rms(a, b):
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _check(out, ref, exact):
+    got = out.float().cpu()
+    assert bool(torch.isfinite(got).all()), "NaN/Inf in the output"
+    assert _rms(got, ref.bfloat16().float()) <= 1e-3  # same formats, same tiles: BF16 output rounding only
+    assert _rms(got, exact) <= 1.01 * _rms(ref, exact) + 2e-3  # + BF16 output rounding (2**-9)
+
+
+def test_single_chunk_prefill_matches_reference(device, paged):
+    lengths = [37, 70, 5]
+    p, store, core = _setup(paged, lengths, "mpfa", device)
+    spans = [(0, n) for n in lengths]
+    out, _ = _extend(core, p, spans, device)
+    rows = torch.tensor(p.rows)
+    means = SmoothingMeans(store.q_mean[1][rows].cpu(), store.k_mean[1][rows].cpu())
+    for got, x in ((means.q_mean, p.q), (means.k_mean, p.k)):
+        want = torch.stack([sequence_means(t.double(), torch.tensor([0, t.shape[0]]))[0] for t in x])
+        torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    assert bool((store.q_mean[0] == 0).all()), "another layer's means changed"
+    _check(out, *_reference(p, spans, "mpfa", means))
+
+
+def test_chunked_prefill_freezes_means_from_the_first_chunk(device, paged):
+    """Step 1: request A's first chunk. Step 2: A's second chunk (prefix 48) with request B starting (mixed)."""
+    p, store, core = _setup(paged, [80, 30], "mpfa", device)
+    a_row, b_row = p.rows
+    _extend(core, _only(p, 0), [(0, 48)], device)
+    first = (store.q_mean[1][a_row].clone(), store.k_mean[1][a_row].clone())
+    out, batch = _extend(core, p, [(48, 80), (0, 30)], device)
+    assert batch.starting.tolist() == [False, True]
+    assert torch.equal(store.q_mean[1][a_row], first[0]) and torch.equal(store.k_mean[1][a_row], first[1])
+    torch.testing.assert_close(store.k_mean[1][b_row].double().cpu(),
+                               sequence_means(p.k[1].double(), torch.tensor([0, 30]))[0], rtol=1e-5, atol=1e-5)
+    a_chunk1 = SmoothingMeans(sequence_means(p.q[0][:48], torch.tensor([0, 48])),
+                              sequence_means(p.k[0][:48], torch.tensor([0, 48])))
+    torch.testing.assert_close(first[0].cpu(), a_chunk1.q_mean[0], rtol=1e-5, atol=1e-5)
+    rows = torch.tensor(p.rows)
+    means = SmoothingMeans(store.q_mean[1][rows].cpu(), store.k_mean[1][rows].cpu())
+    _check(out, *_reference(p, [(48, 80), (0, 30)], "mpfa", means))
+
+
+def test_direct_variant_has_no_means(device, paged):
+    lengths = [40, 21]
+    p, store, core = _setup(paged, lengths, "mpfa-direct", device)
+    out, _ = _extend(core, p, [(0, n) for n in lengths], device)
+    assert tuple(store.q_mean.shape) == (2, 1, HQ, D) and bool((store.q_mean == 0).all())
+    slots = p.step([(0, n) for n in lengths], device)["slots"]
+    assert bool((store.layer(1).delta_s[slots] == 0).all()), "mpfa-direct must store zero Delta_S"
+    _check(out, *_reference(p, [(0, n) for n in lengths], "qk4-pv8-direct"))
+
+
+def test_extend_batch_layout(device, paged):
+    p = paged([5, 3], HQ, HKV, 4, device)
+    s = p.step([(2, 5), (0, 3)], device)
+    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"])
+    assert batch.cu_q == [0, 3, 6] and batch.cu_k == [0, 5, 8]
+    assert batch.token_request.tolist() == [p.rows[0]] * 3 + [p.rows[1]] * 3
+    assert batch.kv_slots.tolist() == p.req_to_token[p.rows[0], :5].tolist() + p.req_to_token[p.rows[1], :3].tolist()
+    assert batch.starting.tolist() == [False, True]
+
+
+def _only(p, index):
+    """The same paged layout restricted to one request (its row and tokens)."""
+    return type(p)(p.req_to_token, [p.rows[index]], [p.q[index]], [p.k[index]], [p.v[index]], p.num_slots,
+                   p.page_size)
