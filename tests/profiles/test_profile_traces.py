@@ -112,3 +112,36 @@ def test_nsys_failure_falls_back_to_torch_profiler_once(monkeypatch, tmp_path):
     assert [t.source for t in traces] == ["torch.profiler", "torch.profiler"]
     assert all("Generating report failed" in t.note and "torch.profiler" in t.note for t in traces)
     assert any("falling back to torch.profiler" in message for message in messages)
+
+
+# Real torch.profiler (CUPTI) traces captured on the H200 by
+# `mpfa profile decode --seq 8k --batch 1 --backend fa4-bf16,mpfa --nsys` (nsys missing there -> torch.profiler).
+def _captured(backend: str):
+    from pathlib import Path
+
+    from mpfa.profiles.torch_trace import load_trace
+
+    return load_trace(Path(__file__).parent / "fixtures" / f"torch_trace_h200_decode8k_b1_{backend}.json")
+
+
+def test_captured_traces_total_each_kernel_launch():
+    fa4 = kernel_totals(_captured("fa4-bf16"))
+    assert [(k.name.startswith("kernel_cutlass_kernel_flash_attncuteflash_fwd_sm90"), k.calls) for k in fa4] == [
+        (True, 5)]
+    assert fa4[0].total_us == pytest.approx(492.893, abs=1e-3)
+    mpfa = kernel_totals(_captured("mpfa"))
+    assert [("SplitKVDecodeSm90" in k.name, "DecodeMergeSm90" in k.name, k.calls) for k in mpfa] == [
+        (True, False, 5), (False, True, 5)]
+    assert [round(k.total_us, 3) for k in mpfa] == [167.423, 11.455]
+    assert mpfa[0].avg_us == pytest.approx(33.485, abs=1e-3)
+
+
+def test_captured_traces_classify_every_kernel_as_attention():
+    from mpfa.profiles.breakdown import stage_breakdown
+    from mpfa.profiles.kernel_categories import ATTENTION
+
+    for backend, launches in (("fa4-bf16", 5), ("mpfa", 10)):
+        stage = stage_breakdown(_captured(backend), "decode", backend)
+        shares = {c.category: c.launches for c in stage.categories}
+        assert shares[ATTENTION] == launches and sum(shares.values()) == launches
+        assert 0 < stage.gpu_us < stage.window_us
