@@ -404,6 +404,56 @@ def attention(
     return out
 
 
+def attention_one_sequence(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    variant: str,
+    sm_scale: float | None = None,
+    means: SmoothingMeans | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """``attention(..., causal=True)`` of one unpadded sequence with every KV tile computed at once (for callers that
+    run it thousands of times, e.g. a model's layers in `mpfa accuracy task`: a few dozen tensor ops per call
+    instead of a few dozen per tile).
+
+    The same operands (BF16 rounding, formats, centering, Delta_S) and, per row and KV tile, the same running max
+    the reverse-order online softmax has when it reaches that tile, so P is quantized exactly as there; the
+    rescaled sums are formed as ``sum_j exp2(lam * (m_j - m)) * X_j`` instead of by repeated ``alpha`` updates,
+    which differs from ``attention`` by FP32 rounding only. Tile rows (``block_m``) do not change the result."""
+    spec = _variant(variant)
+    _check_options(spec, means, None)
+    if spec.q == "exact":
+        return attention_float64(q, k, v, causal=True, sm_scale=sm_scale)
+    _check_block("block_n", block_n)
+    seqs = _resolve(q, k, v, None, None, None, None)
+    lam = _lam(sm_scale, q.shape[-1])
+    ops = _prepare(spec, q, seqs, means, None)
+    (len_q, num_q_heads, head_dim), num_kv_heads = q.shape, k.shape[1]
+    group, len_k = num_q_heads // num_kv_heads, k.shape[0]
+    tiles, pad = -(-len_k // block_n), -len_k % block_n
+    q_h = ops.q.transpose(0, 1).reshape(num_kv_heads, group * len_q, head_dim)
+    s = (q_h @ ops.k.permute(1, 2, 0)).view(num_q_heads, len_q, len_k)
+    if ops.delta_s is not None:
+        s = s + ops.delta_s.transpose(0, 1)[:, None, :]
+    keys, rows = torch.arange(len_k, device=q.device), torch.arange(len_q, device=q.device)
+    s = s.masked_fill(keys[None, None, :] > (rows + len_k - len_q)[None, :, None], -math.inf)
+    s = torch.nn.functional.pad(s, (0, pad), value=-math.inf).view(num_q_heads, len_q, tiles, block_n)
+    # running max when tile j is reached, tiles visited last to first: max over tiles j..end
+    m = s.amax(-1).flip(-1).cummax(-1).values.flip(-1)
+    seen = torch.isfinite(m)
+    m_ref = torch.where(seen, m, torch.zeros_like(m))
+    p = torch.exp2(s * lam - (m_ref * lam)[..., None])
+    weight = torch.where(seen, torch.exp2(m_ref * lam - (m_ref[..., :1] * lam)), torch.zeros_like(m))
+    l = (p.sum(-1) * weight).sum(-1)
+    v_tiles = torch.nn.functional.pad(ops.v.permute(1, 0, 2), (0, 0, 0, pad)).view(num_kv_heads, tiles, block_n, head_dim)
+    p_op = _p_operand(p, spec.p).view(num_kv_heads, group, len_q, tiles, block_n)
+    pv = torch.einsum("hgqtb,htbd->hgqtd", p_op, v_tiles).reshape(num_q_heads, len_q, tiles, head_dim)
+    acc = (pv * weight[..., None]).sum(-2)
+    return _normalize(acc, l).transpose(0, 1)
+
+
 def decode_partials(
     q: torch.Tensor,
     k: torch.Tensor,

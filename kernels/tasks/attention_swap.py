@@ -2,7 +2,8 @@
 
 transformers (5.x) calls the function registered under the model's `attn_implementation` with query [B, Hq, S, d]
 and the cache-updated key/value [B, Hkv, S_k, d] (RoPE applied, GQA heads not repeated); `VariantAttention`
-registers one such function per variant that runs `mpfa.kernels.attention` instead, so only the attention math
+registers one such function per variant that runs the reference (`attention_one_sequence`: the tiled
+`mpfa.kernels.attention` with all KV tiles computed at once) instead, so only the attention math
 changes (projections, RoPE, cache and LM head stay the model's own).
 
 Smoothing variants (mpfa, qk4-pv16, qk4-pv4) center Q and K with per-request means taken over the prompt and then
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from mpfa.kernels.reference import VARIANTS, attention
+from mpfa.kernels.reference import VARIANTS, attention_one_sequence
 from mpfa.kernels.smoothing import SmoothingMeans, sequence_means
 
 
@@ -64,7 +65,7 @@ class VariantAttention:
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         means = self._layer_means(module.layer_idx, q, k)
         sm_scale = module.scaling if scaling is None else scaling
-        out = attention(q, k, v, variant=self.variant, causal=True, sm_scale=sm_scale, means=means)
+        out = attention_one_sequence(q, k, v, variant=self.variant, sm_scale=sm_scale, means=means)
         return out.to(query.dtype)[None], None  # [1, S, Hq, d], no attention weights
 
 
