@@ -232,6 +232,7 @@ def gate(
     tolerance: Annotated[str, typer.Option(help="Allowed drop, e.g. 5% or 0.05.")] = "5%",
     write_baseline: Annotated[bool, typer.Option("--write-baseline", help="Write the baseline from the runs instead of judging.")] = False,
     benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write github-action-benchmark files with this prefix.")] = None,
+    allow_caveats: Annotated[bool, typer.Option("--allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
     scenario: ScenarioFilter = None, db: DbOption = None,
 ) -> None:
     """Fail (exit 1) when a metric dropped by more than the tolerance and the confidence intervals separate."""
@@ -244,10 +245,11 @@ def gate(
                 selected, Path(f"{benchmark_json}-bigger.json"), Path(f"{benchmark_json}-smaller.json")
             )
         if write_baseline:
-            written = gating.write_baseline(selected, baseline)
+            written = gating.write_baseline(selected, baseline, allow_caveats)
             console.print(f"wrote {len(written.entries)} baseline entries to {baseline}")
             return
-        result = gating.run_gate(gating.read_baseline(baseline), selected, gating.parse_tolerance(tolerance))
+        result = gating.run_gate(gating.read_baseline(baseline), selected, gating.parse_tolerance(tolerance),
+                                 allow_caveats)
     console.print(gating.gate_table(result))
     if not result.ok:
         raise UserError(f"{len(result.regressions)} regression(s) beyond {tolerance}", exit_code=1)
@@ -358,6 +360,7 @@ def accuracy_task(
     tasks: Annotated[str, typer.Option(help="Comma-separated: squad, squad-long, social_iqa.")] = "squad,social_iqa",
     variants: Annotated[str, typer.Option(help="Comma-separated attention variants.")] = "bf16,fp8,qk4-pv8-direct,mpfa",
     limit: Annotated[Optional[int], typer.Option(help="Examples per task (default: all).")] = None,
+    offset: Annotated[int, typer.Option(help="Skip the first N examples of each task (run a long job as shards; `mpfa accuracy results --merge` joins them).")] = 0,
     context_pad: Annotated[int, typer.Option("--context-pad", help="squad-long: pad each passage to this many tokens.")] = 1024,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     db: DbOption = None,
@@ -372,7 +375,7 @@ def accuracy_task(
     try:
         report = print_task_accuracy(
             model, console, tasks=tuple(t.strip() for t in tasks.split(",")),
-            variants=tuple(v.strip() for v in variants.split(",")), limit=limit, context_pad=context_pad,
+            variants=tuple(v.strip() for v in variants.split(",")), limit=limit, offset=offset, context_pad=context_pad,
             device=device,
         )
     except ValueError as exc:
@@ -381,6 +384,53 @@ def accuracy_task(
         params = {**report.params, "model": report.model}
         accuracy_id = store.add_profile("accuracy-task", report.device, params, report.to_json())
     console.print(f"stored accuracy result {accuracy_id} in {store.path}")
+
+
+@accuracy_app.command("results")
+@cli_errors
+def accuracy_results(
+    ids: Annotated[Optional[str], typer.Argument(help="Comma-separated result ids to show (default: list them all).")] = None,
+    merge: Annotated[bool, typer.Option(help="Join the given results (shards over disjoint --offset ranges) into one table and store it.")] = False,
+    db: DbOption = None,
+) -> None:
+    """Stored `mpfa accuracy task` results: a list, their tables, or shards merged into one."""
+    from mpfa.kernels.tasks.report import TaskAccuracyReport, merge_reports, render_task_accuracy
+
+    with _store(db) as store:
+        if ids is None:
+            if merge:
+                raise UserError("--merge needs the ids of the results to join")
+            _list_accuracy_results(store.list_profiles("accuracy-task"))
+            return
+        stored = [store.get_profile(i) for i in _number_list(ids, "ids")]
+        if bad := [p.id for p in stored if p.kind != "accuracy-task"]:
+            raise UserError(f"not accuracy-task results: {', '.join(map(str, bad))}")
+        reports = [TaskAccuracyReport.from_json(p.result) for p in stored]
+        if not merge:
+            for report in reports:
+                render_task_accuracy(report, console)
+            return
+        try:
+            merged = merge_reports(reports)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        render_task_accuracy(merged, console)
+        params = {**merged.params, "model": merged.model, "merged_from": [p.id for p in stored]}
+        merged_id = store.add_profile("accuracy-task", merged.device, params, merged.to_json())
+    console.print(f"stored merged accuracy result {merged_id} in {store.path}")
+
+
+def _list_accuracy_results(stored: list) -> None:
+    from rich.table import Table
+
+    table = Table(title="Accuracy-task results", title_justify="left")
+    for column in ("id", "model", "device", "tasks (examples)", "variants", "merged from"):
+        table.add_column(column)
+    for p in stored:
+        tasks = ", ".join(f"{t['task']} ({t['examples']})" for t in p.result["tasks"])
+        table.add_row(str(p.id), p.result["model"], p.result["device"], tasks, ", ".join(p.params["variants"]),
+                      ", ".join(map(str, p.params.get("merged_from", []))))
+    console.print(table)
 
 
 @app.command("serve-sim")

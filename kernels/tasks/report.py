@@ -60,6 +60,58 @@ class TaskAccuracyReport:
             "tasks": [dict(asdict(t), losses=t.losses(), recovery=t.recovery()) for t in self.tasks],
         }
 
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> TaskAccuracyReport:
+        tasks = [TaskScores(t["task"], t["primary"], t["examples"], t["metrics"], t["seconds"]) for t in doc["tasks"]]
+        return cls(doc["model"], doc["device"], doc["params"], tasks)
+
+
+# What must agree for shards to be parts of one run (the rest of `params` says which examples a shard holds).
+_SAME_RUN = ("variants", "context_pad", "max_new_tokens")
+
+
+def merge_reports(shards: list[TaskAccuracyReport]) -> TaskAccuracyReport:
+    """One report from runs over disjoint example ranges (`--offset` / `--limit`) of the same model, device and
+    settings: per task, every metric is the example-weighted mean of the shards' and the seconds add up;
+    `params["examples"][task]` lists the [start, end) ranges merged. Overlaps or mismatches raise ValueError."""
+    if not shards:
+        raise ValueError("nothing to merge")
+    first = shards[0]
+    for shard in shards[1:]:
+        if (shard.model, shard.device) != (first.model, first.device):
+            raise ValueError(f"cannot merge {shard.model} on {shard.device} with {first.model} on {first.device}")
+        for key in _SAME_RUN:
+            if shard.params.get(key) != first.params.get(key):
+                raise ValueError(f"cannot merge runs with different {key}: "
+                                 f"{shard.params.get(key)} and {first.params.get(key)}")
+    by_task: dict[str, list[tuple[int, TaskScores]]] = {}
+    for shard in shards:
+        for scores in shard.tasks:
+            by_task.setdefault(scores.task, []).append((int(shard.params.get("offset", 0)), scores))
+    merged, ranges = [], {}
+    for task, parts in by_task.items():
+        parts.sort(key=lambda part: part[0])
+        spans = [(start, start + scores.examples) for start, scores in parts]
+        for (_, end), (start, _) in zip(spans, spans[1:]):
+            if start < end:
+                raise ValueError(f"{task}: example ranges overlap ({', '.join(f'[{a}, {b})' for a, b in spans)})")
+        ranges[task] = [list(span) for span in spans]
+        merged.append(_merge_task(task, [scores for _, scores in parts]))
+    params = {key: first.params.get(key) for key in _SAME_RUN}
+    params.update(tasks=list(by_task), examples=ranges)
+    return TaskAccuracyReport(first.model, first.device, params, merged)
+
+
+def _merge_task(task: str, parts: list[TaskScores]) -> TaskScores:
+    total = sum(p.examples for p in parts)
+    out = TaskScores(task, parts[0].primary, total)
+    for variant, metrics in parts[0].metrics.items():
+        if any(p.primary != out.primary or set(p.metrics.get(variant, {})) != set(metrics) for p in parts):
+            raise ValueError(f"{task}: the shards did not measure the same metrics of {variant}")
+        out.metrics[variant] = {m: sum(p.metrics[variant][m] * p.examples for p in parts) / total for m in metrics}
+        out.seconds[variant] = sum(p.seconds.get(variant, 0.0) for p in parts)
+    return out
+
 
 def render_task_accuracy(report: TaskAccuracyReport, console) -> None:
     """One rich table: per task the primary score of each variant, its loss vs BF16 and the recovery."""

@@ -67,7 +67,8 @@ def choice_prompts(lm: LoadedModel, examples: Sequence[data.ChoiceExample]) -> l
 
 
 def _check_request(
-    tasks: Sequence[str], variants: Sequence[str], limit: int | None, context_pad: int, max_new_tokens: int
+    tasks: Sequence[str], variants: Sequence[str], limit: int | None, offset: int, context_pad: int,
+    max_new_tokens: int,
 ) -> None:
     if not tasks or not variants:
         raise ValueError("pass at least one task and one variant")
@@ -79,10 +80,18 @@ def _check_request(
         raise ValueError("tasks and variants must not repeat")
     if limit is not None and limit < 1:
         raise ValueError(f"--limit must be at least 1, got {limit}")
+    if offset < 0:
+        raise ValueError(f"--offset must not be negative, got {offset}")
     if context_pad < 1:
         raise ValueError(f"--context-pad must be a positive number of tokens, got {context_pad}")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+
+
+def _select(task: str, everything: Sequence, offset: int, end: int | None) -> Sequence:
+    if offset >= len(everything):
+        raise ValueError(f"{task} has {len(everything)} examples: --offset {offset} selects none")
+    return everything[offset:end]
 
 
 def _add_agreement(result: TaskScores, outputs: dict[str, list]) -> None:
@@ -132,30 +141,33 @@ def run_task_accuracy(
     variants: Sequence[str] = DEFAULT_VARIANTS,
     *,
     limit: int | None = None,
+    offset: int = 0,
     context_pad: int = DEFAULT_CONTEXT_PAD,
     device: str = "cpu",
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
     progress: ProgressFn | None = None,
 ) -> TaskAccuracyReport:
-    """Score every variant on every task with the same prompts; `limit` keeps the first N examples of each task
-    (file order); `context_pad` is the token length `squad-long` pads each passage to."""
+    """Score every variant on every task with the same prompts; `offset` and `limit` select examples
+    [offset, offset + limit) of each task in file order (shards of one run, see `report.merge_reports`);
+    `context_pad` is the token length `squad-long` pads each passage to."""
     tasks, variants = list(tasks), list(variants)
-    _check_request(tasks, variants, limit, context_pad, max_new_tokens)
+    _check_request(tasks, variants, limit, offset, context_pad, max_new_tokens)
+    end = None if limit is None else offset + limit
     lm = load_model(model, device)
     report_progress = progress or (lambda *_: None)
     results = []
     for task in tasks:
         if task in ("squad", "squad-long"):
             everything = data.load_squad(data.task_file("squad"))
-            examples = everything[:limit]
+            examples = _select(task, everything, offset, end)
             pad = context_pad if task == "squad-long" else None
             prompts = squad_prompts(lm, examples, pad, [ex.context for ex in everything])
             results.append(_run_squad(lm, task, examples, prompts, variants, max_new_tokens, report_progress))
         else:
-            examples = data.load_multiple_choice(data.task_file(task))[:limit]
+            examples = _select(task, data.load_multiple_choice(data.task_file(task)), offset, end)
             prompts = choice_prompts(lm, examples)
             results.append(_run_choice(lm, task, examples, prompts, variants, report_progress))
-    params = {"tasks": tasks, "variants": variants, "limit": limit, "context_pad": context_pad,
+    params = {"tasks": tasks, "variants": variants, "offset": offset, "limit": limit, "context_pad": context_pad,
               "max_new_tokens": max_new_tokens}
     return TaskAccuracyReport(lm.name, str(lm.device), params, results)
 

@@ -20,3 +20,29 @@ def test_accuracy_task_unknown_model_is_one_line(mpfa) -> None:
     assert result.returncode == 2 and "Traceback" not in result.stderr
     # Without transformers (CI installs no accuracy extra) the command says which extra it needs.
     assert ("known model" in result.stderr) != ("accuracy extra" in result.stderr)
+
+
+def _store_shard(db: Path, offset: int, examples: int, f1: float) -> None:
+    from mpfa.cli.store import ResultStore
+    from mpfa.kernels.tasks.report import TaskAccuracyReport, TaskScores
+
+    scores = TaskScores("social_iqa", "grade", examples,
+                        {v: {"grade": f1, "same_as_bf16": 1.0} for v in ("bf16", "qk4-pv8-direct", "mpfa")})
+    params = {"variants": ["bf16", "qk4-pv8-direct", "mpfa"], "context_pad": 1024, "max_new_tokens": 16,
+              "offset": offset, "limit": examples, "tasks": ["social_iqa"]}
+    report = TaskAccuracyReport("tiny", "cuda", params, [scores])
+    with ResultStore(db) as store:
+        store.add_profile("accuracy-task", "cuda", {**params, "model": "tiny"}, report.to_json())
+
+
+def test_accuracy_results_lists_merges_and_refuses_overlaps(mpfa) -> None:
+    _store_shard(mpfa.db, 0, 30, 0.5)
+    _store_shard(mpfa.db, 30, 10, 0.7)
+    _store_shard(mpfa.db, 35, 10, 0.7)
+    listed = mpfa("accuracy", "results")
+    assert listed.returncode == 0 and "social_iqa (30)" in listed.stdout and "social_iqa (10)" in listed.stdout
+    merged = mpfa("accuracy", "results", "1,2", "--merge")
+    assert merged.returncode == 0, merged.stderr
+    assert "55.0" in merged.stdout and "stored merged accuracy result 4" in merged.stdout  # (0.5*30 + 0.7*10) / 40
+    overlap = mpfa("accuracy", "results", "2,3", "--merge")
+    assert overlap.returncode == 2 and "overlap" in overlap.stderr and "Traceback" not in overlap.stderr
