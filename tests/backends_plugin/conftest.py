@@ -8,31 +8,13 @@ whose rows (request pool indices, row 0 = padding) map token positions to slots 
 
 from __future__ import annotations
 
-import os
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
 
-if not torch.cuda.is_available():
-    os.environ.setdefault("TRITON_INTERPRET", "1")
-
 HEAD_DIM = 128
-
-
-@pytest.fixture(params=[pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")] if torch.cuda.is_available()
-                else [pytest.param("cpu", id="cpu-interpreter")])
-def device(request: pytest.FixtureRequest) -> str:
-    """Where the Triton kernels run: the GPU (a ``gpu`` test) or, without one, Triton's CPU interpreter."""
-    return request.param
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    """A CPU generator seeded from the test's id: fresh inputs per test, reproducible across runs."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @dataclass

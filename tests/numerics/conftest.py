@@ -1,19 +1,12 @@
-"""Shared inputs for the numerics tests: a per-test seeded generator and varlen/paged attention inputs."""
+"""Shared inputs for the numerics tests: varlen and paged attention inputs (the seeded `gen` is in tests/conftest.py)."""
 
 from __future__ import annotations
 
-import zlib
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import pytest
 import torch
-
-
-@pytest.fixture
-def gen(request: pytest.FixtureRequest) -> torch.Generator:
-    """A generator seeded from the test's id: fresh inputs per test, reproducible across runs."""
-    return torch.Generator().manual_seed(zlib.crc32(request.node.nodeid.encode()))
 
 
 @dataclass(frozen=True)
