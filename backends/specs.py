@@ -2,6 +2,10 @@
 
 `expect` holds what `/get_server_info` must report once the server is up, so a run can confirm that the
 backend and KV-cache dtype it measured are the ones it asked for (SGLang silently falls back otherwise).
+
+`caveat`, where set, says which of a backend's measured numbers are not the backend's own. Every measured run of
+the backend stores the sentence, and tables, exports, plots and the gate show it, as they show SIMULATED for
+simulator runs (a simulated run gets no caveat: its numbers come from the latency model, not from this code).
 """
 from __future__ import annotations
 
@@ -19,6 +23,7 @@ class BackendSpec:
     compute_capabilities: tuple[str, ...] = ("9.0", "10.0")
     env: dict[str, str] = field(default_factory=dict)
     plugin: str | None = None  # module that registers this backend with SGLang, if not built in
+    caveat: str | None = None  # one sentence: which of its measured numbers are not the backend's own, if any
 
     def missing(self) -> list[str]:
         """Modules this backend needs that are not importable here."""
@@ -34,6 +39,11 @@ def _importable(module: str) -> bool:
 
 
 _SGLANG = ("sglang",)
+
+# The plugin's decode is the sm90 kernel, but its prefill still runs a PyTorch reference path.
+PLUGIN_PREFILL_CAVEAT = (
+    "prefill runs the plugin's slow PyTorch reference path: TTFT and prefill-bound metrics are not MpFA's"
+)
 
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
@@ -66,6 +76,7 @@ BACKENDS: dict[str, BackendSpec] = {
             expect={"attention_backend": "mpfa"},
             modules=_SGLANG,
             plugin="mpfa.backends.sglang_plugin",
+            caveat=PLUGIN_PREFILL_CAVEAT,
         ),
         BackendSpec(
             name="mpfa-direct",
@@ -74,6 +85,7 @@ BACKENDS: dict[str, BackendSpec] = {
             expect={"attention_backend": "mpfa-direct"},
             modules=_SGLANG,
             plugin="mpfa.backends.sglang_plugin",
+            caveat=PLUGIN_PREFILL_CAVEAT,
         ),
     ]
 }

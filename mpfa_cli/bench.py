@@ -17,6 +17,7 @@ from typing import Any
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.text import Text
 
 from mpfa.backends.specs import BackendSpec
 from mpfa.cli import client, metrics, workload
@@ -24,6 +25,7 @@ from mpfa.cli.engines import READY_TIMEOUT_S, gpu_names, model_name, sglang_laun
 from mpfa.cli.environment import collect_environment
 from mpfa.cli.errors import UserError
 from mpfa.cli.records import RequestRecord, RunRecord
+from mpfa.cli.report import CAVEAT_MARK
 from mpfa.cli.scenario import LoadPoint, Scenario
 from mpfa.cli.server import ServerError, ServerProcess, pick_port
 from mpfa.cli.store import ResultStore
@@ -119,15 +121,20 @@ def run_bench(
         with progress_bar(console) as progress, served(spec, scenario.model, context_len, opts, progress) as (
             url, info, server,
         ):
+            simulated = opts.engine == "sim" or bool(info.get("simulated"))
+            # A simulated run's numbers come from the latency model, not from the code the caveat is about.
+            caveat = None if simulated else spec.caveat
+            if caveat:
+                console.print(Text(f"{spec.name} {CAVEAT_MARK} caveat: {caveat}", style="yellow"))
             warmed: set[int] = set()
             for point in scenario.points():
                 for repeat in range(scenario.repeats):
                     warmup = scenario.warmup_requests if point.input_len not in warmed else 0
                     warmed.add(point.input_len)
                     run = RunRecord(
-                        scenario=scenario.name, backend=spec.name, engine=opts.engine,
-                        simulated=opts.engine == "sim" or bool(info.get("simulated")),
-                        load=point.load, repeat=repeat, input_len=point.input_len, output_len=scenario.output_len,
+                        scenario=scenario.name, backend=spec.name, engine=opts.engine, simulated=simulated,
+                        caveat=caveat, load=point.load, repeat=repeat, input_len=point.input_len,
+                        output_len=scenario.output_len,
                         num_requests=scenario.num_requests, seed=scenario.seed,
                         workload_hash=workload.workload_hash(
                             seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,

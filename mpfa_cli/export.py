@@ -1,6 +1,7 @@
 """Export stored runs as JSON (full records) or CSV (one row per run with its summary metrics).
 
-Every exported run carries `simulated`, so simulator numbers cannot pass for measurements downstream.
+Every exported run carries `simulated` and `caveat`, so simulator numbers cannot pass for measurements, nor
+caveated numbers (measured, but not the backend's own) for clean ones, downstream.
 Non-finite metric values are written as JSON null / an empty CSV cell.
 """
 from __future__ import annotations
@@ -20,7 +21,7 @@ EXPORT_FORMATS = ("json", "csv")
 
 # Run metadata written to every CSV row, in column order; summary metrics follow.
 _CSV_RUN_COLUMNS = (
-    "id", "scenario", "backend", "engine", "simulated", "load", "repeat", "input_len", "output_len",
+    "id", "scenario", "backend", "engine", "simulated", "caveat", "load", "repeat", "input_len", "output_len",
     "num_requests", "seed", "workload_hash", "started_at", "finished_at", "status", "error", "model", "gpu",
 )
 
@@ -45,7 +46,7 @@ def export_runs(runs: Sequence[StoredRun], fmt: str, dest: Path | TextIO,
 
 
 def run_to_dict(run: StoredRun, include_requests: bool = False) -> dict[str, Any]:
-    """A run as a plain JSON-able dict: metadata, `simulated`, summary and optionally its requests."""
+    """A run as a plain JSON-able dict: metadata, `simulated`, `caveat`, summary and optionally its requests."""
     data = dataclasses.asdict(run)
     data["summary"] = {k: _finite_or_none(v) for k, v in run.summary.items()}
     if include_requests:

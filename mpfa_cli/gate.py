@@ -10,6 +10,10 @@ A (scenario, context, load, backend, metric) entry regresses only when BOTH
 With a single repeat on either side no interval exists; that side counts as its point value, so the gate
 then falls back to the tolerance alone.
 
+Runs that carry a caveat (their numbers are measured but not the backend's own, see `BackendSpec.caveat`) are
+refused, for a baseline and for judging alike, unless `allow_caveats` is set: a gate should not pass or fail on
+numbers known not to be the backend's. When allowed, their entries and rows are marked † with the caveat.
+
 github-action-benchmark takes one direction per file, so `write_github_benchmark` writes two:
 throughputs in `customBiggerIsBetter` format and latencies, unconverted, in `customSmallerIsBetter` format.
 """
@@ -29,7 +33,8 @@ from rich.text import Text
 from mpfa.cli.errors import UserError
 from mpfa.cli.records import RunRecord
 from mpfa.cli.report import (
-    BackendResult, Config, Estimate, aggregate, context_label, format_number, higher_is_better, load_label, metric_unit,
+    CAVEAT_MARK, BackendResult, Config, Estimate, add_footnotes, aggregate, backend_label, caveat_notes, context_label,
+    format_number, higher_is_better, id_list, load_label, metric_unit,
 )
 from mpfa.cli.store import StoredRun, load_key
 
@@ -49,6 +54,7 @@ class BaselineEntry:
     ci_low: float | None  # None with a single repeat
     ci_high: float | None
     n: int
+    caveat: str | None = None  # the caveat of the runs it was measured from (only with allow_caveats)
 
     @property
     def key(self) -> tuple[Config, str, str]:
@@ -76,6 +82,11 @@ class GateCheck:
     current: Estimate | None
     worsening: float  # relative: +0.10 is 10% worse than the baseline mean, negative is better
     status: str  # regression | ok | within noise | improved | not measured
+    caveat: str | None = None  # of the current results, else of the baseline entry
+
+    @property
+    def backend(self) -> str:
+        return self.entry.backend
 
 
 @dataclass
@@ -109,24 +120,26 @@ def parse_tolerance(text: str) -> float:
 # --- baselines ---------------------------------------------------------------------------------------------------
 
 
-def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = GATED_METRICS) -> Baseline:
+def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = GATED_METRICS,
+                       allow_caveats: bool = False) -> Baseline:
     """A baseline of every gated metric of every (configuration, backend) among the runs that finished ok."""
     gpu, model, simulated = _identity(runs)
+    _refuse_caveats(runs, allow_caveats)
     entries = []
     for (config, backend), result in _sorted_results(runs, metric_names):
         for name, est in result.estimates.items():
             entries.append(BaselineEntry(
                 scenario=config.scenario, backend=backend, input_len=config.input_len,
                 load=json.loads(config.load), metric=name, higher_is_better=higher_is_better(name),
-                mean=est.mean, ci_low=est.ci_low, ci_high=est.ci_high, n=est.n,
+                mean=est.mean, ci_low=est.ci_low, ci_high=est.ci_high, n=est.n, caveat=result.caveat,
             ))
     if not entries:
         raise UserError("no run that finished ok with gated metrics: nothing to put in a baseline")
     return Baseline(gpu=gpu, model=model, simulated=simulated, created_at=time.time(), entries=entries)
 
 
-def write_baseline(runs: Sequence[StoredRun], path: Path) -> Baseline:
-    baseline = baseline_from_runs(runs)
+def write_baseline(runs: Sequence[StoredRun], path: Path, allow_caveats: bool = False) -> Baseline:
+    baseline = baseline_from_runs(runs, allow_caveats=allow_caveats)
     _write_json(path, asdict(baseline), "baseline")
     return baseline
 
@@ -150,9 +163,14 @@ def read_baseline(path: Path) -> Baseline:
 # --- gating ------------------------------------------------------------------------------------------------------
 
 
-def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = DEFAULT_TOLERANCE) -> GateResult:
-    """Judge each baseline entry against the runs; refuses results from another GPU, model or engine kind."""
+def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = DEFAULT_TOLERANCE,
+             allow_caveats: bool = False) -> GateResult:
+    """Judge each baseline entry against the runs; refuses results from another GPU, model or engine kind,
+    and (unless `allow_caveats`) caveated runs or baseline entries."""
     gpu, model, simulated = _identity(runs)
+    _refuse_caveats(runs, allow_caveats)
+    if not allow_caveats:
+        _refuse_caveated("baseline entries", [e for e in baseline.entries if e.caveat])
     for what, base, cur in (("GPU", baseline.gpu, gpu), ("model", baseline.model, model)):
         if base != cur:
             raise UserError(f"baseline was measured with {what} '{base}' but the results with '{cur}': "
@@ -167,7 +185,9 @@ def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = D
         config, backend, metric = entry.key
         result = results.get((config, backend))
         current = result.estimates.get(metric) if result else None
-        checks.append(_judge(entry, current, tolerance))
+        check = _judge(entry, current, tolerance)
+        check.caveat = (result.caveat if result else None) or entry.caveat
+        checks.append(check)
     if all(c.current is None for c in checks):
         raise UserError("none of the results match a baseline entry (scenario, context, load, backend)")
     return GateResult(checks, tolerance)
@@ -189,6 +209,20 @@ def _judge(entry: BaselineEntry, current: Estimate | None, tolerance: float) -> 
     else:
         status = "ok"
     return GateCheck(entry, current, worsening, status)
+
+
+def _refuse_caveats(runs: Sequence[StoredRun], allow: bool) -> None:
+    if not allow and (caveated := [r for r in runs if r.status == "ok" and r.caveat]):
+        _refuse_caveated(f"run(s) {id_list(caveated)}", caveated)
+
+
+def _refuse_caveated(what: str, caveated: Sequence[RunRecord | BaselineEntry]) -> None:
+    if caveated:
+        raise UserError(
+            f"{what} of {', '.join(sorted({c.backend for c in caveated}))} carry a caveat ({caveated[0].caveat}): "
+            "a gate on numbers that are not the backend's own would pass or fail for the wrong reason; leave them "
+            f"out (--results) or pass --allow-caveats to gate them anyway, marked {CAVEAT_MARK}"
+        )
 
 
 def _relative_change(base: float, current: float) -> float:
@@ -217,11 +251,12 @@ def gate_table(result: GateResult) -> Table:
         e = check.entry
         change = "—" if check.current is None else f"{_relative_change(e.mean, check.current.mean):+.1%}"
         table.add_row(
-            e.scenario, context_label(e.input_len), load_label(e.load), e.backend,
+            e.scenario, context_label(e.input_len), load_label(e.load), backend_label(e.backend, bool(check.caveat)),
             f"{e.metric} ({metric_unit(e.metric)})", e.estimate.format(),
             check.current.format() if check.current else "—", change,
             Text(check.status, style=_STATUS_STYLE[check.status]),
         )
+    add_footnotes(table, caveat_notes(result.checks))
     return table
 
 
@@ -239,7 +274,8 @@ def github_benchmark_entries(runs: Sequence[StoredRun],
                 "name": f"{config.scenario}/{context_label(config.input_len)}/{config.load_label}/{backend}/{name}",
                 "unit": metric_unit(name),
                 "value": est.mean,
-                "extra": f"mean of {est.n} repeat(s)" + ("; SIMULATED" if result.simulated else ""),
+                "extra": f"mean of {est.n} repeat(s)" + ("; SIMULATED" if result.simulated else "")
+                         + (f"; {CAVEAT_MARK} {result.caveat}" if result.caveat else ""),
             }
             if est.half_width is not None:
                 entry["range"] = f"± {format_number(est.half_width)}"

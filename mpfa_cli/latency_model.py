@@ -87,39 +87,35 @@ class ModelShape:
 
 @dataclass(frozen=True)
 class SimBackendModel:
-    """What distinguishes one attention backend in the simulation (assumed, see the module docstring)."""
+    """What distinguishes one attention backend in the simulation (assumed, see the module docstring).
 
-    name: str
-    attention_backend: str  # as SGLang reports it in /get_server_info
-    kv_cache_dtype: str
+    Only timing and cache sizes: what the simulator reports the backend to be (attention backend, KV dtype, page
+    size) comes from its `BackendSpec`, the one place that says what SGLang reports for it.
+    """
+
+    name: str  # a key of mpfa.backends.specs.BACKENDS
     k_bytes_per_element: float
     v_bytes_per_element: float
     attention_efficiency: float  # prefill attention FLOP/s as a fraction of the dense BF16 peak
     kv_bandwidth_efficiency: float  # decode KV reads as a fraction of HBM bandwidth
     step_overhead_s: float  # scheduling and launch cost of one batch step
-    page_size: int
 
 
 SIM_BACKENDS: dict[str, SimBackendModel] = {
     m.name: m
     for m in [
-        SimBackendModel("fa4-bf16", "fa4", "auto", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.55, kv_bandwidth_efficiency=0.80, step_overhead_s=0.5e-3,
-                        page_size=128),
-        SimBackendModel("flashinfer-fp8", "flashinfer", "fp8_e4m3", FP8_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.40, kv_bandwidth_efficiency=0.75, step_overhead_s=0.6e-3,
-                        page_size=1),
-        SimBackendModel("triton-bf16", "triton", "auto", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.30, kv_bandwidth_efficiency=0.65, step_overhead_s=0.6e-3,
-                        page_size=1),
+        SimBackendModel("fa4-bf16", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.55, kv_bandwidth_efficiency=0.80, step_overhead_s=0.5e-3),
+        SimBackendModel("flashinfer-fp8", FP8_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.40, kv_bandwidth_efficiency=0.75, step_overhead_s=0.6e-3),
+        SimBackendModel("triton-bf16", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.30, kv_bandwidth_efficiency=0.65, step_overhead_s=0.6e-3),
         # MpFA: NVFP4 K + FP8 V is (0.5625 + 1) / 2 = 0.78 of an FP8 cache; centering and the rank-one ΔS
         # correction are assumed to cost a little attention throughput and bandwidth efficiency.
-        SimBackendModel("mpfa", "mpfa", "nvfp4_k_fp8_v", NVFP4_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.48, kv_bandwidth_efficiency=0.70, step_overhead_s=0.6e-3,
-                        page_size=128),
-        SimBackendModel("mpfa-direct", "mpfa-direct", "nvfp4_k_fp8_v", NVFP4_BYTES_PER_ELEMENT,
-                        FP8_BYTES_PER_ELEMENT, attention_efficiency=0.50, kv_bandwidth_efficiency=0.72,
-                        step_overhead_s=0.6e-3, page_size=128),
+        SimBackendModel("mpfa", NVFP4_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.48, kv_bandwidth_efficiency=0.70, step_overhead_s=0.6e-3),
+        SimBackendModel("mpfa-direct", NVFP4_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
+                        attention_efficiency=0.50, kv_bandwidth_efficiency=0.72, step_overhead_s=0.6e-3),
     ]
 }
 

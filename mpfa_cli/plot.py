@@ -1,7 +1,8 @@
 """Paper-style figure: OTPS vs context length per backend, and TTFT/TPOT speedup over a reference backend.
 
 One colour per backend, one line style/marker per load point (concurrency or rate); points are means over
-repeats, OTPS error bars their 95% CI. The title says SIMULATED when any run is.
+repeats, OTPS error bars their 95% CI. The title says SIMULATED when any run is; a backend whose runs carry a
+caveat (numbers measured but not the backend's own) is marked † in the legend, the caveat printed as a footnote.
 """
 from __future__ import annotations
 
@@ -15,7 +16,9 @@ matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
 
 from mpfa.cli.errors import UserError  # noqa: E402
-from mpfa.cli.report import CompareRow, Config, compare_rows, context_label  # noqa: E402
+from mpfa.cli.report import (  # noqa: E402
+    CompareRow, Config, backend_label, caveat_notes, caveated_backends, compare_rows, context_label,
+)
 from mpfa.cli.store import StoredRun  # noqa: E402
 
 PANELS = (
@@ -30,6 +33,8 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 def plot_runs(runs: Sequence[StoredRun], ref_backend: str, out_png: Path) -> Path:
     """Draw the figure for the runs that finished ok and write it to `out_png` (PNG); returns the path."""
     backends, rows = compare_rows(runs, ref_backend, [m for m, _ in PANELS])
+    ok_runs = [r for r in runs if r.status == "ok"]
+    caveated = caveated_backends(ok_runs)
     by_metric: dict[str, list[CompareRow]] = defaultdict(list)
     for row in rows:
         by_metric[row.metric].append(row)
@@ -54,7 +59,8 @@ def plot_runs(runs: Sequence[StoredRun], ref_backend: str, out_png: Path) -> Pat
                     continue
                 xs = [x for x, _ in points]
                 style = dict(color=colours(b_index % 10), linestyle=_LINE_STYLES[s_index % len(_LINE_STYLES)],
-                             marker=_MARKERS[s_index % len(_MARKERS)], label=f"{backend} {label}")
+                             marker=_MARKERS[s_index % len(_MARKERS)],
+                             label=f"{backend_label(backend, backend in caveated)} {label}")
                 if is_speedup:
                     ax.plot(xs, [row.speedups[backend] for _, row in points], **style)
                 else:
@@ -72,12 +78,14 @@ def plot_runs(runs: Sequence[StoredRun], ref_backend: str, out_png: Path) -> Pat
     handles, labels = axes[0].get_legend_handles_labels()
     fig.legend(handles, labels, loc="outside right upper", fontsize="small")
     title = f"Serving throughput and latency speedup vs {ref_backend}"
-    meta = sorted({f"{r.model} on {r.gpu}" for r in runs if r.status == "ok" and r.model and r.gpu})
+    meta = sorted({f"{r.model} on {r.gpu}" for r in ok_runs if r.model and r.gpu})
     if meta:
         title += f" — {', '.join(meta)}"
     if any(r.simulated for r in runs):
         title = f"SIMULATED (latency model, no GPU) — {title}"
     fig.suptitle(title)
+    if notes := caveat_notes(ok_runs):
+        fig.supxlabel("\n".join(notes), x=0.01, ha="left", fontsize="small", color="darkorange")
     try:
         out_png.parent.mkdir(parents=True, exist_ok=True)
         fig.savefig(out_png, format="png", dpi=150)

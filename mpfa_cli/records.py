@@ -52,6 +52,7 @@ class RunRecord:
     started_at: float  # wall clock, seconds since the epoch
     status: str = "running"  # running | ok | failed | interrupted
     error: str | None = None
+    caveat: str | None = None  # the backend's caveat on measured numbers (BackendSpec.caveat), if any
     model: str = ""
     gpu: str = ""
     server_info: dict[str, Any] = field(default_factory=dict)

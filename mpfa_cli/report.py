@@ -11,7 +11,7 @@ import math
 import re
 import time
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -29,6 +29,7 @@ THROUGHPUT_METRICS = frozenset({"otps", "req_per_s", "goodput_req_per_s"})
 _LATENCY = re.compile(r"(ttft_ms|tpot_ms|itl_ms|e2e_s)_(mean|median|p90|p99|std)")
 _DISTRIBUTION_STATS = ("mean", "median", "p90", "p99")
 _SIMULATED = "SIMULATED"
+CAVEAT_MARK = "†"  # marks a backend whose runs carry a caveat; the caveat itself is printed once, as a footnote
 _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
 
 
@@ -134,6 +135,10 @@ class BackendResult:
     def simulated(self) -> bool:
         return self.runs[0].simulated
 
+    @property
+    def caveat(self) -> str | None:
+        return next((r.caveat for r in self.runs if r.caveat), None)
+
 
 def aggregate(runs: Sequence[StoredRun], metric_names: Sequence[str]) -> dict[tuple[Config, str], BackendResult]:
     """Group runs that finished ok by (configuration, backend) and estimate each metric across repeats.
@@ -149,7 +154,7 @@ def aggregate(runs: Sequence[StoredRun], metric_names: Sequence[str]) -> dict[tu
     for (config, backend), group in groups.items():
         if len({r.simulated for r in group}) > 1:
             raise UserError(
-                f"runs {_ids(group)} of {backend} at {config.scenario} {context_label(config.input_len)} "
+                f"runs {id_list(group)} of {backend} at {config.scenario} {context_label(config.input_len)} "
                 f"{config.load_label} mix simulated and measured results; select one kind"
             )
         estimates = {}
@@ -161,7 +166,7 @@ def aggregate(runs: Sequence[StoredRun], metric_names: Sequence[str]) -> dict[tu
     return results
 
 
-def _ids(runs: Sequence[RunRecord]) -> str:
+def id_list(runs: Sequence[RunRecord]) -> str:
     return ", ".join(str(r.id) for r in runs)
 
 
@@ -210,10 +215,12 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
     table = Table(title=_simulated_title(title, runs), title_justify="left")
     for column in ("scenario", "context", "load", "metric"):
         table.add_column(column)
+    marked = caveated_backends(r for r in runs if r.status == "ok")
     for backend in backends:
-        table.add_column(backend, justify="right")
+        label = backend_label(backend, backend in marked)
+        table.add_column(label, justify="right")
         if backend != ref_backend:
-            table.add_column(f"{backend} speedup", justify="right")
+            table.add_column(f"{label} speedup", justify="right")
     for row in rows:
         cells: list[RenderableType] = [row.config.scenario, context_label(row.config.input_len),
                                        row.config.load_label, f"{row.metric} ({metric_unit(row.metric)})"]
@@ -223,8 +230,8 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
                 cells.append(_speedup_text(row.speedups.get(backend)))
         table.add_row(*cells)
     left_out = sum(r.status != "ok" for r in runs)
-    if left_out:
-        table.caption = f"{left_out} run(s) that did not finish ok are left out"
+    notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
+    add_footnotes(table, [*notes, *caveat_notes(r for r in runs if r.status == "ok")])
     return table
 
 
@@ -237,6 +244,35 @@ def _speedup_text(value: float | None) -> Text:
 
 def _simulated_title(title: str, runs: Sequence[RunRecord]) -> str:
     return f"{_SIMULATED} — {title}" if any(r.simulated for r in runs) else title
+
+
+# --- caveats: numbers that are measured but not the backend's own -------------------------------------------------
+
+
+def caveated_backends(runs: Iterable[RunRecord]) -> set[str]:
+    """The backends of which at least one of these runs carries a caveat."""
+    return {r.backend for r in runs if r.caveat}
+
+
+def backend_label(backend: str, caveated: bool) -> str:
+    return f"{backend} {CAVEAT_MARK}" if caveated else backend
+
+
+def caveat_notes(runs: Iterable[Any]) -> list[str]:
+    """One footnote per distinct caveat among the runs (or anything with `backend` and `caveat`, such as gate
+    checks): '† mpfa, mpfa-direct: <caveat>'."""
+    backends: dict[str, set[str]] = defaultdict(set)
+    for run in runs:
+        if run.caveat:
+            backends[run.caveat].add(run.backend)
+    return [f"{CAVEAT_MARK} {', '.join(sorted(names))}: {caveat}" for caveat, names in sorted(backends.items())]
+
+
+def add_footnotes(table: Table, lines: Sequence[str]) -> None:
+    """Print `lines` under the table, left-aligned (nothing when there are none)."""
+    if lines:
+        table.caption = "\n".join(lines)
+        table.caption_justify = "left"
 
 
 # --- runs and show -----------------------------------------------------------------------------------------------
@@ -255,14 +291,15 @@ def runs_table(runs: Sequence[StoredRun]) -> Table:
         table.add_column(column, justify="right")
     for run in runs:
         table.add_row(
-            str(run.id), _when(run.started_at), run.scenario, run.backend,
+            str(run.id), _when(run.started_at), run.scenario, backend_label(run.backend, bool(run.caveat)),
             Text(engine_label(run), style="magenta" if run.simulated else ""),
             context_label(run.input_len), load_label(run.load), str(run.repeat),
             Text(run.status, style=_STATUS_STYLE.get(run.status, "")),
             *(format_number(run.summary.get(m)) for m in ("otps", "ttft_ms_median", "tpot_ms_median")),
         )
-    if any(r.simulated for r in runs):
-        table.caption = "simulated runs come from the latency model (engine sim), not from a GPU"
+    simulated = ["simulated runs come from the latency model (engine sim), not from a GPU"] if any(
+        r.simulated for r in runs) else []
+    add_footnotes(table, [*simulated, *caveat_notes(runs)])
     return table
 
 
@@ -274,7 +311,7 @@ def show_run(run: StoredRun) -> RenderableType:
     rows = [
         ("run", str(run.id)),
         ("scenario", run.scenario),
-        ("backend", run.backend),
+        ("backend", backend_label(run.backend, bool(run.caveat))),
         ("engine", engine_label(run)),
         ("load", f"{context_label(run.input_len)} input, {run.output_len} output, {load_label(run.load)}, "
                  f"{run.num_requests} requests, repeat {run.repeat}, seed {run.seed}"),
@@ -301,6 +338,7 @@ def show_run(run: StoredRun) -> RenderableType:
         parts.extend(_summary_tables(summary))
     if note:
         parts.append(Text(note, style="yellow"))
+    parts.extend(Text(line, style="yellow") for line in caveat_notes([run]))
     return Group(*parts)
 
 

@@ -28,6 +28,7 @@ import numpy as np
 import orjson
 from aiohttp import web
 
+from mpfa.backends.specs import BACKENDS, BackendSpec
 from mpfa.cli.client import new_event_loop
 from mpfa.cli.latency_model import LatencyModel, ModelShape, latency_model
 from mpfa.cli.workload import hashed_token_ids
@@ -35,6 +36,18 @@ from mpfa.cli.workload import hashed_token_ids
 MAX_RUNNING_REQUESTS = 1024
 LATE_TOLERANCE_S = 2e-3  # a step that starts later than this behind schedule starts from now (no catch-up burst)
 DIE_EXIT_CODE = 3
+
+
+# What SGLang reports for these settings when the launch flags leave them alone.
+_SGLANG_DEFAULTS: dict[str, Any] = {"kv_cache_dtype": "auto", "page_size": 1}
+
+
+def reported_server_args(spec: BackendSpec) -> dict[str, Any]:
+    """attention_backend, kv_cache_dtype and page_size as SGLang would report them for this backend, all from its
+    spec: what `expect` says SGLang reports, the `--page-size` it launches with, else SGLang's defaults."""
+    args = spec.sglang_args
+    page_size = int(args[args.index("--page-size") + 1]) if "--page-size" in args else _SGLANG_DEFAULTS["page_size"]
+    return {**_SGLANG_DEFAULTS, "page_size": page_size, **spec.expect}
 
 
 class BadRequest(ValueError):
@@ -262,9 +275,7 @@ class SimServer:
         return web.json_response({
             "simulated": True,
             "sim_backend": backend.name,
-            "attention_backend": backend.attention_backend,
-            "kv_cache_dtype": backend.kv_cache_dtype,
-            "page_size": backend.page_size,
+            **reported_server_args(BACKENDS[backend.name]),
             "max_total_num_tokens": self.latency.kv_capacity_tokens,
             "max_running_requests": MAX_RUNNING_REQUESTS,
             "model_path": self.latency.model.name,

@@ -12,16 +12,17 @@ import math
 import os
 import sqlite3
 import time
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mpfa.backends.specs import PLUGIN_PREFILL_CAVEAT
 from mpfa.cli.errors import UserError
 from mpfa.cli.records import RequestRecord, RunRecord
 
-SCHEMA_VERSION = 2
+SCHEMA_VERSION = 3
 FINAL_STATUSES = ("ok", "failed", "interrupted")
 DEFAULT_BUSY_TIMEOUT_S = 5.0
 
@@ -81,12 +82,29 @@ CREATE TABLE profiles (
 );
 CREATE INDEX profiles_by_kind ON profiles (kind, created_at);
 """
-# The statements that bring a database from version N - 1 to version N.
-_UPGRADES = {1: _SCHEMA, 2: _PROFILES_SCHEMA}
+
+
+def _add_run_caveats(conn: sqlite3.Connection) -> None:
+    """Version 3: `runs.caveat`, the backend's caveat on a measured run's numbers (`BackendSpec.caveat`).
+
+    Runs stored before it are labelled too: every measured (not simulated) run of mpfa / mpfa-direct in an
+    older database was served by the SGLang plugin with its reference-path prefill, which the caveat is about.
+    """
+    conn.execute("ALTER TABLE runs ADD COLUMN caveat TEXT")
+    conn.execute(
+        "UPDATE runs SET caveat = ? WHERE simulated = 0 AND backend IN ('mpfa', 'mpfa-direct')",
+        (PLUGIN_PREFILL_CAVEAT,),
+    )
+
+
+# What brings a database from version N - 1 to version N: SQL statements, or a function of the connection.
+_UPGRADES: dict[int, str | Callable[[sqlite3.Connection], None]] = {
+    1: _SCHEMA, 2: _PROFILES_SCHEMA, 3: _add_run_caveats,
+}
 
 _RUN_COLUMNS = (
     "scenario", "backend", "engine", "simulated", "load", "repeat", "input_len", "output_len",
-    "num_requests", "seed", "workload_hash", "started_at", "status", "error", "model", "gpu",
+    "num_requests", "seed", "workload_hash", "started_at", "status", "error", "caveat", "model", "gpu",
     "server_info", "backend_flags", "environment",
 )
 _REQUEST_COLUMNS = (
@@ -338,7 +356,11 @@ class ResultStore:
         if version == 0 and has_tables:
             raise StoreError(f"{self.path} is not an mpfa results database (unversioned tables present)")
         for step in range(version + 1, SCHEMA_VERSION + 1):
-            for statement in _UPGRADES[step].split(";"):
+            upgrade = _UPGRADES[step]
+            if callable(upgrade):
+                upgrade(self._conn)
+                continue
+            for statement in upgrade.split(";"):
                 if statement.strip():
                     self._conn.execute(statement)
         self._conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
@@ -445,6 +467,7 @@ def _run_from_row(row: sqlite3.Row) -> StoredRun:
         finished_at=row["finished_at"],
         status=row["status"],
         error=row["error"],
+        caveat=row["caveat"],
         model=row["model"],
         gpu=row["gpu"],
         server_info=json.loads(row["server_info"]),

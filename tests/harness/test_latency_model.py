@@ -5,7 +5,8 @@ import pytest
 
 from mpfa.backends.specs import BACKENDS
 from mpfa.cli import latency_model as lm
-from mpfa.cli.sim_server import load_model_shape
+from mpfa.cli.bench import verify_server
+from mpfa.cli.sim_server import load_model_shape, reported_server_args
 
 
 @pytest.fixture(scope="module")
@@ -19,12 +20,17 @@ def test_llama_shape_has_the_published_parameter_count(llama):
     assert llama.weight_bytes == pytest.approx(2 * total)
 
 
-def test_every_backend_is_simulated_and_reports_what_its_spec_expects():
+def test_every_backend_is_simulated_and_reports_what_its_spec_says():
     assert set(lm.SIM_BACKENDS) == set(BACKENDS)
-    for name, spec in BACKENDS.items():
-        sim = lm.SIM_BACKENDS[name]
-        reported = {"attention_backend": sim.attention_backend, "kv_cache_dtype": sim.kv_cache_dtype}
-        assert all(reported[k] == v for k, v in spec.expect.items()), name
+    for spec in BACKENDS.values():
+        reported = reported_server_args(spec)
+        verify_server(reported, spec)  # raises on a mismatch
+        assert {k: reported[k] for k in spec.expect} == spec.expect
+    assert reported_server_args(BACKENDS["flashinfer-fp8"]) == {
+        "attention_backend": "flashinfer", "kv_cache_dtype": "fp8_e4m3", "page_size": 1}
+    # SGLang's own defaults where the spec sets nothing; the MpFA plugin accepts no --kv-cache-dtype but auto/bf16.
+    assert reported_server_args(BACKENDS["mpfa"]) == {
+        "attention_backend": "mpfa", "kv_cache_dtype": "auto", "page_size": 128}
 
 
 def test_kv_bytes_follow_the_cache_formats(llama):

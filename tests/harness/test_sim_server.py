@@ -7,6 +7,7 @@ import time
 import pytest
 
 from mpfa.backends.specs import BACKENDS
+from mpfa.cli.bench import verify_server
 from mpfa.cli.latency_model import latency_model
 from mpfa.cli.sim_server import load_model_shape
 from mpfa.cli.workload import VOCAB_RANGE, make_prompt
@@ -110,10 +111,12 @@ def test_server_info_reports_backend_as_sglang_would(start_sim):
     assert status == 200 and info["simulated"] is True
     for key, want in BACKENDS["flashinfer-fp8"].expect.items():
         assert info[key] == want
+    verify_server(info, BACKENDS["flashinfer-fp8"])
+    verify_server(json.loads(start_sim("mpfa-direct").get("/get_server_info")[1]), BACKENDS["mpfa-direct"])
     shape = load_model_shape("qwen3-14b")
     assert info["model_path"] == "qwen3-14b"
     assert info["max_total_num_tokens"] == latency_model("flashinfer-fp8", shape).kv_capacity_tokens
-    assert {"page_size", "version"} <= set(info)
+    assert info["page_size"] == 1 and "version" in info
     for path in ("/start_profile", "/stop_profile"):
         assert server.post(path)[0] == 200
 

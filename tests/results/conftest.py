@@ -2,6 +2,8 @@
 from __future__ import annotations
 
 import random
+import sqlite3
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -81,3 +83,17 @@ def runs_with():
 def random_requests(rng: random.Random):
     """`random_requests(n, ...)` drawing from this test's seeded generator."""
     return lambda n, **kw: _random_requests(rng, n, **kw)
+
+
+@pytest.fixture
+def v2_database(tmp_path: Path) -> Path:
+    """A results database as the version-2 store left it (fixtures/results-v2.sql): runs 1-3 are a measured
+    fa4-bf16, a measured mpfa and a simulated mpfa run, two requests each; profile 1 is a decode profile."""
+    db = tmp_path / "v2.db"
+    conn = sqlite3.connect(db)
+    try:
+        conn.executescript((Path(__file__).parent / "fixtures" / "results-v2.sql").read_text())
+        conn.execute("PRAGMA user_version = 2")
+    finally:
+        conn.close()
+    return db

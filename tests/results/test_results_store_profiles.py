@@ -1,8 +1,7 @@
 """ResultStore profiles table: round trip of a real H200 profile result, listing, errors, and the upgrade of a
-version-1 database (runs only) that keeps its runs."""
+version-1 database (runs only) that keeps its runs (the version-2 upgrade: test_results_caveats)."""
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import sqlite3
@@ -10,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.cli.records import RunRecord
 from mpfa.cli.store import SCHEMA_VERSION, ResultStore, StoreError
 
 H200_PREFILL = Path(__file__).parents[2] / "profiles" / "results" / "profile-prefill-s65536-b1-h32x8-d128.json"
@@ -54,19 +52,13 @@ def test_list_newest_first_by_kind_and_limit(tmp_path, rng):
             store.get_profile(ids[-1] + 1)
 
 
-def test_a_version_1_database_is_upgraded_and_keeps_its_runs(tmp_path, make_run):
-    db = tmp_path / "old.db"
-    stored = make_run("fa4-bf16")
-    run = RunRecord(**{f.name: getattr(stored, f.name) for f in dataclasses.fields(RunRecord)})
-    with ResultStore(db) as store:
-        run_id = store.begin_run(run)
-        store.finish_run(run_id, "ok", summary={"otps": 123.5})
-    with sqlite3.connect(db) as conn:  # make it what mpfa wrote before profiles existed
+def test_a_version_1_database_is_upgraded_and_keeps_its_runs(v2_database):
+    with sqlite3.connect(v2_database) as conn:  # make it what mpfa wrote before profiles existed
         conn.execute("DROP TABLE profiles")
         conn.execute("PRAGMA user_version = 1")
-    with ResultStore(db) as store:
-        assert store.get_run(run_id).summary == {"otps": 123.5}
+    with ResultStore(v2_database) as store:
+        assert store.get_run(1).summary == {"otps": 250.0, "ttft_ms_median": 500.0, "n_ok": 2.0}
         profile_id = store.add_profile("serving", "NVIDIA H200", {"batch": 4}, {"decode": {"gpu_us": 1.0}})
         assert store.get_profile(profile_id).params == {"batch": 4}
-    with sqlite3.connect(db) as conn:
+    with sqlite3.connect(v2_database) as conn:
         assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION

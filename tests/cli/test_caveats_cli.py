@@ -1,0 +1,45 @@
+"""Caveated runs through the real CLI: `mpfa runs` marks them, `mpfa gate` refuses them unless --allow-caveats."""
+from __future__ import annotations
+
+import json
+
+from mpfa.backends.specs import BACKENDS
+from mpfa.cli.records import RunRecord
+from mpfa.cli.store import ResultStore
+
+CAVEAT = BACKENDS["mpfa"].caveat
+
+
+def _store_runs(db) -> None:
+    """Two repeats each of a measured fa4-bf16 and a measured, caveated mpfa run, finished ok."""
+    with ResultStore(db) as store:
+        for backend in ("fa4-bf16", "mpfa"):
+            for repeat in range(2):
+                run = RunRecord(
+                    scenario="smoke", backend=backend, engine="sglang", simulated=False, load={"concurrency": 2},
+                    repeat=repeat, input_len=256, output_len=8, num_requests=4, seed=3, workload_hash="5a1e",
+                    started_at=1_764_000_000.0 + repeat, caveat=BACKENDS[backend].caveat, model="llama-3.1-8b",
+                    gpu="NVIDIA H200",
+                )
+                store.finish_run(store.begin_run(run), "ok", summary={
+                    "otps": 100.0 + repeat, "ttft_ms_median": 50.0 + repeat, "tpot_ms_median": 5.0 + repeat})
+
+
+def test_runs_marks_and_gate_refuses_caveated_runs_unless_allowed(mpfa, tmp_path) -> None:
+    _store_runs(mpfa.db)
+    listed = mpfa("runs")
+    assert listed.returncode == 0, listed.stderr
+    assert listed.stdout.count("mpfa †") == 2 and "fa4-bf16 †" not in listed.stdout
+    assert " ".join(listed.stdout.split()).count(CAVEAT) == 1
+
+    baseline = tmp_path / "baseline.json"
+    refused = mpfa("gate", "--baseline", str(baseline), "--write-baseline")
+    assert refused.returncode == 2 and "Traceback" not in refused.stderr
+    assert "carry a caveat" in refused.stderr and "--allow-caveats" in refused.stderr and not baseline.exists()
+
+    written = mpfa("gate", "--baseline", str(baseline), "--write-baseline", "--allow-caveats")
+    assert written.returncode == 0, written.stderr
+    assert {e["caveat"] for e in json.loads(baseline.read_text())["entries"]} == {None, CAVEAT}
+    judged = mpfa("gate", "--baseline", str(baseline), "--allow-caveats")
+    assert judged.returncode == 0, judged.stderr
+    assert "Gate passed" in judged.stdout and "mpfa †" in judged.stdout

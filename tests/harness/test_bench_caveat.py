@@ -1,0 +1,34 @@
+"""run_bench stores the backend's caveat on a measured run, and prints it once before the backend's runs start;
+a simulated run gets none. Driven against the simulator over real HTTP, as a `--url` server."""
+from __future__ import annotations
+
+import io
+
+import pytest
+from rich.console import Console
+
+from mpfa.backends.specs import BACKENDS
+from mpfa.cli import bench
+from mpfa.cli.bench import BenchOptions, run_bench
+from mpfa.cli.scenario import Scenario
+from mpfa.cli.store import ResultStore
+
+CAVEAT = BACKENDS["mpfa"].caveat
+
+
+@pytest.mark.parametrize("measured", [True, False], ids=["measured", "simulated"])
+def test_measured_runs_carry_the_caveat_and_simulated_runs_do_not(start_sim, tmp_path, monkeypatch, measured):
+    server = start_sim("mpfa")
+    if measured:  # answer /get_server_info as SGLang serving the plugin would: without the simulator's flag
+        get_json = bench._get_json
+        monkeypatch.setattr(bench, "_get_json", lambda url, timeout=10.0: {
+            k: v for k, v in get_json(url, timeout).items() if k != "simulated"})
+    scenario = Scenario(name="tiny", description="", model="llama-3.1-8b", input_len=[64], output_len=2,
+                        num_requests=2, warmup_requests=0, repeats=2, seed=1, concurrency=[2])
+    out = io.StringIO()
+    with ResultStore(tmp_path / "r.db") as store:
+        ids = run_bench(scenario, [BACKENDS["mpfa"]], BenchOptions(engine="url", run_dir=tmp_path, url=server.url),
+                        store, Console(file=out, width=300, color_system=None))
+        runs = store.get_runs(ids)
+    assert [(r.status, r.simulated, r.caveat) for r in runs] == [("ok", not measured, CAVEAT if measured else None)] * 2
+    assert out.getvalue().count(f"mpfa † caveat: {CAVEAT}") == (1 if measured else 0)
