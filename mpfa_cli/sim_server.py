@@ -6,6 +6,12 @@ Every latency it produces is SIMULATED (see `latency_model`); `/get_server_info`
 `/v1/completions` stream. Like SGLang without `--incremental-streaming-output`, each `/generate` chunk
 carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts all tokens so far.
 
+With `return_logprob` set, `/generate` answers with SGLang's logprob fields (`input_token_logprobs`,
+`output_token_logprobs`, and with `top_logprobs_num` > 0 `input_top_logprobs` / `output_top_logprobs`) in
+SGLang's layout. Their values are SIMULATED and meaningless as accuracy: a hash of the prompt and the position,
+plus a small hash-based perturbation whose size depends only on the backend's name (`SIM_LOGPROB_PERTURBATION`),
+so that `mpfa logits` has deterministic, backend-dependent numbers to compare on a machine without a GPU.
+
 One scheduler task runs the batch: it admits waiting requests while the KV cache has room for their prompt
 plus `max_new_tokens`, runs a prefill step for newly admitted requests (which yields their first token),
 and otherwise runs a decode step that yields one token for every running request. Output tokens are a
@@ -34,6 +40,9 @@ from mpfa.cli.latency_model import LatencyModel, ModelShape, latency_model
 from mpfa.cli.workload import hashed_token_ids
 
 MAX_RUNNING_REQUESTS = 1024
+# Half-width of the simulator's per-backend logprob perturbation: arbitrary, only so that backends differ.
+SIM_LOGPROB_PERTURBATION = {"fa4-bf16": 0.0, "triton-bf16": 1e-3, "flashinfer-fp8": 1e-2, "mpfa": 2e-2,
+                            "mpfa-direct": 4e-2}
 LATE_TOLERANCE_S = 2e-3  # a step that starts later than this behind schedule starts from now (no catch-up burst)
 DIE_EXIT_CODE = 3
 
@@ -79,6 +88,7 @@ class SimRequest:
     # When tracing, per chunk: (perf_counter before its write, after it, tokens so far). On asyncio's own loop
     # a write is the send() itself, so on loopback the bytes are in the client's socket by the second stamp.
     sent: list[tuple[float, float, int]] | None = None
+    logprobs: "SimLogprobs | None" = None  # when the request set return_logprob
 
     @property
     def finished(self) -> bool:
@@ -172,6 +182,9 @@ class _Parsed:
     stream: bool
     include_usage: bool = False  # OpenAI: final usage chunk
     continuous_usage: bool = False  # OpenAI: usage on every chunk
+    return_logprob: bool = False  # /generate: SGLang's logprob fields
+    logprob_start_len: int = -1
+    top_logprobs_num: int = 0
 
 
 def _token_ids(value: Any, name: str) -> np.ndarray:
@@ -200,7 +213,16 @@ def _parse_generate(body: dict[str, Any]) -> _Parsed:
         input_ids=_token_ids(body["input_ids"], "input_ids"),
         max_new_tokens=_positive_int(sampling.get("max_new_tokens", 128), "sampling_params.max_new_tokens"),
         stream=bool(body.get("stream", False)),
+        return_logprob=bool(body.get("return_logprob", False)),
+        logprob_start_len=_int_at_least(body.get("logprob_start_len", -1), -1, "logprob_start_len"),
+        top_logprobs_num=_int_at_least(body.get("top_logprobs_num", 0), 0, "top_logprobs_num"),
     )
+
+
+def _int_at_least(value: Any, low: int, name: str) -> int:
+    if type(value) is not int or value < low:
+        raise BadRequest(f"'{name}' must be an integer >= {low}, got {value!r}")
+    return value
 
 
 def _parse_completions(body: dict[str, Any]) -> _Parsed:
@@ -339,6 +361,12 @@ class SimServer:
         digest = prompt_digest(parsed.input_ids)
         output_ids = hashed_token_ids(f"mpfa-sim-output:{digest}".encode(), parsed.max_new_tokens)
         sim = SimRequest(f"sim-{self._next_rid}", int(parsed.input_ids.size), output_ids, received)
+        if parsed.return_logprob:
+            if parsed.logprob_start_len >= parsed.input_ids.size:
+                raise BadRequest(f"logprob_start_len ({parsed.logprob_start_len}) must be < the prompt length "
+                                 f"({parsed.input_ids.size})")
+            sim.logprobs = SimLogprobs(self.latency.backend.name, digest, parsed.input_ids.tolist(), output_ids,
+                                       parsed.logprob_start_len, parsed.top_logprobs_num)
         if self.trace is not None:
             sim.sent = []
             self.trace[digest] = {"received_s": received, "sent": sim.sent}
@@ -403,13 +431,61 @@ class _SglangFormat:
 
     def chunk(self, sim: SimRequest, sent: int, emitted: int, parsed: _Parsed, elapsed_s: float) -> dict[str, Any]:
         ids = sim.output_ids[sent:emitted] if self.incremental else sim.output_ids[:emitted]
-        return {"output_ids": ids, "meta_info": self._meta(sim, emitted, elapsed_s)}
+        meta = self._meta(sim, emitted, elapsed_s)
+        if sim.logprobs is not None:  # cumulative, like SGLang's meta_info
+            meta.update(sim.logprobs.meta(emitted))
+        return {"output_ids": ids, "meta_info": meta}
 
     def trailer(self, sim: SimRequest, parsed: _Parsed) -> list[dict[str, Any]]:
         return []
 
     def result(self, sim: SimRequest, elapsed_s: float) -> dict[str, Any]:
-        return {"output_ids": sim.output_ids, "meta_info": self._meta(sim, len(sim.output_ids), elapsed_s)}
+        meta = self._meta(sim, len(sim.output_ids), elapsed_s)
+        if sim.logprobs is not None:
+            meta.update(sim.logprobs.meta(len(sim.output_ids)))
+        return {"output_ids": sim.output_ids, "meta_info": meta}
+
+
+def _hash_unit(key: bytes, count: int) -> np.ndarray:
+    """`count` floats in [0, 1) from SHAKE-256(key)."""
+    return np.frombuffer(hashlib.shake_256(key).digest(4 * count), dtype="<u4") / 2.0**32
+
+
+class SimLogprobs:
+    """SIMULATED logprobs in SGLang 0.5.15's layout (`[logprob, token_id, null]` entries, null for prompt
+    position 0, which nothing predicts). Meaningless as accuracy: position p of the sequence prompt + output gets
+    -(0.05 + 12 u) with u a hash of (prompt, p), plus a perturbation of half-width SIM_LOGPROB_PERTURBATION[backend]
+    hashed from (backend, prompt, p). The top-1 prediction is a hashed token at -0.01 for prompt positions, the
+    generated token itself for output positions (greedy)."""
+
+    def __init__(self, backend: str, digest: str, input_ids: list[int], output_ids: list[int], start: int,
+                 top_n: int) -> None:
+        total = len(input_ids) + len(output_ids)
+        base = -(0.05 + 12.0 * _hash_unit(f"mpfa-sim-logprob:{digest}".encode(), total))
+        noise = (2.0 * _hash_unit(f"mpfa-sim-logprob:{backend}:{digest}".encode(), total) - 1.0)
+        self.values = (base + SIM_LOGPROB_PERTURBATION.get(backend, 0.0) * noise).tolist()
+        self.input_ids, self.output_ids = input_ids, output_ids
+        self.start, self.top_n = start, top_n
+        self.top_ids = hashed_token_ids(f"mpfa-sim-top:{digest}".encode(), total)
+
+    def _top(self, first: tuple[float, int], p: int) -> list[list[Any]]:
+        return [[first[0] - k, first[1] if k == 0 else self.top_ids[(p + k) % len(self.top_ids)], None]
+                for k in range(self.top_n)]
+
+    def meta(self, emitted: int) -> dict[str, Any]:
+        n_in = len(self.input_ids)
+        meta: dict[str, Any] = {"input_token_logprobs": [], "output_token_logprobs": []}
+        if self.start >= 0:
+            meta["input_token_logprobs"] = [[None if p == 0 else self.values[p], self.input_ids[p], None]
+                                            for p in range(self.start, n_in)]
+        meta["output_token_logprobs"] = [[self.values[n_in + i], self.output_ids[i], None] for i in range(emitted)]
+        meta["output_token_logprobs_length"] = emitted
+        if self.top_n > 0:
+            meta["input_top_logprobs"] = [None if p == 0 else self._top((-0.01, self.top_ids[p]), p)
+                                          for p in range(self.start, n_in)] if self.start >= 0 else []
+            meta["output_top_logprobs"] = [self._top((self.values[n_in + i], self.output_ids[i]), n_in + i)
+                                           for i in range(emitted)]
+        return meta
 
 
 class _OpenAIFormat:
