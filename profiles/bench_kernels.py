@@ -1,12 +1,15 @@
-"""Side-by-side decode benchmark of the sm90 MpFA kernels against FlashInfer-FP8 and FA4-BF16, one process.
+"""Side-by-side benchmark of the sm90 MpFA kernels against FlashInfer-FP8 and FA4-BF16, one process.
 
     python -m mpfa.profiles.bench_kernels decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
+    python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
-(JIT), then timed with CUDA events (`profiles.timing`, median); the copy bandwidth is measured in the same run.
-"Read" is the bytes the kernel actually has to move: the KV cache in the backend's format, the page table /
-indices it walks, Q and O, and for MpFA the split-KV partials it writes and merges. A backend that fails prints
-an error row; the others still run.
+(JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the
+bytes read and their rate against the copy bandwidth measured in the same run. "Read" is the bytes the kernel
+actually has to move: the KV cache in the backend's format, the page table / indices it walks, Q and O, and for
+MpFA the split-KV partials it writes and merges. Prefill (causal, every token a query) is compute-bound: the
+table gives the FLOP rate of the two matmuls over the causal pairs (`AttentionWorkload.flops`). A backend that
+fails prints an error row; the others still run.
 """
 from __future__ import annotations
 
@@ -23,6 +26,7 @@ from mpfa.profiles.workload import MPFA, AttentionWorkload, parse_heads, parse_s
 
 DEFAULT_BACKENDS = ("mpfa", "flashinfer-fp8", "fa4-bf16")
 REFERENCE = "flashinfer-fp8"
+DEFAULTS = {"decode": ("8192,32768,131072", "1,8"), "prefill": ("16k,64k", "1")}  # (--seq, --batch)
 _INDEX_BYTES = 4
 
 
@@ -67,47 +71,71 @@ def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], c
     return "\n".join(lines)
 
 
-def run_decode_bench(seqs: list[int], batches: list[int], heads: tuple[int, int], backends: list[str],
-                     say: Callable[[str], None]) -> str:
+def format_prefill_table(results: list[tuple[AttentionWorkload, list[BackendResult]]]) -> str:
+    """Median time, TFLOP/s of the causal matmuls and the speedup over FlashInfer-FP8 per (context, batch)."""
+    lines = [f"{'context':>8} {'batch':>5}  {'backend':<15} {'median ms':>10} {'TFLOP/s':>8} {'x FI-FP8':>8}"]
+    for workload, rows in results:
+        by_name = {row.backend: row for row in rows}
+        reference = by_name.get(REFERENCE)
+        for row in rows:
+            prefix = f"{workload.seq:>8} {workload.batch:>5}  {row.backend:<15}"
+            if row.status != OK or row.timing is None:
+                lines.append(f"{prefix} {row.status.upper()}: {row.error}")
+                continue
+            rate = workload.flops() / (row.timing.median_ms / 1e3)
+            speedup = (f"{reference.timing.median_ms / row.timing.median_ms:8.2f}"
+                       if reference is not None and reference.timing is not None else "       -")
+            lines.append(f"{prefix} {row.timing.median_ms:>10.3f} {rate / 1e12:>8.1f} {speedup}")
+    return "\n".join(lines)
+
+
+def run_bench(kind: str, seqs: list[int], batches: list[int], heads: tuple[int, int], backends: list[str],
+              say: Callable[[str], None]) -> str:
     import torch
 
     if not torch.cuda.is_available():
         raise ProfileError("no CUDA device: the kernel benchmark runs on a GPU")
     device = torch.device("cuda", torch.cuda.current_device())
-    say("measuring copy bandwidth")
-    try:
-        bandwidth = copy_gbps(device)
-    except Exception as exc:  # the table still prints, without the % column
-        say(f"copy bandwidth failed: {type(exc).__name__}: {exc}")
-        bandwidth = None
+    bandwidth = None
+    if kind == "decode":
+        say("measuring copy bandwidth")
+        try:
+            bandwidth = copy_gbps(device)
+        except Exception as exc:  # the table still prints, without the % column
+            say(f"copy bandwidth failed: {type(exc).__name__}: {exc}")
     results = []
     for seq in seqs:
         for batch in batches:
-            workload = AttentionWorkload("decode", seq, batch, heads[0], heads[1], 128)
+            workload = AttentionWorkload(kind, seq, batch, heads[0], heads[1], 128)
             say(f"--- {workload.label()}")
             results.append((workload, [benchmark_backend(adapter_for(name), workload, device, say) for name in backends]))
+    if kind == "prefill":
+        return format_prefill_table(results)
     return format_table(results, bandwidth, torch.cuda.get_device_properties(device).multi_processor_count)
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.bench_kernels",
                                      description="MpFA sm90 kernels vs FlashInfer-FP8 and FA4-BF16, side by side.")
-    parser.add_argument("kind", choices=["decode"])
-    parser.add_argument("--seq", default="8192,32768,131072", help="comma-separated KV lengths (e.g. 8k,128k)")
-    parser.add_argument("--batch", default="1,8", help="comma-separated batch sizes")
+    parser.add_argument("kind", choices=list(DEFAULTS))
+    parser.add_argument("--seq", help="comma-separated KV (decode) or prompt (prefill) lengths, e.g. 8k,128k "
+                        f"(default: decode {DEFAULTS['decode'][0]}, prefill {DEFAULTS['prefill'][0]})")
+    parser.add_argument("--batch", help="comma-separated batch sizes (default: decode "
+                        f"{DEFAULTS['decode'][1]}, prefill {DEFAULTS['prefill'][1]})")
     parser.add_argument("--heads", default="32:8", help="QUERY:KV heads")
     parser.add_argument("--backend", default=",".join(DEFAULT_BACKENDS), help="comma-separated backends")
     args = parser.parse_args(argv)
     try:
-        seqs = [parse_seq(part) for part in args.seq.split(",")]
-        batches = [int(part) for part in args.batch.split(",")]
+        seq_text, batch_text = args.seq or DEFAULTS[args.kind][0], args.batch or DEFAULTS[args.kind][1]
+        seqs = [parse_seq(part) for part in seq_text.split(",")]
+        batches = [int(part) for part in batch_text.split(",")]
         if any(b <= 0 for b in batches):
-            raise ValueError(f"batch sizes must be positive, got {args.batch}")
+            raise ValueError(f"batch sizes must be positive, got {batch_text}")
         backends = [name.strip() for name in args.backend.split(",") if name.strip()]
         for name in backends:
             adapter_for(name)
-        table = run_decode_bench(seqs, batches, parse_heads(args.heads), backends,
-                                 lambda message: print(message, file=sys.stderr, flush=True))
+        table = run_bench(args.kind, seqs, batches, parse_heads(args.heads), backends,
+                          lambda message: print(message, file=sys.stderr, flush=True))
     except (ValueError, ProfileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -1,14 +1,15 @@
 """MpFA: NVFP4 QK^T and FP8 PV over an NVFP4-K / FP8-V cache, with sequence-centred Q and K.
 
-Decode runs the sm90 kernels (the Triton KV write fills the cache; the CuTe split-KV decode + merge is what is
-timed), page size 1 like FlashInfer's; their correctness lives in tests/kernels_sm90. The prefill kernel does
-not exist yet: `prepare` raises `KernelNotBuilt` and the profile shows a "not built" row, never a number.
+Both kinds run the sm90 kernels on a cache the Triton KV write fills while the inputs are built; only the
+attention kernels are timed. Decode: the CuTe split-KV decode + merge, page size 1 like FlashInfer's. Prefill:
+the CuTe prefill (mma.sync, causal, every token of each sequence a query), page size 128 like FA4's, the
+queries' centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mpfa.profiles.errors import KernelNotBuilt, ProfileError
+from mpfa.profiles.errors import ProfileError
 from mpfa.profiles.inputs import random_tensor
 from mpfa.profiles.kernel_adapter import PreparedKernel
 from mpfa.profiles.workload import MPFA, AttentionWorkload
@@ -17,61 +18,134 @@ if TYPE_CHECKING:
     import torch
 
 _FILL_TOKENS = 1 << 16  # tokens quantized into the cache per write-kernel launch (bounds the BF16 staging)
+PREFILL_PAGE_SIZE = 128
+
+
+def _prefill_set_bytes(w: AttentionWorkload) -> int:
+    """Device bytes of one prefill set: centered NVFP4 Q (codes + scales), the cache in whole pages, BF16 O."""
+    tokens = w.batch * w.seq
+    slots = w.batch * -(-w.seq // PREFILL_PAGE_SIZE) * PREFILL_PAGE_SIZE
+    q_bytes = tokens * w.q_heads * (w.head_dim // 2 + w.head_dim // 16)
+    cache_bytes = slots * (w.kv_heads * (w.head_dim // 2 + w.head_dim // 16 + w.head_dim) + 2 * w.q_heads)
+    return q_bytes + cache_bytes + tokens * w.q_heads * w.head_dim * 2
 
 
 class MpfaAdapter:
     name = "mpfa"
     tensor_format = MPFA
     math_dtype = "bf16"  # FP16 tensor-core MMAs on exactly dequantized operands (sm_90 has no FP4 MMA)
-    kernel_regex = "SplitKVDecode|DecodeMerge"
+    kernel_regex = "SplitKVDecode|DecodeMerge|PrefillSm90"
 
     def set_bytes(self, workload: AttentionWorkload) -> int:
+        if workload.kind == "prefill":  # never below the roofline bytes, which count Q in BF16 (`MPFA.q`)
+            return max(_prefill_set_bytes(workload), int(workload.bytes_needed(self.tensor_format)))
         return int(workload.bytes_needed(self.tensor_format))
 
     def prepare(self, workload: AttentionWorkload, num_sets: int, device: "torch.device", seed: int) -> PreparedKernel:
         import torch
 
-        from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
         from mpfa.kernels.smoothing import SmoothingMeans
-        from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode
-        from mpfa.kernels.sm90.quantize_cache import quantize_to_cache
 
         w = workload
-        if w.kind != "decode":
-            raise KernelNotBuilt("the sm90 MpFA prefill kernel is not built yet")
         generator = torch.Generator(device=device).manual_seed(seed)
-        tokens = w.batch * w.seq
         means = SmoothingMeans(torch.randn(w.batch, w.q_heads, w.head_dim, device=device, generator=generator),
                                torch.randn(w.batch, w.kv_heads, w.head_dim, device=device, generator=generator))
+        if w.kind == "prefill":
+            return _prepare_prefill(w, num_sets, device, generator, means)
+        return _prepare_decode(w, num_sets, device, generator, means)
 
-        def make_set() -> tuple[CenteredQuery, MpfaKVCache]:
-            cache = MpfaKVCache.allocate(tokens, 1, w.q_heads, w.kv_heads, w.head_dim, device)
-            query = CenteredQuery.allocate(w.batch, w.q_heads, w.head_dim, device)
-            for first in range(0, tokens, _FILL_TOKENS):
-                count = min(_FILL_TOKENS, tokens - first)
-                slots = torch.arange(first, first + count, device=device)
-                q, k, v = (random_tensor((count, heads, w.head_dim), torch.bfloat16, device, generator)
-                           for heads in (w.q_heads, w.kv_heads, w.kv_heads))
-                chunk_query = quantize_to_cache(q, k, v, slots, (slots // w.seq).int(), means, cache)
-                ends = slots[(slots + 1) % w.seq == 0]  # each request's last token is its decode query
-                query.codes[ends // w.seq] = chunk_query.codes[ends - first]
-                query.scales[ends // w.seq] = chunk_query.scales[ends - first]
-            return query, cache
 
-        sets = [make_set() for _ in range(num_sets)]
-        page_table = torch.arange(tokens, dtype=torch.int32, device=device).view(w.batch, w.seq)
-        seq_lens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
-        workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device)
-        outputs = [torch.empty((w.batch, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
-                   for _ in range(num_sets)]
+def _fill(w: AttentionWorkload, cache, slots_of_token, means, device, generator, keep_query) -> None:
+    """Quantize random BF16 Q/K/V of every token (token t of request t // seq) into ``cache`` at
+    ``slots_of_token(tokens)``, in chunks; ``keep_query(first, centered)`` stores the rows of Q it needs."""
+    import torch
 
-        def run(i: int) -> torch.Tensor:
-            query, cache = sets[i]
-            return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i])
+    from mpfa.kernels.sm90.quantize_cache import quantize_to_cache
 
-        def dense_inputs(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-            raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels_sm90 checks outputs")
+    tokens = w.batch * w.seq
+    for first in range(0, tokens, _FILL_TOKENS):
+        count = min(_FILL_TOKENS, tokens - first)
+        token = torch.arange(first, first + count, device=device)
+        q, k, v = (random_tensor((count, heads, w.head_dim), torch.bfloat16, device, generator)
+                   for heads in (w.q_heads, w.kv_heads, w.kv_heads))
+        keep_query(first, quantize_to_cache(q, k, v, slots_of_token(token), (token // w.seq).int(), means, cache))
 
-        return PreparedKernel(run, dense_inputs, num_sets,
-                              f"Triton KV write + CuTe split-KV decode ({workspace.num_partitions} partitions of "
-                              f"{workspace.partition_size} keys) + merge, page 1")
+
+def _dense_inputs(i: int):
+    raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels_sm90 checks outputs")
+
+
+def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means) -> PreparedKernel:
+    import torch
+
+    from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
+    from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode
+
+    tokens = w.batch * w.seq
+
+    def make_set() -> tuple[CenteredQuery, MpfaKVCache]:
+        cache = MpfaKVCache.allocate(tokens, 1, w.q_heads, w.kv_heads, w.head_dim, device)
+        query = CenteredQuery.allocate(w.batch, w.q_heads, w.head_dim, device)
+
+        def keep_last(first: int, chunk: CenteredQuery) -> None:
+            slots = torch.arange(first, first + chunk.codes.shape[0], device=device)
+            ends = slots[(slots + 1) % w.seq == 0]  # each request's last token is its decode query
+            query.codes[ends // w.seq] = chunk.codes[ends - first]
+            query.scales[ends // w.seq] = chunk.scales[ends - first]
+
+        _fill(w, cache, lambda token: token, means, device, generator, keep_last)
+        return query, cache
+
+    sets = [make_set() for _ in range(num_sets)]
+    page_table = torch.arange(tokens, dtype=torch.int32, device=device).view(w.batch, w.seq)
+    seq_lens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
+    workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device)
+    outputs = [torch.empty((w.batch, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
+               for _ in range(num_sets)]
+
+    def run(i: int) -> torch.Tensor:
+        query, cache = sets[i]
+        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i])
+
+    return PreparedKernel(run, _dense_inputs, num_sets,
+                          f"Triton KV write + CuTe split-KV decode ({workspace.num_partitions} partitions of "
+                          f"{workspace.partition_size} keys) + merge, page 1")
+
+
+def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, means) -> PreparedKernel:
+    import torch
+
+    from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
+    from mpfa.kernels.sm90.prefill_launch import mpfa_prefill
+
+    tokens = w.batch * w.seq
+    pages_per_seq = -(-w.seq // PREFILL_PAGE_SIZE)
+    page_table = torch.arange(w.batch * pages_per_seq, dtype=torch.int32, device=device).view(w.batch, -1)
+
+    def slots_of_token(token: torch.Tensor) -> torch.Tensor:
+        return (token // w.seq) * pages_per_seq * PREFILL_PAGE_SIZE + token % w.seq
+
+    def make_set() -> tuple[CenteredQuery, MpfaKVCache]:
+        cache = MpfaKVCache.allocate(w.batch * pages_per_seq, PREFILL_PAGE_SIZE, w.q_heads, w.kv_heads,
+                                     w.head_dim, device)
+        query = CenteredQuery.allocate(tokens, w.q_heads, w.head_dim, device)
+
+        def keep_all(first: int, chunk: CenteredQuery) -> None:
+            query.codes[first:first + chunk.codes.shape[0]] = chunk.codes
+            query.scales[first:first + chunk.codes.shape[0]] = chunk.scales
+
+        _fill(w, cache, slots_of_token, means, device, generator, keep_all)
+        return query, cache
+
+    sets = [make_set() for _ in range(num_sets)]
+    cu_seqlens_q = torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device)
+    seq_lens_k = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
+    output = torch.empty((tokens, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
+
+    def run(i: int) -> torch.Tensor:
+        query, cache = sets[i]
+        return mpfa_prefill(query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=w.seq, causal=True,
+                            out=output)
+
+    return PreparedKernel(run, _dense_inputs, num_sets,
+                          f"Triton KV write + CuTe prefill (mma.sync, causal), page {PREFILL_PAGE_SIZE}")

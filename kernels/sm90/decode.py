@@ -24,25 +24,28 @@ from cutlass import Float32, Int32, Int64, Uint32
 from mpfa.kernels.sm90 import decode_layout as lay
 from mpfa.kernels.sm90.ptx import (
     bits_to_f32,
-    e4m3x2_to_f16x2,
     exp2_approx,
-    f32x2_to_e4m3x2,
     load_u16,
     load_u32,
     load_v4_u32,
-    mma_e4m3_m16n8k32,
-    mma_f16_m16n8k16,
-    mul_f16x2,
-    prmt,
     shuffle_idx,
-    shuffle_xor,
     store_v4_f32,
+)
+from mpfa.kernels.sm90.warp_mma import (
+    P_SCALE,
+    p_fragment,
+    p_pair,
+    pv_mtile,
+    q_chunk_regs,
+    qk_ntile,
+    quad_max,
+    quad_sum,
+    transpose_v,
 )
 
 HEAD_DIM = 128
 K_ROW_BYTES = HEAD_DIM // 2
 SCALE_ROW_BYTES = HEAD_DIM // 16
-P_SCALE = 448.0
 BF16_MINUS_INF = 0xFF80
 MAX_GROUP = 8
 LANE_KEYS = lay.N_TILES * 3  # keys a lane touches per tile: one QK key and two score/V keys per n-tile
@@ -118,15 +121,8 @@ class SplitKVDecodeSm90:
         # Q: lane (g, c) holds head g's chunk c, exactly dequantized to FP16 (e2m1 * 2**-14 * 2**14 * scale).
         q_row = Int64(batch_idx * num_q_heads + head)
         q_words = load_v4_u32(q_codes.iterator.toint() + q_row * K_ROW_BYTES + 4 * 4 * c, Uint32(row_valid))
-        q_scale = e4m3x2_to_f16x2(
-            load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c, Uint32(row_valid), Uint32(0))
-        )
-        q_scale_blocks = (prmt(q_scale, q_scale, 0x1010), prmt(q_scale, q_scale, 0x3232))
-        q_regs = []
-        for reg in cutlass.range_constexpr(lay.QK_REGS):
-            word, j = divmod(reg, 4)
-            exact = mul_f16x2(lay.e2m1_word_to_f16x2(q_words[word], j), Uint32(lay.F16X2_TWO_POW_14))
-            q_regs.append(mul_f16x2(exact, q_scale_blocks[word // 2]))
+        q_regs = q_chunk_regs(q_words, load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c,
+                                                Uint32(row_valid), Uint32(0)))
 
         state = cute.make_rmem_tensor((2,), Float32)  # running max (S * 2**-7) and sum of this lane's head g
         state[0] = -math.inf
@@ -198,18 +194,11 @@ class SplitKVDecodeSm90:
         """Scores of the tile's keys for head g: [n-tile][half] = S * 2**-7 at key 8 n + 2c + half (-inf past end)."""
         scores = []
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
-            scale = mul_f16x2(e4m3x2_to_f16x2(k_scales_raw[n_tile]), Uint32(lay.F16X2_TWO_POW_7))
-            scale_blocks = (prmt(scale, scale, 0x1010), prmt(scale, scale, 0x3232))
             c_regs = [bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
                       for half in range(2)] + [Float32(0.0), Float32(0.0)]
-            for k_step in cutlass.range_constexpr(lay.K_STEPS_QK):
-                b_regs = []
-                for reg in lay.qk_step_regs(k_step):
-                    word, j = divmod(reg, 4)
-                    b_regs.append(mul_f16x2(lay.e2m1_word_to_f16x2(k_words[n_tile][word], j),
-                                            scale_blocks[lay.scale_block_of_step(k_step)]))
-                r0, r1 = lay.qk_step_regs(k_step)
-                c_regs = mma_f16_m16n8k16([q_regs[r0], Uint32(0), q_regs[r1], Uint32(0)], b_regs, c_regs)
+            a_steps = [[q_regs[r0], Uint32(0), q_regs[r1], Uint32(0)]
+                       for r0, r1 in (lay.qk_step_regs(k_step) for k_step in range(lay.K_STEPS_QK))]
+            c_regs = qk_ntile(a_steps, k_words[n_tile], k_scales_raw[n_tile], c_regs)
             scores.append([c_regs[0], c_regs[1]])
         return scores
 
@@ -220,8 +209,7 @@ class SplitKVDecodeSm90:
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
             for half in cutlass.range_constexpr(2):
                 tile_max = cute.arch.fmax(tile_max, scores[n_tile][half])
-        tile_max = cute.arch.fmax(tile_max, shuffle_xor(tile_max, 1))
-        tile_max = cute.arch.fmax(tile_max, shuffle_xor(tile_max, 2))
+        tile_max = quad_max(tile_max)
         m_old = state[0]
         m_new = cute.arch.fmax(m_old, tile_max)
         m_lam = m_new * lam_scaled
@@ -238,15 +226,11 @@ class SplitKVDecodeSm90:
         row_sum = probs[0]
         for i in cutlass.range_constexpr(1, lay.N_TILES * 2):
             row_sum = row_sum + probs[i]
-        row_sum = row_sum + shuffle_xor(row_sum, 1)
-        row_sum = row_sum + shuffle_xor(row_sum, 2)
+        row_sum = quad_sum(row_sum)
         alpha = probs[lay.N_TILES * 2]
         state[0] = m_new
         state[1] = alpha * state[1] + row_sum
-        pairs = []
-        for n_tile in cutlass.range_constexpr(lay.N_TILES):
-            pairs.append(f32x2_to_e4m3x2(probs[2 * n_tile] * Float32(P_SCALE), probs[2 * n_tile + 1] * Float32(P_SCALE)))
-        return [pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16)], alpha
+        return p_fragment([p_pair(probs[2 * n_tile], probs[2 * n_tile + 1]) for n_tile in range(lay.N_TILES)]), alpha
 
     @cute.jit
     def _pv_tile(self, p_regs, alpha, acc: cute.Tensor, v_rows, c):
@@ -254,24 +238,9 @@ class SplitKVDecodeSm90:
         alpha_heads = (shuffle_idx(alpha, Uint32(8 * c)), shuffle_idx(alpha, Uint32(8 * c + 4)))
         for i in cutlass.range_constexpr(lay.M_TILES * 4):
             acc[i] = acc[i] * alpha_heads[i % 2]
-        transposed = []
-        sel_lo, sel_hi, sel_even, sel_odd = lay.transpose_selectors()
-        for k_half in cutlass.range_constexpr(2):
-            rows = [v_rows[4 * k_half + j] for j in range(4)]  # keys pv_key(k_half, c, j) = score keys 4 k_half + j
-            bytes_by_dim = []
-            for word in cutlass.range_constexpr(4):
-                lo01 = prmt(rows[0][word], rows[1][word], sel_lo)
-                hi01 = prmt(rows[0][word], rows[1][word], sel_hi)
-                lo23 = prmt(rows[2][word], rows[3][word], sel_lo)
-                hi23 = prmt(rows[2][word], rows[3][word], sel_hi)
-                bytes_by_dim += [prmt(lo01, lo23, sel_even), prmt(lo01, lo23, sel_odd),
-                                 prmt(hi01, hi23, sel_even), prmt(hi01, hi23, sel_odd)]
-            transposed.append(bytes_by_dim)
+        transposed = transpose_v(v_rows)  # keys pv_key(k_half, c, j) = score keys 4 k_half + j
         for m_tile in cutlass.range_constexpr(lay.M_TILES):
-            lower, upper = lay.pv_a_regs(m_tile)
-            a_regs = [transposed[0][lower], transposed[0][upper], transposed[1][lower], transposed[1][upper]]
-            c_regs = [acc[4 * m_tile + i] for i in range(4)]
-            c_regs = mma_e4m3_m16n8k32(a_regs, p_regs, c_regs)
+            c_regs = pv_mtile(transposed, p_regs, m_tile, [acc[4 * m_tile + i] for i in range(4)])
             for i in cutlass.range_constexpr(4):
                 acc[4 * m_tile + i] = c_regs[i]
 

@@ -93,6 +93,19 @@ def store_v4_f32(address: Int64, a: Float32, b: Float32, c: Float32, d: Float32,
 
 
 @dsl_user_op
+def store_v4_u32(address: Int64, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None) -> None:
+    llvm.inline_asm(
+        None,
+        [Int64(address).ir_value(loc=loc, ip=ip), _u32(a, loc, ip), _u32(b, loc, ip), _u32(c, loc, ip), _u32(d, loc, ip)],
+        "st.global.v4.b32 [$0], {$1, $2, $3, $4};",
+        "l,r,r,r,r",
+        has_side_effects=True,
+        is_align_stack=False,
+        asm_dialect=llvm.AsmDialect.AD_ATT,
+    )
+
+
+@dsl_user_op
 def mma_f16_m16n8k16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
     """D = A B + C, A 16x16 row-major and B 16x8 column-major in FP16 (4 and 2 f16x2 registers), C/D FP32 (4)."""
     value, struct = _asm(
@@ -151,6 +164,13 @@ def f32x2_to_e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
         [T.i32()], [_f32(lo, loc, ip), _f32(hi, loc, ip)],
         "{\n .reg .b16 h;\n cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;\n cvt.u32.u16 $0, h;\n}", "=r,f,f",
     )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def f32x2_to_bf16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two FP32 -> bf16x2 (round to nearest even): ``lo`` in the low half."""
+    value, struct = _asm([T.i32()], [_f32(lo, loc, ip), _f32(hi, loc, ip)], "cvt.rn.bf16x2.f32 $0, $2, $1;", "=r,f,f")
     return _unpack(value, struct, 1, T.i32(), Uint32)
 
 

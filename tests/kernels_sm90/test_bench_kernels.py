@@ -1,11 +1,13 @@
-"""The decode benchmark's byte accounting and table (CPU only; the timed run needs the H200)."""
+"""The kernel benchmark's byte accounting and tables, and the MpFA adapter's prefill set size (CPU only; the
+timed runs need the H200)."""
 
 from __future__ import annotations
 
-from mpfa.profiles.bench_kernels import bytes_read, format_table
+from mpfa.profiles.bench_kernels import bytes_read, format_prefill_table, format_table
+from mpfa.profiles.kernels_mpfa import MpfaAdapter
 from mpfa.profiles.results import ERROR, OK, BackendResult
 from mpfa.profiles.timing import summarize
-from mpfa.profiles.workload import AttentionWorkload
+from mpfa.profiles.workload import MPFA, AttentionWorkload
 
 WORKLOAD = AttentionWorkload("decode", 131072, 1, 32, 8, 128)
 
@@ -20,8 +22,9 @@ def test_bytes_read_counts_cache_indices_and_partials():
     assert bytes_read("fa4-bf16", WORKLOAD, num_sms=132) == tokens * kv_heads * 512 + tokens // 128 * 4 + qo
 
 
-def _row(backend: str, median_ms: float | None, error: str | None = None) -> BackendResult:
-    row = BackendResult(backend, OK if error is None else ERROR, "bf16", WORKLOAD.flops(), None, error=error)
+def _row(backend: str, median_ms: float | None, error: str | None = None,
+         workload: AttentionWorkload = WORKLOAD) -> BackendResult:
+    row = BackendResult(backend, OK if error is None else ERROR, "bf16", workload.flops(), None, error=error)
     if median_ms is not None:
         row.timing = summarize([median_ms])
     return row
@@ -39,3 +42,25 @@ def test_table_has_rates_speedups_and_error_rows():
     assert fields[5] == f"{rate / 1e12:.2f}" and fields[6] == f"{100 * rate / 4.25e12:.1f}%"
     assert fields[7] == "2.00"  # 132 us / 66 us against FlashInfer-FP8
     assert "ERROR: ImportError: no flash_attn" in table
+
+
+PREFILL = AttentionWorkload("prefill", 65536, 1, 32, 8, 128)
+
+
+def test_prefill_table_has_flop_rates_and_speedups():
+    rows = [_row("mpfa", 100.0, workload=PREFILL), _row("flashinfer-fp8", 150.0, workload=PREFILL),
+            _row("fa4-bf16", None, "ImportError: no flash_attn", workload=PREFILL)]
+    lines = format_prefill_table([(PREFILL, rows)]).splitlines()
+    fields = next(line for line in lines if " mpfa " in line).split()
+    assert fields[3] == "100.000"  # median ms
+    assert fields[4] == f"{PREFILL.flops() / 0.1 / 1e12:.1f}"  # 4 * 32 * 128 * 65536 * 65537 / 2 FLOPs in 100 ms
+    assert fields[5] == "1.50"
+    assert any("ERROR: ImportError: no flash_attn" in line for line in lines)
+
+
+def test_mpfa_prefill_set_counts_query_cache_pages_and_output():
+    workload = AttentionWorkload("prefill", 300, 2, 32, 8, 128)
+    slots = 2 * 384  # 300 tokens -> 3 pages of 128 per sequence
+    held = 600 * 32 * 72 + slots * (8 * 200 + 2 * 32) + 600 * 32 * 128 * 2
+    assert MpfaAdapter().set_bytes(workload) == max(held, workload.bytes_needed(MPFA))
+    assert MpfaAdapter().set_bytes(AttentionWorkload("prefill", 65536, 1, 32, 8, 128)) >= 65536 * 32 * (72 + 256)

@@ -1,0 +1,123 @@
+"""Host side of the sm90 MpFA prefill: input checks, the compiled-kernel cache and the launch.
+
+`mpfa_prefill` attends the packed queries of a batch of sequences (flash-attn varlen: ``cu_seqlens_q``) to each
+sequence's cache, read through a page table. Query i of a sequence with ``q_len`` queries and ``seq_lens_k``
+keys is the sequence's token ``seq_lens_k - q_len + i`` (the new tokens of a chunked prefill are the last ones
+of the sequence and are already in the cache). Kernels are compiled once per (KV heads, group, page size,
+causal, output dtype) from fake tensors with symbolic sizes (`compile_prefill_kernel` also runs on a CPU-only
+machine). The grid needs the longest query length: pass ``max_seqlen_q`` to avoid a device-to-host copy.
+"""
+
+from __future__ import annotations
+
+import math
+from functools import lru_cache
+
+import torch
+
+from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
+from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
+from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
+
+HEAD_DIM = 128
+BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host side imports no CuTe DSL)
+TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
+_OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
+
+
+@lru_cache(maxsize=None)
+def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool,
+                           out_dtype: str = "BFloat16"):
+    """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI."""
+    target_sm90a()
+    import cutlass
+    from cutlass import Float32, Int32
+
+    from mpfa.kernels.sm90 import prefill
+
+    assert (prefill.BLOCK_M, prefill.TILE_KEYS) == (BLOCK_M, TILE_KEYS)
+    hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
+    u8 = cutlass.Uint8
+    return compile_kernel(
+        prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype),
+        fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
+        fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (None, hkv, d // 16), align=8),
+        fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (None, hq), align=4),
+        fake_tensor(Int32, (None, None), align=4), fake_tensor(Int32, (None,), align=4),
+        fake_tensor(Int32, (None,), align=4), fake_tensor(getattr(cutlass, out_dtype), (None, hq, d)),
+        Float32(1.0), Int32(1),
+    )
+
+
+def _require(condition: bool, message: str) -> None:
+    if not condition:
+        raise ValueError(message)
+
+
+def check_prefill_inputs(query: CenteredQuery, cache: MpfaKVCache, page_table: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, out: torch.Tensor) -> None:
+    """Shapes, dtypes, devices and alignment (nothing that needs the device's values)."""
+    total_q, num_q_heads = query.codes.shape[:2]
+    check_head_dim(cache.head_dim)
+    _require(num_q_heads == cache.num_q_heads, f"query has {num_q_heads} heads, the cache {cache.num_q_heads}")
+    _require(cache.page_size >= TILE_KEYS and not cache.page_size & (cache.page_size - 1),
+             f"the sm90 prefill kernel needs a power-of-two page_size >= {TILE_KEYS}, got {cache.page_size}")
+    _require(tuple(query.codes.shape) == (total_q, num_q_heads, HEAD_DIM // 2)
+             and tuple(query.scales.shape) == (total_q, num_q_heads, HEAD_DIM // 16),
+             "query must be centered NVFP4 codes [total_q, Hq, 64] and scales [total_q, Hq, 8]")
+    batch = seq_lens_k.shape[0] if seq_lens_k.dim() == 1 else -1
+    _require(seq_lens_k.dtype == torch.int32 and seq_lens_k.dim() == 1 and batch > 0,
+             f"seq_lens_k must be int32 [batch], got {seq_lens_k.dtype} {tuple(seq_lens_k.shape)}")
+    _require(cu_seqlens_q.dtype == torch.int32 and tuple(cu_seqlens_q.shape) == (batch + 1,),
+             f"cu_seqlens_q must be int32 [{batch + 1}], got {cu_seqlens_q.dtype} {tuple(cu_seqlens_q.shape)}")
+    _require(page_table.dtype == torch.int32 and page_table.dim() == 2 and page_table.shape[0] == batch
+             and page_table.stride(1) == 1, f"page_table must be int32 [{batch}, max_pages] with unit column stride")
+    _require(out.dtype in _OUT_DTYPES and tuple(out.shape) == (total_q, num_q_heads, HEAD_DIM) and out.is_contiguous(),
+             f"out must be contiguous BF16 or FP32 [{total_q}, {num_q_heads}, {HEAD_DIM}]")
+    device = query.codes.device
+    for name, tensor, align in (("k_codes", cache.k_codes, 16), ("k_scales", cache.k_scales, 8), ("v", cache.v, 16),
+                                ("delta_s", cache.delta_s, 4), ("query codes", query.codes, 16),
+                                ("query scales", query.scales, 8), ("cu_seqlens_q", cu_seqlens_q, 4),
+                                ("seq_lens_k", seq_lens_k, 4), ("out", out, 16)):
+        _require(tensor.device == device, f"{name} is on {tensor.device}, the query on {device}")
+        _require(tensor.is_contiguous() and tensor.data_ptr() % align == 0,
+                 f"{name} must be contiguous and {align}-byte aligned")
+    _require(page_table.device == device, f"page_table is on {page_table.device}, the query on {device}")
+
+
+def mpfa_prefill(
+    query: CenteredQuery,
+    cache: MpfaKVCache,
+    page_table: torch.Tensor,
+    cu_seqlens_q: torch.Tensor,
+    seq_lens_k: torch.Tensor,
+    *,
+    max_seqlen_q: int | None = None,
+    causal: bool = True,
+    sm_scale: float | None = None,
+    out: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """Prefill attention: ``query`` [total_q, Hq] centered NVFP4 (from `quantize_to_cache`, the tokens of each
+    sequence in order), ``cu_seqlens_q`` int32 [B + 1], each sequence's key count ``seq_lens_k`` int32 [B]
+    (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
+    output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
+    ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten)."""
+    total_q, num_q_heads = query.codes.shape[:2]
+    out = out if out is not None else torch.empty((total_q, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
+                                                  device=query.codes.device)
+    check_prefill_inputs(query, cache, page_table, cu_seqlens_q, seq_lens_k, out)
+    if max_seqlen_q is None:
+        max_seqlen_q = int(torch.diff(cu_seqlens_q).max()) if total_q else 0
+    _require(max_seqlen_q >= 0, f"max_seqlen_q must be >= 0, got {max_seqlen_q}")
+    scale = 1.0 / math.sqrt(HEAD_DIM) if sm_scale is None else float(sm_scale)
+    _require(math.isfinite(scale) and scale > 0, f"sm_scale must be positive and finite, got {sm_scale!r}")
+    if total_q == 0 or max_seqlen_q == 0:
+        return out
+    kernel = compile_prefill_kernel(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
+                                    bool(causal), _OUT_DTYPES[out.dtype])
+    lam = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))
+    u8 = torch.uint8
+    kernel(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
+           cache.delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam * 2.0**SCORE_SCALE_LOG2,
+           -(-max_seqlen_q // BLOCK_M))
+    return out

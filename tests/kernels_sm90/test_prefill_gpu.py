@@ -1,0 +1,160 @@
+"""The sm90 MpFA prefill (CuTe DSL) against the reference `mpfa` attention, on the GPU.
+
+Fresh random BF16 Q/K/V with a per-channel offset (so centering and Delta_S matter) are written by the Triton
+KV-write kernel (bit-exact, tested in test_quantize_cache) into a NaN-poisoned paged cache behind a shuffled page
+table whose unused entries point far outside the cache; the queries of each sequence are its last ``q_len``
+tokens (chunked prefill when ``q_len < kv_len``). The oracle runs with the kernel's tiling (32-key tiles in
+reverse; the kernel skips tiles a warp's 16 rows cannot see, which is bit-identical to the reference's masking),
+so what remains is FP32 summation order, the SFU's exp2 (~2 ulp), the rare e4m3 flip of a P on a rounding
+boundary and a one-ulp BF16 difference of Delta_S (the Triton kernel sums in another order). Tolerances, as for
+decode (test_decode_gpu): RMS difference <= 1e-3 of the reference's RMS (a different tiling of the same formats
+already moves the output by ~4e-3; the NVFP4 format error against float64 is ~1e-1 on these inputs), no element
+further than 2% of the largest output, and the kernel no further from float64 than the oracle is (+1%). The
+output is NaN-poisoned before the launch and every compared value must be finite, so NaN never passes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+pytest.importorskip("triton")
+pytest.importorskip("cutlass")
+pytest.importorskip("tvm_ffi")
+
+from mpfa.kernels import SmoothingMeans, attention, attention_float64  # noqa: E402
+from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache  # noqa: E402
+from mpfa.kernels.smoothing import sequence_means  # noqa: E402
+from mpfa.kernels.sm90.prefill_launch import TILE_KEYS, mpfa_prefill  # noqa: E402
+from mpfa.kernels.sm90.quantize_cache import quantize_to_cache  # noqa: E402
+
+HEAD_DIM = 128
+UNUSED_PAGE = 1 << 30  # page-table entries past a sequence's end: reading one would fault
+
+
+@dataclass
+class Problem:
+    query: CenteredQuery
+    cache: MpfaKVCache
+    page_table: torch.Tensor
+    cu_seqlens_q: torch.Tensor
+    seq_lens_k: torch.Tensor
+    reference_inputs: dict
+
+
+def _rows(gen: torch.Generator, tokens: int, heads: int, scale: float, offset_std: float) -> torch.Tensor:
+    """Gaussian rows plus a fixed offset on 8 random channels (what makes centering matter)."""
+    offsets = torch.zeros(HEAD_DIM)
+    offsets[torch.randperm(HEAD_DIM, generator=gen)[:8]] = torch.randn(8, generator=gen) * offset_std
+    return (torch.randn(tokens, heads, HEAD_DIM, generator=gen) * scale + offsets).bfloat16()
+
+
+def _problem(gen: torch.Generator, q_lens: list[int], kv_lens: list[int], num_q_heads: int, num_kv_heads: int,
+             page_size: int) -> Problem:
+    tokens = sum(kv_lens)
+    q, k, v = (_rows(gen, tokens, num_q_heads, 1.0, 4.0), _rows(gen, tokens, num_kv_heads, 1.5, 8.0),
+               _rows(gen, tokens, num_kv_heads, 1.0, 0.5))
+    cu_k = torch.tensor([0, *kv_lens]).cumsum(0)
+    means = SmoothingMeans(sequence_means(q, cu_k).float(), sequence_means(k, cu_k).float())
+
+    pages_per_seq = [-(-n // page_size) for n in kv_lens]
+    num_pages = sum(pages_per_seq) + 2
+    order = torch.randperm(num_pages, generator=gen).tolist()
+    page_table = torch.full((len(kv_lens), max(pages_per_seq) + 1), UNUSED_PAGE, dtype=torch.int32)
+    for b, count in enumerate(pages_per_seq):
+        page_table[b, :count] = torch.tensor([order.pop() for _ in range(count)], dtype=torch.int32)
+    request = torch.repeat_interleave(torch.arange(len(kv_lens)), torch.tensor(kv_lens))
+    position = torch.arange(tokens) - cu_k[:-1][request]
+    slots = page_table[request, position // page_size].long() * page_size + position % page_size
+
+    cache = MpfaKVCache.allocate(num_pages, page_size, num_q_heads, num_kv_heads, HEAD_DIM, "cuda").fill_(0xFF)
+    dev_means = SmoothingMeans(means.q_mean.cuda(), means.k_mean.cuda())
+    centered = quantize_to_cache(q.cuda(), k.cuda(), v.cuda(), slots.cuda(), request.int().cuda(), dev_means, cache)
+    queries = torch.cat([torch.arange(end - n, end) for end, n in zip(cu_k[1:].tolist(), q_lens)])  # last q_len
+    paged = {}
+    for name, x in (("k", k), ("v", v)):
+        pages = torch.full((num_pages * page_size, num_kv_heads, HEAD_DIM), float("nan"), dtype=torch.bfloat16)
+        pages[slots] = x
+        paged[name] = pages.view(num_pages, page_size, num_kv_heads, HEAD_DIM)
+    cu_q = torch.tensor([0, *q_lens]).cumsum(0)
+    reference_inputs = dict(q=q[queries], k=paged["k"], v=paged["v"], cu_seqlens_q=cu_q, cu_seqlens_k=cu_k,
+                            page_table=page_table, page_size=page_size)
+    index = queries.cuda()
+    return Problem(CenteredQuery(centered.codes[index].contiguous(), centered.scales[index].contiguous()), cache,
+                   page_table.cuda(), cu_q.int().cuda(), torch.tensor(kv_lens, dtype=torch.int32, device="cuda"),
+                   dict(reference_inputs, means=means))
+
+
+def _run(problem: Problem, causal: bool, out_dtype: torch.dtype = torch.float32, **kwargs) -> torch.Tensor:
+    total_q, num_q_heads = problem.query.codes.shape[:2]
+    out = torch.full((total_q, num_q_heads, HEAD_DIM), float("nan"), dtype=out_dtype, device="cuda")
+    result = mpfa_prefill(problem.query, problem.cache, problem.page_table, problem.cu_seqlens_q, problem.seq_lens_k,
+                          causal=causal, out=out, **kwargs)
+    torch.cuda.synchronize()
+    assert result is out
+    return out.cpu()
+
+
+def _expected(problem: Problem, causal: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the oracle with the kernel's tiling, dense float64)."""
+    inputs = problem.reference_inputs
+    oracle = attention(**inputs, variant="mpfa", causal=causal, block_m=64, block_n=TILE_KEYS)
+    plain = {name: value for name, value in inputs.items() if name != "means"}
+    return oracle, attention_float64(**plain, causal=causal)
+
+
+def _rms_ratio(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.double() - b.double()).norm() / b.double().norm())
+
+
+def _check(got: torch.Tensor, expected: torch.Tensor, exact: torch.Tensor, rms: float = 1e-3) -> None:
+    assert bool(torch.isfinite(got).all()), "NaN/Inf in the output (or rows left unwritten)"
+    assert _rms_ratio(got, expected) <= rms
+    assert float((got.double() - expected.double()).abs().max()) <= 0.02 * float(expected.abs().max())
+    assert _rms_ratio(got, exact) <= 1.01 * _rms_ratio(expected, exact)
+
+
+CASES = [  # (q_lens, kv_lens, Hq, Hkv, page size, causal)
+    ([1, 77, 300], [1, 77, 420], 32, 8, 128, True),  # Llama-3.1-8B heads; odd lengths; one chunked prefill
+    ([300, 45], [300, 1000], 40, 8, 128, True),  # Qwen3-14B heads; a 45-token chunk after 955 cached tokens
+    ([77, 129, 1], [77, 300, 33], 32, 8, 128, False),  # non-causal
+    ([200, 64], [257, 64], 40, 8, 64, False),  # page 64, non-causal
+]
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,num_q_heads,num_kv_heads,page_size,causal", CASES,
+                         ids=["32x8-causal", "40x8-causal-chunked", "32x8-noncausal", "40x8-page64-noncausal"])
+def test_prefill_matches_reference(gen, q_lens, kv_lens, num_q_heads, num_kv_heads, page_size, causal):
+    problem = _problem(gen, q_lens, kv_lens, num_q_heads, num_kv_heads, page_size)
+    got = _run(problem, causal)
+    expected, exact = _expected(problem, causal)
+    _check(got, expected, exact)
+    # The launch with the longest query length given (no host synchronisation) computes the same.
+    assert torch.equal(_run(problem, causal, max_seqlen_q=max(q_lens)), got)
+
+
+def test_bf16_output_and_sm_scale(gen):
+    problem = _problem(gen, [150, 33], [150, 200], 32, 8, 128)
+    total_q = problem.query.codes.shape[0]
+    out = mpfa_prefill(problem.query, problem.cache, problem.page_table, problem.cu_seqlens_q, problem.seq_lens_k,
+                       sm_scale=0.05)
+    torch.cuda.synchronize()
+    assert out.dtype == torch.bfloat16 and tuple(out.shape) == (total_q, 32, HEAD_DIM)
+    inputs = problem.reference_inputs
+    expected = attention(**inputs, variant="mpfa", causal=True, block_m=64, block_n=TILE_KEYS, sm_scale=0.05)
+    assert bool(torch.isfinite(out).all())
+    assert _rms_ratio(out.float().cpu(), expected) <= 4e-3  # + BF16 output rounding (2**-9)
+
+
+def test_nan_output_fails_the_check(gen):
+    """The comparison rejects a NaN (an unwritten row of the poisoned output)."""
+    problem = _problem(gen, [40], [40], 32, 8, 128)
+    got = _run(problem, True)
+    expected, exact = _expected(problem, True)
+    _check(got, expected, exact)
+    got[7, 3, 5] = float("nan")
+    with pytest.raises(AssertionError):
+        _check(got, expected, exact)
