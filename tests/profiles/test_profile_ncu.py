@@ -13,6 +13,7 @@ from mpfa.profiles.workload import AttentionWorkload
 FIXTURES = Path(__file__).parent / "fixtures"
 # Real `ncu --csv --page raw --print-units base` output from the H200 (mpfa profile ... --ncu).
 PREFILL_FA4 = FIXTURES / "ncu_h200_prefill64k_fa4.csv"
+PREFILL_MPFA = FIXTURES / "ncu_h200_prefill64k_mpfa.csv"  # session 10, the sm90 prefill v1
 PREFILL_FLASHINFER = FIXTURES / "ncu_h200_prefill64k_flashinfer_fp8.csv"
 DECODE_FA4 = FIXTURES / "ncu_h200_decode128k_b8_fa4.csv"
 DECODE_FLASHINFER = FIXTURES / "ncu_h200_decode128k_b8_flashinfer_fp8.csv"
@@ -50,6 +51,8 @@ REAL_CAPTURES = [
      164_864, 64, 384),
     (DECODE_FLASHINFER, "BatchPrefillWithPagedKVCacheKernel<KernelTraits<0, 16,", 859_296, 255, 2_151_865_856,
      2_149_888, 48.93, 13.16, 52.10, 12.11, 69_664, 256, 128),
+    (PREFILL_MPFA, "PrefillSm90", 288_092_512, 255, 6_536_506_368, 519_262_720, 39.38, 18.87, 0.51, 12.5, 0,
+     32_768, 128),
 ]
 
 

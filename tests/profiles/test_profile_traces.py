@@ -145,3 +145,14 @@ def test_captured_traces_classify_every_kernel_as_attention():
         shares = {c.category: c.launches for c in stage.categories}
         assert shares[ATTENTION] == launches and sum(shares.values()) == launches
         assert 0 < stage.gpu_us < stage.window_us
+
+
+def test_mpfa_kernel_regex_picks_the_split_kv_kernel_not_the_merge():
+    """ncu profiles the first launch after warmup that matches: for MpFA decode it must be the split-KV kernel
+    (an earlier regex also matched the merge, and ncu measured the 4 us merge instead)."""
+    import re
+
+    from mpfa.profiles.kernels_mpfa import MpfaAdapter
+
+    names = [k.name for k in kernel_totals(_captured("mpfa"))]
+    assert [bool(re.search(MpfaAdapter.kernel_regex, n)) for n in names] == [True, False]
