@@ -4,29 +4,47 @@ KV write (extend and decode): `mpfa.kernels.sm90.quantize_cache.quantize_to_cach
 NVFP4 K, FP8 V and Delta_S into their slots and returns this step's centered NVFP4 Q; for ``mpfa`` an extend first
 freezes the means of the requests it starts (`kv_store.freeze_means`).
 Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable).
-Extend: the SLOW REFERENCE PATH (`reference_extend`), eager only.
+Extend (eager only), chosen by ``$MPFA_PREFILL``: ``reference`` (default) the SLOW REFERENCE PATH
+(`reference_extend`), or ``kernel`` the sm90 prefill kernel v1 (`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`),
+which stays opt-in until it has been validated inside a running server (tests/backends_plugin/test_gpu_prefill.py
+checks it against the reference outside one).
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
-from mpfa.backends.sglang_plugin.decode_plan import DecodeBatch
+from mpfa.backends.sglang_plugin.decode_plan import DecodeBatch, build_page_table
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore, freeze_means, requests_starting
 from mpfa.backends.sglang_plugin.reference_extend import reference_extend
+from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
 from mpfa.backends.sglang_plugin.variants import BackendVariant
 from mpfa.kernels.cache_layout import CenteredQuery
 from mpfa.kernels.smoothing import SmoothingMeans
+
+
+PREFILL_PATHS = ("reference", "kernel")
+
+
+def prefill_path() -> str:
+    """The extend implementation ``$MPFA_PREFILL`` selects (``reference`` when unset)."""
+    path = os.environ.get("MPFA_PREFILL", "reference")
+    if path not in PREFILL_PATHS:
+        raise MpfaSetupError(f"MPFA_PREFILL={path!r}: choose one of {', '.join(PREFILL_PATHS)}")
+    return path
 
 
 @dataclass(frozen=True)
 class ExtendBatch:
     """An extend step: ``slots`` [T] of the new tokens, ``req_pool_indices`` [B], ``token_request`` [T] (each
     token's request row), ``cu_seqlens_q`` int32 [B + 1] on the device, ``starting`` bool [B] (empty prefix: new
-    means), ``kv_slots`` the slots of every request's whole sequence in order, and host ``cu_q`` / ``cu_k``."""
+    means), ``kv_slots`` the slots of every request's whole sequence in order, host ``cu_q`` / ``cu_k``, and for
+    the prefill kernel ``page_table`` int32 [B, pages] (None unless ``build`` got a page size) and ``seq_lens_k``
+    int32 [B]."""
 
     slots: torch.Tensor
     req_pool_indices: torch.Tensor
@@ -36,12 +54,14 @@ class ExtendBatch:
     kv_slots: torch.Tensor
     cu_q: list[int]
     cu_k: list[int]
+    page_table: torch.Tensor | None
+    seq_lens_k: torch.Tensor
 
     @classmethod
     def build(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, slots: torch.Tensor,
-              prefix_lens: list[int], extend_lens: list[int]) -> ExtendBatch:
+              prefix_lens: list[int], extend_lens: list[int], page_size: int | None = None) -> ExtendBatch:
         """From SGLang's batch fields: ``req_to_token`` [rows, max_context] (already holding the new tokens'
-        slots), host prefix / extend lengths per request."""
+        slots), host prefix / extend lengths per request; ``page_size`` builds the page table."""
         device = req_to_token.device
         total_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         cu_q, cu_k = [0, *accumulate(extend_lens)], [0, *accumulate(total_lens)]
@@ -60,16 +80,21 @@ class ExtendBatch:
             kv_slots=req_to_token[rows[seq], position],
             cu_q=cu_q,
             cu_k=cu_k,
+            page_table=None if page_size is None else build_page_table(
+                req_to_token, rows, page_size, -(-max(total_lens, default=0) // page_size)),
+            seq_lens_k=lengths.to(torch.int32),
         )
 
 
 class MpfaAttention:
     """The KV write, decode and slow prefill of every layer of one `MpfaKVStore`."""
 
-    def __init__(self, store: MpfaKVStore, variant: BackendVariant) -> None:
+    def __init__(self, store: MpfaKVStore, variant: BackendVariant, prefill: str = "reference") -> None:
         if variant.smoothing != store.smoothing:
             raise ValueError(f"backend {variant.backend} needs a store with smoothing={variant.smoothing}")
-        self.store, self.variant = store, variant
+        if prefill not in PREFILL_PATHS:
+            raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {prefill!r}")
+        self.store, self.variant, self.prefill = store, variant, prefill
         self.num_q_heads, self.head_dim = store.geometry.num_q_heads, store.geometry.head_dim
 
     def _means(self, layer: int, rows: torch.Tensor) -> tuple[SmoothingMeans, torch.Tensor]:
@@ -87,13 +112,24 @@ class MpfaAttention:
 
     def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ExtendBatch,
                sm_scale: float) -> torch.Tensor:
-        """Prefill / chunked-prefill step (SLOW REFERENCE PATH) -> [T, Hq, d] in q's dtype."""
+        """Prefill / chunked-prefill step -> [T, Hq, d] in q's dtype (the prefill kernel, or the SLOW REFERENCE
+        PATH; see the module docstring)."""
         q3 = q.view(-1, self.num_q_heads, self.head_dim)
         if self.variant.smoothing:
             freeze_means(self.store, layer, q3, k, batch.cu_seqlens_q, batch.req_pool_indices, batch.starting)
         query = self.write(layer, q3, k, v, batch.slots, batch.token_request)
-        out = reference_extend(query, self.store.layer(layer), batch.kv_slots, batch.cu_q, batch.cu_k,
-                               variant=self.variant.reference_variant, sm_scale=sm_scale)
+        cache = self.store.layer(layer)
+        if self.prefill == "kernel":
+            from mpfa.kernels.sm90.prefill_launch import mpfa_prefill
+
+            if batch.page_table is None:
+                raise ValueError("the prefill kernel needs ExtendBatch.build(..., page_size=...)")
+            max_q = max((b - a for a, b in zip(batch.cu_q, batch.cu_q[1:])), default=0)
+            out = mpfa_prefill(query, cache, batch.page_table, batch.cu_seqlens_q, batch.seq_lens_k,
+                               max_seqlen_q=max_q, sm_scale=sm_scale)
+        else:
+            out = reference_extend(query, cache, batch.kv_slots, batch.cu_q, batch.cu_k,
+                                   variant=self.variant.reference_variant, sm_scale=sm_scale)
         return out.to(q.dtype)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention
+from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention, prefill_path
 from mpfa.backends.sglang_plugin.decode_plan import GraphDecodeBuffers, eager_decode_batch
 from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
 from mpfa.backends.sglang_plugin.variants import BackendVariant
@@ -36,7 +36,7 @@ class MpfaAttnBackend(AttentionBackend):
                                  f"(is the plugin loaded in the scheduler? check SGLANG_PLUGINS)")
         check_layers(model_runner.model)
         self.variant, self.pool = variant, pool
-        self.core = MpfaAttention(pool.store, variant)
+        self.core = MpfaAttention(pool.store, variant, prefill_path())
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.page_size = model_runner.page_size
         self.device = torch.device(model_runner.device, torch.cuda.current_device())
@@ -45,18 +45,23 @@ class MpfaAttnBackend(AttentionBackend):
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.forward_metadata: Any = None
         self.graph_buffers: GraphDecodeBuffers | None = None
-        self._compile_decode_kernels()
-        logger.info("MpFA backend %s: decode = sm90 kernel, prefill = SLOW REFERENCE PATH (PyTorch; its timings are "
-                    "not MpFA's)", variant.backend)
+        self._compile_kernels()
+        prefill = ("sm90 prefill kernel v1 ($MPFA_PREFILL=kernel)" if self.core.prefill == "kernel" else
+                   "SLOW REFERENCE PATH (PyTorch; its timings are not MpFA's)")
+        logger.info("MpFA backend %s: decode = sm90 kernel, prefill = %s", variant.backend, prefill)
 
-    def _compile_decode_kernels(self) -> None:
-        """Compile the decode kernels at startup (a missing or broken toolchain fails here, not in a forward)."""
+    def _compile_kernels(self) -> None:
+        """Compile the kernels at startup (a missing or broken toolchain fails here, not in a forward)."""
         from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
+        from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
 
+        group = self.num_q_heads // self.num_kv_heads
         try:
-            compile_decode_kernels(self.num_kv_heads, self.num_q_heads // self.num_kv_heads, self.page_size)
+            compile_decode_kernels(self.num_kv_heads, group, self.page_size)
+            if self.core.prefill == "kernel":
+                compile_prefill_kernel(self.num_kv_heads, group, self.page_size, True, "BFloat16")
         except Exception as error:  # noqa: BLE001 - re-raised as one clear line
-            raise MpfaSetupError(f"MpFA attention backend: compiling the sm90 decode kernel failed: "
+            raise MpfaSetupError(f"MpFA attention backend: compiling the sm90 kernels failed: "
                                  f"{type(error).__name__}: {error}") from error
 
     # ---- metadata -------------------------------------------------------------------------------------------
@@ -73,7 +78,7 @@ class MpfaAttnBackend(AttentionBackend):
         elif mode.name in ("EXTEND", "MIXED"):
             self.forward_metadata = ExtendBatch.build(
                 self.req_to_token, forward_batch.req_pool_indices, forward_batch.out_cache_loc,
-                list(forward_batch.extend_prefix_lens_cpu), list(forward_batch.extend_seq_lens_cpu))
+                list(forward_batch.extend_prefix_lens_cpu), list(forward_batch.extend_seq_lens_cpu), self.page_size)
         else:
             raise NotImplementedError(f"MpFA attention backend: forward mode {mode.name} is not supported")
 

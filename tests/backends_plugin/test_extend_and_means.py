@@ -122,3 +122,28 @@ def _only(p, index):
     """The same paged layout restricted to one request (its row and tokens)."""
     return type(p)(p.req_to_token, [p.rows[index]], [p.q[index]], [p.k[index]], [p.v[index]], p.num_slots,
                    p.page_size)
+
+
+def test_prefill_path_comes_from_the_environment(monkeypatch):
+    from mpfa.backends.sglang_plugin.attention import prefill_path
+    from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
+
+    monkeypatch.delenv("MPFA_PREFILL", raising=False)
+    assert prefill_path() == "reference"  # the kernel stays opt-in until validated inside a server
+    monkeypatch.setenv("MPFA_PREFILL", "kernel")
+    assert prefill_path() == "kernel"
+    monkeypatch.setenv("MPFA_PREFILL", "fast")
+    with pytest.raises(MpfaSetupError, match="reference, kernel"):
+        prefill_path()
+
+
+def test_extend_batch_page_table_for_the_prefill_kernel(paged):
+    p = paged([70, 5], HQ, HKV, 32, "cpu")
+    s = p.step([(0, 70), (0, 5)], "cpu")
+    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"], 32)
+    assert batch.page_table.dtype == torch.int32 and tuple(batch.page_table.shape) == (2, 3)
+    assert batch.seq_lens_k.tolist() == [70, 5]
+    for b, row in enumerate(p.rows):  # page p of request b holds its tokens [32p, 32p + 32)
+        for page in range(-(-[70, 5][b] // 32)):
+            assert int(batch.page_table[b, page]) * 32 == int(p.req_to_token[row, page * 32])
+    assert ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"]).page_table is None
