@@ -46,46 +46,42 @@ def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float
     return base + (tokens // 128 if backend == "fa4-bf16" else tokens) * _INDEX_BYTES
 
 
+def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], lines: list[str]):
+    """(workload, row, line prefix, speedup text vs the reference) of every timed row; the others are appended to
+    ``lines`` as error lines, in order."""
+    for workload, rows in results:
+        reference = {row.backend: row for row in rows}.get(REFERENCE)
+        for row in rows:
+            prefix = f"{workload.seq:>8} {workload.batch:>5}  {row.backend:<15}"
+            if row.status != OK or row.timing is None:
+                lines.append(f"{prefix} {row.status.upper()}: {row.error}")
+                continue
+            speedup = (f"{reference.timing.median_ms / row.timing.median_ms:8.2f}"
+                       if reference is not None and reference.timing is not None else "       -")
+            yield workload, row, prefix, speedup
+
+
 def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], copy_bandwidth: float | None,
                  num_sms: int) -> str:
     header = (f"{'context':>8} {'batch':>5}  {'backend':<15} {'median us':>10} {'read MB':>9} {'TB/s':>6} "
               f"{'% copy':>7} {'x FI-FP8':>8}")
     lines = [f"copy bandwidth (read + write, measured in this run): "
              f"{copy_bandwidth / 1e3:.2f} TB/s" if copy_bandwidth else "copy bandwidth: not measured", header]
-    for workload, rows in results:
-        by_name = {row.backend: row for row in rows}
-        reference = by_name.get(REFERENCE)
-        for row in rows:
-            prefix = f"{workload.seq:>8} {workload.batch:>5}  {row.backend:<15}"
-            if row.status != OK or row.timing is None:
-                lines.append(f"{prefix} {row.status.upper()}: {row.error}")
-                continue
-            seconds = row.timing.median_ms / 1e3
-            read = bytes_read(row.backend, workload, num_sms)
-            rate = read / seconds
-            pct = f"{100 * rate / (copy_bandwidth * 1e9):6.1f}%" if copy_bandwidth else "      -"
-            speedup = (f"{reference.timing.median_ms / row.timing.median_ms:8.2f}"
-                       if reference is not None and reference.timing is not None else "       -")
-            lines.append(f"{prefix} {row.timing.median_ms * 1e3:>10.1f} {read / 1e6:>9.1f} {rate / 1e12:>6.2f} "
-                         f"{pct} {speedup}")
+    for workload, row, prefix, speedup in _timed_rows(results, lines):
+        read = bytes_read(row.backend, workload, num_sms)
+        rate = read / (row.timing.median_ms / 1e3)
+        pct = f"{100 * rate / (copy_bandwidth * 1e9):6.1f}%" if copy_bandwidth else "      -"
+        lines.append(f"{prefix} {row.timing.median_ms * 1e3:>10.1f} {read / 1e6:>9.1f} {rate / 1e12:>6.2f} "
+                     f"{pct} {speedup}")
     return "\n".join(lines)
 
 
 def format_prefill_table(results: list[tuple[AttentionWorkload, list[BackendResult]]]) -> str:
     """Median time, TFLOP/s of the causal matmuls and the speedup over FlashInfer-FP8 per (context, batch)."""
     lines = [f"{'context':>8} {'batch':>5}  {'backend':<15} {'median ms':>10} {'TFLOP/s':>8} {'x FI-FP8':>8}"]
-    for workload, rows in results:
-        by_name = {row.backend: row for row in rows}
-        reference = by_name.get(REFERENCE)
-        for row in rows:
-            prefix = f"{workload.seq:>8} {workload.batch:>5}  {row.backend:<15}"
-            if row.status != OK or row.timing is None:
-                lines.append(f"{prefix} {row.status.upper()}: {row.error}")
-                continue
-            rate = workload.flops() / (row.timing.median_ms / 1e3)
-            speedup = (f"{reference.timing.median_ms / row.timing.median_ms:8.2f}"
-                       if reference is not None and reference.timing is not None else "       -")
-            lines.append(f"{prefix} {row.timing.median_ms:>10.3f} {rate / 1e12:>8.1f} {speedup}")
+    for workload, row, prefix, speedup in _timed_rows(results, lines):
+        rate = workload.flops() / (row.timing.median_ms / 1e3)
+        lines.append(f"{prefix} {row.timing.median_ms:>10.3f} {rate / 1e12:>8.1f} {speedup}")
     return "\n".join(lines)
 
 
