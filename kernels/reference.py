@@ -193,7 +193,9 @@ def _operand(x: torch.Tensor, fmt: str) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class _Operands:
+class Operands:
+    """A variant's operands of packed sequences, in its compute dtype: q [total_q, Hq, d], k, v [total_k, Hkv, d]."""
+
     q: torch.Tensor
     k: torch.Tensor
     v: torch.Tensor
@@ -233,10 +235,10 @@ def _prepare(
     seqs: _Sequences,
     means: SmoothingMeans | None,
     v_scale: float | torch.Tensor | None,
-) -> _Operands:
+) -> Operands:
     """Round inputs to BF16, center (smoothing variants) and pass Q/K/V through the variant's formats."""
     if spec.q == "exact":
-        return _Operands(q.double(), seqs.k.double(), seqs.v.double(), None)
+        return Operands(q.double(), seqs.k.double(), seqs.v.double(), None)
     q, k, v = (x.to(torch.bfloat16).float() for x in (q, seqs.k, seqs.v))
     ds = None
     if spec.smoothing:
@@ -252,7 +254,7 @@ def _prepare(
         v_op = fake_quant_fp8(v, _v_scale(v_scale, v))
     else:
         v_op = _operand(v, spec.v)
-    return _Operands(_operand(q, spec.q), _operand(k, spec.k), v_op, ds)
+    return Operands(_operand(q, spec.q), _operand(k, spec.k), v_op, ds)
 
 
 def _p_operand(p: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -422,22 +424,57 @@ def attention_one_sequence(
     the reverse-order online softmax has when it reaches that tile, so P is quantized exactly as there; the
     rescaled sums are formed as ``sum_j exp2(lam * (m_j - m)) * X_j`` instead of by repeated ``alpha`` updates,
     which differs from ``attention`` by FP32 rounding only. Tile rows (``block_m``) do not change the result."""
+    if _variant(variant).q == "exact":
+        _check_options(_variant(variant), means, None)
+        return attention_float64(q, k, v, causal=True, sm_scale=sm_scale)
+    ops = prepare_one_sequence(q, k, v, variant=variant, means=means)
+    return attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant=variant, sm_scale=sm_scale, block_n=block_n)
+
+
+def prepare_one_sequence(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, variant: str, means: SmoothingMeans | None = None
+) -> Operands:
+    """The operands `attention_one_sequence` computes with: q [Lq, Hq, d] and k, v [Lk, Hkv, d] through the variant's
+    formats (centered with ``means`` for smoothing variants) and Delta_S [Lk, Hq]. Every variant but ``float64``
+    (dense) and those with NVFP4 V (blocked along tokens) prepares each token on its own, so a sequence's key
+    operands may be prepared in pieces and concatenated (`piecewise_keys`)."""
     spec = _variant(variant)
     _check_options(spec, means, None)
     if spec.q == "exact":
-        return attention_float64(q, k, v, causal=True, sm_scale=sm_scale)
+        raise ValueError("the float64 variant has no prepared operands (it is the dense reference)")
+    cu_q, cu_k = torch.tensor([0, q.shape[0]]), torch.tensor([0, k.shape[0]])
+    return _prepare(spec, q, _resolve(q, k, v, cu_q, cu_k, None, None), means, None)
+
+
+def piecewise_keys(variant: str) -> bool:
+    """Whether ``prepare_one_sequence`` of a sequence's keys equals the concatenation of its pieces'."""
+    spec = _variant(variant)
+    return spec.q != "exact" and spec.v != "nvfp4"
+
+
+def attend_prepared(
+    q_op: torch.Tensor,
+    k_op: torch.Tensor,
+    v_op: torch.Tensor,
+    delta_s: torch.Tensor | None,
+    *,
+    variant: str,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """The all-tiles-at-once causal attention of `attention_one_sequence` on prepared operands: q_op [Lq, Hq, d] are
+    the sequence's last Lq tokens, k_op / v_op [Lk, Hkv, d], delta_s [Lk, Hq] or None -> [Lq, Hq, d] FP32."""
+    spec = _variant(variant)
     _check_block("block_n", block_n)
-    seqs = _resolve(q, k, v, None, None, None, None)
-    lam = _lam(sm_scale, q.shape[-1])
-    ops = _prepare(spec, q, seqs, means, None)
-    (len_q, num_q_heads, head_dim), num_kv_heads = q.shape, k.shape[1]
-    group, len_k = num_q_heads // num_kv_heads, k.shape[0]
+    lam = _lam(sm_scale, q_op.shape[-1])
+    (len_q, num_q_heads, head_dim), num_kv_heads = q_op.shape, k_op.shape[1]
+    group, len_k = num_q_heads // num_kv_heads, k_op.shape[0]
     tiles, pad = -(-len_k // block_n), -len_k % block_n
-    q_h = ops.q.transpose(0, 1).reshape(num_kv_heads, group * len_q, head_dim)
-    s = (q_h @ ops.k.permute(1, 2, 0)).view(num_q_heads, len_q, len_k)
-    if ops.delta_s is not None:
-        s = s + ops.delta_s.transpose(0, 1)[:, None, :]
-    keys, rows = torch.arange(len_k, device=q.device), torch.arange(len_q, device=q.device)
+    q_h = q_op.transpose(0, 1).reshape(num_kv_heads, group * len_q, head_dim)
+    s = (q_h @ k_op.permute(1, 2, 0)).view(num_q_heads, len_q, len_k)
+    if delta_s is not None:
+        s = s + delta_s.transpose(0, 1)[:, None, :]
+    keys, rows = torch.arange(len_k, device=q_op.device), torch.arange(len_q, device=q_op.device)
     s = s.masked_fill(keys[None, None, :] > (rows + len_k - len_q)[None, :, None], -math.inf)
     s = torch.nn.functional.pad(s, (0, pad), value=-math.inf).view(num_q_heads, len_q, tiles, block_n)
     # running max when tile j is reached, tiles visited last to first: max over tiles j..end
@@ -447,7 +484,7 @@ def attention_one_sequence(
     p = torch.exp2(s * lam - (m_ref * lam)[..., None])
     weight = torch.where(seen, torch.exp2(m_ref * lam - (m_ref[..., :1] * lam)), torch.zeros_like(m))
     l = (p.sum(-1) * weight).sum(-1)
-    v_tiles = torch.nn.functional.pad(ops.v.permute(1, 0, 2), (0, 0, 0, pad)).view(num_kv_heads, tiles, block_n, head_dim)
+    v_tiles = torch.nn.functional.pad(v_op.permute(1, 0, 2), (0, 0, 0, pad)).view(num_kv_heads, tiles, block_n, head_dim)
     p_op = _p_operand(p, spec.p).view(num_kv_heads, group, len_q, tiles, block_n)
     pv = torch.einsum("hgqtb,htbd->hgqtd", p_op, v_tiles).reshape(num_q_heads, len_q, tiles, head_dim)
     acc = (pv * weight[..., None]).sum(-2)

@@ -16,9 +16,17 @@ Limits: one unpadded sequence per call (batch 1), causal decoder self-attention,
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from mpfa.kernels.reference import VARIANTS, attention_one_sequence
+from mpfa.kernels.reference import (
+    VARIANTS,
+    attend_prepared,
+    attention_one_sequence,
+    piecewise_keys,
+    prepare_one_sequence,
+)
 from mpfa.kernels.smoothing import SmoothingMeans, sequence_means
 
 
@@ -31,19 +39,37 @@ def implementation_name(variant: str) -> str:
     return f"mpfa_{variant}"
 
 
+@dataclass(frozen=True)
+class _KeyOperands:
+    """A layer's prepared key operands for the current request and the keys (as the model passed them) they are of."""
+
+    keys: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    delta_s: torch.Tensor | None
+
+
 class VariantAttention:
-    """The attention function of one reference variant, with the frozen means of the current request."""
+    """The attention function of one reference variant, with the frozen means of the current request.
+
+    Where the variant prepares each key on its own (`piecewise_keys`), the prepared K/V/Delta_S of the keys seen so
+    far are kept per layer and only new keys are prepared (a decode step quantizes one token, not the whole
+    cache); a call whose earlier keys differ from the kept ones (another request, a re-scored prefix of other
+    length) prepares everything again."""
 
     def __init__(self, variant: str):
         if variant not in VARIANTS:
             raise AttentionSwapError(f"unknown attention variant {variant!r}; choose one of {', '.join(VARIANTS)}")
         self.variant = variant
         self.smoothing = VARIANTS[variant].smoothing
+        self.keep_keys = piecewise_keys(variant)
         self._means: dict[int, SmoothingMeans] = {}
+        self._keys: dict[int, _KeyOperands] = {}
 
     def reset(self) -> None:
-        """Forget the frozen means: the next call of every layer is a new request's prefill."""
+        """Forget the frozen means and kept keys: the next call of every layer is a new request's prefill."""
         self._means.clear()
+        self._keys.clear()
 
     def _layer_means(self, layer: int, q: torch.Tensor, k: torch.Tensor) -> SmoothingMeans | None:
         if not self.smoothing:
@@ -65,8 +91,30 @@ class VariantAttention:
         q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))
         means = self._layer_means(module.layer_idx, q, k)
         sm_scale = module.scaling if scaling is None else scaling
-        out = attention_one_sequence(q, k, v, variant=self.variant, sm_scale=sm_scale, means=means)
+        if VARIANTS[self.variant].q == "exact":
+            out = attention_one_sequence(q, k, v, variant=self.variant, sm_scale=sm_scale)
+        else:
+            q_op, kept = self._operands(module.layer_idx, q, k, v, means)
+            out = attend_prepared(q_op, kept.k, kept.v, kept.delta_s, variant=self.variant, sm_scale=sm_scale)
         return out.to(query.dtype)[None], None  # [1, S, Hq, d], no attention weights
+
+    def _operands(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                  means: SmoothingMeans | None) -> tuple[torch.Tensor, _KeyOperands]:
+        """This call's Q operand and the operands of all its keys, reusing the kept ones of earlier keys."""
+        start = k.shape[0] - q.shape[0]
+        kept = self._keys.get(layer)
+        reuse = (kept is not None and kept.keys.shape[0] >= start > 0
+                 and torch.equal(kept.keys[:start], k[:start]))
+        new = prepare_one_sequence(q, k[start:] if reuse else k, v[start:] if reuse else v, variant=self.variant,
+                                   means=means)
+        if reuse:
+            ds = None if new.delta_s is None else torch.cat([kept.delta_s[:start], new.delta_s])
+            ops = _KeyOperands(k, torch.cat([kept.k[:start], new.k]), torch.cat([kept.v[:start], new.v]), ds)
+        else:
+            ops = _KeyOperands(k, new.k, new.v, new.delta_s)
+        if self.keep_keys:
+            self._keys[layer] = ops
+        return new.q, ops
 
 
 def install(model, variant: str) -> VariantAttention:

@@ -94,3 +94,43 @@ def test_misuse_is_a_clear_error():
 def test_variant_attention_needs_a_known_variant():
     with pytest.raises(AttentionSwapError):
         VariantAttention("int8")
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("variant", ["fp8", "qk4-pv8-direct", "mpfa", "qk4-pv4"])
+def test_kept_key_operands_give_the_same_logits_as_preparing_all(variant, monkeypatch):
+    """Decode steps and choices scored on copies of one cache reuse the prepared keys; the logits are bit-identical
+    to preparing every key at every call (qk4-pv4 blocks V along tokens, so it never keeps keys)."""
+    import copy
+
+    model, ids = _tiny_model(5), _ids(6, 40)
+    prompt, steps = ids[:, :30], ids[:, 30:]
+
+    def run(keep: bool) -> list[torch.Tensor]:
+        fn = install(model, variant)
+        fn.keep_keys = keep and fn.keep_keys
+        fn.reset()
+        out = model(input_ids=prompt, use_cache=True)
+        logits = [out.logits]
+        for choice in (steps[:, :4], steps[:, 4:6], steps[:, 6:]):  # like choice_logprobs: copies of the prompt's cache
+            logits.append(model(input_ids=choice, cache=copy.deepcopy(out.cache), use_cache=True).logits)
+        cache = out.cache
+        for t in range(steps.shape[1]):  # like greedy_answer: one token at a time
+            step = model(input_ids=steps[:, t:t + 1], cache=cache, use_cache=True)
+            cache = step.cache
+            logits.append(step.logits)
+        return logits
+
+    from mpfa.kernels.tasks import attention_swap
+
+    prepared_keys: list[int] = []
+    prepare = attention_swap.prepare_one_sequence
+    monkeypatch.setattr(attention_swap, "prepare_one_sequence",
+                        lambda q, k, v, **kw: prepared_keys.append(k.shape[0]) or prepare(q, k, v, **kw))
+    kept = run(True)
+    reused = min(prepared_keys) == 1  # a decode step prepared only its own key
+    fresh = run(False)
+    assert reused == (variant != "qk4-pv4")
+    assert all(torch.isfinite(x).all() for x in kept)
+    assert all(torch.equal(a, b) for a, b in zip(kept, fresh))
+    assert install(model, variant).keep_keys == (variant != "qk4-pv4")
