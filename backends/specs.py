@@ -10,6 +10,7 @@ simulator runs (a simulated run gets no caveat: its numbers come from the latenc
 from __future__ import annotations
 
 import importlib.util
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 
@@ -24,6 +25,14 @@ class BackendSpec:
     env: dict[str, str] = field(default_factory=dict)
     plugin: str | None = None  # module that registers this backend with SGLang, if not built in
     caveat: str | None = None  # one sentence: which of its measured numbers are not the backend's own, if any
+    caveat_when: Mapping[str, str] = field(default_factory=dict)  # server environment the caveat applies to ({}: always)
+
+    def caveat_for(self, environ: Mapping[str, str]) -> str | None:
+        """The caveat of a server started with `environ` (its own `env` applied on top), or None."""
+        server_env = {**environ, **self.env}
+        if self.caveat and all(server_env.get(k) == v for k, v in self.caveat_when.items()):
+            return self.caveat
+        return None
 
     def missing(self) -> list[str]:
         """Modules this backend needs that are not importable here."""
@@ -40,10 +49,14 @@ def _importable(module: str) -> bool:
 
 _SGLANG = ("sglang",)
 
-# The plugin's decode is the sm90 kernel, but its prefill still runs a PyTorch reference path.
+# The plugin's extend runs the sm90 prefill kernel unless the server's environment selects its PyTorch reference
+# path (`MPFA_PREFILL=reference`); runs measured that way carry the caveat.
+PREFILL_ENV = "MPFA_PREFILL"
+PREFILL_PATHS = ("kernel", "reference")  # the first is the default
 PLUGIN_PREFILL_CAVEAT = (
     "prefill runs the plugin's slow PyTorch reference path: TTFT and prefill-bound metrics are not MpFA's"
 )
+_REFERENCE_PREFILL = {PREFILL_ENV: "reference"}
 
 BACKENDS: dict[str, BackendSpec] = {
     spec.name: spec
@@ -77,6 +90,7 @@ BACKENDS: dict[str, BackendSpec] = {
             modules=_SGLANG,
             plugin="mpfa.backends.sglang_plugin",
             caveat=PLUGIN_PREFILL_CAVEAT,
+            caveat_when=_REFERENCE_PREFILL,
         ),
         BackendSpec(
             name="mpfa-direct",
@@ -86,6 +100,7 @@ BACKENDS: dict[str, BackendSpec] = {
             modules=_SGLANG,
             plugin="mpfa.backends.sglang_plugin",
             caveat=PLUGIN_PREFILL_CAVEAT,
+            caveat_when=_REFERENCE_PREFILL,
         ),
     ]
 }

@@ -38,7 +38,15 @@ from dataclasses import dataclass
 import torch
 
 from mpfa.kernels.formats import NVFP4_BLOCK, fake_quant_fp8, fake_quant_nvfp4, fake_quant_p_fp8
-from mpfa.kernels.smoothing import SmoothingMeans, center, check_cu_seqlens, delta_s, sequence_means
+from mpfa.kernels.smoothing import (
+    SmoothingMeans,
+    center,
+    check_cu_seqlens,
+    delta_s,
+    delta_s_padded,
+    masked_means,
+    sequence_means,
+)
 
 _FORMATS = ("exact", "bf16", "fp8", "nvfp4")
 
@@ -177,11 +185,12 @@ def _resolve(
 
 
 def _fake_quant_along_tokens(v: torch.Tensor) -> torch.Tensor:
-    """NVFP4 for one sequence's V [L, Hkv, d] in 16-token blocks from its first token (zero-padded at the end)."""
-    length = v.shape[0]
+    """NVFP4 for V [..., L, Hkv, d] (one sequence, or a batch of right-padded rows whose padding is zeros) in 16-token
+    blocks from its first token (zero-padded at the end)."""
+    length = v.shape[-3]
     pad = -length % NVFP4_BLOCK
-    by_channel = torch.nn.functional.pad(v.permute(1, 2, 0), (0, pad))  # [Hkv, d, L + pad]
-    return fake_quant_nvfp4(by_channel)[..., :length].permute(2, 0, 1)
+    by_channel = torch.nn.functional.pad(v.movedim(-3, -1), (0, pad))  # [..., Hkv, d, L + pad]
+    return fake_quant_nvfp4(by_channel)[..., :length].movedim(-1, -3)
 
 
 def _operand(x: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -437,19 +446,77 @@ def prepare_one_sequence(
     """The operands `attention_one_sequence` computes with: q [Lq, Hq, d] and k, v [Lk, Hkv, d] through the variant's
     formats (centered with ``means`` for smoothing variants) and Delta_S [Lk, Hq]. Every variant but ``float64``
     (dense) and those with NVFP4 V (blocked along tokens) prepares each token on its own, so a sequence's key
-    operands may be prepared in pieces and concatenated (`piecewise_keys`)."""
-    spec = _variant(variant)
-    _check_options(spec, means, None)
-    if spec.q == "exact":
+    operands may be prepared in pieces and concatenated (`piecewise_keys`). The batch-of-one case of `prepare_batch`."""
+    if _variant(variant).q == "exact":
         raise ValueError("the float64 variant has no prepared operands (it is the dense reference)")
-    cu_q, cu_k = torch.tensor([0, q.shape[0]]), torch.tensor([0, k.shape[0]])
-    return _prepare(spec, q, _resolve(q, k, v, cu_q, cu_k, None, None), means, None)
+    _check_heads(q, k, v, 3)
+    ops = prepare_batch(q[None], k[None], v[None], variant=variant, means=means)
+    return Operands(ops.q[0], ops.k[0], ops.v[0], None if ops.delta_s is None else ops.delta_s[0])
 
 
 def piecewise_keys(variant: str) -> bool:
     """Whether ``prepare_one_sequence`` of a sequence's keys equals the concatenation of its pieces'."""
     spec = _variant(variant)
     return spec.q != "exact" and spec.v != "nvfp4"
+
+
+def _prefix_mask(lengths: torch.Tensor, size: int, batch: int, device: torch.device, name: str) -> torch.Tensor:
+    """[B, size] bool: True for the first lengths[b] entries of row b."""
+    lengths = torch.as_tensor(lengths, device=device).long()
+    if tuple(lengths.shape) != (batch,):
+        raise ValueError(f"{name} must be [batch={batch}], got shape {tuple(lengths.shape)}")
+    return torch.arange(size, device=device) < lengths[:, None]
+
+
+def prepare_batch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    variant: str,
+    means: SmoothingMeans | None = None,
+    query_lengths: torch.Tensor | None = None,
+    key_lengths: torch.Tensor | None = None,
+) -> Operands:
+    """`prepare_one_sequence` of B right-padded rows at once: q [B, Sq, Hq, d], k, v [B, Lk, Hkv, d] -> operands in the
+    same layouts, Delta_S [B, Lk, Hq]. Row b's valid queries / keys are its first ``query_lengths[b]`` /
+    ``key_lengths[b]`` (None: all); every key operand is per token except NVFP4 V (blocked along tokens from the
+    row's first key), so keys past a row's length are set to zero first: its blocks then see the zeros the
+    one-sequence form pads with, and the valid operands equal that row's `prepare_one_sequence`. Padding operands
+    are finite and must be masked (`attend_prepared_batch`). Smoothing variants without ``means`` [B, ...] use each
+    row's means over its valid queries and keys (`masked_means`). ``float64`` returns the inputs in float64."""
+    spec = _variant(variant)
+    _check_options(spec, means, None)
+    if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0]:
+        raise ValueError(f"q must be [B, Sq, Hq, d] and k, v [B, Lk, Hkv, d], got {tuple(q.shape)} and {tuple(k.shape)}")
+    _check_heads(q[0], k[0], v[0], 3)
+    if not bool(torch.isfinite(q).all() & torch.isfinite(k).all() & torch.isfinite(v).all()):
+        raise ValueError("q, k and v must be finite: the inputs hold NaN or Inf")
+    batch = q.shape[0]
+    key_valid = None
+    if key_lengths is not None:
+        key_valid = _prefix_mask(key_lengths, k.shape[1], batch, k.device, "key_lengths")
+        k, v = (x.masked_fill(~key_valid[..., None, None], 0) for x in (k, v))
+    if spec.q == "exact":
+        return Operands(q.double(), k.double(), v.double(), None)
+    q, k, v = (x.to(torch.bfloat16).float() for x in (q, k, v))
+    ds = None
+    if spec.smoothing:
+        if means is None:
+            q_valid = None if query_lengths is None else _prefix_mask(
+                query_lengths, q.shape[1], batch, q.device, "query_lengths")
+            means = SmoothingMeans(masked_means(q, q_valid), masked_means(k, key_valid))
+        _check_means(means, batch, q[0], k[0])
+        q = q - means.q_mean.to(q.device, torch.float32)[:, None]  # `center`, per row
+        k = k - means.k_mean.to(k.device, torch.float32)[:, None]
+        ds = delta_s_padded(means.q_mean, k).float()
+    if spec.v == "nvfp4":
+        v_op = _fake_quant_along_tokens(v)
+    elif spec.v == "fp8":
+        v_op = fake_quant_fp8(v, _v_scale(None, v))
+    else:
+        v_op = _operand(v, spec.v)
+    return Operands(_operand(q, spec.q), _operand(k, spec.k), v_op, ds)
 
 
 def attend_prepared(
@@ -463,20 +530,61 @@ def attend_prepared(
     block_n: int = 128,
 ) -> torch.Tensor:
     """The all-tiles-at-once causal attention of `attention_one_sequence` on prepared operands: q_op [Lq, Hq, d] are
-    the sequence's last Lq tokens, k_op / v_op [Lk, Hkv, d], delta_s [Lk, Hq] or None -> [Lq, Hq, d] FP32."""
+    the sequence's last Lq tokens, k_op / v_op [Lk, Hkv, d], delta_s [Lk, Hq] or None -> [Lq, Hq, d] FP32. The
+    batch-of-one case of `attend_prepared_batch`."""
+    ds = None if delta_s is None else delta_s[None]
+    return attend_prepared_batch(q_op[None], k_op[None], v_op[None], ds, variant=variant, sm_scale=sm_scale,
+                                 block_n=block_n)[0]
+
+
+def attend_prepared_batch(
+    q_op: torch.Tensor,
+    k_op: torch.Tensor,
+    v_op: torch.Tensor,
+    delta_s: torch.Tensor | None,
+    *,
+    variant: str,
+    sm_scale: float | None = None,
+    block_n: int = 128,
+    key_lengths: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
+    query_positions: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """`attend_prepared` of B right-padded rows at once (one set of tensor ops for the whole batch): q_op [B, Sq, Hq, d],
+    k_op / v_op [B, Lk, Hkv, d], delta_s [B, Lk, Hq] or None -> [B, Sq, Hq, d] (FP32; float64 for ``float64``).
+
+    Row b's keys are its first ``key_lengths[b]`` (None: all Lk), KV tiles aligned to key 0 as in the one-sequence
+    form, and its valid queries its first ``query_lengths[b]`` (None: all Sq), the last keys of the row (causal,
+    bottom-right aligned per row: query i sees keys j <= i + key_lengths[b] - query_lengths[b]). ``query_positions``
+    [B, Sq] gives instead the last key each query row sees (-1: none). Padding keys score -inf before the running
+    max, so P there is exactly 0 and a tile with no visible key leaves the state unchanged; padding query rows and
+    rows that see no key give 0. Each valid row equals `attend_prepared` of that row alone up to FP32 summation
+    order (the trailing all-masked tiles add exact zeros to the per-tile sums)."""
     spec = _variant(variant)
     _check_block("block_n", block_n)
     lam = _lam(sm_scale, q_op.shape[-1])
-    (len_q, num_q_heads, head_dim), num_kv_heads = q_op.shape, k_op.shape[1]
-    group, len_k = num_q_heads // num_kv_heads, k_op.shape[0]
+    (batch, len_q, num_q_heads, head_dim), (len_k, num_kv_heads) = q_op.shape, k_op.shape[1:3]
+    group, device = num_q_heads // num_kv_heads, q_op.device
     tiles, pad = -(-len_k // block_n), -len_k % block_n
-    q_h = q_op.transpose(0, 1).reshape(num_kv_heads, group * len_q, head_dim)
-    s = (q_h @ k_op.permute(1, 2, 0)).view(num_q_heads, len_q, len_k)
+    rows = torch.arange(len_q, device=device)
+    if query_positions is None:
+        last = len_k if key_lengths is None else torch.as_tensor(key_lengths, device=device).long()[:, None]
+        count = len_q if query_lengths is None else torch.as_tensor(query_lengths, device=device).long()[:, None]
+        query_positions = rows + (last - count)
+        if query_lengths is not None:
+            query_positions = torch.where(rows < count, query_positions, -1)
+    else:
+        query_positions = torch.as_tensor(query_positions, device=device).long()
+        if key_lengths is not None:
+            query_positions = torch.minimum(query_positions,
+                                            torch.as_tensor(key_lengths, device=device).long()[:, None] - 1)
+    q_h = q_op.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * len_q, head_dim)
+    s = (q_h @ k_op.permute(0, 2, 3, 1)).view(batch, num_q_heads, len_q, len_k)
     if delta_s is not None:
-        s = s + delta_s.transpose(0, 1)[:, None, :]
-    keys, rows = torch.arange(len_k, device=q_op.device), torch.arange(len_q, device=q_op.device)
-    s = s.masked_fill(keys[None, None, :] > (rows + len_k - len_q)[None, :, None], -math.inf)
-    s = torch.nn.functional.pad(s, (0, pad), value=-math.inf).view(num_q_heads, len_q, tiles, block_n)
+        s = s + delta_s.transpose(1, 2)[:, :, None, :]
+    keys = torch.arange(len_k, device=device)
+    s = s.masked_fill(keys > query_positions.reshape(-1, 1, len_q, 1), -math.inf)
+    s = torch.nn.functional.pad(s, (0, pad), value=-math.inf).view(batch, num_q_heads, len_q, tiles, block_n)
     # running max when tile j is reached, tiles visited last to first: max over tiles j..end
     m = s.amax(-1).flip(-1).cummax(-1).values.flip(-1)
     seen = torch.isfinite(m)
@@ -484,11 +592,32 @@ def attend_prepared(
     p = torch.exp2(s * lam - (m_ref * lam)[..., None])
     weight = torch.where(seen, torch.exp2(m_ref * lam - (m_ref[..., :1] * lam)), torch.zeros_like(m))
     l = (p.sum(-1) * weight).sum(-1)
-    v_tiles = torch.nn.functional.pad(v_op.permute(1, 0, 2), (0, 0, 0, pad)).view(num_kv_heads, tiles, block_n, head_dim)
-    p_op = _p_operand(p, spec.p).view(num_kv_heads, group, len_q, tiles, block_n)
-    pv = torch.einsum("hgqtb,htbd->hgqtd", p_op, v_tiles).reshape(num_q_heads, len_q, tiles, head_dim)
+    v_tiles = torch.nn.functional.pad(v_op.permute(0, 2, 1, 3), (0, 0, 0, pad))
+    v_tiles = v_tiles.view(batch, num_kv_heads, tiles, block_n, head_dim)
+    p_op = _p_operand(p, spec.p).view(batch, num_kv_heads, group, len_q, tiles, block_n)
+    pv = torch.einsum("bhgqtk,bhtkd->bhgqtd", p_op, v_tiles).reshape(batch, num_q_heads, len_q, tiles, head_dim)
     acc = (pv * weight[..., None]).sum(-2)
-    return _normalize(acc, l).transpose(0, 1)
+    return _normalize(acc, l).transpose(1, 2)
+
+
+def attention_batch(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    variant: str,
+    key_lengths: torch.Tensor | None = None,
+    query_lengths: torch.Tensor | None = None,
+    sm_scale: float | None = None,
+    means: SmoothingMeans | None = None,
+    block_n: int = 128,
+) -> torch.Tensor:
+    """`attention_one_sequence` of B right-padded rows (q [B, Sq, Hq, d], k, v [B, Lk, Hkv, d], lengths as in
+    `attend_prepared_batch`) -> [B, Sq, Hq, d]; padding query rows give 0. ``float64`` runs the same tiles in
+    float64 (not the dense `attention_float64`: equal up to float64 rounding)."""
+    ops = prepare_batch(q, k, v, variant=variant, means=means, query_lengths=query_lengths, key_lengths=key_lengths)
+    return attend_prepared_batch(ops.q, ops.k, ops.v, ops.delta_s, variant=variant, sm_scale=sm_scale,
+                                 block_n=block_n, key_lengths=key_lengths, query_lengths=query_lengths)
 
 
 def decode_partials(

@@ -81,3 +81,31 @@ def delta_s(q_mean: torch.Tensor, k_centered: torch.Tensor, cu_seqlens_k: torch.
     q_bar = q_mean.to(k_centered.device, torch.float32)[_segment_ids(cu, k_centered.device)]  # [total_k, Hq, d]
     k_per_q_head = k_centered.float().repeat_interleave(group, dim=1)  # [total_k, Hq, d]
     return (q_bar * k_per_q_head).sum(-1).to(torch.bfloat16)
+
+
+def masked_means(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-row, per-head mean of a right-padded batch x [B, L, H, d] over the tokens where ``valid`` [B, L] (bool) is
+    True (None: all) -> [B, H, d], as ``sequence_means`` of the packed valid tokens: a row's sums are formed exactly as
+    for that row alone (on the CPU bit for bit; CUDA's ``index_add_`` sums in no fixed order either way)."""
+    if valid is None:
+        packed, lengths = x.flatten(0, 1), torch.full((x.shape[0],), x.shape[1], dtype=torch.int64)
+    else:
+        if tuple(valid.shape) != tuple(x.shape[:2]):
+            raise ValueError(f"valid must be [B, L] = {tuple(x.shape[:2])}, got {tuple(valid.shape)}")
+        valid = valid.to(x.device, torch.bool)
+        packed, lengths = x[valid], valid.sum(1).to("cpu", torch.int64)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
+    return sequence_means(packed, cu)
+
+
+def delta_s_padded(q_mean: torch.Tensor, k_centered: torch.Tensor) -> torch.Tensor:
+    """``delta_s`` of a padded batch: q_mean [B, Hq, d], k_centered [B, L, Hkv, d] -> Delta_S [B, L, Hq] in BF16 (the
+    same products and sums per key as ``delta_s``)."""
+    batch, num_q_heads, head_dim = q_mean.shape
+    if k_centered.dim() != 4 or k_centered.shape[0] != batch or k_centered.shape[3] != head_dim \
+            or num_q_heads % k_centered.shape[2]:
+        raise ValueError(f"q_mean {tuple(q_mean.shape)} does not fit k_centered {tuple(k_centered.shape)} [B, L, Hkv, d]")
+    group = num_q_heads // k_centered.shape[2]
+    q_bar = q_mean.to(k_centered.device, torch.float32)[:, None]  # [B, 1, Hq, d]
+    k_per_q_head = k_centered.float().repeat_interleave(group, dim=2)  # [B, L, Hq, d]
+    return (q_bar * k_per_q_head).sum(-1).to(torch.bfloat16)

@@ -5,6 +5,8 @@ requests in flight; the run is then marked failed or interrupted.
 """
 from __future__ import annotations
 
+import os
+
 import json
 import time
 import urllib.error
@@ -123,7 +125,7 @@ def run_bench(
         ):
             simulated = opts.engine == "sim" or bool(info.get("simulated"))
             # A simulated run's numbers come from the latency model, not from the code the caveat is about.
-            caveat = None if simulated else spec.caveat
+            caveat = None if simulated else spec.caveat_for(os.environ)
             if caveat:
                 console.print(Text(f"{spec.name} {CAVEAT_MARK} caveat: {caveat}", style="yellow"))
             warmed: set[int] = set()

@@ -259,7 +259,7 @@ def gate(
 @app.command()
 @cli_errors
 def profile(
-    kind: Annotated[str, typer.Argument(help="prefill, decode (kernel microbenchmarks) or serving (a live server's kernel breakdown).")],
+    kind: Annotated[str, typer.Argument(help="prefill, decode (kernel microbenchmarks), serving (a live server's kernel breakdown) or characterize (where MpFA prefill's time goes: compile-time ablations).")],
     seq: Annotated[str, typer.Option(help="Prompt length (prefill, serving) or KV length (decode), e.g. 64k.")] = "64k",
     batch: Annotated[int, typer.Option(help="Requests in the batch.")] = 1,
     heads: Annotated[str, typer.Option(help="Query:KV heads.")] = "32:8",
@@ -279,10 +279,13 @@ def profile(
     from mpfa.profiles.errors import ProfileError
     from mpfa.profiles.workload import parse_heads, parse_seq
 
-    if kind not in ("prefill", "decode", "serving"):
-        raise UserError(f"unknown profile kind '{kind}'; valid: prefill, decode, serving")
+    if kind not in ("prefill", "decode", "serving", "characterize"):
+        raise UserError(f"unknown profile kind '{kind}'; valid: prefill, decode, serving, characterize")
     try:
         length = parse_seq(seq)
+        if kind == "characterize":
+            _profile_characterize(length, batch, parse_heads(heads), head_dim, out, db)
+            return
         if kind == "serving":
             _profile_serving(length, batch, steps, backend, url, model, out, db)
             return
@@ -299,6 +302,21 @@ def profile(
     render_profile(result, console)
     with _store(db) as store:
         profile_id = store.add_profile(kind, result.device, asdict(result.workload), result.to_json())
+    console.print(f"stored profile {profile_id} in {store.path}")
+
+
+def _profile_characterize(seq: int, batch: int, heads: tuple[int, int], head_dim: int, out: Path,
+                          db: Optional[Path]) -> None:
+    """The MpFA prefill kernel's ablation ladder (paper Fig. 3) with FA4-BF16 and FlashInfer-FP8 as context."""
+    from dataclasses import asdict
+
+    from mpfa.profiles.characterize import render_characterize, run_characterize
+
+    result = run_characterize(seq, batch, heads, head_dim, out,
+                              progress=lambda line: err_console.print(line, highlight=False))
+    render_characterize(result, console)
+    with _store(db) as store:
+        profile_id = store.add_profile("characterize", result.device, asdict(result.workload), result.to_json())
     console.print(f"stored profile {profile_id} in {store.path}")
 
 

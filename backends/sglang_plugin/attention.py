@@ -4,10 +4,10 @@ KV write (extend and decode): `mpfa.kernels.sm90.quantize_cache.quantize_to_cach
 NVFP4 K, FP8 V and Delta_S into their slots and returns this step's centered NVFP4 Q; for ``mpfa`` an extend first
 freezes the means of the requests it starts (`kv_store.freeze_means`).
 Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable).
-Extend (eager only), chosen by ``$MPFA_PREFILL``: ``reference`` (default) the SLOW REFERENCE PATH
-(`reference_extend`), or ``kernel`` the sm90 prefill kernel v1 (`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`),
-which stays opt-in until it has been validated inside a running server (tests/backends_plugin/test_gpu_prefill.py
-checks it against the reference outside one).
+Extend (eager only), chosen by ``$MPFA_PREFILL``: ``kernel`` (default) the sm90 prefill kernel v1
+(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`; tests/backends_plugin/test_gpu_prefill.py checks it against the
+reference path), or ``reference`` the SLOW REFERENCE PATH (`reference_extend`), whose runs `mpfa bench` marks
+with a caveat.
 """
 
 from __future__ import annotations
@@ -22,19 +22,17 @@ from mpfa.backends.sglang_plugin.decode_plan import DecodeBatch, build_page_tabl
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore, freeze_means, requests_starting
 from mpfa.backends.sglang_plugin.reference_extend import reference_extend
 from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
+from mpfa.backends.specs import PREFILL_ENV, PREFILL_PATHS
 from mpfa.backends.sglang_plugin.variants import BackendVariant
 from mpfa.kernels.cache_layout import CenteredQuery
 from mpfa.kernels.smoothing import SmoothingMeans
 
 
-PREFILL_PATHS = ("reference", "kernel")
-
-
 def prefill_path() -> str:
-    """The extend implementation ``$MPFA_PREFILL`` selects (``reference`` when unset)."""
-    path = os.environ.get("MPFA_PREFILL", "reference")
+    """The extend implementation ``$MPFA_PREFILL`` selects (``kernel`` when unset)."""
+    path = os.environ.get(PREFILL_ENV, PREFILL_PATHS[0])
     if path not in PREFILL_PATHS:
-        raise MpfaSetupError(f"MPFA_PREFILL={path!r}: choose one of {', '.join(PREFILL_PATHS)}")
+        raise MpfaSetupError(f"{PREFILL_ENV}={path!r}: choose one of {', '.join(PREFILL_PATHS)}")
     return path
 
 

@@ -46,8 +46,8 @@ class MpfaAttnBackend(AttentionBackend):
         self.forward_metadata: Any = None
         self.graph_buffers: GraphDecodeBuffers | None = None
         self._compile_kernels()
-        prefill = ("sm90 prefill kernel v1 ($MPFA_PREFILL=kernel)" if self.core.prefill == "kernel" else
-                   "SLOW REFERENCE PATH (PyTorch; its timings are not MpFA's)")
+        prefill = ("sm90 prefill kernel v1" if self.core.prefill == "kernel" else
+                   "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
         logger.info("MpFA backend %s: decode = sm90 kernel, prefill = %s", variant.backend, prefill)
 
     def _compile_kernels(self) -> None:

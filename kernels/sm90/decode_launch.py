@@ -9,6 +9,7 @@ symbolic sizes (`compile_decode_kernels` is also what CI runs on a CPU-only mach
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -19,17 +20,31 @@ from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
 
 HEAD_DIM = 128
-MIN_PARTITION = 256
+MIN_PARTITION = 128
 MAX_PARTITION = 8192
-WARPS_PER_SM_TARGET = 8  # enough decode warps per SM to keep DRAM busy (see profiles/NOTES.md)
+# Decode warps per SM to aim for: the split kernels take 167 registers (v1 and v2), so 12 one-warp CTAs fit an
+# SM (65,536 / (168 x 32)); v2's 15 KB of shared memory per warp keeps 12 too (180 of 227 KB). Every warp is a
+# serial chain (~5 us per tile in v1), so the grid should fill all 12 slots in one wave (see profiles/NOTES.md).
+WARPS_PER_SM_TARGET = 12
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
+KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async pipelined split kernel) or "v1"
+
+
+def use_pipelined(num_q_heads: int) -> bool:
+    """Whether `mpfa_decode` runs the v2 split kernel: unless ``MPFA_DECODE_KERNEL=v1``, and when the number of
+    query heads is even (v2 copies Delta_S as aligned 4-byte words)."""
+    choice = os.environ.get(KERNEL_ENV, "v2").strip().lower()
+    if choice not in ("v1", "v2"):
+        raise ValueError(f"{KERNEL_ENV} must be v1 or v2, got {choice!r}")
+    return choice == "v2" and num_q_heads % 2 == 0
 
 
 def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Power-of-two partition (keys per warp) giving about ``WARPS_PER_SM_TARGET`` warps per SM at the longest
-    context, within [MIN_PARTITION, MAX_PARTITION]: shorter partitions cost more partial-state traffic."""
-    per_warp = max_seq_len * batch * num_kv_heads / (WARPS_PER_SM_TARGET * num_sms)
-    size = 1 << max(0, math.ceil(math.log2(max(per_warp, 1))))
+    """Partition (keys per warp, a multiple of the 32-key tile) giving at most ``WARPS_PER_SM_TARGET`` warps per
+    SM at the longest context (one wave), within [MIN_PARTITION, MAX_PARTITION]: shorter partitions cost more
+    partial-state traffic and merge work, longer ones leave warp slots empty."""
+    parts = max(1, WARPS_PER_SM_TARGET * num_sms // max(1, batch * num_kv_heads))  # per request
+    size = TILE_KEYS * math.ceil(max_seq_len / parts / TILE_KEYS)  # -> at most `parts` partitions
     return min(MAX_PARTITION, max(MIN_PARTITION, size))
 
 
@@ -72,14 +87,19 @@ class DecodeWorkspace:
 
 
 @lru_cache(maxsize=None)
-def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16") -> tuple:
-    """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI."""
+def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16",
+                           pipelined: bool | None = None) -> tuple:
+    """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI.
+    ``pipelined``: the v2 split kernel (cp.async double buffer, `decode_pipelined`); default `use_pipelined`."""
+    if pipelined is None:
+        pipelined = use_pipelined(num_kv_heads * group)
     target_sm90a()
     import cutlass
     from cutlass import Float32, Int32
 
     from mpfa.kernels.sm90.decode import SplitKVDecodeSm90
     from mpfa.kernels.sm90.decode_merge import DecodeMergeSm90
+    from mpfa.kernels.sm90.decode_pipelined import SplitKVDecodeSm90Pipelined
 
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8, f32 = cutlass.Uint8, Float32
@@ -87,7 +107,7 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
                 fake_tensor(f32, (None, hq, None, d)))
     seq_lens = fake_tensor(Int32, (None,), align=4)
     split = compile_kernel(
-        SplitKVDecodeSm90(num_kv_heads, group, page_size),
+        (SplitKVDecodeSm90Pipelined if pipelined else SplitKVDecodeSm90)(num_kv_heads, group, page_size),
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (None, hkv, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (None, hq), align=4),
@@ -144,7 +164,7 @@ def mpfa_decode(
                                                   device=query.codes.device)
     _check_inputs(query, cache, page_table, seq_lens, workspace, out)
     split, merge = compile_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
-                                          _OUT_DTYPES[out.dtype])
+                                          _OUT_DTYPES[out.dtype], use_pipelined(num_q_heads))
     lam = float(torch.tensor(math.log2(math.e) * (sm_scale or 1.0 / math.sqrt(HEAD_DIM)), dtype=torch.float32))
     u8 = torch.uint8
     split(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),

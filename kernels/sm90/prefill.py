@@ -39,6 +39,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
+from mpfa.kernels.sm90 import ablation as abl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.ptx import f32x2_to_bf16x2, load_u16, load_u32, load_v4_u32, store_v4_f32, store_v4_u32
 from mpfa.kernels.sm90.warp_mma import q_chunk_regs, transpose_v
@@ -57,9 +58,11 @@ OUT_DTYPES = ("BFloat16", "Float32")
 
 class PrefillSm90:
     """Compile-time shape of one prefill kernel: ``num_kv_heads``, GQA ``group``, ``page_size`` (a power of two
-    holding whole tiles), ``causal`` and the output dtype name (``BFloat16`` or ``Float32``)."""
+    holding whole tiles), ``causal`` and the output dtype name (``BFloat16`` or ``Float32``). ``ablation``: pieces
+    of the tile work removed for timing (`ablation.Ablation`; the default, `ablation.FULL`, is the real kernel)."""
 
-    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16"):
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
+                 ablation: abl.Ablation = abl.FULL):
         if num_kv_heads <= 0 or group <= 0:
             raise ValueError(f"need positive num_kv_heads and group, got {num_kv_heads} and {group}")
         if page_size < TILE_KEYS or page_size & (page_size - 1):
@@ -73,6 +76,9 @@ class PrefillSm90:
         self.page_shift = page_size.bit_length() - 1
         self.causal = causal
         self.out_f32 = out_dtype == "Float32"
+        if not isinstance(ablation, abl.Ablation):
+            raise TypeError(f"ablation must be an Ablation, got {ablation!r}")
+        self.ablation = ablation
 
     @cute.jit
     def __call__(
@@ -91,9 +97,16 @@ class PrefillSm90:
         num_m_blocks: Int32,  # ceil(max q_len / BLOCK_M)
         stream,
     ):
-        self.kernel(
-            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
-        ).launch(grid=(self.num_q_heads, num_m_blocks, seq_lens_k.shape[0]), block=(32 * WARPS, 1, 1), stream=stream)
+        if cutlass.const_expr(self.ablation.is_full):
+            self.kernel(
+                q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
+            ).launch(grid=(self.num_q_heads, num_m_blocks, seq_lens_k.shape[0]), block=(32 * WARPS, 1, 1),
+                     stream=stream)
+        else:  # unused dynamic shared memory holds an ablated kernel to the full kernel's 2 CTAs per SM
+            self.kernel(
+                q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
+            ).launch(grid=(self.num_q_heads, num_m_blocks, seq_lens_k.shape[0]), block=(32 * WARPS, 1, 1),
+                     smem=abl.OCCUPANCY_PAD_BYTES, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -135,7 +148,10 @@ class PrefillSm90:
             q_row = Int64(q_start + rows[r]) * num_q_heads + head
             words = load_v4_u32(q_codes.iterator.toint() + q_row * K_ROW_BYTES + 16 * c, valid)
             scale_pair = load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c, valid, Uint32(0))
-            q_regs.append(q_chunk_regs(words, scale_pair))
+            if cutlass.const_expr(self.ablation.dequant):
+                q_regs.append(q_chunk_regs(words, scale_pair))
+            else:
+                q_regs.append(abl.raw_q_regs(words, scale_pair))
         a_steps = tile_math.qk_a_steps(q_regs[0], q_regs[1])
 
         state = cute.make_rmem_tensor((4,), Float32)  # running max (S * 2**-7) of rows g, g + 8; lane-partial sums
@@ -201,7 +217,9 @@ class PrefillSm90:
                 valid = Uint32(ds_left > 8 * n_tile + half) if masked else Uint32(1)
                 ds_bits.append(load_u16(ds_row + (8 * n_tile + half) * ds_stride, valid, Uint32(0)))
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
-        return tile_math.qk_scores(a_steps, k_words, k_scale_pairs, ds_bits, seen)
+        if cutlass.const_expr(self.ablation.dequant):
+            return tile_math.qk_scores(a_steps, k_words, k_scale_pairs, ds_bits, seen)
+        return tile_math.qk_scores(a_steps, k_words, k_scale_pairs, ds_bits, seen, ntile=abl.qk_ntile_raw)
 
     @cute.jit
     def _load_v(self, masked: cutlass.Constexpr, step, tile, slot0, kv_len, c, v_base):
@@ -222,17 +240,50 @@ class PrefillSm90:
                     tile, slot0, kv_len, c, v_base):
         """Online softmax of rows g, g + 8, then acc = alpha acc + V^T e4m3(448 P)^T; the next PV step's V loads
         are issued before this step's MMAs."""
-        probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
-                                                                 lam_scaled)
-        for r in cutlass.range_constexpr(2):
-            state[r] = m_rows[r]
-            state[2 + r] = l_rows[r]
-        regs = tile_math.rescale([acc[i] for i in range(tile_math.ACC_REGS)], alphas, c)
-        for step in cutlass.range_constexpr(PV_STEPS):
-            transposed = transpose_v(v_rows)
-            if cutlass.const_expr(step + 1 < PV_STEPS):
-                v_rows = self._load_v(masked, step + 1, tile, slot0, kv_len, c, v_base)
-            regs = tile_math.pv_step(regs, probs, transposed, step)
+        if cutlass.const_expr(not self.ablation.is_full):
+            self._softmax_pv_ablated(masked, scores, state, acc, v_rows, lam_scaled, tile, slot0, kv_len, c, v_base)
+        else:
+            probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]],
+                                                                     [state[2], state[3]], lam_scaled)
+            for r in cutlass.range_constexpr(2):
+                state[r] = m_rows[r]
+                state[2 + r] = l_rows[r]
+            regs = tile_math.rescale([acc[i] for i in range(tile_math.ACC_REGS)], alphas, c)
+            for step in cutlass.range_constexpr(PV_STEPS):
+                transposed = transpose_v(v_rows)
+                if cutlass.const_expr(step + 1 < PV_STEPS):
+                    v_rows = self._load_v(masked, step + 1, tile, slot0, kv_len, c, v_base)
+                regs = tile_math.pv_step(regs, probs, transposed, step)
+            for i in cutlass.range_constexpr(tile_math.ACC_REGS):
+                acc[i] = regs[i]
+
+    @cute.jit
+    def _softmax_pv_ablated(self, masked: cutlass.Constexpr, scores, state: cute.Tensor, acc: cute.Tensor, v_rows,
+                            lam_scaled, tile, slot0, kv_len, c, v_base):
+        """`_softmax_pv` with the pieces ``self.ablation`` removes replaced as `ablation` describes (timing only)."""
+        ablation = self.ablation
+        exp2 = tile_math.exp2_approx if ablation.exp2 else abl.no_exp2
+        regs = [acc[i] for i in range(tile_math.ACC_REGS)]
+        if cutlass.const_expr(ablation.rowstats):
+            probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]],
+                                                                     [state[2], state[3]], lam_scaled, exp2=exp2)
+            for r in cutlass.range_constexpr(2):
+                state[r] = m_rows[r]
+                state[2 + r] = l_rows[r]
+            regs = tile_math.rescale(regs, alphas, c)
+        else:
+            probs = abl.plain_probs(scores, lam_scaled, exp2)
+        if cutlass.const_expr(ablation.pv):
+            for step in cutlass.range_constexpr(PV_STEPS):
+                transposed = transpose_v(v_rows)
+                if cutlass.const_expr(step + 1 < PV_STEPS):
+                    v_rows = self._load_v(masked, step + 1, tile, slot0, kv_len, c, v_base)
+                regs = tile_math.pv_step(regs, probs, transposed, step)
+        else:
+            for step in cutlass.range_constexpr(PV_STEPS):
+                if cutlass.const_expr(step > 0):
+                    v_rows = self._load_v(masked, step, tile, slot0, kv_len, c, v_base)
+                regs = abl.fold_without_pv(regs, probs, v_rows)
         for i in cutlass.range_constexpr(tile_math.ACC_REGS):
             acc[i] = regs[i]
 

@@ -27,19 +27,21 @@ _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 
 @lru_cache(maxsize=None)
 def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool,
-                           out_dtype: str = "BFloat16"):
-    """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI."""
+                           out_dtype: str = "BFloat16", ablation=None):
+    """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
+    `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless)."""
     target_sm90a()
     import cutlass
     from cutlass import Float32, Int32
 
     from mpfa.kernels.sm90 import prefill
+    from mpfa.kernels.sm90.ablation import FULL
 
     assert (prefill.BLOCK_M, prefill.TILE_KEYS) == (BLOCK_M, TILE_KEYS)
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8 = cutlass.Uint8
     return compile_kernel(
-        prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype),
+        prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype, FULL if ablation is None else ablation),
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (None, hkv, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (None, hq), align=4),
@@ -102,6 +104,23 @@ def mpfa_prefill(
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten)."""
+    return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
+                    causal=causal, sm_scale=sm_scale, out=out)
+
+
+def mpfa_prefill_ablated(ablation, query: CenteredQuery, cache: MpfaKVCache, page_table: torch.Tensor,
+                         cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, **kwargs) -> torch.Tensor:
+    """`mpfa_prefill` on a kernel with the pieces ``ablation`` (`ablation.Ablation`) removes: for timing the pieces
+    only (`mpfa profile characterize`); its output is meaningless unless ``ablation`` is `ablation.FULL`."""
+    from mpfa.kernels.sm90.ablation import Ablation
+
+    _require(isinstance(ablation, Ablation), f"ablation must be an Ablation, got {ablation!r}")
+    return _prefill(None if ablation.is_full else ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k,
+                    **kwargs)
+
+
+def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_q=None, causal=True,
+             sm_scale=None, out=None):
     total_q, num_q_heads = query.codes.shape[:2]
     out = out if out is not None else torch.empty((total_q, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
                                                   device=query.codes.device)
@@ -113,8 +132,10 @@ def mpfa_prefill(
     _require(math.isfinite(scale) and scale > 0, f"sm_scale must be positive and finite, got {sm_scale!r}")
     if total_q == 0 or max_seqlen_q == 0:
         return out
-    kernel = compile_prefill_kernel(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
-                                    bool(causal), _OUT_DTYPES[out.dtype])
+    config = (cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size, bool(causal),
+              _OUT_DTYPES[out.dtype])
+    # the real kernel keeps its 5-argument cache key (the SGLang plugin precompiles it with 5 arguments)
+    kernel = compile_prefill_kernel(*config) if ablation is None else compile_prefill_kernel(*config, ablation)
     lam = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))
     u8 = torch.uint8
     kernel(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),

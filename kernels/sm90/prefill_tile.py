@@ -62,11 +62,13 @@ def qk_a_steps(q_lo: list, q_hi: list) -> list:
             for r0, r1 in (lay.qk_step_regs(k_step) for k_step in range(lay.K_STEPS_QK))]
 
 
-def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list, seen: tuple | None) -> list:
+def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list, seen: tuple | None,
+              ntile=None) -> list:
     """S * 2**-7 of the tile. ``k_words[n]`` / ``k_scale_pairs[n]``: chunk c of key 8 n + g; ``ds_bits[2 n + half]``
     the BF16 Delta_S of key 8 n + 2c + half; ``seen[r]``: row g + 8 r sees the key 8 n + 2c + half of this tile iff
     8 n + half <= seen[r] (None: every row sees every key of the tile). Delta_S, or -inf for a masked score, is
-    the accumulator's initial value."""
+    the accumulator's initial value. ``ntile``: replaces `qk_ntile` (only for the timing ablations of `ablation`)."""
+    ntile = qk_ntile if ntile is None else ntile
     scores = []
     for n_tile in range(len(k_words)):
         init = []
@@ -75,14 +77,16 @@ def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list, 
                 ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
                 init.append(ds if seen is None else Float32(select_(seen[r] >= 8 * n_tile + half, ds,
                                                                     Float32(-math.inf))))
-        scores.append(qk_ntile(a_steps, k_words[n_tile], k_scale_pairs[n_tile], init))
+        scores.append(ntile(a_steps, k_words[n_tile], k_scale_pairs[n_tile], init))
     return scores
 
 
-def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32) -> tuple:
+def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32, exp2=None) -> tuple:
     """Rows g, g + 8: m_new = max(m, rowmax S), P = exp2(lam S - lam m_new), alpha = exp2(lam m - lam m_new),
     l = alpha l + (this lane's part of) rowsum P. A row that has seen no key keeps m = -inf and gets P = 0 and
-    alpha = 0 (the reference's m_ref = 0). -> (P in the scores' layout, alphas, new m rows, new l rows)."""
+    alpha = 0 (the reference's m_ref = 0). -> (P in the scores' layout, alphas, new m rows, new l rows).
+    ``exp2``: replaces `exp2_approx` (only for the timing ablations of `ablation`)."""
+    exp2 = exp2_approx if exp2 is None else exp2
     probs = [[None] * 4 for _ in scores]
     alphas, m_new_rows, l_new_rows = [], [], []
     for r in range(2):
@@ -96,10 +100,10 @@ def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32
         row_sum = Float32(0.0)
         for n_tile in range(len(scores)):
             for half in range(2):
-                p = exp2_approx(scores[n_tile][2 * r + half] * lam_scaled - m_lam)
+                p = exp2(scores[n_tile][2 * r + half] * lam_scaled - m_lam)
                 probs[n_tile][2 * r + half] = p
                 row_sum = row_sum + p
-        alpha = exp2_approx(m_rows[r] * lam_scaled - m_lam)
+        alpha = exp2(m_rows[r] * lam_scaled - m_lam)
         alphas.append(alpha)
         m_new_rows.append(m_new)
         l_new_rows.append(alpha * l_rows[r] + row_sum)

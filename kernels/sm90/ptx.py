@@ -8,7 +8,7 @@ SM89 FP8 warp-MMA atom, but ptxas accepts ``mma.sync ... e4m3`` for sm_90a, so i
 
 from __future__ import annotations
 
-from cutlass import Float32, Int64, Uint32
+from cutlass import Float32, Int32, Int64, Uint32
 from cutlass._mlir.dialects import llvm
 from cutlass.cutlass_dsl import T, dsl_user_op
 
@@ -203,3 +203,59 @@ def shuffle_xor(x: Float32, mask: int, *, loc=None, ip=None) -> Float32:
 def bits_to_f32(bits: Uint32, *, loc=None, ip=None) -> Float32:
     """Reinterpret a 32-bit pattern as FP32."""
     return Float32(llvm.bitcast(T.f32(), _u32(bits, loc, ip), loc=loc, ip=ip))
+
+
+# --- cp.async (global -> shared, per thread) for the pipelined decode -------------------------------------------
+# Every lane copies and later reads back only its own shared-memory words, so `cp_async_wait_group` (which covers
+# the issuing thread's copies) is the only synchronisation needed: no barrier, no cross-lane hazards.
+
+
+def _side_effect_asm(operands: list, text: str, constraints: str) -> None:
+    llvm.inline_asm(None, operands, text, constraints, has_side_effects=True, is_align_stack=False,
+                    asm_dialect=llvm.AsmDialect.AD_ATT)
+
+
+@dsl_user_op
+def cp_async_16(smem_address: Int32, address: Int64, src_bytes: Uint32, *, loc=None, ip=None) -> None:
+    """Copy 16 bytes global -> shared (L2 only, ``.cg``); bytes past ``src_bytes`` (16 or 0) are zero-filled, and
+    with 0 nothing is read from global memory."""
+    _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip),
+                      _u32(src_bytes, loc, ip)],
+                     "cp.async.cg.shared.global [$0], [$1], 16, $2;", "r,l,r")
+
+
+@dsl_user_op
+def cp_async_4(smem_address: Int32, address: Int64, src_bytes: Uint32, *, loc=None, ip=None) -> None:
+    """Copy 4 bytes global -> shared (``.ca``: the only size class below 16 bytes); zero-filled when
+    ``src_bytes`` is 0."""
+    _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip),
+                      _u32(src_bytes, loc, ip)],
+                     "cp.async.ca.shared.global [$0], [$1], 4, $2;", "r,l,r")
+
+
+@dsl_user_op
+def cp_async_commit(*, loc=None, ip=None) -> None:
+    """Close the thread's current group of cp.async copies (an empty group is allowed)."""
+    _side_effect_asm([], "cp.async.commit_group;", "")
+
+
+@dsl_user_op
+def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
+    """Wait until at most ``pending`` of the thread's committed cp.async groups are still in flight."""
+    _side_effect_asm([], f"cp.async.wait_group {pending};", "")
+
+
+@dsl_user_op
+def load_shared_v4_u32(smem_address: Int32, *, loc=None, ip=None) -> list:
+    """16 bytes from shared memory as 4 x u32 (ordered after the preceding cp.async wait)."""
+    value, struct = _asm([T.i32()] * 4, [Int32(smem_address).ir_value(loc=loc, ip=ip)],
+                         "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", pinned=True)
+    return _unpack(value, struct, 4, T.i32(), Uint32)
+
+
+@dsl_user_op
+def load_shared_u32(smem_address: Int32, *, loc=None, ip=None) -> Uint32:
+    """4 bytes from shared memory (ordered after the preceding cp.async wait)."""
+    value, struct = _asm([T.i32()], [Int32(smem_address).ir_value(loc=loc, ip=ip)], "ld.shared.u32 $0, [$1];",
+                         "=r,r", pinned=True)
+    return _unpack(value, struct, 1, T.i32(), Uint32)

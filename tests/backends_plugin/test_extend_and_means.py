@@ -129,11 +129,11 @@ def test_prefill_path_comes_from_the_environment(monkeypatch):
     from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
 
     monkeypatch.delenv("MPFA_PREFILL", raising=False)
-    assert prefill_path() == "reference"  # the kernel stays opt-in until validated inside a server
-    monkeypatch.setenv("MPFA_PREFILL", "kernel")
     assert prefill_path() == "kernel"
+    monkeypatch.setenv("MPFA_PREFILL", "reference")
+    assert prefill_path() == "reference"
     monkeypatch.setenv("MPFA_PREFILL", "fast")
-    with pytest.raises(MpfaSetupError, match="reference, kernel"):
+    with pytest.raises(MpfaSetupError, match="kernel, reference"):
         prefill_path()
 
 

@@ -1,5 +1,5 @@
-"""run_bench stores the backend's caveat on a measured run, and prints it once before the backend's runs start;
-a simulated run gets none. Driven against the simulator over real HTTP, as a `--url` server."""
+"""run_bench stores the backend's caveat on a measured run whose server environment it applies to
+(`MPFA_PREFILL=reference`), and prints it once before the backend's runs start; a simulated run gets none. Driven against the simulator over real HTTP, as a `--url` server."""
 from __future__ import annotations
 
 import io
@@ -16,8 +16,15 @@ from mpfa.cli.store import ResultStore
 CAVEAT = BACKENDS["mpfa"].caveat
 
 
-@pytest.mark.parametrize("measured", [True, False], ids=["measured", "simulated"])
-def test_measured_runs_carry_the_caveat_and_simulated_runs_do_not(start_sim, tmp_path, monkeypatch, measured):
+@pytest.mark.parametrize(("measured", "prefill", "expected"), [
+    (True, "reference", CAVEAT), (True, None, None), (False, "reference", None)],
+    ids=["measured-reference-prefill", "measured-kernel-prefill", "simulated"])
+def test_measured_runs_carry_the_caveat_and_simulated_runs_do_not(start_sim, tmp_path, monkeypatch, measured,
+                                                                  prefill, expected):
+    if prefill:
+        monkeypatch.setenv("MPFA_PREFILL", prefill)
+    else:
+        monkeypatch.delenv("MPFA_PREFILL", raising=False)
     server = start_sim("mpfa")
     if measured:  # answer /get_server_info as SGLang serving the plugin would: without the simulator's flag
         get_json = bench._get_json
@@ -30,5 +37,5 @@ def test_measured_runs_carry_the_caveat_and_simulated_runs_do_not(start_sim, tmp
         ids = run_bench(scenario, [BACKENDS["mpfa"]], BenchOptions(engine="url", run_dir=tmp_path, url=server.url),
                         store, Console(file=out, width=300, color_system=None))
         runs = store.get_runs(ids)
-    assert [(r.status, r.simulated, r.caveat) for r in runs] == [("ok", not measured, CAVEAT if measured else None)] * 2
-    assert out.getvalue().count(f"mpfa † caveat: {CAVEAT}") == (1 if measured else 0)
+    assert [(r.status, r.simulated, r.caveat) for r in runs] == [("ok", not measured, expected)] * 2
+    assert out.getvalue().count(f"mpfa † caveat: {CAVEAT}") == (1 if expected else 0)

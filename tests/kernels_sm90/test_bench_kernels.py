@@ -15,7 +15,7 @@ WORKLOAD = AttentionWorkload("decode", 131072, 1, 32, 8, 128)
 def test_bytes_read_counts_cache_indices_and_partials():
     tokens, kv_heads, q_heads = 131072, 8, 32
     qo = 2 * q_heads * 128 * 2  # BF16 Q and O of one request
-    partitions = 128  # 1024-key partitions: ~8 warps per SM on 132 SMs
+    partitions = 196  # 672-key partitions: ~12 warps per SM on 132 SMs (choose_partition_size)
     mpfa = tokens * kv_heads * (64 + 8 + 128 + 2 * 4) + tokens * 4 + qo + 2 * q_heads * partitions * 130 * 4
     assert bytes_read("mpfa", WORKLOAD, num_sms=132) == mpfa
     assert bytes_read("flashinfer-fp8", WORKLOAD, num_sms=132) == tokens * kv_heads * 256 + tokens * 4 + qo

@@ -170,3 +170,55 @@ def test_pv_fragments_compute_fp8_p_times_v():
                     if head < group:
                         out[head, lay.o_dim(m_tile, g, i // 2)] = d[lane, i]
         np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+
+
+# --- v2 (decode_pipelined): what each lane stages, and the partitioning that fills the SMs ---------------------
+
+
+def test_v2_word_staging_picks_the_lanes_16_bit_values():
+    """The kernel copies the aligned 4-byte word holding a lane's 2-byte K-scale pair / Delta_S value and shifts
+    it out; model both on little-endian rows like the cache's (8 KV heads x 8 scale bytes; Hq BF16 values)."""
+    rng = np.random.default_rng(0)
+    scales_row = rng.integers(0, 256, size=8 * 8, dtype=np.uint8)
+    for kv_head in range(8):
+        for c in range(4):
+            offset = kv_head * 8 + 4 * (c >> 1)
+            word = int(scales_row[offset:offset + 4].view(np.uint32)[0])
+            picked = (word >> (16 * (c & 1))) & 0xFFFF
+            want = int(scales_row[kv_head * 8 + 2 * c:kv_head * 8 + 2 * c + 2].view(np.uint16)[0])
+            assert picked == want
+    for num_q_heads in (32, 40):
+        ds_row = rng.integers(0, 1 << 16, size=num_q_heads, dtype=np.uint16)
+        as_bytes = ds_row.view(np.uint8)
+        for head in range(num_q_heads):
+            offset = (head * 2) & ~3
+            word = int(as_bytes[offset:offset + 4].view(np.uint32)[0])
+            assert (word >> (16 * (head & 1))) & 0xFFFF == ds_row[head]
+
+
+def test_v2_shared_memory_keeps_12_warps_per_sm():
+    import pytest
+
+    pytest.importorskip("cutlass")
+    from mpfa.kernels.sm90 import decode_pipelined as v2
+    from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM_TARGET
+
+    per_lane_chunks = lay.N_TILES * 3  # 4 K chunks + 8 V chunks of 16 B
+    assert v2.STAGE_BYTES == per_lane_chunks * 32 * 16 + per_lane_chunks * 32 * 4 == 7680
+    # 227 KB usable per SM on sm90, 1 KB reserved per CTA.
+    assert WARPS_PER_SM_TARGET * (v2.SMEM_BYTES + 1024) <= 227 * 1024
+
+
+def test_partitions_fill_one_wave_of_decode_warps():
+    from mpfa.kernels.sm90.decode_launch import (MAX_PARTITION, MIN_PARTITION, WARPS_PER_SM_TARGET,
+                                                choose_partition_size)
+
+    for batch, seq in ((1, 8192), (1, 32768), (1, 131072), (8, 131072), (8, 8192), (3, 100_003)):
+        size = choose_partition_size(batch, 8, seq, 132)
+        assert size % lay.TILE_KEYS == 0 and MIN_PARTITION <= size <= MAX_PARTITION
+        warps = batch * 8 * -(-seq // size)
+        assert warps <= WARPS_PER_SM_TARGET * 132 or size == MIN_PARTITION
+        if size > MIN_PARTITION:  # the next smaller partition would overflow one wave
+            assert batch * 8 * -(-seq // (size - lay.TILE_KEYS)) > WARPS_PER_SM_TARGET * 132 - batch * 8
+    assert choose_partition_size(1, 8, 131072, 132) == 672
+    assert choose_partition_size(8, 8, 131072, 132) == 5472

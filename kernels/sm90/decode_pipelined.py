@@ -1,0 +1,216 @@
+"""Split-KV decode v2: `SplitKVDecodeSm90` with a per-lane cp.async (global -> shared) double buffer.
+
+Same grid, tiling, numerics and outputs as v1 (`decode.py`; the reference is still
+`mpfa.kernels.reference.decode_partials(..., block_n=32)`); only the way a tile's bytes reach the registers
+changes. v1 loaded each 32-key tile straight into registers at the top of the tile, so every tile paid the full
+DRAM latency and only other warps covered it. v2 copies tile t - 1 (K codes, scale words, Delta_S words, V) into
+shared memory with cp.async while tile t is computed, then reads tile t back from shared memory:
+
+* every lane copies exactly the bytes it will consume (same fragment map as v1, `decode_layout`) into its own
+  shared-memory words and reads only those back, so `cp.async.wait_group` is the only synchronisation (no
+  barrier, no cross-lane hazard, no bank conflict: lane-contiguous 16-byte / 4-byte units);
+* keys past the sequence end (and the tile before the partition's first) copy 0 bytes: cp.async zero-fills, which
+  is what v1's predicated loads returned (Delta_S then becomes -inf for the missing keys, as in v1);
+* the 2-byte K-scale and Delta_S values travel as the aligned 4-byte word holding them (cp.async's smallest size)
+  and are picked out afterwards; this needs an even number of query heads (4-byte-aligned Delta_S rows).
+
+Per stage and warp: 12 x 512 B (4 K chunks + 8 V chunks per lane) + 12 x 128 B (words) = 7,680 B; two stages are
+15 KB, so the 12 warps per SM that 167 registers allow need 180 KB of the 227 KB.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from mpfa.kernels.sm90 import decode_layout as lay
+from mpfa.kernels.sm90.decode import (
+    BF16_MINUS_INF,
+    HEAD_DIM,
+    K_ROW_BYTES,
+    LANE_KEYS,
+    SCALE_ROW_BYTES,
+    SplitKVDecodeSm90,
+)
+from mpfa.kernels.sm90.ptx import (
+    cp_async_4,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    load_shared_u32,
+    load_shared_v4_u32,
+    load_u16,
+    load_v4_u32,
+)
+from mpfa.kernels.sm90.warp_mma import q_chunk_regs
+
+STAGES = 2
+CHUNK_UNITS = lay.N_TILES + 2 * lay.N_TILES  # 16-byte units per lane and stage: K chunks, then V chunks
+WORD_UNITS = lay.N_TILES + 2 * lay.N_TILES  # 4-byte words per lane and stage: K-scale words, then Delta_S words
+WORDS_OFFSET = CHUNK_UNITS * 32 * 16
+STAGE_BYTES = WORDS_OFFSET + WORD_UNITS * 32 * 4
+SMEM_BYTES = STAGES * STAGE_BYTES
+
+
+class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
+    """v2 of the split-KV decode kernel (same constructor, call signature and outputs as `SplitKVDecodeSm90`)."""
+
+    def __init__(self, num_kv_heads: int, group: int, page_size: int) -> None:
+        super().__init__(num_kv_heads, group, page_size)
+        if (num_kv_heads * group) % 2:
+            raise ValueError("the pipelined decode copies Delta_S as 4-byte words: needs an even number of query heads")
+
+    @cute.jit
+    def __call__(
+        self,
+        q_codes: cute.Tensor,
+        q_scales: cute.Tensor,
+        k_codes: cute.Tensor,
+        k_scales: cute.Tensor,
+        v: cute.Tensor,
+        delta_s: cute.Tensor,
+        page_table: cute.Tensor,
+        seq_lens: cute.Tensor,
+        m_part: cute.Tensor,
+        l_part: cute.Tensor,
+        o_part: cute.Tensor,
+        lam_scaled: Float32,
+        partition_size: Int32,
+        stream,
+    ):
+        self.kernel(
+            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part, o_part,
+            lam_scaled, partition_size,
+        ).launch(grid=(self.num_kv_heads, m_part.shape[2], seq_lens.shape[0]), block=(32, 1, 1), smem=SMEM_BYTES,
+                 stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_codes: cute.Tensor,
+        q_scales: cute.Tensor,
+        k_codes: cute.Tensor,
+        k_scales: cute.Tensor,
+        v: cute.Tensor,
+        delta_s: cute.Tensor,
+        page_table: cute.Tensor,
+        seq_lens: cute.Tensor,
+        m_part: cute.Tensor,
+        l_part: cute.Tensor,
+        o_part: cute.Tensor,
+        lam_scaled: Float32,
+        partition_size: Int32,
+    ):
+        group = self.group
+        num_kv_heads = self.num_kv_heads
+        num_q_heads = num_kv_heads * group
+        lane = cute.arch.lane_idx()
+        kv_head, part, batch_idx = cute.arch.block_idx()
+        g = lane >> 2
+        c = lane & 3
+        head = kv_head * group + g
+        row_valid = g < group
+        seq_len = seq_lens[batch_idx]
+        start = part * partition_size
+        end = cutlass.min(start + partition_size, seq_len)
+        num_parts = m_part.shape[2]
+
+        q_row = Int64(batch_idx * num_q_heads + head)
+        q_words = load_v4_u32(q_codes.iterator.toint() + q_row * K_ROW_BYTES + 4 * 4 * c, Uint32(row_valid))
+        q_regs = q_chunk_regs(q_words, load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c,
+                                                Uint32(row_valid), Uint32(0)))
+
+        state = cute.make_rmem_tensor((2,), Float32)
+        state[0] = -math.inf
+        state[1] = Float32(0.0)
+        acc = cute.make_rmem_tensor((lay.M_TILES * 4,), Float32)
+        for i in cutlass.range_constexpr(lay.M_TILES * 4):
+            acc[i] = Float32(0.0)
+
+        # Per-lane global bases (+ slot * row stride per key): the 16-byte K chunk c, the aligned scale word holding
+        # blocks 2c and 2c + 1, the aligned Delta_S word holding head g (row 0's for padding rows: never read),
+        # V chunk g.
+        ds_word = cutlass.select_(row_valid, (head * 2) & ~3, 0)
+        bases = (
+            k_codes.iterator.toint() + kv_head * K_ROW_BYTES + 16 * c,
+            k_scales.iterator.toint() + kv_head * SCALE_ROW_BYTES + 4 * (c >> 1),
+            delta_s.iterator.toint() + ds_word,
+            v.iterator.toint() + kv_head * HEAD_DIM + 16 * g,
+        )
+        smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
+        lane_chunk = smem + lane * 16
+        lane_word = smem + WORDS_OFFSET + lane * 4
+        scale_shift = Uint32(16 * (c & 1))
+        ds_shift = Uint32(16 * (head & 1))
+
+        num_tiles = (cutlass.max(end - start, 0) + lay.TILE_KEYS - 1) // lay.TILE_KEYS
+        last_tile = start + (num_tiles - 1) * lay.TILE_KEYS
+        slots = cute.make_rmem_tensor((LANE_KEYS,), Int32)
+        # Prologue: tile 0's copies in flight, tile 1's slots requested.
+        self._fetch_slots(slots, page_table, batch_idx, last_tile, end, g, c)
+        first_slots = [slots[i] for i in range(LANE_KEYS)]
+        self._copy_tile(first_slots, last_tile, end, num_tiles > 0, row_valid, g, c, bases, Int32(0),
+                        lane_chunk, lane_word)
+        cp_async_commit()
+        self._fetch_slots(slots, page_table, batch_idx, last_tile - lay.TILE_KEYS, end, g, c)
+        for step in cutlass.range(num_tiles, unroll=1):
+            tile = last_tile - step * lay.TILE_KEYS
+            next_slots = [slots[i] for i in range(LANE_KEYS)]
+            stage = (step & 1) * STAGE_BYTES
+            self._copy_tile(next_slots, tile - lay.TILE_KEYS, end, step + 1 < num_tiles, row_valid, g, c, bases,
+                            STAGE_BYTES - stage, lane_chunk, lane_word)
+            cp_async_commit()
+            self._fetch_slots(slots, page_table, batch_idx, tile - 2 * lay.TILE_KEYS, end, g, c)
+            cp_async_wait(1)  # this tile's group has landed (the next tile's may still be in flight)
+            k_words, k_scales_raw, ds_bits, v_rows = self._read_tile(
+                tile, end, row_valid, g, c, stage, lane_chunk, lane_word, scale_shift, ds_shift)
+            scores = self._qk_tile(q_regs, k_words, k_scales_raw, ds_bits)
+            p_regs, alpha = self._online_softmax(scores, state, row_valid, lam_scaled)
+            self._pv_tile(p_regs, alpha, acc, v_rows, c)
+        cp_async_wait(0)
+
+        self._store_partials(state, acc, m_part, l_part, o_part, batch_idx, kv_head, part, num_parts, g, c)
+
+    @cute.jit
+    def _copy_tile(self, tile_slots, tile, end, active, row_valid, g, c, bases, stage, lane_chunk, lane_word):
+        """cp.async the lane's bytes of ``tile`` into ``stage``; 0 bytes (zero fill) for keys past the end, and for
+        everything when ``active`` is false (no tile left)."""
+        k_base, ks_base, ds_base, v_base = bases
+        num_q_heads = self.num_kv_heads * self.group
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            valid = active & (tile + lay.qk_key(n_tile, g) < end)
+            slot = Int64(tile_slots[n_tile])
+            cp_async_16(lane_chunk + stage + n_tile * 512, k_base + slot * (self.num_kv_heads * K_ROW_BYTES),
+                        Uint32(cutlass.select_(valid, 16, 0)))
+            cp_async_4(lane_word + stage + n_tile * 128, ks_base + slot * (self.num_kv_heads * SCALE_ROW_BYTES),
+                       Uint32(cutlass.select_(valid, 4, 0)))
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            for half in cutlass.range_constexpr(2):
+                unit = lay.N_TILES + 2 * n_tile + half
+                valid = active & (tile + lay.score_key(n_tile, c, half) < end)
+                slot = Int64(tile_slots[unit])
+                cp_async_16(lane_chunk + stage + unit * 512, v_base + slot * (self.num_kv_heads * HEAD_DIM),
+                            Uint32(cutlass.select_(valid, 16, 0)))
+                cp_async_4(lane_word + stage + unit * 128, ds_base + slot * (num_q_heads * 2),
+                           Uint32(cutlass.select_(valid & row_valid, 4, 0)))
+
+    @cute.jit
+    def _read_tile(self, tile, end, row_valid, g, c, stage, lane_chunk, lane_word, scale_shift, ds_shift):
+        """The tile's operands from shared memory, in v1's `_load_tile` form (Delta_S = -inf past the end)."""
+        k_words, k_scales_raw, ds_bits, v_rows = [], [], [], []
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            k_words.append(load_shared_v4_u32(lane_chunk + stage + n_tile * 512))
+            word = load_shared_u32(lane_word + stage + n_tile * 128)
+            k_scales_raw.append((word >> scale_shift) & Uint32(0xFFFF))
+        for n_tile in cutlass.range_constexpr(lay.N_TILES):
+            for half in cutlass.range_constexpr(2):
+                unit = lay.N_TILES + 2 * n_tile + half
+                valid = tile + lay.score_key(n_tile, c, half) < end
+                word = load_shared_u32(lane_word + stage + unit * 128)
+                bits = (word >> ds_shift) & Uint32(0xFFFF)
+                ds_bits.append(Uint32(cutlass.select_(valid, bits, Uint32(BF16_MINUS_INF))))
+                v_rows.append(load_shared_v4_u32(lane_chunk + stage + unit * 512))
+        return k_words, k_scales_raw, ds_bits, v_rows

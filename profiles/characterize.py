@@ -1,0 +1,341 @@
+"""`mpfa profile characterize`: the MpFA paper's Fig. 3 on this GPU — where the sm90 prefill kernel's time goes.
+
+The paper splits a FlashAttention tile's time into MMA, softmax and the rest by timing compile-time ablations of
+the kernel. Here the ladder of `mpfa.kernels.sm90.ablation.LADDER` is timed on one causal prefill (default 64K
+tokens, batch 1, 32:8 heads, d = 128), each step removing one more piece from the tile loop:
+
+    full -> -exp2 -> -exp2 -rowstats -> -exp2 -rowstats -dequant -> QK MMA + loads only
+
+and each piece's share is the time difference between consecutive steps, as a fraction of the full kernel's
+time (a negative difference is reported as it is: timing noise, or a removal that made the compiler schedule
+worse). What the last step still runs (QK^T MMAs, K / V / Delta_S loads, masking, the loop, the epilogue) is
+"QK MMA + rest"; "MMA" in the summary is PV (the `pv` step: PV MMAs, V transpose, e4m3 packing of P) plus that
+remainder, an upper bound of the MMA share since the loads cannot be removed without deleting the loop. Every
+ablated kernel is held to the full kernel's occupancy (2 CTAs per SM, `ablation.OCCUPANCY_PAD_BYTES`), so a
+share is the piece's time, not an occupancy gain from the registers its removal frees.
+
+Which formats the Hopper kernels support: QK^T is NVFP4 (exactly expanded to FP16 for the FP16 tensor cores,
+sm_90 has no FP4 MMA) and PV is FP8 e4m3; there is no BF16-QK or NVFP4-PV MpFA kernel on sm90, so the paper's
+other format rows are not produced. FA4-BF16 (BF16 QK and PV) and FlashInfer-FP8 are context rows, through the
+`mpfa profile prefill` adapters.
+
+Time per KV block: the paper's unit, a 128 x 128 (query x key) block of one head. A causal prefill of T tokens
+visits n (n + 1) / 2 such blocks per head and sequence (n = ceil(T / 128), diagonal blocks counted whole);
+"SM-µs per block" = median time x number of SMs / blocks, the time one SM spends on one block when every SM is
+busy (this kernel actually walks 32-key tiles for 16-row warps; the 128 x 128 block is a unit of work).
+"""
+from __future__ import annotations
+
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from mpfa.profiles.errors import ProfileError
+from mpfa.profiles.timing import TimingSummary, measure, summarize
+from mpfa.profiles.workload import AttentionWorkload
+
+if TYPE_CHECKING:
+    import torch
+
+BLOCK = 128  # the paper's KV block: 128 query rows x 128 keys of one head
+CONTEXT_BACKENDS = ("fa4-bf16", "flashinfer-fp8")
+DEFAULT_SEED = 1234
+Progress = Callable[[str], None]
+
+
+@dataclass
+class LadderRow:
+    label: str
+    ablation: str  # `Ablation.name`
+    removed: str | None  # the piece this step removes (None: the full kernel)
+    timing: TimingSummary | None = None
+    first_call_s: float | None = None
+    error: str | None = None
+
+
+@dataclass
+class ContextRow:
+    backend: str
+    description: str | None
+    timing: TimingSummary | None
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class Share:
+    piece: str  # exp2, rowstats, dequant, pv, "qk+rest"
+    ms: float
+    fraction: float  # of the full kernel's median
+
+
+@dataclass
+class CharacterizeResult:
+    workload: AttentionWorkload
+    device: str
+    num_sms: int
+    blocks: int
+    ladder: list[LadderRow]
+    context: list[ContextRow] = field(default_factory=list)
+    json_path: str | None = None
+
+    def shares(self) -> list[Share] | None:
+        return ladder_shares([row.timing.median_ms if row.timing else None for row in self.ladder],
+                             [row.removed for row in self.ladder])
+
+    def per_block_us(self, ms: float | None) -> float | None:
+        return None if ms is None else sm_us_per_block(ms, self.blocks, self.num_sms)
+
+    def to_json(self) -> dict[str, Any]:
+        shares = self.shares()
+        return {
+            "kind": "characterize",
+            "workload": asdict(self.workload),
+            "device": self.device,
+            "num_sms": self.num_sms,
+            "blocks_128x128": self.blocks,
+            "block_definition": "128 query rows x 128 keys of one head; SM-us per block = median ms x SMs / blocks",
+            "ladder": [{**asdict(row), "sm_us_per_block": self.per_block_us(row.timing.median_ms if row.timing
+                                                                              else None)} for row in self.ladder],
+            "context": [{**asdict(row), "sm_us_per_block": self.per_block_us(row.timing.median_ms if row.timing
+                                                                               else None)} for row in self.context],
+            "shares": None if shares is None else [asdict(share) for share in shares],
+            "summary": None if shares is None else summary_fractions(shares),
+        }
+
+    def write_json(self, out_dir: Path) -> Path:
+        w = self.workload
+        path = out_dir / f"characterize-s{w.seq}-b{w.batch}-h{w.q_heads}x{w.kv_heads}-d{w.head_dim}.json"
+        self.json_path = str(path)
+        path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
+        return path
+
+
+# --- arithmetic (no GPU) -------------------------------------------------------------------------------------
+
+def causal_blocks(seq: int, batch: int, q_heads: int, causal: bool = True) -> int:
+    """128 x 128 blocks a prefill of ``seq`` tokens visits over all heads and sequences."""
+    n = -(-seq // BLOCK)
+    return batch * q_heads * (n * (n + 1) // 2 if causal else n * n)
+
+
+def sm_us_per_block(ms: float, blocks: int, num_sms: int) -> float:
+    """SM-microseconds per block: the time one SM spends on one block when all ``num_sms`` are busy."""
+    if blocks <= 0 or num_sms <= 0:
+        raise ValueError("blocks and num_sms must be positive")
+    return ms * 1e3 * num_sms / blocks
+
+
+def ladder_shares(medians: list[float | None], removed: list[str | None]) -> list[Share] | None:
+    """Shares from the cumulative ladder's median times (first: the full kernel; each later step removes
+    ``removed[i]``): piece i costs medians[i - 1] - medians[i]; what the last step still runs is "qk+rest".
+    None when a step has no time."""
+    if len(medians) != len(removed) or len(medians) < 2 or removed[0] is not None:
+        raise ValueError("the ladder starts with the full kernel and removes one piece per step")
+    if any(ms is None for ms in medians):
+        return None
+    full = medians[0]
+    if full <= 0:
+        raise ValueError(f"the full kernel's time must be positive, got {full}")
+    shares = [Share(piece, before - after, (before - after) / full)
+              for piece, before, after in zip(removed[1:], medians[:-1], medians[1:])]
+    return shares + [Share("qk+rest", medians[-1], medians[-1] / full)]
+
+
+def summary_fractions(shares: list[Share]) -> dict[str, float]:
+    """The paper's three-way split: softmax (exp2 + row statistics), dequantization, and MMA (PV step plus the
+    QK-MMA-and-loads remainder, an upper bound)."""
+    by_piece = {share.piece: share.fraction for share in shares}
+    return {
+        "softmax": by_piece.get("exp2", 0.0) + by_piece.get("rowstats", 0.0),
+        "exp2": by_piece.get("exp2", 0.0),
+        "rowstats": by_piece.get("rowstats", 0.0),
+        "dequant": by_piece.get("dequant", 0.0),
+        "mma_upper_bound": by_piece.get("pv", 0.0) + by_piece.get("qk+rest", 0.0),
+    }
+
+
+# --- measurement (GPU) ---------------------------------------------------------------------------------------
+
+def _prefill_inputs(w: AttentionWorkload, device: "torch.device"):
+    """One set of MpFA prefill inputs exactly as `mpfa profile prefill` builds them (`kernels_mpfa`)."""
+    import torch
+
+    from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
+    from mpfa.kernels.smoothing import SmoothingMeans
+    from mpfa.profiles.kernels_mpfa import PREFILL_PAGE_SIZE, _fill
+
+    generator = torch.Generator(device=device).manual_seed(DEFAULT_SEED)
+    means = SmoothingMeans(torch.randn(w.batch, w.q_heads, w.head_dim, device=device, generator=generator),
+                           torch.randn(w.batch, w.kv_heads, w.head_dim, device=device, generator=generator))
+    tokens = w.batch * w.seq
+    pages_per_seq = -(-w.seq // PREFILL_PAGE_SIZE)
+    cache = MpfaKVCache.allocate(w.batch * pages_per_seq, PREFILL_PAGE_SIZE, w.q_heads, w.kv_heads, w.head_dim,
+                                 device)
+    query = CenteredQuery.allocate(tokens, w.q_heads, w.head_dim, device)
+
+    def keep_all(first: int, chunk: CenteredQuery) -> None:
+        query.codes[first:first + chunk.codes.shape[0]] = chunk.codes
+        query.scales[first:first + chunk.codes.shape[0]] = chunk.scales
+
+    _fill(w, cache, lambda token: (token // w.seq) * pages_per_seq * PREFILL_PAGE_SIZE + token % w.seq, means,
+          device, generator, keep_all)
+    return dict(
+        query=query, cache=cache,
+        page_table=torch.arange(w.batch * pages_per_seq, dtype=torch.int32, device=device).view(w.batch, -1),
+        cu_seqlens_q=torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device),
+        seq_lens_k=torch.full((w.batch,), w.seq, dtype=torch.int32, device=device),
+        out=torch.empty((tokens, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device),
+    )
+
+
+def _one_line(exc: BaseException) -> str:
+    first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+    return f"{type(exc).__name__}: {first}"[:300]
+
+
+def run_characterize(seq: int, batch: int = 1, heads: tuple[int, int] = (32, 8), head_dim: int = 128,
+                     out_dir: Path = Path("mpfa-profiles"), context: tuple[str, ...] = CONTEXT_BACKENDS,
+                     progress: Progress | None = None) -> CharacterizeResult:
+    """Time the ablation ladder (and the context backends) on one causal prefill; writes the JSON into
+    ``out_dir``. Raises ValueError for bad arguments and ProfileError when there is no CUDA device."""
+    from mpfa.kernels.sm90.ablation import LADDER
+    from mpfa.profiles.registry import adapter_for
+
+    workload = AttentionWorkload("prefill", seq, batch, heads[0], heads[1], head_dim)
+    if head_dim != 128:
+        raise ValueError(f"the sm90 prefill kernel is built for head dim 128, got {head_dim}")
+    adapters = [adapter_for(name) for name in context]
+    say = progress or (lambda _message: None)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        raise ProfileError("no CUDA device: `mpfa profile` runs the attention kernels on a GPU")
+    from mpfa.kernels.sm90.prefill_launch import mpfa_prefill_ablated
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    out_dir.mkdir(parents=True, exist_ok=True)
+    props = torch.cuda.get_device_properties(device)
+    result = CharacterizeResult(workload, torch.cuda.get_device_name(device), props.multi_processor_count,
+                                causal_blocks(seq, batch, heads[0]), [])
+
+    say(f"mpfa: building the prefill inputs ({seq} tokens)")
+    inputs = _prefill_inputs(workload, device)
+    torch.cuda.synchronize()
+    for label, ablation, removed in LADDER:
+        row = LadderRow(label, ablation.name, removed)
+        try:
+            def run(_index: int, ablation=ablation) -> "torch.Tensor":
+                return mpfa_prefill_ablated(ablation, max_seqlen_q=seq, causal=True, **inputs)
+
+            say(f"mpfa {label}: compile + first call, then timing")
+            measurement = measure(run, 1)
+            row.first_call_s, row.timing = measurement.first_call_s, summarize(measurement.times_ms)
+            say(f"mpfa {label}: median {row.timing.median_ms:.3f} ms")
+        except Exception as exc:  # one failed step leaves the others (and the shares are then not computed)
+            row.error = _one_line(exc)
+            say(f"mpfa {label}: {row.error}")
+        result.ladder.append(row)
+    del inputs
+    torch.cuda.empty_cache()
+
+    from mpfa.profiles.microbench import benchmark_backend
+
+    for adapter in adapters:
+        backend = benchmark_backend(adapter, workload, device, say)
+        result.context.append(ContextRow(adapter.name, backend.description, backend.timing, backend.error))
+    result.write_json(out_dir)
+    return result
+
+
+# --- report --------------------------------------------------------------------------------------------------
+
+def _cell(value: float | None, digits: int = 3) -> str:
+    return "-" if value is None else f"{value:,.{digits}f}"
+
+
+def table_rows(result: CharacterizeResult) -> tuple[list[str], list[list[str]]]:
+    """Headers and rows of the report table: the ladder, then the context backends."""
+    headers = ["kernel", "removed", "median ms", "p20-p80 ms", "SM-us / 128x128 block", "x full",
+               "share of full", "note"]
+    shares = {share.piece: share for share in (result.shares() or [])}
+    full = result.ladder[0].timing.median_ms if result.ladder and result.ladder[0].timing else None
+    rows = []
+    for row in result.ladder:
+        t = row.timing
+        share = shares.get(row.removed) if row.removed else None
+        rows.append([
+            f"mpfa {row.label}", row.removed or "-", _cell(t and t.median_ms),
+            "-" if t is None else f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", _cell(result.per_block_us(t and t.median_ms), 2),
+            "-" if t is None or not full else f"{t.median_ms / full:.2f}",
+            "-" if share is None else f"{row.removed} {100 * share.fraction:+.1f}%",
+            row.error or ("real kernel" if row.removed is None else "timing only: output meaningless"),
+        ])
+    for row in result.context:
+        t = row.timing
+        rows.append([row.backend, "-", _cell(t and t.median_ms),
+                     "-" if t is None else f"{t.p20_ms:.3f}-{t.p80_ms:.3f}",
+                     _cell(result.per_block_us(t and t.median_ms), 2),
+                     "-" if t is None or not full else f"{t.median_ms / full:.2f}", "-",
+                     row.error or (row.description or "")])
+    return headers, rows
+
+
+def render_characterize(result: CharacterizeResult, console) -> None:
+    from rich.table import Table
+
+    w = result.workload
+    headers, rows = table_rows(result)
+    table = Table(title=f"MpFA prefill characterization: {w.seq} tokens, batch {w.batch}, {w.q_heads}:{w.kv_heads} "
+                        f"heads, d={w.head_dim}, causal — {result.device}, {result.num_sms} SMs, "
+                        f"{result.blocks:,} blocks of 128x128")
+    for i, header in enumerate(headers):
+        table.add_column(header, justify="left" if i in (0, 1, 6, 7) else "right")
+    for row in rows:
+        table.add_row(*row)
+    console.print(table)
+    shares = result.shares()
+    if shares is None:
+        console.print("shares: not computed (a ladder step failed)")
+        return
+    parts = ", ".join(f"{s.piece} {100 * s.fraction:.1f}% ({s.ms:.3f} ms)" for s in shares)
+    summary = summary_fractions(shares)
+    console.print(f"shares of the full kernel: {parts}")
+    console.print(f"softmax {100 * summary['softmax']:.1f}% (exp2 {100 * summary['exp2']:.1f}%, row statistics "
+                  f"{100 * summary['rowstats']:.1f}%), dequantization {100 * summary['dequant']:.1f}%, MMA + loads "
+                  f"<= {100 * summary['mma_upper_bound']:.1f}%")
+    if result.json_path:
+        console.print(f"raw results: {result.json_path}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+    import sys
+
+    from rich.console import Console
+
+    from mpfa.profiles.workload import parse_heads, parse_seq
+
+    parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.characterize", description=__doc__.split("\n")[0])
+    parser.add_argument("--seq", default="64k")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", default="32:8")
+    parser.add_argument("--out", type=Path, default=Path("mpfa-profiles"))
+    args = parser.parse_args(argv)
+    started = time.perf_counter()
+    try:
+        result = run_characterize(parse_seq(args.seq), args.batch, parse_heads(args.heads), 128, args.out,
+                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
+    except (ValueError, ProfileError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    render_characterize(result, Console(width=200))
+    print(f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
