@@ -53,9 +53,11 @@ def test_pool_builds_with_sglang_arguments():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
-def test_backend_extend_decode_and_graph(paged):
-    """`MpfaAttnBackend` on a stand-in model runner: prefill (slow reference path), eager decode and a captured
-    decode graph, against `mpfa.kernels.reference`; outputs NaN-poisoned before every launch."""
+def test_backend_extend_decode_and_graph(paged, monkeypatch):
+    """`MpfaAttnBackend` on a stand-in model runner: prefill (slow reference path, pinned here: the default prefill
+    kernel tiles keys by 32 and is checked in test_gpu_prefill), eager decode and a captured decode graph, against
+    `mpfa.kernels.reference`; outputs NaN-poisoned before every launch."""
+    monkeypatch.setenv("MPFA_PREFILL", "reference")
     import math
     from types import SimpleNamespace
 

@@ -17,6 +17,7 @@ PREFILL_MPFA = FIXTURES / "ncu_h200_prefill64k_mpfa.csv"  # session 10, the sm90
 PREFILL_FLASHINFER = FIXTURES / "ncu_h200_prefill64k_flashinfer_fp8.csv"
 DECODE_FA4 = FIXTURES / "ncu_h200_decode128k_b8_fa4.csv"
 DECODE_FLASHINFER = FIXTURES / "ncu_h200_decode128k_b8_flashinfer_fp8.csv"
+DECODE_MPFA = FIXTURES / "ncu_h200_decode128k_b8_mpfa.csv"  # session 11, the sm90 split-KV decode v2
 TENSOR_PIPE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 WORKLOAD = AttentionWorkload("decode", 131072, 8, 32, 8, 128)
 
@@ -53,6 +54,8 @@ REAL_CAPTURES = [
      2_149_888, 48.93, 13.16, 52.10, 12.11, 69_664, 256, 128),
     (PREFILL_MPFA, "PrefillSm90", 288_092_512, 255, 6_536_506_368, 519_262_720, 39.38, 18.87, 0.51, 12.5, 0,
      32_768, 128),
+    (DECODE_MPFA, "SplitKVDecodeSm90Pipelined", 676_128, 164, 2_215_038_208, 4_650_496, 39.61, 12.77, 68.22, 17.49,
+     15_360, 1_536, 32),
 ]
 
 

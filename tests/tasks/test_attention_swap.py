@@ -87,7 +87,9 @@ def test_misuse_is_a_clear_error():
         mpfa.reset()
         with pytest.raises(AttentionSwapError, match="before any prefill"):
             model(input_ids=_ids(7, 1), cache=out.cache, use_cache=True)
-        with pytest.raises(AttentionSwapError, match="one sequence per call"):
+        mpfa.reset()
+        mpfa.set_key_mask(torch.ones(2, 9, dtype=torch.bool))  # a padded batch's mask of another call's shape
+        with pytest.raises(AttentionSwapError, match="set_key_mask before each forward call"):
             model(input_ids=torch.cat([_ids(8, 10), _ids(9, 10)]))
 
 
@@ -124,9 +126,9 @@ def test_kept_key_operands_give_the_same_logits_as_preparing_all(variant, monkey
     from mpfa.kernels.tasks import attention_swap
 
     prepared_keys: list[int] = []
-    prepare = attention_swap.prepare_one_sequence
-    monkeypatch.setattr(attention_swap, "prepare_one_sequence",
-                        lambda q, k, v, **kw: prepared_keys.append(k.shape[0]) or prepare(q, k, v, **kw))
+    prepare = attention_swap.prepare_batch
+    monkeypatch.setattr(attention_swap, "prepare_batch",
+                        lambda q, k, v, **kw: prepared_keys.append(k.shape[1]) or prepare(q, k, v, **kw))
     kept = run(True)
     reused = min(prepared_keys) == 1  # a decode step prepared only its own key
     fresh = run(False)
@@ -134,3 +136,73 @@ def test_kept_key_operands_give_the_same_logits_as_preparing_all(variant, monkey
     assert all(torch.isfinite(x).all() for x in kept)
     assert all(torch.equal(a, b) for a, b in zip(kept, fresh))
     assert install(model, variant).keep_keys == (variant != "qk4-pv4")
+
+
+def _padded_run(model, fn, rows: list[torch.Tensor], steps: torch.Tensor, active: list[list[bool]]) -> list[torch.Tensor]:
+    """Right-padded prefill of `rows` then one decode step per column of `steps` [B, T] (inactive rows feed a masked
+    pad token), as `generation.greedy_answers` runs them -> logits per call (padding positions zeroed)."""
+    fn.reset()
+    lengths = torch.tensor([r.numel() for r in rows])
+    width = int(lengths.max())
+    ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.arange(width) < lengths[:, None]
+    for b, r in enumerate(rows):
+        ids[b, : r.numel()] = r
+    fn.set_key_mask(mask)
+    out = model(input_ids=ids, attention_mask=mask, position_ids=torch.arange(width).expand_as(ids), use_cache=True)
+    logits = [out.logits.masked_fill(~mask[..., None], 0)]
+    for t in range(steps.shape[1]):
+        on = torch.tensor([a[t] for a in active])
+        mask = torch.cat([mask, on[:, None]], 1)
+        fn.set_key_mask(mask)
+        out = model(input_ids=torch.where(on, steps[:, t], 0)[:, None], attention_mask=mask,
+                    position_ids=(lengths + t)[:, None], cache=out.cache, use_cache=True)
+        logits.append(out.logits.masked_fill(~on[:, None, None], 0))
+    return logits
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "mpfa", "qk4-pv4"])
+def test_padded_batch_logits_equal_each_row_alone_and_kept_keys_stay_exact(variant, monkeypatch):
+    """A padded batch (prefill + decode steps with a finished row) gives each row's logits as run alone without any
+    mask, and the per-slot kept key operands give bit-identical logits to preparing every key at every call."""
+    from mpfa.kernels.tasks import attention_swap
+
+    model = _tiny_model(11)
+    rows = [_ids(12, 30)[0], _ids(13, 9)[0], _ids(14, 21)[0]]
+    steps = _ids(15, 12).view(3, 4)
+    active = [[True] * 4, [True, True, False, False], [True, False, False, False]]
+    fn = install(model, variant)
+    fn.block_n = 16  # rows span several KV tiles
+    prepared: list[int] = []
+    prepare = attention_swap.prepare_batch
+    monkeypatch.setattr(attention_swap, "prepare_batch",
+                        lambda q, k, v, **kw: prepared.append(k.shape[1]) or prepare(q, k, v, **kw))
+    batched = _padded_run(model, fn, rows, steps, active)
+    assert (min(prepared) == 1) == (variant != "qk4-pv4")  # decode steps prepared only their own slot
+    fn.keep_keys = False
+    assert all(torch.equal(a, b) for a, b in zip(batched, _padded_run(model, fn, rows, steps, active)))
+    fn.keep_keys = attention_swap.piecewise_keys(variant)
+    for b, row in enumerate(rows):
+        fn.reset()
+        out = model(input_ids=row[None], use_cache=True)
+        alone = [out.logits[0]]
+        for t in range(sum(active[b])):
+            out = model(input_ids=steps[b : b + 1, t : t + 1], cache=out.cache, use_cache=True)
+            alone.append(out.logits[0])
+        torch.testing.assert_close(batched[0][b, : row.numel()], alone[0], rtol=0, atol=1e-5)
+        for t in range(sum(active[b])):
+            torch.testing.assert_close(batched[t + 1][b], alone[t + 1], rtol=0, atol=1e-5)
+
+
+def test_select_rows_must_follow_the_cache():
+    model = _tiny_model(16)
+    fn = install(model, "mpfa")
+    fn.reset()
+    with torch.inference_mode():
+        out = model(input_ids=torch.cat([_ids(17, 8), _ids(18, 8)]), use_cache=True)
+        out.cache.batch_select_indices(torch.tensor([0, 0, 1]))
+        with pytest.raises(AttentionSwapError, match="select_rows"):
+            model(input_ids=_ids(19, 3).view(3, 1), cache=out.cache, use_cache=True)
+        fn.select_rows(torch.tensor([0, 0, 1]))
+        assert torch.isfinite(model(input_ids=_ids(19, 3).view(3, 1), cache=out.cache, use_cache=True).logits).all()

@@ -68,3 +68,66 @@ def test_choice_logprobs_match_a_full_forward_and_choices_do_not_leak():
         assert score == pytest.approx(expected, rel=2e-3, abs=2e-3)
     with pytest.raises(ValueError, match="at least one token"):
         choice_logprobs(lm, context, [[]], install(lm.model, "bf16"))
+
+
+# Batched runs: each question must get the numerics of running alone (FP32 summation order aside). KV tiles of 16
+# keys make the short prompts span several tiles, so a row whose keys were not compacted to start at tile 0 would
+# show up; prompts of different lengths give padded prefills and gaps in the decode steps' cache slots.
+BATCH_VARIANTS = ["bf16", "fp8", "qk4-pv8-direct", "mpfa", "qk4-pv4", "float64"]
+
+
+def _swap(lm: LoadedModel, variant: str):
+    attention = install(lm.model, variant)
+    attention.block_n = 16
+    return attention
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("variant", BATCH_VARIANTS)
+def test_batched_greedy_answers_equal_one_at_a_time(variant):
+    from mpfa.kernels.tasks.generation import greedy_answers
+
+    lm = _tiny_lm(21)
+    prompts = [_ids(22 + i, n) for i, n in enumerate([24, 7, 40, 13, 1])]
+    attention = _swap(lm, variant)
+    alone = [greedy_answer(lm, p, attention, max_new_tokens=8) for p in prompts]
+    # make one row stop early (at the tokens of its second letter), so later steps carry a finished row's pad token
+    lm.model.generation_config.eos_token_id = [0, *(t for t in range(VOCAB) if lm.tokenizer.decode([t]) == alone[1][1])]
+    alone = [greedy_answer(lm, p, attention, max_new_tokens=8) for p in prompts]
+    batched = greedy_answers(lm, prompts, attention, max_new_tokens=8)
+    assert batched == alone
+    assert len(alone[1]) <= 1 and max(len(a) for a in alone) == 8  # rows stopped at different steps
+
+
+def _choices_one_at_a_time(lm: LoadedModel, context: list[int], choices: list[list[int]], attention) -> list[float]:
+    """The unpadded path: the context's prefill, then each choice alone on a copy of its cache (no slot mask)."""
+    import copy
+
+    attention.reset()
+    ctx = lm.model(input_ids=torch.tensor([context]), use_cache=True)
+    scores = []
+    for choice in choices:
+        out = lm.model(input_ids=torch.tensor([choice]), cache=copy.deepcopy(ctx.cache), use_cache=True)
+        logits = torch.cat([ctx.logits[0, -1:], out.logits[0, :-1]])
+        scores.append(continuation_logprob(logits, torch.tensor(choice)))
+    return scores
+
+
+@torch.inference_mode()
+@pytest.mark.parametrize("variant", BATCH_VARIANTS)
+def test_batched_choice_logprobs_equal_one_at_a_time(variant):
+    from mpfa.kernels.tasks.generation import batch_choice_logprobs
+
+    lm = _tiny_lm(31)
+    questions = [
+        (_ids(32, 20), [_ids(33, 3), _ids(34, 1), _ids(35, 5)]),
+        (_ids(36, 6), [_ids(37, 2), _ids(38, 4)]),
+        (_ids(39, 35), [_ids(40, 1), _ids(41, 1), _ids(42, 6), _ids(43, 2)]),
+        (_ids(44, 11), [_ids(45, 4)]),
+    ]
+    attention = _swap(lm, variant)
+    batched = batch_choice_logprobs(lm, questions, attention)
+    for (context, choices), scores in zip(questions, batched):
+        alone = _choices_one_at_a_time(lm, context, choices, attention)
+        assert scores == pytest.approx(alone, rel=0, abs=1e-4)
+        assert choice_logprobs(lm, context, choices, attention) == pytest.approx(alone, rel=0, abs=1e-4)

@@ -57,6 +57,7 @@ def test_report_json_and_table():
         ({"limit": 0}, "--limit"),
         ({"context_pad": 0}, "--context-pad"),
         ({"max_new_tokens": 0}, "--max-new-tokens"),
+        ({"batch_size": 0}, "--batch-size"),
     ],
 )
 def test_bad_requests_fail_before_loading_a_model(kwargs, message):
