@@ -2,7 +2,8 @@
 
 One colour per backend, one line style/marker per load point (concurrency or rate); points are means over
 repeats, OTPS error bars their 95% CI. The title says SIMULATED when any run is; a backend whose runs carry a
-caveat (numbers measured but not the backend's own) is marked † in the legend, the caveat printed as a footnote.
+caveat (numbers measured but not the backend's own) is marked † in the legend, the caveat printed as a footnote,
+as is any configuration whose runs served different workloads (‡, `report.workload_notes`).
 """
 from __future__ import annotations
 
@@ -17,7 +18,8 @@ import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
 
 from mpfa.cli.errors import UserError  # noqa: E402
 from mpfa.cli.report import (  # noqa: E402
-    CompareRow, Config, backend_label, caveat_notes, caveated_backends, compare_rows, context_label,
+    CompareRow, Config, backend_label, caveat_notes, caveated_backends, compare_rows, context_label, mixed_workloads,
+    workload_notes,
 )
 from mpfa.cli.store import StoredRun  # noqa: E402
 
@@ -84,7 +86,7 @@ def plot_runs(runs: Sequence[StoredRun], ref_backend: str, out_png: Path) -> Pat
     if any(r.simulated for r in runs):
         title = f"SIMULATED (latency model, no GPU) — {title}"
     fig.suptitle(title)
-    if notes := caveat_notes(ok_runs):
+    if notes := [*caveat_notes(ok_runs), *workload_notes(mixed_workloads(ok_runs))]:
         fig.supxlabel("\n".join(notes), x=0.01, ha="left", fontsize="small", color="darkorange")
     try:
         out_png.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,8 @@
 
 Runs are grouped into configurations — (scenario, context length, load point) — and, per backend, each
 metric is averaged over the repeats that finished ok, with a 95% confidence interval (`metrics.mean_ci95`).
-`gate` and `plot` build on the same grouping.
+`gate` and `plot` build on the same grouping. A configuration's runs need not share a workload (output length,
+request count, seed: the `workload_hash`); compare and plot mark one whose runs do not ‡ and say how in a footnote.
 """
 from __future__ import annotations
 
@@ -30,6 +31,7 @@ _LATENCY = re.compile(r"(ttft_ms|tpot_ms|itl_ms|e2e_s)_(mean|median|p90|p99|std)
 _DISTRIBUTION_STATS = ("mean", "median", "p90", "p99")
 _SIMULATED = "SIMULATED"
 CAVEAT_MARK = "†"  # marks a backend whose runs carry a caveat; the caveat itself is printed once, as a footnote
+WORKLOAD_MARK = "‡"  # marks a configuration whose runs served different workloads (output length, requests, seed)
 _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
 
 
@@ -221,9 +223,11 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
         table.add_column(label, justify="right")
         if backend != ref_backend:
             table.add_column(f"{label} speedup", justify="right")
+    mixed = mixed_workloads(runs)
     for row in rows:
-        cells: list[RenderableType] = [row.config.scenario, context_label(row.config.input_len),
-                                       row.config.load_label, f"{row.metric} ({metric_unit(row.metric)})"]
+        load = f"{row.config.load_label} {WORKLOAD_MARK}" if row.config in mixed else row.config.load_label
+        cells: list[RenderableType] = [row.config.scenario, context_label(row.config.input_len), load,
+                                       f"{row.metric} ({metric_unit(row.metric)})"]
         for backend in backends:
             cells.append(row.values[backend].format() if backend in row.values else "—")
             if backend != ref_backend:
@@ -231,7 +235,7 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
         table.add_row(*cells)
     left_out = sum(r.status != "ok" for r in runs)
     notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
-    add_footnotes(table, [*notes, *caveat_notes(r for r in runs if r.status == "ok")])
+    add_footnotes(table, [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed)])
     return table
 
 
@@ -244,6 +248,28 @@ def _speedup_text(value: float | None) -> Text:
 
 def _simulated_title(title: str, runs: Sequence[RunRecord]) -> str:
     return f"{_SIMULATED} — {title}" if any(r.simulated for r in runs) else title
+
+
+# --- workloads: runs of one configuration that did not serve the same requests -------------------------------------
+
+
+def mixed_workloads(runs: Iterable[RunRecord]) -> dict[Config, dict[str, set[str]]]:
+    """The configurations whose ok runs served more than one workload: for each, workload label -> backends."""
+    backends: dict[Config, dict[str, set[str]]] = defaultdict(lambda: defaultdict(set))
+    for run in runs:
+        if run.status == "ok":
+            label = f"{run.output_len} output tokens × {run.num_requests} requests (workload {run.workload_hash[:8]})"
+            backends[Config.of(run)][label].add(run.backend)
+    return {config: dict(by_label) for config, by_label in backends.items() if len(by_label) > 1}
+
+
+def workload_notes(mixed: dict[Config, dict[str, set[str]]]) -> list[str]:
+    """One footnote per configuration of `mixed_workloads`: which backends served which workload."""
+    return [
+        f"{WORKLOAD_MARK} {c.scenario} {context_label(c.input_len)} {c.load_label}: workloads differ, not like for "
+        "like — " + "; ".join(f"{', '.join(sorted(names))}: {label}" for label, names in sorted(mixed[c].items()))
+        for c in sorted(mixed, key=Config.sort_key)
+    ]
 
 
 # --- caveats: numbers that are measured but not the backend's own -------------------------------------------------

@@ -200,26 +200,28 @@ class ResultStore:
 
     def begin_run(self, run: RunRecord) -> int:
         """Insert `run` with status "running" (plus any requests it already holds); sets and returns its id."""
-        values = {c: getattr(run, c) for c in _RUN_COLUMNS}
-        values.update(
-            status="running",
-            simulated=int(run.simulated),
-            load=load_key(run.load),
-            server_info=json.dumps(run.server_info),
-            backend_flags=json.dumps(run.backend_flags),
-            environment=json.dumps(run.environment),
-        )
-        placeholders = ", ".join("?" for _ in _RUN_COLUMNS)
         with self._transaction("record a new run"):
-            cursor = self._conn.execute(
-                f"INSERT INTO runs ({', '.join(_RUN_COLUMNS)}) VALUES ({placeholders})",
-                list(values.values()),
-            )
-            run_id = int(cursor.lastrowid)
-            self._insert_requests(run_id, run.requests)
+            run_id = self._insert_run(run, "running")
         run.id = run_id
         run.status = "running"
         return run_id
+
+    def import_run(self, run: StoredRun) -> tuple[int, bool]:
+        """Store a run read from an export as it was (status, summary, finished_at, requests) under a new id.
+
+        A run the store already holds — same scenario, backend, engine, context, load, repeat and `started_at`
+        (the wall-clock start, to the float) — is not stored again. Returns (its id here, whether it was added);
+        `run` itself is left unchanged.
+        """
+        key = (run.scenario, run.backend, run.engine, run.input_len, load_key(run.load), run.repeat, run.started_at)
+        with self._transaction("import a run"):
+            existing = self._conn.execute(
+                "SELECT id FROM runs WHERE scenario = ? AND backend = ? AND engine = ? AND input_len = ? "
+                "AND load = ? AND repeat = ? AND started_at = ?", key,
+            ).fetchone()
+            if existing is not None:
+                return int(existing["id"]), False
+            return self._insert_run(run, run.status, run.finished_at, run.summary or None), True
 
     def add_request(self, run_id: int, rec: RequestRecord) -> None:
         """Record one finished request, committed at once."""
@@ -368,6 +370,28 @@ class ResultStore:
     def _require_run(self, run_id: int) -> None:
         if self._conn.execute("SELECT 1 FROM runs WHERE id = ?", (run_id,)).fetchone() is None:
             raise StoreError(f"no run with id {run_id} in {self.path}")
+
+    def _insert_run(self, run: RunRecord, status: str, finished_at: float | None = None,
+                    summary: dict[str, float] | None = None) -> int:
+        """Insert `run` and its requests with this status (inside the caller's transaction); returns the id."""
+        values = {c: getattr(run, c) for c in _RUN_COLUMNS}
+        values.update(
+            status=status,
+            simulated=int(run.simulated),
+            load=load_key(run.load),
+            server_info=json.dumps(run.server_info),
+            backend_flags=json.dumps(run.backend_flags),
+            environment=json.dumps(run.environment),
+            finished_at=finished_at,
+            summary=_json_or_none(summary),
+        )
+        cursor = self._conn.execute(
+            f"INSERT INTO runs ({', '.join(values)}) VALUES ({', '.join('?' for _ in values)})",
+            list(values.values()),
+        )
+        run_id = int(cursor.lastrowid)
+        self._insert_requests(run_id, run.requests)
+        return run_id
 
     def _insert_requests(self, run_id: int, recs: Iterable[RequestRecord]) -> None:
         rows = [

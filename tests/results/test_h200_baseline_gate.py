@@ -1,0 +1,87 @@
+"""The committed H200 baseline (profiles/baselines/h200.json) gated through the CLI against the committed exports
+it was written from: they pass, and a copy with one backend degraded fails. A change to the gate's logic, its
+aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
+
+The baseline is written (profiles/NOTES.md, "Serving comparison (regenerable)") by
+    mpfa import profiles/results/h200-long32k-c1.json profiles/results/h200-session11-mpfa-serving.json --db DB
+    mpfa gate --write-baseline --baseline profiles/baselines/h200.json --db DB
+"""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mpfa.cli.gate import GATED_METRICS, baseline_from_runs, read_baseline
+from mpfa.cli.main import app
+from mpfa.cli.store import ResultStore
+
+PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+BASELINE = PROFILES / "baselines" / "h200.json"
+EXPORTS = [PROFILES / "results" / "h200-long32k-c1.json", PROFILES / "results" / "h200-session11-mpfa-serving.json"]
+DEGRADED = ("long32k", "mpfa-direct")  # scenario and backend made worse in the degraded copy
+
+
+def mpfa(*args: str | Path):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "250"})
+
+
+def imported(db: Path, *exports: Path) -> list[str]:
+    """Import the exports into `db`; the ids of the runs stored, as `--results` arguments."""
+    result = mpfa("import", *exports, "--db", db)
+    assert result.exit_code == 0, result.output
+    with ResultStore(db) as store:
+        return [arg for run in store.list_runs() for arg in ("--results", str(run.id))]
+
+
+def degraded_copy(path: Path, dest: Path, factor: float = 0.7) -> Path:
+    """`path` with the OTPS of DEGRADED's runs times `factor` and their TPOT (every statistic) divided by it."""
+    doc = json.loads(path.read_text())
+    hit = 0
+    for run in doc["runs"]:
+        if (run["scenario"], run["backend"]) == DEGRADED:
+            summary = run["summary"]
+            summary["otps"] *= factor
+            for key in [k for k in summary if k.startswith("tpot_ms_")]:
+                summary[key] /= factor
+            hit += 1
+    assert hit, f"no {DEGRADED} run in {path}"
+    dest.write_text(json.dumps(doc))
+    return dest
+
+
+def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
+    results = imported(tmp_path / "r.db", *EXPORTS)
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
+    assert result.exit_code == 0, result.output
+    assert "Gate passed" in result.output
+    assert "not measured" not in result.output and "regression" not in result.output
+
+
+def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
+    """Regenerate with the commands in this module's docstring when the gate's metrics or aggregation change."""
+    imported(tmp_path / "r.db", *EXPORTS)
+    committed = read_baseline(BASELINE)
+    with ResultStore(tmp_path / "r.db") as store:
+        fresh = baseline_from_runs(store.latest_runs())
+    assert (committed.gpu, committed.model, committed.simulated) == ("NVIDIA H200", "llama-3.1-8b", False)
+    assert [(e.scenario, e.backend, e.input_len, e.load, e.metric, e.n) for e in committed.entries] == [
+        (e.scenario, e.backend, e.input_len, e.load, e.metric, e.n) for e in fresh.entries]
+    for old, new in zip(committed.entries, fresh.entries):
+        assert (old.mean, old.ci_low, old.ci_high) == pytest.approx((new.mean, new.ci_low, new.ci_high), rel=1e-12)
+    gated = {(e.backend, e.metric) for e in committed.entries if e.scenario == "long32k"}
+    assert gated == {(b, m) for b in ("fa4-bf16", "flashinfer-fp8", "mpfa", "mpfa-direct") for m in GATED_METRICS}
+
+
+def test_gate_fails_when_a_stored_result_is_degraded(tmp_path):
+    worse = degraded_copy(EXPORTS[1], tmp_path / "degraded.json")
+    results = imported(tmp_path / "r.db", EXPORTS[0], worse)
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
+    assert result.exit_code == 1, result.output
+    assert "2 regression(s) beyond 5%" in result.stderr
+    regressions = [line for line in result.stdout.splitlines() if line.rstrip(" │").endswith("regression")]
+    assert len(regressions) == 2 and all("mpfa-direct" in line for line in regressions)
+    assert any("otps" in line and "-30.0%" in line for line in regressions)
+    assert any("tpot_ms_median" in line and "+42.9%" in line for line in regressions)
