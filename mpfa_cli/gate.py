@@ -55,6 +55,7 @@ class BaselineEntry:
     ci_high: float | None
     n: int
     caveat: str | None = None  # the caveat of the runs it was measured from (only with allow_caveats)
+    workload: str | None = None  # the workload hash of those runs (None: mixed, or a baseline older than the field)
 
     @property
     def key(self) -> tuple[Config, str, str]:
@@ -81,7 +82,7 @@ class GateCheck:
     entry: BaselineEntry
     current: Estimate | None
     worsening: float  # relative: +0.10 is 10% worse than the baseline mean, negative is better
-    status: str  # regression | ok | within noise | improved | not measured
+    status: str  # regression | ok | within noise | improved | not measured | other workload
     caveat: str | None = None  # of the current results, else of the baseline entry
 
     @property
@@ -132,6 +133,7 @@ def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = 
                 scenario=config.scenario, backend=backend, input_len=config.input_len,
                 load=json.loads(config.load), metric=name, higher_is_better=higher_is_better(name),
                 mean=est.mean, ci_low=est.ci_low, ci_high=est.ci_high, n=est.n, caveat=result.caveat,
+                workload=result.workload,
             ))
     if not entries:
         raise UserError("no run that finished ok with gated metrics: nothing to put in a baseline")
@@ -185,11 +187,14 @@ def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = D
         config, backend, metric = entry.key
         result = results.get((config, backend))
         current = result.estimates.get(metric) if result else None
-        check = _judge(entry, current, tolerance)
+        if current is not None and entry.workload and result.workload != entry.workload:
+            check = GateCheck(entry, None, math.nan, "other workload")  # other output length / requests / seed
+        else:
+            check = _judge(entry, current, tolerance)
         check.caveat = (result.caveat if result else None) or entry.caveat
         checks.append(check)
     if all(c.current is None for c in checks):
-        raise UserError("none of the results match a baseline entry (scenario, context, load, backend)")
+        raise UserError("none of the results match a baseline entry (scenario, context, load, backend, workload)")
     return GateResult(checks, tolerance)
 
 
@@ -238,7 +243,7 @@ def _bounds(est: Estimate) -> tuple[float, float]:
 
 
 _STATUS_STYLE = {"regression": "bold red", "within noise": "yellow", "ok": "green", "improved": "cyan",
-                 "not measured": "dim"}
+                 "not measured": "dim", "other workload": "dim"}
 
 
 def gate_table(result: GateResult) -> Table:

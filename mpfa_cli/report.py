@@ -141,6 +141,12 @@ class BackendResult:
     def caveat(self) -> str | None:
         return next((r.caveat for r in self.runs if r.caveat), None)
 
+    @property
+    def workload(self) -> str | None:
+        """The workload hash its runs share, or None when they served different workloads."""
+        hashes = {r.workload_hash for r in self.runs}
+        return hashes.pop() if len(hashes) == 1 else None
+
 
 def aggregate(runs: Sequence[StoredRun], metric_names: Sequence[str]) -> dict[tuple[Config, str], BackendResult]:
     """Group runs that finished ok by (configuration, backend) and estimate each metric across repeats.

@@ -67,8 +67,9 @@ def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
     with ResultStore(tmp_path / "r.db") as store:
         fresh = baseline_from_runs(store.latest_runs())
     assert (committed.gpu, committed.model, committed.simulated) == ("NVIDIA H200", "llama-3.1-8b", False)
-    assert [(e.scenario, e.backend, e.input_len, e.load, e.metric, e.n) for e in committed.entries] == [
-        (e.scenario, e.backend, e.input_len, e.load, e.metric, e.n) for e in fresh.entries]
+    assert [(e.scenario, e.backend, e.input_len, e.load, e.metric, e.n, e.workload) for e in committed.entries] == [
+        (e.scenario, e.backend, e.input_len, e.load, e.metric, e.n, e.workload) for e in fresh.entries]
+    assert all(e.workload for e in committed.entries)
     for old, new in zip(committed.entries, fresh.entries):
         assert (old.mean, old.ci_low, old.ci_high) == pytest.approx((new.mean, new.ci_low, new.ci_high), rel=1e-12)
     gated = {(e.backend, e.metric) for e in committed.entries if e.scenario == "long32k"}
@@ -85,3 +86,19 @@ def test_gate_fails_when_a_stored_result_is_degraded(tmp_path):
     assert len(regressions) == 2 and all("mpfa-direct" in line for line in regressions)
     assert any("otps" in line and "-30.0%" in line for line in regressions)
     assert any("tpot_ms_median" in line and "+42.9%" in line for line in regressions)
+
+
+def test_runs_of_another_workload_are_not_judged(tmp_path):
+    """The same configuration measured with another output length / request count (another workload hash), even
+    30% worse, is reported as "other workload", not judged against the baseline's numbers."""
+    worse = degraded_copy(EXPORTS[1], tmp_path / "degraded.json")
+    doc = json.loads(worse.read_text())
+    for run in doc["runs"]:
+        if (run["scenario"], run["backend"]) == DEGRADED:
+            run["workload_hash"] = "0" * len(run["workload_hash"])
+    worse.write_text(json.dumps(doc))
+    results = imported(tmp_path / "r.db", EXPORTS[0], worse)
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
+    assert result.exit_code == 0, result.output
+    other = [line for line in result.stdout.splitlines() if line.rstrip(" │").endswith("other workload")]
+    assert len(other) == len(GATED_METRICS) and all("mpfa-direct" in line for line in other)
