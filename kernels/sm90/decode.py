@@ -52,7 +52,11 @@ LANE_KEYS = lay.N_TILES * 3  # keys a lane touches per tile: one QK key and two 
 
 
 class SplitKVDecodeSm90:
-    """Compile-time shape of one decode kernel: ``num_kv_heads``, the GQA ``group`` (<= 8) and ``page_size``."""
+    """Compile-time shape of one decode kernel: ``num_kv_heads``, the GQA ``group`` (<= 8) and ``page_size``.
+    v2 (`decode_pipelined`) reuses the launch, the kernel's prologue and epilogue, and replaces only the tile loop,
+    `_run_tiles`."""
+
+    smem_bytes = 0  # dynamic shared memory per CTA (v1 uses none)
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int) -> None:
         if not 1 <= group <= MAX_GROUP:
@@ -85,7 +89,8 @@ class SplitKVDecodeSm90:
         self.kernel(
             q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part, o_part,
             lam_scaled, partition_size,
-        ).launch(grid=(self.num_kv_heads, m_part.shape[2], seq_lens.shape[0]), block=(32, 1, 1), stream=stream)
+        ).launch(grid=(self.num_kv_heads, m_part.shape[2], seq_lens.shape[0]), block=(32, 1, 1), smem=self.smem_bytes,
+                 stream=stream)
 
     @cute.kernel
     def kernel(
@@ -131,6 +136,18 @@ class SplitKVDecodeSm90:
         for i in cutlass.range_constexpr(lay.M_TILES * 4):
             acc[i] = Float32(0.0)
 
+        self._run_tiles(q_regs, state, acc, (k_codes, k_scales, v, delta_s), page_table, lam_scaled, batch_idx,
+                        kv_head, head, row_valid, start, end, lane, g, c)
+
+        self._store_partials(state, acc, m_part, l_part, o_part, batch_idx, kv_head, part, num_parts, g, c)
+
+    @cute.jit
+    def _run_tiles(self, q_regs, state: cute.Tensor, acc: cute.Tensor, cache, page_table: cute.Tensor,
+                   lam_scaled: Float32, batch_idx, kv_head, head, row_valid, start, end, lane, g, c):
+        """Fold the partition's keys [start, end) into ``state`` and ``acc``, 32-key tiles last to first; ``cache``:
+        the (k_codes, k_scales, v, delta_s) tensors; ``lane`` is for v2's shared memory. v1 loads each tile straight
+        into registers at its top."""
+        k_codes, k_scales, v, delta_s = cache
         # Per-lane base addresses of the lane's chunk in a slot's row; + slot * row stride per key.
         bases = (
             k_codes.iterator.toint() + kv_head * K_ROW_BYTES + 16 * c,
@@ -150,8 +167,6 @@ class SplitKVDecodeSm90:
             scores = self._qk_tile(q_regs, k_words, k_scales_raw, ds_bits)
             p_regs, alpha = self._online_softmax(scores, state, row_valid, lam_scaled)
             self._pv_tile(p_regs, alpha, acc, v_rows, c)
-
-        self._store_partials(state, acc, m_part, l_part, o_part, batch_idx, kv_head, part, num_parts, g, c)
 
     # --- pieces of one tile ------------------------------------------------------------------------------------
 

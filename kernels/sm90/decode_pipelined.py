@@ -20,8 +20,6 @@ Per stage and warp: 12 x 512 B (4 K chunks + 8 V chunks per lane) + 12 x 128 B (
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
@@ -42,10 +40,7 @@ from mpfa.kernels.sm90.ptx import (
     cp_async_wait,
     load_shared_u32,
     load_shared_v4_u32,
-    load_u16,
-    load_v4_u32,
 )
-from mpfa.kernels.sm90.warp_mma import q_chunk_regs
 
 STAGES = 2
 CHUNK_UNITS = lay.N_TILES + 2 * lay.N_TILES  # 16-byte units per lane and stage: K chunks, then V chunks
@@ -56,7 +51,10 @@ SMEM_BYTES = STAGES * STAGE_BYTES
 
 
 class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
-    """v2 of the split-KV decode kernel (same constructor, call signature and outputs as `SplitKVDecodeSm90`)."""
+    """v2 of the split-KV decode kernel (same constructor, call signature and outputs as `SplitKVDecodeSm90`):
+    v1's kernel with its tile loop, `_run_tiles`, replaced."""
+
+    smem_bytes = SMEM_BYTES
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int) -> None:
         super().__init__(num_kv_heads, group, page_size)
@@ -64,72 +62,11 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
             raise ValueError("the pipelined decode copies Delta_S as 4-byte words: needs an even number of query heads")
 
     @cute.jit
-    def __call__(
-        self,
-        q_codes: cute.Tensor,
-        q_scales: cute.Tensor,
-        k_codes: cute.Tensor,
-        k_scales: cute.Tensor,
-        v: cute.Tensor,
-        delta_s: cute.Tensor,
-        page_table: cute.Tensor,
-        seq_lens: cute.Tensor,
-        m_part: cute.Tensor,
-        l_part: cute.Tensor,
-        o_part: cute.Tensor,
-        lam_scaled: Float32,
-        partition_size: Int32,
-        stream,
-    ):
-        self.kernel(
-            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part, o_part,
-            lam_scaled, partition_size,
-        ).launch(grid=(self.num_kv_heads, m_part.shape[2], seq_lens.shape[0]), block=(32, 1, 1), smem=SMEM_BYTES,
-                 stream=stream)
-
-    @cute.kernel
-    def kernel(
-        self,
-        q_codes: cute.Tensor,
-        q_scales: cute.Tensor,
-        k_codes: cute.Tensor,
-        k_scales: cute.Tensor,
-        v: cute.Tensor,
-        delta_s: cute.Tensor,
-        page_table: cute.Tensor,
-        seq_lens: cute.Tensor,
-        m_part: cute.Tensor,
-        l_part: cute.Tensor,
-        o_part: cute.Tensor,
-        lam_scaled: Float32,
-        partition_size: Int32,
-    ):
-        group = self.group
-        num_kv_heads = self.num_kv_heads
-        num_q_heads = num_kv_heads * group
-        lane = cute.arch.lane_idx()
-        kv_head, part, batch_idx = cute.arch.block_idx()
-        g = lane >> 2
-        c = lane & 3
-        head = kv_head * group + g
-        row_valid = g < group
-        seq_len = seq_lens[batch_idx]
-        start = part * partition_size
-        end = cutlass.min(start + partition_size, seq_len)
-        num_parts = m_part.shape[2]
-
-        q_row = Int64(batch_idx * num_q_heads + head)
-        q_words = load_v4_u32(q_codes.iterator.toint() + q_row * K_ROW_BYTES + 4 * 4 * c, Uint32(row_valid))
-        q_regs = q_chunk_regs(q_words, load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c,
-                                                Uint32(row_valid), Uint32(0)))
-
-        state = cute.make_rmem_tensor((2,), Float32)
-        state[0] = -math.inf
-        state[1] = Float32(0.0)
-        acc = cute.make_rmem_tensor((lay.M_TILES * 4,), Float32)
-        for i in cutlass.range_constexpr(lay.M_TILES * 4):
-            acc[i] = Float32(0.0)
-
+    def _run_tiles(self, q_regs, state: cute.Tensor, acc: cute.Tensor, cache, page_table: cute.Tensor,
+                   lam_scaled: Float32, batch_idx, kv_head, head, row_valid, start, end, lane, g, c):
+        """v1's tile loop with each tile's bytes copied into shared memory (cp.async) while the previous tile is
+        computed, then read back from there."""
+        k_codes, k_scales, v, delta_s = cache
         # Per-lane global bases (+ slot * row stride per key): the 16-byte K chunk c, the aligned scale word holding
         # blocks 2c and 2c + 1, the aligned Delta_S word holding head g (row 0's for padding rows: never read),
         # V chunk g.
@@ -171,8 +108,6 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
             p_regs, alpha = self._online_softmax(scores, state, row_valid, lam_scaled)
             self._pv_tile(p_regs, alpha, acc, v_rows, c)
         cp_async_wait(0)
-
-        self._store_partials(state, acc, m_part, l_part, o_part, batch_idx, kv_head, part, num_parts, g, c)
 
     @cute.jit
     def _copy_tile(self, tile_slots, tile, end, active, row_valid, g, c, bases, stage, lane_chunk, lane_word):
