@@ -2,6 +2,7 @@
 
     python -m mpfa.profiles.bench_kernels decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
+    python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa-v1,mpfa-v2,flashinfer-fp8  # v1 vs v2
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the
@@ -38,7 +39,7 @@ def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float
 
     w = workload
     tokens = w.batch * w.seq
-    if backend == "mpfa":
+    if adapter_for(backend).tensor_format is MPFA:  # mpfa, mpfa-v1, mpfa-v2 (the same decode)
         partitions = -(-w.seq // choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms))
         partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
         return w.bytes_needed(MPFA) + tokens * _INDEX_BYTES + partial_bytes

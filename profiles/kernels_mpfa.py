@@ -4,6 +4,9 @@ Both kinds run the sm90 kernels on a cache the Triton KV write fills while the i
 attention kernels are timed. Decode: the CuTe split-KV decode + merge, page size 1 like FlashInfer's. Prefill:
 the CuTe prefill (mma.sync, causal, every token of each sequence a query), page size 128 like FA4's, the
 queries' centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
+
+Backend ``mpfa`` runs the prefill kernel ``MPFA_PREFILL_KERNEL`` selects (v1 by default); ``mpfa-v1`` and
+``mpfa-v2`` pin v1 or v2 (`prefill_staged`), so one run can time both (decode is the same kernel in all three).
 """
 from __future__ import annotations
 
@@ -36,6 +39,13 @@ class MpfaAdapter:
     math_dtype = "bf16"  # FP16 tensor-core MMAs on exactly dequantized operands (sm_90 has no FP4 MMA)
     kernel_regex = "SplitKVDecode|PrefillSm90"  # the main kernels; the 4 us decode merge is not what ncu should profile
 
+    def __init__(self, prefill_kernel: str | None = None):
+        """``prefill_kernel``: "v1" or "v2" pins the prefill kernel (backend ``mpfa-v1`` / ``mpfa-v2``); None
+        follows ``MPFA_PREFILL_KERNEL``."""
+        self.prefill_kernel = prefill_kernel
+        if prefill_kernel is not None:
+            self.name = f"mpfa-{prefill_kernel}"
+
     def set_bytes(self, workload: AttentionWorkload) -> int:
         if workload.kind == "prefill":  # never below the roofline bytes, which count Q in BF16 (`MPFA.q`)
             return max(_prefill_set_bytes(workload), int(workload.bytes_needed(self.tensor_format)))
@@ -51,7 +61,7 @@ class MpfaAdapter:
         means = SmoothingMeans(torch.randn(w.batch, w.q_heads, w.head_dim, device=device, generator=generator),
                                torch.randn(w.batch, w.kv_heads, w.head_dim, device=device, generator=generator))
         if w.kind == "prefill":
-            return _prepare_prefill(w, num_sets, device, generator, means)
+            return _prepare_prefill(w, num_sets, device, generator, means, self.prefill_kernel)
         return _prepare_decode(w, num_sets, device, generator, means)
 
 
@@ -112,11 +122,12 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
                           f"{workspace.partition_size} keys) + merge, page 1")
 
 
-def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, means) -> PreparedKernel:
+def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, means,
+                     kernel: str | None = None) -> PreparedKernel:
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.prefill_launch import mpfa_prefill
+    from mpfa.kernels.sm90.prefill_launch import mpfa_prefill, use_staged
 
     tokens = w.batch * w.seq
     pages_per_seq = -(-w.seq // PREFILL_PAGE_SIZE)
@@ -145,7 +156,8 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     def run(i: int) -> torch.Tensor:
         query, cache = sets[i]
         return mpfa_prefill(query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=w.seq, causal=True,
-                            out=output)
+                            out=output, kernel=kernel)
 
+    version = "v2, staged cp.async ring" if use_staged(w.q_heads, kernel) else "v1"
     return PreparedKernel(run, _dense_inputs, num_sets,
-                          f"Triton KV write + CuTe prefill (mma.sync, causal), page {PREFILL_PAGE_SIZE}")
+                          f"Triton KV write + CuTe prefill {version} (mma.sync, causal), page {PREFILL_PAGE_SIZE}")

@@ -6,11 +6,17 @@ keys is the sequence's token ``seq_lens_k - q_len + i`` (the new tokens of a chu
 of the sequence and are already in the cache). Kernels are compiled once per (KV heads, group, page size,
 causal, output dtype) from fake tensors with symbolic sizes (`compile_prefill_kernel` also runs on a CPU-only
 machine). The grid needs the longest query length: pass ``max_seqlen_q`` to avoid a device-to-host copy.
+
+Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm90`, per-warp global loads) and v2
+(`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs).
+``MPFA_PREFILL_KERNEL=v1|v2`` picks one (default v1 until v2 is validated and timed on the H200), as does the
+``kernel=`` argument of `mpfa_prefill`; v2 needs an even number of query heads (else v1 runs).
 """
 
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import torch
@@ -18,30 +24,62 @@ import torch
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
 from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
+from mpfa.kernels.sm90.prefill_staged_layout import WARP_ROWS, cta_shape
 
 HEAD_DIM = 128
 BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host side imports no CuTe DSL)
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
+KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # "v1" (default) or "v2" (the staged kernel, `prefill_staged`)
+
+
+def use_staged(num_q_heads: int, kernel: str | None = None) -> bool:
+    """Whether the prefill runs v2 (`prefill_staged`): ``kernel`` ("v1" / "v2"; None: ``MPFA_PREFILL_KERNEL``, default
+    v1), and only with an even number of query heads (v2 copies Delta_S as aligned 4-byte words)."""
+    choice = (os.environ.get(KERNEL_ENV, "v1") if kernel is None else kernel).strip().lower()
+    if choice not in ("v1", "v2"):
+        raise ValueError(f"the prefill kernel must be v1 or v2 ({KERNEL_ENV}), got {choice!r}")
+    return choice == "v2" and num_q_heads % 2 == 0
+
+
+def kernel_block_m(group: int, staged: bool) -> int:
+    """Query rows per CTA of the chosen kernel (the grid's row blocks: ``ceil(max_seqlen_q / block_m)``)."""
+    return WARP_ROWS * cta_shape(group)[1] if staged else BLOCK_M
+
+
+def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool,
+                           out_dtype: str = "BFloat16", ablation=None, staged: bool | None = None):
+    """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
+    `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
+    only). ``staged``: v2 (`prefill_staged`) instead of v1; None: `use_staged` (``MPFA_PREFILL_KERNEL``)."""
+    if staged is None:
+        staged = ablation is None and use_staged(num_kv_heads * group)
+    if staged and ablation is not None:
+        raise ValueError("the compile-time ablations exist for the v1 prefill kernel only")
+    return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, bool(staged))
 
 
 @lru_cache(maxsize=None)
-def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool,
-                           out_dtype: str = "BFloat16", ablation=None):
-    """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
-    `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless)."""
+def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str, ablation,
+                            staged: bool):
     target_sm90a()
     import cutlass
     from cutlass import Float32, Int32
 
-    from mpfa.kernels.sm90 import prefill
+    from mpfa.kernels.sm90 import prefill, prefill_staged
     from mpfa.kernels.sm90.ablation import FULL
 
-    assert (prefill.BLOCK_M, prefill.TILE_KEYS) == (BLOCK_M, TILE_KEYS)
+    assert (prefill.BLOCK_M, prefill.TILE_KEYS, prefill_staged.TILE_KEYS) == (BLOCK_M, TILE_KEYS, TILE_KEYS)
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8 = cutlass.Uint8
+    if staged:
+        launcher = prefill_staged.PrefillSm90Staged(num_kv_heads, group, page_size, causal, out_dtype)
+        assert launcher.block_m == kernel_block_m(group, True)
+    else:
+        launcher = prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype,
+                                       FULL if ablation is None else ablation)
     return compile_kernel(
-        prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype, FULL if ablation is None else ablation),
+        launcher,
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (None, hkv, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (None, hq), align=4),
@@ -98,29 +136,32 @@ def mpfa_prefill(
     causal: bool = True,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """Prefill attention: ``query`` [total_q, Hq] centered NVFP4 (from `quantize_to_cache`, the tokens of each
     sequence in order), ``cu_seqlens_q`` int32 [B + 1], each sequence's key count ``seq_lens_k`` int32 [B]
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
-    ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten)."""
+    ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
+    ``kernel``: "v1" or "v2" (None: ``MPFA_PREFILL_KERNEL``, see `use_staged`); both give the same output."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
-                    causal=causal, sm_scale=sm_scale, out=out)
+                    causal=causal, sm_scale=sm_scale, out=out, kernel=kernel)
 
 
 def mpfa_prefill_ablated(ablation, query: CenteredQuery, cache: MpfaKVCache, page_table: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, **kwargs) -> torch.Tensor:
     """`mpfa_prefill` on a kernel with the pieces ``ablation`` (`ablation.Ablation`) removes: for timing the pieces
-    only (`mpfa profile characterize`); its output is meaningless unless ``ablation`` is `ablation.FULL`."""
+    only (`mpfa profile characterize`); its output is meaningless unless ``ablation`` is `ablation.FULL`. The
+    ablations exist for v1, so every rung of the ladder (`FULL` included) runs v1 whatever ``MPFA_PREFILL_KERNEL``."""
     from mpfa.kernels.sm90.ablation import Ablation
 
     _require(isinstance(ablation, Ablation), f"ablation must be an Ablation, got {ablation!r}")
     return _prefill(None if ablation.is_full else ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k,
-                    **kwargs)
+                    **{**kwargs, "kernel": "v1"})
 
 
 def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_q=None, causal=True,
-             sm_scale=None, out=None):
+             sm_scale=None, out=None, kernel=None):
     total_q, num_q_heads = query.codes.shape[:2]
     out = out if out is not None else torch.empty((total_q, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
                                                   device=query.codes.device)
@@ -132,13 +173,13 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
     _require(math.isfinite(scale) and scale > 0, f"sm_scale must be positive and finite, got {sm_scale!r}")
     if total_q == 0 or max_seqlen_q == 0:
         return out
-    config = (cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size, bool(causal),
-              _OUT_DTYPES[out.dtype])
-    # the real kernel keeps its 5-argument cache key (the SGLang plugin precompiles it with 5 arguments)
-    kernel = compile_prefill_kernel(*config) if ablation is None else compile_prefill_kernel(*config, ablation)
+    group = num_q_heads // cache.num_kv_heads
+    config = (cache.num_kv_heads, group, cache.page_size, bool(causal), _OUT_DTYPES[out.dtype])
+    staged = ablation is None and use_staged(num_q_heads, kernel)
+    compiled = compile_prefill_kernel(*config, ablation, staged)
     lam = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))
     u8 = torch.uint8
-    kernel(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
-           cache.delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam * 2.0**SCORE_SCALE_LOG2,
-           -(-max_seqlen_q // BLOCK_M))
+    compiled(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
+             cache.delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam * 2.0**SCORE_SCALE_LOG2,
+             -(-max_seqlen_q // kernel_block_m(group, staged)))
     return out

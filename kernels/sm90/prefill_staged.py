@@ -1,0 +1,383 @@
+"""MpFA prefill v2 ("staged"): v1's warps and numerics (`prefill.PrefillSm90`), fed from a CTA-wide cp.async ring in
+shared memory instead of per-warp global loads, with K expanded to FP16 once per CTA instead of once per warp.
+
+v1 was bound by its loads (profiles/NOTES.md, "Characterization"): every warp fetched every K / V / Delta_S tile
+from global memory straight into registers, 4x over within a CTA and once more per query head of a GQA group,
+with two warps per scheduler to hide the latency. v2 changes where a tile's operands come from:
+
+* A CTA of 4 warps owns ``heads`` query heads of one GQA group x ``row_blocks`` blocks of 16 query rows
+  (`prefill_staged_layout.cta_shape`: group 4 -> the whole group x 16 rows, group 5 -> 1 head x 64 rows); warp w
+  is query head ``first_head + w % heads``, rows ``16 (w // heads)`` .. + 15 of the CTA's block. Each K / V /
+  scale / Delta_S tile is copied once per CTA and read by all its warps (v1: loaded by every warp, 4 per head).
+* The copy is a ``STAGES``-deep ring of 32-key tiles (`prefill_staged_layout` has the stage layout, the copy map,
+  the read map and the schedule; cp.async zero-fills keys past the sequence end, which is what v1's predicated
+  loads returned). One CTA barrier per tile: wait for the own copies, barrier, issue the copies of tile
+  p + STAGES - 1 into the stage tile p - 1 used, compute tile p. The page-table entry of the next tile to copy is
+  fetched one tile ahead.
+* ``shared_dequant`` (default): the NVFP4 -> FP16 expansion of K (v1: ~270 of ~800 instructions per warp and
+  tile, the same work in each of the 4 warps) is done once per CTA: at step p, after the barrier, warp w expands
+  n-tile w of tile p + 1 (`prefill_staged_tile.k_fragments`, v1's expansion) into one of two fragment buffers, and
+  the warps read tile p's B registers from the other (16 conflict-free LDS.128 per lane). The ring then waits for
+  one more tile ahead (``ring_wait``). ~690 instead of ~870 instructions per warp and tile.
+* Per warp and tile the arithmetic is v1's, operand for operand (`prefill_tile`, `warp_mma`): the same 32-key
+  tiles in the same (reverse) order, the same predicated-tile / whole-tile split, the same FP16 B registers, so
+  the output is bit-identical to v1 (tests/kernels_sm90/test_prefill_staged_gpu.py compares them exactly). The
+  CTA walks the tiles its last row sees; a warp skips the tiles none of its rows sees (only when
+  ``row_blocks > 1``; bit-identical, as in v1), but still does its share of copies and K expansion.
+* The grid is (Hq / heads, row blocks, batch), a GQA group's CTAs next to each other and the heaviest causal row
+  blocks first; the launch signature is v1's (`prefill_launch` picks the kernel, ``MPFA_PREFILL_KERNEL=v1|v2``,
+  and sizes ``num_m_blocks`` with the kernel's block of rows, `prefill_staged_layout.cta_shape`).
+
+Registers: ~255 per thread as v1 (0 spills), so 2 CTAs (8 warps) per SM; shared memory per CTA 42 KB (4 ring
+stages of 6.5 KB + 2 fragment buffers of 8 KB), 26 KB without ``shared_dequant``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from mpfa.kernels.sm90 import prefill_staged_layout as sl
+from mpfa.kernels.sm90 import prefill_tile as tile_math
+from mpfa.kernels.sm90.ptx import (
+    cp_async_4,
+    cp_async_16,
+    cp_async_commit,
+    cp_async_wait,
+    f32x2_to_bf16x2,
+    load_shared_v4_u32,
+    load_u16,
+    load_u32,
+    load_v4_u32,
+    store_v4_f32,
+    store_v4_u32,
+)
+from mpfa.kernels.sm90.prefill_staged_tile import k_fragments, qk_ntile_from_fragments
+from mpfa.kernels.sm90.smem_pipeline import cp_async_8, load_shared_u16, load_u32_if, store_shared_v4_u32
+from mpfa.kernels.sm90.warp_mma import q_chunk_regs, transpose_v
+
+HEAD_DIM = sl.HEAD_DIM
+K_ROW_BYTES = sl.K_ROW_BYTES
+SCALE_ROW_BYTES = sl.SCALE_ROW_BYTES
+TILE_KEYS = sl.TILE_KEYS
+N_TILES = TILE_KEYS // 8
+WARP_ROWS = sl.WARP_ROWS
+STAGES = 4
+SHARED_DEQUANT = True  # expand each K tile to FP16 once per CTA (each warp one n-tile), not in every warp
+OUT_DTYPES = ("BFloat16", "Float32")
+
+
+class PrefillSm90Staged:
+    """Compile-time shape of one staged prefill kernel: as `prefill.PrefillSm90` (``num_kv_heads``, GQA ``group``,
+    ``page_size``, ``causal``, output dtype name), plus the CTA's ``heads`` (a divisor of ``group``) and
+    ``row_blocks`` (16-row blocks; default `prefill_staged_layout.cta_shape`), ``stages`` (depth of the
+    shared-memory ring, a power of two >= 2, >= 4 with ``shared_dequant``) and ``shared_dequant`` (K expanded
+    once per CTA; None: ``SHARED_DEQUANT``)."""
+
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
+                 heads: int | None = None, row_blocks: int | None = None, stages: int = STAGES,
+                 shared_dequant: bool | None = None):
+        if num_kv_heads <= 0 or group <= 0:
+            raise ValueError(f"need positive num_kv_heads and group, got {num_kv_heads} and {group}")
+        if (num_kv_heads * group) % 2:
+            raise ValueError("the staged prefill copies Delta_S as 4-byte words: needs an even number of query heads")
+        if page_size < TILE_KEYS or page_size & (page_size - 1):
+            raise ValueError(f"the sm90 prefill kernel needs a power-of-two page_size >= {TILE_KEYS}, got {page_size}")
+        if out_dtype not in OUT_DTYPES:
+            raise ValueError(f"prefill output must be one of {OUT_DTYPES}, got {out_dtype!r}")
+        shared_dequant = SHARED_DEQUANT if shared_dequant is None else bool(shared_dequant)
+        if stages < 2 + shared_dequant or stages & (stages - 1):
+            raise ValueError(f"stages must be a power of two >= {2 + shared_dequant}, got {stages}")
+        default_heads, default_rows = sl.cta_shape(group)
+        heads = default_heads if heads is None else heads
+        row_blocks = default_rows if row_blocks is None else row_blocks
+        if heads <= 0 or group % heads or row_blocks <= 0 or heads * row_blocks > 32:
+            raise ValueError(f"need heads dividing group {group} and at most 32 warps, got {heads} x {row_blocks}")
+        self.num_kv_heads = num_kv_heads
+        self.group = group
+        self.num_q_heads = num_kv_heads * group
+        self.page_size = page_size
+        self.page_shift = page_size.bit_length() - 1
+        self.causal = causal
+        self.out_f32 = out_dtype == "Float32"
+        self.heads = heads
+        self.row_blocks = row_blocks
+        self.block_m = WARP_ROWS * row_blocks
+        self.stages = stages
+        self.threads = 32 * heads * row_blocks
+        self.stage_bytes = sl.stage_bytes(heads)
+        self.shared_dequant = shared_dequant
+        self.smem_bytes = stages * self.stage_bytes + (2 * sl.FRAG_BUFFER_BYTES if shared_dequant else 0)
+
+    @cute.jit
+    def __call__(
+        self,
+        q_codes: cute.Tensor,  # uint8 [total_q, Hq, 64]
+        q_scales: cute.Tensor,  # uint8 [total_q, Hq, 8]
+        k_codes: cute.Tensor,  # uint8 [slots, Hkv, 64]
+        k_scales: cute.Tensor,  # uint8 [slots, Hkv, 8]
+        v: cute.Tensor,  # uint8 [slots, Hkv, 128]
+        delta_s: cute.Tensor,  # bf16 [slots, Hq]
+        page_table: cute.Tensor,  # int32 [B, max_pages]
+        cu_seqlens_q: cute.Tensor,  # int32 [B + 1]
+        seq_lens_k: cute.Tensor,  # int32 [B]
+        out: cute.Tensor,  # bf16 / fp32 [total_q, Hq, 128]
+        lam_scaled: Float32,  # log2(e) * sm_scale * 2**7 (the MMA yields S * 2**-7)
+        num_m_blocks: Int32,  # ceil(max q_len / block_m)
+        stream,
+    ):
+        self.kernel(
+            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
+        ).launch(grid=(self.num_q_heads // self.heads, num_m_blocks, seq_lens_k.shape[0]), block=(self.threads, 1, 1),
+                 smem=self.smem_bytes, stream=stream)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_codes: cute.Tensor,
+        q_scales: cute.Tensor,
+        k_codes: cute.Tensor,
+        k_scales: cute.Tensor,
+        v: cute.Tensor,
+        delta_s: cute.Tensor,
+        page_table: cute.Tensor,
+        cu_seqlens_q: cute.Tensor,
+        seq_lens_k: cute.Tensor,
+        out: cute.Tensor,
+        lam_scaled: Float32,
+    ):
+        heads = self.heads
+        stages = self.stages
+        tid, _, _ = cute.arch.thread_idx()
+        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
+        lane = cute.arch.lane_idx()
+        g = lane >> 2
+        c = lane & 3
+        head_block, m_rev, batch = cute.arch.block_idx()
+        _, num_m_blocks, _ = cute.arch.grid_dim()
+        first_head = head_block * heads
+        kv_head = first_head // self.group
+        head_in_cta = warp % heads
+        head = first_head + head_in_cta
+        q_start = cu_seqlens_q[batch]
+        q_len = cu_seqlens_q[batch + 1] - q_start
+        kv_len = seq_lens_k[batch]
+        cta_row0 = (num_m_blocks - 1 - m_rev) * self.block_m  # the heaviest row blocks launch first
+        row0 = cta_row0 + (warp // heads) * WARP_ROWS
+        rows = (row0 + g, row0 + g + 8)
+
+        num_tiles, limits, common = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal,
+                                                        tile_keys=TILE_KEYS, warp_rows=WARP_ROWS)
+        num_tiles = Int32(num_tiles)
+        cta_tiles, cta_common = num_tiles, common
+        if cutlass.const_expr(self.row_blocks > 1):  # the CTA walks the tiles its last row sees
+            cta_tiles, _, cta_common = tile_math.warp_plan(cta_row0, q_len, kv_len, g, causal=self.causal,
+                                                           tile_keys=TILE_KEYS, warp_rows=self.block_m)
+            cta_tiles = Int32(cta_tiles)
+
+        q_regs = []  # rows g, g + 8: chunk c exactly dequantized to FP16 (v1)
+        for r in cutlass.range_constexpr(2):
+            valid = Uint32(rows[r] < q_len)
+            q_row = Int64(q_start + rows[r]) * self.num_q_heads + head
+            words = load_v4_u32(q_codes.iterator.toint() + q_row * K_ROW_BYTES + 16 * c, valid)
+            scale_pair = load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c, valid, Uint32(0))
+            q_regs.append(q_chunk_regs(words, scale_pair))
+        a_steps = tile_math.qk_a_steps(q_regs[0], q_regs[1])
+
+        state = cute.make_rmem_tensor((4,), Float32)  # running max (S * 2**-7) of rows g, g + 8; lane-partial sums
+        state[0] = -math.inf
+        state[1] = -math.inf
+        state[2] = Float32(0.0)
+        state[3] = Float32(0.0)
+        acc = cute.make_rmem_tensor((tile_math.ACC_REGS,), Float32)
+        for i in cutlass.range_constexpr(tile_math.ACC_REGS):
+            acc[i] = Float32(0.0)
+
+        smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=sl.STAGE_ALIGN).toint()
+        sources = (  # the KV head's bytes in slot 0 of the cache (+ slot x row stride)
+            k_codes.iterator.toint() + kv_head * K_ROW_BYTES,
+            v.iterator.toint() + kv_head * HEAD_DIM,
+            k_scales.iterator.toint() + kv_head * SCALE_ROW_BYTES,
+            delta_s.iterator.toint() + 4 * sl.ds_first_word(first_head),
+        )
+        lane_bases = (sl.ds_lane_base(heads, first_head, head_in_cta, c), sl.v_lane_base(g, c))
+        table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
+        page = cute.make_rmem_tensor((1,), Int32)  # page-table entry of the next tile to copy
+
+        # Prologue: tiles 0 .. STAGES - 2 of the walk (last to first) in flight, the next one's page requested.
+        for index in cutlass.range_constexpr(stages - 1):
+            tile_index, stage = sl.ring_prologue(index, cta_tiles)
+            if tile_index >= 0:
+                self._copy_tile(tile_index, Int32(load_u32(self._page_entry(table_row, tile_index))),
+                                smem + stage * self.stage_bytes, kv_len, tid, sources, True)
+            cp_async_commit()
+        self._fetch_page(page, table_row, sl.ring_copy(0, cta_tiles, stages)[0])
+        if cutlass.const_expr(self.shared_dequant):  # expand step 0's K (step p expands the K of step p + 1)
+            cp_async_wait(stages - 2)
+            cute.arch.barrier()
+            first_index, first_stage, first_buffer = sl.ring_compute(0, cta_tiles, stages)
+            if first_index >= 0:
+                self._expand_k(smem, first_stage, first_buffer, warp, lane)
+
+        # Tiles reaching past the sequence end or some row's diagonal (masked scores), then whole tiles (as v1).
+        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
+        masked_tiles = cta_tiles - full_tiles
+        for step in cutlass.range(masked_tiles, unroll=1):
+            self._step(True, step, cta_tiles, num_tiles, page, table_row, smem, kv_len, tid, sources, a_steps, state,
+                       acc, lam_scaled, lane_bases, limits, warp, lane, c)
+        for step in cutlass.range(full_tiles, unroll=1):
+            self._step(False, masked_tiles + step, cta_tiles, num_tiles, page, table_row, smem, kv_len, tid,
+                       sources, a_steps, state, acc, lam_scaled, lane_bases, limits, warp, lane, c)
+        cp_async_wait(0)  # only empty groups can be pending here
+
+        self._store(state, acc, out, q_start, q_len, row0, head, g, c)
+
+    # --- the ring ---------------------------------------------------------------------------------------------
+
+    def _page_entry(self, table_row, tile_index):
+        return table_row + Int64((tile_index * TILE_KEYS) >> self.page_shift) * 4
+
+    @cute.jit
+    def _fetch_page(self, page: cute.Tensor, table_row, tile_index):
+        """Request the page-table entry of ``tile_index`` (nothing read when it is negative: no tile left)."""
+        page[0] = Int32(load_u32_if(self._page_entry(table_row, cutlass.max(tile_index, 0)),
+                                    Uint32(tile_index >= 0)))
+
+    @cute.jit
+    def _step(self, masked: cutlass.Constexpr, step, cta_tiles, num_tiles, page: cute.Tensor, table_row, smem, kv_len,
+              tid, sources, a_steps, state, acc, lam_scaled, lane_bases, limits, warp, lane, c):
+        """Step ``step`` of the walk (`prefill_staged_layout.ring_copy` / `ring_compute`)."""
+        stages = self.stages
+        # This thread's copies of this step's tile (and, expanding K a step ahead, of the next one) have landed.
+        cp_async_wait(sl.ring_wait(stages, self.shared_dequant))
+        cute.arch.barrier()  # everyone's have; every warp is done with the previous step's stage
+        copy_index, copy_stage = sl.ring_copy(step, cta_tiles, stages)  # into the previous step's stage
+        if copy_index >= 0:  # in the whole-tile loop, later tiles are whole too: no zero fill to decide
+            self._copy_tile(copy_index, page[0], smem + copy_stage * self.stage_bytes, kv_len, tid, sources, masked)
+        cp_async_commit()
+        self._fetch_page(page, table_row, sl.ring_copy(step + 1, cta_tiles, stages)[0])
+        fragments = None
+        if cutlass.const_expr(self.shared_dequant):
+            next_index, next_stage, next_buffer = sl.ring_compute(step + 1, cta_tiles, stages)
+            if next_index >= 0:
+                self._expand_k(smem, next_stage, next_buffer, warp, lane)
+        tile_index, compute_stage, buffer = sl.ring_compute(step, cta_tiles, stages)
+        stage = smem + compute_stage * self.stage_bytes
+        if cutlass.const_expr(self.shared_dequant):
+            fragments = smem + sl.frag_lane_base(stages, self.heads, buffer, lane)
+        if cutlass.const_expr(self.row_blocks > 1):
+            if tile_index < num_tiles:  # some row of this warp sees the tile
+                self._tile(masked, a_steps, state, acc, lam_scaled, tile_index * TILE_KEYS, stage, fragments,
+                           lane_bases, limits, lane, c)
+        else:
+            self._tile(masked, a_steps, state, acc, lam_scaled, tile_index * TILE_KEYS, stage, fragments, lane_bases,
+                       limits, lane, c)
+
+    @cute.jit
+    def _copy_tile(self, tile_index, page, stage, kv_len, tid, sources, ragged: cutlass.Constexpr):
+        """cp.async the KV head's bytes of tile ``tile_index`` into ``stage``, every thread its units of each array
+        (`prefill_staged_layout`); keys past ``kv_len`` copy 0 bytes (zero fill; ``ragged`` false: the tile is
+        known to be whole). A tile never straddles pages."""
+        tile = tile_index * TILE_KEYS
+        slot0 = Int64(page) * self.page_size + (tile & (self.page_size - 1))
+        left = kv_len - tile  # key k of the tile exists iff k < left
+        hkv, threads = self.num_kv_heads, self.threads
+        strides = (hkv * K_ROW_BYTES, hkv * HEAD_DIM, hkv * SCALE_ROW_BYTES, self.num_q_heads * 2)  # cache rows
+        copies = {16: cp_async_16, 8: cp_async_8, 4: cp_async_4}
+        for (_, units, size, copy_map), stride, source in zip(sl.copy_arrays(self.heads), strides, sources):
+            first = source + slot0 * stride
+            copy = copies[size]
+            for round_ in cutlass.range_constexpr(sl.copy_rounds(units, threads)):
+                unit = tid + round_ * threads
+                key, offset, smem_offset = copy_map(tid, round_ * threads)
+                src_bytes = Uint32(cutlass.select_(key < left, size, 0)) if ragged else Uint32(size)
+                if cutlass.const_expr((round_ + 1) * threads <= units):
+                    copy(stage + smem_offset, first + Int64(key * stride + offset), src_bytes)
+                else:
+                    if unit < units:
+                        copy(stage + smem_offset, first + Int64(key * stride + offset), src_bytes)
+
+    @cute.jit
+    def _expand_k(self, smem, raw_stage, buffer, warp, lane):
+        """K of the tile in ring stage ``raw_stage`` to FP16 B registers in fragment buffer ``buffer``: warp w the
+        n-tiles n with n % warps == w (`prefill_staged_layout.frag_offset`)."""
+        warps = self.threads // 32
+        stage = smem + raw_stage * self.stage_bytes
+        for round_ in cutlass.range_constexpr((N_TILES + warps - 1) // warps):
+            n_tile = warp + round_ * warps
+            if cutlass.const_expr((round_ + 1) * warps <= N_TILES):
+                self._expand_ntile(smem, stage, buffer, n_tile, lane)
+            else:
+                if n_tile < N_TILES:
+                    self._expand_ntile(smem, stage, buffer, n_tile, lane)
+
+    @cute.jit
+    def _expand_ntile(self, smem, stage, buffer, n_tile, lane):
+        words = load_shared_v4_u32(stage + sl.k_read(n_tile, lane))
+        regs = k_fragments(words, load_shared_u16(stage + sl.scale_read(n_tile, lane)))
+        fragments = smem + sl.frag_lane_base(self.stages, self.heads, buffer, lane)
+        for quad in cutlass.range_constexpr(sl.FRAG_QUADS):
+            store_shared_v4_u32(fragments + sl.frag_offset(n_tile, quad), *regs[4 * quad:4 * quad + 4])
+
+    # --- one tile of one warp: v1's arithmetic, operands from shared memory ----------------------------------------
+
+    @cute.jit
+    def _tile(self, masked: cutlass.Constexpr, a_steps, state: cute.Tensor, acc: cute.Tensor, lam_scaled, tile, stage,
+              fragments, lane_bases, limits, lane, c):
+        """S = Q K^T + Delta_S (-inf where masked), online softmax, acc = alpha acc + V^T e4m3(448 P)^T: exactly
+        `prefill.PrefillSm90._tile` with one 32-key PV step. Keys past the end read zeros (as v1's loads)."""
+        ds_lane, v_lane = lane_bases
+        k_words, k_scale_pairs, ds_bits = [], [], []
+        if cutlass.const_expr(self.shared_dequant):  # K already expanded: this lane's B registers
+            for n_tile in cutlass.range_constexpr(N_TILES):
+                regs = []
+                for quad in cutlass.range_constexpr(sl.FRAG_QUADS):
+                    regs += load_shared_v4_u32(fragments + sl.frag_offset(n_tile, quad))
+                k_words.append(regs)
+                k_scale_pairs.append(None)
+        else:
+            for n_tile in cutlass.range_constexpr(N_TILES):
+                k_words.append(load_shared_v4_u32(stage + sl.k_read(n_tile, lane)))
+                k_scale_pairs.append(load_shared_u16(stage + sl.scale_read(n_tile, lane)))
+        for n_tile in cutlass.range_constexpr(N_TILES):
+            for half in cutlass.range_constexpr(2):
+                ds_bits.append(load_shared_u16(stage + ds_lane + sl.ds_read(self.heads, n_tile, half)))
+        seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
+        scores = tile_math.qk_scores(a_steps, k_words, k_scale_pairs, ds_bits, seen,
+                                     ntile=qk_ntile_from_fragments if self.shared_dequant else None)
+        v_rows = []
+        for k_half in cutlass.range_constexpr(2):
+            for j in cutlass.range_constexpr(4):
+                v_rows.append(load_shared_v4_u32(stage + v_lane + sl.v_read(tile_math.pv_tile_key(0, k_half, 0, j))))
+        probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
+                                                                 lam_scaled)
+        for r in cutlass.range_constexpr(2):
+            state[r] = m_rows[r]
+            state[2 + r] = l_rows[r]
+        regs = tile_math.rescale([acc[i] for i in range(tile_math.ACC_REGS)], alphas, c)
+        regs = tile_math.pv_step(regs, probs, transpose_v(v_rows), 0)
+        for i in cutlass.range_constexpr(tile_math.ACC_REGS):
+            acc[i] = regs[i]
+
+    @cute.jit
+    def _store(self, state: cute.Tensor, acc: cute.Tensor, out: cute.Tensor, q_start, q_len, row0, head, g, c):
+        """O / (448 l) of query rows 8 nq + 2c + w, dimensions 16g..16g+15 (as v1); rows past the sequence are not
+        written."""
+        elem_bytes = 4 if self.out_f32 else 2
+        out_base = out.iterator.toint()
+        rows = tile_math.output_rows([acc[i] for i in range(tile_math.ACC_REGS)], [state[2], state[3]], c)
+        for index in cutlass.range_constexpr(4):
+            nq, w, values = rows[index]
+            row = row0 + 8 * nq + 2 * c + w
+            if row < q_len:
+                address = out_base + ((Int64(q_start + row) * self.num_q_heads + head) * HEAD_DIM + 16 * g) * elem_bytes
+                if cutlass.const_expr(self.out_f32):
+                    for quad in cutlass.range_constexpr(4):
+                        store_v4_f32(address + 16 * quad, *values[4 * quad:4 * quad + 4])
+                else:
+                    words = [f32x2_to_bf16x2(values[2 * i], values[2 * i + 1]) for i in range(8)]
+                    store_v4_u32(address, *words[:4])
+                    store_v4_u32(address + 16, *words[4:])

@@ -1,0 +1,257 @@
+"""The staged prefill's shared-memory plumbing, byte for byte on the CPU (`prefill_staged_layout`, the functions the
+kernel traces): every thread of a CTA runs its cp.async units of one tile into a poisoned model of the stage
+(zero fill past the sequence end), then every lane of every warp reads its operands back exactly where the kernel
+reads them, and must get exactly the bytes v1 (`prefill.PrefillSm90`) loads from the paged cache for that lane:
+K chunk c and block scales 2c, 2c + 1 of key 8 n + g, Delta_S of the warp's head at key 8 n + 2c + half, V chunk g
+of key `pv_key(k_half, c, j)`; zeros for keys past the end. The copies must cover the stage without overlap, and
+the warp's shared-memory reads must be free of bank conflicts."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from mpfa.kernels.sm90 import decode_layout as lay
+from mpfa.kernels.sm90 import prefill_staged_layout as sl
+
+LANES = np.arange(32)
+G, C = LANES // 4, LANES % 4
+POISON = 0xA5
+
+
+def _cache(rng: np.random.Generator, slots: int, hkv: int, hq: int) -> dict:
+    rows = {"k": (hkv, sl.K_ROW_BYTES), "v": (hkv, sl.V_ROW_BYTES), "scales": (hkv, sl.SCALE_ROW_BYTES),
+            "delta_s": (1, 2 * hq)}
+    return {name: rng.integers(0, 256, (slots, heads, size), dtype=np.uint8) for name, (heads, size) in rows.items()}
+
+
+def _row(cache: dict, name: str, slot: int, kv_head: int, first_head: int) -> np.ndarray:
+    """The bytes of key ``slot`` a stage row copies from (its byte offsets are the copy map's)."""
+    if name == "delta_s":
+        return cache["delta_s"][slot, 0, 4 * sl.ds_first_word(first_head):]
+    return cache[name][slot, kv_head]
+
+
+def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, first_head: int, heads: int, threads: int):
+    """The stage after every thread's copies (cp.async with src-size 0 past the end writes zeros)."""
+    stage = np.full(sl.stage_bytes(heads), POISON, dtype=np.uint8)
+    written = np.zeros(stage.size, dtype=np.int64)
+    for tid in range(threads):
+        for name, units, size, copy_map in sl.copy_arrays(heads):
+            for round_ in range(sl.copy_rounds(units, threads)):
+                unit = tid + round_ * threads
+                if unit >= units:
+                    continue
+                key, offset, smem = copy_map(tid, round_ * threads)
+                assert (key, offset, smem) == copy_map(unit), "a round's constant offset must not change the unit"
+                assert smem % size == 0, "cp.async needs a destination aligned to its size"
+                source = _row(cache, name, slot0 + key, kv_head, first_head)
+                stage[smem:smem + size] = source[offset:offset + size] if key < left else 0
+                written[smem:smem + size] += 1
+    return stage, written
+
+
+def _banks_conflict_free(addresses: np.ndarray, width: int) -> bool:
+    """One shared-memory access of a warp (byte addresses per lane, ``width`` bytes each): 16-byte accesses are
+    served per quarter warp, narrower ones per warp; conflict-free when no bank holds two different words."""
+    phases = addresses.reshape(4, 8) if width == 16 else addresses.reshape(1, 32)
+    for phase in phases:
+        words = {int(a) // 4 + i for a in phase for i in range(max(width // 4, 1))}
+        banks = [w % 32 for w in words]
+        if len(banks) != len(set(banks)):
+            return False
+    return True
+
+
+CASES = [  # (KV heads, group, heads per CTA, KV head of the CTA, first head index within the group)
+    (8, 4, 4, 3, 0),  # default for group 4: the whole group
+    (8, 5, 1, 2, 3),  # default for group 5: one head (odd head: Delta_S 2 bytes into its word)
+    (8, 5, 1, 5, 0),
+    (8, 5, 5, 3, 0),  # a whole odd group (3 words per key, starting 2 bytes in)
+    (4, 2, 2, 1, 0),
+]
+
+
+@pytest.mark.parametrize("hkv,group,heads,kv_head,head_offset", CASES,
+                         ids=["g4-h4", "g5-h1-odd", "g5-h1-even", "g5-h5", "g2-h2"])
+@pytest.mark.parametrize("left", [32, 19, 1], ids=["whole-tile", "ragged", "one-key"])
+def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left):
+    rng = np.random.default_rng(hkv * 100 + group * 10 + heads + left)
+    hq = hkv * group
+    page_size, pages = 64, 6
+    cache = _cache(rng, page_size * pages, hkv, hq)
+    slot0 = 3 * page_size + 32  # the second tile of page 3
+    first_head = kv_head * group + head_offset
+    threads = 32 * sl.CTA_WARPS
+    stage, written = _copy_tile(cache, slot0, left, kv_head, first_head, heads, threads)
+
+    used = sl.DS_OFFSET + 4 * sl.ds_units(heads)
+    assert (written[:used] == 1).all(), "every byte of the stage is written exactly once"
+    assert (written[used:] == 0).all() and used <= sl.stage_bytes(heads) and sl.stage_bytes(heads) % 128 == 0
+
+    def expect(name, keys, start, size, head=None):
+        rows = []
+        for lane in LANES:
+            key = int(keys[lane])
+            if key >= left:
+                rows.append(np.zeros(size, dtype=np.uint8))
+            elif name == "delta_s":
+                rows.append(cache["delta_s"][slot0 + key, 0, 2 * head:2 * head + size])
+            else:
+                rows.append(cache[name][slot0 + key, kv_head, int(start[lane]):int(start[lane]) + size])
+        return np.stack(rows)
+
+    def read(addresses, size):
+        assert _banks_conflict_free(addresses, size), f"bank conflicts at {addresses}"
+        return np.stack([stage[a:a + size] for a in addresses])
+
+    for n_tile in range(lay.N_TILES):
+        keys = lay.qk_key(n_tile, G)
+        np.testing.assert_array_equal(read(sl.k_read(n_tile, LANES), 16), expect("k", keys, 16 * C, 16))
+        np.testing.assert_array_equal(read(sl.scale_read(n_tile, LANES), 2), expect("scales", keys, 2 * C, 2))
+    for warp in range(threads // 32):
+        head_in_cta = warp % heads
+        base = sl.ds_lane_base(heads, first_head, head_in_cta, C)
+        for n_tile in range(lay.N_TILES):
+            for half in range(2):
+                keys = lay.score_key(n_tile, C, half)
+                np.testing.assert_array_equal(read(base + sl.ds_read(heads, n_tile, half), 2),
+                                              expect("delta_s", keys, None, 2, first_head + head_in_cta))
+    for k_half in range(2):
+        for j in range(4):
+            keys = lay.pv_key(k_half, C, j)
+            addresses = sl.v_lane_base(G, C) + sl.v_read(lay.pv_key(k_half, 0, j))
+            np.testing.assert_array_equal(read(addresses, 16), expect("v", keys, 16 * G, 16))
+
+
+def test_cta_shapes():
+    assert sl.cta_shape(4) == (4, 1) and sl.cta_shape(5) == (1, 4) and sl.cta_shape(8) == (4, 1)
+    assert sl.cta_shape(2) == (2, 2) and sl.cta_shape(1) == (1, 4)
+    assert sl.stage_bytes(4) == 6656 and sl.stage_bytes(1) == 6528
+    assert all(heads * rows == sl.CTA_WARPS for heads, rows in map(sl.cta_shape, range(1, 9)))
+
+
+@pytest.mark.parametrize("shared_dequant", [False, True], ids=["plain", "shared-dequant"])
+@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("tiles", [0, 1, 2, 3, 4, 5, 11])
+def test_ring_schedule(tiles, stages, shared_dequant):
+    """The kernel's walk through the ring (`ring_prologue`, `ring_copy`, `ring_compute`, `ring_wait`) against a
+    model of cp.async groups: each step computes the next tile (last to first) from a stage whose copy group has
+    completed under ``cp.async.wait_group(ring_wait)``; a copy never overwrites a stage a later step still reads
+    (its V / Delta_S, or its K still to be expanded) nor one read before the barrier of this step; every tile is
+    copied once; each copy's page-table entry was fetched the step before. With ``shared_dequant``, step p
+    expands the K of step p + 1 from a landed stage into the fragment buffer step p + 1 reads, and computes from
+    the buffer holding its own tile, written before this step's barrier."""
+    if shared_dequant and stages < 3:
+        pytest.skip("shared dequantization needs 3 stages or more")
+    lookahead = int(shared_dequant)
+    groups, holds, copied, last_read = [], {}, [], {}
+    for index in range(stages - 1):
+        tile, stage = sl.ring_prologue(index, tiles)
+        groups.append((tile, stage) if tile >= 0 else None)
+        if tile >= 0:
+            holds[stage] = tile
+            copied.append(tile)
+    fetched = sl.ring_copy(0, tiles, stages)[0]
+    buffers, buffer_read = {}, {}
+    if shared_dequant and tiles:  # the prologue: wait_group(stages - 2), barrier, expand step 0's K
+        tile, stage, buffer = sl.ring_compute(0, tiles, stages)
+        assert (tile, stage) in groups[:len(groups) - (stages - 2)] and holds[stage] == tile
+        buffers[buffer] = tile
+    for step in range(tiles):
+        tile, stage, buffer = sl.ring_compute(step, tiles, stages)
+        assert tile == tiles - 1 - step and 0 <= stage < stages
+        complete = groups[:len(groups) - sl.ring_wait(stages, shared_dequant)]
+        assert (tile, stage) in complete and holds[stage] == tile
+        # barrier: every read of the steps before this one is done
+        copy_tile, copy_stage = sl.ring_copy(step, tiles, stages)
+        assert copy_tile == fetched
+        if copy_tile >= 0:
+            assert last_read.get(copy_stage, -1) < step, "overwrites a stage this step reads"
+            assert all(holds.get(copy_stage) != t for t in range(tile - lookahead, tile + 1)), "a live stage"
+            holds[copy_stage] = copy_tile
+            copied.append(copy_tile)
+        groups.append((copy_tile, copy_stage) if copy_tile >= 0 else None)
+        fetched = sl.ring_copy(step + 1, tiles, stages)[0]
+        if shared_dequant:
+            next_tile, next_stage, next_buffer = sl.ring_compute(step + 1, tiles, stages)
+            if next_tile >= 0:
+                assert (next_tile, next_stage) in complete and holds[next_stage] == next_tile
+                assert next_buffer != buffer and buffer_read.get(next_buffer, -1) < step
+                buffers[next_buffer] = next_tile
+                last_read[next_stage] = step
+            assert buffers[buffer] == tile
+            buffer_read[buffer] = step
+        last_read[stage] = step
+    assert copied == list(range(tiles - 1, -1, -1))
+
+
+def test_fragment_buffers_sit_after_the_ring_without_bank_conflicts():
+    for heads in (1, 2, 4, 5):
+        for stages in (3, 4, 8):
+            ring = stages * sl.stage_bytes(heads)
+            for buffer in (0, 1):
+                offsets = [sl.frag_lane_base(stages, heads, buffer, LANES) + sl.frag_offset(n, q)
+                           for n in range(lay.N_TILES) for q in range(sl.FRAG_QUADS)]
+                flat = np.concatenate(offsets)
+                assert flat.min() >= ring + buffer * sl.FRAG_BUFFER_BYTES
+                assert flat.max() + 16 <= ring + (buffer + 1) * sl.FRAG_BUFFER_BYTES
+                assert len(set(flat.tolist())) == flat.size  # every (n-tile, quad, lane) its own 16 bytes
+                assert all(_banks_conflict_free(o, 16) for o in offsets)
+
+
+# --- the expanded-K QK^T on the NumPy model of a warp (test_prefill_layout's emulated primitives) ------------------
+
+def _numpy_warp_module():
+    import importlib.util
+    import sys
+    from pathlib import Path
+
+    name = "_prefill_layout_model"
+    if name not in sys.modules:
+        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_prefill_layout.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+    return sys.modules[name]
+
+
+def test_expanded_k_gives_v1_scores_bit_for_bit(monkeypatch: pytest.MonkeyPatch):
+    """`prefill_tile.qk_scores` through the ``ntile`` hook on `k_fragments` (shared dequantization) equals v1's
+    `qk_scores` bit for bit on the emulated warp, masked or not: same B registers, same MMA chains."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
+    from mpfa.kernels.sm90 import prefill_tile as tile_math
+    from mpfa.kernels.sm90 import warp_mma
+    from mpfa.kernels.sm90.prefill_staged_tile import k_fragments, qk_ntile_from_fragments
+
+    model = _numpy_warp_module()
+    shared = dict(Uint32=model._u32, Float32=model._f32, fmax=np.fmax)
+    for name in ("shuffle_xor", "prmt", "mul_f16x2", "e4m3x2_to_f16x2", "f32x2_to_e4m3x2", "mma_f16_m16n8k16",
+                 "mma_e4m3_m16n8k32"):
+        monkeypatch.setattr(warp_mma, name, getattr(model, name))
+    for name, value in shared.items():
+        monkeypatch.setattr(warp_mma, name, value)
+    for name, value in {**shared, "shuffle_idx": model.shuffle_idx, "bits_to_f32": model.bits_to_f32,
+                        "exp2_approx": model.exp2_approx, "select_": model.select_}.items():
+        monkeypatch.setattr(tile_math, name, value)
+
+    rng = np.random.default_rng(7)
+    a_steps = [[model._from_halves(rng.uniform(-2, 2, (32, 2))) for _ in range(4)] for _ in range(lay.K_STEPS_QK)]
+    k_words = [[rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32) for _ in range(4)]
+               for _ in range(lay.N_TILES)]
+    scale_pairs = [rng.integers(0x28, 0x48, 32).astype(np.uint32) | rng.integers(0x28, 0x48, 32).astype(np.uint32) << 8
+                   for _ in range(lay.N_TILES)]
+    ds_bits = [rng.integers(0x3c00, 0x4100, 32).astype(np.uint32) for _ in range(2 * lay.N_TILES)]
+    for seen in (None, (C + 3, C + 17)):
+        v1 = tile_math.qk_scores(a_steps, k_words, scale_pairs, ds_bits, seen)
+        fragments = [k_fragments(words, pair) for words, pair in zip(k_words, scale_pairs)]
+        v2 = tile_math.qk_scores(a_steps, fragments, [None] * lay.N_TILES, ds_bits, seen,
+                                 ntile=qk_ntile_from_fragments)
+        for n_tile in range(lay.N_TILES):
+            for reg in range(4):
+                assert np.array_equal(model._f32(v1[n_tile][reg]).view(np.uint32),
+                                      model._f32(v2[n_tile][reg]).view(np.uint32))
+        if seen is None:
+            assert all(np.isfinite(model._f32(x)).all() for n_tile in v2 for x in n_tile)
+        else:
+            assert np.isinf(model._f32(v2[3][0])).all() and np.isfinite(model._f32(v2[0][2])).all()
