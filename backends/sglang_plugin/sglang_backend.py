@@ -46,9 +46,13 @@ class MpfaAttnBackend(AttentionBackend):
         self.forward_metadata: Any = None
         self.graph_buffers: GraphDecodeBuffers | None = None
         self._compile_kernels()
-        prefill = ("sm90 prefill kernel v1" if self.core.prefill == "kernel" else
-                   "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
-        logger.info("MpFA backend %s: decode = sm90 kernel, prefill = %s", variant.backend, prefill)
+        from mpfa.kernels.sm90.decode_launch import use_pipelined
+        from mpfa.kernels.sm90.prefill_launch import use_staged
+
+        decode = "sm90 kernel " + ("v2" if use_pipelined(self.num_q_heads) else "v1")
+        prefill = ("sm90 kernel " + ("v2" if use_staged(self.num_q_heads) else "v1") if self.core.prefill == "kernel"
+                   else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
+        logger.info("MpFA backend %s: decode = %s, prefill = %s", variant.backend, decode, prefill)
 
     def _compile_kernels(self) -> None:
         """Compile the kernels at startup (a missing or broken toolchain fails here, not in a forward)."""
