@@ -424,6 +424,7 @@ def attention_one_sequence(
     sm_scale: float | None = None,
     means: SmoothingMeans | None = None,
     block_n: int = 128,
+    exact_sums: bool = False,
 ) -> torch.Tensor:
     """``attention(..., causal=True)`` of one unpadded sequence with every KV tile computed at once (for callers that
     run it thousands of times, e.g. a model's layers in `mpfa accuracy task`: a few dozen tensor ops per call
@@ -432,12 +433,15 @@ def attention_one_sequence(
     The same operands (BF16 rounding, formats, centering, Delta_S) and, per row and KV tile, the same running max
     the reverse-order online softmax has when it reaches that tile, so P is quantized exactly as there; the
     rescaled sums are formed as ``sum_j exp2(lam * (m_j - m)) * X_j`` instead of by repeated ``alpha`` updates,
-    which differs from ``attention`` by FP32 rounding only. Tile rows (``block_m``) do not change the result."""
+    which differs from ``attention`` by FP32 rounding only. Tile rows (``block_m``) do not change the result.
+    ``exact_sums``: S, l and P V summed in float64 (see `attend_prepared_batch`; P roundings may then differ from
+    ``attention``'s, whose S is an FP32 GEMM)."""
     if _variant(variant).q == "exact":
         _check_options(_variant(variant), means, None)
         return attention_float64(q, k, v, causal=True, sm_scale=sm_scale)
     ops = prepare_one_sequence(q, k, v, variant=variant, means=means)
-    return attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant=variant, sm_scale=sm_scale, block_n=block_n)
+    return attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant=variant, sm_scale=sm_scale, block_n=block_n,
+                           exact_sums=exact_sums)
 
 
 def prepare_one_sequence(
@@ -488,7 +492,8 @@ def prepare_batch(
     spec = _variant(variant)
     _check_options(spec, means, None)
     if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0]:
-        raise ValueError(f"q must be [B, Sq, Hq, d] and k, v [B, Lk, Hkv, d], got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(
+            f"q must be [B, Sq, Hq, d] and k, v [B, Lk, Hkv, d], got {tuple(q.shape)} and {tuple(k.shape)}")
     _check_heads(q[0], k[0], v[0], 3)
     if not bool(torch.isfinite(q).all() & torch.isfinite(k).all() & torch.isfinite(v).all()):
         raise ValueError("q, k and v must be finite: the inputs hold NaN or Inf")
@@ -528,13 +533,14 @@ def attend_prepared(
     variant: str,
     sm_scale: float | None = None,
     block_n: int = 128,
+    exact_sums: bool = False,
 ) -> torch.Tensor:
     """The all-tiles-at-once causal attention of `attention_one_sequence` on prepared operands: q_op [Lq, Hq, d] are
     the sequence's last Lq tokens, k_op / v_op [Lk, Hkv, d], delta_s [Lk, Hq] or None -> [Lq, Hq, d] FP32. The
-    batch-of-one case of `attend_prepared_batch`."""
+    batch-of-one case of `attend_prepared_batch` (``exact_sums`` as there)."""
     ds = None if delta_s is None else delta_s[None]
     return attend_prepared_batch(q_op[None], k_op[None], v_op[None], ds, variant=variant, sm_scale=sm_scale,
-                                 block_n=block_n)[0]
+                                 block_n=block_n, exact_sums=exact_sums)[0]
 
 
 def attend_prepared_batch(
@@ -549,17 +555,29 @@ def attend_prepared_batch(
     key_lengths: torch.Tensor | None = None,
     query_lengths: torch.Tensor | None = None,
     query_positions: torch.Tensor | None = None,
+    exact_sums: bool = False,
 ) -> torch.Tensor:
-    """`attend_prepared` of B right-padded rows at once (one set of tensor ops for the whole batch): q_op [B, Sq, Hq, d],
-    k_op / v_op [B, Lk, Hkv, d], delta_s [B, Lk, Hq] or None -> [B, Sq, Hq, d] (FP32; float64 for ``float64``).
+    """`attend_prepared` of B right-padded rows at once (one set of tensor ops for the whole batch):
+    q_op [B, Sq, Hq, d], k_op / v_op [B, Lk, Hkv, d], delta_s [B, Lk, Hq] or None -> [B, Sq, Hq, d] (FP32; float64
+    for ``float64``).
 
     Row b's keys are its first ``key_lengths[b]`` (None: all Lk), KV tiles aligned to key 0 as in the one-sequence
     form, and its valid queries its first ``query_lengths[b]`` (None: all Sq), the last keys of the row (causal,
     bottom-right aligned per row: query i sees keys j <= i + key_lengths[b] - query_lengths[b]). ``query_positions``
     [B, Sq] gives instead the last key each query row sees (-1: none). Padding keys score -inf before the running
     max, so P there is exactly 0 and a tile with no visible key leaves the state unchanged; padding query rows and
-    rows that see no key give 0. Each valid row equals `attend_prepared` of that row alone up to FP32 summation
-    order (the trailing all-masked tiles add exact zeros to the per-tile sums)."""
+    rows that see no key give 0. Each valid row equals `attend_prepared` of that row alone up to the order of FP32
+    sums (the trailing all-masked tiles add exact zeros).
+
+    ``exact_sums``: form S = Q_op K_op^T, l and P V in float64 and round S (before P) and O once to FP32, and
+    evaluate exp2 in float64 too (rounded to FP32: P is still exp2 of the FP32 argument). The operands have few
+    significant bits, so the products and (but for vanishing cases) their sums are exact and nothing depends on
+    the summation order or on which exp2 code path an element takes, both of which vary with the batch and
+    matrix shapes: a row's S, P roundings (BF16 / FP8 / NVFP4) and O are then the same batched and alone, bit for bit
+    but for vanishing cases. Without it (the default, as the tiled `attention`) S, l and P V are FP32 sums: O moves
+    by FP32 roundings with the batch, and an S one ulp apart can flip a P rounding (one P element moves by up to
+    2**-9 (BF16) or 2**-4 (FP8) of itself); through a model's layers such differences grow into different
+    outputs."""
     spec = _variant(variant)
     _check_block("block_n", block_n)
     lam = _lam(sm_scale, q_op.shape[-1])
@@ -578,8 +596,9 @@ def attend_prepared_batch(
         if key_lengths is not None:
             query_positions = torch.minimum(query_positions,
                                             torch.as_tensor(key_lengths, device=device).long()[:, None] - 1)
+    wide = torch.float64 if exact_sums else q_op.dtype  # what S, l and P V are summed in
     q_h = q_op.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * len_q, head_dim)
-    s = (q_h @ k_op.permute(0, 2, 3, 1)).view(batch, num_q_heads, len_q, len_k)
+    s = (q_h.to(wide) @ k_op.permute(0, 2, 3, 1).to(wide)).to(q_op.dtype).view(batch, num_q_heads, len_q, len_k)
     if delta_s is not None:
         s = s + delta_s.transpose(1, 2)[:, :, None, :]
     keys = torch.arange(len_k, device=device)
@@ -589,15 +608,18 @@ def attend_prepared_batch(
     m = s.amax(-1).flip(-1).cummax(-1).values.flip(-1)
     seen = torch.isfinite(m)
     m_ref = torch.where(seen, m, torch.zeros_like(m))
-    p = torch.exp2(s * lam - (m_ref * lam)[..., None])
-    weight = torch.where(seen, torch.exp2(m_ref * lam - (m_ref[..., :1] * lam)), torch.zeros_like(m))
-    l = (p.sum(-1) * weight).sum(-1)
-    v_tiles = torch.nn.functional.pad(v_op.permute(0, 2, 1, 3), (0, 0, 0, pad))
+    # exp2 of the FP32 argument, evaluated in `wide`: vectorized and scalar FP32 exp2 differ in the last ulp and
+    # which elements take which path depends on the tensor's size
+    exp2 = lambda x: torch.exp2(x.to(wide)).to(x.dtype)  # noqa: E731
+    p = exp2(s * lam - (m_ref * lam)[..., None])
+    weight = torch.where(seen, exp2(m_ref * lam - (m_ref[..., :1] * lam)), torch.zeros_like(m))
+    l = (p.to(wide).sum(-1) * weight.to(wide)).sum(-1)
+    v_tiles = torch.nn.functional.pad(v_op.permute(0, 2, 1, 3).to(wide), (0, 0, 0, pad))
     v_tiles = v_tiles.view(batch, num_kv_heads, tiles, block_n, head_dim)
-    p_op = _p_operand(p, spec.p).view(batch, num_kv_heads, group, len_q, tiles, block_n)
+    p_op = _p_operand(p, spec.p).to(wide).view(batch, num_kv_heads, group, len_q, tiles, block_n)
     pv = torch.einsum("bhgqtk,bhtkd->bhgqtd", p_op, v_tiles).reshape(batch, num_q_heads, len_q, tiles, head_dim)
-    acc = (pv * weight[..., None]).sum(-2)
-    return _normalize(acc, l).transpose(1, 2)
+    acc = (pv * weight.to(wide)[..., None]).sum(-2)
+    return _normalize(acc, l).to(q_op.dtype).transpose(1, 2)
 
 
 def attention_batch(
@@ -611,13 +633,15 @@ def attention_batch(
     sm_scale: float | None = None,
     means: SmoothingMeans | None = None,
     block_n: int = 128,
+    exact_sums: bool = False,
 ) -> torch.Tensor:
     """`attention_one_sequence` of B right-padded rows (q [B, Sq, Hq, d], k, v [B, Lk, Hkv, d], lengths as in
     `attend_prepared_batch`) -> [B, Sq, Hq, d]; padding query rows give 0. ``float64`` runs the same tiles in
     float64 (not the dense `attention_float64`: equal up to float64 rounding)."""
     ops = prepare_batch(q, k, v, variant=variant, means=means, query_lengths=query_lengths, key_lengths=key_lengths)
     return attend_prepared_batch(ops.q, ops.k, ops.v, ops.delta_s, variant=variant, sm_scale=sm_scale,
-                                 block_n=block_n, key_lengths=key_lengths, query_lengths=query_lengths)
+                                 block_n=block_n, key_lengths=key_lengths, query_lengths=query_lengths,
+                                 exact_sums=exact_sums)
 
 
 def decode_partials(

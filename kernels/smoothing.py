@@ -85,17 +85,23 @@ def delta_s(q_mean: torch.Tensor, k_centered: torch.Tensor, cu_seqlens_k: torch.
 
 def masked_means(x: torch.Tensor, valid: torch.Tensor | None = None) -> torch.Tensor:
     """Per-row, per-head mean of a right-padded batch x [B, L, H, d] over the tokens where ``valid`` [B, L] (bool) is
-    True (None: all) -> [B, H, d], as ``sequence_means`` of the packed valid tokens: a row's sums are formed exactly as
-    for that row alone (on the CPU bit for bit; CUDA's ``index_add_`` sums in no fixed order either way)."""
+    True (None: all) -> [B, H, d] in FP32 (float64 for float64 x); a row without valid tokens gets 0.
+
+    The sums are formed in float64, where BF16 / FP32 tokens add up exactly (or within 2**-53 relative), and the
+    mean is rounded once: it does not depend on the summation order, so a row's mean is the same whatever the batch
+    and padding around it and on every device (``sequence_means`` sums in FP32 with ``index_add_``, whose order
+    CUDA does not fix); it equals ``sequence_means`` up to that FP32 rounding."""
+    if valid is not None and tuple(valid.shape) != tuple(x.shape[:2]):
+        raise ValueError(f"valid must be [B, L] = {tuple(x.shape[:2])}, got {tuple(valid.shape)}")
+    wide = x.to(torch.float64)
     if valid is None:
-        packed, lengths = x.flatten(0, 1), torch.full((x.shape[0],), x.shape[1], dtype=torch.int64)
+        sums, counts = wide.sum(1), torch.full((x.shape[0],), x.shape[1], dtype=torch.float64, device=x.device)
     else:
-        if tuple(valid.shape) != tuple(x.shape[:2]):
-            raise ValueError(f"valid must be [B, L] = {tuple(x.shape[:2])}, got {tuple(valid.shape)}")
         valid = valid.to(x.device, torch.bool)
-        packed, lengths = x[valid], valid.sum(1).to("cpu", torch.int64)
-    cu = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)])
-    return sequence_means(packed, cu)
+        sums = torch.where(valid[:, :, None, None], wide, torch.zeros((), dtype=wide.dtype, device=x.device)).sum(1)
+        counts = valid.sum(1).to(torch.float64)
+    means = sums / counts.clamp(min=1).view(-1, *([1] * (x.dim() - 2)))
+    return means.to(_math_dtype(x))
 
 
 def delta_s_padded(q_mean: torch.Tensor, k_centered: torch.Tensor) -> torch.Tensor:
@@ -104,7 +110,8 @@ def delta_s_padded(q_mean: torch.Tensor, k_centered: torch.Tensor) -> torch.Tens
     batch, num_q_heads, head_dim = q_mean.shape
     if k_centered.dim() != 4 or k_centered.shape[0] != batch or k_centered.shape[3] != head_dim \
             or num_q_heads % k_centered.shape[2]:
-        raise ValueError(f"q_mean {tuple(q_mean.shape)} does not fit k_centered {tuple(k_centered.shape)} [B, L, Hkv, d]")
+        raise ValueError(
+            f"q_mean {tuple(q_mean.shape)} does not fit k_centered {tuple(k_centered.shape)} [B, L, Hkv, d]")
     group = num_q_heads // k_centered.shape[2]
     q_bar = q_mean.to(k_centered.device, torch.float32)[:, None]  # [B, 1, Hq, d]
     k_per_q_head = k_centered.float().repeat_interleave(group, dim=2)  # [B, L, Hq, d]

@@ -1,5 +1,5 @@
-"""The `mpfa` command line: bench, serve-sim, runs, show, compare, export, plot, gate, metrics, profile, logits,
-accuracy."""
+"""The `mpfa` command line: bench, serve-sim, runs, show, compare, export, import, plot, gate, metrics, profile,
+logits, accuracy."""
 from __future__ import annotations
 
 import functools
@@ -208,6 +208,44 @@ def export(
     with _store(db) as store:
         ids = run_ids or [r.id for r in _selected_runs(store, None, scenario, backend)]
         export_runs(store.get_runs(ids, with_requests=requests), fmt, output or sys.stdout, include_requests=requests)
+
+
+@app.command("import")
+@cli_errors
+def import_runs(
+    files: Annotated[list[Path], typer.Argument(help="JSON exports (`mpfa export --format json [--requests]`).")],
+    db: DbOption = None,
+) -> None:
+    """Load exported runs into the database as they were (new ids); a run already there is skipped.
+
+    A run counts as already there when one of the same scenario, backend, engine, context, load, repeat and
+    start time (wall clock, exact) is stored. Every file is read before any run is stored; runs are stored in
+    order of their start time, so the newest of a configuration gets the highest id (what compare/plot pick).
+    """
+    from mpfa.cli.export import read_export
+
+    exported = [(path, run) for path in files for run in read_export(path)]
+    stored: dict[Path, tuple[list[int], list[int]]] = {path: ([], []) for path in files}
+    with _store(db) as store:
+        for path, run in sorted(exported, key=lambda pr: pr[1].started_at):
+            run_id, new = store.import_run(run)
+            stored[path][0 if new else 1].append(run_id)
+    for path, (added, skipped) in stored.items():
+        line = f"{path}: imported {len(added)} run(s)" + (f" as {_id_ranges(added)}" if added else "")
+        if skipped:
+            line += f"; skipped {len(skipped)} already stored (as {_id_ranges(skipped)})"
+        console.print(f"{line} — {store.path}", highlight=False, soft_wrap=True)
+
+
+def _id_ranges(ids: list[int]) -> str:
+    """[1, 2, 3, 7] -> 'runs 1–3, 7'."""
+    parts: list[list[int]] = []
+    for i in sorted(ids):
+        if parts and i == parts[-1][-1] + 1:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return "runs " + ", ".join(f"{p[0]}–{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
 
 
 @app.command()
@@ -452,6 +490,7 @@ def accuracy_task(
     offset: Annotated[int, typer.Option(help="Skip the first N examples of each task (run a long job as shards; `mpfa accuracy results --merge` joins them).")] = 0,
     context_pad: Annotated[int, typer.Option("--context-pad", help="squad-long: pad each passage to this many tokens.")] = 1024,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Questions per forward call (padded batches; scores do not depend on it beyond FP32 rounding order).")] = 16,
     db: DbOption = None,
 ) -> None:
     """Task scores of each attention variant on a real model (greedy decoding), loss vs bf16 and recovery."""
@@ -465,7 +504,7 @@ def accuracy_task(
         report = print_task_accuracy(
             model, console, tasks=tuple(t.strip() for t in tasks.split(",")),
             variants=tuple(v.strip() for v in variants.split(",")), limit=limit, offset=offset, context_pad=context_pad,
-            device=device,
+            device=device, batch_size=batch_size,
         )
     except ValueError as exc:
         raise UserError(str(exc)) from None

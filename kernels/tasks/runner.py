@@ -2,7 +2,9 @@
 
 Prompts are built once per task and reused verbatim for every variant; only the attention computation changes
 (see attention_swap). SQuAD (and its long-context form `squad-long`) is scored by greedy answers (F1 / EM),
-multiple-choice tasks by the log-likelihood of each choice.
+multiple-choice tasks by the log-likelihood of each choice. Questions run `batch_size` per forward call (padded
+batches, longest prompts first; each question gets the numerics of running alone up to FP32 summation order, see
+generation).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable, Sequence
 from mpfa.kernels.reference import VARIANTS
 from mpfa.kernels.tasks import data
 from mpfa.kernels.tasks.attention_swap import install
-from mpfa.kernels.tasks.generation import LoadedModel, choice_logprobs, greedy_answer, load_model
+from mpfa.kernels.tasks.generation import LoadedModel, batch_choice_logprobs, greedy_answers, load_model
 from mpfa.kernels.tasks.report import AGREEMENT, BASELINE, TaskAccuracyReport, TaskScores
 from mpfa.kernels.tasks.scoring import best_choice, choice_grade, squad_exact_match, squad_f1
 
@@ -23,6 +25,7 @@ DEFAULT_TASKS = ("squad", "social_iqa")
 DEFAULT_VARIANTS = ("bf16", "fp8", "qk4-pv8-direct", "mpfa")
 DEFAULT_CONTEXT_PAD = 1024
 DEFAULT_MAX_NEW_TOKENS = 16
+DEFAULT_BATCH_SIZE = 16
 _SQUAD_INSTRUCTION = (
     "Answer the question with a short span copied from the passage. "
     "Reply with the answer only, in at most five words."
@@ -68,7 +71,7 @@ def choice_prompts(lm: LoadedModel, examples: Sequence[data.ChoiceExample]) -> l
 
 def _check_request(
     tasks: Sequence[str], variants: Sequence[str], limit: int | None, offset: int, context_pad: int,
-    max_new_tokens: int,
+    max_new_tokens: int, batch_size: int,
 ) -> None:
     if not tasks or not variants:
         raise ValueError("pass at least one task and one variant")
@@ -86,6 +89,8 @@ def _check_request(
         raise ValueError(f"--context-pad must be a positive number of tokens, got {context_pad}")
     if max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
+    if batch_size < 1:
+        raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
 
 
 def _select(task: str, everything: Sequence, offset: int, end: int | None) -> Sequence:
@@ -102,14 +107,22 @@ def _add_agreement(result: TaskScores, outputs: dict[str, list]) -> None:
             result.metrics[variant][AGREEMENT] = statistics.fmean(a == b for a, b in zip(outs, outputs[BASELINE]))
 
 
-def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, progress) -> TaskScores:
+def _batches(sizes: Sequence[int], batch_size: int) -> list[list[int]]:
+    """Example indices in batches of `batch_size`, longest first (less padding; results do not depend on it)."""
+    order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
+    return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size, progress) -> TaskScores:
     result, answers = TaskScores(task, "f1", len(examples)), {}
+    batches = _batches([len(p) for p in prompts], batch_size)
     for variant in variants:
         attention, start = install(lm.model, variant), time.perf_counter()
-        answers[variant] = []
-        for i, prompt in enumerate(prompts):
-            answers[variant].append(greedy_answer(lm, prompt, attention, max_new_tokens))
-            progress(task, variant, i + 1, len(examples))
+        found: dict[int, str] = {}
+        for batch in batches:
+            found.update(zip(batch, greedy_answers(lm, [prompts[i] for i in batch], attention, max_new_tokens)))
+            progress(task, variant, len(found), len(examples))
+        answers[variant] = [found[i] for i in range(len(examples))]
         result.seconds[variant] = time.perf_counter() - start
         result.metrics[variant] = {
             "f1": statistics.fmean(squad_f1(a, ex.answers) for a, ex in zip(answers[variant], examples)),
@@ -119,18 +132,19 @@ def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, progress) 
     return result
 
 
-def _run_choice(lm, task, examples, prompts, variants, progress) -> TaskScores:
+def _run_choice(lm, task, examples, prompts, variants, batch_size, progress) -> TaskScores:
     result, picks = TaskScores(task, "grade", len(examples)), {}
+    batches = _batches([len(context) for context, _ in prompts], batch_size)
     for variant in variants:
         attention, start = install(lm.model, variant), time.perf_counter()
-        picks[variant], grades = [], []
-        for i, (ex, (context, choices)) in enumerate(zip(examples, prompts)):
-            logprobs = choice_logprobs(lm, context, choices, attention)
-            picks[variant].append(best_choice(logprobs))
-            grades.append(choice_grade(logprobs, ex.correct))
-            progress(task, variant, i + 1, len(examples))
+        logprobs: dict[int, list[float]] = {}
+        for batch in batches:
+            logprobs.update(zip(batch, batch_choice_logprobs(lm, [prompts[i] for i in batch], attention)))
+            progress(task, variant, len(logprobs), len(examples))
+        picks[variant] = [best_choice(logprobs[i]) for i in range(len(examples))]
         result.seconds[variant] = time.perf_counter() - start
-        result.metrics[variant] = {"grade": statistics.fmean(grades)}
+        result.metrics[variant] = {
+            "grade": statistics.fmean(choice_grade(logprobs[i], ex.correct) for i, ex in enumerate(examples))}
     _add_agreement(result, picks)
     return result
 
@@ -145,13 +159,15 @@ def run_task_accuracy(
     context_pad: int = DEFAULT_CONTEXT_PAD,
     device: str = "cpu",
     max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS,
+    batch_size: int = DEFAULT_BATCH_SIZE,
     progress: ProgressFn | None = None,
 ) -> TaskAccuracyReport:
     """Score every variant on every task with the same prompts; `offset` and `limit` select examples
     [offset, offset + limit) of each task in file order (shards of one run, see `report.merge_reports`);
-    `context_pad` is the token length `squad-long` pads each passage to."""
+    `context_pad` is the token length `squad-long` pads each passage to; `batch_size` questions run per forward
+    call (1: one at a time; the scores do not depend on it beyond FP32 summation order)."""
     tasks, variants = list(tasks), list(variants)
-    _check_request(tasks, variants, limit, offset, context_pad, max_new_tokens)
+    _check_request(tasks, variants, limit, offset, context_pad, max_new_tokens, batch_size)
     end = None if limit is None else offset + limit
     lm = load_model(model, device)
     report_progress = progress or (lambda *_: None)
@@ -162,13 +178,14 @@ def run_task_accuracy(
             examples = _select(task, everything, offset, end)
             pad = context_pad if task == "squad-long" else None
             prompts = squad_prompts(lm, examples, pad, [ex.context for ex in everything])
-            results.append(_run_squad(lm, task, examples, prompts, variants, max_new_tokens, report_progress))
+            results.append(_run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size,
+                                      report_progress))
         else:
             examples = _select(task, data.load_multiple_choice(data.task_file(task)), offset, end)
             prompts = choice_prompts(lm, examples)
-            results.append(_run_choice(lm, task, examples, prompts, variants, report_progress))
+            results.append(_run_choice(lm, task, examples, prompts, variants, batch_size, report_progress))
     params = {"tasks": tasks, "variants": variants, "offset": offset, "limit": limit, "context_pad": context_pad,
-              "max_new_tokens": max_new_tokens}
+              "max_new_tokens": max_new_tokens, "batch_size": batch_size}
     return TaskAccuracyReport(lm.name, str(lm.device), params, results)
 
 

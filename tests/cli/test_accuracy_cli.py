@@ -22,6 +22,12 @@ def test_accuracy_task_unknown_model_is_one_line(mpfa) -> None:
     assert ("known model" in result.stderr) != ("accuracy extra" in result.stderr)
 
 
+def test_accuracy_task_bad_batch_size_is_one_line(mpfa) -> None:
+    result = mpfa("accuracy", "task", "--model", "nosuch", "--batch-size", "0")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert ("--batch-size" in result.stderr) != ("accuracy extra" in result.stderr)
+
+
 def _store_shard(db: Path, offset: int, examples: int, f1: float) -> None:
     from mpfa.cli.store import ResultStore
     from mpfa.kernels.tasks.report import TaskAccuracyReport, TaskScores
