@@ -54,9 +54,10 @@ def _counts(cubin: Path) -> dict[str, int]:
 
 @pytest.fixture(scope="module")
 def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Path]]:
-    """PTX and cubin of the real kernel built the default way (5 arguments, no ablation) and of every ladder step."""
+    """PTX and cubin of the real v1 kernel built without an ablation (what `MPFA_PREFILL_KERNEL=v1` runs; the ladder
+    exists for v1 only) and of every ladder step."""
     root = tmp_path_factory.mktemp("ablation")
-    found = {"default": _compile(root / "default", f"compile_prefill_kernel{CONFIG!r}")}
+    found = {"default": _compile(root / "default", f"compile_prefill_kernel(*{CONFIG!r}, staged=False)")}
     for _label, ablation, _removed in LADDER:
         found[ablation.name] = _compile(root / ablation.name, f"compile_prefill_kernel(*{CONFIG!r}, {ablation!r})")
     return found

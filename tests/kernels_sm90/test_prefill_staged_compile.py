@@ -136,7 +136,7 @@ def test_staged_prefill_compiles_for_sm90a(staged_cubins, config, shared_dequant
 
 def test_kernel_switch(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert not use_staged(32)  # v1 stays the default until the H200 validates v2
+    assert use_staged(32) and not use_staged(31)  # v2 is the default (validated on the H200), even Hq only
     assert use_staged(32, "v2") and not use_staged(32, "v1") and not use_staged(33, "v2")  # v2: even Hq only
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "V2")
     assert use_staged(40) and not use_staged(40, "v1")

@@ -18,6 +18,7 @@ PREFILL_FLASHINFER = FIXTURES / "ncu_h200_prefill64k_flashinfer_fp8.csv"
 DECODE_FA4 = FIXTURES / "ncu_h200_decode128k_b8_fa4.csv"
 DECODE_FLASHINFER = FIXTURES / "ncu_h200_decode128k_b8_flashinfer_fp8.csv"
 DECODE_MPFA = FIXTURES / "ncu_h200_decode128k_b8_mpfa.csv"  # session 11, the sm90 split-KV decode v2
+PREFILL_MPFA_V2 = FIXTURES / "ncu_h200_prefill64k_mpfa_v2.csv"  # session 11, the sm90 staged prefill v2
 TENSOR_PIPE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 WORKLOAD = AttentionWorkload("decode", 131072, 8, 32, 8, 128)
 
@@ -56,6 +57,8 @@ REAL_CAPTURES = [
      32_768, 128),
     (DECODE_MPFA, "SplitKVDecodeSm90Pipelined", 676_128, 164, 2_215_038_208, 4_650_496, 39.61, 12.77, 68.22, 17.49,
      15_360, 1_536, 32),
+    (PREFILL_MPFA_V2, "PrefillSm90Staged", 200_069_344, 255, 126_634_674_944, 517_498_112, 47.76, 26.91, 13.21, 12.52,
+     43_008, 32_768, 128),
 ]
 
 
