@@ -153,6 +153,29 @@ def _selected_runs(store, run_ids: list[int] | None, scenario: str | None, backe
 RunIds = Annotated[Optional[list[int]], typer.Argument(help="Run ids (default: the newest run of each configuration).")]
 ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only runs of this scenario.")]
 BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
+AccuracyFlag = Annotated[bool, typer.Option("--accuracy", help="The ids are stored `mpfa accuracy task` results (default: the newest), not runs.")]
+
+
+def _accuracy_results(store, ids: list[int] | None) -> list:
+    """The stored `mpfa accuracy task` results named, else the newest one; ids of another kind are refused."""
+    if not ids:
+        if not (newest := store.list_profiles("accuracy-task", limit=1)):
+            raise UserError(f"no accuracy-task results in {store.path}; run `mpfa accuracy task` first")
+        return newest
+    stored = [store.get_profile(i) for i in ids]
+    if bad := [p for p in stored if p.kind != "accuracy-task"]:
+        raise UserError("not accuracy-task results: " + ", ".join(f"{p.id} (a {p.kind} result)" for p in bad))
+    return stored
+
+
+def _accuracy_reports(db: Path | None, ids: list[int] | None, scenario: str | None) -> list:
+    """`compare`/`plot --accuracy`: the reports of the results named (default: the newest)."""
+    from mpfa.kernels.tasks.report import TaskAccuracyReport
+
+    if scenario is not None:
+        raise UserError("--scenario selects serving runs; it does not apply with --accuracy")
+    with _store(db) as store:
+        return [TaskAccuracyReport.from_json(p.result) for p in _accuracy_results(store, ids)]
 
 
 @app.command()
@@ -182,9 +205,18 @@ def show(run_id: Annotated[int, typer.Argument(help="Run id (see `mpfa runs`).")
 @cli_errors
 def compare(
     run_ids: RunIds = None, ref: Annotated[str, typer.Option("--ref", help="Reference backend.")] = "fa4-bf16",
-    scenario: ScenarioFilter = None, db: DbOption = None,
+    scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, db: DbOption = None,
 ) -> None:
-    """Backends side by side: mean ± 95% CI across repeats and the speedup vs the reference backend."""
+    """Backends side by side: mean ± 95% CI across repeats and the speedup vs the reference backend.
+
+    With --accuracy: the task-accuracy table of each stored `mpfa accuracy task` result named (default: the newest).
+    """
+    if accuracy:
+        from mpfa.kernels.tasks.report import render_task_accuracy
+
+        for report in _accuracy_reports(db, run_ids, scenario):
+            render_task_accuracy(report, console)
+        return
     from mpfa.cli.report import compare_table
 
     with _store(db) as store:
@@ -252,14 +284,25 @@ def _id_ranges(ids: list[int]) -> str:
 @cli_errors
 def plot(
     run_ids: RunIds = None, ref: Annotated[str, typer.Option("--ref", help="Reference backend.")] = "fa4-bf16",
-    output: Annotated[Path, typer.Option("--output", "-o", help="PNG file.")] = Path("mpfa-serving.png"),
-    scenario: ScenarioFilter = None, db: DbOption = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="PNG file (default: mpfa-serving.png; with --accuracy mpfa-accuracy.png).")] = None,
+    scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, db: DbOption = None,
 ) -> None:
-    """Paper-style PNG: OTPS and TTFT/TPOT speedup vs context length, per backend and load."""
-    from mpfa.cli.plot import plot_runs
+    """Paper-style PNG: OTPS and TTFT/TPOT speedup vs context length, per backend and load.
 
-    with _store(db) as store:
-        path = plot_runs(_selected_runs(store, run_ids, scenario, None), ref_backend=ref, out_png=output)
+    With --accuracy ID: one stored `mpfa accuracy task` result (default: the newest), per task each variant's
+    score, its loss vs bf16 and MpFA's recovery.
+    """
+    from mpfa.cli.plot import plot_runs, plot_task_accuracy
+
+    if accuracy:
+        if run_ids and len(run_ids) > 1:
+            raise UserError(f"--accuracy plots one result at a time, got {len(run_ids)} ids")
+        (report,) = _accuracy_reports(db, run_ids, scenario)
+        path = plot_task_accuracy(report, output or Path("mpfa-accuracy.png"))
+    else:
+        with _store(db) as store:
+            runs = _selected_runs(store, run_ids, scenario, None)
+            path = plot_runs(runs, ref_backend=ref, out_png=output or Path("mpfa-serving.png"))
     console.print(f"wrote {path}")
 
 
@@ -530,9 +573,7 @@ def accuracy_results(
                 raise UserError("--merge needs the ids of the results to join")
             _list_accuracy_results(store.list_profiles("accuracy-task"))
             return
-        stored = [store.get_profile(i) for i in _number_list(ids, "ids")]
-        if bad := [p.id for p in stored if p.kind != "accuracy-task"]:
-            raise UserError(f"not accuracy-task results: {', '.join(map(str, bad))}")
+        stored = _accuracy_results(store, _number_list(ids, "ids"))
         reports = [TaskAccuracyReport.from_json(p.result) for p in stored]
         if not merge:
             for report in reports:

@@ -1,6 +1,7 @@
-"""Paper-style figure: OTPS vs context length per backend, and TTFT/TPOT speedup over a reference backend.
+"""Paper-style figures: serving (OTPS vs context length per backend, TTFT/TPOT speedup over a reference backend)
+and task accuracy (`plot_task_accuracy`: per task, each attention variant's score, loss vs BF16 and recovery).
 
-One colour per backend, one line style/marker per load point (concurrency or rate); points are means over
+Serving: one colour per backend, one line style/marker per load point (concurrency or rate); points are means over
 repeats, OTPS error bars their 95% CI. The title says SIMULATED when any run is; a backend whose runs carry a
 caveat (numbers measured but not the backend's own) is marked † in the legend, the caveat printed as a footnote,
 as is any configuration whose runs served different workloads (‡, `report.workload_notes`).
@@ -10,6 +11,7 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -23,12 +25,16 @@ from mpfa.cli.report import (  # noqa: E402
 )
 from mpfa.cli.store import StoredRun  # noqa: E402
 
+if TYPE_CHECKING:  # importing mpfa.kernels loads torch: only the accuracy figure pays for it
+    from mpfa.kernels.tasks.report import TaskAccuracyReport
+
 PANELS = (
     ("otps", "OTPS (tok/s)"),
     ("ttft_ms_median", "TTFT speedup (median)"),
     ("tpot_ms_median", "TPOT speedup (median)"),
 )
 _LINE_STYLES = ("-", "--", ":", "-.")
+DPI = 150
 _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 
 
@@ -88,9 +94,14 @@ def plot_runs(runs: Sequence[StoredRun], ref_backend: str, out_png: Path) -> Pat
     fig.suptitle(title)
     if notes := [*caveat_notes(ok_runs), *workload_notes(mixed_workloads(ok_runs))]:
         fig.supxlabel("\n".join(notes), x=0.01, ha="left", fontsize="small", color="darkorange")
+    return _save(fig, out_png)
+
+
+def _save(fig, out_png: Path) -> Path:
+    """Write the figure as a PNG (creating its folder) and close it; a path that cannot be written is a UserError."""
     try:
         out_png.parent.mkdir(parents=True, exist_ok=True)
-        fig.savefig(out_png, format="png", dpi=150)
+        fig.savefig(out_png, format="png", dpi=DPI)
     except OSError as exc:
         raise UserError(f"cannot write plot {out_png}: {exc.strerror or exc}") from None
     finally:
@@ -102,3 +113,51 @@ def _series_key(config: Config, scenarios: list[str]) -> tuple[str, tuple]:
     """(legend label, sort key) of a load point; prefixed by the scenario when several are plotted."""
     label = config.load_label if len(scenarios) == 1 else f"{config.scenario} {config.load_label}"
     return label, (config.scenario, config.sort_key()[2:])
+
+
+# The accuracy figure: one panel per task, this wide and tall (inches) at DPI.
+ACCURACY_PANEL_SIZE = (4.8, 4.6)
+
+
+def plot_task_accuracy(report: TaskAccuracyReport, out_png: Path) -> Path:
+    """Grouped bars for one `mpfa accuracy task` result: per task (one panel each) every variant's primary score,
+    annotated with its loss vs BF16 and, below its name, the share of outputs identical to BF16's; the panel title
+    carries the recovery. Writes `out_png` and returns it."""
+    from mpfa.kernels.tasks.report import AGREEMENT, BASELINE, DIRECT, MPFA
+
+    if not report.tasks:
+        raise UserError(f"accuracy result of {report.model} on {report.device} holds no tasks: nothing to plot")
+    variants = list(report.params.get("variants") or report.tasks[0].metrics)
+    width, height = ACCURACY_PANEL_SIZE
+    fig, axes = plt.subplots(1, len(report.tasks), figsize=(width * len(report.tasks), height), squeeze=False,
+                             constrained_layout=True)
+    colours = plt.get_cmap("tab10")
+    for ax, task in zip(axes[0], report.tasks):
+        shown = [v for v in variants if v in task.metrics]
+        losses = task.losses()
+        bars = ax.bar(range(len(shown)), [100 * task.score(v) for v in shown],
+                      color=[colours(variants.index(v) % 10) for v in shown], width=0.7)
+        if BASELINE in task.metrics:
+            ax.axhline(100 * task.score(BASELINE), color="grey", linestyle="--", linewidth=0.8)
+        for bar, variant in zip(bars, shown):
+            label = f"{bar.get_height():.1f}"
+            if variant in losses:
+                label += f"\n({-100 * losses[variant]:+.1f})"
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 3),
+                        textcoords="offset points", ha="center", va="bottom", fontsize="small",
+                        bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none"))
+        ticks = [v if AGREEMENT not in task.metrics[v] or v == BASELINE
+                 else f"{v}\n{100 * task.metrics[v][AGREEMENT]:.0f}% same" for v in shown]
+        ax.set_xticks(range(len(shown)), ticks, fontsize="small")
+        ax.set_ylim(0, 118)
+        ax.set_yticks(range(0, 101, 20))
+        ax.set_ylabel(f"{task.primary} (%)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        recovery = task.recovery()
+        ax.set_title(f"{task.task} ({task.primary}, n={task.examples})\n"
+                     f"{MPFA} recovers {'n/a' if recovery is None else f'{100 * recovery:.1f}%'} of {DIRECT}'s loss", fontsize="medium")
+    per_task = ", ".join(f"{t.task} {t.examples}" for t in report.tasks)
+    fig.suptitle(f"Task accuracy per attention variant: {report.model} on {report.device} (n per task: {per_task})"
+                 f"\nscore (loss vs {BASELINE}, dashed); \"same\": outputs identical to {BASELINE}'s", fontsize="medium")
+    return _save(fig, out_png)
