@@ -59,7 +59,14 @@ OUT_DTYPES = ("BFloat16", "Float32")
 class PrefillSm90:
     """Compile-time shape of one prefill kernel: ``num_kv_heads``, GQA ``group``, ``page_size`` (a power of two
     holding whole tiles), ``causal`` and the output dtype name (``BFloat16`` or ``Float32``). ``ablation``: pieces
-    of the tile work removed for timing (`ablation.Ablation`; the default, `ablation.FULL`, is the real kernel)."""
+    of the tile work removed for timing (`ablation.Ablation`; the default, `ablation.FULL`, is the real kernel).
+    v2 (`prefill_staged`) reuses the launch, the kernel's prologue (Q, softmax state) and epilogue (`_store`) and
+    replaces the CTA's shape (the attributes below, `_warp_lane`, `_heads`, `_warp_row`, `_walk`) and the tile
+    loop, `_run_tiles`."""
+
+    heads = 1  # query heads per CTA (the grid has Hq / heads CTAs in x)
+    threads = 32 * WARPS
+    block_m = BLOCK_M  # query rows per CTA
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  ablation: abl.Ablation = abl.FULL):
@@ -79,6 +86,9 @@ class PrefillSm90:
         if not isinstance(ablation, abl.Ablation):
             raise TypeError(f"ablation must be an Ablation, got {ablation!r}")
         self.ablation = ablation
+        # dynamic shared memory per CTA: none, or unused bytes that hold an ablated kernel to the full kernel's 2
+        # CTAs per SM
+        self.smem_bytes = 0 if ablation.is_full else abl.OCCUPANCY_PAD_BYTES
 
     @cute.jit
     def __call__(
@@ -94,19 +104,13 @@ class PrefillSm90:
         seq_lens_k: cute.Tensor,  # int32 [B]
         out: cute.Tensor,  # bf16 / fp32 [total_q, Hq, 128]
         lam_scaled: Float32,  # log2(e) * sm_scale * 2**7 (the MMA yields S * 2**-7)
-        num_m_blocks: Int32,  # ceil(max q_len / BLOCK_M)
+        num_m_blocks: Int32,  # ceil(max q_len / block_m)
         stream,
     ):
-        if cutlass.const_expr(self.ablation.is_full):
-            self.kernel(
-                q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
-            ).launch(grid=(self.num_q_heads, num_m_blocks, seq_lens_k.shape[0]), block=(32 * WARPS, 1, 1),
-                     stream=stream)
-        else:  # unused dynamic shared memory holds an ablated kernel to the full kernel's 2 CTAs per SM
-            self.kernel(
-                q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
-            ).launch(grid=(self.num_q_heads, num_m_blocks, seq_lens_k.shape[0]), block=(32 * WARPS, 1, 1),
-                     smem=abl.OCCUPANCY_PAD_BYTES, stream=stream)
+        self.kernel(
+            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
+        ).launch(grid=(self.num_q_heads // self.heads, num_m_blocks, seq_lens_k.shape[0]), block=(self.threads, 1, 1),
+                 smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -123,29 +127,29 @@ class PrefillSm90:
         out: cute.Tensor,
         lam_scaled: Float32,
     ):
-        num_q_heads = self.num_q_heads
         tid, _, _ = cute.arch.thread_idx()
-        warp = tid // 32
-        lane = tid % 32
+        warp, lane = self._warp_lane(tid)
         g = lane >> 2
         c = lane & 3
-        head, m_rev, batch = cute.arch.block_idx()
+        block_head, m_rev, batch = cute.arch.block_idx()
         _, num_m_blocks, _ = cute.arch.grid_dim()
-        kv_head = head // self.group
+        head, kv_head, cta_heads = self._heads(block_head, warp)
         q_start = cu_seqlens_q[batch]
         q_len = cu_seqlens_q[batch + 1] - q_start
         kv_len = seq_lens_k[batch]
-        row0 = (num_m_blocks - 1 - m_rev) * BLOCK_M + warp * WARP_ROWS  # the heaviest row blocks launch first
+        cta_row0 = (num_m_blocks - 1 - m_rev) * self.block_m  # the heaviest row blocks launch first
+        row0 = cta_row0 + self._warp_row(warp)
         rows = (row0 + g, row0 + g + 8)
 
         num_tiles, limits, common = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal,
                                                         tile_keys=TILE_KEYS, warp_rows=WARP_ROWS)
         num_tiles = Int32(num_tiles)
+        walk = self._walk(num_tiles, common, cta_row0, q_len, kv_len, g)
 
         q_regs = []  # rows g, g + 8: chunk c exactly dequantized to FP16
         for r in cutlass.range_constexpr(2):
             valid = Uint32(rows[r] < q_len)
-            q_row = Int64(q_start + rows[r]) * num_q_heads + head
+            q_row = Int64(q_start + rows[r]) * self.num_q_heads + head
             words = load_v4_u32(q_codes.iterator.toint() + q_row * K_ROW_BYTES + 16 * c, valid)
             scale_pair = load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c, valid, Uint32(0))
             if cutlass.const_expr(self.ablation.dequant):
@@ -163,6 +167,38 @@ class PrefillSm90:
         for i in cutlass.range_constexpr(tile_math.ACC_REGS):
             acc[i] = Float32(0.0)
 
+        self._run_tiles(walk, a_steps, state, acc, lam_scaled, (k_codes, k_scales, v, delta_s), page_table, batch,
+                        kv_head, head, cta_heads, kv_len, limits, tid, warp, lane, g, c)
+        self._store(state, acc, out, q_start, q_len, row0, head, g, c)
+
+    # --- the CTA's shape (v2 overrides these) --------------------------------------------------------------------
+
+    def _warp_lane(self, tid):
+        """(warp, lane) of thread ``tid``."""
+        return tid // 32, tid % 32
+
+    def _heads(self, block_head, warp):
+        """(query head, KV head, anything else `_run_tiles` needs about the CTA's heads) of ``warp`` in the CTA of
+        grid x ``block_head``: v1, one head per CTA."""
+        return block_head, block_head // self.group, None
+
+    def _warp_row(self, warp):
+        """First query row of ``warp`` within the CTA's block of rows."""
+        return warp * WARP_ROWS
+
+    def _walk(self, num_tiles, common, cta_row0, q_len, kv_len, g):
+        """The tiles `_run_tiles` walks: v1, each warp its own (``num_tiles`` its rows see, the first ``common`` keys
+        every row of the warp sees whole)."""
+        return num_tiles, common
+
+    # --- the tile loop --------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _run_tiles(self, walk, a_steps, state: cute.Tensor, acc: cute.Tensor, lam_scaled, cache,
+                   page_table: cute.Tensor, batch, kv_head, head, cta_heads, kv_len, limits, tid, warp, lane, g, c):
+        """The warp's tiles, each loaded straight into registers."""
+        num_tiles, common = walk
+        k_codes, k_scales, v, delta_s = cache
         bases = (
             k_codes.iterator.toint() + kv_head * K_ROW_BYTES + 16 * c,
             k_scales.iterator.toint() + kv_head * SCALE_ROW_BYTES + 2 * c,
@@ -179,8 +215,6 @@ class PrefillSm90:
         for step in cutlass.range(full_tiles, unroll=1):
             tile = (full_tiles - 1 - step) * TILE_KEYS
             self._tile(False, a_steps, state, acc, lam_scaled, tile, table_row, kv_len, limits, g, c, bases)
-
-        self._store(state, acc, out, q_start, q_len, row0, head, g, c)
 
     # --- pieces of one tile (the register math is in `prefill_tile`) ---------------------------------------------
 
@@ -243,12 +277,7 @@ class PrefillSm90:
         if cutlass.const_expr(not self.ablation.is_full):
             self._softmax_pv_ablated(masked, scores, state, acc, v_rows, lam_scaled, tile, slot0, kv_len, c, v_base)
         else:
-            probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]],
-                                                                     [state[2], state[3]], lam_scaled)
-            for r in cutlass.range_constexpr(2):
-                state[r] = m_rows[r]
-                state[2 + r] = l_rows[r]
-            regs = tile_math.rescale([acc[i] for i in range(tile_math.ACC_REGS)], alphas, c)
+            probs, regs = self._softmax(scores, state, acc, lam_scaled, c)
             for step in cutlass.range_constexpr(PV_STEPS):
                 transposed = transpose_v(v_rows)
                 if cutlass.const_expr(step + 1 < PV_STEPS):
@@ -256,6 +285,16 @@ class PrefillSm90:
                 regs = tile_math.pv_step(regs, probs, transposed, step)
             for i in cutlass.range_constexpr(tile_math.ACC_REGS):
                 acc[i] = regs[i]
+
+    @cute.jit
+    def _softmax(self, scores, state: cute.Tensor, acc: cute.Tensor, lam_scaled, c):
+        """Online softmax of rows g, g + 8 (``state`` updated) -> (P, alpha acc as a list of registers)."""
+        probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
+                                                                 lam_scaled)
+        for r in cutlass.range_constexpr(2):
+            state[r] = m_rows[r]
+            state[2 + r] = l_rows[r]
+        return probs, tile_math.rescale([acc[i] for i in range(tile_math.ACC_REGS)], alphas, c)
 
     @cute.jit
     def _softmax_pv_ablated(self, masked: cutlass.Constexpr, scores, state: cute.Tensor, acc: cute.Tensor, v_rows,

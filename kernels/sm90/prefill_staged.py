@@ -27,6 +27,9 @@ with two warps per scheduler to hide the latency. v2 changes where a tile's oper
 * The grid is (Hq / heads, row blocks, batch), a GQA group's CTAs next to each other and the heaviest causal row
   blocks first; the launch signature is v1's (`prefill_launch` picks the kernel, ``MPFA_PREFILL_KERNEL=v1|v2``,
   and sizes ``num_m_blocks`` with the kernel's block of rows, `prefill_staged_layout.cta_shape`).
+* The code is a subclass of v1's: the launch, the kernel signature, the prologue (Q, softmax state), the online
+  softmax and the epilogue are v1's; the CTA's shape (attributes and `_warp_lane` / `_heads` / `_warp_row` /
+  `_walk`) and the tile loop (`_run_tiles`) are replaced.
 
 Registers: ~255 per thread as v1 (0 spills), so 2 CTAs (8 warps) per SM; shared memory per CTA 42 KB (4 ring
 stages of 6.5 KB + 2 fragment buffers of 8 KB), 26 KB without ``shared_dequant``.
@@ -34,30 +37,17 @@ stages of 6.5 KB + 2 fragment buffers of 8 KB), 26 KB without ``shared_dequant``
 
 from __future__ import annotations
 
-import math
-
 import cutlass
 import cutlass.cute as cute
-from cutlass import Float32, Int32, Int64, Uint32
+from cutlass import Int32, Int64, Uint32
 
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
-from mpfa.kernels.sm90.ptx import (
-    cp_async_4,
-    cp_async_16,
-    cp_async_commit,
-    cp_async_wait,
-    f32x2_to_bf16x2,
-    load_shared_v4_u32,
-    load_u16,
-    load_u32,
-    load_v4_u32,
-    store_v4_f32,
-    store_v4_u32,
-)
+from mpfa.kernels.sm90.prefill import PrefillSm90
 from mpfa.kernels.sm90.prefill_staged_tile import k_fragments, qk_ntile_from_fragments
+from mpfa.kernels.sm90.ptx import cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, load_shared_v4_u32, load_u32
 from mpfa.kernels.sm90.smem_pipeline import cp_async_8, load_shared_u16, load_u32_if, store_shared_v4_u32
-from mpfa.kernels.sm90.warp_mma import q_chunk_regs, transpose_v
+from mpfa.kernels.sm90.warp_mma import transpose_v
 
 HEAD_DIM = sl.HEAD_DIM
 K_ROW_BYTES = sl.K_ROW_BYTES
@@ -67,27 +57,22 @@ N_TILES = TILE_KEYS // 8
 WARP_ROWS = sl.WARP_ROWS
 STAGES = 4
 SHARED_DEQUANT = True  # expand each K tile to FP16 once per CTA (each warp one n-tile), not in every warp
-OUT_DTYPES = ("BFloat16", "Float32")
 
 
-class PrefillSm90Staged:
+class PrefillSm90Staged(PrefillSm90):
     """Compile-time shape of one staged prefill kernel: as `prefill.PrefillSm90` (``num_kv_heads``, GQA ``group``,
-    ``page_size``, ``causal``, output dtype name), plus the CTA's ``heads`` (a divisor of ``group``) and
-    ``row_blocks`` (16-row blocks; default `prefill_staged_layout.cta_shape`), ``stages`` (depth of the
+    ``page_size``, ``causal``, output dtype name; no ablations), plus the CTA's ``heads`` (a divisor of ``group``)
+    and ``row_blocks`` (16-row blocks; default `prefill_staged_layout.cta_shape`), ``stages`` (depth of the
     shared-memory ring, a power of two >= 2, >= 4 with ``shared_dequant``) and ``shared_dequant`` (K expanded
-    once per CTA; None: ``SHARED_DEQUANT``)."""
+    once per CTA; None: ``SHARED_DEQUANT``). v1's launch, signature, prologue and epilogue with the CTA's shape
+    and the tile loop, `_run_tiles`, replaced."""
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  heads: int | None = None, row_blocks: int | None = None, stages: int = STAGES,
                  shared_dequant: bool | None = None):
-        if num_kv_heads <= 0 or group <= 0:
-            raise ValueError(f"need positive num_kv_heads and group, got {num_kv_heads} and {group}")
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype)
         if (num_kv_heads * group) % 2:
             raise ValueError("the staged prefill copies Delta_S as 4-byte words: needs an even number of query heads")
-        if page_size < TILE_KEYS or page_size & (page_size - 1):
-            raise ValueError(f"the sm90 prefill kernel needs a power-of-two page_size >= {TILE_KEYS}, got {page_size}")
-        if out_dtype not in OUT_DTYPES:
-            raise ValueError(f"prefill output must be one of {OUT_DTYPES}, got {out_dtype!r}")
         shared_dequant = SHARED_DEQUANT if shared_dequant is None else bool(shared_dequant)
         if stages < 2 + shared_dequant or stages & (stages - 1):
             raise ValueError(f"stages must be a power of two >= {2 + shared_dequant}, got {stages}")
@@ -96,13 +81,6 @@ class PrefillSm90Staged:
         row_blocks = default_rows if row_blocks is None else row_blocks
         if heads <= 0 or group % heads or row_blocks <= 0 or heads * row_blocks > 32:
             raise ValueError(f"need heads dividing group {group} and at most 32 warps, got {heads} x {row_blocks}")
-        self.num_kv_heads = num_kv_heads
-        self.group = group
-        self.num_q_heads = num_kv_heads * group
-        self.page_size = page_size
-        self.page_shift = page_size.bit_length() - 1
-        self.causal = causal
-        self.out_f32 = out_dtype == "Float32"
         self.heads = heads
         self.row_blocks = row_blocks
         self.block_m = WARP_ROWS * row_blocks
@@ -112,90 +90,42 @@ class PrefillSm90Staged:
         self.shared_dequant = shared_dequant
         self.smem_bytes = stages * self.stage_bytes + (2 * sl.FRAG_BUFFER_BYTES if shared_dequant else 0)
 
-    @cute.jit
-    def __call__(
-        self,
-        q_codes: cute.Tensor,  # uint8 [total_q, Hq, 64]
-        q_scales: cute.Tensor,  # uint8 [total_q, Hq, 8]
-        k_codes: cute.Tensor,  # uint8 [slots, Hkv, 64]
-        k_scales: cute.Tensor,  # uint8 [slots, Hkv, 8]
-        v: cute.Tensor,  # uint8 [slots, Hkv, 128]
-        delta_s: cute.Tensor,  # bf16 [slots, Hq]
-        page_table: cute.Tensor,  # int32 [B, max_pages]
-        cu_seqlens_q: cute.Tensor,  # int32 [B + 1]
-        seq_lens_k: cute.Tensor,  # int32 [B]
-        out: cute.Tensor,  # bf16 / fp32 [total_q, Hq, 128]
-        lam_scaled: Float32,  # log2(e) * sm_scale * 2**7 (the MMA yields S * 2**-7)
-        num_m_blocks: Int32,  # ceil(max q_len / block_m)
-        stream,
-    ):
-        self.kernel(
-            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
-        ).launch(grid=(self.num_q_heads // self.heads, num_m_blocks, seq_lens_k.shape[0]), block=(self.threads, 1, 1),
-                 smem=self.smem_bytes, stream=stream)
+    # --- the CTA's shape: ``heads`` query heads x ``row_blocks`` blocks of 16 rows ---------------------------------
 
-    @cute.kernel
-    def kernel(
-        self,
-        q_codes: cute.Tensor,
-        q_scales: cute.Tensor,
-        k_codes: cute.Tensor,
-        k_scales: cute.Tensor,
-        v: cute.Tensor,
-        delta_s: cute.Tensor,
-        page_table: cute.Tensor,
-        cu_seqlens_q: cute.Tensor,
-        seq_lens_k: cute.Tensor,
-        out: cute.Tensor,
-        lam_scaled: Float32,
-    ):
-        heads = self.heads
-        stages = self.stages
-        tid, _, _ = cute.arch.thread_idx()
-        warp = cute.arch.make_warp_uniform(cute.arch.warp_idx())
-        lane = cute.arch.lane_idx()
-        g = lane >> 2
-        c = lane & 3
-        head_block, m_rev, batch = cute.arch.block_idx()
-        _, num_m_blocks, _ = cute.arch.grid_dim()
-        first_head = head_block * heads
+    def _warp_lane(self, tid):
+        return cute.arch.make_warp_uniform(cute.arch.warp_idx()), cute.arch.lane_idx()
+
+    def _heads(self, block_head, warp):
+        """Warp w is query head ``first_head + w % heads``; -> (head, KV head, (first_head, w % heads))."""
+        first_head = block_head * self.heads
         kv_head = first_head // self.group
-        head_in_cta = warp % heads
-        head = first_head + head_in_cta
-        q_start = cu_seqlens_q[batch]
-        q_len = cu_seqlens_q[batch + 1] - q_start
-        kv_len = seq_lens_k[batch]
-        cta_row0 = (num_m_blocks - 1 - m_rev) * self.block_m  # the heaviest row blocks launch first
-        row0 = cta_row0 + (warp // heads) * WARP_ROWS
-        rows = (row0 + g, row0 + g + 8)
+        head_in_cta = warp % self.heads
+        return first_head + head_in_cta, kv_head, (first_head, head_in_cta)
 
-        num_tiles, limits, common = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal,
-                                                        tile_keys=TILE_KEYS, warp_rows=WARP_ROWS)
-        num_tiles = Int32(num_tiles)
+    def _warp_row(self, warp):
+        return (warp // self.heads) * WARP_ROWS
+
+    def _walk(self, num_tiles, common, cta_row0, q_len, kv_len, g):
+        """(tiles the CTA walks, leading keys all its rows see, tiles this warp's rows see): the CTA walks the
+        tiles its last row sees."""
         cta_tiles, cta_common = num_tiles, common
-        if cutlass.const_expr(self.row_blocks > 1):  # the CTA walks the tiles its last row sees
+        if self.row_blocks > 1:
             cta_tiles, _, cta_common = tile_math.warp_plan(cta_row0, q_len, kv_len, g, causal=self.causal,
                                                            tile_keys=TILE_KEYS, warp_rows=self.block_m)
             cta_tiles = Int32(cta_tiles)
+        return cta_tiles, cta_common, num_tiles
 
-        q_regs = []  # rows g, g + 8: chunk c exactly dequantized to FP16 (v1)
-        for r in cutlass.range_constexpr(2):
-            valid = Uint32(rows[r] < q_len)
-            q_row = Int64(q_start + rows[r]) * self.num_q_heads + head
-            words = load_v4_u32(q_codes.iterator.toint() + q_row * K_ROW_BYTES + 16 * c, valid)
-            scale_pair = load_u16(q_scales.iterator.toint() + q_row * SCALE_ROW_BYTES + 2 * c, valid, Uint32(0))
-            q_regs.append(q_chunk_regs(words, scale_pair))
-        a_steps = tile_math.qk_a_steps(q_regs[0], q_regs[1])
+    # --- the tile loop: the ring ------------------------------------------------------------------------------
 
-        state = cute.make_rmem_tensor((4,), Float32)  # running max (S * 2**-7) of rows g, g + 8; lane-partial sums
-        state[0] = -math.inf
-        state[1] = -math.inf
-        state[2] = Float32(0.0)
-        state[3] = Float32(0.0)
-        acc = cute.make_rmem_tensor((tile_math.ACC_REGS,), Float32)
-        for i in cutlass.range_constexpr(tile_math.ACC_REGS):
-            acc[i] = Float32(0.0)
-
+    @cute.jit
+    def _run_tiles(self, walk, a_steps, state: cute.Tensor, acc: cute.Tensor, lam_scaled, cache,
+                   page_table: cute.Tensor, batch, kv_head, head, cta_heads, kv_len, limits, tid, warp, lane, g, c):
+        """The CTA's tiles through the ``stages``-deep cp.async ring (prologue, then one `_step` per tile)."""
+        cta_tiles, cta_common, num_tiles = walk
+        k_codes, k_scales, v, delta_s = cache
+        first_head, head_in_cta = cta_heads
+        heads = self.heads
+        stages = self.stages
         smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=sl.STAGE_ALIGN).toint()
         sources = (  # the KV head's bytes in slot 0 of the cache (+ slot x row stride)
             k_codes.iterator.toint() + kv_head * K_ROW_BYTES,
@@ -232,8 +162,6 @@ class PrefillSm90Staged:
             self._step(False, masked_tiles + step, cta_tiles, num_tiles, page, table_row, smem, kv_len, tid,
                        sources, a_steps, state, acc, lam_scaled, lane_bases, limits, warp, lane, c)
         cp_async_wait(0)  # only empty groups can be pending here
-
-        self._store(state, acc, out, q_start, q_len, row0, head, g, c)
 
     # --- the ring ---------------------------------------------------------------------------------------------
 
@@ -352,32 +280,7 @@ class PrefillSm90Staged:
         for k_half in cutlass.range_constexpr(2):
             for j in cutlass.range_constexpr(4):
                 v_rows.append(load_shared_v4_u32(stage + v_lane + sl.v_read(tile_math.pv_tile_key(0, k_half, 0, j))))
-        probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
-                                                                 lam_scaled)
-        for r in cutlass.range_constexpr(2):
-            state[r] = m_rows[r]
-            state[2 + r] = l_rows[r]
-        regs = tile_math.rescale([acc[i] for i in range(tile_math.ACC_REGS)], alphas, c)
+        probs, regs = self._softmax(scores, state, acc, lam_scaled, c)
         regs = tile_math.pv_step(regs, probs, transpose_v(v_rows), 0)
         for i in cutlass.range_constexpr(tile_math.ACC_REGS):
             acc[i] = regs[i]
-
-    @cute.jit
-    def _store(self, state: cute.Tensor, acc: cute.Tensor, out: cute.Tensor, q_start, q_len, row0, head, g, c):
-        """O / (448 l) of query rows 8 nq + 2c + w, dimensions 16g..16g+15 (as v1); rows past the sequence are not
-        written."""
-        elem_bytes = 4 if self.out_f32 else 2
-        out_base = out.iterator.toint()
-        rows = tile_math.output_rows([acc[i] for i in range(tile_math.ACC_REGS)], [state[2], state[3]], c)
-        for index in cutlass.range_constexpr(4):
-            nq, w, values = rows[index]
-            row = row0 + 8 * nq + 2 * c + w
-            if row < q_len:
-                address = out_base + ((Int64(q_start + row) * self.num_q_heads + head) * HEAD_DIM + 16 * g) * elem_bytes
-                if cutlass.const_expr(self.out_f32):
-                    for quad in cutlass.range_constexpr(4):
-                        store_v4_f32(address + 16 * quad, *values[4 * quad:4 * quad + 4])
-                else:
-                    words = [f32x2_to_bf16x2(values[2 * i], values[2 * i + 1]) for i in range(8)]
-                    store_v4_u32(address, *words[:4])
-                    store_v4_u32(address + 16, *words[4:])
