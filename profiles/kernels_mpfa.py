@@ -5,7 +5,7 @@ attention kernels are timed. Decode: the CuTe split-KV decode + merge, page size
 the CuTe prefill (mma.sync, causal, every token of each sequence a query), page size 128 like FA4's, the
 queries' centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 
-Backend ``mpfa`` runs the prefill kernel ``MPFA_PREFILL_KERNEL`` selects (v1 by default); ``mpfa-v1`` and
+Backend ``mpfa`` runs the prefill kernel ``MPFA_PREFILL_KERNEL`` selects (v2 by default); ``mpfa-v1`` and
 ``mpfa-v2`` pin v1 or v2 (`prefill_staged`), so one run can time both (decode is the same kernel in all three).
 """
 from __future__ import annotations

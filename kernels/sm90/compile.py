@@ -12,6 +12,16 @@ import os
 from typing import Any
 
 ARCH = "sm_90a"
+KERNEL_VERSIONS = ("v1", "v2")
+
+
+def kernel_version(env: str, kernel: str | None = None) -> str:
+    """The kernel version to run: ``kernel`` if given, else ``$env``, else v2 (the default of every versioned sm90
+    kernel); case-insensitive, anything but v1 / v2 is a ValueError."""
+    choice = (os.environ.get(env, KERNEL_VERSIONS[-1]) if kernel is None else kernel).strip().lower()
+    if choice not in KERNEL_VERSIONS:
+        raise ValueError(f"{env if kernel is None else 'kernel'} must be v1 or v2, got {choice!r}")
+    return choice
 
 
 def target_sm90a() -> None:

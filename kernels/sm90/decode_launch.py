@@ -9,14 +9,13 @@ symbolic sizes (`compile_decode_kernels` is also what CI runs on a CPU-only mach
 from __future__ import annotations
 
 import math
-import os
 from dataclasses import dataclass
 from functools import lru_cache
 
 import torch
 
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
-from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
+from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, kernel_version, target_sm90a
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
 
 HEAD_DIM = 128
@@ -33,10 +32,7 @@ KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async pipelined split ker
 def use_pipelined(num_q_heads: int) -> bool:
     """Whether `mpfa_decode` runs the v2 split kernel: unless ``MPFA_DECODE_KERNEL=v1``, and when the number of
     query heads is even (v2 copies Delta_S as aligned 4-byte words)."""
-    choice = os.environ.get(KERNEL_ENV, "v2").strip().lower()
-    if choice not in ("v1", "v2"):
-        raise ValueError(f"{KERNEL_ENV} must be v1 or v2, got {choice!r}")
-    return choice == "v2" and num_q_heads % 2 == 0
+    return kernel_version(KERNEL_ENV) == "v2" and num_q_heads % 2 == 0
 
 
 def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:

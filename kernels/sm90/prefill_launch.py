@@ -16,13 +16,12 @@ Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm9
 from __future__ import annotations
 
 import math
-import os
 from functools import lru_cache
 
 import torch
 
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
-from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
+from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, kernel_version, target_sm90a
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_staged_layout import WARP_ROWS, cta_shape
 
@@ -36,10 +35,7 @@ KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # "v2" (default: the staged kernel, `prefill
 def use_staged(num_q_heads: int, kernel: str | None = None) -> bool:
     """Whether the prefill runs v2 (`prefill_staged`): ``kernel`` ("v1" / "v2"; None: ``MPFA_PREFILL_KERNEL``, default
     v2), and only with an even number of query heads (v2 copies Delta_S as aligned 4-byte words)."""
-    choice = (os.environ.get(KERNEL_ENV, "v2") if kernel is None else kernel).strip().lower()
-    if choice not in ("v1", "v2"):
-        raise ValueError(f"the prefill kernel must be v1 or v2 ({KERNEL_ENV}), got {choice!r}")
-    return choice == "v2" and num_q_heads % 2 == 0
+    return kernel_version(KERNEL_ENV, kernel) == "v2" and num_q_heads % 2 == 0
 
 
 def kernel_block_m(group: int, staged: bool) -> int:

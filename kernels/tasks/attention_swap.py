@@ -193,7 +193,8 @@ class VariantAttention:
 
     def _operands(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   means: SmoothingMeans | None) -> tuple[torch.Tensor, _KeyOperands]:
-        """This call's Q operand and the per-slot operands of all its keys, reusing the kept ones of earlier slots."""
+        """This call's Q operand and the per-slot operands of all its keys, reusing the kept ones of earlier slots
+        (only for variants that prepare keys piecewise: `keep_keys`)."""
         start = k.shape[1] - q.shape[1]
         kept = self._keys.get(layer)
         reuse = (kept is not None and kept.keys.shape[0] == k.shape[0] and kept.keys.shape[1] >= start > 0
@@ -206,8 +207,7 @@ class VariantAttention:
                                ds)
         else:
             ops = _KeyOperands(k, new.k, new.v, new.delta_s)
-        if self.keep_keys:
-            self._keys[layer] = ops
+        self._keys[layer] = ops
         return new.q, ops
 
 

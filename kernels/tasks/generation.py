@@ -23,6 +23,7 @@ import torch
 
 from mpfa.kernels.models import MODELS, fetch_model
 from mpfa.kernels.tasks.attention_swap import VariantAttention
+from mpfa.kernels.tasks.scoring import continuation_logprobs
 
 
 @dataclass
@@ -175,8 +176,7 @@ def batch_choice_logprobs(
     out = _forward(lm, attention, choice_ids, torch.cat([mask[owner], choice_mask], 1), positions, cache=cache)
     # logits predicting each choice token: the context's last one, then the choice's own but its last
     logits = torch.cat([ctx.logits[owner.to(lm.device), -1:], out.logits[:, :-1]], 1)
-    logprobs = torch.log_softmax(logits.double(), dim=-1).gather(2, choice_ids.to(lm.device)[..., None])[..., 0]
-    scores = torch.where(choice_mask.to(lm.device), logprobs, torch.zeros_like(logprobs)).sum(1).tolist()
+    scores = continuation_logprobs(logits, choice_ids.to(lm.device), choice_mask.to(lm.device))
     result, row = [], 0
     for _, choices in questions:
         result.append(scores[row : row + len(choices)])

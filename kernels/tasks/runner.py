@@ -113,16 +113,24 @@ def _batches(sizes: Sequence[int], batch_size: int) -> list[list[int]]:
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
+def _in_order(batches: Sequence[list[int]], run: Callable[[list[int]], Sequence], done: Callable[[int], None]) -> list:
+    """``run(batch)`` (the outputs of those examples) over every batch, reporting the count done after each; the
+    outputs in example order."""
+    found: dict[int, object] = {}
+    for batch in batches:
+        found.update(zip(batch, run(batch)))
+        done(len(found))
+    return [found[i] for i in range(len(found))]
+
+
 def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size, progress) -> TaskScores:
     result, answers = TaskScores(task, "f1", len(examples)), {}
     batches = _batches([len(p) for p in prompts], batch_size)
     for variant in variants:
         attention, start = install(lm.model, variant), time.perf_counter()
-        found: dict[int, str] = {}
-        for batch in batches:
-            found.update(zip(batch, greedy_answers(lm, [prompts[i] for i in batch], attention, max_new_tokens)))
-            progress(task, variant, len(found), len(examples))
-        answers[variant] = [found[i] for i in range(len(examples))]
+        answers[variant] = _in_order(
+            batches, lambda batch: greedy_answers(lm, [prompts[i] for i in batch], attention, max_new_tokens),
+            lambda done: progress(task, variant, done, len(examples)))
         result.seconds[variant] = time.perf_counter() - start
         result.metrics[variant] = {
             "f1": statistics.fmean(squad_f1(a, ex.answers) for a, ex in zip(answers[variant], examples)),
@@ -137,14 +145,13 @@ def _run_choice(lm, task, examples, prompts, variants, batch_size, progress) -> 
     batches = _batches([len(context) for context, _ in prompts], batch_size)
     for variant in variants:
         attention, start = install(lm.model, variant), time.perf_counter()
-        logprobs: dict[int, list[float]] = {}
-        for batch in batches:
-            logprobs.update(zip(batch, batch_choice_logprobs(lm, [prompts[i] for i in batch], attention)))
-            progress(task, variant, len(logprobs), len(examples))
-        picks[variant] = [best_choice(logprobs[i]) for i in range(len(examples))]
+        logprobs = _in_order(
+            batches, lambda batch: batch_choice_logprobs(lm, [prompts[i] for i in batch], attention),
+            lambda done: progress(task, variant, done, len(examples)))
+        picks[variant] = [best_choice(scores) for scores in logprobs]
         result.seconds[variant] = time.perf_counter() - start
         result.metrics[variant] = {
-            "grade": statistics.fmean(choice_grade(logprobs[i], ex.correct) for i, ex in enumerate(examples))}
+            "grade": statistics.fmean(choice_grade(scores, ex.correct) for scores, ex in zip(logprobs, examples))}
     _add_agreement(result, picks)
     return result
 
