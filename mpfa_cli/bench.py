@@ -117,7 +117,7 @@ def run_bench(
     """Measure every backend; returns the ids of the runs it stored."""
     environment = collect_environment()
     gpu = "simulated" if opts.engine == "sim" else (gpu_names() or ["unknown"])[0]
-    context_len = max(scenario.input_len) + scenario.output_len + 64
+    context_len = scenario.max_input_len + scenario.output_len + 64
     run_ids: list[int] = []
     for spec in specs:
         with progress_bar(console) as progress, served(spec, scenario.model, context_len, opts, progress) as (
@@ -137,10 +137,10 @@ def run_bench(
                         scenario=scenario.name, backend=spec.name, engine=opts.engine, simulated=simulated,
                         caveat=caveat, load=point.load, repeat=repeat, input_len=point.input_len,
                         output_len=scenario.output_len,
-                        num_requests=scenario.num_requests, seed=scenario.seed,
+                        num_requests=point.num_requests, seed=scenario.seed,
                         workload_hash=workload.workload_hash(
                             seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,
-                            num_requests=scenario.num_requests, load=point.load,
+                            num_requests=point.num_requests, load=point.load,
                         ),
                         started_at=time.time(), model=model_name(scenario.model), gpu=gpu, server_info=info,
                         backend_flags=_flags(spec, opts), environment=environment,
@@ -155,14 +155,14 @@ def _measure(
     run: RunRecord, run_id: int, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
     url: str, store: ResultStore, progress: Progress, server: ServerProcess | None,
 ) -> None:
-    prompts = workload.make_prompts(scenario.seed, scenario.num_requests, point.input_len)
+    prompts = workload.make_prompts(scenario.seed, point.num_requests, point.input_len)
     warmup_prompts = workload.make_prompts(scenario.seed + 1, warmup, point.input_len)
     arrivals = (
-        workload.arrival_times(scenario.num_requests, point.rate, point.burstiness, scenario.seed)
+        workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
         if point.rate is not None else None
     )
     label = f"{run.backend} {point.label} #{run.repeat + 1}"
-    task = progress.add_task(label, total=scenario.num_requests + warmup)
+    task = progress.add_task(label, total=point.num_requests + warmup)
     records: list[RequestRecord] = []
 
     def on_complete(record: RequestRecord) -> None:

@@ -660,7 +660,7 @@ def scenarios() -> None:
     for name in available_scenarios():
         s = load_scenario(name)
         table.add_row(name, s.model, ", ".join(p.label for p in s.points()), str(s.output_len),
-                      str(s.num_requests), str(s.repeats), s.description)
+                      "/".join(sorted({str(p.num_requests) for p in s.points()}, key=int)), str(s.repeats), s.description)
     console.print(table)
 
 

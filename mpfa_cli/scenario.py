@@ -17,6 +17,7 @@ class LoadPoint:
     """One measured configuration: a context length at one concurrency or arrival rate."""
 
     input_len: int
+    num_requests: int
     concurrency: int | None = None
     rate: float | None = None
     burstiness: float = 1.0
@@ -47,12 +48,20 @@ class Scenario:
     concurrency: list[int] = field(default_factory=list)
     rate: list[float] = field(default_factory=list)
     burstiness: float = 1.0
+    explicit_points: list[LoadPoint] = field(default_factory=list)
 
     def points(self) -> list[LoadPoint]:
+        """The `[[points]]` the file lists, else every input length at every concurrency (or rate)."""
+        if self.explicit_points:
+            return self.explicit_points
         loads = [dict(concurrency=c) for c in self.concurrency] or [
             dict(rate=r, burstiness=self.burstiness) for r in self.rate
         ]
-        return [LoadPoint(input_len=n, **load) for n in self.input_len for load in loads]
+        return [LoadPoint(input_len=n, num_requests=self.num_requests, **load) for n in self.input_len for load in loads]
+
+    @property
+    def max_input_len(self) -> int:
+        return max(p.input_len for p in self.points())
 
 
 _INT_FIELDS = ("output_len", "num_requests", "warmup_requests", "repeats", "seed")
@@ -92,13 +101,18 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
         found = re.search(r"\(at line (\d+), column \d+\)", str(exc))
         line = found.group(1) if found else "?"
         raise UserError(f"{path}:{line}: malformed TOML: {exc}") from None
-    raw.update({k: v for k, v in (overrides or {}).items() if v is not None})
-    if "concurrency" in (overrides or {}) and overrides["concurrency"] is not None:
+    given = {k: v for k, v in (overrides or {}).items() if v is not None}
+    if "points" in raw and {"input_len", "concurrency", "rate"} & set(given):
+        raise UserError(f"{path}: lists its own [[points]]; --input-len, --concurrency and --rate do not apply")
+    raw.update(given)
+    if "concurrency" in given:
         raw.pop("rate", None)
-    known = {f.name for f in dataclasses.fields(Scenario)} - {"name"}
+    known = {f.name for f in dataclasses.fields(Scenario)} - {"name", "explicit_points"} | {"points"}
     unknown = sorted(set(raw) - known)
     if unknown:
         raise UserError(f"{path}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+    if "points" in raw:
+        return _with_points(raw, path)
     missing = [f for f in ("model", "input_len", "output_len", "num_requests") if f not in raw]
     if missing:
         raise UserError(f"{path}: missing field(s) {', '.join(missing)}")
@@ -106,9 +120,7 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
         raise UserError(f"{path}: give either concurrency or rate, not both")
     if "concurrency" not in raw and "rate" not in raw:
         raise UserError(f"{path}: give a concurrency list or a request rate list")
-    for key in _INT_FIELDS:
-        if key in raw:
-            _as_list(raw[key], int, f"{path}: {key}")
+    _check_int_fields(raw, path)
     scenario = Scenario(
         name=path.stem,
         description=str(raw.get("description", "")),
@@ -127,11 +139,67 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
     return scenario
 
 
+def _check_int_fields(raw: dict[str, Any], path: Path) -> None:
+    for key in _INT_FIELDS:
+        if key in raw:
+            _as_list(raw[key], int, f"{path}: {key}")
+
+
+_POINT_FIELDS = {"input_len", "concurrency", "rate", "num_requests"}
+
+
+def _with_points(raw: dict[str, Any], path: Path) -> Scenario:
+    """A scenario of explicit `[[points]]`: each names its input_len, its concurrency or rate, and optionally its
+    own num_requests (default: the top-level one). For matrices that are not a full cross product."""
+    points = raw.pop("points")
+    clash = sorted({"input_len", "concurrency", "rate"} & set(raw))
+    if clash:
+        raise UserError(f"{path}: give [[points]] or {', '.join(clash)}, not both")
+    missing = [f for f in ("model", "output_len") if f not in raw]
+    if missing:
+        raise UserError(f"{path}: missing field(s) {', '.join(missing)}")
+    if not isinstance(points, list) or not points or not all(isinstance(p, dict) for p in points):
+        raise UserError(f"{path}: points must be a non-empty array of tables ([[points]])")
+    _check_int_fields(raw, path)
+    explicit = [_point(p, raw.get("num_requests"), raw.get("burstiness", 1.0), f"{path}: points[{i}]")
+                for i, p in enumerate(points)]
+    scenario = Scenario(
+        name=path.stem, description=str(raw.get("description", "")), model=str(raw["model"]),
+        input_len=sorted({p.input_len for p in explicit}), output_len=raw["output_len"],
+        num_requests=max(p.num_requests for p in explicit), warmup_requests=raw.get("warmup_requests", 0),
+        repeats=raw.get("repeats", 1), seed=raw.get("seed", 0),
+        concurrency=sorted({p.concurrency for p in explicit if p.concurrency is not None}),
+        rate=sorted({p.rate for p in explicit if p.rate is not None}), explicit_points=explicit,
+    )
+    _validate(scenario, path)
+    return scenario
+
+
+def _point(table: dict[str, Any], num_requests: int | None, burstiness: float, where: str) -> LoadPoint:
+    unknown = sorted(set(table) - _POINT_FIELDS)
+    if unknown:
+        raise UserError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(_POINT_FIELDS))}")
+    if ("concurrency" in table) == ("rate" in table):
+        raise UserError(f"{where}: give either concurrency or rate")
+    for key in ("input_len", "concurrency", "num_requests"):
+        if key in table and (not isinstance(table[key], int) or isinstance(table[key], bool)):
+            raise UserError(f"{where}: {key}: expected int, got {table[key]!r}")
+    count = table.get("num_requests", num_requests)
+    if "input_len" not in table or count is None:
+        raise UserError(f"{where}: needs input_len and num_requests (here or at the top level)")
+    if "rate" in table:
+        rate = table["rate"]
+        if not isinstance(rate, (int, float)) or isinstance(rate, bool):
+            raise UserError(f"{where}: rate: expected a number, got {rate!r}")
+        return LoadPoint(input_len=table["input_len"], num_requests=count, rate=float(rate), burstiness=burstiness)
+    return LoadPoint(input_len=table["input_len"], num_requests=count, concurrency=table["concurrency"])
+
+
 def _validate(s: Scenario, path: Path) -> None:
     checks = [
         (all(n >= 1 for n in s.input_len), "input_len must be >= 1"),
         (s.output_len >= 1, "output_len must be >= 1 (the client measures generated tokens)"),
-        (s.num_requests >= 1, "num_requests must be >= 1"),
+        (s.num_requests >= 1 and all(p.num_requests >= 1 for p in s.points()), "num_requests must be >= 1"),
         (s.warmup_requests >= 0, "warmup_requests must be >= 0"),
         (s.repeats >= 1, "repeats must be >= 1"),
         (all(c >= 1 for c in s.concurrency), "concurrency must be >= 1"),

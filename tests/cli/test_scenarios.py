@@ -64,3 +64,44 @@ def test_model_dir_needs_config_json(tmp_path: Path) -> None:
         model_dir(str(tmp_path))
     with pytest.raises(UserError, match="neither a bundled config"):
         model_dir(str(tmp_path / "missing"))
+
+
+def test_explicit_points_carry_their_own_request_counts() -> None:
+    s = load_scenario("h200-sitting")
+    assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()] == [(131072, 1, 2), (32768, 8, 8)]
+    assert s.max_input_len == 131072 and s.output_len == 1024
+
+
+def test_explicit_points_take_the_top_level_request_count(tmp_path: Path) -> None:
+    path = tmp_path / "pts.toml"
+    path.write_text('model = "llama-3.1-8b"\noutput_len = 8\nnum_requests = 3\n'
+                    '[[points]]\ninput_len = 64\nrate = 2\n[[points]]\ninput_len = 128\nconcurrency = 2\nnum_requests = 5\n')
+    points = load_scenario(str(path)).points()
+    assert [(p.input_len, p.load, p.num_requests) for p in points] == [
+        (64, {"rate": 2.0, "burstiness": 1.0}, 3), (128, {"concurrency": 2}, 5)]
+
+
+@pytest.mark.parametrize(
+    ("body", "message"),
+    [
+        ('input_len = 64\n[[points]]\ninput_len = 64\nconcurrency = 1\n', "give \\[\\[points\\]\\] or input_len"),
+        ('[[points]]\ninput_len = 64\n', "either concurrency or rate"),
+        ('[[points]]\ninput_len = 64\nconcurrency = 1\nrate = 1\n', "either concurrency or rate"),
+        ('[[points]]\nconcurrency = 1\n', "needs input_len"),
+        ('[[points]]\ninput_len = 64\nconcurrency = 1\ncolour = 1\n', "points\\[0\\]: unknown field"),
+        ('[[points]]\ninput_len = 64\nconcurrency = 1\nnum_requests = 0\n', "num_requests must be >= 1"),
+        ('[[points]]\ninput_len = "x"\nconcurrency = 1\n', "input_len: expected int"),
+        ('points = 3\n', "non-empty array of tables"),
+    ],
+)
+def test_bad_points_are_rejected(tmp_path: Path, body: str, message: str) -> None:
+    path = tmp_path / "bad.toml"
+    path.write_text('model = "llama-3.1-8b"\noutput_len = 8\nnum_requests = 1\n' + body)
+    with pytest.raises(UserError, match=message):
+        load_scenario(str(path))
+
+
+def test_points_scenario_refuses_point_overrides() -> None:
+    with pytest.raises(UserError, match="lists its own \\[\\[points\\]\\]"):
+        load_scenario("h200-sitting", {"concurrency": [4]})
+    assert load_scenario("h200-sitting", {"output_len": 16}).output_len == 16
