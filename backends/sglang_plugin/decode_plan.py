@@ -6,7 +6,9 @@ column of ``req_to_token`` and never synchronises with the host.
 
 `GraphDecodeBuffers` holds the fixed buffers CUDA graphs capture: page table, lengths and one scratch workspace
 shared by every captured batch size (graphs replay one at a time on one stream), each batch size viewing it with
-its own partition size, sized for the longest sequence ``req_to_token`` can hold.
+its own partition count, sized for the longest sequence ``req_to_token`` can hold. A replay's requests spread their
+keys over all of those partitions (down to ``MIN_PARTITION`` keys each), so a 32K context in buffers sized for
+128K still fills the GPU: with partitions fixed at the 128K size it ran ~6 warps per request and KV head.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpfa.kernels.sm90.decode_launch import HEAD_DIM, DecodeWorkspace, choose_partition_size
+from mpfa.kernels.sm90.decode_launch import HEAD_DIM, MIN_PARTITION, DecodeWorkspace, choose_partition_size
 
 
 def page_starts(req_to_token: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -87,7 +89,7 @@ class GraphDecodeBuffers:
             n = bs * self.num_q_heads * parts
             self._workspaces[bs] = DecodeWorkspace(
                 partition, self._m[:n].view(bs, self.num_q_heads, parts), self._l[:n].view(bs, self.num_q_heads, parts),
-                self._o[: n * HEAD_DIM].view(bs, self.num_q_heads, parts, HEAD_DIM))
+                self._o[: n * HEAD_DIM].view(bs, self.num_q_heads, parts, HEAD_DIM), min(MIN_PARTITION, partition))
         return self._workspaces[bs]
 
     def fill(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,

@@ -1,7 +1,8 @@
 """Split-KV decode attention over the MpFA paged cache (NVFP4 K + e4m3 scales, FP8 V, BF16 Delta_S), CuTe DSL.
 
 One warp (one CTA) per (KV head, partition, request); the grid is sized by the preallocated workspace, so the
-launch never reads sequence lengths on the host and can be captured in a CUDA graph. The warp walks its
+launch never reads sequence lengths on the host and can be captured in a CUDA graph; each request's keys spread
+over the grid's partitions by its own length on the device (`decode_layout.partition_keys`). The warp walks its
 partition's 32-key tiles last to first, exactly like `mpfa.kernels.reference.decode_partials` with
 ``block_n = 32``:
 
@@ -83,12 +84,12 @@ class SplitKVDecodeSm90:
         l_part: cute.Tensor,  # fp32 [B, Hq, P]
         o_part: cute.Tensor,  # fp32 [B, Hq, P, 128]
         lam_scaled: Float32,  # log2(e) * sm_scale * 2**7 (the MMA yields S * 2**-7)
-        partition_size: Int32,  # a positive multiple of 32
+        min_partition: Int32,  # a positive multiple of 32 (`decode_layout.partition_keys`)
         stream,
     ):
         self.kernel(
             q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part, o_part,
-            lam_scaled, partition_size,
+            lam_scaled, min_partition,
         ).launch(grid=(self.num_kv_heads, m_part.shape[2], seq_lens.shape[0]), block=(32, 1, 1), smem=self.smem_bytes,
                  stream=stream)
 
@@ -107,7 +108,7 @@ class SplitKVDecodeSm90:
         l_part: cute.Tensor,
         o_part: cute.Tensor,
         lam_scaled: Float32,
-        partition_size: Int32,
+        min_partition: Int32,
     ):
         group = self.group
         num_kv_heads = self.num_kv_heads
@@ -119,9 +120,10 @@ class SplitKVDecodeSm90:
         head = kv_head * group + g
         row_valid = g < group
         seq_len = seq_lens[batch_idx]
+        num_parts = m_part.shape[2]
+        partition_size = lay.partition_keys(seq_len, num_parts, min_partition, cutlass.max)
         start = part * partition_size
         end = cutlass.min(start + partition_size, seq_len)
-        num_parts = m_part.shape[2]
 
         # Q: lane (g, c) holds head g's chunk c, exactly dequantized to FP16 (e2m1 * 2**-14 * 2**14 * scale).
         q_row = Int64(batch_idx * num_q_heads + head)

@@ -16,6 +16,7 @@ import torch
 
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
 from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, kernel_version, target_sm90a
+from mpfa.kernels.sm90 import decode_layout as lay
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
 
 HEAD_DIM = 128
@@ -46,13 +47,20 @@ def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_s
 
 @dataclass(frozen=True)
 class DecodeWorkspace:
-    """Preallocated split-KV state: m, l [B, Hq, P] and O [B, Hq, P, d] FP32 for P partitions of
-    ``partition_size`` keys (contents are scratch; sized for ``max_seq_len``)."""
+    """Preallocated split-KV state: m, l [B, Hq, P] and O [B, Hq, P, d] FP32 for P partitions of at most
+    ``partition_size`` keys (contents are scratch; sized for ``max_seq_len``). A request of n keys uses
+    partitions of ``partition_keys(n)`` keys: ``partition_size`` for every request when ``min_partition`` equals
+    it (`allocate`'s default), its keys spread over all P partitions otherwise (CUDA-graph buffers, whose P is
+    fixed by the longest context)."""
 
     partition_size: int
     m: torch.Tensor
     l: torch.Tensor
     o: torch.Tensor
+    min_partition: int
+
+    def partition_keys(self, seq_len: int) -> int:
+        return lay.partition_keys(seq_len, self.num_partitions, self.min_partition)
 
     @classmethod
     def allocate(
@@ -63,6 +71,7 @@ class DecodeWorkspace:
         max_seq_len: int,
         device: torch.device | str,
         partition_size: int | None = None,
+        min_partition: int | None = None,
     ) -> DecodeWorkspace:
         if batch <= 0 or max_seq_len <= 0:
             raise ValueError(f"need batch > 0 and max_seq_len > 0, got {batch} and {max_seq_len}")
@@ -74,8 +83,13 @@ class DecodeWorkspace:
             raise ValueError(f"partition_size must be a positive multiple of {TILE_KEYS}, got {partition_size}")
         parts = -(-max_seq_len // partition_size)
         m = torch.empty((batch, num_q_heads, parts), dtype=torch.float32, device=device)
+        min_partition = partition_size if min_partition is None else min_partition
+        if min_partition <= 0 or min_partition % TILE_KEYS or min_partition > partition_size:
+            raise ValueError(f"min_partition must be a positive multiple of {TILE_KEYS} <= partition_size "
+                             f"({partition_size}), got {min_partition}")
         return cls(partition_size, m, torch.empty_like(m),
-                   torch.empty((batch, num_q_heads, parts, HEAD_DIM), dtype=torch.float32, device=device))
+                   torch.empty((batch, num_q_heads, parts, HEAD_DIM), dtype=torch.float32, device=device),
+                   min_partition)
 
     @property
     def num_partitions(self) -> int:
@@ -154,7 +168,8 @@ def mpfa_decode(
     """One decode step: ``query`` [B, Hq] centered NVFP4 (from `quantize_to_cache`), each request's keys
     ``seq_lens[b]`` (int32, on the device; the current token included) through ``page_table`` [B, max_pages]
     (int32, pages of ``cache.page_size`` slots) -> attention output [B, Hq, 128] (``out`` or new BF16).
-    Sequences must fit the workspace (``seq_lens <= partition_size * num_partitions``; not checked on the host)."""
+    Sequences must fit the workspace (``seq_lens <= partition_size * num_partitions``; not checked on the host);
+    each request's partitions are ``workspace.partition_keys(seq_len)`` keys long."""
     batch, num_q_heads = query.codes.shape[:2]
     out = out if out is not None else torch.empty((batch, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
                                                   device=query.codes.device)
@@ -165,6 +180,6 @@ def mpfa_decode(
     u8 = torch.uint8
     split(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
           cache.delta_s, page_table, seq_lens, workspace.m, workspace.l, workspace.o,
-          lam * 2.0**SCORE_SCALE_LOG2, workspace.partition_size)
-    merge(workspace.m, workspace.l, workspace.o, seq_lens, out, lam, workspace.partition_size)
+          lam * 2.0**SCORE_SCALE_LOG2, workspace.min_partition)
+    merge(workspace.m, workspace.l, workspace.o, seq_lens, out, lam, workspace.min_partition)
     return out

@@ -33,6 +33,18 @@ F16X2_TWO_POW_7 = 0x58005800  # 2**7 in both halves
 SCORE_SCALE_LOG2 = 7  # the MMA produces S * 2**-7 (K is dequantized as e2m1 * scale * 2**-7 to stay exact in FP16)
 
 
+def partition_keys(seq_len, num_parts, min_partition, maximum=max):
+    """Keys per partition for a request of ``seq_len`` keys split over the grid's ``num_parts`` partitions: the
+    request's keys spread evenly over all of them (whole 32-key tiles), but no fewer than ``min_partition`` keys.
+
+    The grid and workspace are sized for the longest context a launch may see (fixed under CUDA graphs); sizing
+    each request's partitions from its own length keeps every partition slot busy at shorter contexts. With
+    ``min_partition`` = the workspace's partition size, every request gets that size (the eager default).
+    ``maximum``: ``cutlass.max`` inside a kernel."""
+    span = num_parts * TILE_KEYS
+    return maximum(TILE_KEYS * ((seq_len + span - 1) // span), min_partition)
+
+
 def qk_key(n_tile, g):
     """Key (within the tile) whose K chunk lane-group g loads for n-tile ``n_tile``."""
     return 8 * n_tile + g

@@ -2,7 +2,8 @@
 
 One CTA per (query head, request), ``WARPS`` warps: warp w folds partitions w, w + WARPS, ... into its own
 running (m, l, O) (lane = 4 head dimensions), then the warps combine through shared memory. Only the request's
-non-empty partitions, ``ceil(seq_len / partition_size)``, are read; a request without keys gets 0. The result
+non-empty partitions, ``ceil(seq_len / partition_size)`` with the split kernel's per-request size
+(`decode_layout.partition_keys`), are read; a request without keys gets 0. The result
 equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding (the reference weights every partition
 against the global max at once, the kernel rescales as it goes).
 """
@@ -15,6 +16,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
+from mpfa.kernels.sm90.decode_layout import partition_keys
 from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, load_v4_u32
 
 HEAD_DIM = 128
@@ -38,15 +40,15 @@ class DecodeMergeSm90:
         seq_lens: cute.Tensor,  # int32 [B]
         out: cute.Tensor,  # [B, Hq, 128]
         lam: Float32,  # log2(e) * sm_scale
-        partition_size: Int32,
+        min_partition: Int32,
         stream,
     ):
-        self.kernel(m_part, l_part, o_part, seq_lens, out, lam, partition_size).launch(
+        self.kernel(m_part, l_part, o_part, seq_lens, out, lam, min_partition).launch(
             grid=(m_part.shape[1], m_part.shape[0], 1), block=(32 * WARPS, 1, 1), stream=stream
         )
 
     @cute.kernel
-    def kernel(self, m_part, l_part, o_part, seq_lens, out, lam: Float32, partition_size: Int32):
+    def kernel(self, m_part, l_part, o_part, seq_lens, out, lam: Float32, min_partition: Int32):
         tid, _, _ = cute.arch.thread_idx()
         warp = tid // 32
         lane = tid % 32
@@ -54,6 +56,7 @@ class DecodeMergeSm90:
         num_heads = m_part.shape[1]
         num_parts = m_part.shape[2]
         seq_len = seq_lens[batch_idx]
+        partition_size = partition_keys(seq_len, num_parts, min_partition, cutlass.max)
         valid_parts = cutlass.min((seq_len + partition_size - 1) // partition_size, num_parts)
         row = Int64(batch_idx * num_heads + head) * num_parts
         o_base = o_part.iterator.toint()

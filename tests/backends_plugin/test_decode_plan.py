@@ -13,7 +13,7 @@ from mpfa.backends.sglang_plugin.decode_plan import (  # noqa: E402
     build_page_table,
     eager_decode_batch,
 )
-from mpfa.kernels.sm90.decode_launch import choose_partition_size  # noqa: E402
+from mpfa.kernels.sm90.decode_launch import MIN_PARTITION, choose_partition_size  # noqa: E402
 
 
 def _req_to_token(gen, page_size=4, rows=5, width=32):
@@ -55,6 +55,7 @@ def test_graph_buffers_share_one_scratch_and_refill_in_place(gen):
         assert ws is buffers.workspace(bs)  # the same views at capture and at every replay
         assert ws.partition_size == choose_partition_size(bs, 2, 20_000, 132)
         assert ws.partition_size * ws.num_partitions >= 20_000
+        assert ws.min_partition == min(MIN_PARTITION, ws.partition_size)  # replays size partitions by their length
         assert ws.m.data_ptr() == buffers.workspace(1).m.data_ptr()
         assert ws.m.is_contiguous() and ws.o.is_contiguous() and tuple(ws.o.shape[:2]) == (bs, 8)
     page_table_ptr = buffers.page_table.data_ptr()

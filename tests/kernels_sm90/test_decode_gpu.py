@@ -140,6 +140,30 @@ def test_decode_matches_reference(gen, lengths, num_q_heads, num_kv_heads, page_
     assert _rms_ratio(got, exact) <= 1.01 * _rms_ratio(expected, exact)
 
 
+def test_partitions_sized_by_each_request_length(gen):
+    """Workspace for 20K keys with a 64-key floor (as CUDA-graph buffers use): each request's keys spread over all
+    partitions; its partials equal the reference's with that request's partition size."""
+    lengths = [100, 1000, 5000]
+    problem = _problem(gen, lengths, 8, 2, 1)
+    workspace = DecodeWorkspace.allocate(3, 8, 2, 20_000, "cuda", 1024, min_partition=64)
+    for x in (workspace.m, workspace.l, workspace.o):
+        x.fill_(float("nan"))
+    out = torch.full((3, 8, HEAD_DIM), float("nan"), dtype=torch.float32, device="cuda")
+    mpfa_decode(problem.query, problem.cache, problem.page_table, problem.seq_lens, workspace, out=out)
+    m, l, o = workspace.m.cpu(), workspace.l.cpu(), workspace.o.cpu()
+    for b, n in enumerate(lengths):
+        size = workspace.partition_keys(n)
+        assert size < 1024
+        ref = decode_partials(**problem.reference_inputs, variant="mpfa", partition_size=size, block_n=TILE_KEYS)
+        used = -(-n // size)
+        assert bool(torch.isfinite(m[b, :, :used]).all() & torch.isfinite(o[b, :, :used]).all())
+        torch.testing.assert_close(m[b, :, :used], ref.m[b, :, :used], rtol=1e-4,
+                                   atol=1e-4 * float(ref.m[b].abs().max()))
+        torch.testing.assert_close(l[b, :, :used], ref.l[b, :, :used], rtol=1e-4, atol=0.0)
+        assert _rms_ratio(o[b, :, :used], ref.o[b, :, :used]) <= 1e-3
+        assert _rms_ratio(out[b].cpu(), merge_partials(ref)[b]) <= 1e-3
+
+
 def test_bf16_output_and_default_partitions(gen):
     problem = _problem(gen, [700, 5], 8, 2, 1)
     batch, heads = problem.query.codes.shape[:2]

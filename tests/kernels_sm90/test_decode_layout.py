@@ -222,3 +222,18 @@ def test_partitions_fill_one_wave_of_decode_warps():
             assert batch * 8 * -(-seq // (size - lay.TILE_KEYS)) > WARPS_PER_SM_TARGET * 132 - batch * 8
     assert choose_partition_size(1, 8, 131072, 132) == 672
     assert choose_partition_size(8, 8, 131072, 132) == 5472
+
+
+def test_partitions_spread_each_request_over_the_grid():
+    for parts in (1, 7, 24, 197):
+        for floor in (32, 128, 672):
+            for n in range(1, parts * 1024, 97):
+                size = lay.partition_keys(n, parts, floor)
+                assert size % lay.TILE_KEYS == 0 and size >= floor
+                assert -(-n // size) <= parts  # the grid's partitions hold every key
+                if size > floor:  # not at the floor: no smaller tile multiple would fit in `parts` partitions
+                    assert -(-n // (size - lay.TILE_KEYS)) > parts
+    # 32K in buffers sized for 128K (24 partitions of 5536 keys at batch 8): all 24 slots work, not 6
+    assert -(-32768 // lay.partition_keys(32768, 24, 128)) == 24
+    # the floor equal to the workspace's partition size gives every request that size (eager launches)
+    assert all(lay.partition_keys(n, 10, 640) == 640 for n in range(1, 6400))
