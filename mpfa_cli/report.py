@@ -25,8 +25,10 @@ from mpfa.cli.errors import UserError
 from mpfa.cli.records import RunRecord
 from mpfa.cli.store import StoredRun, load_key
 
-COMPARE_METRICS = ("otps", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_p99")
+COMPARE_METRICS = ("otps", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_p99", "kv_tokens")
 THROUGHPUT_METRICS = frozenset({"otps", "req_per_s", "goodput_req_per_s"})
+# Read from the server's own report (/get_server_info) rather than the requests: the tokens its KV pool holds.
+SERVER_METRICS = {"kv_tokens": "max_total_num_tokens"}
 _LATENCY = re.compile(r"(ttft_ms|tpot_ms|itl_ms|e2e_s)_(mean|median|p90|p99|std)")
 _DISTRIBUTION_STATS = ("mean", "median", "p90", "p99")
 _SIMULATED = "SIMULATED"
@@ -37,7 +39,7 @@ _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "runni
 
 def higher_is_better(metric: str) -> bool:
     """True for throughputs, False for latencies; an unknown metric name is an error."""
-    if metric in THROUGHPUT_METRICS:
+    if metric in THROUGHPUT_METRICS or metric in SERVER_METRICS:
         return True
     if _LATENCY.fullmatch(metric):
         return False
@@ -48,6 +50,8 @@ def higher_is_better(metric: str) -> bool:
 def metric_unit(metric: str) -> str:
     if metric == "otps":
         return "tok/s"
+    if metric in SERVER_METRICS:
+        return "tokens"
     if metric in THROUGHPUT_METRICS:
         return "req/s"
     return "s" if metric.startswith("e2e_s") else "ms"
@@ -167,11 +171,19 @@ def aggregate(runs: Sequence[StoredRun], metric_names: Sequence[str]) -> dict[tu
             )
         estimates = {}
         for name in metric_names:
-            values = [r.summary[name] for r in group if math.isfinite(r.summary.get(name, math.nan))]
+            values = [v for v in (run_metric(r, name) for r in group) if math.isfinite(v)]
             if values:
                 estimates[name] = Estimate.of(values)
         results[(config, backend)] = BackendResult(config, backend, group, estimates)
     return results
+
+
+def run_metric(run: RunRecord, name: str) -> float:
+    """A run's value of a metric (NaN when it has none): from its summary, or from its server's report."""
+    if name in SERVER_METRICS:
+        value = (run.server_info or {}).get(SERVER_METRICS[name])
+        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
+    return float(run.summary.get(name, math.nan))
 
 
 def id_list(runs: Sequence[RunRecord]) -> str:

@@ -119,3 +119,15 @@ def test_show_unfinished_run_summarizes_recorded_requests(make_run, random_reque
     run = make_run("mpfa", 0, None, status="running", finished_at=None, requests=requests, simulated=True)
     text = render(show_run(run))
     assert "SIMULATED" in text and "never finished" in text and "TTFT (ms)" in text
+
+
+def test_kv_capacity_comes_from_the_servers_own_report(make_run):
+    runs = [make_run("fa4-bf16", 0, {"otps": 10.0}, server_info={"max_total_num_tokens": 905_984}),
+            make_run("mpfa", 0, {"otps": 20.0}, server_info={"max_total_num_tokens": 2_179_840}),
+            make_run("mpfa-direct", 0, {"otps": 20.0}, server_info={"max_total_num_tokens": True}),  # not a count
+            make_run("flashinfer-fp8", 0, {"otps": 15.0, "kv_tokens": 1.0})]  # a summary value is not the server's
+    _, rows = compare_rows(runs, "fa4-bf16", ["kv_tokens"])
+    (row,) = rows
+    assert set(row.values) == {"fa4-bf16", "mpfa"}
+    assert row.speedups == {"mpfa": pytest.approx(2_179_840 / 905_984)}  # more tokens is better
+    assert "kv_tokens (tokens)" in render(compare_table(runs, "fa4-bf16", ["kv_tokens"]))
