@@ -24,12 +24,15 @@ with two warps per scheduler to hide the latency. v2 changes where a tile's oper
   the output is bit-identical to v1 (tests/kernels_sm90/test_prefill_staged_gpu.py compares them exactly). The
   CTA walks the tiles its last row sees; a warp skips the tiles none of its rows sees (only when
   ``row_blocks > 1``; bit-identical, as in v1), but still does its share of copies and K expansion.
-* The grid is (Hq / heads, row blocks, batch), a GQA group's CTAs next to each other and the heaviest causal row
-  blocks first; the launch signature is v1's (`prefill_launch` picks the kernel, ``MPFA_PREFILL_KERNEL=v1|v2``,
-  and sizes ``num_m_blocks`` with the kernel's block of rows, `prefill_staged_layout.cta_shape`).
+* The grid is (row blocks, Hq / heads, batch) (`prefill_grid.ROWS_FASTEST`): the row blocks of one head block
+  run together, the heaviest causal row blocks first, so the resident CTAs share one KV head's K / V in L2 (in
+  v1's heads-fastest order v2's CTAs spread over all KV heads, 109 MB at 64K, twice the L2: 126.6 GB of DRAM
+  reads at 64K causal 32:8, v1 6.5 GB). The launch signature is v1's (`prefill_launch` picks the kernel,
+  ``MPFA_PREFILL_KERNEL=v1|v2``, and sizes ``num_m_blocks`` with the kernel's block of rows,
+  `prefill_staged_layout.cta_shape`).
 * The code is a subclass of v1's: the launch, the kernel signature, the prologue (Q, softmax state), the online
-  softmax and the epilogue are v1's; the CTA's shape (attributes and `_warp_lane` / `_heads` / `_warp_row` /
-  `_walk`) and the tile loop (`_run_tiles`) are replaced.
+  softmax and the epilogue are v1's; the CTA's shape and order (attributes and `_warp_lane` / `_heads` /
+  `_warp_row` / `_walk`) and the tile loop (`_run_tiles`) are replaced.
 
 Registers: ~255 per thread as v1 (0 spills), so 2 CTAs (8 warps) per SM; shared memory per CTA 42 KB (4 ring
 stages of 6.5 KB + 2 fragment buffers of 8 KB), 26 KB without ``shared_dequant``.
@@ -41,6 +44,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
+from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill import PrefillSm90
@@ -66,6 +70,8 @@ class PrefillSm90Staged(PrefillSm90):
     shared-memory ring, a power of two >= 2, >= 4 with ``shared_dequant``) and ``shared_dequant`` (K expanded
     once per CTA; None: ``SHARED_DEQUANT``). v1's launch, signature, prologue and epilogue with the CTA's shape
     and the tile loop, `_run_tiles`, replaced."""
+
+    cta_order = prefill_grid.ROWS_FASTEST  # a head block's row blocks side by side: one KV head resident at a time
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  heads: int | None = None, row_blocks: int | None = None, stages: int = STAGES,
