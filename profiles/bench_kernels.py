@@ -2,7 +2,7 @@
 
     python -m mpfa.profiles.bench_kernels decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
-    python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa-v1,mpfa-v2,flashinfer-fp8  # v1 vs v2
+    python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa-v1,mpfa-v2,mpfa-v2w8,flashinfer-fp8
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the

@@ -5,7 +5,7 @@ NVFP4 K, FP8 V and Delta_S into their slots and returns this step's centered NVF
 freezes the means of the requests it starts (`kv_store.freeze_means`).
 Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable).
 Extend (eager only), chosen by ``$MPFA_PREFILL``: ``kernel`` (default) the sm90 prefill kernel
-(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`, v1 or v2 by ``$MPFA_PREFILL_KERNEL``;
+(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`, v1, v2 or v2w8 by ``$MPFA_PREFILL_KERNEL``;
 tests/backends_plugin/test_gpu_prefill.py checks it against the reference path), or ``reference`` the SLOW REFERENCE PATH (`reference_extend`), whose runs `mpfa bench` marks
 with a caveat.
 """

@@ -1,10 +1,11 @@
 """MpFA prefill attention over the paged MpFA cache (centered NVFP4 Q/K + Delta_S, FP8 V and P), CuTe DSL, mma.sync.
 
 A first, FlashAttention-2-shaped version: a CTA of ``WARPS`` warps owns ``BLOCK_M`` query rows of one query head
-(heads fastest in the grid, so the GQA group's CTAs run together and share K/V in L2; the heaviest causal row
-blocks first). Every warp owns 16 rows and runs on its own, without shared memory or barriers: it walks the
-``TILE_KEYS``-key tiles its rows can see last to first (``mpfa.kernels.reference.attention`` with ``block_n =
-TILE_KEYS``; tiles a warp's rows cannot see are skipped, which is bit-identical to masking them) and, per tile,
+(heads fastest in the grid, `prefill_grid.HEADS_FASTEST`, so the GQA group's CTAs run together and share K/V in
+L2; the heaviest causal row blocks first). Every warp owns 16 rows and runs on its own, without shared memory or
+barriers: it walks the ``TILE_KEYS``-key tiles its rows can see last to first (``mpfa.kernels.reference.attention``
+with ``block_n = TILE_KEYS``; tiles a warp's rows cannot see are skipped, which is bit-identical to masking them)
+and, per tile,
 
     S = Q_c K_c^T + Delta_S   FP16 m16n8k16 on exactly dequantized NVFP4; Delta_S, or -inf for a masked
                               score, is the accumulator's initial value
@@ -40,6 +41,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from mpfa.kernels.sm90 import ablation as abl
+from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.ptx import f32x2_to_bf16x2, load_u16, load_u32, load_v4_u32, store_v4_f32, store_v4_u32
 from mpfa.kernels.sm90.warp_mma import q_chunk_regs, transpose_v
@@ -61,12 +63,13 @@ class PrefillSm90:
     holding whole tiles), ``causal`` and the output dtype name (``BFloat16`` or ``Float32``). ``ablation``: pieces
     of the tile work removed for timing (`ablation.Ablation`; the default, `ablation.FULL`, is the real kernel).
     v2 (`prefill_staged`) reuses the launch, the kernel's prologue (Q, softmax state) and epilogue (`_store`) and
-    replaces the CTA's shape (the attributes below, `_warp_lane`, `_heads`, `_warp_row`, `_walk`) and the tile
-    loop, `_run_tiles`."""
+    replaces the CTA's shape and order (the attributes below, `_warp_lane`, `_heads`, `_warp_row`, `_walk`) and
+    the tile loop, `_run_tiles`."""
 
-    heads = 1  # query heads per CTA (the grid has Hq / heads CTAs in x)
+    heads = 1  # query heads per CTA (the grid has Hq / heads head blocks)
     threads = 32 * WARPS
     block_m = BLOCK_M  # query rows per CTA
+    cta_order = prefill_grid.HEADS_FASTEST  # a GQA group's CTAs (one per head) side by side
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  ablation: abl.Ablation = abl.FULL):
@@ -109,8 +112,9 @@ class PrefillSm90:
     ):
         self.kernel(
             q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
-        ).launch(grid=(self.num_q_heads // self.heads, num_m_blocks, seq_lens_k.shape[0]), block=(self.threads, 1, 1),
-                 smem=self.smem_bytes, stream=stream)
+        ).launch(grid=prefill_grid.grid(self.cta_order, self.num_q_heads // self.heads, num_m_blocks,
+                                        seq_lens_k.shape[0]),
+                 block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream)
 
     @cute.kernel
     def kernel(
@@ -131,13 +135,12 @@ class PrefillSm90:
         warp, lane = self._warp_lane(tid)
         g = lane >> 2
         c = lane & 3
-        block_head, m_rev, batch = cute.arch.block_idx()
-        _, num_m_blocks, _ = cute.arch.grid_dim()
+        block_head, m_block, batch = prefill_grid.cta(self.cta_order, cute.arch.block_idx(), cute.arch.grid_dim())
         head, kv_head, cta_heads = self._heads(block_head, warp)
         q_start = cu_seqlens_q[batch]
         q_len = cu_seqlens_q[batch + 1] - q_start
         kv_len = seq_lens_k[batch]
-        cta_row0 = (num_m_blocks - 1 - m_rev) * self.block_m  # the heaviest row blocks launch first
+        cta_row0 = m_block * self.block_m
         row0 = cta_row0 + self._warp_row(warp)
         rows = (row0 + g, row0 + g + 8)
 

@@ -8,9 +8,11 @@ causal, output dtype) from fake tensors with symbolic sizes (`compile_prefill_ke
 machine). The grid needs the longest query length: pass ``max_seqlen_q`` to avoid a device-to-host copy.
 
 Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm90`, per-warp global loads) and v2
-(`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs).
-``MPFA_PREFILL_KERNEL=v1|v2`` picks one (default v2: bit-identical to v1 in the H200 GPU tests, 1.43x faster at
-64K), as does the ``kernel=`` argument of `mpfa_prefill`; v2 needs an even number of query heads (else v1 runs).
+(`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs), v2 in two
+CTA sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1 CTA per SM instead of 2).
+``MPFA_PREFILL_KERNEL=v1|v2|v2w8`` picks one (default v2: bit-identical to v1 in the H200 GPU tests, 1.43x faster
+at 64K), as does the ``kernel=`` argument of `mpfa_prefill`; v2 needs an even number of query heads (else v1
+runs).
 """
 
 from __future__ import annotations
@@ -29,35 +31,38 @@ HEAD_DIM = 128
 BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host side imports no CuTe DSL)
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # "v2" (default: the staged kernel, `prefill_staged`) or "v1"
+KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # "v2" (default: the staged kernel, `prefill_staged`), "v2w8" or "v1"
+STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
 
 
-def use_staged(num_q_heads: int, kernel: str | None = None) -> bool:
-    """Whether the prefill runs v2 (`prefill_staged`): ``kernel`` ("v1" / "v2"; None: ``MPFA_PREFILL_KERNEL``, default
-    v2), and only with an even number of query heads (v2 copies Delta_S as aligned 4-byte words)."""
-    return kernel_version(KERNEL_ENV, kernel) == "v2" and num_q_heads % 2 == 0
+def prefill_kernel(num_q_heads: int, kernel: str | None = None) -> str:
+    """The prefill kernel that runs: ``kernel`` ("v1", "v2" or "v2w8"; None: ``MPFA_PREFILL_KERNEL``, default v2),
+    v1 with an odd number of query heads (v2 copies Delta_S as aligned 4-byte words)."""
+    name = kernel_version(KERNEL_ENV, kernel, variants=("v2w8",))
+    return name if num_q_heads % 2 == 0 else "v1"
 
 
-def kernel_block_m(group: int, staged: bool) -> int:
-    """Query rows per CTA of the chosen kernel (the grid's row blocks: ``ceil(max_seqlen_q / block_m)``)."""
-    return WARP_ROWS * cta_shape(group)[1] if staged else BLOCK_M
+def kernel_block_m(group: int, kernel: str) -> int:
+    """Query rows per CTA of ``kernel`` (a `prefill_kernel` name; the grid's row blocks: ``ceil(max_seqlen_q /
+    block_m)``)."""
+    return WARP_ROWS * cta_shape(group, STAGED_WARPS[kernel])[1] if kernel in STAGED_WARPS else BLOCK_M
 
 
 def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool,
-                           out_dtype: str = "BFloat16", ablation=None, staged: bool | None = None):
+                           out_dtype: str = "BFloat16", ablation=None, kernel: str | None = None):
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
-    only). ``staged``: v2 (`prefill_staged`) instead of v1; None: `use_staged` (``MPFA_PREFILL_KERNEL``)."""
-    if staged is None:
-        staged = ablation is None and use_staged(num_kv_heads * group)
-    if staged and ablation is not None:
+    only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
+    (``MPFA_PREFILL_KERNEL``)."""
+    name = prefill_kernel(num_kv_heads * group, "v1" if kernel is None and ablation is not None else kernel)
+    if name != "v1" and ablation is not None:
         raise ValueError("the compile-time ablations exist for the v1 prefill kernel only")
-    return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, bool(staged))
+    return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, name)
 
 
 @lru_cache(maxsize=None)
 def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str, ablation,
-                            staged: bool):
+                            kernel: str):
     target_sm90a()
     import cutlass
     from cutlass import Float32, Int32
@@ -68,9 +73,10 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     assert (prefill.BLOCK_M, prefill.TILE_KEYS, prefill_staged.TILE_KEYS) == (BLOCK_M, TILE_KEYS, TILE_KEYS)
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8 = cutlass.Uint8
-    if staged:
-        launcher = prefill_staged.PrefillSm90Staged(num_kv_heads, group, page_size, causal, out_dtype)
-        assert launcher.block_m == kernel_block_m(group, True)
+    if kernel in STAGED_WARPS:
+        launcher = prefill_staged.PrefillSm90Staged(num_kv_heads, group, page_size, causal, out_dtype,
+                                                    warps=STAGED_WARPS[kernel])
+        assert launcher.block_m == kernel_block_m(group, kernel)
     else:
         launcher = prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype,
                                        FULL if ablation is None else ablation)
@@ -139,7 +145,8 @@ def mpfa_prefill(
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
-    ``kernel``: "v1" or "v2" (None: ``MPFA_PREFILL_KERNEL``, see `use_staged`); both give the same output."""
+    ``kernel``: "v1", "v2" or "v2w8" (None: ``MPFA_PREFILL_KERNEL``, see `prefill_kernel`); all give the same
+    output."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
                     causal=causal, sm_scale=sm_scale, out=out, kernel=kernel)
 
@@ -171,11 +178,11 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
         return out
     group = num_q_heads // cache.num_kv_heads
     config = (cache.num_kv_heads, group, cache.page_size, bool(causal), _OUT_DTYPES[out.dtype])
-    staged = ablation is None and use_staged(num_q_heads, kernel)
-    compiled = compile_prefill_kernel(*config, ablation, staged)
+    name = prefill_kernel(num_q_heads, kernel)
+    compiled = compile_prefill_kernel(*config, ablation, name)
     lam = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))
     u8 = torch.uint8
     compiled(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
              cache.delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam * 2.0**SCORE_SCALE_LOG2,
-             -(-max_seqlen_q // kernel_block_m(group, staged)))
+             -(-max_seqlen_q // kernel_block_m(group, name)))
     return out

@@ -5,34 +5,41 @@ v1 was bound by its loads (profiles/NOTES.md, "Characterization"): every warp fe
 from global memory straight into registers, 4x over within a CTA and once more per query head of a GQA group,
 with two warps per scheduler to hide the latency. v2 changes where a tile's operands come from:
 
-* A CTA of 4 warps owns ``heads`` query heads of one GQA group x ``row_blocks`` blocks of 16 query rows
-  (`prefill_staged_layout.cta_shape`: group 4 -> the whole group x 16 rows, group 5 -> 1 head x 64 rows); warp w
-  is query head ``first_head + w % heads``, rows ``16 (w // heads)`` .. + 15 of the CTA's block. Each K / V /
-  scale / Delta_S tile is copied once per CTA and read by all its warps (v1: loaded by every warp, 4 per head).
-* The copy is a ``STAGES``-deep ring of 32-key tiles (`prefill_staged_layout` has the stage layout, the copy map,
-  the read map and the schedule; cp.async zero-fills keys past the sequence end, which is what v1's predicated
-  loads returned). One CTA barrier per tile: wait for the own copies, barrier, issue the copies of tile
-  p + STAGES - 1 into the stage tile p - 1 used, compute tile p. The page-table entry of the next tile to copy is
-  fetched one tile ahead.
+* A CTA of 4 (default) or 8 warps owns ``heads`` query heads of one GQA group x ``row_blocks`` blocks of 16
+  query rows (`prefill_staged_layout.cta_shape`: group 4 -> the whole group x 16 rows, or x 32 with 8 warps;
+  group 5 -> 1 head x 64 rows); warp w is query head ``first_head + w % heads``, rows ``16 (w // heads)`` .. + 15
+  of the CTA's block. Each K / V / scale / Delta_S tile is copied once per CTA and read by all its warps (v1:
+  loaded by every warp, 4 per head). 8 warps halve the copies and the K expansion per row (and the CTAs of a
+  launch) but hold 1 CTA per SM instead of 2 (255 registers): the same 8 warps per SM, all behind one barrier.
+* The copy is a ``STAGES``-deep ring of 32-key tiles (`prefill_staged_layout` has the stage layout, the copy
+  plan, the read map and the schedule; cp.async zero-fills keys past the sequence end, which is what v1's
+  predicated loads returned). One CTA barrier per tile: wait for the own copies, barrier, issue the copies of
+  tile p + STAGES - 1 into the stage tile p - 1 used, compute tile p. Each warp copies whole warp slots of 32
+  units (`copy_plan`: at most 4 per tile with 4 warps, 2 with 8). The page-table entry of the next tile to copy
+  is fetched one tile ahead.
 * ``shared_dequant`` (default): the NVFP4 -> FP16 expansion of K (v1: ~270 of ~800 instructions per warp and
-  tile, the same work in each of the 4 warps) is done once per CTA: at step p, after the barrier, warp w expands
-  n-tile w of tile p + 1 (`prefill_staged_tile.k_fragments`, v1's expansion) into one of two fragment buffers, and
-  the warps read tile p's B registers from the other (16 conflict-free LDS.128 per lane). The ring then waits for
-  one more tile ahead (``ring_wait``). ~690 instead of ~870 instructions per warp and tile.
+  tile, the same work in each of the 4 warps) is done once per CTA: at step p, after the barrier, the warps
+  expand tile p + 1 (`prefill_staged_tile.k_fragments`, v1's expansion; one n-tile per warp with 4 warps, half
+  of one with 8, `expand_unit`) into one of two fragment buffers, and read tile p's B registers from the other
+  (16 conflict-free LDS.128 per lane). The ring then waits for one more tile ahead (``ring_wait``). ~675 SASS
+  instructions per warp and whole tile (v1 ~800).
 * Per warp and tile the arithmetic is v1's, operand for operand (`prefill_tile`, `warp_mma`): the same 32-key
   tiles in the same (reverse) order, the same predicated-tile / whole-tile split, the same FP16 B registers, so
   the output is bit-identical to v1 (tests/kernels_sm90/test_prefill_staged_gpu.py compares them exactly). The
   CTA walks the tiles its last row sees; a warp skips the tiles none of its rows sees (only when
   ``row_blocks > 1``; bit-identical, as in v1), but still does its share of copies and K expansion.
-* The grid is (Hq / heads, row blocks, batch), a GQA group's CTAs next to each other and the heaviest causal row
-  blocks first; the launch signature is v1's (`prefill_launch` picks the kernel, ``MPFA_PREFILL_KERNEL=v1|v2``,
-  and sizes ``num_m_blocks`` with the kernel's block of rows, `prefill_staged_layout.cta_shape`).
+* The grid is (row blocks, Hq / heads, batch) (`prefill_grid.ROWS_FASTEST`): the row blocks of one head block
+  run together, the heaviest causal row blocks first, so the resident CTAs share one KV head's K / V in L2 (in
+  v1's heads-fastest order v2's CTAs spread over all KV heads, 109 MB at 64K, twice the L2: 126.6 GB of DRAM
+  reads at 64K causal 32:8, v1 6.5 GB). The launch signature is v1's (`prefill_launch` picks the kernel,
+  ``MPFA_PREFILL_KERNEL=v1|v2|v2w8``, and sizes ``num_m_blocks`` with the kernel's block of rows,
+  `prefill_staged_layout.cta_shape`).
 * The code is a subclass of v1's: the launch, the kernel signature, the prologue (Q, softmax state), the online
-  softmax and the epilogue are v1's; the CTA's shape (attributes and `_warp_lane` / `_heads` / `_warp_row` /
-  `_walk`) and the tile loop (`_run_tiles`) are replaced.
+  softmax and the epilogue are v1's; the CTA's shape and order (attributes and `_warp_lane` / `_heads` /
+  `_warp_row` / `_walk`) and the tile loop (`_run_tiles`) are replaced.
 
-Registers: ~255 per thread as v1 (0 spills), so 2 CTAs (8 warps) per SM; shared memory per CTA 42 KB (4 ring
-stages of 6.5 KB + 2 fragment buffers of 8 KB), 26 KB without ``shared_dequant``.
+Registers: ~255 per thread as v1 (0 spills), so 2 CTAs of 4 warps or 1 of 8 per SM; shared memory per CTA 42 KB
+(4 ring stages of 6.5 KB + 2 fragment buffers of 8 KB), 26 KB without ``shared_dequant``.
 """
 
 from __future__ import annotations
@@ -41,10 +48,11 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
+from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill import PrefillSm90
-from mpfa.kernels.sm90.prefill_staged_tile import k_fragments, qk_ntile_from_fragments
+from mpfa.kernels.sm90.prefill_staged_tile import k_fragment_part, qk_ntile_from_fragments
 from mpfa.kernels.sm90.ptx import cp_async_4, cp_async_16, cp_async_commit, cp_async_wait, load_shared_v4_u32, load_u32
 from mpfa.kernels.sm90.smem_pipeline import cp_async_8, load_shared_u16, load_u32_if, store_shared_v4_u32
 from mpfa.kernels.sm90.warp_mma import transpose_v
@@ -53,40 +61,37 @@ HEAD_DIM = sl.HEAD_DIM
 K_ROW_BYTES = sl.K_ROW_BYTES
 SCALE_ROW_BYTES = sl.SCALE_ROW_BYTES
 TILE_KEYS = sl.TILE_KEYS
-N_TILES = TILE_KEYS // 8
+N_TILES = sl.N_TILES
 WARP_ROWS = sl.WARP_ROWS
 STAGES = 4
-SHARED_DEQUANT = True  # expand each K tile to FP16 once per CTA (each warp one n-tile), not in every warp
+SHARED_DEQUANT = True  # expand each K tile to FP16 once per CTA (shared by the warps), not in every warp
 
 
 class PrefillSm90Staged(PrefillSm90):
     """Compile-time shape of one staged prefill kernel: as `prefill.PrefillSm90` (``num_kv_heads``, GQA ``group``,
-    ``page_size``, ``causal``, output dtype name; no ablations), plus the CTA's ``heads`` (a divisor of ``group``)
-    and ``row_blocks`` (16-row blocks; default `prefill_staged_layout.cta_shape`), ``stages`` (depth of the
-    shared-memory ring, a power of two >= 2, >= 4 with ``shared_dequant``) and ``shared_dequant`` (K expanded
-    once per CTA; None: ``SHARED_DEQUANT``). v1's launch, signature, prologue and epilogue with the CTA's shape
-    and the tile loop, `_run_tiles`, replaced."""
+    ``page_size``, ``causal``, output dtype name; no ablations), plus ``warps`` per CTA (4 or 8, for groups whose
+    4-warp CTA holds 4 heads; the CTA's heads x 16-row blocks: `prefill_staged_layout.cta_shape`), ``stages``
+    (depth of the shared-memory ring, a power of two >= 2, >= 4 with ``shared_dequant``) and ``shared_dequant``
+    (K expanded once per CTA; None: ``SHARED_DEQUANT``). v1's launch, signature, prologue and epilogue with the
+    CTA's shape and order and the tile loop, `_run_tiles`, replaced."""
+
+    cta_order = prefill_grid.ROWS_FASTEST  # a head block's row blocks side by side: one KV head resident at a time
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
-                 heads: int | None = None, row_blocks: int | None = None, stages: int = STAGES,
-                 shared_dequant: bool | None = None):
+                 warps: int = sl.CTA_WARPS, stages: int = STAGES, shared_dequant: bool | None = None):
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype)
         if (num_kv_heads * group) % 2:
             raise ValueError("the staged prefill copies Delta_S as 4-byte words: needs an even number of query heads")
         shared_dequant = SHARED_DEQUANT if shared_dequant is None else bool(shared_dequant)
         if stages < 2 + shared_dequant or stages & (stages - 1):
             raise ValueError(f"stages must be a power of two >= {2 + shared_dequant}, got {stages}")
-        default_heads, default_rows = sl.cta_shape(group)
-        heads = default_heads if heads is None else heads
-        row_blocks = default_rows if row_blocks is None else row_blocks
-        if heads <= 0 or group % heads or row_blocks <= 0 or heads * row_blocks > 32:
-            raise ValueError(f"need heads dividing group {group} and at most 32 warps, got {heads} x {row_blocks}")
-        self.heads = heads
-        self.row_blocks = row_blocks
-        self.block_m = WARP_ROWS * row_blocks
+        if warps not in sl.CTA_WARP_CHOICES:
+            raise ValueError(f"warps per CTA must be one of {sl.CTA_WARP_CHOICES}, got {warps}")
+        self.heads, self.row_blocks = sl.cta_shape(group, warps)
+        self.block_m = WARP_ROWS * self.row_blocks
         self.stages = stages
-        self.threads = 32 * heads * row_blocks
-        self.stage_bytes = sl.stage_bytes(heads)
+        self.threads = 32 * self.heads * self.row_blocks
+        self.stage_bytes = sl.stage_bytes(self.heads)
         self.shared_dequant = shared_dequant
         self.smem_bytes = stages * self.stage_bytes + (2 * sl.FRAG_BUFFER_BYTES if shared_dequant else 0)
 
@@ -142,7 +147,7 @@ class PrefillSm90Staged(PrefillSm90):
             tile_index, stage = sl.ring_prologue(index, cta_tiles)
             if tile_index >= 0:
                 self._copy_tile(tile_index, Int32(load_u32(self._page_entry(table_row, tile_index))),
-                                smem + stage * self.stage_bytes, kv_len, tid, sources, True)
+                                smem + stage * self.stage_bytes, kv_len, tid, warp, sources, True)
             cp_async_commit()
         self._fetch_page(page, table_row, sl.ring_copy(0, cta_tiles, stages)[0])
         if cutlass.const_expr(self.shared_dequant):  # expand step 0's K (step p expands the K of step p + 1)
@@ -184,7 +189,8 @@ class PrefillSm90Staged(PrefillSm90):
         cute.arch.barrier()  # everyone's have; every warp is done with the previous step's stage
         copy_index, copy_stage = sl.ring_copy(step, cta_tiles, stages)  # into the previous step's stage
         if copy_index >= 0:  # in the whole-tile loop, later tiles are whole too: no zero fill to decide
-            self._copy_tile(copy_index, page[0], smem + copy_stage * self.stage_bytes, kv_len, tid, sources, masked)
+            self._copy_tile(copy_index, page[0], smem + copy_stage * self.stage_bytes, kv_len, tid, warp, sources,
+                            masked)
         cp_async_commit()
         self._fetch_page(page, table_row, sl.ring_copy(step + 1, cta_tiles, stages)[0])
         fragments = None
@@ -205,50 +211,56 @@ class PrefillSm90Staged(PrefillSm90):
                        limits, lane, c)
 
     @cute.jit
-    def _copy_tile(self, tile_index, page, stage, kv_len, tid, sources, ragged: cutlass.Constexpr):
-        """cp.async the KV head's bytes of tile ``tile_index`` into ``stage``, every thread its units of each array
-        (`prefill_staged_layout`); keys past ``kv_len`` copy 0 bytes (zero fill; ``ragged`` false: the tile is
-        known to be whole). A tile never straddles pages."""
+    def _copy_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr):
+        """cp.async the KV head's bytes of tile ``tile_index`` into ``stage``, every warp its slots of each array
+        (`prefill_staged_layout.copy_plan`); keys past ``kv_len`` copy 0 bytes (zero fill; ``ragged`` false: the
+        tile is known to be whole). A tile never straddles pages."""
         tile = tile_index * TILE_KEYS
         slot0 = Int64(page) * self.page_size + (tile & (self.page_size - 1))
         left = kv_len - tile  # key k of the tile exists iff k < left
         hkv, threads = self.num_kv_heads, self.threads
         strides = (hkv * K_ROW_BYTES, hkv * HEAD_DIM, hkv * SCALE_ROW_BYTES, self.num_q_heads * 2)  # cache rows
         copies = {16: cp_async_16, 8: cp_async_8, 4: cp_async_4}
-        for (_, units, size, copy_map), stride, source in zip(sl.copy_arrays(self.heads), strides, sources):
-            first = source + slot0 * stride
-            copy = copies[size]
-            for round_ in cutlass.range_constexpr(sl.copy_rounds(units, threads)):
-                unit = tid + round_ * threads
-                key, offset, smem_offset = copy_map(tid, round_ * threads)
-                src_bytes = Uint32(cutlass.select_(key < left, size, 0)) if ragged else Uint32(size)
-                if cutlass.const_expr((round_ + 1) * threads <= units):
-                    copy(stage + smem_offset, first + Int64(key * stride + offset), src_bytes)
-                else:
-                    if unit < units:
-                        copy(stage + smem_offset, first + Int64(key * stride + offset), src_bytes)
+        rows = {name: (stride, source + slot0 * stride)  # the tile's first cache row of each array
+                for (name, _, _, _), stride, source in zip(sl.copy_arrays(self.heads), strides, sources)}
+        warps = threads // 32
+        for (name, _, size, copy_map), r, first_warp, end_warp in sl.copy_plan(self.heads, warps):
+            stride, first = rows[name]
+            key, offset, smem_offset = copy_map(tid, r)
+            src_bytes = Uint32(cutlass.select_(key < left, size, 0)) if ragged else Uint32(size)
+            address = first + Int64(key * stride + offset)
+            if cutlass.const_expr(first_warp == 0 and end_warp == warps):
+                copies[size](stage + smem_offset, address, src_bytes)
+            else:
+                if Uint32(warp - first_warp) < Uint32(end_warp - first_warp):  # warp-uniform
+                    copies[size](stage + smem_offset, address, src_bytes)
 
     @cute.jit
     def _expand_k(self, smem, raw_stage, buffer, warp, lane):
         """K of the tile in ring stage ``raw_stage`` to FP16 B registers in fragment buffer ``buffer``: warp w the
-        n-tiles n with n % warps == w (`prefill_staged_layout.frag_offset`)."""
+        expansion units u with u % warps == w (`prefill_staged_layout.expand_unit`)."""
         warps = self.threads // 32
+        parts = sl.expand_parts(warps)
+        units = sl.N_TILES * parts
         stage = smem + raw_stage * self.stage_bytes
-        for round_ in cutlass.range_constexpr((N_TILES + warps - 1) // warps):
-            n_tile = warp + round_ * warps
-            if cutlass.const_expr((round_ + 1) * warps <= N_TILES):
-                self._expand_ntile(smem, stage, buffer, n_tile, lane)
+        for round_ in cutlass.range_constexpr((units + warps - 1) // warps):
+            unit = warp + round_ * warps
+            if cutlass.const_expr((round_ + 1) * warps <= units):
+                self._expand_unit(smem, stage, buffer, unit, parts, lane)
             else:
-                if n_tile < N_TILES:
-                    self._expand_ntile(smem, stage, buffer, n_tile, lane)
+                if unit < units:
+                    self._expand_unit(smem, stage, buffer, unit, parts, lane)
 
     @cute.jit
-    def _expand_ntile(self, smem, stage, buffer, n_tile, lane):
+    def _expand_unit(self, smem, stage, buffer, unit, parts: cutlass.Constexpr, lane):
+        """Expansion unit ``unit`` (warp-uniform, `prefill_staged_layout.expand_unit`): the lane's B registers of
+        the unit's part of its n-tile, into fragment buffer ``buffer``."""
+        n_tile, part = sl.expand_unit(unit, parts)
         words = load_shared_v4_u32(stage + sl.k_read(n_tile, lane))
-        regs = k_fragments(words, load_shared_u16(stage + sl.scale_read(n_tile, lane)))
+        regs = k_fragment_part(words, load_shared_u16(stage + sl.scale_read(n_tile, lane)), part, parts)
         fragments = smem + sl.frag_lane_base(self.stages, self.heads, buffer, lane)
-        for quad in cutlass.range_constexpr(sl.FRAG_QUADS):
-            store_shared_v4_u32(fragments + sl.frag_offset(n_tile, quad), *regs[4 * quad:4 * quad + 4])
+        for index, quad in enumerate(sl.part_quads(part, parts)):
+            store_shared_v4_u32(fragments + sl.frag_offset(n_tile, quad), *regs[4 * index:4 * index + 4])
 
     # --- one tile of one warp: v1's arithmetic, operands from shared memory ----------------------------------------
 

@@ -21,9 +21,11 @@ head (``TILE_KEYS`` keys, slots ``slot0 .. slot0 + 31`` of one page):
   the CTA's heads first_head .. first_head + heads - 1 (cp.async moves 4, 8 or 16 bytes; rows are 4-byte aligned
   when Hq is even). The CTA's head ``h`` sits ``ds_lead(first_head) + 2 h`` bytes into its key's words.
 
-Copies: the CTA's ``threads`` threads walk each array's units (16 B for K and V, 8 B for the scales, 4 B for
-Delta_S) in order, thread ``tid`` taking units tid, tid + threads, ... (coalesced: consecutive threads copy
-consecutive bytes of a key's row).
+Copies (`copy_plan`): each array is cut into units (16 B for K and V, 8 B for the scales, 4 B for Delta_S), the
+arrays' units in a row (largest array first) are cut into warp slots of 32 units and the slots are dealt to the
+CTA's warps round by round: a warp copies one slot per round (coalesced: consecutive lanes copy consecutive bytes
+of a key's row), at most ceil(slots / warps) per tile; a round shared by several arrays picks a warp's array with
+a warp-uniform condition.
 
 After the ring, with ``shared_dequant``, two fragment buffers of expanded K (`frag_lane_base`).
 """
@@ -48,15 +50,21 @@ K_UNITS = TILE_KEYS * K_ROW_BYTES // 16  # 128 x 16 B
 V_UNITS = TILE_KEYS * V_ROW_BYTES // 16  # 256 x 16 B
 SCALE_UNITS = TILE_KEYS  # 32 x 8 B
 STAGE_ALIGN = 128
-CTA_WARPS = 4  # 2 CTAs per SM at the ~255 registers a warp needs (v1's occupancy)
+WARP = 32
+N_TILES = TILE_KEYS // 8  # QK n-tiles of a tile
+CTA_WARPS = 4  # the default: 2 CTAs per SM at the ~255 registers a warp needs (v1's occupancy)
+CTA_WARP_CHOICES = (4, 8)  # 8: 1 CTA per SM (255 registers x 256 threads), the same 8 warps per SM
 
 
-def cta_shape(group: int) -> tuple[int, int]:
-    """(query heads per CTA, 16-row blocks per CTA) for a GQA group: 4 warps, as many heads of the group as divide
-    both (group 4: the whole group x 16 rows; group 5: 1 head x 64 rows, v1's shape). Every K / V tile is copied
-    group / heads times per 16 x (4 / heads) rows of a KV head: once per 16 rows for group 4, 1.25 times for 5."""
+def cta_shape(group: int, warps: int = CTA_WARPS) -> tuple[int, int]:
+    """(query heads per CTA, 16-row blocks per CTA) for a GQA group. 4 warps: as many heads of the group as divide
+    both (group 4 -> the whole group x 16 rows, group 5 -> 1 head x 64 rows, v1's shape). 8 warps: twice the rows
+    of a CTA that holds 4 heads (group 4 -> the whole group x 32 rows); groups that leave it fewer heads keep the
+    4-warp shape. Every K / V tile is copied group / heads times per 16 x row_blocks query rows of a KV head: for
+    group 4 once per 16 rows with 4 warps, once per 32 with 8."""
     heads = math.gcd(group, CTA_WARPS)
-    return heads, CTA_WARPS // heads
+    row_blocks = CTA_WARPS // heads
+    return heads, (row_blocks * warps // CTA_WARPS) if heads == CTA_WARPS else row_blocks
 
 
 def ds_words(heads: int) -> int:
@@ -124,9 +132,24 @@ def copy_arrays(heads: int) -> tuple:
             ("delta_s", ds_units(heads), 4, ds_copy))
 
 
-def copy_rounds(units: int, threads: int) -> int:
-    """Thread ``tid`` copies units tid + r * threads for r < copy_rounds (the last round only where < units)."""
-    return -(-units // threads)
+def copy_plan(heads: int, warps: int) -> list:
+    """The CTA's copies of one tile: the arrays of `copy_arrays`, largest first (they fill whole rounds, which need
+    no branch), in a row, cut into warp slots of 32 units (every array has a multiple of 32), slot s copied by warp
+    s % warps in round s // warps. -> [(array, r, first warp, end warp)], round by round: warps first .. end - 1
+    copy unit ``tid + r`` of ``array`` (tid = 32 warp + lane; ``r`` a constant, so the copy map's per-thread part
+    is shared by all entries)."""
+    spans, slots = [], 0
+    for array in sorted(copy_arrays(heads), key=lambda array: -array[1]):
+        assert array[1] % WARP == 0, array
+        spans.append((array, slots, slots + array[1] // WARP))
+        slots += array[1] // WARP
+    plan = []
+    for round_start in range(0, slots, warps):
+        for array, first_slot, end_slot in spans:
+            first, end = max(first_slot, round_start), min(end_slot, round_start + warps)
+            if first < end:
+                plan.append((array, WARP * (round_start - first_slot), first - round_start, end - round_start))
+    return plan
 
 
 # --- reads: lane (g, c) of a warp -------------------------------------------------------------------------------
@@ -193,8 +216,10 @@ def ring_wait(stages: int, shared_dequant: bool) -> int:
 
 # --- dequantized K (``shared_dequant``): each K tile expanded to FP16 once per CTA, not once per warp -------------
 # Two buffers after the ring, each [n-tile][quad][lane][16 B]: lane (g, c)'s 16 f16x2 B registers of n-tile n
-# (key 8 n + g, chunk c; register 2 k + b feeds b_b of k-step k) as 4 quads of 4 registers. Warp w expands the
-# n-tiles n with n % warps == w; every lane writes and reads lane-contiguous 512-byte rows (no bank conflict).
+# (key 8 n + g, chunk c; register 2 k + b feeds b_b of k-step k) as 4 quads of 4 registers. The expansion is cut
+# into N_TILES x `expand_parts` units (an n-tile, or half of one: k-steps 0-3 / 4-7, quads 0-1 / 2-3, one NVFP4
+# block each); warp w expands the units u with u % warps == w. Every lane writes and reads lane-contiguous
+# 512-byte rows (no bank conflict).
 
 FRAG_QUADS = 4
 FRAG_BUFFER_BYTES = 4 * FRAG_QUADS * 32 * 16  # 4 n-tiles of a 32-key tile: 8 KB
@@ -208,3 +233,19 @@ def frag_lane_base(stages: int, heads: int, buffer, lane):
 def frag_offset(n_tile, quad: int):
     """Offset from `frag_lane_base` of the lane's registers 4 quad .. 4 quad + 3 of n-tile ``n_tile``."""
     return FRAG_QUADS * 512 * n_tile + 512 * quad
+
+
+def expand_parts(warps: int) -> int:
+    """Parts an n-tile's expansion is cut into: 2 when the CTA has at least two warps per n-tile, else 1."""
+    return 2 if warps >= 2 * N_TILES else 1
+
+
+def expand_unit(unit, parts: int) -> tuple:
+    """(n-tile, part) of expansion unit ``unit`` (0 .. N_TILES x parts - 1)."""
+    return (unit, 0) if parts == 1 else (unit % N_TILES, unit // N_TILES)
+
+
+def part_quads(part, parts: int) -> list:
+    """The quads of `frag_offset` that part ``part`` of an n-tile writes."""
+    per_part = FRAG_QUADS // parts
+    return [per_part * part + quad for quad in range(per_part)]

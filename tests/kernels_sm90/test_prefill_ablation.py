@@ -57,7 +57,7 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Pat
     """PTX and cubin of the real v1 kernel built without an ablation (what `MPFA_PREFILL_KERNEL=v1` runs; the ladder
     exists for v1 only) and of every ladder step."""
     root = tmp_path_factory.mktemp("ablation")
-    found = {"default": _compile(root / "default", f"compile_prefill_kernel(*{CONFIG!r}, staged=False)")}
+    found = {"default": _compile(root / "default", f"compile_prefill_kernel(*{CONFIG!r}, kernel='v1')")}
     for _label, ablation, _removed in LADDER:
         found[ablation.name] = _compile(root / ablation.name, f"compile_prefill_kernel(*{CONFIG!r}, {ablation!r})")
     return found

@@ -1,10 +1,12 @@
 """The staged prefill's shared-memory plumbing, byte for byte on the CPU (`prefill_staged_layout`, the functions the
-kernel traces): every thread of a CTA runs its cp.async units of one tile into a poisoned model of the stage
-(zero fill past the sequence end), then every lane of every warp reads its operands back exactly where the kernel
-reads them, and must get exactly the bytes v1 (`prefill.PrefillSm90`) loads from the paged cache for that lane:
-K chunk c and block scales 2c, 2c + 1 of key 8 n + g, Delta_S of the warp's head at key 8 n + 2c + half, V chunk g
-of key `pv_key(k_half, c, j)`; zeros for keys past the end. The copies must cover the stage without overlap, and
-the warp's shared-memory reads must be free of bank conflicts."""
+kernel traces), for CTAs of 4 and 8 warps: every thread of a CTA runs its cp.async units of one tile (the copy
+plan's warp slots) into a poisoned model of the stage (zero fill past the sequence end), then every lane of every
+warp reads its operands back exactly where the kernel reads them, and must get exactly the bytes v1
+(`prefill.PrefillSm90`) loads from the paged cache for that lane: K chunk c and block scales 2c, 2c + 1 of key
+8 n + g, Delta_S of the warp's head at key 8 n + 2c + half, V chunk g of key `pv_key(k_half, c, j)`; zeros for
+keys past the end. The copies must cover the stage without overlap, the warp's shared-memory reads must be free
+of bank conflicts, and the K expansion shared by the warps must write every fragment once, bit-identical to the
+expansion of a whole n-tile."""
 
 from __future__ import annotations
 
@@ -32,22 +34,20 @@ def _row(cache: dict, name: str, slot: int, kv_head: int, first_head: int) -> np
     return cache[name][slot, kv_head]
 
 
-def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, first_head: int, heads: int, threads: int):
-    """The stage after every thread's copies (cp.async with src-size 0 past the end writes zeros)."""
+def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, first_head: int, heads: int, warps: int):
+    """The stage after every warp's copies (cp.async with src-size 0 past the end writes zeros)."""
     stage = np.full(sl.stage_bytes(heads), POISON, dtype=np.uint8)
     written = np.zeros(stage.size, dtype=np.int64)
-    for tid in range(threads):
-        for name, units, size, copy_map in sl.copy_arrays(heads):
-            for round_ in range(sl.copy_rounds(units, threads)):
-                unit = tid + round_ * threads
-                if unit >= units:
-                    continue
-                key, offset, smem = copy_map(tid, round_ * threads)
-                assert (key, offset, smem) == copy_map(unit), "a round's constant offset must not change the unit"
-                assert smem % size == 0, "cp.async needs a destination aligned to its size"
-                source = _row(cache, name, slot0 + key, kv_head, first_head)
-                stage[smem:smem + size] = source[offset:offset + size] if key < left else 0
-                written[smem:smem + size] += 1
+    for (name, units, size, copy_map), r, first_warp, end_warp in sl.copy_plan(heads, warps):
+        for tid in range(32 * first_warp, 32 * end_warp):
+            unit = tid + r
+            assert 0 <= unit < units
+            key, offset, smem = copy_map(tid, r)
+            assert (key, offset, smem) == copy_map(unit), "a constant offset must not change the unit"
+            assert smem % size == 0, "cp.async needs a destination aligned to its size"
+            source = _row(cache, name, slot0 + key, kv_head, first_head)
+            stage[smem:smem + size] = source[offset:offset + size] if key < left else 0
+            written[smem:smem + size] += 1
     return stage, written
 
 
@@ -72,18 +72,19 @@ CASES = [  # (KV heads, group, heads per CTA, KV head of the CTA, first head ind
 ]
 
 
+@pytest.mark.parametrize("warps", sl.CTA_WARP_CHOICES)
 @pytest.mark.parametrize("hkv,group,heads,kv_head,head_offset", CASES,
                          ids=["g4-h4", "g5-h1-odd", "g5-h1-even", "g5-h5", "g2-h2"])
 @pytest.mark.parametrize("left", [32, 19, 1], ids=["whole-tile", "ragged", "one-key"])
-def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left):
+def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left, warps):
     rng = np.random.default_rng(hkv * 100 + group * 10 + heads + left)
     hq = hkv * group
     page_size, pages = 64, 6
     cache = _cache(rng, page_size * pages, hkv, hq)
     slot0 = 3 * page_size + 32  # the second tile of page 3
     first_head = kv_head * group + head_offset
-    threads = 32 * sl.CTA_WARPS
-    stage, written = _copy_tile(cache, slot0, left, kv_head, first_head, heads, threads)
+    threads = 32 * warps
+    stage, written = _copy_tile(cache, slot0, left, kv_head, first_head, heads, warps)
 
     used = sl.DS_OFFSET + 4 * sl.ds_units(heads)
     assert (written[:used] == 1).all(), "every byte of the stage is written exactly once"
@@ -129,6 +130,62 @@ def test_cta_shapes():
     assert sl.cta_shape(2) == (2, 2) and sl.cta_shape(1) == (1, 4)
     assert sl.stage_bytes(4) == 6656 and sl.stage_bytes(1) == 6528
     assert all(heads * rows == sl.CTA_WARPS for heads, rows in map(sl.cta_shape, range(1, 9)))
+    # 8 warps: twice the rows where a 4-warp CTA holds 4 heads (GQA 32:8), the 4-warp shape elsewhere (40:8)
+    assert sl.cta_shape(4, 8) == (4, 2) and sl.cta_shape(8, 8) == (4, 2)
+    assert all(sl.cta_shape(group, 8) == sl.cta_shape(group) for group in (1, 2, 3, 5, 6, 7))
+
+
+@pytest.mark.parametrize("warps", sl.CTA_WARP_CHOICES)
+@pytest.mark.parametrize("heads", [1, 2, 4, 5])
+def test_copy_plan_deals_whole_warp_slots_evenly(heads, warps):
+    """Every warp slot of every array once, round by round; a warp copies at most ceil(slots / warps) slots
+    (4 warps: 4 of the 15 slots of group 4's stage, 8 warps: 2)."""
+    arrays = sl.copy_arrays(heads)
+    slots = sum(units for _, units, _, _ in arrays) // 32
+    per_warp = np.zeros(warps, dtype=int)
+    seen = []
+    for (name, units, _, _), r, first_warp, end_warp in sl.copy_plan(heads, warps):
+        assert 0 <= first_warp < end_warp <= warps
+        per_warp[first_warp:end_warp] += 1
+        seen += [(name, (32 * warp + r) // 32) for warp in range(first_warp, end_warp)]
+        assert all(0 <= 32 * warp + r < units for warp in range(first_warp, end_warp))
+    assert sorted(seen) == sorted((name, s) for name, units, _, _ in arrays for s in range(units // 32))
+    assert per_warp.max() == -(-slots // warps)
+
+
+@pytest.mark.parametrize("row_blocks", [2, 4])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+def test_cta_walk_covers_every_warps_tiles(monkeypatch: pytest.MonkeyPatch, row_blocks, causal):
+    """A CTA of several 16-row blocks (8 warps x group 4: 2; group 5: 4) walks the tiles of its last row
+    (`PrefillSm90Staged._walk`: `prefill_tile.warp_plan` over the CTA's rows) and masks the tiles its first row does
+    not see whole: every warp's own tiles (v1's plan for its rows) are among the CTA's, the CTA walks no tile that
+    no warp needs, and a tile the CTA takes as whole is whole for every row of every warp (so the unmasked loop is
+    bit-identical to v1's masked or unmasked one). Ragged, chunked and short sequences."""
+    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
+    from mpfa.kernels.sm90 import prefill_tile as tile_math
+
+    for name, value in {"imin": min, "imax": max, "select_": lambda c, a, b: a if c else b}.items():
+        monkeypatch.setattr(tile_math, name, value)
+    block_m = sl.WARP_ROWS * row_blocks
+
+    def plan(row0, q_len, kv_len, g, rows):
+        return tile_math.warp_plan(row0, q_len, kv_len, g, causal=causal, tile_keys=sl.TILE_KEYS, warp_rows=rows)
+
+    for q_len in [1, 15, 16, 17, 31, 33, 48, 63, 64, 95, 130]:
+        for kv_len in (q_len, q_len + 7, q_len + 20, q_len + 100):
+            for cta_row0 in range(0, q_len, block_m):
+                cta_tiles, _, cta_common = plan(cta_row0, q_len, kv_len, 0, block_m)
+                whole = min(cta_common // sl.TILE_KEYS, cta_tiles)  # the CTA's unmasked tiles: 0 .. whole - 1
+                needed = 0
+                for row0 in range(cta_row0, cta_row0 + block_m, sl.WARP_ROWS):
+                    for g in range(8):
+                        tiles, limits, _ = plan(row0, q_len, kv_len, g, sl.WARP_ROWS)
+                        assert tiles <= cta_tiles
+                        needed = max(needed, tiles)
+                        rows = [row0 + g + 8 * r for r in range(2)]
+                        assert all(limit >= whole * sl.TILE_KEYS - 1 for row, limit in zip(rows, limits)
+                                   if row < q_len), (q_len, kv_len, row0, g)
+                assert needed == cta_tiles
 
 
 @pytest.mark.parametrize("shared_dequant", [False, True], ids=["plain", "shared-dequant"])
@@ -186,6 +243,17 @@ def test_ring_schedule(tiles, stages, shared_dequant):
     assert copied == list(range(tiles - 1, -1, -1))
 
 
+@pytest.mark.parametrize("warps", sl.CTA_WARP_CHOICES)
+def test_expansion_units_write_every_fragment_once(warps):
+    """The warps' expansion units (`expand_unit`, `part_quads`) cover every (n-tile, quad) of a fragment buffer
+    exactly once; 8 warps split each n-tile in two halves of one NVFP4 block each."""
+    parts = sl.expand_parts(warps)
+    assert parts == warps // sl.CTA_WARPS
+    written = [(n_tile, quad) for unit in range(sl.N_TILES * parts)
+               for n_tile, part in [sl.expand_unit(unit, parts)] for quad in sl.part_quads(part, parts)]
+    assert sorted(written) == [(n, q) for n in range(sl.N_TILES) for q in range(sl.FRAG_QUADS)]
+
+
 def test_fragment_buffers_sit_after_the_ring_without_bank_conflicts():
     for heads in (1, 2, 4, 5):
         for stages in (3, 4, 8):
@@ -218,11 +286,12 @@ def _numpy_warp_module():
 
 def test_expanded_k_gives_v1_scores_bit_for_bit(monkeypatch: pytest.MonkeyPatch):
     """`prefill_tile.qk_scores` through the ``ntile`` hook on `k_fragments` (shared dequantization) equals v1's
-    `qk_scores` bit for bit on the emulated warp, masked or not: same B registers, same MMA chains."""
+    `qk_scores` bit for bit on the emulated warp, masked or not: same B registers, same MMA chains; the two halves
+    of `k_fragment_part` (8-warp CTAs) are exactly `k_fragments`' registers."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
+    from mpfa.kernels.sm90 import prefill_staged_tile, warp_mma
     from mpfa.kernels.sm90 import prefill_tile as tile_math
-    from mpfa.kernels.sm90 import warp_mma
-    from mpfa.kernels.sm90.prefill_staged_tile import k_fragments, qk_ntile_from_fragments
+    from mpfa.kernels.sm90.prefill_staged_tile import k_fragment_part, k_fragments, qk_ntile_from_fragments
 
     model = _numpy_warp_module()
     shared = dict(Uint32=model._u32, Float32=model._f32, fmax=np.fmax)
@@ -234,6 +303,7 @@ def test_expanded_k_gives_v1_scores_bit_for_bit(monkeypatch: pytest.MonkeyPatch)
     for name, value in {**shared, "shuffle_idx": model.shuffle_idx, "bits_to_f32": model.bits_to_f32,
                         "exp2_approx": model.exp2_approx, "select_": model.select_}.items():
         monkeypatch.setattr(tile_math, name, value)
+    monkeypatch.setattr(prefill_staged_tile, "select_", model.select_)
 
     rng = np.random.default_rng(7)
     a_steps = [[model._from_halves(rng.uniform(-2, 2, (32, 2))) for _ in range(4)] for _ in range(lay.K_STEPS_QK)]
@@ -245,6 +315,10 @@ def test_expanded_k_gives_v1_scores_bit_for_bit(monkeypatch: pytest.MonkeyPatch)
     for seen in (None, (C + 3, C + 17)):
         v1 = tile_math.qk_scores(a_steps, k_words, scale_pairs, ds_bits, seen)
         fragments = [k_fragments(words, pair) for words, pair in zip(k_words, scale_pairs)]
+        for words, pair, whole in zip(k_words, scale_pairs, fragments):  # 8 warps: two halves, part at run time
+            halves = [k_fragment_part(words, pair, np.full(32, part), 2) for part in range(2)]
+            assert all(np.array_equal(a, b) for a, b in zip(halves[0] + halves[1], whole))
+            assert all(np.array_equal(a, b) for a, b in zip(k_fragment_part(words, pair, 0, 1), whole))
         v2 = tile_math.qk_scores(a_steps, fragments, [None] * lay.N_TILES, ds_bits, seen,
                                  ntile=qk_ntile_from_fragments)
         for n_tile in range(lay.N_TILES):
