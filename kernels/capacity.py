@@ -3,14 +3,17 @@
 * ``bf16``: 2 bytes per element for K and V -> 4d.
 * ``fp8``: e4m3 K and V -> 2d (per-tensor scales are per layer, not per token).
 * ``mpfa``: NVFP4 K codes d/2 + e4m3 scales d/16, FP8 V d, and the Delta_S side cache: Delta_S[j] = Q_bar . K_c[j]
-  is per *query* head, so with GQA a KV head's token carries ``group`` = Hq/Hkv BF16 values (2 * group bytes).
-  The frozen means are per request (d * (Hq + Hkv) FP32 per layer), not per token, and are not counted.
+  is per *query* head, so with GQA a KV head's token carries ``group`` = Hq/Hkv BF16 values, stored in a row of
+  `cache_layout.delta_s_row` (group rounded up to a multiple of 4) BF16 entries: the bytes the cache occupies and
+  decode reads. The frozen means are per request (d * (Hq + Hkv) FP32 per layer), not per token, and are not
+  counted.
 
 ``format_capacity_table()`` renders the table, including how close MpFA comes to "1/2.56 of BF16".
 """
 
 from __future__ import annotations
 
+from mpfa.kernels.cache_layout import delta_s_row
 from mpfa.kernels.formats import NVFP4_BLOCK
 
 CACHE_FORMATS = ("bf16", "fp8", "mpfa")
@@ -28,7 +31,7 @@ def kv_bytes_per_token(cache_format: str, head_dim: int, group_size: int = 1) ->
     if cache_format == "fp8":
         return 2 * head_dim
     if cache_format == "mpfa":
-        return head_dim / 2 + head_dim / NVFP4_BLOCK + head_dim + _BF16_BYTES * group_size
+        return head_dim / 2 + head_dim / NVFP4_BLOCK + head_dim + _BF16_BYTES * delta_s_row(group_size)
     raise ValueError(f"unknown cache format {cache_format!r}; choose one of {', '.join(CACHE_FORMATS)}")
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mpfa.kernels.capacity import kv_bytes_per_token
 from mpfa.profiles.errors import ProfileError
 from mpfa.profiles.inputs import random_tensor
 from mpfa.profiles.kernel_adapter import PreparedKernel
@@ -26,11 +27,12 @@ PREFILL_PAGE_SIZE = 128
 
 
 def _prefill_set_bytes(w: AttentionWorkload) -> int:
-    """Device bytes of one prefill set: centered NVFP4 Q (codes + scales), the cache in whole pages, BF16 O."""
+    """Device bytes of one prefill set: centered NVFP4 Q (codes + scales), the cache in whole pages (Delta_S
+    padding included), BF16 O."""
     tokens = w.batch * w.seq
     slots = w.batch * -(-w.seq // PREFILL_PAGE_SIZE) * PREFILL_PAGE_SIZE
     q_bytes = tokens * w.q_heads * (w.head_dim // 2 + w.head_dim // 16)
-    cache_bytes = slots * (w.kv_heads * (w.head_dim // 2 + w.head_dim // 16 + w.head_dim) + 2 * w.q_heads)
+    cache_bytes = slots * w.kv_heads * int(kv_bytes_per_token("mpfa", w.head_dim, w.q_heads // w.kv_heads))
     return q_bytes + cache_bytes + tokens * w.q_heads * w.head_dim * 2
 
 

@@ -4,7 +4,11 @@ SGLang turns free GPU memory into a token capacity with ``tokens = available_byt
 one token costs over all layers). The MpFA pool reports its real cost per token and layer, the layout of
 `mpfa.kernels.cache_layout.MpfaKVCache`:
 
-    Hkv * (d/2 NVFP4 K codes + d/16 e4m3 K scales + d FP8 V) + Hq * 2 (BF16 Delta_S)
+    Hkv * (d/2 NVFP4 K codes + d/16 e4m3 K scales + d FP8 V + 2 * row (BF16 Delta_S))
+
+where ``row`` is the GQA group Hq/Hkv rounded up to a multiple of 4 (`cache_layout.delta_s_row`: 8-byte Delta_S rows
+per KV head; restated here to keep this module free of torch, and checked against the allocated cache by
+tests/backends_plugin/test_capacity.py).
 
 Both backends store Delta_S: the decode kernel always reads it (``mpfa-direct`` writes zeros there). The frozen
 per-request means are not per token: ``(Hq + Hkv) * d`` FP32 per layer for every request slot SGLang can
@@ -16,6 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 NVFP4_BLOCK = 16
+DELTA_S_ROW_ALIGN = 4  # BF16 entries (`cache_layout.DELTA_S_ROW_ALIGN`)
 BF16_BYTES = 2
 FP32_BYTES = 4
 DEFAULT_MAX_REQUEST_SLOTS = 4096  # SGLang's cap on max_running_requests when it is not given (_resolve_max_num_reqs)
@@ -38,9 +43,10 @@ class PoolGeometry:
 
 
 def mpfa_bytes_per_token_layer(g: PoolGeometry) -> int:
-    """Bytes one token occupies in one layer of the MpFA cache (K codes + K scales + V + Delta_S)."""
+    """Bytes one token occupies in one layer of the MpFA cache (K codes + K scales + V + padded Delta_S rows)."""
     d = g.head_dim
-    return g.num_kv_heads * (d // 2 + d // NVFP4_BLOCK + d) + g.num_q_heads * BF16_BYTES
+    row = -(-(g.num_q_heads // g.num_kv_heads) // DELTA_S_ROW_ALIGN) * DELTA_S_ROW_ALIGN
+    return g.num_kv_heads * (d // 2 + d // NVFP4_BLOCK + d + row * BF16_BYTES)
 
 
 def bf16_bytes_per_token_layer(g: PoolGeometry) -> int:

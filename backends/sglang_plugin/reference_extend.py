@@ -62,9 +62,9 @@ def reference_extend(query: CenteredQuery, cache: MpfaKVCache, kv_slots: torch.T
     warn_slow_path_once()
     slots = kv_slots.to(cache.k_codes.device, torch.long)
     q_op = dequantize_nvfp4(NVFP4Tensor(query.codes, query.scales))
-    k_op = dequantize_nvfp4(NVFP4Tensor(cache.k_codes[slots], cache.k_scales[slots]))
+    k_op = dequantize_nvfp4(NVFP4Tensor(cache.k_codes[slots], cache.token_scales(slots)))
     v_op = cache.v[slots].float()
-    ds = cache.delta_s[slots].float() if spec.smoothing else None
+    ds = cache.token_delta_s(slots).float() if spec.smoothing else None
     lam = math.log2(math.e) * sm_scale
     out = torch.full(q_op.shape, math.nan, dtype=torch.float32, device=q_op.device)
     with exact_fp32_matmul():

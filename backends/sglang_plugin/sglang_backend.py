@@ -49,7 +49,7 @@ class MpfaAttnBackend(AttentionBackend):
         from mpfa.kernels.sm90.decode_launch import use_pipelined
         from mpfa.kernels.sm90.prefill_launch import prefill_kernel
 
-        decode = "sm90 kernel " + ("v2" if use_pipelined(self.num_q_heads) else "v1")
+        decode = "sm90 kernel " + ("v2" if use_pipelined() else "v1")
         prefill = ("sm90 kernel " + prefill_kernel(self.num_q_heads) if self.core.prefill == "kernel"
                    else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
         logger.info("MpFA backend %s: decode = %s, prefill = %s", variant.backend, decode, prefill)

@@ -22,6 +22,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
+from mpfa.kernels.cache_layout import delta_s_row
 from mpfa.kernels.sm90 import decode_layout as lay
 from mpfa.kernels.sm90.ptx import (
     bits_to_f32,
@@ -68,6 +69,7 @@ class SplitKVDecodeSm90:
         self.group = group
         self.page_size = page_size
         self.page_shift = page_size.bit_length() - 1
+        self.ds_row = delta_s_row(group)  # BF16 entries of a (KV head, slot) Delta_S row
 
     @cute.jit
     def __call__(
@@ -75,9 +77,9 @@ class SplitKVDecodeSm90:
         q_codes: cute.Tensor,  # uint8 [B, Hq, 64]
         q_scales: cute.Tensor,  # uint8 [B, Hq, 8]
         k_codes: cute.Tensor,  # uint8 [slots, Hkv, 64]
-        k_scales: cute.Tensor,  # uint8 [slots, Hkv, 8]
+        k_scales: cute.Tensor,  # uint8 [Hkv, slots, 8]
         v: cute.Tensor,  # uint8 [slots, Hkv, 128]
-        delta_s: cute.Tensor,  # bf16 [slots, Hq]
+        delta_s: cute.Tensor,  # bf16 [Hkv, slots, ds_row]
         page_table: cute.Tensor,  # int32 [B, max_pages]
         seq_lens: cute.Tensor,  # int32 [B]
         m_part: cute.Tensor,  # fp32 [B, Hq, P]
@@ -139,22 +141,24 @@ class SplitKVDecodeSm90:
             acc[i] = Float32(0.0)
 
         self._run_tiles(q_regs, state, acc, (k_codes, k_scales, v, delta_s), page_table, lam_scaled, batch_idx,
-                        kv_head, head, row_valid, start, end, lane, g, c)
+                        kv_head, row_valid, start, end, lane, g, c)
 
         self._store_partials(state, acc, m_part, l_part, o_part, batch_idx, kv_head, part, num_parts, g, c)
 
     @cute.jit
     def _run_tiles(self, q_regs, state: cute.Tensor, acc: cute.Tensor, cache, page_table: cute.Tensor,
-                   lam_scaled: Float32, batch_idx, kv_head, head, row_valid, start, end, lane, g, c):
+                   lam_scaled: Float32, batch_idx, kv_head, row_valid, start, end, lane, g, c):
         """Fold the partition's keys [start, end) into ``state`` and ``acc``, 32-key tiles last to first; ``cache``:
         the (k_codes, k_scales, v, delta_s) tensors; ``lane`` is for v2's shared memory. v1 loads each tile straight
         into registers at its top."""
         k_codes, k_scales, v, delta_s = cache
-        # Per-lane base addresses of the lane's chunk in a slot's row; + slot * row stride per key.
+        # Per-lane base addresses of the lane's chunk in slot 0's row (head g of the group for Delta_S); + slot *
+        # row stride per key. K scales and Delta_S are head-major: the KV head's slot 0 is row head_slot.
+        head_slot = Int64(kv_head * k_scales.shape[1])
         bases = (
             k_codes.iterator.toint() + kv_head * K_ROW_BYTES + 16 * c,
-            k_scales.iterator.toint() + kv_head * SCALE_ROW_BYTES + 2 * c,
-            delta_s.iterator.toint() + head * 2,
+            k_scales.iterator.toint() + head_slot * SCALE_ROW_BYTES + 2 * c,
+            delta_s.iterator.toint() + head_slot * (self.ds_row * 2) + g * 2,
             v.iterator.toint() + kv_head * HEAD_DIM + 16 * g,
         )
         num_tiles = (cutlass.max(end - start, 0) + lay.TILE_KEYS - 1) // lay.TILE_KEYS
@@ -190,19 +194,18 @@ class SplitKVDecodeSm90:
         """Issue every load of the tile: the lane's K chunks and scale pairs (QK keys), Delta_S of head g and V
         chunk g (score keys); keys past the end read nothing (zeros; Delta_S = -inf so that S = -inf)."""
         k_base, ks_base, ds_base, v_base = bases
-        num_q_heads = self.num_kv_heads * self.group
         k_words, k_scales_raw, ds_bits, v_rows = [], [], [], []
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
             valid = Uint32(tile + lay.qk_key(n_tile, g) < end)
             slot = Int64(tile_slots[n_tile])
             k_words.append(load_v4_u32(k_base + slot * (self.num_kv_heads * K_ROW_BYTES), valid))
-            k_scales_raw.append(load_u16(ks_base + slot * (self.num_kv_heads * SCALE_ROW_BYTES), valid, Uint32(0)))
+            k_scales_raw.append(load_u16(ks_base + slot * SCALE_ROW_BYTES, valid, Uint32(0)))
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
             for half in cutlass.range_constexpr(2):
                 valid = tile + lay.score_key(n_tile, c, half) < end
                 slot = Int64(tile_slots[lay.N_TILES + 2 * n_tile + half])
                 default = Uint32(cutlass.select_(valid, Uint32(0), Uint32(BF16_MINUS_INF)))
-                ds_bits.append(load_u16(ds_base + slot * (num_q_heads * 2), Uint32(valid & row_valid), default))
+                ds_bits.append(load_u16(ds_base + slot * (self.ds_row * 2), Uint32(valid & row_valid), default))
                 v_rows.append(load_v4_u32(v_base + slot * (self.num_kv_heads * HEAD_DIM), Uint32(valid)))
         return k_words, k_scales_raw, ds_bits, v_rows
 

@@ -14,7 +14,7 @@ from functools import lru_cache
 
 import torch
 
-from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
+from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
 from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, kernel_version, target_sm90a
 from mpfa.kernels.sm90 import decode_layout as lay
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
@@ -30,10 +30,9 @@ _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async pipelined split kernel) or "v1"
 
 
-def use_pipelined(num_q_heads: int) -> bool:
-    """Whether `mpfa_decode` runs the v2 split kernel: unless ``MPFA_DECODE_KERNEL=v1``, and when the number of
-    query heads is even (v2 copies Delta_S as aligned 4-byte words)."""
-    return kernel_version(KERNEL_ENV) == "v2" and num_q_heads % 2 == 0
+def use_pipelined() -> bool:
+    """Whether `mpfa_decode` runs the v2 split kernel: unless ``MPFA_DECODE_KERNEL=v1``."""
+    return kernel_version(KERNEL_ENV) == "v2"
 
 
 def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
@@ -102,7 +101,7 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
     """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI.
     ``pipelined``: the v2 split kernel (cp.async double buffer, `decode_pipelined`); default `use_pipelined`."""
     if pipelined is None:
-        pipelined = use_pipelined(num_kv_heads * group)
+        pipelined = use_pipelined()
     target_sm90a()
     import cutlass
     from cutlass import Float32, Int32
@@ -119,8 +118,8 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
     split = compile_kernel(
         (SplitKVDecodeSm90Pipelined if pipelined else SplitKVDecodeSm90)(num_kv_heads, group, page_size),
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
-        fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (None, hkv, d // 16), align=8),
-        fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (None, hq), align=4),
+        fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16)),
+        fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group))),
         fake_tensor(Int32, (None, None), align=4), seq_lens, *partials, Float32(1.0), Int32(TILE_KEYS),
     )
     merge = compile_kernel(
@@ -175,7 +174,7 @@ def mpfa_decode(
                                                   device=query.codes.device)
     _check_inputs(query, cache, page_table, seq_lens, workspace, out)
     split, merge = compile_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
-                                          _OUT_DTYPES[out.dtype], use_pipelined(num_q_heads))
+                                          _OUT_DTYPES[out.dtype], use_pipelined())
     lam = float(torch.tensor(math.log2(math.e) * (sm_scale or 1.0 / math.sqrt(HEAD_DIM)), dtype=torch.float32))
     u8 = torch.uint8
     split(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),

@@ -12,7 +12,8 @@ shared memory with cp.async while tile t is computed, then reads tile t back fro
 * keys past the sequence end (and the tile before the partition's first) copy 0 bytes: cp.async zero-fills, which
   is what v1's predicated loads returned (Delta_S then becomes -inf for the missing keys, as in v1);
 * the 2-byte K-scale and Delta_S values travel as the aligned 4-byte word holding them (cp.async's smallest size)
-  and are picked out afterwards; this needs an even number of query heads (4-byte-aligned Delta_S rows).
+  and are picked out afterwards (the cache's K-scale and Delta_S rows are 8 or 16 bytes, so every word is
+  aligned, for any group).
 
 Per stage and warp: 12 x 512 B (4 K chunks + 8 V chunks per lane) + 12 x 128 B (words) = 7,680 B; two stages are
 15 KB, so the 12 warps per SM that 167 registers allow need 180 KB of the 227 KB.
@@ -56,32 +57,27 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
 
     smem_bytes = SMEM_BYTES
 
-    def __init__(self, num_kv_heads: int, group: int, page_size: int) -> None:
-        super().__init__(num_kv_heads, group, page_size)
-        if (num_kv_heads * group) % 2:
-            raise ValueError("the pipelined decode copies Delta_S as 4-byte words: needs an even number of query heads")
-
     @cute.jit
     def _run_tiles(self, q_regs, state: cute.Tensor, acc: cute.Tensor, cache, page_table: cute.Tensor,
-                   lam_scaled: Float32, batch_idx, kv_head, head, row_valid, start, end, lane, g, c):
+                   lam_scaled: Float32, batch_idx, kv_head, row_valid, start, end, lane, g, c):
         """v1's tile loop with each tile's bytes copied into shared memory (cp.async) while the previous tile is
         computed, then read back from there."""
         k_codes, k_scales, v, delta_s = cache
         # Per-lane global bases (+ slot * row stride per key): the 16-byte K chunk c, the aligned scale word holding
-        # blocks 2c and 2c + 1, the aligned Delta_S word holding head g (row 0's for padding rows: never read),
-        # V chunk g.
-        ds_word = cutlass.select_(row_valid, (head * 2) & ~3, 0)
+        # blocks 2c and 2c + 1, the aligned Delta_S word holding head g of the group (word 0 for padding rows:
+        # never read), V chunk g. K scales and Delta_S are head-major: the KV head's slot 0 is row head_slot.
+        head_slot = Int64(kv_head * k_scales.shape[1])
         bases = (
             k_codes.iterator.toint() + kv_head * K_ROW_BYTES + 16 * c,
-            k_scales.iterator.toint() + kv_head * SCALE_ROW_BYTES + 4 * (c >> 1),
-            delta_s.iterator.toint() + ds_word,
+            k_scales.iterator.toint() + head_slot * SCALE_ROW_BYTES + 4 * (c >> 1),
+            delta_s.iterator.toint() + head_slot * (self.ds_row * 2) + cutlass.select_(row_valid, (g * 2) & ~3, 0),
             v.iterator.toint() + kv_head * HEAD_DIM + 16 * g,
         )
         smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
         lane_chunk = smem + lane * 16
         lane_word = smem + WORDS_OFFSET + lane * 4
         scale_shift = Uint32(16 * (c & 1))
-        ds_shift = Uint32(16 * (head & 1))
+        ds_shift = Uint32(16 * (g & 1))
 
         num_tiles = (cutlass.max(end - start, 0) + lay.TILE_KEYS - 1) // lay.TILE_KEYS
         last_tile = start + (num_tiles - 1) * lay.TILE_KEYS
@@ -114,13 +110,12 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
         """cp.async the lane's bytes of ``tile`` into ``stage``; 0 bytes (zero fill) for keys past the end, and for
         everything when ``active`` is false (no tile left)."""
         k_base, ks_base, ds_base, v_base = bases
-        num_q_heads = self.num_kv_heads * self.group
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
             valid = active & (tile + lay.qk_key(n_tile, g) < end)
             slot = Int64(tile_slots[n_tile])
             cp_async_16(lane_chunk + stage + n_tile * 512, k_base + slot * (self.num_kv_heads * K_ROW_BYTES),
                         Uint32(cutlass.select_(valid, 16, 0)))
-            cp_async_4(lane_word + stage + n_tile * 128, ks_base + slot * (self.num_kv_heads * SCALE_ROW_BYTES),
+            cp_async_4(lane_word + stage + n_tile * 128, ks_base + slot * SCALE_ROW_BYTES,
                        Uint32(cutlass.select_(valid, 4, 0)))
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
             for half in cutlass.range_constexpr(2):
@@ -129,7 +124,7 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
                 slot = Int64(tile_slots[unit])
                 cp_async_16(lane_chunk + stage + unit * 512, v_base + slot * (self.num_kv_heads * HEAD_DIM),
                             Uint32(cutlass.select_(valid, 16, 0)))
-                cp_async_4(lane_word + stage + unit * 128, ds_base + slot * (num_q_heads * 2),
+                cp_async_4(lane_word + stage + unit * 128, ds_base + slot * (self.ds_row * 2),
                            Uint32(cutlass.select_(valid & row_valid, 4, 0)))
 
     @cute.jit

@@ -40,6 +40,7 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
+from mpfa.kernels.cache_layout import delta_s_row
 from mpfa.kernels.sm90 import ablation as abl
 from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_tile as tile_math
@@ -82,6 +83,7 @@ class PrefillSm90:
         self.num_kv_heads = num_kv_heads
         self.group = group
         self.num_q_heads = num_kv_heads * group
+        self.ds_row = delta_s_row(group)  # BF16 entries of a (KV head, slot) Delta_S row
         self.page_size = page_size
         self.page_shift = page_size.bit_length() - 1
         self.causal = causal
@@ -99,9 +101,9 @@ class PrefillSm90:
         q_codes: cute.Tensor,  # uint8 [total_q, Hq, 64]
         q_scales: cute.Tensor,  # uint8 [total_q, Hq, 8]
         k_codes: cute.Tensor,  # uint8 [slots, Hkv, 64]
-        k_scales: cute.Tensor,  # uint8 [slots, Hkv, 8]
+        k_scales: cute.Tensor,  # uint8 [Hkv, slots, 8]
         v: cute.Tensor,  # uint8 [slots, Hkv, 128]
-        delta_s: cute.Tensor,  # bf16 [slots, Hq]
+        delta_s: cute.Tensor,  # bf16 [Hkv, slots, ds_row]
         page_table: cute.Tensor,  # int32 [B, max_pages]
         cu_seqlens_q: cute.Tensor,  # int32 [B + 1]
         seq_lens_k: cute.Tensor,  # int32 [B]
@@ -202,10 +204,11 @@ class PrefillSm90:
         """The warp's tiles, each loaded straight into registers."""
         num_tiles, common = walk
         k_codes, k_scales, v, delta_s = cache
+        head_slot = Int64(kv_head * k_scales.shape[1])  # head-major K scales / Delta_S: the KV head's slot 0
         bases = (
             k_codes.iterator.toint() + kv_head * K_ROW_BYTES + 16 * c,
-            k_scales.iterator.toint() + kv_head * SCALE_ROW_BYTES + 2 * c,
-            delta_s.iterator.toint() + head * 2,
+            k_scales.iterator.toint() + head_slot * SCALE_ROW_BYTES + 2 * c,
+            delta_s.iterator.toint() + (head_slot * self.ds_row + head - kv_head * self.group) * 2,
             v.iterator.toint() + kv_head * HEAD_DIM + 16 * g,
         )
         table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
@@ -237,8 +240,7 @@ class PrefillSm90:
         keys past the end read nothing. One base address per operand and tile with the keys at constant offsets:
         per-key 64-bit addresses would be loop invariants that the compiler keeps in registers."""
         k_base, ks_base, ds_base, _ = bases
-        k_stride, ks_stride, ds_stride = (self.num_kv_heads * K_ROW_BYTES, self.num_kv_heads * SCALE_ROW_BYTES,
-                                          self.num_q_heads * 2)
+        k_stride, ks_stride, ds_stride = self.num_kv_heads * K_ROW_BYTES, SCALE_ROW_BYTES, self.ds_row * 2
         k_row = k_base + (slot0 + Int64(g)) * k_stride
         ks_row = ks_base + (slot0 + Int64(g)) * ks_stride
         ds_row = ds_base + (slot0 + Int64(2 * c)) * ds_stride

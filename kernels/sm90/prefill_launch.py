@@ -22,7 +22,7 @@ from functools import lru_cache
 
 import torch
 
-from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
+from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
 from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, kernel_version, target_sm90a
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_staged_layout import WARP_ROWS, cta_shape
@@ -83,8 +83,8 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     return compile_kernel(
         launcher,
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
-        fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (None, hkv, d // 16), align=8),
-        fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (None, hq), align=4),
+        fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16), align=8),
+        fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group)), align=8),
         fake_tensor(Int32, (None, None), align=4), fake_tensor(Int32, (None,), align=4),
         fake_tensor(Int32, (None,), align=4), fake_tensor(getattr(cutlass, out_dtype), (None, hq, d)),
         Float32(1.0), Int32(1),
@@ -118,7 +118,7 @@ def check_prefill_inputs(query: CenteredQuery, cache: MpfaKVCache, page_table: t
              f"out must be contiguous BF16 or FP32 [{total_q}, {num_q_heads}, {HEAD_DIM}]")
     device = query.codes.device
     for name, tensor, align in (("k_codes", cache.k_codes, 16), ("k_scales", cache.k_scales, 8), ("v", cache.v, 16),
-                                ("delta_s", cache.delta_s, 4), ("query codes", query.codes, 16),
+                                ("delta_s", cache.delta_s, 8), ("query codes", query.codes, 16),
                                 ("query scales", query.scales, 8), ("cu_seqlens_q", cu_seqlens_q, 4),
                                 ("seq_lens_k", seq_lens_k, 4), ("out", out, 16)):
         _require(tensor.device == device, f"{name} is on {tensor.device}, the query on {device}")

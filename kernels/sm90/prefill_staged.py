@@ -132,13 +132,17 @@ class PrefillSm90Staged(PrefillSm90):
         heads = self.heads
         stages = self.stages
         smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=sl.STAGE_ALIGN).toint()
-        sources = (  # the KV head's bytes in slot 0 of the cache (+ slot x row stride)
-            k_codes.iterator.toint() + kv_head * K_ROW_BYTES,
-            v.iterator.toint() + kv_head * HEAD_DIM,
-            k_scales.iterator.toint() + kv_head * SCALE_ROW_BYTES,
-            delta_s.iterator.toint() + 4 * sl.ds_first_word(first_head),
+        group_first = first_head - kv_head * self.group  # the CTA's first head in its KV head's Delta_S row
+        head_slot = kv_head * k_scales.shape[1]  # head-major K scales / Delta_S: the KV head's slot 0
+        # (address, first slot) of the KV head's rows (+ slot x row stride): the head's bytes of slot 0 in the
+        # token-major K codes / V, the array from slot head_slot in the head-major K scales / Delta_S.
+        sources = (
+            (k_codes.iterator.toint() + kv_head * K_ROW_BYTES, 0),
+            (v.iterator.toint() + kv_head * HEAD_DIM, 0),
+            (k_scales.iterator.toint(), head_slot),
+            (delta_s.iterator.toint() + 4 * sl.ds_first_word(group_first), head_slot),
         )
-        lane_bases = (sl.ds_lane_base(heads, first_head, head_in_cta, c), sl.v_lane_base(g, c))
+        lane_bases = (sl.ds_lane_base(heads, group_first, head_in_cta, c), sl.v_lane_base(g, c))
         table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
         page = cute.make_rmem_tensor((1,), Int32)  # page-table entry of the next tile to copy
 
@@ -219,10 +223,10 @@ class PrefillSm90Staged(PrefillSm90):
         slot0 = Int64(page) * self.page_size + (tile & (self.page_size - 1))
         left = kv_len - tile  # key k of the tile exists iff k < left
         hkv, threads = self.num_kv_heads, self.threads
-        strides = (hkv * K_ROW_BYTES, hkv * HEAD_DIM, hkv * SCALE_ROW_BYTES, self.num_q_heads * 2)  # cache rows
+        strides = (hkv * K_ROW_BYTES, hkv * HEAD_DIM, SCALE_ROW_BYTES, self.ds_row * 2)  # cache rows per slot
         copies = {16: cp_async_16, 8: cp_async_8, 4: cp_async_4}
-        rows = {name: (stride, source + slot0 * stride)  # the tile's first cache row of each array
-                for (name, _, _, _), stride, source in zip(sl.copy_arrays(self.heads), strides, sources)}
+        rows = {name: (stride, source + (slot0 + first_slot) * stride)  # the tile's first cache row of each array
+                for (name, _, _, _), stride, (source, first_slot) in zip(sl.copy_arrays(self.heads), strides, sources)}
         warps = threads // 32
         for (name, _, size, copy_map), r, first_warp, end_warp in sl.copy_plan(self.heads, warps):
             stride, first = rows[name]

@@ -17,9 +17,10 @@ head (``TILE_KEYS`` keys, slots ``slot0 .. slot0 + 31`` of one page):
   chunks g ^ 2c, eight different 16-byte bank groups (unswizzled, 4 rows 128 B apart would share 2 groups: 4-way).
 * K scales: [key][8 B] (blocks 0..7 of the key's row); lane (g, c) reads the pair of blocks 2c, 2c + 1 of key
   8 n + g: 64 n + 2 lane.
-* Delta_S: [key][ds_words(heads) x 4 B]: the aligned 4-byte words of the cache's [slot][Hq] BF16 row that hold
-  the CTA's heads first_head .. first_head + heads - 1 (cp.async moves 4, 8 or 16 bytes; rows are 4-byte aligned
-  when Hq is even). The CTA's head ``h`` sits ``ds_lead(first_head) + 2 h`` bytes into its key's words.
+* Delta_S: [key][ds_words(heads) x 4 B]: the aligned 4-byte words of the cache's BF16 row of (KV head, slot)
+  that hold the CTA's heads first_head .. first_head + heads - 1, numbered within the GQA group here (cp.async
+  moves 4, 8 or 16 bytes; the cache's rows are 8 or 16 bytes, `cache_layout.delta_s_row`). The CTA's head ``h``
+  sits ``ds_lead(first_head) + 2 h`` bytes into its key's words.
 
 Copies (`copy_plan`): each array is cut into units (16 B for K and V, 8 B for the scales, 4 B for Delta_S), the
 arrays' units in a row (largest array first) are cut into warp slots of 32 units and the slots are dealt to the

@@ -1,7 +1,8 @@
 """Fused quantize + paged-cache write for MpFA (SGLang's KV-write path), a Triton element-wise pass.
 
 For every new token and KV head: center K with the request's frozen K mean and write NVFP4 codes + e4m3 block
-scales, FP8 V (scale 1), and Delta_S[j, h] = Q_bar[h] . K_c[j] for the group's query heads into the token's slot;
+scales, FP8 V (scale 1), and Delta_S[j, h] = Q_bar[h] . K_c[j] for the group's query heads into the token's slot
+(`cache_layout`: K codes and V token-major, K scales and Delta_S head-major, Delta_S padding left unwritten);
 center the group's query heads with Q_bar and return them in NVFP4 (this step's attention operand). Formats are
 bit-exact with `mpfa.kernels.formats` applied to ``bf16(x) - mean`` in FP32; Delta_S is an FP32 dot product
 rounded to BF16, so it can differ from the reference's summation order by one BF16 ulp where the FP32 sums
@@ -40,8 +41,9 @@ def _load_centered(x_ptr, mean_ptr, rows, row_mask, NUM_BLOCKS: tl.constexpr, HE
 def _quantize_cache_kernel(
     q_ptr, k_ptr, v_ptr, slot_ptr, req_ptr, q_mean_ptr, k_mean_ptr,
     k_codes_ptr, k_scales_ptr, v_cache_ptr, delta_s_ptr, q_codes_ptr, q_scales_ptr,
-    q_stride, k_stride, v_stride,
-    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, HEAD_DIM: tl.constexpr,
+    q_stride, k_stride, v_stride, num_slots,
+    NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, DS_ROW: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -56,10 +58,11 @@ def _quantize_cache_kernel(
         k_ptr + token * k_stride + kv_head * HEAD_DIM, k_mean_ptr + (req * NUM_KV_HEADS + kv_head) * HEAD_DIM,
         tl.full((1,), 0, tl.int32), one, num_blocks, HEAD_DIM)
     k_bytes, k_scale = nvfp4_block(k_even, k_odd)
-    cache_row = slot * NUM_KV_HEADS + kv_head
+    cache_row = slot * NUM_KV_HEADS + kv_head  # token-major K codes and V: [slot, kv_head]
+    head_row = kv_head.to(tl.int64) * num_slots + slot  # head-major K scales and Delta_S: [kv_head, slot]
     byte_idx = tl.arange(0, num_blocks)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
     tl.store(k_codes_ptr + cache_row * (HEAD_DIM // 2) + byte_idx, k_bytes.to(tl.uint8))
-    tl.store(k_scales_ptr + cache_row * num_blocks + tl.arange(0, num_blocks)[None, :], k_scale.to(tl.uint8))
+    tl.store(k_scales_ptr + head_row * num_blocks + tl.arange(0, num_blocks)[None, :], k_scale.to(tl.uint8))
 
     # V: FP8 e4m3 with scale 1, saturating.
     d = tl.arange(0, HEAD_DIM)
@@ -77,7 +80,7 @@ def _quantize_cache_kernel(
     qm_even = tl.load(q_mean_ptr + mean_idx, mask=head_mask, other=0.0)
     qm_odd = tl.load(q_mean_ptr + mean_idx + 1, mask=head_mask, other=0.0)
     ds = tl.sum(tl.sum(qm_even * k_even + qm_odd * k_odd, axis=2), axis=1)
-    tl.store(delta_s_ptr + slot * num_q_heads + heads, bf16_bits(ds).to(tl.int16), mask=valid)
+    tl.store(delta_s_ptr + head_row * DS_ROW + g, bf16_bits(ds).to(tl.int16), mask=valid)
 
     q_even, q_odd = _load_centered(
         q_ptr + token * q_stride + kv_head * GROUP * HEAD_DIM, q_mean_ptr + (req * num_q_heads + kv_head * GROUP) * HEAD_DIM,
@@ -136,7 +139,8 @@ def quantize_to_cache(
         q, k, v, slots, request_index, means.q_mean, means.k_mean,
         cache.k_codes, cache.k_scales.view(torch.uint8), cache.v.view(torch.uint8), cache.delta_s.view(torch.int16),
         out.codes, out.scales.view(torch.uint8),
-        q.stride(0), k.stride(0), v.stride(0),
-        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_POW2=triton.next_power_of_2(group), HEAD_DIM=head_dim,
+        q.stride(0), k.stride(0), v.stride(0), cache.num_slots,
+        NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_POW2=triton.next_power_of_2(group),
+        DS_ROW=cache.delta_s.shape[2], HEAD_DIM=head_dim,
     )
     return out

@@ -27,7 +27,9 @@ LLAMA_8B = PoolGeometry(num_q_heads=32, num_kv_heads=8, head_dim=128, num_layers
 QWEN3_14B = PoolGeometry(num_q_heads=40, num_kv_heads=8, head_dim=128, num_layers=40)
 
 
-@pytest.mark.parametrize("g", [LLAMA_8B, QWEN3_14B, PoolGeometry(8, 2, 128, 3)], ids=["llama8b", "qwen14b", "small"])
+@pytest.mark.parametrize("g", [LLAMA_8B, QWEN3_14B, PoolGeometry(8, 2, 128, 3), PoolGeometry(5, 1, 128, 2),
+                               PoolGeometry(8, 8, 128, 1), PoolGeometry(24, 3, 128, 1)],
+                         ids=["llama8b", "qwen14b", "small", "qwen14b-tp8", "mha", "group8"])
 def test_bytes_per_token_match_the_cache_layout(g):
     per_layer = mpfa_bytes_per_token_layer(g)
     cache = MpfaKVCache.allocate(1, 1, g.num_q_heads, g.num_kv_heads, g.head_dim, "cpu")
@@ -48,6 +50,7 @@ def test_store_allocates_exactly_what_is_reported():
 
 def test_llama_capacity_is_about_two_and_a_half_times_bf16():
     assert mpfa_bytes_per_token_layer(LLAMA_8B) == 8 * (64 + 8 + 128) + 32 * 2 == 1664
+    assert mpfa_bytes_per_token_layer(QWEN3_14B) == 8 * (64 + 8 + 128 + 8 * 2) == 1728  # group 5: rows of 8
     assert bf16_bytes_per_token_layer(LLAMA_8B) == 4096
     assert compression_vs_bf16(LLAMA_8B) == pytest.approx(2.4615, abs=1e-4)
     available = 100 << 30

@@ -104,7 +104,7 @@ def test_direct_variant_has_no_means(device, paged):
     out, _ = _extend(core, p, [(0, n) for n in lengths], device)
     assert tuple(store.q_mean.shape) == (2, 1, HQ, D) and bool((store.q_mean == 0).all())
     slots = p.step([(0, n) for n in lengths], device)["slots"]
-    assert bool((store.layer(1).delta_s[slots] == 0).all()), "mpfa-direct must store zero Delta_S"
+    assert bool((store.layer(1).token_delta_s(slots) == 0).all()), "mpfa-direct must store zero Delta_S"
     _check(out, *_reference(p, [(0, n) for n in lengths], "qk4-pv8-direct"))
 
 

@@ -61,6 +61,9 @@ def test_prefill_table_has_flop_rates_and_speedups():
 def test_mpfa_prefill_set_counts_query_cache_pages_and_output():
     workload = AttentionWorkload("prefill", 300, 2, 32, 8, 128)
     slots = 2 * 384  # 300 tokens -> 3 pages of 128 per sequence
-    held = 600 * 32 * 72 + slots * (8 * 200 + 2 * 32) + 600 * 32 * 128 * 2
+    held = 600 * 32 * 72 + slots * 8 * (200 + 2 * 4) + 600 * 32 * 128 * 2
     assert MpfaAdapter().set_bytes(workload) == max(held, workload.bytes_needed(MPFA))
+    group5 = AttentionWorkload("prefill", 300, 2, 40, 8, 128)  # Delta_S rows padded to 8 BF16 entries
+    held = 600 * 40 * 72 + slots * 8 * (200 + 2 * 8) + 600 * 40 * 128 * 2
+    assert MpfaAdapter().set_bytes(group5) == max(held, group5.bytes_needed(MPFA))
     assert MpfaAdapter().set_bytes(AttentionWorkload("prefill", 65536, 1, 32, 8, 128)) >= 65536 * 32 * (72 + 256)

@@ -20,7 +20,9 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
-CONFIGS = [(8, 4, 1), (8, 5, 16), (8, 4, 128)]  # (KV heads, group, page size): Llama-3.1-8B, Qwen3-14B
+# (KV heads, group, page size): Llama-3.1-8B, Qwen3-14B, and Qwen3-14B at tensor parallelism 8 (5 query heads: an odd
+# count, which v2 handles since Delta_S rows are padded per KV head).
+CONFIGS = [(8, 4, 1), (8, 5, 16), (8, 4, 128), (1, 5, 16)]
 
 
 def _python(code: str, **env: str) -> str:
@@ -91,7 +93,7 @@ def test_triton_kernels_compile_for_sm90():
                         delta_s_ptr="*i16")
         kernels = {
             "quantize_cache": (_quantize_cache_kernel, quantize,
-                               dict(NUM_KV_HEADS=8, GROUP=5, GROUP_POW2=8, HEAD_DIM=128)),
+                               dict(NUM_KV_HEADS=8, GROUP=5, GROUP_POW2=8, DS_ROW=8, HEAD_DIM=128)),
             "sequence_means": (_sequence_means_kernel, dict(x_ptr="*bf16", cu_ptr="*i32", out_ptr="*fp32",
                                x_stride="i32"), dict(NUM_HEADS=8, HEAD_DIM=128, TOKENS=32)),
         }

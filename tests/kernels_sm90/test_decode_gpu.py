@@ -1,4 +1,4 @@
-"""The sm90 split-KV decode (CuTe DSL) against the reference `mpfa` decode, on the GPU.
+"""The sm90 split-KV decode (CuTe DSL, v1 and v2) against the reference `mpfa` decode, on the GPU.
 
 The cache is written by the Triton KV-write kernel (bit-exact, tested in test_quantize_cache), so the kernel and
 the oracle see the same NVFP4/FP8 operands; the oracle runs with the kernel's tiling (partitions of
@@ -28,7 +28,7 @@ pytest.importorskip("tvm_ffi")
 from mpfa.kernels import SmoothingMeans, attention_float64, decode_partials, merge_partials  # noqa: E402
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache  # noqa: E402
 from mpfa.kernels.smoothing import sequence_means  # noqa: E402
-from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode  # noqa: E402
+from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, DecodeWorkspace, mpfa_decode  # noqa: E402
 from mpfa.kernels.sm90.decode_layout import TILE_KEYS  # noqa: E402
 from mpfa.kernels.sm90.quantize_cache import quantize_to_cache  # noqa: E402
 
@@ -108,12 +108,16 @@ CASES = [  # (lengths, Hq, Hkv, page size, partition size)
     ([1, 31, 33, 200, 517], 8, 2, 1, 64),  # GQA 4, page 1 (FlashInfer's layout), many partitions, ragged tails
     ([300, 45, 1000], 10, 2, 16, 128),  # GQA 5, page 16
     ([129, 1500], 32, 8, 128, 256),  # Llama-3.1-8B heads, page 128 (SGLang's FA4 page size)
+    ([77, 640], 5, 1, 16, 128),  # Qwen3-14B at tensor parallelism 8: 5 query heads, one KV head (odd Hq)
 ]
 
 
+@pytest.mark.parametrize("kernel", ["v2", "v1"])
 @pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,partition_size", CASES,
-                         ids=["gqa4-page1", "gqa5-page16", "32x8-page128"])
-def test_decode_matches_reference(gen, lengths, num_q_heads, num_kv_heads, page_size, partition_size):
+                         ids=["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16"])
+def test_decode_matches_reference(gen, monkeypatch, kernel, lengths, num_q_heads, num_kv_heads, page_size,
+                                  partition_size):
+    monkeypatch.setenv(KERNEL_ENV, kernel)
     problem = _problem(gen, lengths, num_q_heads, num_kv_heads, page_size)
     workspace, out = _run(problem, partition_size)
     ref = decode_partials(**problem.reference_inputs, variant="mpfa", partition_size=partition_size,

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from mpfa.kernels import E2M1_GRID, dequantize_nvfp4, quantize_nvfp4
+from mpfa.kernels.cache_layout import delta_s_row
 from mpfa.kernels.formats import NVFP4Tensor
 from mpfa.kernels.sm90 import decode_layout as lay
 
@@ -177,23 +178,31 @@ def test_pv_fragments_compute_fp8_p_times_v():
 
 def test_v2_word_staging_picks_the_lanes_16_bit_values():
     """The kernel copies the aligned 4-byte word holding a lane's 2-byte K-scale pair / Delta_S value and shifts
-    it out; model both on little-endian rows like the cache's (8 KV heads x 8 scale bytes; Hq BF16 values)."""
+    it out; model both on little-endian head-major arrays like the cache's ([KV head, slot] rows of 8 scale bytes
+    and of `delta_s_row` BF16 values), at the kernel's byte offsets: head_slot * row + slot * row + lane offset."""
     rng = np.random.default_rng(0)
-    scales_row = rng.integers(0, 256, size=8 * 8, dtype=np.uint8)
-    for kv_head in range(8):
-        for c in range(4):
-            offset = kv_head * 8 + 4 * (c >> 1)
-            word = int(scales_row[offset:offset + 4].view(np.uint32)[0])
-            picked = (word >> (16 * (c & 1))) & 0xFFFF
-            want = int(scales_row[kv_head * 8 + 2 * c:kv_head * 8 + 2 * c + 2].view(np.uint16)[0])
-            assert picked == want
-    for num_q_heads in (32, 40):
-        ds_row = rng.integers(0, 1 << 16, size=num_q_heads, dtype=np.uint16)
-        as_bytes = ds_row.view(np.uint8)
-        for head in range(num_q_heads):
-            offset = (head * 2) & ~3
-            word = int(as_bytes[offset:offset + 4].view(np.uint32)[0])
-            assert (word >> (16 * (head & 1))) & 0xFFFF == ds_row[head]
+    hkv, slots = 3, 5
+    scales = rng.integers(0, 256, size=(hkv, slots, 8), dtype=np.uint8)
+    flat = scales.reshape(-1)
+    for kv_head in range(hkv):
+        for slot in range(slots):
+            for c in range(4):
+                offset = (kv_head * slots + slot) * 8 + 4 * (c >> 1)
+                assert offset % 4 == 0
+                word = int(flat[offset:offset + 4].view(np.uint32)[0])
+                picked = (word >> (16 * (c & 1))) & 0xFFFF
+                assert picked == int(scales[kv_head, slot, 2 * c:2 * c + 2].view(np.uint16)[0])
+    for group in (1, 3, 4, 5, 8):  # odd groups too: every row is 8 or 16 bytes
+        row = delta_s_row(group)
+        ds = rng.integers(0, 1 << 16, size=(hkv, slots, row), dtype=np.uint16)
+        as_bytes = ds.reshape(-1).view(np.uint8)
+        for kv_head in range(hkv):
+            for slot in range(slots):
+                for g in range(group):
+                    offset = (kv_head * slots + slot) * row * 2 + ((g * 2) & ~3)
+                    assert offset % 4 == 0
+                    word = int(as_bytes[offset:offset + 4].view(np.uint32)[0])
+                    assert (word >> (16 * (g & 1))) & 0xFFFF == ds[kv_head, slot, g]
 
 
 def test_v2_shared_memory_keeps_12_warps_per_sm():
@@ -237,3 +246,13 @@ def test_partitions_spread_each_request_over_the_grid():
     assert -(-32768 // lay.partition_keys(32768, 24, 128)) == 24
     # the floor equal to the workspace's partition size gives every request that size (eager launches)
     assert all(lay.partition_keys(n, 10, 640) == 640 for n in range(1, 6400))
+
+
+def test_decode_kernel_switch(monkeypatch):
+    """v2 by default for every head count (Delta_S rows are padded per KV head, so odd Hq is fine); v1 on request."""
+    from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, use_pipelined
+
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    assert use_pipelined()
+    monkeypatch.setenv(KERNEL_ENV, "V1")
+    assert not use_pipelined()

@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from mpfa.kernels.cache_layout import delta_s_row
 from mpfa.kernels.sm90 import decode_layout as lay
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 
@@ -21,20 +22,27 @@ G, C = LANES // 4, LANES % 4
 POISON = 0xA5
 
 
-def _cache(rng: np.random.Generator, slots: int, hkv: int, hq: int) -> dict:
-    rows = {"k": (hkv, sl.K_ROW_BYTES), "v": (hkv, sl.V_ROW_BYTES), "scales": (hkv, sl.SCALE_ROW_BYTES),
-            "delta_s": (1, 2 * hq)}
-    return {name: rng.integers(0, 256, (slots, heads, size), dtype=np.uint8) for name, (heads, size) in rows.items()}
+def _cache(rng: np.random.Generator, slots: int, hkv: int, group: int) -> dict:
+    """Bytes of the cache (`cache_layout`): K codes and V [slot, KV head, row], K scales and Delta_S [KV head, slot,
+    row] (head-major; Delta_S rows of `delta_s_row` BF16 entries)."""
+    shapes = {"k": (slots, hkv, sl.K_ROW_BYTES), "v": (slots, hkv, sl.V_ROW_BYTES),
+              "scales": (hkv, slots, sl.SCALE_ROW_BYTES), "delta_s": (hkv, slots, 2 * delta_s_row(group))}
+    return {name: rng.integers(0, 256, shape, dtype=np.uint8) for name, shape in shapes.items()}
 
 
-def _row(cache: dict, name: str, slot: int, kv_head: int, first_head: int) -> np.ndarray:
-    """The bytes of key ``slot`` a stage row copies from (its byte offsets are the copy map's)."""
-    if name == "delta_s":
-        return cache["delta_s"][slot, 0, 4 * sl.ds_first_word(first_head):]
-    return cache[name][slot, kv_head]
+def _key_row(cache: dict, name: str, slot: int, kv_head: int) -> np.ndarray:
+    """The bytes of (``slot``, ``kv_head``) in array ``name``."""
+    return cache[name][kv_head, slot] if name in ("scales", "delta_s") else cache[name][slot, kv_head]
 
 
-def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, first_head: int, heads: int, warps: int):
+def _row(cache: dict, name: str, slot: int, kv_head: int, group_first: int) -> np.ndarray:
+    """The bytes of key ``slot`` a stage row copies from (its byte offsets are the copy map's); ``group_first``:
+    the CTA's first head within the GQA group."""
+    row = _key_row(cache, name, slot, kv_head)
+    return row[4 * sl.ds_first_word(group_first):] if name == "delta_s" else row
+
+
+def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, group_first: int, heads: int, warps: int):
     """The stage after every warp's copies (cp.async with src-size 0 past the end writes zeros)."""
     stage = np.full(sl.stage_bytes(heads), POISON, dtype=np.uint8)
     written = np.zeros(stage.size, dtype=np.int64)
@@ -45,7 +53,7 @@ def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, first_head: int
             key, offset, smem = copy_map(tid, r)
             assert (key, offset, smem) == copy_map(unit), "a constant offset must not change the unit"
             assert smem % size == 0, "cp.async needs a destination aligned to its size"
-            source = _row(cache, name, slot0 + key, kv_head, first_head)
+            source = _row(cache, name, slot0 + key, kv_head, group_first)
             stage[smem:smem + size] = source[offset:offset + size] if key < left else 0
             written[smem:smem + size] += 1
     return stage, written
@@ -78,13 +86,11 @@ CASES = [  # (KV heads, group, heads per CTA, KV head of the CTA, first head ind
 @pytest.mark.parametrize("left", [32, 19, 1], ids=["whole-tile", "ragged", "one-key"])
 def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left, warps):
     rng = np.random.default_rng(hkv * 100 + group * 10 + heads + left)
-    hq = hkv * group
     page_size, pages = 64, 6
-    cache = _cache(rng, page_size * pages, hkv, hq)
+    cache = _cache(rng, page_size * pages, hkv, group)
     slot0 = 3 * page_size + 32  # the second tile of page 3
-    first_head = kv_head * group + head_offset
     threads = 32 * warps
-    stage, written = _copy_tile(cache, slot0, left, kv_head, first_head, heads, warps)
+    stage, written = _copy_tile(cache, slot0, left, kv_head, head_offset, heads, warps)
 
     used = sl.DS_OFFSET + 4 * sl.ds_units(heads)
     assert (written[:used] == 1).all(), "every byte of the stage is written exactly once"
@@ -97,9 +103,9 @@ def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left,
             if key >= left:
                 rows.append(np.zeros(size, dtype=np.uint8))
             elif name == "delta_s":
-                rows.append(cache["delta_s"][slot0 + key, 0, 2 * head:2 * head + size])
+                rows.append(cache["delta_s"][kv_head, slot0 + key, 2 * head:2 * head + size])
             else:
-                rows.append(cache[name][slot0 + key, kv_head, int(start[lane]):int(start[lane]) + size])
+                rows.append(_key_row(cache, name, slot0 + key, kv_head)[int(start[lane]):int(start[lane]) + size])
         return np.stack(rows)
 
     def read(addresses, size):
@@ -112,12 +118,12 @@ def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left,
         np.testing.assert_array_equal(read(sl.scale_read(n_tile, LANES), 2), expect("scales", keys, 2 * C, 2))
     for warp in range(threads // 32):
         head_in_cta = warp % heads
-        base = sl.ds_lane_base(heads, first_head, head_in_cta, C)
+        base = sl.ds_lane_base(heads, head_offset, head_in_cta, C)
         for n_tile in range(lay.N_TILES):
             for half in range(2):
                 keys = lay.score_key(n_tile, C, half)
                 np.testing.assert_array_equal(read(base + sl.ds_read(heads, n_tile, half), 2),
-                                              expect("delta_s", keys, None, 2, first_head + head_in_cta))
+                                              expect("delta_s", keys, None, 2, head_offset + head_in_cta))
     for k_half in range(2):
         for j in range(4):
             keys = lay.pv_key(k_half, C, j)

@@ -1,5 +1,7 @@
 """The fused quantize + paged-cache write (Triton) against the reference formats: codes, scales, FP8 V and the
-centered Q bit for bit, Delta_S to one BF16 ulp; and the smoothing-means reduction against float64.
+centered Q bit for bit, Delta_S to one BF16 ulp, each at its place in the cache layout (K codes and V at [slot,
+KV head], K scales and Delta_S head-major at [KV head, slot], Delta_S padding untouched); and the smoothing-means
+reduction against float64.
 
 Runs on the GPU when there is one, else in Triton's CPU interpreter (see conftest)."""
 
@@ -44,11 +46,19 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.cpu().view(torch.uint8)
 
 
+def _head_major(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """Rows ``slots`` of a head-major cache array [Hkv, slots, row], token-major: [T, Hkv, row] (indexed here
+    rather than through `MpfaKVCache.token_scales` so that the test pins the layout)."""
+    return x.cpu()[:, slots].transpose(0, 1)
+
+
 def _assert_written_exactly(cache, query, q, k, v, slots, means, cu):
     k_ref = quantize_nvfp4(center(k.float(), means.k_mean, cu))
     q_ref = quantize_nvfp4(center(q.float(), means.q_mean, cu))
     assert torch.equal(cache.k_codes.cpu()[slots], k_ref.codes)
-    assert torch.equal(_bits(cache.k_scales)[slots], _bits(k_ref.scales))
+    assert torch.equal(_head_major(cache.k_scales.view(torch.uint8), slots), _bits(k_ref.scales))
+    assert torch.equal(cache.token_scales(slots.to(cache.k_scales.device)).cpu().view(torch.uint8),
+                       _bits(k_ref.scales))
     assert torch.equal(_bits(cache.v)[slots], _bits(quantize_fp8(v)))
     assert torch.equal(query.codes.cpu(), q_ref.codes)
     assert torch.equal(_bits(query.scales), _bits(q_ref.scales))
@@ -67,15 +77,22 @@ def test_cache_write_is_bit_exact(device, gen, num_q_heads, num_kv_heads):
     cache, query = _write(q, k, v, lengths, slots, means, num_q_heads, num_kv_heads, device)
 
     _assert_written_exactly(cache, query, q, k, v, slots, means, cu)
-    ds_ref = delta_s(means.q_mean, center(k.float(), means.k_mean, cu), cu)
-    ds = cache.delta_s.cpu()[slots]
+    group = num_q_heads // num_kv_heads
+    assert cache.delta_s.shape == (num_kv_heads, cache.num_slots, 4 if group == 4 else 8)
+    ds_ref = delta_s(means.q_mean, center(k.float(), means.k_mean, cu), cu)  # [T, Hq], head h = group * kv + i
+    rows = _head_major(cache.delta_s, slots)  # [T, Hkv, row]
+    ds = rows[:, :, :group].reshape(tokens, num_q_heads)
+    assert torch.equal(cache.token_delta_s(slots.to(cache.delta_s.device)).cpu(), ds)
     ulp = torch.finfo(torch.bfloat16).eps * ds_ref.float().abs().clamp(min=torch.finfo(torch.bfloat16).tiny)
     assert bool(((ds.float() - ds_ref.float()).abs() <= ulp).all()), "Delta_S differs by more than one BF16 ulp"
     assert (ds == ds_ref).float().mean() > 0.99, "Delta_S should almost always round like the reference"
+    assert bool((rows[:, :, group:].view(torch.uint8) == POISON).all()), "the Delta_S padding was written"
     untouched = torch.ones(cache.num_slots, dtype=torch.bool)
     untouched[slots] = False
-    for field in (cache.k_codes, cache.k_scales, cache.v, cache.delta_s):
+    for field in (cache.k_codes, cache.v):
         assert bool((_bits(field)[untouched] == POISON).all()), "a slot that was not written changed"
+    for field in (cache.k_scales, cache.delta_s):
+        assert bool((_bits(field)[:, untouched] == POISON).all()), "a slot that was not written changed"
 
 
 def _edge_blocks() -> torch.Tensor:
@@ -134,3 +151,19 @@ def test_bad_inputs_raise_clear_errors(device):
         MpfaKVCache.allocate(2, 16, 8, 2, 64, device)
     with pytest.raises(ValueError, match="power-of-two page_size"):
         MpfaKVCache.allocate(2, 12, 8, 2, HEAD_DIM, device)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads,row", [(8, 8, 4), (8, 2, 4), (10, 2, 8), (5, 1, 8), (16, 2, 8)])
+def test_cache_layout_is_head_major_with_padded_delta_s_rows(num_q_heads, num_kv_heads, row):
+    """K scales [Hkv, slots, 8] and Delta_S [Hkv, slots, group rounded up to 4] (8- or 16-byte rows); the bytes
+    per token count the padding; a token-major (old-layout) array is refused."""
+    cache = MpfaKVCache.allocate(3, 16, num_q_heads, num_kv_heads, HEAD_DIM, "cpu")
+    assert cache.k_scales.shape == (num_kv_heads, 48, 8) and cache.delta_s.shape == (num_kv_heads, 48, row)
+    assert cache.num_q_heads == num_q_heads and cache.group == num_q_heads // num_kv_heads
+    assert cache.bytes_per_token() == num_kv_heads * (64 + 8 + 128 + 2 * row)
+    old_scales = cache.k_scales.transpose(0, 1).contiguous()
+    with pytest.raises(ValueError, match=r"k_scales must be \[%d, 48, 8\]" % num_kv_heads):
+        type(cache)(cache.k_codes, old_scales, cache.v, cache.delta_s, cache.page_size, cache.group)
+    old_delta_s = torch.empty((48, num_q_heads), dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="delta_s must be"):
+        type(cache)(cache.k_codes, cache.k_scales, cache.v, old_delta_s, cache.page_size, cache.group)

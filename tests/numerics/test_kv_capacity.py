@@ -13,6 +13,7 @@ from mpfa.kernels import (
     quantize_fp8,
     quantize_nvfp4,
 )
+from mpfa.kernels.cache_layout import delta_s_row
 
 
 def nbytes(*tensors: torch.Tensor) -> int:
@@ -22,12 +23,14 @@ def nbytes(*tensors: torch.Tensor) -> int:
 @pytest.mark.parametrize("head_dim", [64, 128])
 @pytest.mark.parametrize("group", [1, 4, 5])
 def test_bytes_match_quantized_tensors(gen: torch.Generator, head_dim: int, group: int) -> None:
-    """One token of one KV head (+ its group of query heads for Delta_S), stored in each format."""
+    """One token of one KV head (+ its group of query heads for Delta_S, in the cache's padded row), stored in each
+    format."""
     k = torch.randn(1, 1, head_dim, generator=gen).bfloat16()
     v = torch.randn(1, 1, head_dim, generator=gen).bfloat16()
     q_mean = torch.randn(1, group, head_dim, generator=gen)
     nvfp4_k = quantize_nvfp4(k)
-    side_cache = delta_s(q_mean, k.float(), torch.tensor([0, 1]))
+    side_cache = delta_s(q_mean, k.float(), torch.tensor([0, 1]))  # [1, group]
+    side_cache = torch.nn.functional.pad(side_cache, (0, delta_s_row(group) - group))  # the cache's row
     assert kv_bytes_per_token("bf16", head_dim) == nbytes(k, v)
     assert kv_bytes_per_token("fp8", head_dim) == nbytes(quantize_fp8(k), quantize_fp8(v))
     mpfa_bytes = nbytes(nvfp4_k.codes, nvfp4_k.scales, quantize_fp8(v), side_cache)

@@ -42,6 +42,9 @@ def test_bytes_hand_computed():
     assert decode.bytes_needed(BF16_Q_FP8_KV) == q_and_o + 8 * 1000 * 8 * 128 * 2
     # MpFA per token and KV head, d=128, group 4: NVFP4 K 64 B + 8 scale bytes, FP8 V 128 B, Delta_S 4 x 2 B.
     assert decode.bytes_needed(MPFA) == q_and_o + 8 * 1000 * 8 * (64 + 8 + 128 + 8)
+    # Group 5: Delta_S rows of 8 BF16 entries (the cache's padded layout, what decode reads).
+    group5 = AttentionWorkload("decode", 1000, 8, 40, 8, 128)
+    assert group5.bytes_needed(MPFA) == 8 * 40 * 128 * 2 * 2 + 8 * 1000 * 8 * (64 + 8 + 128 + 16)
 
 
 def test_every_adapter_set_holds_at_least_what_it_needs():
