@@ -3,7 +3,8 @@ it was written from: they pass, and a copy with one backend degraded fails. A ch
 aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
 
 The baseline is written (profiles/NOTES.md, "Serving comparison (regenerable)") by
-    mpfa import profiles/results/h200-long32k-c1.json profiles/results/h200-session11-mpfa-serving.json --db DB
+    mpfa import profiles/results/h200-long32k-c1.json profiles/results/h200-session11-mpfa-serving.json \
+        profiles/results/h200-sitting-{fa4,fi,mpfa,mpfa-32k-c8}.json --db DB
     mpfa gate --write-baseline --baseline profiles/baselines/h200.json --db DB
 """
 from __future__ import annotations
@@ -20,7 +21,9 @@ from mpfa.cli.store import ResultStore
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 BASELINE = PROFILES / "baselines" / "h200.json"
-EXPORTS = [PROFILES / "results" / "h200-long32k-c1.json", PROFILES / "results" / "h200-session11-mpfa-serving.json"]
+EXPORTS = [PROFILES / "results" / name for name in (
+    "h200-long32k-c1.json", "h200-session11-mpfa-serving.json", "h200-sitting-fa4.json", "h200-sitting-fi.json",
+    "h200-sitting-mpfa.json", "h200-sitting-mpfa-32k-c8.json")]
 DEGRADED = ("long32k", "mpfa-direct")  # scenario and backend made worse in the degraded copy
 
 
