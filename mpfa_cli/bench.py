@@ -23,7 +23,14 @@ from rich.text import Text
 
 from mpfa.backends.specs import BackendSpec
 from mpfa.cli import client, metrics, workload
-from mpfa.cli.engines import READY_TIMEOUT_S, gpu_names, model_name, sglang_launch, sim_launch
+from mpfa.cli.engines import (
+    READY_TIMEOUT_S,
+    SGLANG_HIGHEST_PORT,
+    gpu_names,
+    model_name,
+    sglang_launch,
+    sim_launch,
+)
 from mpfa.cli.environment import collect_environment
 from mpfa.cli.errors import UserError
 from mpfa.cli.records import RequestRecord, RunRecord
@@ -94,7 +101,7 @@ def served(
         url = opts.url.rstrip("/")
         yield url, _get_json(f"{url}/get_server_info"), None
         return
-    port = pick_port(opts.port)
+    port = pick_port(opts.port, highest=65535 if opts.engine == "sim" else SGLANG_HIGHEST_PORT)
     if opts.engine == "sim":
         launch = sim_launch(spec, port, opts.time_scale, model, opts.server_args)
     else:

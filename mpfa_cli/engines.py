@@ -13,6 +13,8 @@ from mpfa.cli.scenario import is_bundled_model, model_dir
 
 ENGINES = ("auto", "sim", "sglang", "url")
 READY_TIMEOUT_S = {"sim": 60.0, "sglang": 900.0}
+# SGLang 0.5.15 puts its gRPC port at the HTTP port + 10000 and refuses to start when that exceeds 65535.
+SGLANG_HIGHEST_PORT = 65535 - 10000
 
 
 def gpu_names() -> list[str]:

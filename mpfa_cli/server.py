@@ -35,13 +35,20 @@ def port_free(port: int, host: str = "127.0.0.1") -> bool:
         return sock.connect_ex((host, port)) != 0
 
 
-def pick_port(preferred: int | None = None, host: str = "127.0.0.1") -> int:
-    """The preferred port when it is free, otherwise one the OS hands out."""
-    if preferred is not None and port_free(preferred, host):
+def pick_port(preferred: int | None = None, host: str = "127.0.0.1", highest: int = 65535) -> int:
+    """The preferred port when it is free (and at most ``highest``), otherwise one the OS hands out, or, when the
+    OS's is above ``highest``, the first free one from 30000 up."""
+    if preferred is not None and preferred <= highest and port_free(preferred, host):
         return preferred
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((host, 0))
-        return sock.getsockname()[1]
+        port = sock.getsockname()[1]
+    if port <= highest:
+        return port
+    free = next((p for p in range(30000, highest + 1) if port_free(p, host)), None)
+    if free is None:
+        raise UserError(f"no free port at or below {highest} on {host}")
+    return free
 
 
 def http_ok(url: str, timeout: float = 2.0) -> bool:
