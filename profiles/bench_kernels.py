@@ -3,6 +3,7 @@
     python -m mpfa.profiles.bench_kernels decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
     python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa-v1,mpfa-v2,mpfa-v2w8,flashinfer-fp8
+    python -m mpfa.profiles.bench_kernels prefill --seq 16k,64k --heads 32:8 --backend mpfa-v2,mpfa-v3,fa4-bf16   # v3: wgmma, 32:8
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the

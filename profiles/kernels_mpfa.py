@@ -6,7 +6,7 @@ the CuTe prefill (mma.sync, causal, every token of each sequence a query), page 
 queries' centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 
 Backend ``mpfa`` runs the prefill kernel ``MPFA_PREFILL_KERNEL`` selects (v2 by default); ``mpfa-v1``,
-``mpfa-v2`` and ``mpfa-v2w8`` pin v1, v2 (`prefill_staged`) or v2 with 8-warp CTAs, so one run can time them side
+``mpfa-v2``, ``mpfa-v2w8`` and ``mpfa-v3`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs or v3 (`prefill_wgmma`), so one run can time them side
 by side (decode is the same kernel in all four).
 """
 from __future__ import annotations
@@ -43,8 +43,8 @@ class MpfaAdapter:
     kernel_regex = "SplitKVDecode|PrefillSm90"  # the main kernels; the 4 us decode merge is not what ncu should profile
 
     def __init__(self, prefill_kernel: str | None = None):
-        """``prefill_kernel``: "v1", "v2" or "v2w8" pins the prefill kernel (backend ``mpfa-v1`` / ``mpfa-v2`` /
-        ``mpfa-v2w8``); None follows ``MPFA_PREFILL_KERNEL``."""
+        """``prefill_kernel``: "v1", "v2", "v2w8" or "v3" pins the prefill kernel (backend ``mpfa-v1`` / ``mpfa-v2`` /
+        ``mpfa-v2w8`` / ``mpfa-v3``); None follows ``MPFA_PREFILL_KERNEL``."""
         self.prefill_kernel = prefill_kernel
         if prefill_kernel is not None:
             self.name = f"mpfa-{prefill_kernel}"
@@ -130,7 +130,7 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.prefill_launch import STAGED_WARPS, mpfa_prefill, prefill_kernel
+    from mpfa.kernels.sm90.prefill_launch import STAGED_WARPS, WGMMA_KERNEL, mpfa_prefill, prefill_kernel
 
     tokens = w.batch * w.seq
     pages_per_seq = -(-w.seq // PREFILL_PAGE_SIZE)
@@ -163,5 +163,6 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
 
     name = prefill_kernel(w.q_heads, kernel)
     version = f"{name}, staged cp.async ring, {STAGED_WARPS[name]}-warp CTAs" if name in STAGED_WARPS else name
+    mma = "wgmma" if name == WGMMA_KERNEL else "mma.sync"
     return PreparedKernel(run, _dense_inputs, num_sets,
-                          f"Triton KV write + CuTe prefill {version} (mma.sync, causal), page {PREFILL_PAGE_SIZE}")
+                          f"Triton KV write + CuTe prefill {version} ({mma}, causal), page {PREFILL_PAGE_SIZE}")

@@ -10,9 +10,10 @@ machine). The grid needs the longest query length: pass ``max_seqlen_q`` to avoi
 Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm90`, per-warp global loads) and v2
 (`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs), v2 in two
 CTA sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1 CTA per SM instead of 2).
-``MPFA_PREFILL_KERNEL=v1|v2|v2w8`` picks one (default v2: bit-identical to v1 in the H200 GPU tests, 1.43x faster
-at 64K), as does the ``kernel=`` argument of `mpfa_prefill`; v2 needs an even number of query heads (else v1
-runs).
+``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3`` picks one (default v2: bit-identical to v1 in the H200 GPU tests, 1.43x
+faster at 64K), as does the ``kernel=`` argument of `mpfa_prefill`; v2 needs an even number of query heads (else v1
+runs). v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA group 4 and pages of >= 64 keys only) is
+opt-in: it matches v1 up to FP32 summation order, not bit for bit, and is never picked unless named.
 """
 
 from __future__ import annotations
@@ -31,21 +32,34 @@ HEAD_DIM = 128
 BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host side imports no CuTe DSL)
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # "v2" (default: the staged kernel, `prefill_staged`), "v2w8" or "v1"
+KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # "v2" (default: the staged kernel, `prefill_staged`), "v2w8", "v3" or "v1"
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
+WGMMA_KERNEL = "v3"  # `prefill_wgmma`: opt-in only
+WGMMA_GROUP = 4  # the only GQA group v3 supports (4 heads x 16 rows = one 64-row warpgroup tile)
+WGMMA_BLOCK_M = 16  # query rows per v3 CTA
+WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 
 
 def prefill_kernel(num_q_heads: int, kernel: str | None = None) -> str:
-    """The prefill kernel that runs: ``kernel`` ("v1", "v2" or "v2w8"; None: ``MPFA_PREFILL_KERNEL``, default v2),
-    v1 with an odd number of query heads (v2 copies Delta_S as aligned 4-byte words)."""
-    name = kernel_version(KERNEL_ENV, kernel, variants=("v2w8",))
+    """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8" or "v3"; None: ``MPFA_PREFILL_KERNEL``, default
+    v2), v1 with an odd number of query heads (v2 copies Delta_S as aligned 4-byte words). v3 only when named."""
+    name = kernel_version(KERNEL_ENV, kernel, variants=("v2w8", WGMMA_KERNEL))
     return name if num_q_heads % 2 == 0 else "v1"
 
 
 def kernel_block_m(group: int, kernel: str) -> int:
     """Query rows per CTA of ``kernel`` (a `prefill_kernel` name; the grid's row blocks: ``ceil(max_seqlen_q /
     block_m)``)."""
+    if kernel == WGMMA_KERNEL:
+        return WGMMA_BLOCK_M
     return WARP_ROWS * cta_shape(group, STAGED_WARPS[kernel])[1] if kernel in STAGED_WARPS else BLOCK_M
+
+
+def check_wgmma_shape(group: int, page_size: int) -> None:
+    """v3's limits, as a clear error before compiling."""
+    _require(group == WGMMA_GROUP, f"the v3 (wgmma) prefill supports GQA group {WGMMA_GROUP} only (e.g. 32:8), got "
+                                   f"group {group}: use kernel v1 or v2")
+    _require(page_size >= WGMMA_MIN_PAGE, f"the v3 (wgmma) prefill needs page_size >= {WGMMA_MIN_PAGE}, got {page_size}")
 
 
 def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool,
@@ -53,10 +67,12 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
     only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
-    (``MPFA_PREFILL_KERNEL``)."""
+    (``MPFA_PREFILL_KERNEL``); "v3" only for GQA group 4 and pages of >= 64 keys."""
     name = prefill_kernel(num_kv_heads * group, "v1" if kernel is None and ablation is not None else kernel)
     if name != "v1" and ablation is not None:
         raise ValueError("the compile-time ablations exist for the v1 prefill kernel only")
+    if name == WGMMA_KERNEL:
+        check_wgmma_shape(group, page_size)
     return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, name)
 
 
@@ -67,13 +83,16 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     import cutlass
     from cutlass import Float32, Int32
 
-    from mpfa.kernels.sm90 import prefill, prefill_staged
+    from mpfa.kernels.sm90 import prefill, prefill_staged, prefill_wgmma
     from mpfa.kernels.sm90.ablation import FULL
 
     assert (prefill.BLOCK_M, prefill.TILE_KEYS, prefill_staged.TILE_KEYS) == (BLOCK_M, TILE_KEYS, TILE_KEYS)
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8 = cutlass.Uint8
-    if kernel in STAGED_WARPS:
+    if kernel == WGMMA_KERNEL:
+        launcher = prefill_wgmma.PrefillSm90Wgmma(num_kv_heads, group, page_size, causal, out_dtype)
+        assert launcher.block_m == WGMMA_BLOCK_M
+    elif kernel in STAGED_WARPS:
         launcher = prefill_staged.PrefillSm90Staged(num_kv_heads, group, page_size, causal, out_dtype,
                                                     warps=STAGED_WARPS[kernel])
         assert launcher.block_m == kernel_block_m(group, kernel)
@@ -145,8 +164,8 @@ def mpfa_prefill(
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
-    ``kernel``: "v1", "v2" or "v2w8" (None: ``MPFA_PREFILL_KERNEL``, see `prefill_kernel`); all give the same
-    output."""
+    ``kernel``: "v1", "v2", "v2w8" or "v3" (None: ``MPFA_PREFILL_KERNEL``, see `prefill_kernel`); all give the
+    same output (v3 up to FP32 summation order)."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
                     causal=causal, sm_scale=sm_scale, out=out, kernel=kernel)
 

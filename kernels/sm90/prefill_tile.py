@@ -69,16 +69,20 @@ def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list, 
     8 n + half <= seen[r] (None: every row sees every key of the tile). Delta_S, or -inf for a masked score, is
     the accumulator's initial value. ``ntile``: replaces `qk_ntile` (only for the timing ablations of `ablation`)."""
     ntile = qk_ntile if ntile is None else ntile
-    scores = []
-    for n_tile in range(len(k_words)):
-        init = []
-        for r in range(2):
-            for half in range(2):
-                ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
-                init.append(ds if seen is None else Float32(select_(seen[r] >= 8 * n_tile + half, ds,
-                                                                    Float32(-math.inf))))
-        scores.append(ntile(a_steps, k_words[n_tile], k_scale_pairs[n_tile], init))
-    return scores
+    return [ntile(a_steps, k_words[n_tile], k_scale_pairs[n_tile], score_init(ds_bits, seen, n_tile))
+            for n_tile in range(len(k_words))]
+
+
+def score_init(ds_bits: list, seen: tuple | None, n_tile: int) -> list:
+    """The initial accumulators of n-tile ``n_tile`` (rows g, g + 8 x keys 8 n + 2c, + 1, as `qk_scores`' S):
+    Delta_S * 2**-7, or -inf where ``seen`` masks the score."""
+    init = []
+    for r in range(2):
+        for half in range(2):
+            ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
+            init.append(ds if seen is None else Float32(select_(seen[r] >= 8 * n_tile + half, ds,
+                                                                Float32(-math.inf))))
+    return init
 
 
 def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32, exp2=None) -> tuple:

@@ -106,6 +106,19 @@ def store_v4_u32(address: Int64, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, 
 
 
 @dsl_user_op
+def store_u32(address: Int64, a: Uint32, *, loc=None, ip=None) -> None:
+    """4 bytes to global memory."""
+    _side_effect_asm([Int64(address).ir_value(loc=loc, ip=ip), _u32(a, loc, ip)], "st.global.b32 [$0], $1;", "l,r")
+
+
+@dsl_user_op
+def store_v2_f32(address: Int64, a: Float32, b: Float32, *, loc=None, ip=None) -> None:
+    """8 bytes (two FP32) to global memory."""
+    _side_effect_asm([Int64(address).ir_value(loc=loc, ip=ip), _f32(a, loc, ip), _f32(b, loc, ip)],
+                     "st.global.v2.f32 [$0], {$1, $2};", "l,f,f")
+
+
+@dsl_user_op
 def mma_f16_m16n8k16(a: list, b: list, c: list, *, loc=None, ip=None) -> list:
     """D = A B + C, A 16x16 row-major and B 16x8 column-major in FP16 (4 and 2 f16x2 registers), C/D FP32 (4)."""
     value, struct = _asm(

@@ -43,6 +43,17 @@ def q_chunk_regs(words: list, scale_pair: Uint32) -> list:
     return regs
 
 
+def k_chunk_regs(words: list, scale_pair: Uint32) -> list:
+    """`q_chunk_regs` for a K row: the chunk's 16 f16x2 registers in the same element order, each e2m1 * 2**-14
+    times scale * 2**7, i.e. exactly K * 2**-7 (so Q K^T comes out as S * 2**-7, as in `qk_ntile`)."""
+    blocks = _scale_blocks(mul_f16x2(e4m3x2_to_f16x2(scale_pair), Uint32(lay.F16X2_TWO_POW_7)))
+    regs = []
+    for reg in range(lay.QK_REGS):
+        word, j = divmod(reg, 4)
+        regs.append(mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), blocks[word // 2]))
+    return regs
+
+
 def qk_ntile(a_steps: list, k_words: list, k_scale_pair: Uint32, c_regs: list) -> list:
     """One 8-key n-tile of S * 2**-7 = Q K^T * 2**-7 + C over the 8 k-steps. ``a_steps[step]``: the 4 A registers
     of the step; ``k_words``: the lane's chunk of its key's NVFP4 K row, ``k_scale_pair`` its two e4m3 scales

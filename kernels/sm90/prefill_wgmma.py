@@ -1,0 +1,356 @@
+"""MpFA prefill v3: both GEMMs on warpgroup MMA (wgmma), v1's numerics (opt-in, ``MPFA_PREFILL_KERNEL=v3``).
+
+v1 / v2 (`prefill`, `prefill_staged`) are latency-bound chains of per-warp ``mma.sync`` with a CTA barrier per
+32-key tile (profiles/NOTES.md, "Prefill v2.1"). v3 keeps v2's CTA (the 4 query heads of one GQA group x 16 rows),
+its cp.async ring and its order, and replaces the tile's arithmetic with two wgmma GEMMs of one warpgroup:
+
+* CTA = one warpgroup (128 threads) = a 64-row wgmma tile: M row ``16 h + i`` is query head ``first_head + h``,
+  query row ``row0 + i``. Warp h then owns head h's 16 rows and thread (g, c) of it the rows g and g + 8, exactly
+  v1's per-warp rows, so v1's online softmax (`prefill_tile.online_softmax`) runs unchanged on the accumulator.
+* 64-key tiles (``TILE_KEYS``), walked last to first; the first the masked tiles (past the diagonal of a row or the
+  sequence end), then the whole ones, as v1. A ring stage holds a 64-key tile as two of v2's 32-key stages
+  (`prefill_staged_layout`; v2's `_copy_tile` fills them), so pages must hold 64 keys.
+* Per tile the warpgroup expands the tile's NVFP4 K exactly to FP16 (K * 2**-7, `warp_mma.k_chunk_regs`) and its
+  e4m3 V exactly to FP16 into two shared-memory operand tiles, both [64 keys][128 dims] in the 128-byte-swizzled
+  K-major layout of wgmma (`operand_offset`): K is QK's B operand (K-major) and the same layout read transposed
+  is PV's B operand V^T with the dimensions contiguous (MN-major, allowed for 16-bit wgmma): no transpose.
+  Q is expanded once, the same way (`warp_mma.q_chunk_regs`: the same element order within each 32-element
+  chunk as K, so the dot products pair the right elements), into a third tile: QK's A operand.
+* S * 2**-7 = Q K^T * 2**-7 on ``m64n64k16`` FP16 wgmma (8 k-steps) with the accumulator initialised to
+  Delta_S * 2**-7, or -inf for a masked score (`prefill_tile.score_init`): the compensation enters through the MMA
+  as in v1. The FP16 products are exact; only the FP32 summation order differs from v1's mma.sync chain.
+* Online softmax on the accumulator (exp2, lambda folded, as v1), P quantized to e4m3(448 P) as v1
+  (`warp_mma.p_pair`) and widened exactly to FP16: the register A operand of the PV wgmma (``m64n128k16``,
+  4 k-steps; `p_operand`); O in FP32 registers, rescaled by alpha before the MMA; O / (448 l) in BF16 (or FP32)
+  at the end, as v1. e4m3 x e4m3 products are exact in FP32, so PV differs from v1's only by summation order.
+* Synchronisation per tile: wait for the tile's copies + barrier, issue the copies of a later tile, expand K / V,
+  ``fence.proxy.async`` (generic-proxy stores must be visible to wgmma) + barrier, QK, softmax, PV (each wgmma
+  waited for before the next barrier, so the next expansion may overwrite the operand tiles).
+
+Only GQA group 4 (32:8); the launcher refuses other groups. Shared memory: Q, K, V operand tiles (16 KB each) and
+a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.utils import LayoutEnum
+
+from mpfa.kernels.sm90 import prefill_grid
+from mpfa.kernels.sm90 import prefill_staged_layout as sl
+from mpfa.kernels.sm90 import prefill_tile as tile_math
+from mpfa.kernels.sm90.prefill_staged import PrefillSm90Staged
+from mpfa.kernels.sm90.ptx import (
+    cp_async_commit,
+    cp_async_wait,
+    e4m3x2_to_f16x2,
+    f32x2_to_bf16x2,
+    load_shared_v4_u32,
+    load_u16,
+    load_u32,
+    load_v4_u32,
+    store_u32,
+    store_v2_f32,
+)
+from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
+from mpfa.kernels.sm90.warp_mma import k_chunk_regs, p_pair, q_chunk_regs, quad_sum, P_SCALE
+
+HEAD_DIM = sl.HEAD_DIM
+TILE_KEYS = 64  # keys per wgmma tile: two of v2's 32-key ring stages
+HALVES = TILE_KEYS // sl.TILE_KEYS
+N_BLOCKS = TILE_KEYS // 8  # 8-key column blocks of the S accumulator (v1's n-tiles)
+GROUP = 4  # query heads per KV head v3 supports: 4 heads x 16 rows = one 64-row warpgroup tile
+ROWS = sl.WARP_ROWS  # query rows per CTA
+THREADS = 128
+STAGES = 4
+OPERAND_BYTES = TILE_KEYS * HEAD_DIM * 2  # one FP16 operand tile [64][128]
+Q_OFFSET, K_OFFSET, V_OFFSET = 0, OPERAND_BYTES, 2 * OPERAND_BYTES
+RING_OFFSET = 3 * OPERAND_BYTES
+OPERAND_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
+CHUNK_ELEMS = 32  # elements of a 16-byte NVFP4 chunk (2 blocks): the unit of Q / K expansion
+
+
+def operand_offset(row, chunk):
+    """Byte offset in an FP16 operand tile [64 rows][128] of the 16-byte chunk ``chunk`` (elements 8 chunk ..
+    8 chunk + 7) of row ``row``: the K-major 128-byte-swizzle layout (`operand_layout`): 64-element column halves of
+    64 rows x 128 bytes, chunk XOR row within each 8-row, 1024-byte group."""
+    return (chunk >> 3) * (TILE_KEYS * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4)
+
+
+def operand_layout():
+    """CuTe's layout of an FP16 [64][128] wgmma operand tile with the 128 elements contiguous (K-major for Q and K,
+    MN-major when read transposed as V^T): Swizzle<3,4,3> o ((8,8),(64,2)):((64,512),(1,4096))."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float16, HEAD_DIM), cutlass.Float16)
+    return cute.tile_to_shape(atom, (TILE_KEYS, HEAD_DIM), order=(0, 1))
+
+
+def p_operand(probs: list, words: cute.Tensor) -> None:
+    """P of the tile -> the PV A operand (``words``: the A fragment as 16 f16x2 words): e4m3(448 P), exactly in FP16.
+    Word ``v1 + 2 v2 + 4 k`` of k-step k holds row g + 8 v1 at keys 16 k + 8 v2 + 2c, + 1: S column block
+    2 k + v2 (the wgmma accumulator and A-fragment layouts)."""
+    for k in range(N_BLOCKS // 2):
+        for v2 in range(2):
+            for v1 in range(2):
+                block = probs[2 * k + v2]
+                words[v1 + 2 * v2 + 4 * k] = e4m3x2_to_f16x2(p_pair(block[2 * v1], block[2 * v1 + 1]))
+
+
+class PrefillSm90Wgmma(PrefillSm90Staged):
+    """Compile-time shape of the v3 prefill: `prefill.PrefillSm90`'s arguments (GQA ``group`` must be 4). v2's
+    launch, CTA order, heads and ring copies; the kernel body is replaced."""
+
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16"):
+        if group != GROUP:
+            raise ValueError(f"the v3 (wgmma) prefill supports GQA group {GROUP} only (4 heads x 16 rows = one "
+                             f"64-row warpgroup tile), got {group}; use v1 or v2")
+        if page_size < TILE_KEYS:
+            raise ValueError(f"the v3 (wgmma) prefill needs page_size >= {TILE_KEYS}, got {page_size}")
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, warps=4, stages=STAGES,
+                         shared_dequant=False)
+        assert (self.heads, self.row_blocks, self.threads, self.block_m) == (GROUP, 1, THREADS, ROWS)
+        self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
+        self.smem_bytes = RING_OFFSET + STAGES * self.tile_bytes
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_codes: cute.Tensor,
+        q_scales: cute.Tensor,
+        k_codes: cute.Tensor,
+        k_scales: cute.Tensor,
+        v: cute.Tensor,
+        delta_s: cute.Tensor,
+        page_table: cute.Tensor,
+        cu_seqlens_q: cute.Tensor,
+        seq_lens_k: cute.Tensor,
+        out: cute.Tensor,
+        lam_scaled: Float32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        warp, lane = self._warp_lane(tid)
+        c = lane & 3
+        g = lane >> 2
+        block_head, m_block, batch = prefill_grid.cta(self.cta_order, cute.arch.block_idx(), cute.arch.grid_dim())
+        head, kv_head, cta_heads = self._heads(block_head, warp)
+        q_start = cu_seqlens_q[batch]
+        q_len = cu_seqlens_q[batch + 1] - q_start
+        kv_len = seq_lens_k[batch]
+        row0 = m_block * ROWS
+        # every warp has the same rows (another head), so the CTA's walk is each warp's
+        num_tiles, limits, common = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal,
+                                                        tile_keys=TILE_KEYS, warp_rows=ROWS)
+        num_tiles = Int32(num_tiles)
+
+        smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
+        smem = smem_ptr.toint()
+        layout = operand_layout()
+        s_q, s_k, s_v = [cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=cutlass.Float16),
+                                          layout.outer) for offset in (Q_OFFSET, K_OFFSET, V_OFFSET)]
+        s_vt = cute.composition(s_v, cute.make_ordered_layout((HEAD_DIM, TILE_KEYS), order=(1, 0)))
+
+        mma_qk = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
+                                                   OperandMajorMode.K, Float32, (1, 1, 1), (64, TILE_KEYS))
+        mma_pv = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
+                                                   OperandMajorMode.MN, Float32, (1, 1, 1), (64, HEAD_DIM),
+                                                   a_source=warpgroup.OperandSource.RMEM)
+        thr_qk = mma_qk.get_slice(tid)
+        thr_pv = mma_pv.get_slice(tid)
+        operands = (
+            thr_qk.make_fragment_A(thr_qk.partition_A(s_q)),
+            thr_qk.make_fragment_B(thr_qk.partition_B(s_k)),
+            thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))),
+            thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)),
+        )
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = Float32(0.0)
+        state = cute.make_rmem_tensor((4,), Float32)  # running max (S * 2**-7) of rows g, g + 8; lane-partial sums
+        state[0] = -math.inf
+        state[1] = -math.inf
+        state[2] = Float32(0.0)
+        state[3] = Float32(0.0)
+
+        self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], tid, smem)
+        mmas = (mma_qk, mma_pv, operands, acc_s, acc_o)
+        self._run_wgmma_tiles(num_tiles, common, mmas, state, lam_scaled, (k_codes, k_scales, v, delta_s), page_table,
+                              batch, kv_head, cta_heads, kv_len, limits, tid, warp, c, smem)
+        self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+
+    # --- operands in shared memory ---------------------------------------------------------------------------------
+
+    @cute.jit
+    def _expand_q(self, q_codes: cute.Tensor, q_scales: cute.Tensor, q_start, q_len, row0, first_head, tid, smem):
+        """Q of the CTA's 64 rows exactly to FP16 in the Q operand tile: thread ``tid`` expands the 16-byte chunks
+        ``tid`` and ``tid + 128`` (row ``unit >> 2``, chunk ``unit & 3``); rows past the sequence are zeros."""
+        for r in cutlass.range_constexpr(2):
+            unit = tid + THREADS * r
+            row, chunk = unit >> 2, unit & 3
+            query = row & (ROWS - 1)
+            valid = Uint32(row0 + query < q_len)
+            q_row = Int64(q_start + row0 + query) * self.num_q_heads + first_head + (row >> 4)
+            words = load_v4_u32(q_codes.iterator.toint() + q_row * sl.K_ROW_BYTES + 16 * chunk, valid)
+            scales = load_u16(q_scales.iterator.toint() + q_row * sl.SCALE_ROW_BYTES + 2 * chunk, valid, Uint32(0))
+            self._store_chunk(smem + Q_OFFSET, row, chunk, q_chunk_regs(words, scales))
+
+    @cute.jit
+    def _store_chunk(self, tile, row, chunk, regs: list):
+        """16 f16x2 registers (32 elements of NVFP4 chunk ``chunk``) -> 4 operand chunks of ``row``."""
+        for quad in cutlass.range_constexpr(4):
+            store_shared_v4_u32(tile + operand_offset(row, 4 * chunk + quad), *regs[4 * quad:4 * quad + 4])
+
+    @cute.jit
+    def _expand_kv(self, stage, tid, smem):
+        """The 64-key tile in ring stage ``stage`` (two 32-key halves) -> FP16 K and V operand tiles. K: thread
+        ``tid`` expands chunk ``tid & 3`` of key ``tid >> 2`` of each half; V: 16-byte piece ``tid & 7`` (dimensions
+        16 (tid & 7) ..) of keys ``(tid >> 3) + 16 r``. Keys past the sequence end were zero-filled by the copy."""
+        for half in cutlass.range_constexpr(HALVES):
+            raw = stage + half * self.stage_bytes
+            key = tid >> 2
+            words = load_shared_v4_u32(raw + sl.k_read(0, 0) + 16 * tid)  # key tid >> 2, chunk tid & 3
+            scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * (tid & 3))
+            self._store_chunk(smem + K_OFFSET, sl.TILE_KEYS * half + key, tid & 3, k_chunk_regs(words, scales))
+        piece = tid & 7
+        for r in cutlass.range_constexpr(TILE_KEYS * 8 // THREADS):
+            key = (tid >> 3) + 16 * r  # 0..63
+            in_half = key & (sl.TILE_KEYS - 1)
+            raw = stage + (r // 2) * self.stage_bytes
+            words = load_shared_v4_u32(raw + sl.V_OFFSET + sl.V_ROW_BYTES * in_half
+                                       + 16 * (piece ^ sl.v_swizzle(in_half)))
+            regs = []
+            for word in cutlass.range_constexpr(4):
+                regs += [e4m3x2_to_f16x2(words[word]), e4m3x2_to_f16x2(words[word] >> 16)]
+            for quad in cutlass.range_constexpr(2):
+                store_shared_v4_u32(smem + V_OFFSET + operand_offset(key, 2 * piece + quad),
+                                    *regs[4 * quad:4 * quad + 4])
+
+    # --- the tile loop: v2's ring, 64-key tiles -------------------------------------------------------------------
+
+    @cute.jit
+    def _run_wgmma_tiles(self, num_tiles, common, mmas, state: cute.Tensor, lam_scaled, cache,
+                         page_table: cute.Tensor, batch, kv_head, cta_heads, kv_len, limits, tid, warp, c, smem):
+        """The CTA's tiles through the ``STAGES``-deep ring (`prefill_staged_layout.ring_*`, one 64-key tile per
+        stage), masked tiles first, then whole ones (as v1)."""
+        k_codes, k_scales, v, delta_s = cache
+        first_head, head_in_cta = cta_heads
+        group_first = first_head - kv_head * self.group
+        head_slot = kv_head * k_scales.shape[1]
+        sources = (
+            (k_codes.iterator.toint() + kv_head * sl.K_ROW_BYTES, 0),
+            (v.iterator.toint() + kv_head * HEAD_DIM, 0),
+            (k_scales.iterator.toint(), head_slot),
+            (delta_s.iterator.toint() + 4 * sl.ds_first_word(group_first), head_slot),
+        )
+        ds_lane = sl.ds_lane_base(self.heads, group_first, head_in_cta, c)
+        table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
+        ring = smem + RING_OFFSET
+        page = cute.make_rmem_tensor((1,), Int32)
+        for index in cutlass.range_constexpr(STAGES - 1):
+            tile_index, stage = sl.ring_prologue(index, num_tiles)
+            if tile_index >= 0:
+                self._copy_wgmma_tile(tile_index, Int32(load_u32(self._page_entry(table_row, HALVES * tile_index))),
+                                      ring + stage * self.tile_bytes, kv_len, tid, warp, sources, True)
+            cp_async_commit()
+        self._fetch_page(page, table_row, HALVES * sl.ring_copy(0, num_tiles, STAGES)[0])
+        full_tiles = cutlass.min(common // TILE_KEYS, num_tiles)
+        masked_tiles = num_tiles - full_tiles
+        for step in cutlass.range(masked_tiles, unroll=1):
+            self._wgmma_step(True, step, num_tiles, page, table_row, ring, kv_len, tid, warp, sources, mmas, state,
+                             lam_scaled, ds_lane, limits, c, smem)
+        for step in cutlass.range(full_tiles, unroll=1):
+            self._wgmma_step(False, masked_tiles + step, num_tiles, page, table_row, ring, kv_len, tid, warp, sources,
+                             mmas, state, lam_scaled, ds_lane, limits, c, smem)
+        cp_async_wait(0)
+
+    @cute.jit
+    def _copy_wgmma_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr):
+        """cp.async 64-key tile ``tile_index`` as two of v2's 32-key tiles (one page holds both)."""
+        for half in cutlass.range_constexpr(HALVES):
+            self._copy_tile(HALVES * tile_index + half, page, stage + half * self.stage_bytes, kv_len, tid, warp,
+                            sources, ragged)
+
+    @cute.jit
+    def _wgmma_step(self, masked: cutlass.Constexpr, step, num_tiles, page: cute.Tensor, table_row, ring, kv_len, tid,
+                    warp, sources, mmas, state: cute.Tensor, lam_scaled, ds_lane, limits, c, smem):
+        """Step ``step`` of the walk: ring bookkeeping, K / V expansion, QK, softmax, PV."""
+        mma_qk, mma_pv, operands, acc_s, acc_o = mmas
+        t_q, t_k, t_p, t_vt = operands
+        cp_async_wait(sl.ring_wait(STAGES, False))
+        cute.arch.barrier()  # the tile has landed; every thread is done with the previous step (stage, operands)
+        copy_index, copy_stage = sl.ring_copy(step, num_tiles, STAGES)
+        if copy_index >= 0:
+            self._copy_wgmma_tile(copy_index, page[0], ring + copy_stage * self.tile_bytes, kv_len, tid, warp,
+                                  sources, masked)
+        cp_async_commit()
+        self._fetch_page(page, table_row, HALVES * sl.ring_copy(step + 1, num_tiles, STAGES)[0])
+        tile_index, compute_stage, _ = sl.ring_compute(step, num_tiles, STAGES)
+        stage = ring + compute_stage * self.tile_bytes
+        self._expand_kv(stage, tid, smem)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the operand stores, visible to wgmma
+        cute.arch.barrier()
+
+        tile = tile_index * TILE_KEYS
+        ds_bits = []
+        for block in cutlass.range_constexpr(N_BLOCKS):
+            for half in cutlass.range_constexpr(2):
+                ds_bits.append(load_shared_u16(stage + (block // 4) * self.stage_bytes + ds_lane
+                                               + sl.ds_read(self.heads, block % 4, half)))
+        seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
+        for block in cutlass.range_constexpr(N_BLOCKS):
+            init = tile_math.score_init(ds_bits, seen, block)
+            for i in cutlass.range_constexpr(4):
+                acc_s[4 * block + i] = init[i]
+        _gemm(mma_qk, acc_s, t_q, t_k)
+
+        scores = [[acc_s[4 * block + i] for i in range(4)] for block in range(N_BLOCKS)]
+        probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
+                                                                 lam_scaled)
+        for r in cutlass.range_constexpr(2):
+            state[r] = m_rows[r]
+            state[2 + r] = l_rows[r]
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
+        p_operand(probs, cute.recast_tensor(t_p, Uint32))
+        _gemm(mma_pv, acc_o, t_p, t_vt)
+
+    # --- epilogue ---------------------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _store_rows(self, state: cute.Tensor, acc_o: cute.Tensor, out: cute.Tensor, q_start, q_len, row0, head, g,
+                    c):
+        """O / (448 l) of rows g, g + 8 (0 for a row that saw no key): dimensions 8 j + 2c, + 1 of accumulator
+        column block j; rows past the sequence are not written."""
+        elem_bytes = 4 if self.out_f32 else 2
+        for r in cutlass.range_constexpr(2):
+            l_row = quad_sum(state[2 + r])
+            inv = Float32(cutlass.select_(l_row > Float32(0.0), Float32(1.0) / (l_row * Float32(P_SCALE)),
+                                          Float32(0.0)))
+            row = row0 + g + 8 * r
+            if row < q_len:
+                base = out.iterator.toint() + (Int64(q_start + row) * self.num_q_heads + head) * HEAD_DIM * elem_bytes
+                for j in cutlass.range_constexpr(HEAD_DIM // 8):
+                    lo, hi = acc_o[4 * j + 2 * r] * inv, acc_o[4 * j + 2 * r + 1] * inv
+                    address = base + (8 * j + 2 * c) * elem_bytes
+                    if cutlass.const_expr(self.out_f32):
+                        store_v2_f32(address, lo, hi)
+                    else:
+                        store_u32(address, f32x2_to_bf16x2(lo, hi))
+
+
+@cute.jit
+def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor) -> None:
+    """acc += A B over the k-steps on wgmma (accumulating onto acc's current value), waited for."""
+    warpgroup.fence()
+    atom = cute.make_mma_atom(tiled_mma.op)
+    atom.set(warpgroup.Field.ACCUMULATE, True)
+    for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+    warpgroup.commit_group()
+    warpgroup.wait_group(0)

@@ -1,0 +1,129 @@
+"""The wgmma prefill (v3, `prefill_wgmma`) compiles for sm_90a on a CPU-only machine through the launcher's path
+(`compile_prefill_kernel(..., kernel="v3")`): both GEMMs on warpgroup MMA (per copy of the tile body 8
+HGMMA.64x64x16 for QK and 4 HGMMA.64x128x16 with V^T read transposed, ``tnspB``, for PV; no mma.sync), no local memory, registers that
+leave 2 CTAs (2 warpgroups) per SM, shared memory for 2 CTAs per SM. Also the opt-in switch, v3's limits (GQA
+group 4, pages of >= 64 keys), the operand-tile layout against CuTe's, and the benchmark backend."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
+pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
+triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
+
+from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
+from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m, prefill_kernel  # noqa: E402
+
+CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
+REGISTERS_PER_SM = 65536
+SMEM_PER_SM = 228 * 1024
+SMEM_RESERVED_PER_CTA = 1024
+THREADS = 128
+TILE_LOOPS = 2  # masked tiles, then whole tiles
+
+
+def _tool(name: str) -> Path:
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
+    if not tool.exists():
+        pytest.skip(f"{name} (shipped with triton) not found to inspect the SASS")
+    return tool
+
+
+def _cuobjdump(*args: str) -> str:
+    return subprocess.run([str(_tool("cuobjdump")), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="module")
+def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
+    dump = tmp_path_factory.mktemp("prefill_wgmma")
+    code = f"""
+        from pathlib import Path
+        from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
+        for i, config in enumerate({CONFIGS!r}):
+            compile_prefill_kernel(*config, kernel="v3")
+            (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.cubin")
+            cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
+        """
+    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", prefill_launch.KERNEL_ENV)}
+    env = {**clean, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin", "CUTE_DSL_DUMP_DIR": str(dump)}
+    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
+                            timeout=900)
+    assert result.returncode == 0, result.stderr[-4000:]
+    return {config: dump / f"build{i}.cubin" for i, config in enumerate(CONFIGS)}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["causal-bf16-page128", "noncausal-f32-page64"])
+def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, config):
+    from mpfa.kernels.sm90.prefill_wgmma import PrefillSm90Wgmma
+
+    cubin = str(wgmma_cubins[config])
+    usage = _cuobjdump("--dump-resource-usage", cubin)
+    assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the v3 prefill spills: {usage}"
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    allocated = -(-registers // 8) * 8 * THREADS
+    assert REGISTERS_PER_SM // allocated >= 2, f"{registers} registers: fewer than 2 CTAs per SM"
+    static_smem = int(re.search(r"SHARED:(\d+)", usage).group(1))
+    smem = PrefillSm90Wgmma(*config).smem_bytes + static_smem + SMEM_RESERVED_PER_CTA
+    assert 2 * smem <= SMEM_PER_SM, f"{smem} bytes of shared memory per CTA: fewer than 2 CTAs per SM"
+
+    sass = _cuobjdump("--dump-sass", cubin)
+    hgmma = re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32[^;]*", sass)
+    qk = [op for op in hgmma if op.startswith("64x64x16")]
+    pv = re.findall(r"HGMMA\.64x128x16\.F32 [^;]*tnspB", sass)
+    # 8 + 4 per copy of the tile body: one per tile loop, or more where ptxas duplicates a loop body
+    copies = len(pv) // 4
+    assert copies >= TILE_LOOPS and len(pv) == 4 * copies and len(qk) == 8 * copies, hgmma
+    assert len(hgmma) == len(qk) + len(pv), hgmma
+    assert "HMMA" not in sass.replace("HGMMA", ""), "v3 should have no mma.sync left"
+
+
+def test_operand_offset_is_cutes_layout():
+    """`operand_offset` (where the expansion stores a 16-byte chunk) is CuTe's swizzled wgmma layout of the tile:
+    the layout's element offset, in bytes, with the 128-byte swizzle (bits 4-6 ^= bits 7-9) applied."""
+    import cutlass
+    import cutlass.cute as cute
+
+    from mpfa.kernels.sm90.prefill_wgmma import HEAD_DIM, TILE_KEYS, operand_layout, operand_offset
+
+    found = []
+
+    @cute.jit
+    def trace():
+        layout = operand_layout()
+        found.append(str(layout.inner))
+        for row in cutlass.range_constexpr(TILE_KEYS):
+            for chunk in cutlass.range_constexpr(HEAD_DIM // 8):
+                offset = 2 * layout.outer((row, 8 * chunk))
+                found.append((offset ^ (((offset >> 7) & 7) << 4)) == operand_offset(row, chunk))
+
+    os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
+    trace()
+    assert found[0] == "S<3,4,3>" and len(found) == 1 + TILE_KEYS * HEAD_DIM // 8 and all(found[1:])
+
+
+def test_v3_is_opt_in(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
+    assert prefill_kernel(32) == "v2" and prefill_kernel(32, "V3") == "v3"
+    monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v3")
+    assert prefill_kernel(32) == "v3" and kernel_block_m(4, "v3") == 16
+
+
+def test_v3_limits_are_clear_errors():
+    with pytest.raises(ValueError, match="group 4 only"):
+        compile_prefill_kernel(8, 5, 128, True, "BFloat16", kernel="v3")
+    with pytest.raises(ValueError, match="page_size >= 64"):
+        compile_prefill_kernel(8, 4, 32, True, "BFloat16", kernel="v3")
+
+
+def test_bench_backend_pins_v3():
+    from mpfa.profiles.registry import adapter_for
+
+    assert adapter_for("mpfa-v3").prefill_kernel == "v3"
