@@ -21,7 +21,7 @@ import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
+pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
 from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
 from mpfa.kernels.sm90 import prefill_staged_layout as sl  # noqa: E402
@@ -38,17 +38,6 @@ REGISTERS_PER_SM = 65536
 SMEM_PER_SM = 227 * 1024
 TILE_LOOP_MAX_INSTRUCTIONS = 800  # ~675 (whole tiles) / ~725 (masked) with 4 warps, ~660 / ~710 with 8
 PER_WARP_DEQUANT_MAX_INSTRUCTIONS = 1000  # ~855 / ~880
-
-
-def _tool(name: str) -> Path:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-    if not tool.exists():
-        pytest.skip(f"{name} (shipped with triton) not found to inspect the SASS")
-    return tool
-
-
-def _cuobjdump(*args: str) -> str:
-    return subprocess.run([str(_tool("cuobjdump")), *args], check=True, capture_output=True, text=True).stdout
 
 
 @pytest.fixture(scope="module")
@@ -133,11 +122,11 @@ def _count(ops: Counter, prefix: str) -> int:
 @pytest.mark.parametrize("config,kernel_name,shared_dequant", BUILDS,
                          ids=["{}-hkv{}-g{}-page{}-causal{}-{}".format(k, *c) + ("" if d else "-per-warp-dequant")
                               for c, k, d in BUILDS])
-def test_staged_prefill_compiles_for_sm90a(staged_cubins, config, kernel_name, shared_dequant):
+def test_staged_prefill_compiles_for_sm90a(staged_cubins, cuobjdump, config, kernel_name, shared_dequant):
     from mpfa.kernels.sm90.prefill_staged import PrefillSm90Staged
 
     cubin = staged_cubins[config, kernel_name, shared_dequant]
-    usage = _cuobjdump("--dump-resource-usage", str(cubin))
+    usage = cuobjdump("--dump-resource-usage", str(cubin))
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the staged prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     warps = prefill_launch.STAGED_WARPS[kernel_name]
@@ -148,7 +137,7 @@ def test_staged_prefill_compiles_for_sm90a(staged_cubins, config, kernel_name, s
     assert ctas * warps == 8, f"{registers} registers: {ctas} CTAs of {warps} warps per SM, not 8 warps"
     assert kernel.smem_bytes <= 48 * 1024 and ctas * (kernel.smem_bytes + 1024) <= SMEM_PER_SM  # 42 KB: 26 + 16
 
-    sass = _cuobjdump("--dump-sass", str(cubin))
+    sass = cuobjdump("--dump-sass", str(cubin))
     copies = len(sl.copy_plan(kernel.heads, warps))
     assert _count(Counter(_opcode(t) for _, t in _instructions(sass)), "LDGSTS") >= copies, "no cp.async copies"
     loops = tile_loops(sass)

@@ -17,7 +17,7 @@ import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
+pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
 from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
 from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m, prefill_kernel  # noqa: E402
@@ -28,17 +28,6 @@ SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
 THREADS = 128
 TILE_LOOPS = 2  # masked tiles, then whole tiles
-
-
-def _tool(name: str) -> Path:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / name
-    if not tool.exists():
-        pytest.skip(f"{name} (shipped with triton) not found to inspect the SASS")
-    return tool
-
-
-def _cuobjdump(*args: str) -> str:
-    return subprocess.run([str(_tool("cuobjdump")), *args], check=True, capture_output=True, text=True).stdout
 
 
 @pytest.fixture(scope="module")
@@ -61,11 +50,11 @@ def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=["causal-bf16-page128", "noncausal-f32-page64"])
-def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, config):
+def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config):
     from mpfa.kernels.sm90.prefill_wgmma import PrefillSm90Wgmma
 
     cubin = str(wgmma_cubins[config])
-    usage = _cuobjdump("--dump-resource-usage", cubin)
+    usage = cuobjdump("--dump-resource-usage", cubin)
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the v3 prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     allocated = -(-registers // 8) * 8 * THREADS
@@ -74,7 +63,7 @@ def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, config):
     smem = PrefillSm90Wgmma(*config).smem_bytes + static_smem + SMEM_RESERVED_PER_CTA
     assert 2 * smem <= SMEM_PER_SM, f"{smem} bytes of shared memory per CTA: fewer than 2 CTAs per SM"
 
-    sass = _cuobjdump("--dump-sass", cubin)
+    sass = cuobjdump("--dump-sass", cubin)
     hgmma = re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32[^;]*", sass)
     qk = [op for op in hgmma if op.startswith("64x64x16")]
     pv = re.findall(r"HGMMA\.64x128x16\.F32 [^;]*tnspB", sass)
