@@ -124,7 +124,7 @@ def run_bench(
     """Measure every backend; returns the ids of the runs it stored."""
     environment = collect_environment()
     gpu = "simulated" if opts.engine == "sim" else (gpu_names() or ["unknown"])[0]
-    context_len = scenario.max_input_len + scenario.output_len + 64
+    context_len = max(scenario.input_len) + scenario.output_len + 64
     run_ids: list[int] = []
     for spec in specs:
         with progress_bar(console) as progress, served(spec, scenario.model, context_len, opts, progress) as (

@@ -59,6 +59,7 @@ def bench(
     concurrency: Annotated[Optional[str], typer.Option(help="Override: comma-separated concurrency list.")] = None,
     rate: Annotated[Optional[str], typer.Option(help="Override: comma-separated request rates (req/s).")] = None,
     input_len: Annotated[Optional[str], typer.Option("--input-len", help="Override: comma-separated input lengths.")] = None,
+    points: Annotated[Optional[str], typer.Option("--points", help="Only these points, e.g. 128K:c=1,64K:c=8 (see `mpfa scenarios`).")] = None,
     output_len: Annotated[Optional[int], typer.Option("--output-len")] = None,
     num_requests: Annotated[Optional[int], typer.Option("--num-requests")] = None,
     warmup_requests: Annotated[Optional[int], typer.Option("--warmup-requests")] = None,
@@ -91,6 +92,8 @@ def bench(
     spec = load_scenario(scenario, overrides)
     if overrides["rate"] is not None:
         spec.concurrency = []
+    if points is not None:
+        spec = spec.only([p for p in points.split(",") if p.strip()])
     chosen_engine = resolve_engine(engine, url)
     default = "fa4-bf16,flashinfer-fp8,mpfa" if chosen_engine == "sim" else "fa4-bf16,flashinfer-fp8"
     specs = resolve_backends(backend or default, chosen_engine)

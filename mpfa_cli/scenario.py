@@ -59,9 +59,21 @@ class Scenario:
         ]
         return [LoadPoint(input_len=n, num_requests=self.num_requests, **load) for n in self.input_len for load in loads]
 
-    @property
-    def max_input_len(self) -> int:
-        return max(p.input_len for p in self.points())
+    def only(self, labels: list[str]) -> Scenario:
+        """The scenario cut to the points named like their labels, e.g. "128K:c=1" (or "128K c=1"): a matrix run
+        a few points at a time, each point's workload unchanged, and the server still sized for the whole
+        scenario's longest prompt (`input_len`), as a full run's is."""
+        by_key = {point_key(p.label): p for p in self.points()}
+        unknown = [label for label in labels if point_key(label) not in by_key]
+        if unknown:
+            valid = ", ".join(p.label.replace(" ", ":") for p in self.points())
+            raise UserError(f"scenario '{self.name}' has no point {', '.join(unknown)}; valid: {valid}")
+        chosen = [by_key[key] for key in dict.fromkeys(point_key(label) for label in labels)]
+        return dataclasses.replace(self, explicit_points=chosen)
+
+
+def point_key(label: str) -> str:
+    return re.sub(r"[\s:]+", ":", label.strip().lower())
 
 
 _INT_FIELDS = ("output_len", "num_requests", "warmup_requests", "repeats", "seed")

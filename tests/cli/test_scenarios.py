@@ -68,8 +68,11 @@ def test_model_dir_needs_config_json(tmp_path: Path) -> None:
 
 def test_explicit_points_carry_their_own_request_counts() -> None:
     s = load_scenario("h200-sitting")
-    assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()] == [(131072, 1, 2), (32768, 8, 8)]
-    assert s.max_input_len == 131072 and s.output_len == 1024
+    assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()][:2] == [(131072, 1, 2), (32768, 8, 8)]
+    assert {(p.input_len, p.concurrency) for p in s.points()} == {(n, c) for n in (16384, 32768, 65536, 131072)
+                                                                    for c in (1, 8)}
+    assert all(p.num_requests == {1: 2, 8: 8}[p.concurrency] for p in s.points())
+    assert s.input_len == [16384, 32768, 65536, 131072] and s.output_len == 1024
 
 
 def test_explicit_points_take_the_top_level_request_count(tmp_path: Path) -> None:
@@ -105,3 +108,13 @@ def test_points_scenario_refuses_point_overrides() -> None:
     with pytest.raises(UserError, match="lists its own \\[\\[points\\]\\]"):
         load_scenario("h200-sitting", {"concurrency": [4]})
     assert load_scenario("h200-sitting", {"output_len": 16}).output_len == 16
+
+
+def test_only_cuts_a_scenario_to_named_points() -> None:
+    s = load_scenario("h200-sitting").only(["32k:c=8"])
+    assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()] == [(32768, 8, 8)]
+    assert max(s.input_len) == 131072  # the server stays sized as for the whole scenario
+    sweep = load_scenario("paper-sweep").only(["128K c=8", "16K:c=1", "128K:c=8"])
+    assert [p.label for p in sweep.points()] == ["128K c=8", "16K c=1"]
+    with pytest.raises(UserError, match="no point 64K:c=2; valid: 16K:c=1, 16K:c=8"):
+        load_scenario("paper-sweep").only(["64K:c=2"])
