@@ -40,6 +40,8 @@ def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
             compile_prefill_kernel(*config, kernel="v3")
             (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.cubin")
             cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
+            (ptx,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.ptx")
+            ptx.rename(Path({str(dump)!r}) / f"build{{i}}.ptx")
         """
     clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", prefill_launch.KERNEL_ENV)}
     env = {**clean, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin", "CUTE_DSL_DUMP_DIR": str(dump)}
@@ -96,6 +98,34 @@ def test_operand_offset_is_cutes_layout():
     os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
     trace()
     assert found[0] == "S<3,4,3>" and len(found) == 1 + TILE_KEYS * HEAD_DIM // 8 and all(found[1:])
+
+
+def _descriptor(value: int) -> dict:
+    """The fields of a wgmma shared-memory matrix descriptor (PTX ISA "Matrix Descriptor Format"), bytes."""
+    return {"start": (value & 0x3FFF) << 4, "lbo": ((value >> 16) & 0x3FFF) << 4,
+            "sbo": ((value >> 32) & 0x3FFF) << 4, "base": (value >> 49) & 7, "swizzle": value >> 62}
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=["causal-bf16-page128", "noncausal-f32-page64"])
+def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config):
+    """The descriptors CuTe builds (constant fields OR-ed onto the tile address, then per-k-step start advances, in
+    16-byte units) describe the operand tiles `operand_offset` fills: Q and K K-major 128-byte swizzle (SBO 1024 =
+    8 rows x 128 bytes; k-steps at +32, +64, +96 bytes, then the second 64-dim half at +8192); V^T MN-major
+    128-byte swizzle (LBO 8192 = the second 64-dim half, SBO 1024 = 8 keys; k-steps of 16 keys at +2048 bytes);
+    QK untransposed, PV with ``tnspB``; tiles 1024-byte aligned (base offset 0)."""
+    ptx = wgmma_cubins[config].with_suffix(".ptx").read_text(errors="replace")
+    fields = [_descriptor(int(v)) for v in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx)
+              if int(v) >> 62 == 1]
+    assert {tuple(sorted(f.items())) for f in fields} == {
+        tuple(sorted(dict(start=0, lbo=16, sbo=1024, base=0, swizzle=1).items())),  # Q, K (K-major; LBO unused)
+        tuple(sorted(dict(start=0, lbo=8192, sbo=1024, base=0, swizzle=1).items())),  # V^T (MN-major)
+    }, fields
+    steps = {int(v) for v in re.findall(r"(?:add\.s32|or\.b32)\s+%r\d+, %r\d+, (\d+);\n\s*mov\.b64\s+%rd", ptx)}
+    assert steps == {2, 4, 6, 512, 514, 516, 518} | {128, 256, 384}, steps
+    qk = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n64k16\.f32\.f16\.f16 [^;]*, p, ([^;]*);", ptx)
+    pv = re.findall(r"wgmma\.mma_async\.sync\.aligned\.m64n128k16\.f32\.f16\.f16 [^;]*\}, %rd\d+, p, ([^;]*);", ptx)
+    assert qk and {re.sub(r"\s", "", x) for x in qk} == {"1,1,0,0"}  # scale-a, scale-b, tnsp-a, tnsp-b
+    assert pv and {re.sub(r"\s", "", x) for x in pv} == {"1,1,1"}  # A from registers: scale-a, scale-b, tnsp-b
 
 
 def test_v3_is_opt_in(monkeypatch: pytest.MonkeyPatch):
