@@ -3,7 +3,10 @@ the CuTe DSL kernels are compiled for sm_90a everywhere but run only on a GPU (t
 
 from __future__ import annotations
 
+import os
 import subprocess
+import sys
+import textwrap
 from collections.abc import Callable
 from pathlib import Path
 
@@ -18,3 +21,20 @@ def cuobjdump() -> Callable[..., str]:
     if not tool.exists():
         pytest.skip("cuobjdump (shipped with triton) not found to inspect the SASS")
     return lambda *args: subprocess.run([str(tool), *args], check=True, capture_output=True, text=True).stdout
+
+
+@pytest.fixture(scope="session")
+def compile_sm90() -> Callable[[str, Path], None]:
+    """``compile_sm90(code, dump)``: run ``code`` (indented Python source) in a fresh interpreter that compiles for
+    sm_90a and keeps PTX and cubins in ``dump``; neither Triton's CPU interpreter nor a prefill-kernel choice from
+    the environment reaches it."""
+    from mpfa.kernels.sm90.prefill_launch import KERNEL_ENV
+
+    def run(code: str, dump: Path) -> None:
+        clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", KERNEL_ENV)}
+        env = {**clean, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin", "CUTE_DSL_DUMP_DIR": str(dump)}
+        result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
+                                text=True, timeout=900)
+        assert result.returncode == 0, result.stderr[-4000:]
+
+    return run

@@ -9,11 +9,7 @@ page-table entry of the next tile). Also the kernel switch (`MPFA_PREFILL_KERNEL
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from collections import Counter
 from pathlib import Path
 
@@ -41,7 +37,7 @@ PER_WARP_DEQUANT_MAX_INSTRUCTIONS = 1000  # ~855 / ~880
 
 
 @pytest.fixture(scope="module")
-def staged_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
+def staged_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[tuple, Path]:
     """One cubin per build (the dump's file names come from the argument types only, so each is renamed right
     after its compile)."""
     dump = tmp_path_factory.mktemp("prefill_staged")
@@ -55,11 +51,7 @@ def staged_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]
             (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90Staged*.cubin")
             cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
         """
-    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", prefill_launch.KERNEL_ENV)}
-    env = {**clean, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin", "CUTE_DSL_DUMP_DIR": str(dump)}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    compile_sm90(code, dump)
     return {build: dump / f"build{i}.cubin" for i, build in enumerate(BUILDS)}
 
 

@@ -8,9 +8,6 @@ from __future__ import annotations
 
 import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -31,7 +28,7 @@ TILE_LOOPS = 2  # masked tiles, then whole tiles
 
 
 @pytest.fixture(scope="module")
-def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
+def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[tuple, Path]:
     dump = tmp_path_factory.mktemp("prefill_wgmma")
     code = f"""
         from pathlib import Path
@@ -43,11 +40,7 @@ def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
             (ptx,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.ptx")
             ptx.rename(Path({str(dump)!r}) / f"build{{i}}.ptx")
         """
-    clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", prefill_launch.KERNEL_ENV)}
-    env = {**clean, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin", "CUTE_DSL_DUMP_DIR": str(dump)}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+    compile_sm90(code, dump)
     return {config: dump / f"build{i}.cubin" for i, config in enumerate(CONFIGS)}
 
 
