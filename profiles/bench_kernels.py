@@ -4,6 +4,7 @@
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
     python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa-v1,mpfa-v2,mpfa-v2w8,flashinfer-fp8
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,64k --heads 32:8 --backend mpfa-v2,mpfa-v3,fa4-bf16   # v3: wgmma, 32:8
+    python -m mpfa.profiles.bench_kernels decode --backend mpfa,mpfa-dv3,flashinfer-fp8   # decode v2 vs v3 (3 stages)
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the
@@ -40,11 +41,13 @@ def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float
 
     w = workload
     tokens = w.batch * w.seq
-    if adapter_for(backend).tensor_format is MPFA:  # mpfa, mpfa-v1, mpfa-v2 (the same decode)
-        partitions = -(-w.seq // choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms))
+    adapter = adapter_for(backend)
+    if adapter.tensor_format is MPFA:  # mpfa-v<n> pin the prefill kernel, mpfa-dv<n> the decode kernel
+        size = choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms, adapter.decode_kernel)
+        partitions = -(-w.seq // size)
         partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
         return w.bytes_needed(MPFA) + tokens * _INDEX_BYTES + partial_bytes
-    base = w.bytes_needed(adapter_for(backend).tensor_format)
+    base = w.bytes_needed(adapter.tensor_format)
     return base + (tokens // 128 if backend == "fa4-bf16" else tokens) * _INDEX_BYTES
 
 

@@ -7,7 +7,8 @@ queries' centered NVFP4 rows as the KV write returns them. Their correctness liv
 
 Backend ``mpfa`` runs the prefill kernel ``MPFA_PREFILL_KERNEL`` selects (v2 by default); ``mpfa-v1``,
 ``mpfa-v2``, ``mpfa-v2w8`` and ``mpfa-v3`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs or v3 (`prefill_wgmma`), so one run can time them side
-by side (decode is the same kernel in all four).
+by side (decode is the same kernel in all four). ``mpfa-dv1`` / ``mpfa-dv3`` pin decode v1 (no ring) or v3 (3-stage
+ring) the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2 by default).
 """
 from __future__ import annotations
 
@@ -42,12 +43,16 @@ class MpfaAdapter:
     math_dtype = "bf16"  # FP16 tensor-core MMAs on exactly dequantized operands (sm_90 has no FP4 MMA)
     kernel_regex = "SplitKVDecode|PrefillSm90"  # the main kernels; the 4 us decode merge is not what ncu should profile
 
-    def __init__(self, prefill_kernel: str | None = None):
+    def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None):
         """``prefill_kernel``: "v1", "v2", "v2w8" or "v3" pins the prefill kernel (backend ``mpfa-v1`` / ``mpfa-v2`` /
-        ``mpfa-v2w8`` / ``mpfa-v3``); None follows ``MPFA_PREFILL_KERNEL``."""
+        ``mpfa-v2w8`` / ``mpfa-v3``); ``decode_kernel``: "v1", "v2" or "v3" the decode split kernel (``mpfa-dv1``
+        ...); None follows ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``."""
         self.prefill_kernel = prefill_kernel
+        self.decode_kernel = decode_kernel
         if prefill_kernel is not None:
             self.name = f"mpfa-{prefill_kernel}"
+        elif decode_kernel is not None:
+            self.name = f"mpfa-d{decode_kernel}"
 
     def set_bytes(self, workload: AttentionWorkload) -> int:
         if workload.kind == "prefill":  # never below the roofline bytes, which count Q in BF16 (`MPFA.q`)
@@ -65,7 +70,7 @@ class MpfaAdapter:
                                torch.randn(w.batch, w.kv_heads, w.head_dim, device=device, generator=generator))
         if w.kind == "prefill":
             return _prepare_prefill(w, num_sets, device, generator, means, self.prefill_kernel)
-        return _prepare_decode(w, num_sets, device, generator, means)
+        return _prepare_decode(w, num_sets, device, generator, means, self.decode_kernel)
 
 
 def _fill(w: AttentionWorkload, cache, slots_of_token, means, device, generator, keep_query) -> None:
@@ -88,11 +93,12 @@ def _dense_inputs(i: int):
     raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels_sm90 checks outputs")
 
 
-def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means) -> PreparedKernel:
+def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means,
+                    kernel: str | None = None) -> PreparedKernel:
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode
+    from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, decode_kernel, mpfa_decode
 
     tokens = w.batch * w.seq
 
@@ -112,16 +118,17 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
     sets = [make_set() for _ in range(num_sets)]
     page_table = torch.arange(tokens, dtype=torch.int32, device=device).view(w.batch, w.seq)
     seq_lens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
-    workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device)
+    kernel = decode_kernel(kernel)
+    workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device, kernel=kernel)
     outputs = [torch.empty((w.batch, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
                for _ in range(num_sets)]
 
     def run(i: int) -> torch.Tensor:
         query, cache = sets[i]
-        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i])
+        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i], kernel=kernel)
 
     return PreparedKernel(run, _dense_inputs, num_sets,
-                          f"Triton KV write + CuTe split-KV decode ({workspace.num_partitions} partitions of "
+                          f"Triton KV write + CuTe split-KV decode {kernel} ({workspace.num_partitions} partitions of "
                           f"{workspace.partition_size} keys) + merge, page 1")
 
 

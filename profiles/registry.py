@@ -10,7 +10,8 @@ ADAPTERS: dict[str, KernelAdapter] = {
     adapter.name: adapter
     for adapter in (Fa4Bf16(), FlashInferPaged(kv_fp8=True), FlashInferPaged(kv_fp8=False), MpfaAdapter(),
                     MpfaAdapter("v1"), MpfaAdapter("v2"), MpfaAdapter("v2w8"),
-                    MpfaAdapter("v3"))  # mpfa-<v>: the prefill kernel pinned
+                    MpfaAdapter("v3"),  # mpfa-<v>: the prefill kernel pinned
+                    MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"))  # mpfa-d<v>: the decode kernel
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")
 REFERENCE_BACKEND = {"prefill": "fa4-bf16", "decode": "flashinfer-fp8"}

@@ -46,10 +46,10 @@ class MpfaAttnBackend(AttentionBackend):
         self.forward_metadata: Any = None
         self.graph_buffers: GraphDecodeBuffers | None = None
         self._compile_kernels()
-        from mpfa.kernels.sm90.decode_launch import use_pipelined
+        from mpfa.kernels.sm90.decode_launch import decode_kernel
         from mpfa.kernels.sm90.prefill_launch import prefill_kernel
 
-        decode = "sm90 kernel " + ("v2" if use_pipelined() else "v1")
+        decode = "sm90 kernel " + decode_kernel()
         prefill = ("sm90 kernel " + prefill_kernel(self.num_q_heads) if self.core.prefill == "kernel"
                    else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
         logger.info("MpFA backend %s: decode = %s, prefill = %s", variant.backend, decode, prefill)

@@ -22,24 +22,28 @@ from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
 HEAD_DIM = 128
 MIN_PARTITION = 128
 MAX_PARTITION = 8192
-# Decode warps per SM to aim for: the split kernels take 167 registers (v1 and v2), so 12 one-warp CTAs fit an
-# SM (65,536 / (168 x 32)); v2's 15 KB of shared memory per warp keeps 12 too (180 of 227 KB). Every warp is a
-# serial chain (~5 us per tile in v1), so the grid should fill all 12 slots in one wave (see profiles/NOTES.md).
+# Decode warps per SM to aim for: the split kernels take <= 168 registers, so 12 one-warp CTAs fit an SM
+# (65,536 / (168 x 32)); v2's 15 KB of shared memory per warp keeps 12 too (180 of 227 KB); v3's 22.5 KB (3 stages)
+# leave room for 9. Every warp is a serial chain, so the grid should fill all slots in one wave (profiles/NOTES.md).
 WARPS_PER_SM_TARGET = 12
+WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9}
+STAGES = {"v2": 2, "v3": 3}  # cp.async stages of the pipelined split kernel (`decode_pipelined`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async pipelined split kernel) or "v1"
+KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async double buffer), "v3" (3 stages) or "v1" (no ring)
 
 
-def use_pipelined() -> bool:
-    """Whether `mpfa_decode` runs the v2 split kernel: unless ``MPFA_DECODE_KERNEL=v1``."""
-    return kernel_version(KERNEL_ENV) == "v2"
+def decode_kernel(kernel: str | None = None) -> str:
+    """The split kernel `mpfa_decode` runs: ``kernel`` ("v1", "v2" or "v3"), else ``MPFA_DECODE_KERNEL``, else v2."""
+    return kernel_version(KERNEL_ENV, kernel, variants=("v3",))
 
 
-def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int) -> int:
-    """Partition (keys per warp, a multiple of the 32-key tile) giving at most ``WARPS_PER_SM_TARGET`` warps per
+def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
+                          kernel: str | None = None) -> int:
+    """Partition (keys per warp, a multiple of the 32-key tile) giving at most ``WARPS_PER_SM[kernel]`` warps per
     SM at the longest context (one wave), within [MIN_PARTITION, MAX_PARTITION]: shorter partitions cost more
-    partial-state traffic and merge work, longer ones leave warp slots empty."""
-    parts = max(1, WARPS_PER_SM_TARGET * num_sms // max(1, batch * num_kv_heads))  # per request
+    partial-state traffic and merge work, longer ones leave warp slots empty. ``kernel``: see `decode_kernel`."""
+    warps = WARPS_PER_SM[decode_kernel(kernel)]
+    parts = max(1, warps * num_sms // max(1, batch * num_kv_heads))  # per request
     size = TILE_KEYS * math.ceil(max_seq_len / parts / TILE_KEYS)  # -> at most `parts` partitions
     return min(MAX_PARTITION, max(MIN_PARTITION, size))
 
@@ -71,13 +75,15 @@ class DecodeWorkspace:
         device: torch.device | str,
         partition_size: int | None = None,
         min_partition: int | None = None,
+        kernel: str | None = None,
     ) -> DecodeWorkspace:
+        """``partition_size`` None: `choose_partition_size` for the split kernel ``kernel`` will run."""
         if batch <= 0 or max_seq_len <= 0:
             raise ValueError(f"need batch > 0 and max_seq_len > 0, got {batch} and {max_seq_len}")
         if partition_size is None:
             device = torch.device(device)
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-            partition_size = choose_partition_size(batch, num_kv_heads, max_seq_len, sms)
+            partition_size = choose_partition_size(batch, num_kv_heads, max_seq_len, sms, kernel)
         if partition_size <= 0 or partition_size % TILE_KEYS:
             raise ValueError(f"partition_size must be a positive multiple of {TILE_KEYS}, got {partition_size}")
         parts = -(-max_seq_len // partition_size)
@@ -97,11 +103,11 @@ class DecodeWorkspace:
 
 @lru_cache(maxsize=None)
 def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16",
-                           pipelined: bool | None = None) -> tuple:
+                           kernel: str | None = None) -> tuple:
     """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI.
-    ``pipelined``: the v2 split kernel (cp.async double buffer, `decode_pipelined`); default `use_pipelined`."""
-    if pipelined is None:
-        pipelined = use_pipelined()
+    ``kernel``: the split kernel, "v1", "v2" (cp.async double buffer, `decode_pipelined`) or "v3" (3 stages);
+    None: `decode_kernel`."""
+    kernel = decode_kernel(kernel)
     target_sm90a()
     import cutlass
     from cutlass import Float32, Int32
@@ -116,7 +122,8 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
                 fake_tensor(f32, (None, hq, None, d)))
     seq_lens = fake_tensor(Int32, (None,), align=4)
     split = compile_kernel(
-        (SplitKVDecodeSm90Pipelined if pipelined else SplitKVDecodeSm90)(num_kv_heads, group, page_size),
+        (SplitKVDecodeSm90Pipelined(num_kv_heads, group, page_size, STAGES[kernel]) if kernel in STAGES
+         else SplitKVDecodeSm90(num_kv_heads, group, page_size)),
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16)),
         fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group))),
@@ -163,18 +170,20 @@ def mpfa_decode(
     *,
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
+    kernel: str | None = None,
 ) -> torch.Tensor:
     """One decode step: ``query`` [B, Hq] centered NVFP4 (from `quantize_to_cache`), each request's keys
     ``seq_lens[b]`` (int32, on the device; the current token included) through ``page_table`` [B, max_pages]
     (int32, pages of ``cache.page_size`` slots) -> attention output [B, Hq, 128] (``out`` or new BF16).
     Sequences must fit the workspace (``seq_lens <= partition_size * num_partitions``; not checked on the host);
-    each request's partitions are ``workspace.partition_keys(seq_len)`` keys long."""
+    each request's partitions are ``workspace.partition_keys(seq_len)`` keys long. ``kernel``: see
+    `decode_kernel` (any version computes the same; size the workspace for it)."""
     batch, num_q_heads = query.codes.shape[:2]
     out = out if out is not None else torch.empty((batch, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
                                                   device=query.codes.device)
     _check_inputs(query, cache, page_table, seq_lens, workspace, out)
     split, merge = compile_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
-                                          _OUT_DTYPES[out.dtype], use_pipelined())
+                                          _OUT_DTYPES[out.dtype], decode_kernel(kernel))
     lam = float(torch.tensor(math.log2(math.e) * (sm_scale or 1.0 / math.sqrt(HEAD_DIM)), dtype=torch.float32))
     u8 = torch.uint8
     split(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),

@@ -17,6 +17,11 @@ shared memory with cp.async while tile t is computed, then reads tile t back fro
 
 Per stage and warp: 12 x 512 B (4 K chunks + 8 V chunks per lane) + 12 x 128 B (words) = 7,680 B; two stages are
 15 KB, so the 12 warps per SM that 167 registers allow need 180 KB of the 227 KB.
+
+``stages``: 2 (v2) or 3 (decode v3: two tiles in flight while one is computed, 22.5 KB per warp, 9 warps per SM;
+`decode_launch.warps_per_sm` sizes the partitions for it). A warp is a serial chain; with 2 stages its next tile
+is requested only when the current one starts, so a tile's compute and its successor's DRAM latency do not
+overlap across more than one tile.
 """
 
 from __future__ import annotations
@@ -43,7 +48,7 @@ from mpfa.kernels.sm90.ptx import (
     load_shared_v4_u32,
 )
 
-STAGES = 2
+STAGES = 2  # v2; v3 runs 3
 CHUNK_UNITS = lay.N_TILES + 2 * lay.N_TILES  # 16-byte units per lane and stage: K chunks, then V chunks
 WORD_UNITS = lay.N_TILES + 2 * lay.N_TILES  # 4-byte words per lane and stage: K-scale words, then Delta_S words
 WORDS_OFFSET = CHUNK_UNITS * 32 * 16
@@ -52,10 +57,15 @@ SMEM_BYTES = STAGES * STAGE_BYTES
 
 
 class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
-    """v2 of the split-KV decode kernel (same constructor, call signature and outputs as `SplitKVDecodeSm90`):
-    v1's kernel with its tile loop, `_run_tiles`, replaced."""
+    """v2 / v3 of the split-KV decode kernel (`SplitKVDecodeSm90`'s constructor plus ``stages``, same call
+    signature and outputs): v1's kernel with its tile loop, `_run_tiles`, replaced."""
 
-    smem_bytes = SMEM_BYTES
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, stages: int = STAGES) -> None:
+        if stages not in (2, 3):
+            raise ValueError(f"the pipelined decode runs 2 or 3 stages, got {stages}")
+        super().__init__(num_kv_heads, group, page_size)
+        self.stages = stages
+        self.smem_bytes = stages * STAGE_BYTES
 
     @cute.jit
     def _run_tiles(self, q_regs, state: cute.Tensor, acc: cute.Tensor, cache, page_table: cute.Tensor,
@@ -81,28 +91,33 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
 
         num_tiles = (cutlass.max(end - start, 0) + lay.TILE_KEYS - 1) // lay.TILE_KEYS
         last_tile = start + (num_tiles - 1) * lay.TILE_KEYS
+        ahead = self.stages - 1  # tiles in flight while one is computed
         slots = cute.make_rmem_tensor((LANE_KEYS,), Int32)
-        # Prologue: tile 0's copies in flight, tile 1's slots requested.
-        self._fetch_slots(slots, page_table, batch_idx, last_tile, end, g, c)
-        first_slots = [slots[i] for i in range(LANE_KEYS)]
-        self._copy_tile(first_slots, last_tile, end, num_tiles > 0, row_valid, g, c, bases, Int32(0),
-                        lane_chunk, lane_word)
-        cp_async_commit()
-        self._fetch_slots(slots, page_table, batch_idx, last_tile - lay.TILE_KEYS, end, g, c)
+        # Prologue: tiles 0 .. ahead - 1 in flight (stages 0 ..), tile ahead's slots requested.
+        for i in cutlass.range_constexpr(ahead):
+            self._fetch_slots(slots, page_table, batch_idx, last_tile - i * lay.TILE_KEYS, end, g, c)
+            tile_slots = [slots[j] for j in range(LANE_KEYS)]
+            self._copy_tile(tile_slots, last_tile - i * lay.TILE_KEYS, end, num_tiles > i, row_valid, g, c, bases,
+                            Int32(i * STAGE_BYTES), lane_chunk, lane_word)
+            cp_async_commit()
+        self._fetch_slots(slots, page_table, batch_idx, last_tile - ahead * lay.TILE_KEYS, end, g, c)
+        stage = Int32(0)  # the stage of tile ``step``
         for step in cutlass.range(num_tiles, unroll=1):
             tile = last_tile - step * lay.TILE_KEYS
-            next_slots = [slots[i] for i in range(LANE_KEYS)]
-            stage = (step & 1) * STAGE_BYTES
-            self._copy_tile(next_slots, tile - lay.TILE_KEYS, end, step + 1 < num_tiles, row_valid, g, c, bases,
-                            STAGE_BYTES - stage, lane_chunk, lane_word)
+            ahead_slots = [slots[i] for i in range(LANE_KEYS)]
+            # tile step + ahead goes to the stage tile step - 1 used (read back into registers last iteration)
+            ahead_stage = cutlass.select_(stage == 0, Int32(ahead * STAGE_BYTES), stage - STAGE_BYTES)
+            self._copy_tile(ahead_slots, tile - ahead * lay.TILE_KEYS, end, step + ahead < num_tiles, row_valid, g,
+                            c, bases, ahead_stage, lane_chunk, lane_word)
             cp_async_commit()
-            self._fetch_slots(slots, page_table, batch_idx, tile - 2 * lay.TILE_KEYS, end, g, c)
-            cp_async_wait(1)  # this tile's group has landed (the next tile's may still be in flight)
+            self._fetch_slots(slots, page_table, batch_idx, tile - (ahead + 1) * lay.TILE_KEYS, end, g, c)
+            cp_async_wait(ahead)  # this tile's group has landed (the later tiles' may still be in flight)
             k_words, k_scales_raw, ds_bits, v_rows = self._read_tile(
                 tile, end, row_valid, g, c, stage, lane_chunk, lane_word, scale_shift, ds_shift)
             scores = self._qk_tile(q_regs, k_words, k_scales_raw, ds_bits)
             p_regs, alpha = self._online_softmax(scores, state, row_valid, lam_scaled)
             self._pv_tile(p_regs, alpha, acc, v_rows, c)
+            stage = cutlass.select_(stage == ahead * STAGE_BYTES, Int32(0), stage + STAGE_BYTES)
         cp_async_wait(0)
 
     @cute.jit

@@ -34,18 +34,20 @@ def _python(code: str, **env: str) -> str:
 
 
 @pytest.fixture(scope="module")
-def decode_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[int, int, int], list[Path]]:
-    """Compile the split and merge kernels of every config (both output dtypes) -> the cubins of each config."""
+def decode_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[tuple[int, int, int], str], list[Path]]:
+    """Compile the split and merge kernels of every config and split-kernel version (v2 with both output dtypes)
+    -> the cubins of each (config, version); v2 and v3 are one class, so each version gets its own dump."""
     found = {}
     for config in CONFIGS:
-        dump = tmp_path_factory.mktemp("hkv{}-g{}-page{}".format(*config))
-        _python(f"""
-            from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
-            for out_dtype in ("BFloat16", "Float32"):
-                compile_decode_kernels({config[0]}, {config[1]}, {config[2]}, out_dtype, pipelined=True)
-            compile_decode_kernels({config[0]}, {config[1]}, {config[2]}, "BFloat16", pipelined=False)
-            """, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
-        found[config] = sorted(dump.glob("*.cubin"))
+        for kernel in ("v1", "v2", "v3"):
+            dump = tmp_path_factory.mktemp("hkv{}-g{}-page{}-".format(*config) + kernel)
+            dtypes = ("BFloat16", "Float32") if kernel == "v2" else ("BFloat16",)
+            _python(f"""
+                from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
+                for out_dtype in {dtypes!r}:
+                    compile_decode_kernels({config[0]}, {config[1]}, {config[2]}, out_dtype, kernel={kernel!r})
+                """, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
+            found[config, kernel] = sorted(dump.glob("*.cubin"))
     return found
 
 
@@ -56,25 +58,30 @@ def _cuobjdump(*args: str) -> str:
     return subprocess.run([str(tool), *args], check=True, capture_output=True, text=True).stdout
 
 
-@pytest.mark.parametrize("pipelined", [True, False], ids=["v2", "v1"])
+@pytest.mark.parametrize("kernel", ["v3", "v2", "v1"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}".format(*c))
-def test_decode_kernels_compile_for_sm90a(decode_cubins, config, pipelined):
-    cubins = decode_cubins[config]
-    split = [c for c in cubins if "SplitKVDecode" in c.name and ("Pipelined" in c.name) == pipelined]
+def test_decode_kernels_compile_for_sm90a(decode_cubins, config, kernel):
+    from mpfa.kernels.sm90.decode_launch import STAGES, WARPS_PER_SM
+
+    cubins = decode_cubins[config, kernel]
+    split = [c for c in cubins if "SplitKVDecode" in c.name and ("Pipelined" in c.name) == (kernel in STAGES)]
     assert split and any("DecodeMerge" in c.name for c in cubins), f"missing cubins: {[c.name for c in cubins]}"
     sass = _cuobjdump("--dump-sass", str(split[0]))
     # 8 k-steps x 4 n-tiles of QK^T, and 8 m-tiles of PV (an e4m3 m16n8k32 is two FP16 MMAs on sm_90).
     assert sass.count("HMMA.16816.F32") == 48, "QK^T and PV must run on the tensor cores"
     usage = _cuobjdump("--dump-resource-usage", str(split[0]))
     assert re.search(r"LOCAL:0\b", usage), f"the decode kernel spills: {usage}"
-    # 12 one-warp CTAs per SM (decode_launch.WARPS_PER_SM_TARGET) need <= 168 registers per thread.
+    # WARPS_PER_SM one-warp CTAs per SM (12 for v1 / v2, 9 for v3) need <= 65,536 / (32 x warps) registers.
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert registers <= 168, f"{registers} registers: fewer than 12 decode warps fit an SM"
-    if pipelined:
-        # Prologue + loop: 12 16-byte and 12 4-byte cp.async per tile, one commit each, one wait in the loop.
-        assert sass.count("LDGSTS.E.BYPASS.LTC128B.128") == 24 and sass.count("LDGSTS.E.LTC128B ") == 24, \
-            "v2 must copy each tile global -> shared with cp.async"
-        assert sass.count("LDGDEPBAR") == 2 and "DEPBAR.LE SB0, 0x1" in sass, "v2 must keep one tile in flight"
+    assert registers <= 65536 // (32 * WARPS_PER_SM[kernel]) // 8 * 8, f"{registers} registers: too few warps fit"
+    if kernel in STAGES:
+        # Prologue (stages - 1 tiles) + loop: 12 16-byte and 12 4-byte cp.async per tile copy, one commit each,
+        # one wait in the loop that leaves stages - 1 tiles in flight.
+        copies = 12 * STAGES[kernel]
+        assert sass.count("LDGSTS.E.BYPASS.LTC128B.128") == copies and sass.count("LDGSTS.E.LTC128B ") == copies, \
+            "the pipelined kernels must copy each tile global -> shared with cp.async"
+        assert sass.count("LDGDEPBAR") == STAGES[kernel], "one commit per tile copy"
+        assert f"DEPBAR.LE SB0, 0x{STAGES[kernel] - 1}" in sass, f"{kernel} must keep {STAGES[kernel] - 1} tiles in flight"
 
 
 def test_triton_kernels_compile_for_sm90():

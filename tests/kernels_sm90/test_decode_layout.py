@@ -205,17 +205,22 @@ def test_v2_word_staging_picks_the_lanes_16_bit_values():
                     assert (word >> (16 * (g & 1))) & 0xFFFF == ds[kv_head, slot, g]
 
 
-def test_v2_shared_memory_keeps_12_warps_per_sm():
+def test_pipelined_shared_memory_keeps_the_warps_per_sm():
     import pytest
 
     pytest.importorskip("cutlass")
     from mpfa.kernels.sm90 import decode_pipelined as v2
-    from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM_TARGET
+    from mpfa.kernels.sm90.decode_launch import STAGES, WARPS_PER_SM
 
     per_lane_chunks = lay.N_TILES * 3  # 4 K chunks + 8 V chunks of 16 B
     assert v2.STAGE_BYTES == per_lane_chunks * 32 * 16 + per_lane_chunks * 32 * 4 == 7680
-    # 227 KB usable per SM on sm90, 1 KB reserved per CTA.
-    assert WARPS_PER_SM_TARGET * (v2.SMEM_BYTES + 1024) <= 227 * 1024
+    # 227 KB usable per SM on sm90, 1 KB reserved per CTA; one more warp would not fit (v3) or 12 is the register cap
+    for kernel, stages in STAGES.items():
+        smem = v2.SplitKVDecodeSm90Pipelined(8, 4, 1, stages).smem_bytes + 1024
+        assert WARPS_PER_SM[kernel] * smem <= 227 * 1024
+        assert WARPS_PER_SM[kernel] == 12 or (WARPS_PER_SM[kernel] + 1) * smem > 227 * 1024
+    with pytest.raises(ValueError, match="2 or 3 stages"):
+        v2.SplitKVDecodeSm90Pipelined(8, 4, 1, 4)
 
 
 def test_partitions_fill_one_wave_of_decode_warps():
@@ -231,6 +236,7 @@ def test_partitions_fill_one_wave_of_decode_warps():
             assert batch * 8 * -(-seq // (size - lay.TILE_KEYS)) > WARPS_PER_SM_TARGET * 132 - batch * 8
     assert choose_partition_size(1, 8, 131072, 132) == 672
     assert choose_partition_size(8, 8, 131072, 132) == 5472
+    assert choose_partition_size(1, 8, 131072, 132, "v3") == 896  # 9 warps per SM: 147 partitions
 
 
 def test_partitions_spread_each_request_over_the_grid():
@@ -249,10 +255,16 @@ def test_partitions_spread_each_request_over_the_grid():
 
 
 def test_decode_kernel_switch(monkeypatch):
-    """v2 by default for every head count (Delta_S rows are padded per KV head, so odd Hq is fine); v1 on request."""
-    from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, use_pipelined
+    """v2 by default for every head count (Delta_S rows are padded per KV head, so odd Hq is fine); v1 / v3 on
+    request; an explicit kernel wins over the environment; anything else is a clear error."""
+    import pytest
+
+    from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, decode_kernel
 
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    assert use_pipelined()
+    assert decode_kernel() == "v2"
     monkeypatch.setenv(KERNEL_ENV, "V1")
-    assert not use_pipelined()
+    assert decode_kernel() == "v1" and decode_kernel("v3") == "v3"
+    monkeypatch.setenv(KERNEL_ENV, "v4")
+    with pytest.raises(ValueError, match="v1, v2 or v3"):
+        decode_kernel()
