@@ -6,9 +6,11 @@ the CuTe prefill (mma.sync, causal, every token of each sequence a query), page 
 queries' centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 
 Backend ``mpfa`` runs the prefill kernel ``MPFA_PREFILL_KERNEL`` selects (v2 by default); ``mpfa-v1``,
-``mpfa-v2``, ``mpfa-v2w8`` and ``mpfa-v3`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs or v3 (`prefill_wgmma`), so one run can time them side
-by side (decode is the same kernel in all four). ``mpfa-dv1`` / ``mpfa-dv3`` pin decode v1 (no ring) or v3 (3-stage
-ring) the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2 by default).
+``mpfa-v2``, ``mpfa-v2w8`` and ``mpfa-v3`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs or v3
+(`prefill_wgmma`), so one run can time them side by side (decode is the same kernel in all four). ``mpfa-dv1`` /
+``mpfa-dv3`` pin decode v1 (no ring) or v3 (3-stage ring) the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2
+by default). ``mpfa-direct`` runs the direct builds (``compensate=False``: no Delta_S read, inputs quantized
+uncentered): mpfa vs mpfa-direct is the compensation's cost.
 """
 from __future__ import annotations
 
@@ -43,16 +45,21 @@ class MpfaAdapter:
     math_dtype = "bf16"  # FP16 tensor-core MMAs on exactly dequantized operands (sm_90 has no FP4 MMA)
     kernel_regex = "SplitKVDecode|PrefillSm90"  # the main kernels; the 4 us decode merge is not what ncu should profile
 
-    def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None):
+    def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
+                 compensate: bool = True):
         """``prefill_kernel``: "v1", "v2", "v2w8" or "v3" pins the prefill kernel (backend ``mpfa-v1`` / ``mpfa-v2`` /
         ``mpfa-v2w8`` / ``mpfa-v3``); ``decode_kernel``: "v1", "v2" or "v3" the decode split kernel (``mpfa-dv1``
-        ...); None follows ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``."""
+        ...); None follows ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct
+        builds (backend ``mpfa-direct``)."""
         self.prefill_kernel = prefill_kernel
         self.decode_kernel = decode_kernel
+        self.compensate = compensate
         if prefill_kernel is not None:
             self.name = f"mpfa-{prefill_kernel}"
         elif decode_kernel is not None:
             self.name = f"mpfa-d{decode_kernel}"
+        elif not compensate:
+            self.name = "mpfa-direct"
 
     def set_bytes(self, workload: AttentionWorkload) -> int:
         if workload.kind == "prefill":  # never below the roofline bytes, which count Q in BF16 (`MPFA.q`)
@@ -68,9 +75,13 @@ class MpfaAdapter:
         generator = torch.Generator(device=device).manual_seed(seed)
         means = SmoothingMeans(torch.randn(w.batch, w.q_heads, w.head_dim, device=device, generator=generator),
                                torch.randn(w.batch, w.kv_heads, w.head_dim, device=device, generator=generator))
+        if not self.compensate:  # direct: no centering
+            means = SmoothingMeans(torch.zeros_like(means.q_mean), torch.zeros_like(means.k_mean))
         if w.kind == "prefill":
+            if not self.compensate:
+                raise ProfileError("the direct build exists for decode only (prefill: pending)")
             return _prepare_prefill(w, num_sets, device, generator, means, self.prefill_kernel)
-        return _prepare_decode(w, num_sets, device, generator, means, self.decode_kernel)
+        return _prepare_decode(w, num_sets, device, generator, means, self.decode_kernel, self.compensate)
 
 
 def _fill(w: AttentionWorkload, cache, slots_of_token, means, device, generator, keep_query) -> None:
@@ -93,8 +104,8 @@ def _dense_inputs(i: int):
     raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels_sm90 checks outputs")
 
 
-def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means,
-                    kernel: str | None = None) -> PreparedKernel:
+def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means, kernel: str | None = None,
+                    compensate: bool = True) -> PreparedKernel:
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
@@ -125,10 +136,13 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
 
     def run(i: int) -> torch.Tensor:
         query, cache = sets[i]
-        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i], kernel=kernel)
+        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i], kernel=kernel,
+                           compensate=compensate)
 
+    build = "" if compensate else ", direct build"
     return PreparedKernel(run, _dense_inputs, num_sets,
-                          f"Triton KV write + CuTe split-KV decode {kernel} ({workspace.num_partitions} partitions of "
+                          f"Triton KV write + CuTe split-KV decode {kernel}{build} ({workspace.num_partitions} "
+                          f"partitions of "
                           f"{workspace.partition_size} keys) + merge, page 1")
 
 
@@ -171,5 +185,6 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     name = prefill_kernel(w.q_heads, kernel)
     version = f"{name}, staged cp.async ring, {STAGED_WARPS[name]}-warp CTAs" if name in STAGED_WARPS else name
     mma = "wgmma" if name == WGMMA_KERNEL else "mma.sync"
+
     return PreparedKernel(run, _dense_inputs, num_sets,
                           f"Triton KV write + CuTe prefill {version} ({mma}, causal), page {PREFILL_PAGE_SIZE}")

@@ -11,7 +11,8 @@ ADAPTERS: dict[str, KernelAdapter] = {
     for adapter in (Fa4Bf16(), FlashInferPaged(kv_fp8=True), FlashInferPaged(kv_fp8=False), MpfaAdapter(),
                     MpfaAdapter("v1"), MpfaAdapter("v2"), MpfaAdapter("v2w8"),
                     MpfaAdapter("v3"),  # mpfa-<v>: the prefill kernel pinned
-                    MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"))  # mpfa-d<v>: the decode kernel
+                    MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
+                    MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")
 REFERENCE_BACKEND = {"prefill": "fa4-bf16", "decode": "flashinfer-fp8"}

@@ -3,11 +3,14 @@
 KV write (extend and decode): `mpfa.kernels.sm90.quantize_cache.quantize_to_cache` writes the new tokens' centered
 NVFP4 K, FP8 V and Delta_S into their slots and returns this step's centered NVFP4 Q; for ``mpfa`` an extend first
 freezes the means of the requests it starts (`kv_store.freeze_means`).
-Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable).
+Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable; v1, v2
+or v3 by ``$MPFA_DECODE_KERNEL``).
 Extend (eager only), chosen by ``$MPFA_PREFILL``: ``kernel`` (default) the sm90 prefill kernel
-(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`, v1, v2 or v2w8 by ``$MPFA_PREFILL_KERNEL``;
-tests/backends_plugin/test_gpu_prefill.py checks it against the reference path), or ``reference`` the SLOW REFERENCE PATH (`reference_extend`), whose runs `mpfa bench` marks
-with a caveat.
+(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`, v1, v2, v2w8 or v3 by ``$MPFA_PREFILL_KERNEL``;
+tests/backends_plugin/test_gpu_prefill.py checks it against the reference path), or ``reference`` the SLOW
+REFERENCE PATH (`reference_extend`), whose runs `mpfa bench` marks with a caveat.
+``mpfa-direct`` runs the decode kernel's direct build (``compensate=False``: no Delta_S read; its side cache holds
+zeros, so the compensated prefill computes the direct numerics too).
 """
 
 from __future__ import annotations
@@ -138,4 +141,4 @@ class MpfaAttention:
 
         query = self.write(layer, q, k, v, slots, req_pool_indices)
         return mpfa_decode(query, self.store.layer(layer), batch.page_table, batch.seq_lens, batch.workspace,
-                           sm_scale=sm_scale, out=out)
+                           sm_scale=sm_scale, out=out, compensate=self.variant.smoothing)

@@ -61,7 +61,8 @@ class MpfaAttnBackend(AttentionBackend):
 
         group = self.num_q_heads // self.num_kv_heads
         try:
-            compile_decode_kernels(self.num_kv_heads, group, self.page_size)
+            compensate = self.core.variant.smoothing  # mpfa-direct runs the direct decode (no Delta_S read)
+            compile_decode_kernels(self.num_kv_heads, group, self.page_size, compensate=compensate)
             if self.core.prefill == "kernel":
                 compile_prefill_kernel(self.num_kv_heads, group, self.page_size, True, "BFloat16")
         except Exception as error:  # noqa: BLE001 - re-raised as one clear line

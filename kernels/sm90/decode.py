@@ -60,7 +60,9 @@ class SplitKVDecodeSm90:
 
     smem_bytes = 0  # dynamic shared memory per CTA (v1 uses none)
 
-    def __init__(self, num_kv_heads: int, group: int, page_size: int) -> None:
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, compensate: bool = True) -> None:
+        """``compensate`` False: the `direct` build, which reads no Delta_S (every score starts at 0, as if the
+        side cache held zeros): what the compensation costs is the time between the two builds."""
         if not 1 <= group <= MAX_GROUP:
             raise ValueError(f"the sm90 decode kernel packs 1..{MAX_GROUP} query heads per KV head, got {group}")
         if page_size <= 0 or page_size & (page_size - 1):
@@ -70,6 +72,7 @@ class SplitKVDecodeSm90:
         self.page_size = page_size
         self.page_shift = page_size.bit_length() - 1
         self.ds_row = delta_s_row(group)  # BF16 entries of a (KV head, slot) Delta_S row
+        self.compensate = compensate
 
     @cute.jit
     def __call__(
@@ -205,7 +208,10 @@ class SplitKVDecodeSm90:
                 valid = tile + lay.score_key(n_tile, c, half) < end
                 slot = Int64(tile_slots[lay.N_TILES + 2 * n_tile + half])
                 default = Uint32(cutlass.select_(valid, Uint32(0), Uint32(BF16_MINUS_INF)))
-                ds_bits.append(load_u16(ds_base + slot * (self.ds_row * 2), Uint32(valid & row_valid), default))
+                if cutlass.const_expr(self.compensate):
+                    ds_bits.append(load_u16(ds_base + slot * (self.ds_row * 2), Uint32(valid & row_valid), default))
+                else:
+                    ds_bits.append(default)
                 v_rows.append(load_v4_u32(v_base + slot * (self.num_kv_heads * HEAD_DIM), Uint32(valid)))
         return k_words, k_scales_raw, ds_bits, v_rows
 

@@ -103,10 +103,10 @@ class DecodeWorkspace:
 
 @lru_cache(maxsize=None)
 def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16",
-                           kernel: str | None = None) -> tuple:
+                           kernel: str | None = None, compensate: bool = True) -> tuple:
     """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI.
     ``kernel``: the split kernel, "v1", "v2" (cp.async double buffer, `decode_pipelined`) or "v3" (3 stages);
-    None: `decode_kernel`."""
+    None: `decode_kernel`. ``compensate`` False: the direct build (no Delta_S read, `SplitKVDecodeSm90`)."""
     kernel = decode_kernel(kernel)
     target_sm90a()
     import cutlass
@@ -122,8 +122,8 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
                 fake_tensor(f32, (None, hq, None, d)))
     seq_lens = fake_tensor(Int32, (None,), align=4)
     split = compile_kernel(
-        (SplitKVDecodeSm90Pipelined(num_kv_heads, group, page_size, STAGES[kernel]) if kernel in STAGES
-         else SplitKVDecodeSm90(num_kv_heads, group, page_size)),
+        (SplitKVDecodeSm90Pipelined(num_kv_heads, group, page_size, STAGES[kernel], compensate) if kernel in STAGES
+         else SplitKVDecodeSm90(num_kv_heads, group, page_size, compensate)),
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16)),
         fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group))),
@@ -171,19 +171,21 @@ def mpfa_decode(
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
     kernel: str | None = None,
+    compensate: bool = True,
 ) -> torch.Tensor:
     """One decode step: ``query`` [B, Hq] centered NVFP4 (from `quantize_to_cache`), each request's keys
     ``seq_lens[b]`` (int32, on the device; the current token included) through ``page_table`` [B, max_pages]
     (int32, pages of ``cache.page_size`` slots) -> attention output [B, Hq, 128] (``out`` or new BF16).
     Sequences must fit the workspace (``seq_lens <= partition_size * num_partitions``; not checked on the host);
     each request's partitions are ``workspace.partition_keys(seq_len)`` keys long. ``kernel``: see
-    `decode_kernel` (any version computes the same; size the workspace for it)."""
+    `decode_kernel` (any version computes the same; size the workspace for it). ``compensate`` False: the direct
+    build, which ignores ``cache.delta_s`` (the same output as with a zero side cache)."""
     batch, num_q_heads = query.codes.shape[:2]
     out = out if out is not None else torch.empty((batch, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
                                                   device=query.codes.device)
     _check_inputs(query, cache, page_table, seq_lens, workspace, out)
     split, merge = compile_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
-                                          _OUT_DTYPES[out.dtype], decode_kernel(kernel))
+                                          _OUT_DTYPES[out.dtype], decode_kernel(kernel), compensate)
     lam = float(torch.tensor(math.log2(math.e) * (sm_scale or 1.0 / math.sqrt(HEAD_DIM)), dtype=torch.float32))
     u8 = torch.uint8
     split(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),

@@ -60,10 +60,11 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
     """v2 / v3 of the split-KV decode kernel (`SplitKVDecodeSm90`'s constructor plus ``stages``, same call
     signature and outputs): v1's kernel with its tile loop, `_run_tiles`, replaced."""
 
-    def __init__(self, num_kv_heads: int, group: int, page_size: int, stages: int = STAGES) -> None:
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, stages: int = STAGES,
+                 compensate: bool = True) -> None:
         if stages not in (2, 3):
             raise ValueError(f"the pipelined decode runs 2 or 3 stages, got {stages}")
-        super().__init__(num_kv_heads, group, page_size)
+        super().__init__(num_kv_heads, group, page_size, compensate)
         self.stages = stages
         self.smem_bytes = stages * STAGE_BYTES
 
@@ -139,8 +140,9 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
                 slot = Int64(tile_slots[unit])
                 cp_async_16(lane_chunk + stage + unit * 512, v_base + slot * (self.num_kv_heads * HEAD_DIM),
                             Uint32(cutlass.select_(valid, 16, 0)))
-                cp_async_4(lane_word + stage + unit * 128, ds_base + slot * (self.ds_row * 2),
-                           Uint32(cutlass.select_(valid & row_valid, 4, 0)))
+                if cutlass.const_expr(self.compensate):
+                    cp_async_4(lane_word + stage + unit * 128, ds_base + slot * (self.ds_row * 2),
+                               Uint32(cutlass.select_(valid & row_valid, 4, 0)))
 
     @cute.jit
     def _read_tile(self, tile, end, row_valid, g, c, stage, lane_chunk, lane_word, scale_shift, ds_shift):
@@ -154,8 +156,9 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
             for half in cutlass.range_constexpr(2):
                 unit = lay.N_TILES + 2 * n_tile + half
                 valid = tile + lay.score_key(n_tile, c, half) < end
-                word = load_shared_u32(lane_word + stage + unit * 128)
-                bits = (word >> ds_shift) & Uint32(0xFFFF)
+                bits = Uint32(0)  # the direct build: Delta_S = 0
+                if cutlass.const_expr(self.compensate):
+                    bits = (load_shared_u32(lane_word + stage + unit * 128) >> ds_shift) & Uint32(0xFFFF)
                 ds_bits.append(Uint32(cutlass.select_(valid, bits, Uint32(BF16_MINUS_INF))))
                 v_rows.append(load_shared_v4_u32(lane_chunk + stage + unit * 512))
         return k_words, k_scales_raw, ds_bits, v_rows

@@ -39,13 +39,14 @@ def decode_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[tuple[
     -> the cubins of each (config, version); v2 and v3 are one class, so each version gets its own dump."""
     found = {}
     for config in CONFIGS:
-        for kernel in ("v1", "v2", "v3"):
+        for kernel in ("v1", "v2", "v3", "v2-direct") if config == CONFIGS[0] else ("v1", "v2", "v3"):
             dump = tmp_path_factory.mktemp("hkv{}-g{}-page{}-".format(*config) + kernel)
             dtypes = ("BFloat16", "Float32") if kernel == "v2" else ("BFloat16",)
             _python(f"""
                 from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
                 for out_dtype in {dtypes!r}:
-                    compile_decode_kernels({config[0]}, {config[1]}, {config[2]}, out_dtype, kernel={kernel!r})
+                    compile_decode_kernels({config[0]}, {config[1]}, {config[2]}, out_dtype, kernel={kernel[:2]!r},
+                                           compensate={not kernel.endswith("direct")})
                 """, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
             found[config, kernel] = sorted(dump.glob("*.cubin"))
     return found
@@ -81,7 +82,21 @@ def test_decode_kernels_compile_for_sm90a(decode_cubins, config, kernel):
         assert sass.count("LDGSTS.E.BYPASS.LTC128B.128") == copies and sass.count("LDGSTS.E.LTC128B ") == copies, \
             "the pipelined kernels must copy each tile global -> shared with cp.async"
         assert sass.count("LDGDEPBAR") == STAGES[kernel], "one commit per tile copy"
-        assert f"DEPBAR.LE SB0, 0x{STAGES[kernel] - 1}" in sass, f"{kernel} must keep {STAGES[kernel] - 1} tiles in flight"
+        in_flight = STAGES[kernel] - 1
+        assert f"DEPBAR.LE SB0, 0x{in_flight}" in sass, f"{kernel} must keep {in_flight} tiles in flight"
+
+
+def test_direct_decode_reads_no_delta_s(decode_cubins):
+    """The direct build (``compensate=False``) drops the 8 Delta_S word copies (one per score key) of each of v2's
+    two tile copies (prologue and loop), nothing else."""
+    def split_sass(kernel: str) -> str:
+        cubin = next(c for c in decode_cubins[CONFIGS[0], kernel] if "SplitKVDecode" in c.name)
+        return _cuobjdump("--dump-sass", str(cubin))
+
+    compensated, direct = split_sass("v2"), split_sass("v2-direct")
+    assert direct.count("LDGSTS.E.BYPASS.LTC128B.128") == compensated.count("LDGSTS.E.BYPASS.LTC128B.128") == 24
+    assert compensated.count("LDGSTS.E.LTC128B ") - direct.count("LDGSTS.E.LTC128B ") == 2 * 8
+    assert direct.count("HMMA.16816.F32") == 48
 
 
 def test_triton_kernels_compile_for_sm90():

@@ -88,14 +88,14 @@ def _problem(gen: torch.Generator, lengths: list[int], num_q_heads: int, num_kv_
                    cache, page_table.cuda(), torch.tensor(lengths, dtype=torch.int32, device="cuda"), reference_inputs)
 
 
-def _run(problem: Problem, partition_size: int, out_dtype: torch.dtype = torch.float32):
+def _run(problem: Problem, partition_size: int, out_dtype: torch.dtype = torch.float32, **kwargs):
     batch, num_q_heads = problem.query.codes.shape[:2]
     workspace = DecodeWorkspace.allocate(batch, num_q_heads, problem.cache.num_kv_heads,
                                          int(problem.seq_lens.max()), "cuda", partition_size)
     for x in (workspace.m, workspace.l, workspace.o):
         x.fill_(float("nan"))
     out = torch.full((batch, num_q_heads, HEAD_DIM), float("nan"), dtype=out_dtype, device="cuda")
-    mpfa_decode(problem.query, problem.cache, problem.page_table, problem.seq_lens, workspace, out=out)
+    mpfa_decode(problem.query, problem.cache, problem.page_table, problem.seq_lens, workspace, out=out, **kwargs)
     torch.cuda.synchronize()
     return workspace, out
 
@@ -142,6 +142,22 @@ def test_decode_matches_reference(gen, monkeypatch, kernel, lengths, num_q_heads
     assert _rms_ratio(got, expected) <= 1e-3
     assert float((got - expected).abs().max()) <= 0.02 * float(expected.abs().max())
     assert _rms_ratio(got, exact) <= 1.01 * _rms_ratio(expected, exact)
+
+
+@pytest.mark.parametrize("kernel", ["v3", "v2", "v1"])
+def test_direct_build_equals_a_zero_side_cache(gen, kernel):
+    """The direct build (``compensate=False``, no Delta_S read) computes bit for bit what the compensated build
+    computes once the side cache holds zeros: what separates their timings is the compensation alone."""
+    problem = _problem(gen, [1, 33, 517, 1000], 10, 2, 16)
+    direct = _run(problem, 128, kernel=kernel, compensate=False)
+    assert bool(torch.isfinite(direct[1]).all())
+    compensated = _run(problem, 128, kernel=kernel)
+    assert not torch.equal(direct[1], compensated[1])  # the side cache is not zero: Delta_S matters
+    problem.cache.delta_s.zero_()
+    zero_side_cache = _run(problem, 128, kernel=kernel)
+    outputs = [[ws.m, ws.l, ws.o, out] for ws, out in (direct, zero_side_cache)]
+    for got, expected in zip(*outputs):  # partitions a request does not use stay NaN in both
+        assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
 
 
 def test_partitions_sized_by_each_request_length(gen):
