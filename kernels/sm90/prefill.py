@@ -63,6 +63,8 @@ class PrefillSm90:
     """Compile-time shape of one prefill kernel: ``num_kv_heads``, GQA ``group``, ``page_size`` (a power of two
     holding whole tiles), ``causal`` and the output dtype name (``BFloat16`` or ``Float32``). ``ablation``: pieces
     of the tile work removed for timing (`ablation.Ablation`; the default, `ablation.FULL`, is the real kernel).
+    ``compensate`` False: the direct build, which reads no Delta_S and starts every visible score at 0 (the output
+    of an all-zero Delta_S), to measure what the compensation costs.
     v2 (`prefill_staged`) reuses the launch, the kernel's prologue (Q, softmax state) and epilogue (`_store`) and
     replaces the CTA's shape and order (the attributes below, `_warp_lane`, `_heads`, `_warp_row`, `_walk`) and
     the tile loop, `_run_tiles`."""
@@ -73,7 +75,7 @@ class PrefillSm90:
     cta_order = prefill_grid.HEADS_FASTEST  # a GQA group's CTAs (one per head) side by side
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
-                 ablation: abl.Ablation = abl.FULL):
+                 ablation: abl.Ablation = abl.FULL, compensate: bool = True):
         if num_kv_heads <= 0 or group <= 0:
             raise ValueError(f"need positive num_kv_heads and group, got {num_kv_heads} and {group}")
         if page_size < TILE_KEYS or page_size & (page_size - 1):
@@ -91,6 +93,7 @@ class PrefillSm90:
         if not isinstance(ablation, abl.Ablation):
             raise TypeError(f"ablation must be an Ablation, got {ablation!r}")
         self.ablation = ablation
+        self.compensate = bool(compensate)
         # dynamic shared memory per CTA: none, or unused bytes that hold an ablated kernel to the full kernel's 2
         # CTAs per SM
         self.smem_bytes = 0 if ablation.is_full else abl.OCCUPANCY_PAD_BYTES
@@ -236,9 +239,10 @@ class PrefillSm90:
 
     @cute.jit
     def _qk_tile(self, masked: cutlass.Constexpr, a_steps, tile, slot0, kv_len, limits, g, c, bases):
-        """Load the lane's K chunks and scale pairs (keys 8 n + g) and Delta_S (keys 8 n + 2c + half), then S;
-        keys past the end read nothing. One base address per operand and tile with the keys at constant offsets:
-        per-key 64-bit addresses would be loop invariants that the compiler keeps in registers."""
+        """Load the lane's K chunks and scale pairs (keys 8 n + g) and Delta_S (keys 8 n + 2c + half; none in the
+        direct build), then S; keys past the end read nothing. One base address per operand and tile with the keys
+        at constant offsets: per-key 64-bit addresses would be loop invariants that the compiler keeps in
+        registers."""
         k_base, ks_base, ds_base, _ = bases
         k_stride, ks_stride, ds_stride = self.num_kv_heads * K_ROW_BYTES, SCALE_ROW_BYTES, self.ds_row * 2
         k_row = k_base + (slot0 + Int64(g)) * k_stride
@@ -246,15 +250,17 @@ class PrefillSm90:
         ds_row = ds_base + (slot0 + Int64(2 * c)) * ds_stride
         k_left = kv_len - tile - g  # key 8 n + g exists iff 8 n < k_left
         ds_left = kv_len - tile - 2 * c
-        k_words, k_scale_pairs, ds_bits = [], [], []
+        k_words, k_scale_pairs, ds_bits = [], [], None
         for n_tile in cutlass.range_constexpr(N_TILES):
             valid = Uint32(k_left > 8 * n_tile) if masked else Uint32(1)
             k_words.append(load_v4_u32(k_row + 8 * n_tile * k_stride, valid))
             k_scale_pairs.append(load_u16(ks_row + 8 * n_tile * ks_stride, valid, Uint32(0)))
-        for n_tile in cutlass.range_constexpr(N_TILES):
-            for half in cutlass.range_constexpr(2):
-                valid = Uint32(ds_left > 8 * n_tile + half) if masked else Uint32(1)
-                ds_bits.append(load_u16(ds_row + (8 * n_tile + half) * ds_stride, valid, Uint32(0)))
+        if cutlass.const_expr(self.compensate):
+            ds_bits = []
+            for n_tile in cutlass.range_constexpr(N_TILES):
+                for half in cutlass.range_constexpr(2):
+                    valid = Uint32(ds_left > 8 * n_tile + half) if masked else Uint32(1)
+                    ds_bits.append(load_u16(ds_row + (8 * n_tile + half) * ds_stride, valid, Uint32(0)))
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
         if cutlass.const_expr(self.ablation.dequant):
             return tile_math.qk_scores(a_steps, k_words, k_scale_pairs, ds_bits, seen)

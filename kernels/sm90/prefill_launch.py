@@ -4,8 +4,9 @@
 sequence's cache, read through a page table. Query i of a sequence with ``q_len`` queries and ``seq_lens_k``
 keys is the sequence's token ``seq_lens_k - q_len + i`` (the new tokens of a chunked prefill are the last ones
 of the sequence and are already in the cache). Kernels are compiled once per (KV heads, group, page size,
-causal, output dtype) from fake tensors with symbolic sizes (`compile_prefill_kernel` also runs on a CPU-only
-machine). The grid needs the longest query length: pass ``max_seqlen_q`` to avoid a device-to-host copy.
+causal, output dtype, kernel, compensation) from fake tensors with symbolic sizes (`compile_prefill_kernel` also
+runs on a CPU-only machine). The grid needs the longest query length: pass ``max_seqlen_q`` to avoid a
+device-to-host copy.
 
 Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm90`, per-warp global loads) and v2
 (`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs), v2 in two
@@ -14,6 +15,10 @@ CTA sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged til
 faster at 64K), as does the ``kernel=`` argument of `mpfa_prefill`; v2 needs an even number of query heads (else v1
 runs). v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA group 4 and pages of >= 64 keys only) is
 opt-in: it matches v1 up to FP32 summation order, not bit for bit, and is never picked unless named.
+
+``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
+masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
+compensation costs (the paper: ~2%).
 """
 
 from __future__ import annotations
@@ -63,22 +68,25 @@ def check_wgmma_shape(group: int, page_size: int) -> None:
 
 
 def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool,
-                           out_dtype: str = "BFloat16", ablation=None, kernel: str | None = None):
+                           out_dtype: str = "BFloat16", ablation=None, kernel: str | None = None,
+                           compensate: bool = True):
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
     only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
-    (``MPFA_PREFILL_KERNEL``); "v3" only for GQA group 4 and pages of >= 64 keys."""
+    (``MPFA_PREFILL_KERNEL``); "v3" only for GQA group 4 and pages of >= 64 keys. ``compensate`` False: the
+    direct build (no Delta_S, for timing the compensation)."""
     name = prefill_kernel(num_kv_heads * group, "v1" if kernel is None and ablation is not None else kernel)
     if name != "v1" and ablation is not None:
         raise ValueError("the compile-time ablations exist for the v1 prefill kernel only")
     if name == WGMMA_KERNEL:
         check_wgmma_shape(group, page_size)
-    return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, name)
+    return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, name,
+                                   bool(compensate))
 
 
 @lru_cache(maxsize=None)
 def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str, ablation,
-                            kernel: str):
+                            kernel: str, compensate: bool):
     target_sm90a()
     import cutlass
     from cutlass import Float32, Int32
@@ -90,15 +98,15 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8 = cutlass.Uint8
     if kernel == WGMMA_KERNEL:
-        launcher = prefill_wgmma.PrefillSm90Wgmma(num_kv_heads, group, page_size, causal, out_dtype)
+        launcher = prefill_wgmma.PrefillSm90Wgmma(num_kv_heads, group, page_size, causal, out_dtype, compensate)
         assert launcher.block_m == WGMMA_BLOCK_M
     elif kernel in STAGED_WARPS:
         launcher = prefill_staged.PrefillSm90Staged(num_kv_heads, group, page_size, causal, out_dtype,
-                                                    warps=STAGED_WARPS[kernel])
+                                                    warps=STAGED_WARPS[kernel], compensate=compensate)
         assert launcher.block_m == kernel_block_m(group, kernel)
     else:
         launcher = prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype,
-                                       FULL if ablation is None else ablation)
+                                       FULL if ablation is None else ablation, compensate)
     return compile_kernel(
         launcher,
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
@@ -158,6 +166,7 @@ def mpfa_prefill(
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
     kernel: str | None = None,
+    compensate: bool = True,
 ) -> torch.Tensor:
     """Prefill attention: ``query`` [total_q, Hq] centered NVFP4 (from `quantize_to_cache`, the tokens of each
     sequence in order), ``cu_seqlens_q`` int32 [B + 1], each sequence's key count ``seq_lens_k`` int32 [B]
@@ -165,9 +174,10 @@ def mpfa_prefill(
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
     ``kernel``: "v1", "v2", "v2w8" or "v3" (None: ``MPFA_PREFILL_KERNEL``, see `prefill_kernel`); all give the
-    same output (v3 up to FP32 summation order)."""
+    same output (v3 up to FP32 summation order). ``compensate=False``: the direct build, for timing only (no
+    Delta_S: the output of an all-zero Delta_S)."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
-                    causal=causal, sm_scale=sm_scale, out=out, kernel=kernel)
+                    causal=causal, sm_scale=sm_scale, out=out, kernel=kernel, compensate=compensate)
 
 
 def mpfa_prefill_ablated(ablation, query: CenteredQuery, cache: MpfaKVCache, page_table: torch.Tensor,
@@ -183,7 +193,7 @@ def mpfa_prefill_ablated(ablation, query: CenteredQuery, cache: MpfaKVCache, pag
 
 
 def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_q=None, causal=True,
-             sm_scale=None, out=None, kernel=None):
+             sm_scale=None, out=None, kernel=None, compensate=True):
     total_q, num_q_heads = query.codes.shape[:2]
     out = out if out is not None else torch.empty((total_q, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
                                                   device=query.codes.device)
@@ -198,7 +208,7 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
     group = num_q_heads // cache.num_kv_heads
     config = (cache.num_kv_heads, group, cache.page_size, bool(causal), _OUT_DTYPES[out.dtype])
     name = prefill_kernel(num_q_heads, kernel)
-    compiled = compile_prefill_kernel(*config, ablation, name)
+    compiled = compile_prefill_kernel(*config, ablation, name, compensate)
     lam = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))
     u8 = torch.uint8
     compiled(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),

@@ -72,14 +72,16 @@ class PrefillSm90Staged(PrefillSm90):
     ``page_size``, ``causal``, output dtype name; no ablations), plus ``warps`` per CTA (4 or 8, for groups whose
     4-warp CTA holds 4 heads; the CTA's heads x 16-row blocks: `prefill_staged_layout.cta_shape`), ``stages``
     (depth of the shared-memory ring, a power of two >= 2, >= 4 with ``shared_dequant``) and ``shared_dequant``
-    (K expanded once per CTA; None: ``SHARED_DEQUANT``). v1's launch, signature, prologue and epilogue with the
-    CTA's shape and order and the tile loop, `_run_tiles`, replaced."""
+    (K expanded once per CTA; None: ``SHARED_DEQUANT``) and ``compensate`` (False: the direct build, no Delta_S
+    copied, as v1's). v1's launch, signature, prologue and epilogue with the CTA's shape and order and the tile
+    loop, `_run_tiles`, replaced."""
 
     cta_order = prefill_grid.ROWS_FASTEST  # a head block's row blocks side by side: one KV head resident at a time
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
-                 warps: int = sl.CTA_WARPS, stages: int = STAGES, shared_dequant: bool | None = None):
-        super().__init__(num_kv_heads, group, page_size, causal, out_dtype)
+                 warps: int = sl.CTA_WARPS, stages: int = STAGES, shared_dequant: bool | None = None,
+                 compensate: bool = True):
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate=compensate)
         if (num_kv_heads * group) % 2:
             raise ValueError("the staged prefill copies Delta_S as 4-byte words: needs an even number of query heads")
         shared_dequant = SHARED_DEQUANT if shared_dequant is None else bool(shared_dequant)
@@ -91,7 +93,7 @@ class PrefillSm90Staged(PrefillSm90):
         self.block_m = WARP_ROWS * self.row_blocks
         self.stages = stages
         self.threads = 32 * self.heads * self.row_blocks
-        self.stage_bytes = sl.stage_bytes(self.heads)
+        self.stage_bytes = sl.stage_bytes(self.heads, self.compensate)
         self.shared_dequant = shared_dequant
         self.smem_bytes = stages * self.stage_bytes + (2 * sl.FRAG_BUFFER_BYTES if shared_dequant else 0)
 
@@ -205,7 +207,7 @@ class PrefillSm90Staged(PrefillSm90):
         tile_index, compute_stage, buffer = sl.ring_compute(step, cta_tiles, stages)
         stage = smem + compute_stage * self.stage_bytes
         if cutlass.const_expr(self.shared_dequant):
-            fragments = smem + sl.frag_lane_base(stages, self.heads, buffer, lane)
+            fragments = smem + sl.frag_lane_base(stages, self.heads, buffer, lane, self.compensate)
         if cutlass.const_expr(self.row_blocks > 1):
             if tile_index < num_tiles:  # some row of this warp sees the tile
                 self._tile(masked, a_steps, state, acc, lam_scaled, tile_index * TILE_KEYS, stage, fragments,
@@ -217,8 +219,8 @@ class PrefillSm90Staged(PrefillSm90):
     @cute.jit
     def _copy_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr):
         """cp.async the KV head's bytes of tile ``tile_index`` into ``stage``, every warp its slots of each array
-        (`prefill_staged_layout.copy_plan`); keys past ``kv_len`` copy 0 bytes (zero fill; ``ragged`` false: the
-        tile is known to be whole). A tile never straddles pages."""
+        (`prefill_staged_layout.copy_plan`; Delta_S only with ``compensate``); keys past ``kv_len`` copy 0 bytes
+        (zero fill; ``ragged`` false: the tile is known to be whole). A tile never straddles pages."""
         tile = tile_index * TILE_KEYS
         slot0 = Int64(page) * self.page_size + (tile & (self.page_size - 1))
         left = kv_len - tile  # key k of the tile exists iff k < left
@@ -228,7 +230,7 @@ class PrefillSm90Staged(PrefillSm90):
         rows = {name: (stride, source + (slot0 + first_slot) * stride)  # the tile's first cache row of each array
                 for (name, _, _, _), stride, (source, first_slot) in zip(sl.copy_arrays(self.heads), strides, sources)}
         warps = threads // 32
-        for (name, _, size, copy_map), r, first_warp, end_warp in sl.copy_plan(self.heads, warps):
+        for (name, _, size, copy_map), r, first_warp, end_warp in sl.copy_plan(self.heads, warps, self.compensate):
             stride, first = rows[name]
             key, offset, smem_offset = copy_map(tid, r)
             src_bytes = Uint32(cutlass.select_(key < left, size, 0)) if ragged else Uint32(size)
@@ -262,7 +264,7 @@ class PrefillSm90Staged(PrefillSm90):
         n_tile, part = sl.expand_unit(unit, parts)
         words = load_shared_v4_u32(stage + sl.k_read(n_tile, lane))
         regs = k_fragment_part(words, load_shared_u16(stage + sl.scale_read(n_tile, lane)), part, parts)
-        fragments = smem + sl.frag_lane_base(self.stages, self.heads, buffer, lane)
+        fragments = smem + sl.frag_lane_base(self.stages, self.heads, buffer, lane, self.compensate)
         for index, quad in enumerate(sl.part_quads(part, parts)):
             store_shared_v4_u32(fragments + sl.frag_offset(n_tile, quad), *regs[4 * index:4 * index + 4])
 
@@ -271,10 +273,11 @@ class PrefillSm90Staged(PrefillSm90):
     @cute.jit
     def _tile(self, masked: cutlass.Constexpr, a_steps, state: cute.Tensor, acc: cute.Tensor, lam_scaled, tile, stage,
               fragments, lane_bases, limits, lane, c):
-        """S = Q K^T + Delta_S (-inf where masked), online softmax, acc = alpha acc + V^T e4m3(448 P)^T: exactly
-        `prefill.PrefillSm90._tile` with one 32-key PV step. Keys past the end read zeros (as v1's loads)."""
+        """S = Q K^T + Delta_S (-inf where masked; no Delta_S in the direct build), online softmax, acc = alpha acc
+        + V^T e4m3(448 P)^T: exactly `prefill.PrefillSm90._tile` with one 32-key PV step. Keys past the end read
+        zeros (as v1's loads)."""
         ds_lane, v_lane = lane_bases
-        k_words, k_scale_pairs, ds_bits = [], [], []
+        k_words, k_scale_pairs, ds_bits = [], [], None
         if cutlass.const_expr(self.shared_dequant):  # K already expanded: this lane's B registers
             for n_tile in cutlass.range_constexpr(N_TILES):
                 regs = []
@@ -286,9 +289,11 @@ class PrefillSm90Staged(PrefillSm90):
             for n_tile in cutlass.range_constexpr(N_TILES):
                 k_words.append(load_shared_v4_u32(stage + sl.k_read(n_tile, lane)))
                 k_scale_pairs.append(load_shared_u16(stage + sl.scale_read(n_tile, lane)))
-        for n_tile in cutlass.range_constexpr(N_TILES):
-            for half in cutlass.range_constexpr(2):
-                ds_bits.append(load_shared_u16(stage + ds_lane + sl.ds_read(self.heads, n_tile, half)))
+        if cutlass.const_expr(self.compensate):
+            ds_bits = []
+            for n_tile in cutlass.range_constexpr(N_TILES):
+                for half in cutlass.range_constexpr(2):
+                    ds_bits.append(load_shared_u16(stage + ds_lane + sl.ds_read(self.heads, n_tile, half)))
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
         scores = tile_math.qk_scores(a_steps, k_words, k_scale_pairs, ds_bits, seen,
                                      ntile=qk_ntile_from_fragments if self.shared_dequant else None)

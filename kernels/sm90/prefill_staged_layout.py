@@ -20,7 +20,8 @@ head (``TILE_KEYS`` keys, slots ``slot0 .. slot0 + 31`` of one page):
 * Delta_S: [key][ds_words(heads) x 4 B]: the aligned 4-byte words of the cache's BF16 row of (KV head, slot)
   that hold the CTA's heads first_head .. first_head + heads - 1, numbered within the GQA group here (cp.async
   moves 4, 8 or 16 bytes; the cache's rows are 8 or 16 bytes, `cache_layout.delta_s_row`). The CTA's head ``h``
-  sits ``ds_lead(first_head) + 2 h`` bytes into its key's words.
+  sits ``ds_lead(first_head) + 2 h`` bytes into its key's words. The direct build (``compensate`` false: no
+  Delta_S) neither copies nor allocates it; the other arrays keep their offsets.
 
 Copies (`copy_plan`): each array is cut into units (16 B for K and V, 8 B for the scales, 4 B for Delta_S), the
 arrays' units in a row (largest array first) are cut into warp slots of 32 units and the slots are dealt to the
@@ -78,8 +79,9 @@ def ds_units(heads: int) -> int:
     return TILE_KEYS * ds_words(heads)
 
 
-def stage_bytes(heads: int) -> int:
-    end = DS_OFFSET + 4 * ds_units(heads)
+def stage_bytes(heads: int, compensate: bool = True) -> int:
+    """Bytes of a ring stage (a multiple of ``STAGE_ALIGN``); without ``compensate`` no Delta_S."""
+    end = DS_OFFSET + (4 * ds_units(heads) if compensate else 0)
     return -(-end // STAGE_ALIGN) * STAGE_ALIGN
 
 
@@ -120,27 +122,27 @@ def scale_copy(tid, r: int = 0):
     return tid + r, 0, SCALE_OFFSET + SCALE_ROW_BYTES * (tid + r)
 
 
-def copy_arrays(heads: int) -> tuple:
+def copy_arrays(heads: int, compensate: bool = True) -> tuple:
     """The arrays of a stage in copy order: (name, units, unit bytes, copy map (tid, r) -> (key, byte offset in
-    the key's row, shared-memory offset) of unit tid + r)."""
+    the key's row, shared-memory offset) of unit tid + r); Delta_S last, and only with ``compensate``."""
     words = ds_words(heads)
 
     def ds_copy(tid, r: int = 0):
         unit = tid + r
         return unit // words, 4 * (unit % words), DS_OFFSET + 4 * unit
 
-    return (("k", K_UNITS, 16, k_copy), ("v", V_UNITS, 16, v_copy), ("scales", SCALE_UNITS, 8, scale_copy),
-            ("delta_s", ds_units(heads), 4, ds_copy))
+    arrays = (("k", K_UNITS, 16, k_copy), ("v", V_UNITS, 16, v_copy), ("scales", SCALE_UNITS, 8, scale_copy))
+    return arrays + ((("delta_s", ds_units(heads), 4, ds_copy),) if compensate else ())
 
 
-def copy_plan(heads: int, warps: int) -> list:
+def copy_plan(heads: int, warps: int, compensate: bool = True) -> list:
     """The CTA's copies of one tile: the arrays of `copy_arrays`, largest first (they fill whole rounds, which need
     no branch), in a row, cut into warp slots of 32 units (every array has a multiple of 32), slot s copied by warp
     s % warps in round s // warps. -> [(array, r, first warp, end warp)], round by round: warps first .. end - 1
     copy unit ``tid + r`` of ``array`` (tid = 32 warp + lane; ``r`` a constant, so the copy map's per-thread part
     is shared by all entries)."""
     spans, slots = [], 0
-    for array in sorted(copy_arrays(heads), key=lambda array: -array[1]):
+    for array in sorted(copy_arrays(heads, compensate), key=lambda array: -array[1]):
         assert array[1] % WARP == 0, array
         spans.append((array, slots, slots + array[1] // WARP))
         slots += array[1] // WARP
@@ -226,9 +228,9 @@ FRAG_QUADS = 4
 FRAG_BUFFER_BYTES = 4 * FRAG_QUADS * 32 * 16  # 4 n-tiles of a 32-key tile: 8 KB
 
 
-def frag_lane_base(stages: int, heads: int, buffer, lane):
-    """Lane ``lane``'s fragments in buffer ``buffer`` (0 or 1; the buffers follow the ring)."""
-    return stages * stage_bytes(heads) + FRAG_BUFFER_BYTES * buffer + 16 * lane
+def frag_lane_base(stages: int, heads: int, buffer, lane, compensate: bool = True):
+    """Lane ``lane``'s fragments in buffer ``buffer`` (0 or 1; the buffers follow the ring of `stage_bytes`)."""
+    return stages * stage_bytes(heads, compensate) + FRAG_BUFFER_BYTES * buffer + 16 * lane
 
 
 def frag_offset(n_tile, quad: int):

@@ -62,24 +62,29 @@ def qk_a_steps(q_lo: list, q_hi: list) -> list:
             for r0, r1 in (lay.qk_step_regs(k_step) for k_step in range(lay.K_STEPS_QK))]
 
 
-def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list, seen: tuple | None,
+def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list | None, seen: tuple | None,
               ntile=None) -> list:
     """S * 2**-7 of the tile. ``k_words[n]`` / ``k_scale_pairs[n]``: chunk c of key 8 n + g; ``ds_bits[2 n + half]``
-    the BF16 Delta_S of key 8 n + 2c + half; ``seen[r]``: row g + 8 r sees the key 8 n + 2c + half of this tile iff
-    8 n + half <= seen[r] (None: every row sees every key of the tile). Delta_S, or -inf for a masked score, is
-    the accumulator's initial value. ``ntile``: replaces `qk_ntile` (only for the timing ablations of `ablation`)."""
+    the BF16 Delta_S of key 8 n + 2c + half (None: no compensation, the direct build); ``seen[r]``: row g + 8 r sees
+    the key 8 n + 2c + half of this tile iff 8 n + half <= seen[r] (None: every row sees every key of the tile).
+    Delta_S, or -inf for a masked score, is the accumulator's initial value. ``ntile``: replaces `qk_ntile` (only
+    for the timing ablations of `ablation`)."""
     ntile = qk_ntile if ntile is None else ntile
     return [ntile(a_steps, k_words[n_tile], k_scale_pairs[n_tile], score_init(ds_bits, seen, n_tile))
             for n_tile in range(len(k_words))]
 
 
-def score_init(ds_bits: list, seen: tuple | None, n_tile: int) -> list:
+def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int) -> list:
     """The initial accumulators of n-tile ``n_tile`` (rows g, g + 8 x keys 8 n + 2c, + 1, as `qk_scores`' S):
-    Delta_S * 2**-7, or -inf where ``seen`` masks the score."""
+    Delta_S * 2**-7, or -inf where ``seen`` masks the score. ``ds_bits`` None (the direct build, no compensation):
+    0, exactly the value of an all-zero Delta_S."""
     init = []
     for r in range(2):
         for half in range(2):
-            ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
+            if ds_bits is None:
+                ds = Float32(0.0)
+            else:
+                ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
             init.append(ds if seen is None else Float32(select_(seen[r] >= 8 * n_tile + half, ds,
                                                                 Float32(-math.inf))))
     return init

@@ -18,7 +18,8 @@ its cp.async ring and its order, and replaces the tile's arithmetic with two wgm
   chunk as K, so the dot products pair the right elements), into a third tile: QK's A operand.
 * S * 2**-7 = Q K^T * 2**-7 on ``m64n64k16`` FP16 wgmma (8 k-steps) with the accumulator initialised to
   Delta_S * 2**-7, or -inf for a masked score (`prefill_tile.score_init`): the compensation enters through the MMA
-  as in v1. The FP16 products are exact; only the FP32 summation order differs from v1's mma.sync chain.
+  as in v1 (the direct build, ``compensate=False``, copies no Delta_S and starts at 0). The FP16 products are
+  exact; only the FP32 summation order differs from v1's mma.sync chain.
 * Online softmax on the accumulator (exp2, lambda folded, as v1), P quantized to e4m3(448 P) as v1
   (`warp_mma.p_pair`) and widened exactly to FP16: the register A operand of the PV wgmma (``m64n128k16``,
   4 k-steps; `p_operand`); O in FP32 registers, rescaled by alpha before the MMA; O / (448 l) in BF16 (or FP32)
@@ -103,17 +104,19 @@ def p_operand(probs: list, words: cute.Tensor) -> None:
 
 
 class PrefillSm90Wgmma(PrefillSm90Staged):
-    """Compile-time shape of the v3 prefill: `prefill.PrefillSm90`'s arguments (GQA ``group`` must be 4). v2's
-    launch, CTA order, heads and ring copies; the kernel body is replaced."""
+    """Compile-time shape of the v3 prefill: `prefill.PrefillSm90`'s arguments (GQA ``group`` must be 4; no
+    ablations; ``compensate`` False: the direct build). v2's launch, CTA order, heads and ring copies; the kernel
+    body is replaced."""
 
-    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16"):
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
+                 compensate: bool = True):
         if group != GROUP:
             raise ValueError(f"the v3 (wgmma) prefill supports GQA group {GROUP} only (4 heads x 16 rows = one "
                              f"64-row warpgroup tile), got {group}; use v1 or v2")
         if page_size < TILE_KEYS:
             raise ValueError(f"the v3 (wgmma) prefill needs page_size >= {TILE_KEYS}, got {page_size}")
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, warps=4, stages=STAGES,
-                         shared_dequant=False)
+                         shared_dequant=False, compensate=compensate)
         assert (self.heads, self.row_blocks, self.threads, self.block_m) == (GROUP, 1, THREADS, ROWS)
         self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
         self.smem_bytes = RING_OFFSET + STAGES * self.tile_bytes
@@ -297,11 +300,13 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         cute.arch.barrier()
 
         tile = tile_index * TILE_KEYS
-        ds_bits = []
-        for block in cutlass.range_constexpr(N_BLOCKS):
-            for half in cutlass.range_constexpr(2):
-                ds_bits.append(load_shared_u16(stage + (block // 4) * self.stage_bytes + ds_lane
-                                               + sl.ds_read(self.heads, block % 4, half)))
+        ds_bits = None
+        if cutlass.const_expr(self.compensate):
+            ds_bits = []
+            for block in cutlass.range_constexpr(N_BLOCKS):
+                for half in cutlass.range_constexpr(2):
+                    ds_bits.append(load_shared_u16(stage + (block // 4) * self.stage_bytes + ds_lane
+                                                   + sl.ds_read(self.heads, block % 4, half)))
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
         for block in cutlass.range_constexpr(N_BLOCKS):
             init = tile_math.score_init(ds_bits, seen, block)

@@ -1,15 +1,12 @@
-"""The sm90 prefill kernel compiles for sm_90a on a CPU-only machine (from fake tensors, the path `mpfa_prefill`
-takes on the GPU), runs its MMAs on the tensor cores and keeps everything in registers (no local memory). The
-compile runs in a fresh process: the DSL reads its dump settings once at import. Host-side input checks are
-tested here too (they fail before anything touches a device)."""
+"""The sm90 prefill kernel (v1, `prefill`) compiles for sm_90a on a CPU-only machine (from fake tensors, the path
+`mpfa_prefill` takes on the GPU), runs its MMAs on the tensor cores and keeps everything in registers (no local
+memory); its direct build (``compensate=False``) loads no Delta_S. The compile runs in a fresh process: the DSL
+reads its dump settings once at import. Host-side input checks are tested here too (they fail before anything
+touches a device)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -17,46 +14,64 @@ import torch
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
+pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache  # noqa: E402
 from mpfa.kernels.sm90.prefill_launch import mpfa_prefill  # noqa: E402
 
 # (KV heads, group, page size, causal, output dtype): Llama-3.1-8B causal BF16, Qwen3-14B non-causal FP32.
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 5, 128, False, "Float32")]
-
-
-def _cuobjdump(*args: str) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip("cuobjdump (shipped with triton) not found to inspect the SASS")
-    return subprocess.run([str(tool), *args], check=True, capture_output=True, text=True).stdout
+BUILDS = [(config, True) for config in CONFIGS] + [(CONFIGS[0], False)]  # (configuration, compensate)
+HMMA_PER_TILE = 64  # 4 n-tiles x 8 k-steps of QK^T + 2 query n-tiles x 8 m-tiles of PV (an e4m3 MMA is two FP16)
+DELTA_S_LOADS_PER_TILE = 8  # 2-byte loads: 4 n-tiles x 2 keys (the K scales' 4 stay)
 
 
 @pytest.fixture(scope="module")
-def prefill_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple, Path]:
+def prefill_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[tuple, Path]:
+    """One v1 cubin per build (the dump's file names come from the argument types only, so each is renamed right
+    after its compile)."""
     dump = tmp_path_factory.mktemp("prefill")
-    code = "from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel\n" + "".join(
-        f"compile_prefill_kernel{config!r}\n" for config in CONFIGS)
-    clean = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env = {**clean, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin", "CUTE_DSL_DUMP_DIR": str(dump)}
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
-    cubins = sorted(dump.glob("*Prefill*.cubin"), key=lambda p: p.stat().st_mtime)
-    assert len(cubins) == len(CONFIGS), [c.name for c in cubins]
-    return dict(zip(CONFIGS, cubins))
+    code = f"""
+        from pathlib import Path
+        from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
+        for i, (config, compensate) in enumerate({BUILDS!r}):
+            compile_prefill_kernel(*config, kernel="v1", compensate=compensate)
+            (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90_*.cubin")  # v1's class
+            cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
+        """
+    compile_sm90(code, dump)
+    return {build: dump / f"build{i}.cubin" for i, build in enumerate(BUILDS)}
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}-causal{}-{}".format(*c))
-def test_prefill_kernel_compiles_for_sm90a(prefill_cubins, config):
-    sass = _cuobjdump("--dump-sass", str(prefill_cubins[config]))
-    # Per 32-key tile: 4 n-tiles x 8 k-steps of QK^T and 2 query n-tiles x 8 m-tiles of PV (an e4m3 m16n8k32 is
-    # two FP16 MMAs on sm_90), in the masked and the unpredicated tile loop (the compiler may peel an iteration).
+def _build_id(build: tuple) -> str:
+    config, compensate = build
+    return "hkv{}-g{}-page{}-causal{}-{}".format(*config) + ("" if compensate else "-direct")
+
+
+@pytest.mark.parametrize("build", BUILDS, ids=_build_id)
+def test_prefill_kernel_compiles_for_sm90a(prefill_cubins, cuobjdump, build):
+    sass = cuobjdump("--dump-sass", str(prefill_cubins[build]))
+    # Per 32-key tile, in the masked and the unpredicated tile loop (the compiler may peel an iteration).
     hmma = sass.count("HMMA.16816.F32")
-    assert hmma >= 128 and hmma % 64 == 0, f"QK^T and PV must run on the tensor cores ({hmma} HMMA)"
-    usage = _cuobjdump("--dump-resource-usage", str(prefill_cubins[config]))
+    assert hmma >= 2 * HMMA_PER_TILE and hmma % HMMA_PER_TILE == 0, f"QK^T and PV must run on the tensor cores: {hmma}"
+    usage = cuobjdump("--dump-resource-usage", str(prefill_cubins[build]))
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the prefill kernel spills: {usage}"
+
+
+def test_direct_build_loads_no_delta_s(prefill_cubins, cuobjdump):
+    """``compensate=False``: the same MMAs and K / V loads, no more registers, and none of the 8 Delta_S loads per
+    copy of the tile body."""
+    counts = {}
+    for compensate in (True, False):
+        cubin = str(prefill_cubins[CONFIGS[0], compensate])
+        sass = cuobjdump("--dump-sass", cubin)
+        counts[compensate] = dict(hmma=sass.count("HMMA.16816.F32"), ldg128=len(re.findall(r"\bLDG\.E\.128\b", sass)),
+                                  ldg16=len(re.findall(r"\bLDG\.E\.U16\b", sass)),
+                                  registers=int(re.search(r"REG:(\d+)", cuobjdump("--dump-resource-usage", cubin))[1]))
+    full, direct = counts[True], counts[False]
+    assert (direct["hmma"], direct["ldg128"]) == (full["hmma"], full["ldg128"]), counts
+    assert direct["registers"] <= full["registers"], counts
+    assert full["ldg16"] - direct["ldg16"] == DELTA_S_LOADS_PER_TILE * full["hmma"] // HMMA_PER_TILE, counts
 
 
 def _inputs(total_q=5, hq=8, hkv=2, page_size=128, batch=2):
@@ -79,6 +94,29 @@ def _inputs(total_q=5, hq=8, hkv=2, page_size=128, batch=2):
 def test_bad_inputs_raise_clear_errors(change, message):
     with pytest.raises(ValueError, match=message):
         mpfa_prefill(**{**_inputs(), **change})
+
+
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+def test_compensate_reaches_the_compile(monkeypatch: pytest.MonkeyPatch, kernel):
+    """``mpfa_prefill(..., compensate=False)`` compiles the direct build (the flag is part of the compile key), as
+    the ablation path does for v1; the default is the compensated kernel."""
+    from mpfa.kernels.sm90 import prefill_launch
+    from mpfa.kernels.sm90.ablation import FULL
+
+    calls = []
+
+    def compile_prefill_kernel(*args):
+        calls.append(args)
+        return lambda *_: None  # no launch on the CPU
+
+    monkeypatch.setattr(prefill_launch, "compile_prefill_kernel", compile_prefill_kernel)
+    inputs = {**_inputs(), "max_seqlen_q": 3}
+    mpfa_prefill(**inputs, kernel=kernel, compensate=False)
+    mpfa_prefill(**inputs, kernel=kernel)
+    config = (2, 4, 128, True, "BFloat16", None, kernel)  # (KV heads, group, page, causal, out, ablation, kernel)
+    if kernel == "v1":
+        prefill_launch.mpfa_prefill_ablated(FULL, **inputs, compensate=False)
+    assert calls == [(*config, False), (*config, True)] + [(*config, False)] * (kernel == "v1")
 
 
 def test_no_queries_launch_nothing():

@@ -10,7 +10,9 @@ boundary and a one-ulp BF16 difference of Delta_S (the Triton kernel sums in ano
 decode (test_decode_gpu): RMS difference <= 1e-3 of the reference's RMS (a different tiling of the same formats
 already moves the output by ~4e-3; the NVFP4 format error against float64 is ~1e-1 on these inputs), no element
 further than 2% of the largest output, and the kernel no further from float64 than the oracle is (+1%). The
-output is NaN-poisoned before the launch and every compared value must be finite, so NaN never passes.
+output is NaN-poisoned before the launch and every compared value must be finite, so NaN never passes. The direct
+build of each kernel version (``compensate=False``, no Delta_S) must equal, bit for bit, the compensated build on
+an all-zero Delta_S.
 """
 
 from __future__ import annotations
@@ -158,3 +160,25 @@ def test_nan_output_fails_the_check(gen):
     got[7, 3, 5] = float("nan")
     with pytest.raises(AssertionError):
         _check(got, expected, exact)
+
+
+DIRECT_CASES = [  # (q_lens, kv_lens, page size, causal), GQA 32:8 and pages of >= 64 keys (what v3 supports)
+    ([1, 77, 300], [1, 77, 420], 128, True),  # a single token, ragged, one chunked prefill
+    ([77, 129, 1], [77, 300, 64], 64, False),  # non-causal, chunked, page 64
+]
+
+
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", DIRECT_CASES, ids=["causal", "noncausal-page64"])
+def test_direct_build_is_the_compensated_build_on_zero_delta_s(gen, kernel, q_lens, kv_lens, page_size, causal):
+    """``compensate=False`` reads no Delta_S and starts every visible score at 0: bit for bit the compensated
+    kernel (same version, same inputs) on a cache whose Delta_S is all zeros. The direct build runs first, on the
+    real Delta_S (NaN-poisoned past the written slots), which must not reach its output."""
+    problem = _problem(gen, q_lens, kv_lens, 32, 8, page_size)
+    direct = _run(problem, causal, kernel=kernel, compensate=False)
+    compensated = _run(problem, causal, kernel=kernel)
+    assert not torch.equal(direct, compensated), "these inputs' Delta_S must matter"
+    problem.cache.delta_s.zero_()
+    zero_delta_s = _run(problem, causal, kernel=kernel)
+    assert bool(torch.isfinite(direct).all()), "NaN/Inf in the output (or rows left unwritten)"
+    assert torch.equal(direct, zero_delta_s)

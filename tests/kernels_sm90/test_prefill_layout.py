@@ -256,3 +256,25 @@ def test_warp_matches_reference_tile_loop(numpy_warp, q_len, kv_len, row0, causa
     scale = np.abs(expected).max()
     np.testing.assert_allclose(written, expected, rtol=0, atol=2e-3 * scale)
     assert np.sqrt(np.mean((written - expected) ** 2)) <= 2e-4 * scale
+
+
+@pytest.mark.parametrize("masked", [False, True], ids=["whole", "masked"])
+def test_direct_scores_are_the_scores_of_a_zero_delta_s(numpy_warp, masked):
+    """The direct build (``compensate=False``: no Delta_S, ``ds_bits`` None) starts the accumulators at 0, so its
+    scores are bit for bit those of an all-zero Delta_S, masked scores -inf in both."""
+    rng = np.random.default_rng(11)
+    a_steps = [[_from_halves(rng.uniform(-2, 2, (32, 2))) for _ in range(4)] for _ in range(lay.K_STEPS_QK)]
+    k_words = [[rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32) for _ in range(4)]
+               for _ in range(lay.N_TILES)]
+    scale_pairs = [rng.integers(0x28, 0x48, 32).astype(np.uint32) | rng.integers(0x28, 0x48, 32).astype(np.uint32) << 8
+                   for _ in range(lay.N_TILES)]
+    seen = (C + 3, C + 17) if masked else None
+    zeros = [np.zeros(32, dtype=np.uint32)] * (2 * lay.N_TILES)
+    direct = tile_math.qk_scores(a_steps, k_words, scale_pairs, None, seen)
+    compensated = tile_math.qk_scores(a_steps, k_words, scale_pairs, zeros, seen)
+    for n_tile in range(lay.N_TILES):
+        for reg in range(4):
+            assert np.array_equal(_f32(direct[n_tile][reg]).view(np.uint32),
+                                  _f32(compensated[n_tile][reg]).view(np.uint32))
+    values = np.stack([_f32(x) for n_tile in direct for x in n_tile])
+    assert np.isinf(values).any() == masked and not np.isnan(values).any()

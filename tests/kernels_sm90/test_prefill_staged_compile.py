@@ -5,7 +5,8 @@ moves out of it): 64 HMMA; with K expanded once per CTA (``shared_dequant``, the
 registers + 8 of V + 1 raw K chunk, 8 + 1 LDS.U16 (Delta_S, the expanded n-tile's scales), 4 STS.128 and 17 HMUL2
 (one n-tile's expansion, not four; 8 warps: half an n-tile, 2 STS.128 and 9 HMUL2); without it 4 + 8 LDS.128 and
 4 + 8 LDS.U16; one CTA barrier, the copy plan's cp.async copies, no global load of K / V / Delta_S (only the
-page-table entry of the next tile). Also the kernel switch (`MPFA_PREFILL_KERNEL`) and the benchmark backends."""
+page-table entry of the next tile). The direct build (``compensate=False``) has no Delta_S: 8 fewer LDS.U16 and
+no 4-byte cp.async. Also the kernel switch (`MPFA_PREFILL_KERNEL`) and the benchmark backends."""
 
 from __future__ import annotations
 
@@ -27,9 +28,10 @@ from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_bloc
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32"), (8, 5, 128, False, "Float32"),
            (8, 5, 64, True, "BFloat16")]
 PER_WARP_DEQUANT = (8, 4, 128, False, "BFloat16")  # also compiled with shared_dequant=False
-# (configuration, kernel, shared_dequant); v2w8 only where it has 8 warps (40:8 keeps v2's 4-warp shape)
-BUILDS = ([(c, "v2", True) for c in CONFIGS] + [(PER_WARP_DEQUANT, "v2", False)]
-          + [(c, "v2w8", True) for c in CONFIGS if c[1] == 4])
+# (configuration, kernel, shared_dequant, compensate); v2w8 only where it has 8 warps (40:8 keeps v2's 4-warp
+# shape); the direct build (no Delta_S) of the first configuration
+BUILDS = ([(c, "v2", True, True) for c in CONFIGS] + [(PER_WARP_DEQUANT, "v2", False, True)]
+          + [(c, "v2w8", True, True) for c in CONFIGS if c[1] == 4] + [(CONFIGS[0], "v2", True, False)])
 REGISTERS_PER_SM = 65536
 SMEM_PER_SM = 227 * 1024
 TILE_LOOP_MAX_INSTRUCTIONS = 800  # ~675 (whole tiles) / ~725 (masked) with 4 warps, ~660 / ~710 with 8
@@ -45,9 +47,9 @@ def staged_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dic
         from pathlib import Path
         from mpfa.kernels.sm90 import prefill_staged
         from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
-        for i, (config, kernel, shared_dequant) in enumerate({BUILDS!r}):
+        for i, (config, kernel, shared_dequant, compensate) in enumerate({BUILDS!r}):
             prefill_staged.SHARED_DEQUANT = shared_dequant
-            compile_prefill_kernel(*config, kernel=kernel)
+            compile_prefill_kernel(*config, kernel=kernel, compensate=compensate)
             (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90Staged*.cubin")
             cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
         """
@@ -111,18 +113,19 @@ def _count(ops: Counter, prefix: str) -> int:
     return sum(n for op, n in ops.items() if op == prefix or op.startswith(prefix + "."))
 
 
-@pytest.mark.parametrize("config,kernel_name,shared_dequant", BUILDS,
+@pytest.mark.parametrize("config,kernel_name,shared_dequant,compensate", BUILDS,
                          ids=["{}-hkv{}-g{}-page{}-causal{}-{}".format(k, *c) + ("" if d else "-per-warp-dequant")
-                              for c, k, d in BUILDS])
-def test_staged_prefill_compiles_for_sm90a(staged_cubins, cuobjdump, config, kernel_name, shared_dequant):
+                              + ("" if comp else "-direct") for c, k, d, comp in BUILDS])
+def test_staged_prefill_compiles_for_sm90a(staged_cubins, cuobjdump, config, kernel_name, shared_dequant,
+                                           compensate):
     from mpfa.kernels.sm90.prefill_staged import PrefillSm90Staged
 
-    cubin = staged_cubins[config, kernel_name, shared_dequant]
+    cubin = staged_cubins[config, kernel_name, shared_dequant, compensate]
     usage = cuobjdump("--dump-resource-usage", str(cubin))
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the staged prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     warps = prefill_launch.STAGED_WARPS[kernel_name]
-    kernel = PrefillSm90Staged(*config, warps=warps, shared_dequant=shared_dequant)
+    kernel = PrefillSm90Staged(*config, warps=warps, shared_dequant=shared_dequant, compensate=compensate)
     assert kernel.threads == 32 * warps
     allocated = -(-registers // 8) * 8 * kernel.threads  # registers are allocated per warp, 8 per thread at a time
     ctas = REGISTERS_PER_SM // allocated
@@ -130,15 +133,16 @@ def test_staged_prefill_compiles_for_sm90a(staged_cubins, cuobjdump, config, ker
     assert kernel.smem_bytes <= 48 * 1024 and ctas * (kernel.smem_bytes + 1024) <= SMEM_PER_SM  # 42 KB: 26 + 16
 
     sass = cuobjdump("--dump-sass", str(cubin))
-    copies = len(sl.copy_plan(kernel.heads, warps))
+    copies = len(sl.copy_plan(kernel.heads, warps, compensate))
     assert _count(Counter(_opcode(t) for _, t in _instructions(sass)), "LDGSTS") >= copies, "no cp.async copies"
     loops = tile_loops(sass)
     assert len(loops) >= 2, "a masked and a whole-tile loop"
     expanded = {4: (4, 17), 8: (2, 9)}[warps]  # STS.128 and HMUL2 of an n-tile's / half an n-tile's expansion
+    delta_s = 8 if compensate else 0  # LDS.U16 of Delta_S: 4 n-tiles x 2 keys
     for ops in loops:
         assert _count(ops, "HMMA") == 64, ops  # 4 n-tiles x 8 k-steps QK^T + 2 x 8 m-tiles x 2 (e4m3 k32) PV
         if shared_dequant:
-            assert (ops["LDS.128"], ops["LDS.U16"], ops["STS.128"], ops["HMUL2"]) == (25, 9, *expanded), ops
+            assert (ops["LDS.128"], ops["LDS.U16"], ops["STS.128"], ops["HMUL2"]) == (25, 1 + delta_s, *expanded), ops
             assert ops["instructions"] <= TILE_LOOP_MAX_INSTRUCTIONS, ops
         else:
             assert (ops["LDS.128"], ops["LDS.U16"], ops["HMUL2"]) == (12, 12, 68), ops
@@ -146,6 +150,30 @@ def test_staged_prefill_compiles_for_sm90a(staged_cubins, cuobjdump, config, ker
         assert _count(ops, "LDGSTS") == copies, ops  # the copy plan's copies, in the loop
         assert _count(ops, "LDG") <= 1, f"global loads in the tile loop (only the next page entry may be): {ops}"
         assert _count(ops, "BAR") == 1, ops
+
+
+def _cp_async_bytes(sass: str) -> Counter:
+    """cp.async (LDGSTS) instructions by copy size in bytes (a size suffix is in bits; none: 4 bytes)."""
+    sizes = Counter()
+    for _, text in _instructions(sass):
+        parts = _opcode(text).split(".")
+        if parts[0] == "LDGSTS":
+            sizes[next((int(p) for p in parts if p in ("64", "128")), 32) // 8] += 1
+    return sizes
+
+
+def test_direct_build_copies_no_delta_s(staged_cubins, cuobjdump):
+    """``compensate=False`` (`CONFIGS[0]`, v2): the compensated build's HMMAs, K / V / scale copies and registers,
+    and none of its 4-byte Delta_S copies (one per copy of a tile: the prologue's and the tile loops')."""
+    builds = {compensate: staged_cubins[CONFIGS[0], "v2", True, compensate] for compensate in (True, False)}
+    sass = {compensate: cuobjdump("--dump-sass", str(cubin)) for compensate, cubin in builds.items()}
+    registers = {compensate: int(re.search(r"REG:(\d+)", cuobjdump("--dump-resource-usage", str(cubin)))[1])
+                 for compensate, cubin in builds.items()}
+    hmma = {compensate: _count(Counter(_opcode(t) for _, t in _instructions(text)), "HMMA")
+            for compensate, text in sass.items()}
+    full, direct = _cp_async_bytes(sass[True]), _cp_async_bytes(sass[False])
+    assert hmma[False] == hmma[True] and registers[False] <= registers[True], (hmma, registers)
+    assert full[4] > 0 and direct == Counter({size: n for size, n in full.items() if size != 4}), (full, direct)
 
 
 def test_kernel_switch(monkeypatch: pytest.MonkeyPatch):

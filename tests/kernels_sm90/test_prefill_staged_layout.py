@@ -42,11 +42,12 @@ def _row(cache: dict, name: str, slot: int, kv_head: int, group_first: int) -> n
     return row[4 * sl.ds_first_word(group_first):] if name == "delta_s" else row
 
 
-def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, group_first: int, heads: int, warps: int):
+def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, group_first: int, heads: int, warps: int,
+               compensate: bool = True):
     """The stage after every warp's copies (cp.async with src-size 0 past the end writes zeros)."""
-    stage = np.full(sl.stage_bytes(heads), POISON, dtype=np.uint8)
+    stage = np.full(sl.stage_bytes(heads, compensate), POISON, dtype=np.uint8)
     written = np.zeros(stage.size, dtype=np.int64)
-    for (name, units, size, copy_map), r, first_warp, end_warp in sl.copy_plan(heads, warps):
+    for (name, units, size, copy_map), r, first_warp, end_warp in sl.copy_plan(heads, warps, compensate):
         for tid in range(32 * first_warp, 32 * end_warp):
             unit = tid + r
             assert 0 <= unit < units
@@ -84,17 +85,21 @@ CASES = [  # (KV heads, group, heads per CTA, KV head of the CTA, first head ind
 @pytest.mark.parametrize("hkv,group,heads,kv_head,head_offset", CASES,
                          ids=["g4-h4", "g5-h1-odd", "g5-h1-even", "g5-h5", "g2-h2"])
 @pytest.mark.parametrize("left", [32, 19, 1], ids=["whole-tile", "ragged", "one-key"])
-def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left, warps):
+@pytest.mark.parametrize("compensate", [True, False], ids=["compensated", "direct"])
+def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left, warps, compensate):
+    """Every lane reads exactly v1's bytes (the module docstring); the direct build (``compensate`` false) copies
+    the same stage less Delta_S and does not allocate its area."""
     rng = np.random.default_rng(hkv * 100 + group * 10 + heads + left)
     page_size, pages = 64, 6
     cache = _cache(rng, page_size * pages, hkv, group)
     slot0 = 3 * page_size + 32  # the second tile of page 3
     threads = 32 * warps
-    stage, written = _copy_tile(cache, slot0, left, kv_head, head_offset, heads, warps)
+    stage, written = _copy_tile(cache, slot0, left, kv_head, head_offset, heads, warps, compensate)
 
-    used = sl.DS_OFFSET + 4 * sl.ds_units(heads)
+    used = sl.DS_OFFSET + (4 * sl.ds_units(heads) if compensate else 0)
+    size = sl.stage_bytes(heads, compensate)
     assert (written[:used] == 1).all(), "every byte of the stage is written exactly once"
-    assert (written[used:] == 0).all() and used <= sl.stage_bytes(heads) and sl.stage_bytes(heads) % 128 == 0
+    assert (written[used:] == 0).all() and used <= size and size % 128 == 0 and size - used < 128
 
     def expect(name, keys, start, size, head=None):
         rows = []
@@ -116,7 +121,7 @@ def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left,
         keys = lay.qk_key(n_tile, G)
         np.testing.assert_array_equal(read(sl.k_read(n_tile, LANES), 16), expect("k", keys, 16 * C, 16))
         np.testing.assert_array_equal(read(sl.scale_read(n_tile, LANES), 2), expect("scales", keys, 2 * C, 2))
-    for warp in range(threads // 32):
+    for warp in range(threads // 32 if compensate else 0):
         head_in_cta = warp % heads
         base = sl.ds_lane_base(heads, head_offset, head_in_cta, C)
         for n_tile in range(lay.N_TILES):
@@ -135,6 +140,7 @@ def test_cta_shapes():
     assert sl.cta_shape(4) == (4, 1) and sl.cta_shape(5) == (1, 4) and sl.cta_shape(8) == (4, 1)
     assert sl.cta_shape(2) == (2, 2) and sl.cta_shape(1) == (1, 4)
     assert sl.stage_bytes(4) == 6656 and sl.stage_bytes(1) == 6528
+    assert sl.stage_bytes(4, compensate=False) == sl.stage_bytes(1, compensate=False) == sl.DS_OFFSET == 6400
     assert all(heads * rows == sl.CTA_WARPS for heads, rows in map(sl.cta_shape, range(1, 9)))
     # 8 warps: twice the rows where a 4-warp CTA holds 4 heads (GQA 32:8), the 4-warp shape elsewhere (40:8)
     assert sl.cta_shape(4, 8) == (4, 2) and sl.cta_shape(8, 8) == (4, 2)
@@ -143,14 +149,16 @@ def test_cta_shapes():
 
 @pytest.mark.parametrize("warps", sl.CTA_WARP_CHOICES)
 @pytest.mark.parametrize("heads", [1, 2, 4, 5])
-def test_copy_plan_deals_whole_warp_slots_evenly(heads, warps):
+@pytest.mark.parametrize("compensate", [True, False], ids=["compensated", "direct"])
+def test_copy_plan_deals_whole_warp_slots_evenly(heads, warps, compensate):
     """Every warp slot of every array once, round by round; a warp copies at most ceil(slots / warps) slots
-    (4 warps: 4 of the 15 slots of group 4's stage, 8 warps: 2)."""
-    arrays = sl.copy_arrays(heads)
+    (4 warps: 4 of the 15 slots of group 4's stage, 8 warps: 2). The direct build copies no Delta_S."""
+    arrays = sl.copy_arrays(heads, compensate)
+    assert [name for name, _, _, _ in arrays] == ["k", "v", "scales"] + ["delta_s"] * compensate
     slots = sum(units for _, units, _, _ in arrays) // 32
     per_warp = np.zeros(warps, dtype=int)
     seen = []
-    for (name, units, _, _), r, first_warp, end_warp in sl.copy_plan(heads, warps):
+    for (name, units, _, _), r, first_warp, end_warp in sl.copy_plan(heads, warps, compensate):
         assert 0 <= first_warp < end_warp <= warps
         per_warp[first_warp:end_warp] += 1
         seen += [(name, (32 * warp + r) // 32) for warp in range(first_warp, end_warp)]
@@ -260,12 +268,13 @@ def test_expansion_units_write_every_fragment_once(warps):
     assert sorted(written) == [(n, q) for n in range(sl.N_TILES) for q in range(sl.FRAG_QUADS)]
 
 
-def test_fragment_buffers_sit_after_the_ring_without_bank_conflicts():
+@pytest.mark.parametrize("compensate", [True, False], ids=["compensated", "direct"])
+def test_fragment_buffers_sit_after_the_ring_without_bank_conflicts(compensate):
     for heads in (1, 2, 4, 5):
         for stages in (3, 4, 8):
-            ring = stages * sl.stage_bytes(heads)
+            ring = stages * sl.stage_bytes(heads, compensate)
             for buffer in (0, 1):
-                offsets = [sl.frag_lane_base(stages, heads, buffer, LANES) + sl.frag_offset(n, q)
+                offsets = [sl.frag_lane_base(stages, heads, buffer, LANES, compensate) + sl.frag_offset(n, q)
                            for n in range(lay.N_TILES) for q in range(sl.FRAG_QUADS)]
                 flat = np.concatenate(offsets)
                 assert flat.min() >= ring + buffer * sl.FRAG_BUFFER_BYTES

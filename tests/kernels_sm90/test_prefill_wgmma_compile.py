@@ -1,13 +1,15 @@
 """The wgmma prefill (v3, `prefill_wgmma`) compiles for sm_90a on a CPU-only machine through the launcher's path
 (`compile_prefill_kernel(..., kernel="v3")`): both GEMMs on warpgroup MMA (per copy of the tile body 8
 HGMMA.64x64x16 for QK and 4 HGMMA.64x128x16 with V^T read transposed, ``tnspB``, for PV; no mma.sync), no local memory, registers that
-leave 2 CTAs (2 warpgroups) per SM, shared memory for 2 CTAs per SM. Also the opt-in switch, v3's limits (GQA
-group 4, pages of >= 64 keys), the operand-tile layout against CuTe's, and the benchmark backend."""
+leave 2 CTAs (2 warpgroups) per SM, shared memory for 2 CTAs per SM; the direct build (``compensate=False``)
+without Delta_S copies or reads. Also the opt-in switch, v3's limits (GQA group 4, pages of >= 64 keys), the
+operand-tile layout against CuTe's, and the benchmark backend."""
 
 from __future__ import annotations
 
 import os
 import re
+from collections import Counter
 from pathlib import Path
 
 import pytest
@@ -20,6 +22,8 @@ from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
 from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m, prefill_kernel  # noqa: E402
 
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
+BUILDS = [(config, True) for config in CONFIGS] + [(CONFIGS[0], False)]  # (configuration, compensate)
+IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direct"]
 REGISTERS_PER_SM = 65536
 SMEM_PER_SM = 228 * 1024
 SMEM_RESERVED_PER_CTA = 1024
@@ -29,33 +33,34 @@ TILE_LOOPS = 2  # masked tiles, then whole tiles
 
 @pytest.fixture(scope="module")
 def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[tuple, Path]:
+    """One cubin (and its PTX beside it) per build."""
     dump = tmp_path_factory.mktemp("prefill_wgmma")
     code = f"""
         from pathlib import Path
         from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
-        for i, config in enumerate({CONFIGS!r}):
-            compile_prefill_kernel(*config, kernel="v3")
+        for i, (config, compensate) in enumerate({BUILDS!r}):
+            compile_prefill_kernel(*config, kernel="v3", compensate=compensate)
             (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.cubin")
             cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
             (ptx,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.ptx")
             ptx.rename(Path({str(dump)!r}) / f"build{{i}}.ptx")
         """
     compile_sm90(code, dump)
-    return {config: dump / f"build{i}.cubin" for i, config in enumerate(CONFIGS)}
+    return {build: dump / f"build{i}.cubin" for i, build in enumerate(BUILDS)}
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["causal-bf16-page128", "noncausal-f32-page64"])
-def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config):
+@pytest.mark.parametrize("config,compensate", BUILDS, ids=IDS)
+def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config, compensate):
     from mpfa.kernels.sm90.prefill_wgmma import PrefillSm90Wgmma
 
-    cubin = str(wgmma_cubins[config])
+    cubin = str(wgmma_cubins[config, compensate])
     usage = cuobjdump("--dump-resource-usage", cubin)
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the v3 prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     allocated = -(-registers // 8) * 8 * THREADS
     assert REGISTERS_PER_SM // allocated >= 2, f"{registers} registers: fewer than 2 CTAs per SM"
     static_smem = int(re.search(r"SHARED:(\d+)", usage).group(1))
-    smem = PrefillSm90Wgmma(*config).smem_bytes + static_smem + SMEM_RESERVED_PER_CTA
+    smem = PrefillSm90Wgmma(*config, compensate=compensate).smem_bytes + static_smem + SMEM_RESERVED_PER_CTA
     assert 2 * smem <= SMEM_PER_SM, f"{smem} bytes of shared memory per CTA: fewer than 2 CTAs per SM"
 
     sass = cuobjdump("--dump-sass", cubin)
@@ -67,6 +72,31 @@ def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config):
     assert copies >= TILE_LOOPS and len(pv) == 4 * copies and len(qk) == 8 * copies, hgmma
     assert len(hgmma) == len(qk) + len(pv), hgmma
     assert "HMMA" not in sass.replace("HGMMA", ""), "v3 should have no mma.sync left"
+
+
+def test_direct_build_copies_and_reads_no_delta_s(wgmma_cubins, cuobjdump):
+    """``compensate=False`` (`CONFIGS[0]`): the compensated build's HGMMAs and K / V / scale copies, no more
+    registers or shared memory, and none of its Delta_S copies (4-byte cp.async, one per 32-key half of a copied
+    tile) or reads (16 LDS.U16 per copy of the tile body; the 2 of the K scales stay)."""
+    from mpfa.kernels.sm90.prefill_wgmma import PrefillSm90Wgmma
+
+    counts = {}
+    for compensate in (True, False):
+        cubin = str(wgmma_cubins[CONFIGS[0], compensate])
+        sass = cuobjdump("--dump-sass", cubin)
+        copies = Counter(next((part for part in op.split(".") if part in ("64", "128")), "32")  # bits per copy
+                         for op in re.findall(r"\bLDGSTS[\w.]*", sass))
+        counts[compensate] = dict(
+            hgmma=len(re.findall(r"\bHGMMA\.", sass)), pv=len(re.findall(r"HGMMA\.64x128x16\.F32 [^;]*tnspB", sass)),
+            lds16=len(re.findall(r"\bLDS\.U16\b", sass)), copies=copies,
+            registers=int(re.search(r"REG:(\d+)", cuobjdump("--dump-resource-usage", cubin))[1]),
+            smem=PrefillSm90Wgmma(*CONFIGS[0], compensate=compensate).smem_bytes)
+    full, direct = counts[True], counts[False]
+    assert direct["hgmma"] == full["hgmma"] and direct["registers"] <= full["registers"], counts
+    assert direct["smem"] < full["smem"], counts
+    kept = Counter({bits: n for bits, n in full["copies"].items() if bits != "32"})
+    assert full["copies"]["32"] > 0 and direct["copies"] == kept, counts
+    assert full["lds16"] - direct["lds16"] == 16 * full["pv"] // 4, counts  # PV: 4 HGMMAs per tile body
 
 
 def test_operand_offset_is_cutes_layout():
@@ -99,14 +129,14 @@ def _descriptor(value: int) -> dict:
             "sbo": ((value >> 32) & 0x3FFF) << 4, "base": (value >> 49) & 7, "swizzle": value >> 62}
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["causal-bf16-page128", "noncausal-f32-page64"])
-def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config):
+@pytest.mark.parametrize("config,compensate", BUILDS, ids=IDS)
+def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config, compensate):
     """The descriptors CuTe builds (constant fields OR-ed onto the tile address, then per-k-step start advances, in
     16-byte units) describe the operand tiles `operand_offset` fills: Q and K K-major 128-byte swizzle (SBO 1024 =
     8 rows x 128 bytes; k-steps at +32, +64, +96 bytes, then the second 64-dim half at +8192); V^T MN-major
     128-byte swizzle (LBO 8192 = the second 64-dim half, SBO 1024 = 8 keys; k-steps of 16 keys at +2048 bytes);
     QK untransposed, PV with ``tnspB``; tiles 1024-byte aligned (base offset 0)."""
-    ptx = wgmma_cubins[config].with_suffix(".ptx").read_text(errors="replace")
+    ptx = wgmma_cubins[config, compensate].with_suffix(".ptx").read_text(errors="replace")
     fields = [_descriptor(int(v)) for v in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx)
               if int(v) >> 62 == 1]
     assert {tuple(sorted(f.items())) for f in fields} == {
