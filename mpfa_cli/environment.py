@@ -1,6 +1,8 @@
-"""What a result was measured on: GPU, driver, CUDA, package versions, the mpfa revision."""
+"""What a result was measured on: GPU, driver, CUDA, package versions, the mpfa revision, and the MpFA kernel
+switches set in the environment (the SGLang servers `mpfa bench` starts inherit them)."""
 from __future__ import annotations
 
+import os
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -9,6 +11,8 @@ from typing import Any
 from mpfa.cli.engines import gpu_names
 
 PACKAGES = ("torch", "sglang", "flashinfer-python", "flash-attn-4", "nvidia-cutlass-dsl", "mpfa")
+# $MPFA_PREFILL (backends/sglang_plugin/attention.py), prefill_launch.KERNEL_ENV, decode_launch.KERNEL_ENV
+KERNEL_SWITCHES = ("MPFA_PREFILL", "MPFA_PREFILL_KERNEL", "MPFA_DECODE_KERNEL")
 
 
 def _version(package: str) -> str | None:
@@ -44,4 +48,5 @@ def collect_environment() -> dict[str, Any]:
         "cuda": cuda,
         "packages": {name: _version(name) for name in PACKAGES},
         "mpfa_revision": git_revision(),
+        "kernel_switches": {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ},
     }

@@ -5,7 +5,7 @@ attention kernels are timed. Decode: the CuTe split-KV decode + merge, page size
 the CuTe prefill (mma.sync, causal, every token of each sequence a query), page size 128 like FA4's, the
 queries' centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 
-Backend ``mpfa`` runs the prefill kernel ``MPFA_PREFILL_KERNEL`` selects (v2 by default); ``mpfa-v1``,
+Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v3 for 32:8); ``mpfa-v1``,
 ``mpfa-v2``, ``mpfa-v2w8`` and ``mpfa-v3`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs or v3
 (`prefill_wgmma`), so one run can time them side by side (decode is the same kernel in all four). ``mpfa-dv1`` /
 ``mpfa-dv3`` pin decode v1 (no ring) or v3 (3-stage ring) the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2
@@ -78,9 +78,7 @@ class MpfaAdapter:
         if not self.compensate:  # direct: no centering
             means = SmoothingMeans(torch.zeros_like(means.q_mean), torch.zeros_like(means.k_mean))
         if w.kind == "prefill":
-            if not self.compensate:
-                raise ProfileError("the direct build exists for decode only (prefill: pending)")
-            return _prepare_prefill(w, num_sets, device, generator, means, self.prefill_kernel)
+            return _prepare_prefill(w, num_sets, device, generator, means, self.prefill_kernel, self.compensate)
         return _prepare_decode(w, num_sets, device, generator, means, self.decode_kernel, self.compensate)
 
 
@@ -146,8 +144,8 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
                           f"{workspace.partition_size} keys) + merge, page 1")
 
 
-def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, means,
-                     kernel: str | None = None) -> PreparedKernel:
+def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, means, kernel: str | None = None,
+                     compensate: bool = True) -> PreparedKernel:
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
@@ -180,11 +178,12 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     def run(i: int) -> torch.Tensor:
         query, cache = sets[i]
         return mpfa_prefill(query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=w.seq, causal=True,
-                            out=output, kernel=kernel)
+                            out=output, kernel=kernel, compensate=compensate)
 
-    name = prefill_kernel(w.q_heads, kernel)
+    name = prefill_kernel(w.q_heads, w.kv_heads, PREFILL_PAGE_SIZE, kernel)
     version = f"{name}, staged cp.async ring, {STAGED_WARPS[name]}-warp CTAs" if name in STAGED_WARPS else name
     mma = "wgmma" if name == WGMMA_KERNEL else "mma.sync"
+    version += "" if compensate else ", direct build"
 
     return PreparedKernel(run, _dense_inputs, num_sets,
                           f"Triton KV write + CuTe prefill {version} ({mma}, causal), page {PREFILL_PAGE_SIZE}")

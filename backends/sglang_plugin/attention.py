@@ -6,11 +6,10 @@ freezes the means of the requests it starts (`kv_store.freeze_means`).
 Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable; v1, v2
 or v3 by ``$MPFA_DECODE_KERNEL``).
 Extend (eager only), chosen by ``$MPFA_PREFILL``: ``kernel`` (default) the sm90 prefill kernel
-(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`, v1, v2, v2w8 or v3 by ``$MPFA_PREFILL_KERNEL``;
+(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`: v3 for GQA 4, else v2; ``$MPFA_PREFILL_KERNEL`` pins one;
 tests/backends_plugin/test_gpu_prefill.py checks it against the reference path), or ``reference`` the SLOW
 REFERENCE PATH (`reference_extend`), whose runs `mpfa bench` marks with a caveat.
-``mpfa-direct`` runs the decode kernel's direct build (``compensate=False``: no Delta_S read; its side cache holds
-zeros, so the compensated prefill computes the direct numerics too).
+``mpfa-direct`` runs the kernels' direct builds (``compensate=False``: no Delta_S read; its side cache holds zeros).
 """
 
 from __future__ import annotations
@@ -127,7 +126,7 @@ class MpfaAttention:
                 raise ValueError("the prefill kernel needs ExtendBatch.build(..., page_size=...)")
             max_q = max((b - a for a, b in zip(batch.cu_q, batch.cu_q[1:])), default=0)
             out = mpfa_prefill(query, cache, batch.page_table, batch.cu_seqlens_q, batch.seq_lens_k,
-                               max_seqlen_q=max_q, sm_scale=sm_scale)
+                               max_seqlen_q=max_q, sm_scale=sm_scale, compensate=self.variant.smoothing)
         else:
             out = reference_extend(query, cache, batch.kv_slots, batch.cu_q, batch.cu_k,
                                    variant=self.variant.reference_variant, sm_scale=sm_scale)

@@ -50,7 +50,8 @@ class MpfaAttnBackend(AttentionBackend):
         from mpfa.kernels.sm90.prefill_launch import prefill_kernel
 
         decode = "sm90 kernel " + decode_kernel()
-        prefill = ("sm90 kernel " + prefill_kernel(self.num_q_heads) if self.core.prefill == "kernel"
+        kernel = prefill_kernel(self.num_q_heads, self.num_kv_heads, self.page_size)
+        prefill = ("sm90 kernel " + kernel if self.core.prefill == "kernel"
                    else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
         logger.info("MpFA backend %s: decode = %s, prefill = %s", variant.backend, decode, prefill)
 
@@ -61,10 +62,11 @@ class MpfaAttnBackend(AttentionBackend):
 
         group = self.num_q_heads // self.num_kv_heads
         try:
-            compensate = self.core.variant.smoothing  # mpfa-direct runs the direct decode (no Delta_S read)
+            compensate = self.core.variant.smoothing  # mpfa-direct runs the direct builds (no Delta_S read)
             compile_decode_kernels(self.num_kv_heads, group, self.page_size, compensate=compensate)
             if self.core.prefill == "kernel":
-                compile_prefill_kernel(self.num_kv_heads, group, self.page_size, True, "BFloat16")
+                compile_prefill_kernel(self.num_kv_heads, group, self.page_size, True, "BFloat16",
+                                       compensate=compensate)
         except Exception as error:  # noqa: BLE001 - re-raised as one clear line
             raise MpfaSetupError(f"MpFA attention backend: compiling the sm90 kernels failed: "
                                  f"{type(error).__name__}: {error}") from error

@@ -11,10 +11,11 @@ device-to-host copy.
 Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm90`, per-warp global loads) and v2
 (`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs), v2 in two
 CTA sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1 CTA per SM instead of 2).
-``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3`` picks one (default v2: bit-identical to v1 in the H200 GPU tests, 1.43x
-faster at 64K), as does the ``kernel=`` argument of `mpfa_prefill`; v2 needs an even number of query heads (else v1
-runs). v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA group 4 and pages of >= 64 keys only) is
-opt-in: it matches v1 up to FP32 summation order, not bit for bit, and is never picked unless named.
+v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA group 4 and pages of >= 64 keys only) matches v1 up
+to FP32 summation order (its 64-key tiles), not bit for bit; on the H200 it passed the GPU tests and ran 1.62x
+faster than v2 at 64K (profiles/NOTES.md). The default is v3 where it applies, else v2 (v1 for an odd number of
+query heads: v2 copies Delta_S as aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3`` or the ``kernel=``
+argument of `mpfa_prefill` pins one (v3 then refuses other shapes with a clear error).
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -24,6 +25,7 @@ compensation costs (the paper: ~2%).
 from __future__ import annotations
 
 import math
+import os
 from functools import lru_cache
 
 import torch
@@ -37,19 +39,23 @@ HEAD_DIM = 128
 BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host side imports no CuTe DSL)
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # "v2" (default: the staged kernel, `prefill_staged`), "v2w8", "v3" or "v1"
+KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8" or "v3"
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
-WGMMA_KERNEL = "v3"  # `prefill_wgmma`: opt-in only
+WGMMA_KERNEL = "v3"  # `prefill_wgmma`: the default where its shape limits allow
 WGMMA_GROUP = 4  # the only GQA group v3 supports (4 heads x 16 rows = one 64-row warpgroup tile)
 WGMMA_BLOCK_M = 16  # query rows per v3 CTA
 WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 
 
-def prefill_kernel(num_q_heads: int, kernel: str | None = None) -> str:
-    """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8" or "v3"; None: ``MPFA_PREFILL_KERNEL``, default
-    v2), v1 with an odd number of query heads (v2 copies Delta_S as aligned 4-byte words). v3 only when named."""
+def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
+    """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8" or "v3"), else ``MPFA_PREFILL_KERNEL``, else
+    v3 for GQA group 4 with pages of >= 64 keys and v2 otherwise; v1 with an odd number of query heads unless v3
+    is named (v2 copies Delta_S as aligned 4-byte words)."""
+    fits_v3 = num_q_heads == WGMMA_GROUP * num_kv_heads and page_size >= WGMMA_MIN_PAGE
+    if kernel is None and not os.environ.get(KERNEL_ENV) and fits_v3:
+        return WGMMA_KERNEL
     name = kernel_version(KERNEL_ENV, kernel, variants=("v2w8", WGMMA_KERNEL))
-    return name if num_q_heads % 2 == 0 else "v1"
+    return name if name == WGMMA_KERNEL or num_q_heads % 2 == 0 else "v1"
 
 
 def kernel_block_m(group: int, kernel: str) -> int:
@@ -75,7 +81,8 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
     only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
     (``MPFA_PREFILL_KERNEL``); "v3" only for GQA group 4 and pages of >= 64 keys. ``compensate`` False: the
     direct build (no Delta_S, for timing the compensation)."""
-    name = prefill_kernel(num_kv_heads * group, "v1" if kernel is None and ablation is not None else kernel)
+    name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size,
+                          "v1" if kernel is None and ablation is not None else kernel)
     if name != "v1" and ablation is not None:
         raise ValueError("the compile-time ablations exist for the v1 prefill kernel only")
     if name == WGMMA_KERNEL:
@@ -173,8 +180,8 @@ def mpfa_prefill(
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
-    ``kernel``: "v1", "v2", "v2w8" or "v3" (None: ``MPFA_PREFILL_KERNEL``, see `prefill_kernel`); all give the
-    same output (v3 up to FP32 summation order). ``compensate=False``: the direct build, for timing only (no
+    ``kernel``: "v1", "v2", "v2w8" or "v3" (None: `prefill_kernel`'s choice); all give the same output (v3 up to
+    FP32 summation order). ``compensate=False``: the direct build, for timing only (no
     Delta_S: the output of an all-zero Delta_S)."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
                     causal=causal, sm_scale=sm_scale, out=out, kernel=kernel, compensate=compensate)
@@ -207,7 +214,7 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
         return out
     group = num_q_heads // cache.num_kv_heads
     config = (cache.num_kv_heads, group, cache.page_size, bool(causal), _OUT_DTYPES[out.dtype])
-    name = prefill_kernel(num_q_heads, kernel)
+    name = prefill_kernel(num_q_heads, cache.num_kv_heads, cache.page_size, kernel)
     compiled = compile_prefill_kernel(*config, ablation, name, compensate)
     lam = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))
     u8 = torch.uint8

@@ -1,4 +1,4 @@
-"""MpFA prefill v3: both GEMMs on warpgroup MMA (wgmma), v1's numerics (opt-in, ``MPFA_PREFILL_KERNEL=v3``).
+"""MpFA prefill v3: both GEMMs on warpgroup MMA (wgmma), v1's numerics (the default for GQA group 4, pages >= 64).
 
 v1 / v2 (`prefill`, `prefill_staged`) are latency-bound chains of per-warp ``mma.sync`` with a CTA barrier per
 32-key tile (profiles/NOTES.md, "Prefill v2.1"). v3 keeps v2's CTA (the 4 query heads of one GQA group x 16 rows),

@@ -131,18 +131,18 @@ CASES = [  # (q_lens, kv_lens, Hq, Hkv, page size, causal)
                          ids=["32x8-causal", "40x8-causal-chunked", "32x8-noncausal", "40x8-page64-noncausal"])
 def test_prefill_matches_reference(gen, q_lens, kv_lens, num_q_heads, num_kv_heads, page_size, causal):
     problem = _problem(gen, q_lens, kv_lens, num_q_heads, num_kv_heads, page_size)
-    got = _run(problem, causal)
+    got = _run(problem, causal, kernel="v1")
     expected, exact = _expected(problem, causal)
     _check(got, expected, exact)
     # The launch with the longest query length given (no host synchronisation) computes the same.
-    assert torch.equal(_run(problem, causal, max_seqlen_q=max(q_lens)), got)
+    assert torch.equal(_run(problem, causal, kernel="v1", max_seqlen_q=max(q_lens)), got)
 
 
 def test_bf16_output_and_sm_scale(gen):
     problem = _problem(gen, [150, 33], [150, 200], 32, 8, 128)
     total_q = problem.query.codes.shape[0]
     out = mpfa_prefill(problem.query, problem.cache, problem.page_table, problem.cu_seqlens_q, problem.seq_lens_k,
-                       sm_scale=0.05)
+                       sm_scale=0.05, kernel="v1")
     torch.cuda.synchronize()
     assert out.dtype == torch.bfloat16 and tuple(out.shape) == (total_q, 32, HEAD_DIM)
     inputs = problem.reference_inputs
@@ -154,7 +154,7 @@ def test_bf16_output_and_sm_scale(gen):
 def test_nan_output_fails_the_check(gen):
     """The comparison rejects a NaN (an unwritten row of the poisoned output)."""
     problem = _problem(gen, [40], [40], 32, 8, 128)
-    got = _run(problem, True)
+    got = _run(problem, True, kernel="v1")
     expected, exact = _expected(problem, True)
     _check(got, expected, exact)
     got[7, 3, 5] = float("nan")

@@ -2,7 +2,7 @@
 (`compile_prefill_kernel(..., kernel="v3")`): both GEMMs on warpgroup MMA (per copy of the tile body 8
 HGMMA.64x64x16 for QK and 4 HGMMA.64x128x16 with V^T read transposed, ``tnspB``, for PV; no mma.sync), no local memory, registers that
 leave 2 CTAs (2 warpgroups) per SM, shared memory for 2 CTAs per SM; the direct build (``compensate=False``)
-without Delta_S copies or reads. Also the opt-in switch, v3's limits (GQA group 4, pages of >= 64 keys), the
+without Delta_S copies or reads. Also the default switch, v3's limits (GQA group 4, pages of >= 64 keys), the
 operand-tile layout against CuTe's, and the benchmark backend."""
 
 from __future__ import annotations
@@ -151,11 +151,14 @@ def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config, compensate)
     assert pv and {re.sub(r"\s", "", x) for x in pv} == {"1,1,1"}  # A from registers: scale-a, scale-b, tnsp-b
 
 
-def test_v3_is_opt_in(monkeypatch: pytest.MonkeyPatch):
+def test_v3_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert prefill_kernel(32) == "v2" and prefill_kernel(32, "V3") == "v3"
-    monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v3")
-    assert prefill_kernel(32) == "v3" and kernel_block_m(4, "v3") == 16
+    assert prefill_kernel(32, 8, 128) == prefill_kernel(32, 8, 64) == "v3" and kernel_block_m(4, "v3") == 16
+    assert prefill_kernel(32, 8, 32) == prefill_kernel(40, 8, 128) == "v2"  # pages < 64, group 5: v2
+    monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v2")
+    assert prefill_kernel(32, 8, 128) == "v2" and prefill_kernel(32, 8, 128, "V3") == "v3"
+    monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v3")  # pinned: other shapes fail clearly when compiled
+    assert prefill_kernel(40, 8, 128) == "v3"
 
 
 def test_v3_limits_are_clear_errors():
