@@ -35,8 +35,8 @@ _INDEX_BYTES = 4
 
 def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float:
     """Bytes the decode kernel(s) move: KV cache in the backend's format + Q + O (`workload.bytes_needed`), the
-    token indices it walks (page size 1; FA4: one entry per 128-token page), and MpFA's partials (written once,
-    read once by the merge: m, l and O in FP32 per partition)."""
+    page-table entries it walks (FlashInfer: page size 1, one per token; FA4 and MpFA: one per 128-token page), and
+    MpFA's partials (written once, read once by the merge: m, l and O in FP32 per partition)."""
     from mpfa.kernels.sm90.decode_launch import choose_partition_size
 
     w = workload
@@ -46,7 +46,7 @@ def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float
         size = choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms, adapter.decode_kernel)
         partitions = -(-w.seq // size)
         partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
-        return w.bytes_needed(MPFA) + tokens * _INDEX_BYTES + partial_bytes
+        return w.bytes_needed(MPFA) + tokens // 128 * _INDEX_BYTES + partial_bytes
     base = w.bytes_needed(adapter.tensor_format)
     return base + (tokens // 128 if backend == "fa4-bf16" else tokens) * _INDEX_BYTES
 

@@ -165,26 +165,23 @@ def _prefill_inputs(w: AttentionWorkload, device: "torch.device"):
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
     from mpfa.kernels.smoothing import SmoothingMeans
-    from mpfa.profiles.kernels_mpfa import PREFILL_PAGE_SIZE, _fill
+    from mpfa.profiles.kernels_mpfa import PAGE_SIZE, _fill, paged_layout
 
     generator = torch.Generator(device=device).manual_seed(DEFAULT_SEED)
     means = SmoothingMeans(torch.randn(w.batch, w.q_heads, w.head_dim, device=device, generator=generator),
                            torch.randn(w.batch, w.kv_heads, w.head_dim, device=device, generator=generator))
     tokens = w.batch * w.seq
-    pages_per_seq = -(-w.seq // PREFILL_PAGE_SIZE)
-    cache = MpfaKVCache.allocate(w.batch * pages_per_seq, PREFILL_PAGE_SIZE, w.q_heads, w.kv_heads, w.head_dim,
-                                 device)
+    page_table, slots_of_token, num_pages = paged_layout(w, device)
+    cache = MpfaKVCache.allocate(num_pages, PAGE_SIZE, w.q_heads, w.kv_heads, w.head_dim, device)
     query = CenteredQuery.allocate(tokens, w.q_heads, w.head_dim, device)
 
     def keep_all(first: int, chunk: CenteredQuery) -> None:
         query.codes[first:first + chunk.codes.shape[0]] = chunk.codes
         query.scales[first:first + chunk.codes.shape[0]] = chunk.scales
 
-    _fill(w, cache, lambda token: (token // w.seq) * pages_per_seq * PREFILL_PAGE_SIZE + token % w.seq, means,
-          device, generator, keep_all)
+    _fill(w, cache, slots_of_token, means, device, generator, keep_all)
     return dict(
-        query=query, cache=cache,
-        page_table=torch.arange(w.batch * pages_per_seq, dtype=torch.int32, device=device).view(w.batch, -1),
+        query=query, cache=cache, page_table=page_table,
         cu_seqlens_q=torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device),
         seq_lens_k=torch.full((w.batch,), w.seq, dtype=torch.int32, device=device),
         out=torch.empty((tokens, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device),

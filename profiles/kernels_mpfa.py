@@ -1,9 +1,10 @@
 """MpFA: NVFP4 QK^T and FP8 PV over an NVFP4-K / FP8-V cache, with sequence-centred Q and K.
 
 Both kinds run the sm90 kernels on a cache the Triton KV write fills while the inputs are built; only the
-attention kernels are timed. Decode: the CuTe split-KV decode + merge, page size 1 like FlashInfer's. Prefill:
-the CuTe prefill (mma.sync, causal, every token of each sequence a query), page size 128 like FA4's, the
-queries' centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
+attention kernels are timed. Both use pages of 128 keys, the page size SGLang serves ``mpfa`` with (and FA4;
+FlashInfer serves with page 1; the decode benchmark used page 1 for MpFA too before session 13). Decode: the CuTe
+split-KV decode + merge. Prefill: the CuTe prefill (causal, every token of each sequence a query), the queries'
+centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 
 Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v3 for 32:8); ``mpfa-v1``,
 ``mpfa-v2``, ``mpfa-v2w8`` and ``mpfa-v3`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs or v3
@@ -14,7 +15,7 @@ uncentered): mpfa vs mpfa-direct is the compensation's cost.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from mpfa.kernels.capacity import kv_bytes_per_token
 from mpfa.profiles.errors import ProfileError
@@ -26,14 +27,28 @@ if TYPE_CHECKING:
     import torch
 
 _FILL_TOKENS = 1 << 16  # tokens quantized into the cache per write-kernel launch (bounds the BF16 staging)
-PREFILL_PAGE_SIZE = 128
+PAGE_SIZE = 128
+
+
+def paged_layout(w: AttentionWorkload, device: "torch.device") -> tuple["torch.Tensor", Callable, int]:
+    """(page table [batch, pages per sequence], token -> cache slot, number of pages): each request's pages in
+    order, request after request (token t of the packed batch is request t // seq)."""
+    import torch
+
+    pages_per_seq = -(-w.seq // PAGE_SIZE)
+    page_table = torch.arange(w.batch * pages_per_seq, dtype=torch.int32, device=device).view(w.batch, -1)
+
+    def slots_of_token(token: "torch.Tensor") -> "torch.Tensor":
+        return (token // w.seq) * pages_per_seq * PAGE_SIZE + token % w.seq
+
+    return page_table, slots_of_token, w.batch * pages_per_seq
 
 
 def _prefill_set_bytes(w: AttentionWorkload) -> int:
     """Device bytes of one prefill set: centered NVFP4 Q (codes + scales), the cache in whole pages (Delta_S
     padding included), BF16 O."""
     tokens = w.batch * w.seq
-    slots = w.batch * -(-w.seq // PREFILL_PAGE_SIZE) * PREFILL_PAGE_SIZE
+    slots = w.batch * -(-w.seq // PAGE_SIZE) * PAGE_SIZE
     q_bytes = tokens * w.q_heads * (w.head_dim // 2 + w.head_dim // 16)
     cache_bytes = slots * w.kv_heads * int(kv_bytes_per_token("mpfa", w.head_dim, w.q_heads // w.kv_heads))
     return q_bytes + cache_bytes + tokens * w.q_heads * w.head_dim * 2
@@ -109,23 +124,22 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
     from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, decode_kernel, mpfa_decode
 
-    tokens = w.batch * w.seq
+    page_table, slots_of_token, num_pages = paged_layout(w, device)
 
     def make_set() -> tuple[CenteredQuery, MpfaKVCache]:
-        cache = MpfaKVCache.allocate(tokens, 1, w.q_heads, w.kv_heads, w.head_dim, device)
+        cache = MpfaKVCache.allocate(num_pages, PAGE_SIZE, w.q_heads, w.kv_heads, w.head_dim, device)
         query = CenteredQuery.allocate(w.batch, w.q_heads, w.head_dim, device)
 
         def keep_last(first: int, chunk: CenteredQuery) -> None:
-            slots = torch.arange(first, first + chunk.codes.shape[0], device=device)
-            ends = slots[(slots + 1) % w.seq == 0]  # each request's last token is its decode query
+            tokens = torch.arange(first, first + chunk.codes.shape[0], device=device)
+            ends = tokens[(tokens + 1) % w.seq == 0]  # each request's last token is its decode query
             query.codes[ends // w.seq] = chunk.codes[ends - first]
             query.scales[ends // w.seq] = chunk.scales[ends - first]
 
-        _fill(w, cache, lambda token: token, means, device, generator, keep_last)
+        _fill(w, cache, slots_of_token, means, device, generator, keep_last)
         return query, cache
 
     sets = [make_set() for _ in range(num_sets)]
-    page_table = torch.arange(tokens, dtype=torch.int32, device=device).view(w.batch, w.seq)
     seq_lens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
     kernel = decode_kernel(kernel)
     workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device, kernel=kernel)
@@ -140,8 +154,7 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
     build = "" if compensate else ", direct build"
     return PreparedKernel(run, _dense_inputs, num_sets,
                           f"Triton KV write + CuTe split-KV decode {kernel}{build} ({workspace.num_partitions} "
-                          f"partitions of "
-                          f"{workspace.partition_size} keys) + merge, page 1")
+                          f"partitions of {workspace.partition_size} keys) + merge, page {PAGE_SIZE}")
 
 
 def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, means, kernel: str | None = None,
@@ -152,15 +165,10 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     from mpfa.kernels.sm90.prefill_launch import STAGED_WARPS, WGMMA_KERNEL, mpfa_prefill, prefill_kernel
 
     tokens = w.batch * w.seq
-    pages_per_seq = -(-w.seq // PREFILL_PAGE_SIZE)
-    page_table = torch.arange(w.batch * pages_per_seq, dtype=torch.int32, device=device).view(w.batch, -1)
-
-    def slots_of_token(token: torch.Tensor) -> torch.Tensor:
-        return (token // w.seq) * pages_per_seq * PREFILL_PAGE_SIZE + token % w.seq
+    page_table, slots_of_token, num_pages = paged_layout(w, device)
 
     def make_set() -> tuple[CenteredQuery, MpfaKVCache]:
-        cache = MpfaKVCache.allocate(w.batch * pages_per_seq, PREFILL_PAGE_SIZE, w.q_heads, w.kv_heads,
-                                     w.head_dim, device)
+        cache = MpfaKVCache.allocate(num_pages, PAGE_SIZE, w.q_heads, w.kv_heads, w.head_dim, device)
         query = CenteredQuery.allocate(tokens, w.q_heads, w.head_dim, device)
 
         def keep_all(first: int, chunk: CenteredQuery) -> None:
@@ -180,10 +188,10 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
         return mpfa_prefill(query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=w.seq, causal=True,
                             out=output, kernel=kernel, compensate=compensate)
 
-    name = prefill_kernel(w.q_heads, w.kv_heads, PREFILL_PAGE_SIZE, kernel)
+    name = prefill_kernel(w.q_heads, w.kv_heads, PAGE_SIZE, kernel)
     version = f"{name}, staged cp.async ring, {STAGED_WARPS[name]}-warp CTAs" if name in STAGED_WARPS else name
     mma = "wgmma" if name == WGMMA_KERNEL else "mma.sync"
     version += "" if compensate else ", direct build"
 
     return PreparedKernel(run, _dense_inputs, num_sets,
-                          f"Triton KV write + CuTe prefill {version} ({mma}, causal), page {PREFILL_PAGE_SIZE}")
+                          f"Triton KV write + CuTe prefill {version} ({mma}, causal), page {PAGE_SIZE}")

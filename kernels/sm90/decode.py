@@ -59,6 +59,9 @@ class SplitKVDecodeSm90:
     `_run_tiles`."""
 
     smem_bytes = 0  # dynamic shared memory per CTA (v1 uses none)
+    # One page-table read per tile when pages hold >= 32 keys (`_fetch_slots`); v1 keeps one per key: its loads go
+    # straight to registers, and the uniform-page form keeps 12 addresses live (196 registers: < 12 warps per SM).
+    tile_page_reads = False
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, compensate: bool = True) -> None:
         """``compensate`` False: the `direct` build, which reads no Delta_S (every score starts at 0, as if the
@@ -183,14 +186,23 @@ class SplitKVDecodeSm90:
     def _fetch_slots(self, slots: cute.Tensor, page_table: cute.Tensor, batch_idx: Int32, tile: Int32, end: Int32,
                      g: Int32, c: Int32):
         """Slots of the lane's keys in ``tile``: [n-tile] its QK key, then [4 + 2 n-tile + half] its score / V keys.
-        Keys past the end are clamped to the last key (their loads are predicated off)."""
+        Keys past the end are clamped to the last key (their loads are predicated off). With pages of >= 32 keys a
+        tile (32-aligned from the sequence start) lies in one page: one page-table read per tile, not one per key
+        (``tile_page_reads``)."""
         keys = [lay.qk_key(n_tile, g) for n_tile in range(lay.N_TILES)]
         keys += [lay.score_key(n_tile, c, half) for n_tile in range(lay.N_TILES) for half in range(2)]
         row = page_table.iterator.toint() + Int64(batch_idx) * page_table.stride[0] * 4
-        for i in cutlass.range_constexpr(LANE_KEYS):
-            token = cutlass.max(cutlass.min(tile + keys[i], end - 1), 0)
-            page = Int32(load_u32(row + Int64(token >> self.page_shift) * 4))
-            slots[i] = (page << self.page_shift) + (token & (self.page_size - 1))
+        if cutlass.const_expr(self.tile_page_reads and self.page_size >= lay.TILE_KEYS):
+            first = cutlass.max(cutlass.min(tile, end - 1), 0)
+            page_base = (Int32(load_u32(row + Int64(first >> self.page_shift) * 4)) << self.page_shift) + (
+                first & (self.page_size - 1))
+            for i in cutlass.range_constexpr(LANE_KEYS):
+                slots[i] = page_base + cutlass.min(keys[i], cutlass.max(end - 1 - first, 0))
+        else:
+            for i in cutlass.range_constexpr(LANE_KEYS):
+                token = cutlass.max(cutlass.min(tile + keys[i], end - 1), 0)
+                page = Int32(load_u32(row + Int64(token >> self.page_shift) * 4))
+                slots[i] = (page << self.page_shift) + (token & (self.page_size - 1))
 
     @cute.jit
     def _load_tile(self, tile_slots, tile, end, row_valid, g, c, bases):

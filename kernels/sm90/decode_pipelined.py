@@ -60,6 +60,8 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
     """v2 / v3 of the split-KV decode kernel (`SplitKVDecodeSm90`'s constructor plus ``stages``, same call
     signature and outputs): v1's kernel with its tile loop, `_run_tiles`, replaced."""
 
+    tile_page_reads = True
+
     def __init__(self, num_kv_heads: int, group: int, page_size: int, stages: int = STAGES,
                  compensate: bool = True) -> None:
         if stages not in (2, 3):

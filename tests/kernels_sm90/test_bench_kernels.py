@@ -16,7 +16,7 @@ def test_bytes_read_counts_cache_indices_and_partials():
     tokens, kv_heads, q_heads = 131072, 8, 32
     qo = 2 * q_heads * 128 * 2  # BF16 Q and O of one request
     partitions = 196  # 672-key partitions: ~12 warps per SM on 132 SMs (choose_partition_size)
-    mpfa = tokens * kv_heads * (64 + 8 + 128 + 2 * 4) + tokens * 4 + qo + 2 * q_heads * partitions * 130 * 4
+    mpfa = tokens * kv_heads * (64 + 8 + 128 + 2 * 4) + tokens // 128 * 4 + qo + 2 * q_heads * partitions * 130 * 4
     assert bytes_read("mpfa", WORKLOAD, num_sms=132) == mpfa
     assert bytes_read("flashinfer-fp8", WORKLOAD, num_sms=132) == tokens * kv_heads * 256 + tokens * 4 + qo
     assert bytes_read("fa4-bf16", WORKLOAD, num_sms=132) == tokens * kv_heads * 512 + tokens // 128 * 4 + qo
