@@ -77,6 +77,7 @@ class PrefillSm90Staged(PrefillSm90):
     loop, `_run_tiles`, replaced."""
 
     cta_order = prefill_grid.ROWS_FASTEST  # a head block's row blocks side by side: one KV head resident at a time
+    tile_keys = TILE_KEYS  # keys per tile of the CTA's walk (`_walk`)
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  warps: int = sl.CTA_WARPS, stages: int = STAGES, shared_dequant: bool | None = None,
@@ -118,7 +119,7 @@ class PrefillSm90Staged(PrefillSm90):
         cta_tiles, cta_common = num_tiles, common
         if self.row_blocks > 1:
             cta_tiles, _, cta_common = tile_math.warp_plan(cta_row0, q_len, kv_len, g, causal=self.causal,
-                                                           tile_keys=TILE_KEYS, warp_rows=self.block_m)
+                                                           tile_keys=self.tile_keys, warp_rows=self.block_m)
             cta_tiles = Int32(cta_tiles)
         return cta_tiles, cta_common, num_tiles
 
