@@ -218,14 +218,17 @@ class PrefillSm90Staged(PrefillSm90):
                        limits, lane, c)
 
     @cute.jit
-    def _copy_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr):
+    def _copy_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr,
+                   threads: cutlass.Constexpr = None):
         """cp.async the KV head's bytes of tile ``tile_index`` into ``stage``, every warp its slots of each array
         (`prefill_staged_layout.copy_plan`; Delta_S only with ``compensate``); keys past ``kv_len`` copy 0 bytes
-        (zero fill; ``ragged`` false: the tile is known to be whole). A tile never straddles pages."""
+        (zero fill; ``ragged`` false: the tile is known to be whole). A tile never straddles pages. ``threads``:
+        the threads that copy the tile (``tid``, ``warp`` numbered among them; None: the CTA's)."""
         tile = tile_index * TILE_KEYS
         slot0 = Int64(page) * self.page_size + (tile & (self.page_size - 1))
         left = kv_len - tile  # key k of the tile exists iff k < left
-        hkv, threads = self.num_kv_heads, self.threads
+        hkv = self.num_kv_heads
+        threads = self.threads if threads is None else threads
         strides = (hkv * K_ROW_BYTES, hkv * HEAD_DIM, SCALE_ROW_BYTES, self.ds_row * 2)  # cache rows per slot
         copies = {16: cp_async_16, 8: cp_async_8, 4: cp_async_4}
         rows = {name: (stride, source + (slot0 + first_slot) * stride)  # the tile's first cache row of each array

@@ -29,17 +29,18 @@ its cp.async ring and its order, and replaces the tile's arithmetic with two wgm
   waited for before the next barrier, so the next expansion may overwrite the operand tiles).
 
 v3w8 (``warpgroups=2``): the same kernel with two warpgroups (256 threads) per CTA. Warpgroup w computes the 64
-wgmma rows "4 heads x 16 rows" of query rows ``row0 + 16 w + i`` (v3's rows, 16 w rows on), from its own Q tile;
-the K / V operand tiles and the ring are shared. All 256 threads issue the ring copies (v2's copy plan for 8
-warps) and split the K / V expansion (`k_expand_unit`: warpgroup w expands the 32-key half w of K;
-`v_expand_unit`: each thread half as many V pieces as in v3), so per query row the copies and the expansion are
-done half as often. The barriers are the CTA's (``bar.sync`` of 256 threads); each warpgroup waits for its own
-wgmmas before it arrives at the next barrier, after which the expansion may overwrite K / V. The CTA walks the
-tiles its last row sees and splits masked / whole tiles on the keys its first row sees (v2w8's walk, `_walk`);
-each warpgroup masks with its own rows' limits and skips the masked tiles none of its rows sees (only the
-earlier warpgroup, only at the start of the walk). Each warpgroup thus runs v3's arithmetic on v3's tiles in v3's
-order (a tile masked here that v3 runs whole has every score visible: the same initial scores), so the output
-is v3's bit for bit. Shared memory: 2 Q tiles + K + V + the ring = 116 KB, 1 CTA (8 warps) per SM as v3's 2.
+wgmma rows "4 heads x 16 rows" of query rows ``row0 + 16 w + i`` (v3's rows, 16 w rows on), from its own Q tile; the
+K / V operand tiles and the ring are shared. The warpgroups split each tile's ring copies and its K / V expansion:
+warpgroup w copies the 32-key half w of the tile with v2's 4-warp copy plan (`warpgroup_half`) and expands the K of
+that half (`k_expand_unit`), and each thread expands half as many V pieces as in v3 (`v_expand_unit`); per query row
+the copies and the expansion are done half as often. The barriers are the CTA's (``bar.sync`` of 256 threads); each
+warpgroup waits for its own wgmmas before it arrives at the next barrier, after which the expansion may overwrite
+the K and V tiles. The CTA walks the tiles its last row sees and splits masked / whole tiles on the keys its first
+row sees (v2w8's walk, `_walk`); each warpgroup masks with its own rows' limits and skips the masked tiles none of
+its rows sees (only the earlier warpgroup, only at the start of the walk). Each warpgroup thus runs v3's arithmetic
+on v3's tiles in v3's order (a tile masked here that v3 runs whole has every score visible: the same initial
+scores), so the output is v3's bit for bit. Shared memory: 2 Q tiles + K + V + the ring = 116 KB, 1 CTA (8 warps)
+per SM as v3's 2.
 
 Only GQA group 4 (32:8); the launcher refuses other groups. Shared memory: Q, K, V operand tiles (16 KB each) and
 a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM (v3w8: one Q tile more, 1 CTA per SM).
@@ -99,11 +100,17 @@ def smem_offsets(warpgroups: int) -> tuple:
     return 0, k_offset, k_offset + OPERAND_BYTES, k_offset + 2 * OPERAND_BYTES
 
 
+def warpgroup_half(wg, r: int, warpgroups: int):
+    """The 32-key half of a 64-key tile that warpgroup ``wg`` copies into the ring (v2's 4-warp copy plan) and
+    whose K it expands, in round ``r`` (``0 .. 2 // warpgroups - 1``): the halves h with h % warpgroups == wg
+    (one warpgroup: both; two: half w for warpgroup w)."""
+    return wg + warpgroups * r
+
+
 def k_expand_unit(wg, wg_tid, r: int, warpgroups: int) -> tuple:
     """(32-key half, key within the half, NVFP4 chunk) of the K tile that thread ``wg_tid`` of warpgroup
-    ``wg`` expands in round ``r`` (``0 .. 2 // warpgroups - 1``): warpgroup w of the CTA takes the halves
-    h with h % warpgroups == w (one warpgroup: both), its thread t chunk t % 4 of key t / 4 of each."""
-    return wg + warpgroups * r, wg_tid >> 2, wg_tid & 3
+    ``wg`` expands in round ``r``: chunk t % 4 of key t / 4 of the half `warpgroup_half` gives it."""
+    return warpgroup_half(wg, r, warpgroups), wg_tid >> 2, wg_tid & 3
 
 
 def v_expand_unit(tid, r: int, threads: int) -> tuple:
@@ -185,7 +192,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         warp, lane = self._warp_lane(tid)
         c = lane & 3
         g = lane >> 2
-        wg, wg_tid = self._warpgroup(tid, warp)
+        wg, wg_tid, wg_warp = self._warpgroup(tid, warp)
         block_head, m_block, batch = prefill_grid.cta(self.cta_order, cute.arch.block_idx(), cute.arch.grid_dim())
         head, kv_head, cta_heads = self._heads(block_head, warp)
         q_start = cu_seqlens_q[batch]
@@ -234,14 +241,14 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], wg_tid, smem + q_offset)
         mmas = (mma_qk, mma_pv, operands, acc_s, acc_o)
         self._run_wgmma_tiles(walk, mmas, state, lam_scaled, (k_codes, k_scales, v, delta_s), page_table, batch,
-                              kv_head, cta_heads, kv_len, limits, (tid, wg, wg_tid), warp, c, smem)
+                              kv_head, cta_heads, kv_len, limits, (tid, wg, wg_tid, wg_warp), c, smem)
         self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
 
     def _warpgroup(self, tid, warp):
-        """(warpgroup of the CTA, thread index within it): (0, tid) with one warpgroup."""
+        """(warpgroup of the CTA, thread and warp index within it): (0, tid, warp) with one warpgroup."""
         if self.warpgroups == 1:
-            return 0, tid
-        return warp >> 2, tid & (THREADS - 1)  # 4 warps per warpgroup
+            return 0, tid, warp
+        return warp >> 2, tid & (THREADS - 1), warp & 3  # 4 warps per warpgroup
 
     # --- operands in shared memory ---------------------------------------------------------------------------------
 
@@ -270,9 +277,9 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     @cute.jit
     def _expand_kv(self, stage, threads, smem):
         """The 64-key tile in ring stage ``stage`` (two 32-key halves) -> FP16 K and V operand tiles, the CTA's
-        threads ``threads`` = (tid, warpgroup, thread in the warpgroup) sharing the work: K chunks by
+        threads ``threads`` = (tid, warpgroup, thread and warp in the warpgroup) sharing the work: K chunks by
         `k_expand_unit`, V pieces by `v_expand_unit`. Keys past the sequence end were zero-filled by the copy."""
-        tid, wg, wg_tid = threads
+        tid, wg, wg_tid, _ = threads
         _, k_offset, v_offset, _ = self.offsets
         for r in cutlass.range_constexpr(HALVES // self.warpgroups):
             half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
@@ -296,14 +303,13 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
 
     @cute.jit
     def _run_wgmma_tiles(self, walk, mmas, state: cute.Tensor, lam_scaled, cache, page_table: cute.Tensor, batch,
-                         kv_head, cta_heads, kv_len, limits, threads, warp, c, smem):
+                         kv_head, cta_heads, kv_len, limits, threads, c, smem):
         """The CTA's tiles (``walk``: tiles the CTA walks, leading keys all its rows see, tiles this warpgroup's
         rows see) through the ``STAGES``-deep ring (`prefill_staged_layout.ring_*`, one 64-key tile per stage),
         masked tiles first, then whole ones (as v1)."""
         cta_tiles, cta_common, num_tiles = walk
         k_codes, k_scales, v, delta_s = cache
         first_head, head_in_cta = cta_heads
-        tid = threads[0]
         group_first = first_head - kv_head * self.group
         head_slot = kv_head * k_scales.shape[1]
         sources = (
@@ -320,40 +326,42 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             tile_index, stage = sl.ring_prologue(index, cta_tiles)
             if tile_index >= 0:
                 self._copy_wgmma_tile(tile_index, Int32(load_u32(self._page_entry(table_row, HALVES * tile_index))),
-                                      ring + stage * self.tile_bytes, kv_len, tid, warp, sources, True)
+                                      ring + stage * self.tile_bytes, kv_len, threads, sources, True)
             cp_async_commit()
         self._fetch_page(page, table_row, HALVES * sl.ring_copy(0, cta_tiles, STAGES)[0])
         full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
         masked_tiles = cta_tiles - full_tiles
         for step in cutlass.range(masked_tiles, unroll=1):
-            self._wgmma_step(True, step, cta_tiles, num_tiles, page, table_row, ring, kv_len, threads, warp, sources,
+            self._wgmma_step(True, step, cta_tiles, num_tiles, page, table_row, ring, kv_len, threads, sources,
                              mmas, state, lam_scaled, ds_lane, limits, c, smem)
         for step in cutlass.range(full_tiles, unroll=1):
             self._wgmma_step(False, masked_tiles + step, cta_tiles, num_tiles, page, table_row, ring, kv_len,
-                             threads, warp, sources, mmas, state, lam_scaled, ds_lane, limits, c, smem)
+                             threads, sources, mmas, state, lam_scaled, ds_lane, limits, c, smem)
         cp_async_wait(0)
 
     @cute.jit
-    def _copy_wgmma_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr):
-        """cp.async 64-key tile ``tile_index`` as two of v2's 32-key tiles (one page holds both), all the CTA's
-        warps (`prefill_staged_layout.copy_plan`)."""
-        for half in cutlass.range_constexpr(HALVES):
-            self._copy_tile(HALVES * tile_index + half, page, stage + half * self.stage_bytes, kv_len, tid, warp,
-                            sources, ragged)
+    def _copy_wgmma_tile(self, tile_index, page, stage, kv_len, threads, sources, ragged: cutlass.Constexpr):
+        """cp.async 64-key tile ``tile_index`` as two of v2's 32-key tiles (one page holds both), each by one
+        warpgroup with v2's 4-warp copy plan (`prefill_staged_layout.copy_plan`): the halves `warpgroup_half`
+        gives it (v3w8: half w, so a thread computes the cache addresses of one half only)."""
+        _, wg, wg_tid, wg_warp = threads
+        for r in cutlass.range_constexpr(HALVES // self.warpgroups):
+            half = warpgroup_half(wg, r, self.warpgroups)
+            self._copy_tile(HALVES * tile_index + half, page, stage + half * self.stage_bytes, kv_len, wg_tid, wg_warp,
+                            sources, ragged, THREADS)
 
     @cute.jit
     def _wgmma_step(self, masked: cutlass.Constexpr, step, cta_tiles, num_tiles, page: cute.Tensor, table_row, ring,
-                    kv_len, threads, warp, sources, mmas, state: cute.Tensor, lam_scaled, ds_lane, limits, c, smem):
+                    kv_len, threads, sources, mmas, state: cute.Tensor, lam_scaled, ds_lane, limits, c, smem):
         """Step ``step`` of the CTA's walk: ring bookkeeping and K / V expansion (the CTA), then QK, softmax and PV
         (each warpgroup, `_wgmma_tile`). Both barriers are the CTA's: the first also keeps the expansion from
         overwriting K / V before every warpgroup has waited for its PV wgmma of the previous step."""
-        tid = threads[0]
         cp_async_wait(sl.ring_wait(STAGES, False))
         cute.arch.barrier()  # the tile has landed; every thread is done with the previous step (stage, operands)
         copy_index, copy_stage = sl.ring_copy(step, cta_tiles, STAGES)
         if copy_index >= 0:
-            self._copy_wgmma_tile(copy_index, page[0], ring + copy_stage * self.tile_bytes, kv_len, tid, warp,
-                                  sources, masked)
+            self._copy_wgmma_tile(copy_index, page[0], ring + copy_stage * self.tile_bytes, kv_len, threads, sources,
+                                  masked)
         cp_async_commit()
         self._fetch_page(page, table_row, HALVES * sl.ring_copy(step + 1, cta_tiles, STAGES)[0])
         tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, STAGES)
