@@ -256,9 +256,10 @@ def test_v_transposed_is_mn_major_at_operand_offset(operands):
 def test_expand_kv_writes_every_element_once(warpgroups):
     """`_expand_kv`'s stores cover the K and V tiles once, with one warpgroup (v3: per thread 2 K chunks and 4 V
     pieces) or two (v3w8: 1 and 2): K (`k_expand_unit`) chunks ``4 chunk + quad`` of key ``32 half + key``, read
-    from the chunk's 16 bytes in its ring half (``16 wg_tid``: key ``wg_tid / 4``, chunk ``wg_tid % 4``); V
-    (`v_expand_unit`) chunks ``2 piece + quad`` of key ``32 half + key``. `_expand_q` (each warpgroup its own tile): Q chunks
-    ``4 (unit & 3) + quad`` of row ``unit / 4``."""
+    from the chunk's 16 bytes in its ring half (``16 wg_tid``: key ``wg_tid / 4``, chunk ``wg_tid % 4``), the half
+    `warpgroup_half` gives the warpgroup (the half it copies, too); V (`v_expand_unit`) chunks ``2 piece + quad``
+    of key ``32 half + key``. `_expand_q` (each warpgroup its own tile): Q chunks ``4 (unit & 3) + quad`` of row
+    ``unit / 4``."""
     threads = v3.THREADS * warpgroups
     k, v = [], []
     for tid in range(threads):
@@ -266,7 +267,7 @@ def test_expand_kv_writes_every_element_once(warpgroups):
         for r in range(2 // warpgroups):
             half, key, chunk = v3.k_expand_unit(wg, wg_tid, r, warpgroups)
             assert 16 * wg_tid == 64 * key + 16 * chunk  # the chunk the thread reads from the half
-            assert half == (r if warpgroups == 1 else wg)  # v3w8: warpgroup w expands half w
+            assert half == (r if warpgroups == 1 else wg) == v3.warpgroup_half(wg, r, warpgroups)  # v3w8: half w
             k += [(32 * half + key, 4 * chunk + quad) for quad in range(4)]
         for r in range(v3.V_UNITS // threads):
             half, key, piece = v3.v_expand_unit(tid, r, threads)
