@@ -88,7 +88,6 @@ STAGES = 4
 OPERAND_BYTES = TILE_KEYS * HEAD_DIM * 2  # one FP16 operand tile [64][128]
 OPERAND_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
 CHUNK_ELEMS = 32  # elements of a 16-byte NVFP4 chunk (2 blocks): the unit of Q / K expansion
-K_UNITS = TILE_KEYS * HEAD_DIM // CHUNK_ELEMS  # NVFP4 chunks of a K tile (256)
 V_UNITS = TILE_KEYS * HEAD_DIM // 16  # 16-byte e4m3 pieces of a V tile (512)
 
 
@@ -153,7 +152,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     computes the CTA's query rows 16 w .. 16 w + 15 of each head). v2's launch, CTA order, heads and ring copies;
     the kernel body is replaced."""
 
-    tile_keys = TILE_KEYS
+    tile_keys = TILE_KEYS  # the CTA's walk (`_walk`) in 64-key tiles
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 1):
