@@ -7,8 +7,9 @@ split-KV decode + merge. Prefill: the CuTe prefill (causal, every token of each 
 centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 
 Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v3 for 32:8); ``mpfa-v1``,
-``mpfa-v2``, ``mpfa-v2w8`` and ``mpfa-v3`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs or v3
-(`prefill_wgmma`), so one run can time them side by side (decode is the same kernel in all four). ``mpfa-dv1`` /
+``mpfa-v2``, ``mpfa-v2w8``, ``mpfa-v3`` and ``mpfa-v3w8`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs, v3
+(`prefill_wgmma`) or v3 with 2-warpgroup CTAs, so one run can time them side by side (decode is the same kernel
+in all five). ``mpfa-dv1`` /
 ``mpfa-dv3`` pin decode v1 (no ring) or v3 (3-stage ring) the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2
 by default). ``mpfa-direct`` runs the direct builds (``compensate=False``: no Delta_S read, inputs quantized
 uncentered): mpfa vs mpfa-direct is the compensation's cost.
@@ -62,9 +63,9 @@ class MpfaAdapter:
 
     def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
                  compensate: bool = True):
-        """``prefill_kernel``: "v1", "v2", "v2w8" or "v3" pins the prefill kernel (backend ``mpfa-v1`` / ``mpfa-v2`` /
-        ``mpfa-v2w8`` / ``mpfa-v3``); ``decode_kernel``: "v1", "v2" or "v3" the decode split kernel (``mpfa-dv1``
-        ...); None follows ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct
+        """``prefill_kernel``: "v1", "v2", "v2w8", "v3" or "v3w8" pins the prefill kernel (backend ``mpfa-v1`` /
+        ``mpfa-v2`` / ``mpfa-v2w8`` / ``mpfa-v3`` / ``mpfa-v3w8``); ``decode_kernel``: "v1", "v2" or "v3" the
+        decode split kernel (``mpfa-dv1`` ...); None follows ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct
         builds (backend ``mpfa-direct``)."""
         self.prefill_kernel = prefill_kernel
         self.decode_kernel = decode_kernel
@@ -162,7 +163,7 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.prefill_launch import STAGED_WARPS, WGMMA_KERNEL, mpfa_prefill, prefill_kernel
+    from mpfa.kernels.sm90.prefill_launch import STAGED_WARPS, WGMMA_WARPGROUPS, mpfa_prefill, prefill_kernel
 
     tokens = w.batch * w.seq
     page_table, slots_of_token, num_pages = paged_layout(w, device)
@@ -190,7 +191,9 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
 
     name = prefill_kernel(w.q_heads, w.kv_heads, PAGE_SIZE, kernel)
     version = f"{name}, staged cp.async ring, {STAGED_WARPS[name]}-warp CTAs" if name in STAGED_WARPS else name
-    mma = "wgmma" if name == WGMMA_KERNEL else "mma.sync"
+    if WGMMA_WARPGROUPS.get(name, 1) > 1:
+        version += f", {WGMMA_WARPGROUPS[name]}-warpgroup CTAs"
+    mma = "wgmma" if name in WGMMA_WARPGROUPS else "mma.sync"
     version += "" if compensate else ", direct build"
 
     return PreparedKernel(run, _dense_inputs, num_sets,

@@ -13,9 +13,11 @@ Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm9
 CTA sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1 CTA per SM instead of 2).
 v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA group 4 and pages of >= 64 keys only) matches v1 up
 to FP32 summation order (its 64-key tiles), not bit for bit; on the H200 it passed the GPU tests and ran 1.62x
-faster than v2 at 64K (profiles/NOTES.md). The default is v3 where it applies, else v2 (v1 for an odd number of
-query heads: v2 copies Delta_S as aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3`` or the ``kernel=``
-argument of `mpfa_prefill` pins one (v3 then refuses other shapes with a clear error).
+faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows
+per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical
+to v3). The default is v3 where it applies, else v2 (v1 for an odd number of query heads: v2 copies Delta_S as
+aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8`` or the ``kernel=`` argument of `mpfa_prefill`
+pins one (v3 / v3w8 then refuse other shapes with a clear error).
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -39,35 +41,36 @@ HEAD_DIM = 128
 BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host side imports no CuTe DSL)
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8" or "v3"
+KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8", "v3" or "v3w8"
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
 WGMMA_KERNEL = "v3"  # `prefill_wgmma`: the default where its shape limits allow
+WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2}  # the wgmma kernel's variants: warpgroups per CTA
 WGMMA_GROUP = 4  # the only GQA group v3 supports (4 heads x 16 rows = one 64-row warpgroup tile)
-WGMMA_BLOCK_M = 16  # query rows per v3 CTA
+WGMMA_BLOCK_M = 16  # query rows per v3 warpgroup
 WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
-    """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8" or "v3"), else ``MPFA_PREFILL_KERNEL``, else
-    v3 for GQA group 4 with pages of >= 64 keys and v2 otherwise; v1 with an odd number of query heads unless v3
-    is named (v2 copies Delta_S as aligned 4-byte words)."""
+    """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8", "v3" or "v3w8"), else ``MPFA_PREFILL_KERNEL``,
+    else v3 for GQA group 4 with pages of >= 64 keys and v2 otherwise; v1 with an odd number of query heads unless
+    v3 / v3w8 is named (v2 copies Delta_S as aligned 4-byte words)."""
     fits_v3 = num_q_heads == WGMMA_GROUP * num_kv_heads and page_size >= WGMMA_MIN_PAGE
     if kernel is None and not os.environ.get(KERNEL_ENV) and fits_v3:
         return WGMMA_KERNEL
-    name = kernel_version(KERNEL_ENV, kernel, variants=("v2w8", WGMMA_KERNEL))
-    return name if name == WGMMA_KERNEL or num_q_heads % 2 == 0 else "v1"
+    name = kernel_version(KERNEL_ENV, kernel, variants=("v2w8", *WGMMA_WARPGROUPS))
+    return name if name in WGMMA_WARPGROUPS or num_q_heads % 2 == 0 else "v1"
 
 
 def kernel_block_m(group: int, kernel: str) -> int:
     """Query rows per CTA of ``kernel`` (a `prefill_kernel` name; the grid's row blocks: ``ceil(max_seqlen_q /
     block_m)``)."""
-    if kernel == WGMMA_KERNEL:
-        return WGMMA_BLOCK_M
+    if kernel in WGMMA_WARPGROUPS:
+        return WGMMA_BLOCK_M * WGMMA_WARPGROUPS[kernel]
     return WARP_ROWS * cta_shape(group, STAGED_WARPS[kernel])[1] if kernel in STAGED_WARPS else BLOCK_M
 
 
 def check_wgmma_shape(group: int, page_size: int) -> None:
-    """v3's limits, as a clear error before compiling."""
+    """v3's (and v3w8's) limits, as a clear error before compiling."""
     _require(group == WGMMA_GROUP, f"the v3 (wgmma) prefill supports GQA group {WGMMA_GROUP} only (e.g. 32:8), got "
                                    f"group {group}: use kernel v1 or v2")
     _require(page_size >= WGMMA_MIN_PAGE, f"the v3 (wgmma) prefill needs page_size >= {WGMMA_MIN_PAGE}, got {page_size}")
@@ -79,13 +82,13 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
     only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
-    (``MPFA_PREFILL_KERNEL``); "v3" only for GQA group 4 and pages of >= 64 keys. ``compensate`` False: the
-    direct build (no Delta_S, for timing the compensation)."""
+    (``MPFA_PREFILL_KERNEL``); "v3" and "v3w8" only for GQA group 4 and pages of >= 64 keys. ``compensate``
+    False: the direct build (no Delta_S, for timing the compensation)."""
     name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size,
                           "v1" if kernel is None and ablation is not None else kernel)
     if name != "v1" and ablation is not None:
         raise ValueError("the compile-time ablations exist for the v1 prefill kernel only")
-    if name == WGMMA_KERNEL:
+    if name in WGMMA_WARPGROUPS:
         check_wgmma_shape(group, page_size)
     return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, name,
                                    bool(compensate))
@@ -104,9 +107,10 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     assert (prefill.BLOCK_M, prefill.TILE_KEYS, prefill_staged.TILE_KEYS) == (BLOCK_M, TILE_KEYS, TILE_KEYS)
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8 = cutlass.Uint8
-    if kernel == WGMMA_KERNEL:
-        launcher = prefill_wgmma.PrefillSm90Wgmma(num_kv_heads, group, page_size, causal, out_dtype, compensate)
-        assert launcher.block_m == WGMMA_BLOCK_M
+    if kernel in WGMMA_WARPGROUPS:
+        launcher = prefill_wgmma.PrefillSm90Wgmma(num_kv_heads, group, page_size, causal, out_dtype, compensate,
+                                                  warpgroups=WGMMA_WARPGROUPS[kernel])
+        assert launcher.block_m == kernel_block_m(group, kernel)
     elif kernel in STAGED_WARPS:
         launcher = prefill_staged.PrefillSm90Staged(num_kv_heads, group, page_size, causal, out_dtype,
                                                     warps=STAGED_WARPS[kernel], compensate=compensate)
@@ -180,8 +184,8 @@ def mpfa_prefill(
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
-    ``kernel``: "v1", "v2", "v2w8" or "v3" (None: `prefill_kernel`'s choice); all give the same output (v3 up to
-    FP32 summation order). ``compensate=False``: the direct build, for timing only (no
+    ``kernel``: "v1", "v2", "v2w8", "v3" or "v3w8" (None: `prefill_kernel`'s choice); all give the same output
+    (v3 / v3w8 up to FP32 summation order). ``compensate=False``: the direct build, for timing only (no
     Delta_S: the output of an all-zero Delta_S)."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
                     causal=causal, sm_scale=sm_scale, out=out, kernel=kernel, compensate=compensate)

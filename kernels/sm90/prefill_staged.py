@@ -77,6 +77,7 @@ class PrefillSm90Staged(PrefillSm90):
     loop, `_run_tiles`, replaced."""
 
     cta_order = prefill_grid.ROWS_FASTEST  # a head block's row blocks side by side: one KV head resident at a time
+    tile_keys = TILE_KEYS  # keys per tile of the CTA's walk (`_walk`)
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  warps: int = sl.CTA_WARPS, stages: int = STAGES, shared_dequant: bool | None = None,
@@ -118,7 +119,7 @@ class PrefillSm90Staged(PrefillSm90):
         cta_tiles, cta_common = num_tiles, common
         if self.row_blocks > 1:
             cta_tiles, _, cta_common = tile_math.warp_plan(cta_row0, q_len, kv_len, g, causal=self.causal,
-                                                           tile_keys=TILE_KEYS, warp_rows=self.block_m)
+                                                           tile_keys=self.tile_keys, warp_rows=self.block_m)
             cta_tiles = Int32(cta_tiles)
         return cta_tiles, cta_common, num_tiles
 
@@ -217,14 +218,17 @@ class PrefillSm90Staged(PrefillSm90):
                        limits, lane, c)
 
     @cute.jit
-    def _copy_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr):
+    def _copy_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr,
+                   threads: cutlass.Constexpr = None):
         """cp.async the KV head's bytes of tile ``tile_index`` into ``stage``, every warp its slots of each array
         (`prefill_staged_layout.copy_plan`; Delta_S only with ``compensate``); keys past ``kv_len`` copy 0 bytes
-        (zero fill; ``ragged`` false: the tile is known to be whole). A tile never straddles pages."""
+        (zero fill; ``ragged`` false: the tile is known to be whole). A tile never straddles pages. ``threads``:
+        the threads that copy the tile (``tid``, ``warp`` numbered among them; None: the CTA's)."""
         tile = tile_index * TILE_KEYS
         slot0 = Int64(page) * self.page_size + (tile & (self.page_size - 1))
         left = kv_len - tile  # key k of the tile exists iff k < left
-        hkv, threads = self.num_kv_heads, self.threads
+        hkv = self.num_kv_heads
+        threads = self.threads if threads is None else threads
         strides = (hkv * K_ROW_BYTES, hkv * HEAD_DIM, SCALE_ROW_BYTES, self.ds_row * 2)  # cache rows per slot
         copies = {16: cp_async_16, 8: cp_async_8, 4: cp_async_4}
         rows = {name: (stride, source + (slot0 + first_slot) * stride)  # the tile's first cache row of each array

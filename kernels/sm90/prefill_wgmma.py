@@ -28,8 +28,22 @@ its cp.async ring and its order, and replaces the tile's arithmetic with two wgm
   ``fence.proxy.async`` (generic-proxy stores must be visible to wgmma) + barrier, QK, softmax, PV (each wgmma
   waited for before the next barrier, so the next expansion may overwrite the operand tiles).
 
+v3w8 (``warpgroups=2``): the same kernel with two warpgroups (256 threads) per CTA. Warpgroup w computes the 64
+wgmma rows "4 heads x 16 rows" of query rows ``row0 + 16 w + i`` (v3's rows, 16 w rows on), from its own Q tile; the
+K / V operand tiles and the ring are shared. The warpgroups split each tile's ring copies and its K / V expansion:
+warpgroup w copies the 32-key half w of the tile with v2's 4-warp copy plan (`warpgroup_half`) and expands the K of
+that half (`k_expand_unit`), and each thread expands half as many V pieces as in v3 (`v_expand_unit`); per query row
+the copies and the expansion are done half as often. The barriers are the CTA's (``bar.sync`` of 256 threads); each
+warpgroup waits for its own wgmmas before it arrives at the next barrier, after which the expansion may overwrite
+the K and V tiles. The CTA walks the tiles its last row sees and splits masked / whole tiles on the keys its first
+row sees (v2w8's walk, `_walk`); each warpgroup masks with its own rows' limits and skips the masked tiles none of
+its rows sees (only the earlier warpgroup, only at the start of the walk). Each warpgroup thus runs v3's arithmetic
+on v3's tiles in v3's order (a tile masked here that v3 runs whole has every score visible: the same initial
+scores), so the output is v3's bit for bit. Shared memory: 2 Q tiles + K + V + the ring = 116 KB, 1 CTA (8 warps)
+per SM as v3's 2.
+
 Only GQA group 4 (32:8); the launcher refuses other groups. Shared memory: Q, K, V operand tiles (16 KB each) and
-a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM.
+a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM (v3w8: one Q tile more, 1 CTA per SM).
 """
 
 from __future__ import annotations
@@ -67,14 +81,43 @@ TILE_KEYS = 64  # keys per wgmma tile: two of v2's 32-key ring stages
 HALVES = TILE_KEYS // sl.TILE_KEYS
 N_BLOCKS = TILE_KEYS // 8  # 8-key column blocks of the S accumulator (v1's n-tiles)
 GROUP = 4  # query heads per KV head v3 supports: 4 heads x 16 rows = one 64-row warpgroup tile
-ROWS = sl.WARP_ROWS  # query rows per CTA
-THREADS = 128
+ROWS = sl.WARP_ROWS  # query rows per warpgroup (per head)
+THREADS = 128  # one warpgroup
+WARPGROUPS = (1, 2)  # warpgroups per CTA: v3, v3w8
 STAGES = 4
 OPERAND_BYTES = TILE_KEYS * HEAD_DIM * 2  # one FP16 operand tile [64][128]
-Q_OFFSET, K_OFFSET, V_OFFSET = 0, OPERAND_BYTES, 2 * OPERAND_BYTES
-RING_OFFSET = 3 * OPERAND_BYTES
 OPERAND_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
 CHUNK_ELEMS = 32  # elements of a 16-byte NVFP4 chunk (2 blocks): the unit of Q / K expansion
+V_UNITS = TILE_KEYS * HEAD_DIM // 16  # 16-byte e4m3 pieces of a V tile (512)
+
+
+def smem_offsets(warpgroups: int) -> tuple:
+    """(Q tile of warpgroup 0 (warpgroup w's: + w OPERAND_BYTES), K tile, V tile, ring) in the CTA's shared
+    memory: one Q operand tile per warpgroup, then the K and V operand tiles and the ring, which the warpgroups
+    share."""
+    k_offset = warpgroups * OPERAND_BYTES
+    return 0, k_offset, k_offset + OPERAND_BYTES, k_offset + 2 * OPERAND_BYTES
+
+
+def warpgroup_half(wg, r: int, warpgroups: int):
+    """The 32-key half of a 64-key tile that warpgroup ``wg`` copies into the ring (v2's 4-warp copy plan) and
+    whose K it expands, in round ``r`` (``0 .. 2 // warpgroups - 1``): the halves h with h % warpgroups == wg
+    (one warpgroup: both; two: half w for warpgroup w)."""
+    return wg + warpgroups * r
+
+
+def k_expand_unit(wg, wg_tid, r: int, warpgroups: int) -> tuple:
+    """(32-key half, key within the half, NVFP4 chunk) of the K tile that thread ``wg_tid`` of warpgroup
+    ``wg`` expands in round ``r``: chunk t % 4 of key t / 4 of the half `warpgroup_half` gives it."""
+    return warpgroup_half(wg, r, warpgroups), wg_tid >> 2, wg_tid & 3
+
+
+def v_expand_unit(tid, r: int, threads: int) -> tuple:
+    """(32-key half, key within the half, 16-byte piece) of the V tile that thread ``tid`` of the CTA expands in
+    round ``r`` (``0 .. V_UNITS // threads - 1``): piece unit ``tid + threads r`` = key ``unit / 8``, piece
+    ``unit % 8`` (``threads / 8 <= 32`` keys per round, so a round's keys lie in one half)."""
+    keys = threads // 8 * r  # the round's first key, a multiple of threads / 8
+    return keys // sl.TILE_KEYS, (tid >> 3) + keys % sl.TILE_KEYS, tid & 7
 
 
 def operand_offset(row, chunk):
@@ -105,21 +148,29 @@ def p_operand(probs: list, words: cute.Tensor) -> None:
 
 class PrefillSm90Wgmma(PrefillSm90Staged):
     """Compile-time shape of the v3 prefill: `prefill.PrefillSm90`'s arguments (GQA ``group`` must be 4; no
-    ablations; ``compensate`` False: the direct build). v2's launch, CTA order, heads and ring copies; the kernel
-    body is replaced."""
+    ablations; ``compensate`` False: the direct build) and ``warpgroups`` per CTA (1: v3, 2: v3w8; warpgroup w
+    computes the CTA's query rows 16 w .. 16 w + 15 of each head). v2's launch, CTA order, heads and ring copies;
+    the kernel body is replaced."""
+
+    tile_keys = TILE_KEYS  # the CTA's walk (`_walk`) in 64-key tiles
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
-                 compensate: bool = True):
+                 compensate: bool = True, warpgroups: int = 1):
         if group != GROUP:
             raise ValueError(f"the v3 (wgmma) prefill supports GQA group {GROUP} only (4 heads x 16 rows = one "
                              f"64-row warpgroup tile), got {group}; use v1 or v2")
         if page_size < TILE_KEYS:
             raise ValueError(f"the v3 (wgmma) prefill needs page_size >= {TILE_KEYS}, got {page_size}")
-        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, warps=4, stages=STAGES,
+        if warpgroups not in WARPGROUPS:
+            raise ValueError(f"warpgroups per CTA must be one of {WARPGROUPS}, got {warpgroups}")
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, warps=4 * warpgroups, stages=STAGES,
                          shared_dequant=False, compensate=compensate)
-        assert (self.heads, self.row_blocks, self.threads, self.block_m) == (GROUP, 1, THREADS, ROWS)
+        self.warpgroups = warpgroups
+        assert (self.heads, self.row_blocks, self.threads, self.block_m) == (GROUP, warpgroups, THREADS * warpgroups,
+                                                                             ROWS * warpgroups)
         self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
-        self.smem_bytes = RING_OFFSET + STAGES * self.tile_bytes
+        self.offsets = smem_offsets(warpgroups)
+        self.smem_bytes = self.offsets[3] + STAGES * self.tile_bytes
 
     @cute.kernel
     def kernel(
@@ -140,22 +191,27 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         warp, lane = self._warp_lane(tid)
         c = lane & 3
         g = lane >> 2
+        wg, wg_tid, wg_warp = self._warpgroup(tid, warp)
         block_head, m_block, batch = prefill_grid.cta(self.cta_order, cute.arch.block_idx(), cute.arch.grid_dim())
         head, kv_head, cta_heads = self._heads(block_head, warp)
         q_start = cu_seqlens_q[batch]
         q_len = cu_seqlens_q[batch + 1] - q_start
         kv_len = seq_lens_k[batch]
-        row0 = m_block * ROWS
-        # every warp has the same rows (another head), so the CTA's walk is each warp's
+        cta_row0 = m_block * self.block_m
+        row0 = cta_row0 + ROWS * wg  # the warpgroup's rows (every warp has them, for another head)
         num_tiles, limits, common = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal,
                                                         tile_keys=TILE_KEYS, warp_rows=ROWS)
-        num_tiles = Int32(num_tiles)
+        # the CTA walks the tiles its last row sees (v2w8's walk): with 2 warpgroups, the tiles of the later one
+        walk = self._walk(Int32(num_tiles), common, cta_row0, q_len, kv_len, g)
 
         smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
         smem = smem_ptr.toint()
+        q_offset, k_offset, v_offset, _ = self.offsets
+        if cutlass.const_expr(self.warpgroups > 1):  # the warpgroup's own Q tile
+            q_offset = cute.assume(q_offset + wg * OPERAND_BYTES, divby=OPERAND_BYTES)
         layout = operand_layout()
         s_q, s_k, s_v = [cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=cutlass.Float16),
-                                          layout.outer) for offset in (Q_OFFSET, K_OFFSET, V_OFFSET)]
+                                          layout.outer) for offset in (q_offset, k_offset, v_offset)]
         s_vt = cute.composition(s_v, cute.make_ordered_layout((HEAD_DIM, TILE_KEYS), order=(1, 0)))
 
         mma_qk = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
@@ -163,8 +219,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         mma_pv = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
                                                    OperandMajorMode.MN, Float32, (1, 1, 1), (64, HEAD_DIM),
                                                    a_source=warpgroup.OperandSource.RMEM)
-        thr_qk = mma_qk.get_slice(tid)
-        thr_pv = mma_pv.get_slice(tid)
+        thr_qk = mma_qk.get_slice(wg_tid)
+        thr_pv = mma_pv.get_slice(wg_tid)
         operands = (
             thr_qk.make_fragment_A(thr_qk.partition_A(s_q)),
             thr_qk.make_fragment_B(thr_qk.partition_B(s_k)),
@@ -181,27 +237,35 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         state[2] = Float32(0.0)
         state[3] = Float32(0.0)
 
-        self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], tid, smem)
+        self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], wg_tid, smem + q_offset)
         mmas = (mma_qk, mma_pv, operands, acc_s, acc_o)
-        self._run_wgmma_tiles(num_tiles, common, mmas, state, lam_scaled, (k_codes, k_scales, v, delta_s), page_table,
-                              batch, kv_head, cta_heads, kv_len, limits, tid, warp, c, smem)
+        self._run_wgmma_tiles(walk, mmas, state, lam_scaled, (k_codes, k_scales, v, delta_s), page_table, batch,
+                              kv_head, cta_heads, kv_len, limits, (tid, wg, wg_tid, wg_warp), c, smem)
         self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+
+    def _warpgroup(self, tid, warp):
+        """(warpgroup of the CTA, thread and warp index within it): (0, tid, warp) with one warpgroup."""
+        if self.warpgroups == 1:
+            return 0, tid, warp
+        return warp >> 2, tid & (THREADS - 1), warp & 3  # 4 warps per warpgroup
 
     # --- operands in shared memory ---------------------------------------------------------------------------------
 
     @cute.jit
-    def _expand_q(self, q_codes: cute.Tensor, q_scales: cute.Tensor, q_start, q_len, row0, first_head, tid, smem):
-        """Q of the CTA's 64 rows exactly to FP16 in the Q operand tile: thread ``tid`` expands the 16-byte chunks
-        ``tid`` and ``tid + 128`` (row ``unit >> 2``, chunk ``unit & 3``); rows past the sequence are zeros."""
+    def _expand_q(self, q_codes: cute.Tensor, q_scales: cute.Tensor, q_start, q_len, row0, first_head, wg_tid,
+                  q_tile):
+        """Q of the warpgroup's 64 rows exactly to FP16 in its Q operand tile ``q_tile``: thread ``wg_tid`` of the
+        warpgroup expands the 16-byte chunks ``wg_tid`` and ``wg_tid + 128`` (row ``unit >> 2``, chunk
+        ``unit & 3``); rows past the sequence are zeros."""
         for r in cutlass.range_constexpr(2):
-            unit = tid + THREADS * r
+            unit = wg_tid + THREADS * r
             row, chunk = unit >> 2, unit & 3
             query = row & (ROWS - 1)
             valid = Uint32(row0 + query < q_len)
             q_row = Int64(q_start + row0 + query) * self.num_q_heads + first_head + (row >> 4)
             words = load_v4_u32(q_codes.iterator.toint() + q_row * sl.K_ROW_BYTES + 16 * chunk, valid)
             scales = load_u16(q_scales.iterator.toint() + q_row * sl.SCALE_ROW_BYTES + 2 * chunk, valid, Uint32(0))
-            self._store_chunk(smem + Q_OFFSET, row, chunk, q_chunk_regs(words, scales))
+            self._store_chunk(q_tile, row, chunk, q_chunk_regs(words, scales))
 
     @cute.jit
     def _store_chunk(self, tile, row, chunk, regs: list):
@@ -210,37 +274,39 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             store_shared_v4_u32(tile + operand_offset(row, 4 * chunk + quad), *regs[4 * quad:4 * quad + 4])
 
     @cute.jit
-    def _expand_kv(self, stage, tid, smem):
-        """The 64-key tile in ring stage ``stage`` (two 32-key halves) -> FP16 K and V operand tiles. K: thread
-        ``tid`` expands chunk ``tid & 3`` of key ``tid >> 2`` of each half; V: 16-byte piece ``tid & 7`` (dimensions
-        16 (tid & 7) ..) of keys ``(tid >> 3) + 16 r``. Keys past the sequence end were zero-filled by the copy."""
-        for half in cutlass.range_constexpr(HALVES):
+    def _expand_kv(self, stage, threads, smem):
+        """The 64-key tile in ring stage ``stage`` (two 32-key halves) -> FP16 K and V operand tiles, the CTA's
+        threads ``threads`` = (tid, warpgroup, thread and warp in the warpgroup) sharing the work: K chunks by
+        `k_expand_unit`, V pieces by `v_expand_unit`. Keys past the sequence end were zero-filled by the copy."""
+        tid, wg, wg_tid, _ = threads
+        _, k_offset, v_offset, _ = self.offsets
+        for r in cutlass.range_constexpr(HALVES // self.warpgroups):
+            half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
             raw = stage + half * self.stage_bytes
-            key = tid >> 2
-            words = load_shared_v4_u32(raw + sl.k_read(0, 0) + 16 * tid)  # key tid >> 2, chunk tid & 3
-            scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * (tid & 3))
-            self._store_chunk(smem + K_OFFSET, sl.TILE_KEYS * half + key, tid & 3, k_chunk_regs(words, scales))
-        piece = tid & 7
-        for r in cutlass.range_constexpr(TILE_KEYS * 8 // THREADS):
-            key = (tid >> 3) + 16 * r  # 0..63
-            in_half = key & (sl.TILE_KEYS - 1)
-            raw = stage + (r // 2) * self.stage_bytes
+            words = load_shared_v4_u32(raw + sl.k_read(0, 0) + 16 * wg_tid)  # key wg_tid >> 2, chunk wg_tid & 3
+            scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * chunk)
+            self._store_chunk(smem + k_offset, sl.TILE_KEYS * half + key, chunk, k_chunk_regs(words, scales))
+        for r in cutlass.range_constexpr(V_UNITS // self.threads):
+            half, in_half, piece = v_expand_unit(tid, r, self.threads)
+            raw = stage + half * self.stage_bytes
             words = load_shared_v4_u32(raw + sl.V_OFFSET + sl.V_ROW_BYTES * in_half
                                        + 16 * (piece ^ sl.v_swizzle(in_half)))
             regs = []
             for word in cutlass.range_constexpr(4):
                 regs += [e4m3x2_to_f16x2(words[word]), e4m3x2_to_f16x2(words[word] >> 16)]
             for quad in cutlass.range_constexpr(2):
-                store_shared_v4_u32(smem + V_OFFSET + operand_offset(key, 2 * piece + quad),
+                store_shared_v4_u32(smem + v_offset + operand_offset(sl.TILE_KEYS * half + in_half, 2 * piece + quad),
                                     *regs[4 * quad:4 * quad + 4])
 
     # --- the tile loop: v2's ring, 64-key tiles -------------------------------------------------------------------
 
     @cute.jit
-    def _run_wgmma_tiles(self, num_tiles, common, mmas, state: cute.Tensor, lam_scaled, cache,
-                         page_table: cute.Tensor, batch, kv_head, cta_heads, kv_len, limits, tid, warp, c, smem):
-        """The CTA's tiles through the ``STAGES``-deep ring (`prefill_staged_layout.ring_*`, one 64-key tile per
-        stage), masked tiles first, then whole ones (as v1)."""
+    def _run_wgmma_tiles(self, walk, mmas, state: cute.Tensor, lam_scaled, cache, page_table: cute.Tensor, batch,
+                         kv_head, cta_heads, kv_len, limits, threads, c, smem):
+        """The CTA's tiles (``walk``: tiles the CTA walks, leading keys all its rows see, tiles this warpgroup's
+        rows see) through the ``STAGES``-deep ring (`prefill_staged_layout.ring_*`, one 64-key tile per stage),
+        masked tiles first, then whole ones (as v1)."""
+        cta_tiles, cta_common, num_tiles = walk
         k_codes, k_scales, v, delta_s = cache
         first_head, head_in_cta = cta_heads
         group_first = first_head - kv_head * self.group
@@ -253,53 +319,72 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         )
         ds_lane = sl.ds_lane_base(self.heads, group_first, head_in_cta, c)
         table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
-        ring = smem + RING_OFFSET
+        ring = smem + self.offsets[3]
         page = cute.make_rmem_tensor((1,), Int32)
         for index in cutlass.range_constexpr(STAGES - 1):
-            tile_index, stage = sl.ring_prologue(index, num_tiles)
+            tile_index, stage = sl.ring_prologue(index, cta_tiles)
             if tile_index >= 0:
                 self._copy_wgmma_tile(tile_index, Int32(load_u32(self._page_entry(table_row, HALVES * tile_index))),
-                                      ring + stage * self.tile_bytes, kv_len, tid, warp, sources, True)
+                                      ring + stage * self.tile_bytes, kv_len, threads, sources, True)
             cp_async_commit()
-        self._fetch_page(page, table_row, HALVES * sl.ring_copy(0, num_tiles, STAGES)[0])
-        full_tiles = cutlass.min(common // TILE_KEYS, num_tiles)
-        masked_tiles = num_tiles - full_tiles
+        self._fetch_page(page, table_row, HALVES * sl.ring_copy(0, cta_tiles, STAGES)[0])
+        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
+        masked_tiles = cta_tiles - full_tiles
         for step in cutlass.range(masked_tiles, unroll=1):
-            self._wgmma_step(True, step, num_tiles, page, table_row, ring, kv_len, tid, warp, sources, mmas, state,
-                             lam_scaled, ds_lane, limits, c, smem)
-        for step in cutlass.range(full_tiles, unroll=1):
-            self._wgmma_step(False, masked_tiles + step, num_tiles, page, table_row, ring, kv_len, tid, warp, sources,
+            self._wgmma_step(True, step, cta_tiles, num_tiles, page, table_row, ring, kv_len, threads, sources,
                              mmas, state, lam_scaled, ds_lane, limits, c, smem)
+        for step in cutlass.range(full_tiles, unroll=1):
+            self._wgmma_step(False, masked_tiles + step, cta_tiles, num_tiles, page, table_row, ring, kv_len,
+                             threads, sources, mmas, state, lam_scaled, ds_lane, limits, c, smem)
         cp_async_wait(0)
 
     @cute.jit
-    def _copy_wgmma_tile(self, tile_index, page, stage, kv_len, tid, warp, sources, ragged: cutlass.Constexpr):
-        """cp.async 64-key tile ``tile_index`` as two of v2's 32-key tiles (one page holds both)."""
-        for half in cutlass.range_constexpr(HALVES):
-            self._copy_tile(HALVES * tile_index + half, page, stage + half * self.stage_bytes, kv_len, tid, warp,
-                            sources, ragged)
+    def _copy_wgmma_tile(self, tile_index, page, stage, kv_len, threads, sources, ragged: cutlass.Constexpr):
+        """cp.async 64-key tile ``tile_index`` as two of v2's 32-key tiles (one page holds both), each by one
+        warpgroup with v2's 4-warp copy plan (`prefill_staged_layout.copy_plan`): the halves `warpgroup_half`
+        gives it (v3w8: half w, so a thread computes the cache addresses of one half only)."""
+        _, wg, wg_tid, wg_warp = threads
+        for r in cutlass.range_constexpr(HALVES // self.warpgroups):
+            half = warpgroup_half(wg, r, self.warpgroups)
+            self._copy_tile(HALVES * tile_index + half, page, stage + half * self.stage_bytes, kv_len, wg_tid, wg_warp,
+                            sources, ragged, THREADS)
 
     @cute.jit
-    def _wgmma_step(self, masked: cutlass.Constexpr, step, num_tiles, page: cute.Tensor, table_row, ring, kv_len, tid,
-                    warp, sources, mmas, state: cute.Tensor, lam_scaled, ds_lane, limits, c, smem):
-        """Step ``step`` of the walk: ring bookkeeping, K / V expansion, QK, softmax, PV."""
-        mma_qk, mma_pv, operands, acc_s, acc_o = mmas
-        t_q, t_k, t_p, t_vt = operands
+    def _wgmma_step(self, masked: cutlass.Constexpr, step, cta_tiles, num_tiles, page: cute.Tensor, table_row, ring,
+                    kv_len, threads, sources, mmas, state: cute.Tensor, lam_scaled, ds_lane, limits, c, smem):
+        """Step ``step`` of the CTA's walk: ring bookkeeping and K / V expansion (the CTA), then QK, softmax and PV
+        (each warpgroup, `_wgmma_tile`). Both barriers are the CTA's: the first also keeps the expansion from
+        overwriting K / V before every warpgroup has waited for its PV wgmma of the previous step."""
         cp_async_wait(sl.ring_wait(STAGES, False))
         cute.arch.barrier()  # the tile has landed; every thread is done with the previous step (stage, operands)
-        copy_index, copy_stage = sl.ring_copy(step, num_tiles, STAGES)
+        copy_index, copy_stage = sl.ring_copy(step, cta_tiles, STAGES)
         if copy_index >= 0:
-            self._copy_wgmma_tile(copy_index, page[0], ring + copy_stage * self.tile_bytes, kv_len, tid, warp,
-                                  sources, masked)
+            self._copy_wgmma_tile(copy_index, page[0], ring + copy_stage * self.tile_bytes, kv_len, threads, sources,
+                                  masked)
         cp_async_commit()
-        self._fetch_page(page, table_row, HALVES * sl.ring_copy(step + 1, num_tiles, STAGES)[0])
-        tile_index, compute_stage, _ = sl.ring_compute(step, num_tiles, STAGES)
+        self._fetch_page(page, table_row, HALVES * sl.ring_copy(step + 1, cta_tiles, STAGES)[0])
+        tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, STAGES)
         stage = ring + compute_stage * self.tile_bytes
-        self._expand_kv(stage, tid, smem)
+        self._expand_kv(stage, threads, smem)
         cute.arch.fence_proxy("async.shared", space="cta")  # the operand stores, visible to wgmma
         cute.arch.barrier()
+        if cutlass.const_expr(masked and self.warpgroups > 1):
+            # The CTA walks the later warpgroup's tiles: the first one (the last tile) may lie past every row of
+            # the earlier warpgroup, which then skips it (warpgroup-uniform; bit-identical to masking it whole, as
+            # v1 / v2w8 skip). Whole tiles are seen by every row of the CTA.
+            if tile_index < num_tiles:
+                self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
+        else:
+            self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
 
-        tile = tile_index * TILE_KEYS
+    @cute.jit
+    def _wgmma_tile(self, masked: cutlass.Constexpr, tile, stage, mmas, state: cute.Tensor, lam_scaled, ds_lane,
+                    limits, c):
+        """One warpgroup on the tile of keys ``tile`` .. + 63 (K / V operand tiles filled, Delta_S in ring stage
+        ``stage``): S = Delta_S + Q K^T (-inf where masked), online softmax, O = alpha O + e4m3(448 P) V, both
+        wgmmas waited for."""
+        mma_qk, mma_pv, operands, acc_s, acc_o = mmas
+        t_q, t_k, t_p, t_vt = operands
         ds_bits = None
         if cutlass.const_expr(self.compensate):
             ds_bits = []

@@ -96,7 +96,7 @@ def test_bad_inputs_raise_clear_errors(change, message):
         mpfa_prefill(**{**_inputs(), **change})
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v3", "v3w8"])
 def test_compensate_reaches_the_compile(monkeypatch: pytest.MonkeyPatch, kernel):
     """``mpfa_prefill(..., compensate=False)`` compiles the direct build (the flag is part of the compile key), as
     the ablation path does for v1; the default is the compensated kernel."""

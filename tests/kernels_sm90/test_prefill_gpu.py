@@ -168,7 +168,7 @@ DIRECT_CASES = [  # (q_lens, kv_lens, page size, causal), GQA 32:8 and pages of 
 ]
 
 
-@pytest.mark.parametrize("kernel", ["v1", "v2", "v3"])
+@pytest.mark.parametrize("kernel", ["v1", "v2", "v3", "v3w8"])
 @pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", DIRECT_CASES, ids=["causal", "noncausal-page64"])
 def test_direct_build_is_the_compensated_build_on_zero_delta_s(gen, kernel, q_lens, kv_lens, page_size, causal):
     """``compensate=False`` reads no Delta_S and starts every visible score at 0: bit for bit the compensated

@@ -1,9 +1,11 @@
 """The wgmma prefill (v3, `prefill_wgmma`) compiles for sm_90a on a CPU-only machine through the launcher's path
 (`compile_prefill_kernel(..., kernel="v3")`): both GEMMs on warpgroup MMA (per copy of the tile body 8
-HGMMA.64x64x16 for QK and 4 HGMMA.64x128x16 with V^T read transposed, ``tnspB``, for PV; no mma.sync), no local memory, registers that
-leave 2 CTAs (2 warpgroups) per SM, shared memory for 2 CTAs per SM; the direct build (``compensate=False``)
-without Delta_S copies or reads. Also the default switch, v3's limits (GQA group 4, pages of >= 64 keys), the
-operand-tile layout against CuTe's, and the benchmark backend."""
+HGMMA.64x64x16 for QK and 4 HGMMA.64x128x16 with V^T read transposed, ``tnspB``, for PV; no mma.sync), no local
+memory, registers and shared memory that leave 2 CTAs (2 warpgroups) per SM; the direct build
+(``compensate=False``) without Delta_S copies or reads. v3w8 (``kernel="v3w8"``, 2 warpgroups per CTA): the same
+per tile body and warpgroup, 1 CTA (the same 2 warpgroups) per SM, half of v3's K / V expansion stores per thread.
+Also the switch, v3's limits (GQA group 4, pages of >= 64 keys), the operand-tile layout against CuTe's, and the
+benchmark backends."""
 
 from __future__ import annotations
 
@@ -22,12 +24,19 @@ from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
 from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m, prefill_kernel  # noqa: E402
 
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
-BUILDS = [(config, True) for config in CONFIGS] + [(CONFIGS[0], False)]  # (configuration, compensate)
-IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direct"]
+# (configuration, compensate, kernel); v3w8 causal, compensated and direct
+BUILDS = ([(config, True, "v3") for config in CONFIGS] + [(CONFIGS[0], False, "v3")]
+          + [(CONFIGS[0], True, "v3w8"), (CONFIGS[0], False, "v3w8")])
+IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direct", "v3w8-causal-bf16-page128",
+       "v3w8-causal-bf16-page128-direct"]
 REGISTERS_PER_SM = 65536
+MAX_REGISTERS = 255
 SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA = 227 * 1024
 SMEM_RESERVED_PER_CTA = 1024
-THREADS = 128
+WARPGROUP = 128
+WARPGROUPS = {"v3": 1, "v3w8": 2}
+WARPGROUPS_PER_SM = 2  # v3: 2 CTAs of 1, v3w8: 1 CTA of 2
 TILE_LOOPS = 2  # masked tiles, then whole tiles
 
 
@@ -38,8 +47,8 @@ def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict
     code = f"""
         from pathlib import Path
         from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
-        for i, (config, compensate) in enumerate({BUILDS!r}):
-            compile_prefill_kernel(*config, kernel="v3", compensate=compensate)
+        for i, (config, compensate, kernel) in enumerate({BUILDS!r}):
+            compile_prefill_kernel(*config, kernel=kernel, compensate=compensate)
             (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.cubin")
             cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
             (ptx,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.ptx")
@@ -49,19 +58,44 @@ def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict
     return {build: dump / f"build{i}.cubin" for i, build in enumerate(BUILDS)}
 
 
-@pytest.mark.parametrize("config,compensate", BUILDS, ids=IDS)
-def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config, compensate):
+def _launcher(config, compensate, kernel):
     from mpfa.kernels.sm90.prefill_wgmma import PrefillSm90Wgmma
 
-    cubin = str(wgmma_cubins[config, compensate])
+    return PrefillSm90Wgmma(*config, compensate=compensate, warpgroups=WARPGROUPS[kernel])
+
+
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction) of every SASS instruction."""
+    return [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def tile_loops(sass: str) -> list[list[str]]:
+    """The instructions of each loop body that issues wgmmas: from a backward branch's target to the branch."""
+    ops = _instructions(sass)
+    loops = []
+    for address, op in ops:
+        target = re.search(r"\bBRA 0x([0-9a-f]+)", op)
+        if target and int(target[1], 16) < address:
+            body = [o for a, o in ops if int(target[1], 16) <= a <= address]
+            if any(o.startswith("HGMMA") for o in body):
+                loops.append(body)
+    return loops
+
+
+@pytest.mark.parametrize("config,compensate,kernel", BUILDS, ids=IDS)
+def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config, compensate, kernel):
+    cubin = str(wgmma_cubins[config, compensate, kernel])
     usage = cuobjdump("--dump-resource-usage", cubin)
-    assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the v3 prefill spills: {usage}"
+    assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the {kernel} prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    allocated = -(-registers // 8) * 8 * THREADS
-    assert REGISTERS_PER_SM // allocated >= 2, f"{registers} registers: fewer than 2 CTAs per SM"
+    ctas = WARPGROUPS_PER_SM // WARPGROUPS[kernel]  # CTAs per SM: the same 8 warps
+    allocated = -(-registers // 8) * 8 * WARPGROUP * WARPGROUPS[kernel]
+    assert registers <= MAX_REGISTERS and REGISTERS_PER_SM // allocated >= ctas, \
+        f"{registers} registers: fewer than {ctas} CTAs per SM"
     static_smem = int(re.search(r"SHARED:(\d+)", usage).group(1))
-    smem = PrefillSm90Wgmma(*config, compensate=compensate).smem_bytes + static_smem + SMEM_RESERVED_PER_CTA
-    assert 2 * smem <= SMEM_PER_SM, f"{smem} bytes of shared memory per CTA: fewer than 2 CTAs per SM"
+    smem = _launcher(config, compensate, kernel).smem_bytes + static_smem + SMEM_RESERVED_PER_CTA
+    assert smem - SMEM_RESERVED_PER_CTA <= SMEM_PER_CTA and ctas * smem <= SMEM_PER_SM, \
+        f"{smem} bytes of shared memory per CTA: fewer than {ctas} CTAs per SM"
 
     sass = cuobjdump("--dump-sass", cubin)
     hgmma = re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32[^;]*", sass)
@@ -71,18 +105,44 @@ def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config, compe
     copies = len(pv) // 4
     assert copies >= TILE_LOOPS and len(pv) == 4 * copies and len(qk) == 8 * copies, hgmma
     assert len(hgmma) == len(qk) + len(pv), hgmma
-    assert "HMMA" not in sass.replace("HGMMA", ""), "v3 should have no mma.sync left"
+    assert "HMMA" not in sass.replace("HGMMA", ""), f"{kernel} should have no mma.sync left"
+    # per tile loop (masked, whole) and warpgroup: 8 QK and 4 PV wgmmas, between CTA barriers
+    loops = tile_loops(sass)
+    assert len(loops) == TILE_LOOPS, [len(body) for body in loops]
+    for body in loops:
+        assert sum(op.startswith("HGMMA.64x64x16") for op in body) == 8, body
+        assert sum(op.startswith("HGMMA.64x128x16") and "tnspB" in op for op in body) == 4, body
+        assert sum(op.startswith("BAR.SYNC") for op in body) == 2, "a tile needs its two CTA barriers"
 
 
-def test_direct_build_copies_and_reads_no_delta_s(wgmma_cubins, cuobjdump):
-    """``compensate=False`` (`CONFIGS[0]`): the compensated build's HGMMAs and K / V / scale copies, no more
-    registers or shared memory, and none of its Delta_S copies (4-byte cp.async, one per 32-key half of a copied
+def test_v3w8_shares_the_expansion(wgmma_cubins, cuobjdump):
+    """v3w8 (`CONFIGS[0]`): the same wgmmas per tile loop as v3; each thread half of v3's expanded K / V stores
+    (v3: 2 K chunks x 4 + 4 V pieces x 2 STS.128 per tile) and half of its ring copies (a warpgroup copies one
+    32-key half: v2's 4-warp plan, 5 cp.async per thread, v3 2 x 5); fewer instructions per tile and thread."""
+    stats = {}
+    for kernel in WARPGROUPS:
+        sass = cuobjdump("--dump-sass", str(wgmma_cubins[CONFIGS[0], True, kernel]))
+        loops = tile_loops(sass)
+        stats[kernel] = dict(
+            sts=[sum(op.startswith("STS.128") for op in body) for body in loops],
+            copies=[sum(op.startswith("LDGSTS") or " LDGSTS" in op for op in body) for body in loops],
+            hgmma=[sum(op.startswith("HGMMA") for op in body) for body in loops],
+            size=[len(body) for body in loops])
+    v3, v3w8 = stats["v3"], stats["v3w8"]
+    assert v3w8["hgmma"] == v3["hgmma"] == [12] * TILE_LOOPS, stats
+    assert v3["sts"] == [16] * TILE_LOOPS and v3w8["sts"] == [8] * TILE_LOOPS, stats
+    assert v3["copies"] == [10] * TILE_LOOPS and v3w8["copies"] == [5] * TILE_LOOPS, stats
+    assert all(a < b for a, b in zip(v3w8["size"], v3["size"])), stats
+
+
+@pytest.mark.parametrize("kernel", WARPGROUPS)
+def test_direct_build_copies_and_reads_no_delta_s(wgmma_cubins, cuobjdump, kernel):
+    """``compensate=False`` (`CONFIGS[0]`): the compensated build's HGMMAs and K / V / scale copies, no fewer CTAs
+    per SM, less shared memory, and none of its Delta_S copies (4-byte cp.async, one per 32-key half of a copied
     tile) or reads (16 LDS.U16 per copy of the tile body; the 2 of the K scales stay)."""
-    from mpfa.kernels.sm90.prefill_wgmma import PrefillSm90Wgmma
-
     counts = {}
     for compensate in (True, False):
-        cubin = str(wgmma_cubins[CONFIGS[0], compensate])
+        cubin = str(wgmma_cubins[CONFIGS[0], compensate, kernel])
         sass = cuobjdump("--dump-sass", cubin)
         copies = Counter(next((part for part in op.split(".") if part in ("64", "128")), "32")  # bits per copy
                          for op in re.findall(r"\bLDGSTS[\w.]*", sass))
@@ -90,13 +150,22 @@ def test_direct_build_copies_and_reads_no_delta_s(wgmma_cubins, cuobjdump):
             hgmma=len(re.findall(r"\bHGMMA\.", sass)), pv=len(re.findall(r"HGMMA\.64x128x16\.F32 [^;]*tnspB", sass)),
             lds16=len(re.findall(r"\bLDS\.U16\b", sass)), copies=copies,
             registers=int(re.search(r"REG:(\d+)", cuobjdump("--dump-resource-usage", cubin))[1]),
-            smem=PrefillSm90Wgmma(*CONFIGS[0], compensate=compensate).smem_bytes)
+            smem=_launcher(CONFIGS[0], compensate, kernel).smem_bytes)
     full, direct = counts[True], counts[False]
-    assert direct["hgmma"] == full["hgmma"] and direct["registers"] <= full["registers"], counts
+
+    def ctas_per_sm(registers: int) -> int:
+        return REGISTERS_PER_SM // (-(-registers // 8) * 8 * WARPGROUP * WARPGROUPS[kernel])
+
+    # no fewer CTAs per SM (v3w8's 1 CTA per SM leaves ptxas room: it may use more registers without Delta_S)
+    assert direct["hgmma"] == full["hgmma"] and ctas_per_sm(direct["registers"]) >= ctas_per_sm(full["registers"]), \
+        counts
     assert direct["smem"] < full["smem"], counts
     kept = Counter({bits: n for bits, n in full["copies"].items() if bits != "32"})
     assert full["copies"]["32"] > 0 and direct["copies"] == kept, counts
-    assert full["lds16"] - direct["lds16"] == 16 * full["pv"] // 4, counts  # PV: 4 HGMMAs per tile body
+    # PV: 4 HGMMAs per tile body; a v3w8 thread expands 1 K chunk (1 LDS.U16 of its scales) per tile, v3 2
+    k_scales = 2 // WARPGROUPS[kernel]
+    assert full["lds16"] - direct["lds16"] == 16 * full["pv"] // 4, counts
+    assert direct["lds16"] == k_scales * direct["pv"] // 4, counts
 
 
 def test_operand_offset_is_cutes_layout():
@@ -129,14 +198,14 @@ def _descriptor(value: int) -> dict:
             "sbo": ((value >> 32) & 0x3FFF) << 4, "base": (value >> 49) & 7, "swizzle": value >> 62}
 
 
-@pytest.mark.parametrize("config,compensate", BUILDS, ids=IDS)
-def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config, compensate):
+@pytest.mark.parametrize("config,compensate,kernel", BUILDS, ids=IDS)
+def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config, compensate, kernel):
     """The descriptors CuTe builds (constant fields OR-ed onto the tile address, then per-k-step start advances, in
     16-byte units) describe the operand tiles `operand_offset` fills: Q and K K-major 128-byte swizzle (SBO 1024 =
     8 rows x 128 bytes; k-steps at +32, +64, +96 bytes, then the second 64-dim half at +8192); V^T MN-major
     128-byte swizzle (LBO 8192 = the second 64-dim half, SBO 1024 = 8 keys; k-steps of 16 keys at +2048 bytes);
-    QK untransposed, PV with ``tnspB``; tiles 1024-byte aligned (base offset 0)."""
-    ptx = wgmma_cubins[config, compensate].with_suffix(".ptx").read_text(errors="replace")
+    QK untransposed, PV with ``tnspB``; tiles 1024-byte aligned (base offset 0; v3w8's second Q tile too)."""
+    ptx = wgmma_cubins[config, compensate, kernel].with_suffix(".ptx").read_text(errors="replace")
     fields = [_descriptor(int(v)) for v in re.findall(r"or\.b64\s+%rd\d+, %rd\d+, (\d+);", ptx)
               if int(v) >> 62 == 1]
     assert {tuple(sorted(f.items())) for f in fields} == {
@@ -161,14 +230,26 @@ def test_v3_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
     assert prefill_kernel(40, 8, 128) == "v3"
 
 
-def test_v3_limits_are_clear_errors():
+def test_v3w8_is_opt_in(monkeypatch: pytest.MonkeyPatch):
+    """v3w8 only when named (``kernel=`` or ``MPFA_PREFILL_KERNEL``), also for an odd number of query heads (then
+    refused at compile time, as v3); 32 query rows per CTA."""
+    monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
+    assert prefill_kernel(32, 8, 128) == "v3" and prefill_kernel(32, 8, 128, "V3W8") == "v3w8"
+    assert kernel_block_m(4, "v3w8") == 32 == 2 * kernel_block_m(4, "v3")
+    monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v3w8")
+    assert prefill_kernel(32, 8, 128) == prefill_kernel(40, 8, 128) == prefill_kernel(35, 7, 128) == "v3w8"
+    assert prefill_kernel(32, 8, 128, "v3") == "v3"
+
+
+@pytest.mark.parametrize("kernel", WARPGROUPS)
+def test_v3_limits_are_clear_errors(kernel):
     with pytest.raises(ValueError, match="group 4 only"):
-        compile_prefill_kernel(8, 5, 128, True, "BFloat16", kernel="v3")
+        compile_prefill_kernel(8, 5, 128, True, "BFloat16", kernel=kernel)
     with pytest.raises(ValueError, match="page_size >= 64"):
-        compile_prefill_kernel(8, 4, 32, True, "BFloat16", kernel="v3")
+        compile_prefill_kernel(8, 4, 32, True, "BFloat16", kernel=kernel)
 
 
 def test_bench_backend_pins_v3():
     from mpfa.profiles.registry import adapter_for
 
-    assert adapter_for("mpfa-v3").prefill_kernel == "v3"
+    assert adapter_for("mpfa-v3").prefill_kernel == "v3" and adapter_for("mpfa-v3w8").prefill_kernel == "v3w8"

@@ -27,6 +27,7 @@ import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass import Float32  # noqa: E402
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup  # noqa: E402
 
+from mpfa.kernels.sm90 import prefill_staged_layout as sl  # noqa: E402
 from mpfa.kernels.sm90 import prefill_wgmma as v3  # noqa: E402
 
 THREADS = v3.THREADS
@@ -251,16 +252,97 @@ def test_v_transposed_is_mn_major_at_operand_offset(operands):
     assert "MN" in operands["majors"][2]
 
 
-def test_expand_kv_writes_every_element_once():
-    """`_expand_kv`'s stores cover the K and V tiles: K chunk ``4 (tid & 3) + quad`` of key ``32 half + tid / 4``,
-    V chunks ``2 (tid & 7) + quad`` of key ``tid / 8 + 16 r``; `_expand_q`: Q chunks ``4 (unit & 3) + quad`` of row
+@pytest.mark.parametrize("warpgroups", v3.WARPGROUPS)
+def test_expand_kv_writes_every_element_once(warpgroups):
+    """`_expand_kv`'s stores cover the K and V tiles once, with one warpgroup (v3: per thread 2 K chunks and 4 V
+    pieces) or two (v3w8: 1 and 2): K (`k_expand_unit`) chunks ``4 chunk + quad`` of key ``32 half + key``, read
+    from the chunk's 16 bytes in its ring half (``16 wg_tid``: key ``wg_tid / 4``, chunk ``wg_tid % 4``), the half
+    `warpgroup_half` gives the warpgroup (the half it copies, too); V (`v_expand_unit`) chunks ``2 piece + quad``
+    of key ``32 half + key``. `_expand_q` (each warpgroup its own tile): Q chunks ``4 (unit & 3) + quad`` of row
     ``unit / 4``."""
-    k = sorted((32 * half + (tid >> 2), 4 * (tid & 3) + quad) for half in range(2) for tid in range(THREADS)
-               for quad in range(4))
-    v = sorted(((tid >> 3) + 16 * r, 2 * (tid & 7) + quad) for r in range(4) for tid in range(THREADS)
-               for quad in range(2))
-    q = sorted(((tid + THREADS * r) >> 2, 4 * ((tid + THREADS * r) & 3) + quad) for r in range(2)
-               for tid in range(THREADS) for quad in range(4))
+    threads = v3.THREADS * warpgroups
+    k, v = [], []
+    for tid in range(threads):
+        wg, wg_tid = tid // v3.THREADS, tid % v3.THREADS
+        for r in range(2 // warpgroups):
+            half, key, chunk = v3.k_expand_unit(wg, wg_tid, r, warpgroups)
+            assert 16 * wg_tid == 64 * key + 16 * chunk  # the chunk the thread reads from the half
+            assert half == (r if warpgroups == 1 else wg) == v3.warpgroup_half(wg, r, warpgroups)  # v3w8: half w
+            k += [(32 * half + key, 4 * chunk + quad) for quad in range(4)]
+        for r in range(v3.V_UNITS // threads):
+            half, key, piece = v3.v_expand_unit(tid, r, threads)
+            assert half in (0, 1) and 0 <= key < 32
+            v += [(32 * half + key, 2 * piece + quad) for quad in range(2)]
+    q = sorted(((tid + v3.THREADS * r) >> 2, 4 * ((tid + v3.THREADS * r) & 3) + quad) for r in range(2)
+               for tid in range(v3.THREADS) for quad in range(4))
     every = [(row, chunk) for row in range(v3.TILE_KEYS) for chunk in range(v3.HEAD_DIM // 8)]
-    assert k == v == q == every
+    assert sorted(k) == sorted(v) == q == every
+    assert len(k) == len(v) == len(every)  # once each
     assert sorted(v3.operand_offset(row, chunk) for row, chunk in every) == list(range(0, v3.OPERAND_BYTES, 16))
+
+
+def test_shared_memory_offsets():
+    """v3: Q, K, V, ring; v3w8: Q of warpgroup 0, Q of warpgroup 1, K, V, ring; every operand tile 1024-byte
+    aligned (the 128-byte swizzle's repeat, base offset 0 in the descriptors)."""
+    assert v3.smem_offsets(1) == (0, 16384, 32768, 49152)
+    assert v3.smem_offsets(2) == (0, 32768, 49152, 65536)
+    assert all(offset % v3.OPERAND_ALIGN == 0 for w in v3.WARPGROUPS for offset in v3.smem_offsets(w))
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
+def test_v3w8_walk_is_v3s_walk_per_warpgroup(monkeypatch: pytest.MonkeyPatch, causal):
+    """A model of the tile loop's control flow (`_run_wgmma_tiles` / `_wgmma_step`): the v3w8 CTA walks the tiles of
+    its last row and masks the tiles its first row does not see whole; warpgroup w, with its own rows' plan
+    (`prefill_tile.warp_plan` over 16 rows), skips a masked tile past all its rows. Then every warpgroup whose rows
+    start inside the sequence computes exactly the tiles of the v3 CTA with the same rows, in the same order, with
+    the same visible scores (a tile v3 takes whole and v3w8 masks has every score visible): the same arithmetic,
+    so the same output bit for bit."""
+    from mpfa.kernels.sm90 import prefill_tile as tile_math
+
+    for name, value in {"imin": min, "imax": max, "select_": lambda c, a, b: a if c else b}.items():
+        monkeypatch.setattr(tile_math, name, value)
+    keys = v3.TILE_KEYS
+
+    def plan(row0, q_len, kv_len, g, rows):
+        return tile_math.warp_plan(row0, q_len, kv_len, g, causal=causal, tile_keys=keys, warp_rows=rows)
+
+    def visible(row0, q_len, kv_len, tile, masked):
+        """The (row, key) scores of the tile that start at Delta_S (not -inf): `score_init` on `limits`."""
+        seen = set()
+        for g in range(8):
+            limits = plan(row0, q_len, kv_len, g, v3.ROWS)[1]
+            for r in range(2):
+                for c in range(4):
+                    for block in range(v3.N_BLOCKS):
+                        for half in range(2):
+                            key = 8 * block + 2 * c + half
+                            if not masked or limits[r] - tile * keys - 2 * c >= 8 * block + half:
+                                seen.add((g + 8 * r, key))
+        return frozenset(seen)
+
+    def walk(cta_row0, block_m, row0, q_len, kv_len):
+        """[(tile, visible scores)] the warpgroup of rows row0 .. row0 + 15 computes in a CTA of block_m rows."""
+        cta_tiles, _, cta_common = plan(cta_row0, q_len, kv_len, 0, block_m)
+        own_tiles = plan(row0, q_len, kv_len, 0, v3.ROWS)[0]
+        masked_tiles = cta_tiles - min(cta_common // keys, cta_tiles)
+        steps = []
+        for step in range(cta_tiles):
+            tile, _, _ = sl.ring_compute(step, cta_tiles, v3.STAGES)
+            masked = step < masked_tiles
+            if block_m > v3.ROWS and masked and tile >= own_tiles:
+                continue  # `_wgmma_step`: no row of this warpgroup sees the tile
+            steps.append((tile, visible(row0, q_len, kv_len, tile, masked)))
+        return steps
+
+    skipped = 0
+    for q_len in [1, 15, 16, 17, 31, 32, 33, 40, 48, 63, 64, 95, 130]:
+        for kv_len in (q_len, q_len + 7, q_len + 20, q_len + 40, q_len + 100):
+            for cta_row0 in range(0, q_len, 2 * v3.ROWS):
+                for wg in range(2):
+                    row0 = cta_row0 + v3.ROWS * wg
+                    if row0 >= q_len:
+                        continue  # no row stored
+                    w8 = walk(cta_row0, 2 * v3.ROWS, row0, q_len, kv_len)
+                    assert w8 == walk(row0, v3.ROWS, row0, q_len, kv_len), (q_len, kv_len, row0)
+                    skipped += len(w8) < plan(cta_row0, q_len, kv_len, 0, 2 * v3.ROWS)[0]
+    assert skipped > 0 if causal else skipped == 0  # the skip is exercised (causal only)
