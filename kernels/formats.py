@@ -29,10 +29,13 @@ FP8 e4m3 (K/V in the FP8 baseline, V and P in MpFA): ``cast_rne(x / scale)`` sat
 Power-of-two e4m3 requantization (NVFP4 Q/K for an FP8 MMA, which applies one scale per operand row or tile outside
 the MMA instead of NVFP4's 16-element block scales): one scale ``2**e`` per group of elements, ``e`` the smallest
 integer with ``amax / 2**e <= 448``, so nothing saturates and the group's max lands in (224, 448]; then
-``cast_rne(x / 2**e) * 2**e``. A power of two keeps both rescalings exact, so the e4m3 rounding (3 mantissa bits,
-subnormals below 2**-6, down to 2**-9) is the only error. Aligning the max to the top binade instead (max in
-[256, 512)) would saturate maxima above 448 for at most one binade more of subnormal range at the bottom, 2**17
-below the max, where the elements barely count in a dot product. An all-zero group gets scale 1 (zeros).
+``cast_rne(x / 2**e) * 2**e``. A power of two keeps both rescalings exact, so the e4m3 rounding is the only error:
+at most 2**-4 relative for elements within 2**13.8 of the group's max (e4m3 normals: the same rounding whatever the
+scale, so the group's extent matters only below that), at most 2**-10 * 2**e absolute below (subnormals). NVFP4
+values need up to 6 significant bits (e2m1 1.5 times a 4-bit e4m3 block scale); e4m3 keeps 4. Aligning the max to
+the top binade instead ([256, 512)) would keep one more binade normal at the bottom of the groups whose max it puts
+in (448, 512), where elements barely count in a dot product, but saturate those maxima. An all-zero group gets scale 1
+(zeros).
 
 V scale policy: 1.0 (the FlashInfer FP8 KV-cache default in SGLang), optionally one FP32 scale per (layer, KV head)
 folded into the output (free in the kernel). e4m3's relative precision does not depend on the scale while values are
