@@ -62,10 +62,11 @@ def _check_variants(variants: Sequence[str]) -> list[str]:
 
 
 def _layer_rows(model: str, lay: LayerQKV, q_heads: list[int], kv_heads: list[int], variants: list[str],
-                scaling: float, device: torch.device) -> list[dict]:
+                scaling: float, device: torch.device, block_n: int) -> list[dict]:
     q, k, v = (x.to(device) for x in (lay.q, lay.k, lay.v))
     ref = attention_float64(q, k, v, causal=True, sm_scale=scaling)
-    outs = {name: attention(q, k, v, variant=name, causal=True, sm_scale=scaling) for name in variants}
+    outs = {name: attention(q, k, v, variant=name, causal=True, sm_scale=scaling, block_n=block_n)
+            for name in variants}
     group = len(q_heads) // len(kv_heads)
     rows = []
     for g, kv_head in enumerate(kv_heads):
@@ -97,16 +98,20 @@ def load_or_capture(
 
 
 def run_kernel_accuracy(
-    acts: ActivationSet, variants: Sequence[str] = DEFAULT_VARIANTS, *, device: str | torch.device = "cpu"
+    acts: ActivationSet,
+    variants: Sequence[str] = DEFAULT_VARIANTS,
+    *,
+    device: str | torch.device = "cpu",
+    block_n: int = 128,
 ) -> list[dict]:
     """One row per (layer, KV head): model, layer, kv_head, q_heads, the relative L2 error of each variant vs
-    float64, and `recovery` when both qk4-pv8-direct and mpfa ran. `device` runs the reference there (CPU or CUDA)."""
+    float64, and `recovery` when both qk4-pv8-direct and mpfa ran. `device` runs the reference there (CPU or CUDA);
+    `block_n` is its KV tile (the P roundings see the running max per tile; `mpfa-qk8tile` scales K per tile)."""
     chosen = _check_variants(variants)
     rows: list[dict] = []
     for lay in acts.layers:
-        rows.extend(
-            _layer_rows(acts.model, lay, acts.q_heads, acts.kv_heads, chosen, acts.scaling, torch.device(device))
-        )
+        rows.extend(_layer_rows(acts.model, lay, acts.q_heads, acts.kv_heads, chosen, acts.scaling,
+                                torch.device(device), block_n))
     return rows
 
 
@@ -220,6 +225,7 @@ def print_kernel_accuracy(
     layers: Sequence[int] | None = None,
     seq_len: int = 2048,
     device: str | torch.device = "cpu",
+    block_n: int = 128,
     cache_dir: Path | None = None,
     console: Console | None = None,
 ) -> list[dict]:
@@ -227,7 +233,7 @@ def print_kernel_accuracy(
     NVFP4 scale table; return the error rows."""
     console = console or Console()
     acts = load_or_capture(source, layers=layers, seq_len=seq_len, cache_dir=cache_dir)
-    rows = run_kernel_accuracy(acts, variants, device=device)
+    rows = run_kernel_accuracy(acts, variants, device=device, block_n=block_n)
     console.print(render_accuracy_table(rows, variants))
     mean = summarize(rows, _check_variants(variants))
     if "recovery" in mean:

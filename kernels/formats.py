@@ -26,6 +26,17 @@ FP8 e4m3 (K/V in the FP8 baseline, V and P in MpFA): ``cast_rne(x / scale)`` sat
 ``cvt.rn.satfinite``); NaN/Inf input is an error. P uses the fixed analytic scale 448 (P is in [0, 1]):
 ``P_hat = cast_e4m3(448 * P) / 448``.
 
+Power-of-two e4m3 requantization (NVFP4 Q/K for an FP8 MMA, which applies one scale per operand row or tile outside
+the MMA instead of NVFP4's 16-element block scales): one scale ``2**e`` per group of elements, ``e`` the smallest
+integer with ``amax / 2**e <= 448``, so nothing saturates and the group's max lands in (224, 448]; then
+``cast_rne(x / 2**e) * 2**e``. A power of two keeps both rescalings exact, so the e4m3 rounding is the only error:
+at most 2**-4 relative for elements within 2**13.8 of the group's max (e4m3 normals: the same rounding whatever the
+scale, so the group's extent matters only below that), at most 2**-10 * 2**e absolute below (subnormals). NVFP4
+values need up to 6 significant bits (e2m1 1.5 times a 4-bit e4m3 block scale); e4m3 keeps 4. Aligning the max to
+the top binade instead ([256, 512)) would keep one more binade normal at the bottom of the groups whose max it puts
+in (448, 512), where elements barely count in a dot product, but saturate those maxima. An all-zero group gets scale 1
+(zeros).
+
 V scale policy: 1.0 (the FlashInfer FP8 KV-cache default in SGLang), optionally one FP32 scale per (layer, KV head)
 folded into the output (free in the kernel). e4m3's relative precision does not depend on the scale while values are
 normal (|v| >= 2**-6): on Gaussian V, 1.0 matches a per-tensor amax/448 scale for RMS >= ~0.1, is ~10% worse at
@@ -184,6 +195,23 @@ def dequantize_fp8(x8: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch
 def fake_quant_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.Tensor:
     """``dequantize_fp8(quantize_fp8(x, scale), scale)`` in FP32."""
     return dequantize_fp8(quantize_fp8(x, scale), scale)
+
+
+def e4m3_pow2_scale(x: torch.Tensor, dim: int | tuple[int, ...] = -1) -> torch.Tensor:
+    """Power-of-two scale ``2**e`` per group of ``x`` (the elements along ``dim``, kept as size-1 dims): ``e`` the
+    smallest integer with ``amax / 2**e <= 448``, at least -126 (the scale stays a normal FP32 number; only groups
+    with amax below 448 * 2**-126 notice); 1 for an all-zero group. NaN/Inf input is an error."""
+    _check_finite(x, "e4m3 requantization input")
+    amax = x.float().abs().amax(dim, keepdim=True)
+    mantissa, exponent = torch.frexp(amax)  # amax = mantissa * 2**exponent, mantissa in [0.5, 1)
+    # 448 = 0.875 * 2**9: amax <= 448 * 2**e  <=>  mantissa <= 0.875 * 2**(e + 9 - exponent)
+    e = (exponent - 9 + (mantissa > 0.875).int()).clamp(min=-126)
+    return torch.where(amax > 0, torch.ldexp(torch.ones_like(amax), e), torch.ones_like(amax))
+
+
+def fake_quant_fp8_pow2(x: torch.Tensor, dim: int | tuple[int, ...] = -1) -> torch.Tensor:
+    """``x`` through e4m3 with one power-of-two scale per group along ``dim`` (`e4m3_pow2_scale`), in FP32."""
+    return fake_quant_fp8(x, e4m3_pow2_scale(x, dim))
 
 
 def fake_quant_p_fp8(p: torch.Tensor) -> torch.Tensor:

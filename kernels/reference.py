@@ -22,7 +22,9 @@ Causal masking is bottom-right aligned as in FlashAttention: query i of a sequen
 
 Operands: every variant except ``float64`` first rounds q, k, v to BF16 (the serving dtype). NVFP4 Q/K are blocked
 along head_dim; NVFP4 V (``qk4-pv4``) is blocked along tokens (the PV GEMM's reduction dimension, 16-token blocks
-from the sequence start) and NVFP4 P along the keys of its tile. FP8 K/V use scale 1.0 (FlashInfer's default; V takes
+from the sequence start) and NVFP4 P along the keys of its tile. ``mpfa-qk8row`` / ``mpfa-qk8tile`` requantize the
+NVFP4 Q/K to e4m3 with power-of-two scales for an FP8 QK^T MMA, per row (Q; K of ``qk8row``) or per KV tile (K of
+``qk8tile``, at tile time; see `VariantSpec`). FP8 K/V use scale 1.0 (FlashInfer's default; V takes
 an optional per-KV-head ``v_scale``), FP8 P the analytic scale 448. The ``fp8`` variant mirrors FlashInfer with an FP8
 KV cache: Q stays BF16, K/V are upcast exactly to BF16, P is BF16 for the PV GEMM. l always sums the FP32 P.
 Smoothing variants center Q and K with per-request means (computed from the inputs during prefill, passed in
@@ -37,7 +39,13 @@ from dataclasses import dataclass
 
 import torch
 
-from mpfa.kernels.formats import NVFP4_BLOCK, fake_quant_fp8, fake_quant_nvfp4, fake_quant_p_fp8
+from mpfa.kernels.formats import (
+    NVFP4_BLOCK,
+    fake_quant_fp8,
+    fake_quant_fp8_pow2,
+    fake_quant_nvfp4,
+    fake_quant_p_fp8,
+)
 from mpfa.kernels.smoothing import (
     SmoothingMeans,
     center,
@@ -48,12 +56,18 @@ from mpfa.kernels.smoothing import (
     sequence_means,
 )
 
-_FORMATS = ("exact", "bf16", "fp8", "nvfp4")
+NVFP4_E4M3_ROW = "nvfp4>e4m3-row"
+NVFP4_E4M3_TILE = "nvfp4>e4m3-tile"
 
 
 @dataclass(frozen=True)
 class VariantSpec:
-    """Operand formats of one attention variant. ``exact`` keeps float64 values (the ``float64`` reference only)."""
+    """Operand formats of one attention variant. ``exact`` keeps float64 values (the ``float64`` reference only).
+
+    ``nvfp4>e4m3-row`` (Q, K) and ``nvfp4>e4m3-tile`` (K): NVFP4 requantized to e4m3 with one power-of-two scale
+    (`formats.fake_quant_fp8_pow2`) per row (a token's head_dim in one head) or per KV tile (the ``block_n`` keys of
+    one KV head, tiles aligned to the sequence start, the last one partial), for an FP8 QK^T MMA that applies the
+    scales outside. Prepared tile-format keys are the NVFP4 values (the cache); the KV tile loop requantizes them."""
 
     name: str
     q: str
@@ -78,6 +92,10 @@ VARIANTS: dict[str, VariantSpec] = {
         VariantSpec("qk4-pv8-direct", "nvfp4", "nvfp4", "fp8", "fp8", False, "NVFP4 Q/K without smoothing, FP8 P/V"),
         VariantSpec("mpfa", "nvfp4", "nvfp4", "fp8", "fp8", True, "MpFA: centered NVFP4 Q/K + Delta_S, FP8 P and V"),
         VariantSpec("qk4-pv4", "nvfp4", "nvfp4", "nvfp4", "nvfp4", True, "centered NVFP4 Q/K + Delta_S, NVFP4 P and V"),
+        VariantSpec("mpfa-qk8row", NVFP4_E4M3_ROW, NVFP4_E4M3_ROW, "fp8", "fp8", True,
+                    "mpfa with Q/K requantized to e4m3 per row (power-of-two scales) for an FP8 QK^T MMA"),
+        VariantSpec("mpfa-qk8tile", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", True,
+                    "mpfa-qk8row with K requantized per KV tile (block_n keys of a KV head) instead of per key"),
     )
 }
 
@@ -198,7 +216,8 @@ def _operand(x: torch.Tensor, fmt: str) -> torch.Tensor:
         return x.float()
     if fmt == "fp8":
         return fake_quant_fp8(x)
-    return fake_quant_nvfp4(x)
+    values = fake_quant_nvfp4(x)
+    return fake_quant_fp8_pow2(values) if fmt == NVFP4_E4M3_ROW else values
 
 
 @dataclass(frozen=True)
@@ -306,7 +325,10 @@ def _kv_tiles(
     tiles = list(range(start, last_visible + 1, block_n))
     for t in reversed(tiles) if reverse else tiles:
         keys = torch.arange(t, min(t + block_n, end), device=q.device)
-        s = (q_grouped @ k[:, keys].transpose(-1, -2)).view(num_q_heads, rows, keys.numel())
+        k_tile = k[:, keys]
+        if spec.k == NVFP4_E4M3_TILE:  # one power-of-two scale per KV head over the tile
+            k_tile = fake_quant_fp8_pow2(k_tile, (-2, -1))
+        s = (q_grouped @ k_tile.transpose(-1, -2)).view(num_q_heads, rows, keys.numel())
         if ds is not None:
             s = s + ds[:, None, keys]
         if q_pos is not None:
@@ -524,6 +546,18 @@ def prepare_batch(
     return Operands(_operand(q, spec.q), _operand(k, spec.k), v_op, ds)
 
 
+def _requantize_key_tiles(k_op: torch.Tensor, block_n: int, key_lengths: torch.Tensor | None) -> torch.Tensor:
+    """``nvfp4>e4m3-tile`` keys [B, Lk, Hkv, d] as the QK^T MMA reads them: ``block_n``-key tiles from key 0, each
+    requantized with one power-of-two scale per KV head. Keys past row b's ``key_lengths[b]`` (None: all Lk are
+    valid) are not in its tiles: they are zeroed, which leaves the tile scales as in the one-sequence form."""
+    if key_lengths is not None:
+        valid = _prefix_mask(key_lengths, k_op.shape[1], k_op.shape[0], k_op.device, "key_lengths")
+        k_op = k_op.masked_fill(~valid[..., None, None], 0)
+    pad = -k_op.shape[1] % block_n
+    tiles = torch.nn.functional.pad(k_op, (0, 0, 0, 0, 0, pad)).unflatten(1, (-1, block_n))  # [B, T, n, Hkv, d]
+    return fake_quant_fp8_pow2(tiles, (2, 4)).flatten(1, 2)[:, : k_op.shape[1]]
+
+
 def attend_prepared(
     q_op: torch.Tensor,
     k_op: torch.Tensor,
@@ -567,7 +601,8 @@ def attend_prepared_batch(
     [B, Sq] gives instead the last key each query row sees (-1: none). Padding keys score -inf before the running
     max, so P there is exactly 0 and a tile with no visible key leaves the state unchanged; padding query rows and
     rows that see no key give 0. Each valid row equals `attend_prepared` of that row alone up to the order of FP32
-    sums (the trailing all-masked tiles add exact zeros).
+    sums (the trailing all-masked tiles add exact zeros). ``nvfp4>e4m3-tile`` keys are requantized per tile here;
+    rows with padding keys need ``key_lengths`` (also with ``query_positions``) to keep them out of the tile scales.
 
     ``exact_sums``: form S = Q_op K_op^T, l and P V in float64 and round S (before P) and O once to FP32, and
     evaluate exp2 in float64 too (rounded to FP32: P is still exp2 of the FP32 argument). The operands have few
@@ -596,6 +631,8 @@ def attend_prepared_batch(
         if key_lengths is not None:
             query_positions = torch.minimum(query_positions,
                                             torch.as_tensor(key_lengths, device=device).long()[:, None] - 1)
+    if spec.k == NVFP4_E4M3_TILE:
+        k_op = _requantize_key_tiles(k_op, block_n, key_lengths)
     wide = torch.float64 if exact_sums else q_op.dtype  # what S, l and P V are summed in
     q_h = q_op.permute(0, 2, 1, 3).reshape(batch, num_kv_heads, group * len_q, head_dim)
     s = (q_h.to(wide) @ k_op.permute(0, 2, 3, 1).to(wide)).to(q_op.dtype).view(batch, num_q_heads, len_q, len_k)

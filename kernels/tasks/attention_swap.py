@@ -188,7 +188,8 @@ class VariantAttention:
                                 key_lengths=layout.key_lengths)
             q_op, k_op, v_op, ds = ops.q, ops.k, ops.v, ops.delta_s
         out = attend_prepared_batch(q_op, k_op, v_op, ds, variant=self.variant, sm_scale=sm_scale,
-                                    block_n=self.block_n, query_positions=layout.query_positions, exact_sums=True)
+                                    block_n=self.block_n, key_lengths=layout.key_lengths,
+                                    query_positions=layout.query_positions, exact_sums=True)
         return out.to(query.dtype), None  # [B, S, Hq, d], no attention weights
 
     def _operands(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -10,6 +10,15 @@ def test_accuracy_kernel_on_fixture_reports_recovery(mpfa) -> None:
     assert "recovery of the qk4-pv8-direct error by mpfa" in result.stdout
 
 
+def test_accuracy_kernel_qk8_variants_with_kv_tile_size(mpfa) -> None:
+    result = mpfa("accuracy", "kernel", str(FIXTURE), "--variants", "mpfa,mpfa-qk8row,mpfa-qk8tile", "--layers", "29",
+                  "--block-n", "64", timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert "mpfa-qk8tile" in result.stdout
+    bad = mpfa("accuracy", "kernel", str(FIXTURE), "--variants", "mpfa-qk8tile", "--block-n", "100")
+    assert bad.returncode == 2 and "block_n" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_accuracy_kernel_bad_variant_is_one_line(mpfa) -> None:
     result = mpfa("accuracy", "kernel", str(FIXTURE), "--variants", "bf16,fp3")
     assert result.returncode == 2 and "fp3" in result.stderr and "Traceback" not in result.stderr

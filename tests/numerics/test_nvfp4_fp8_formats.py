@@ -11,7 +11,10 @@ from mpfa.kernels import (
     decode_e2m1,
     dequantize_fp8,
     dequantize_nvfp4,
+    e4m3_pow2_scale,
     encode_e2m1,
+    fake_quant_fp8,
+    fake_quant_fp8_pow2,
     fake_quant_nvfp4,
     fake_quant_p_fp8,
     nvfp4_global_scale,
@@ -227,3 +230,82 @@ def test_fp8_v_scale_one_is_enough_unless_v_is_tiny(gen: torch.Generator) -> Non
         assert rel_error(v, 1.0) <= ratio * rel_error(v, v.abs().max() / 448)
     tiny = torch.randn(4096, 128, generator=gen) * 0.003
     assert rel_error(tiny, 1.0) > 3 * rel_error(tiny, tiny.abs().max() / 448)
+
+
+def oracle_pow2_scale(x: torch.Tensor) -> torch.Tensor:
+    """Brute force per row: the smallest 2**e, e in [-40, 40], with amax / 2**e <= 448 (1 for a zero row)."""
+    amax = x.double().abs().amax(-1, keepdim=True)
+    powers = 2.0 ** torch.arange(-40, 41, dtype=torch.float64)
+    fits = amax / powers <= 448  # [rows, 81]: True from the first fitting exponent on
+    return torch.where(amax > 0, powers[fits.long().argmax(-1, keepdim=True)], 1.0).float()
+
+
+def test_pow2_requantization_hand_checked() -> None:
+    """A block at the largest NVFP4 block scale (6 * 448 = 2688): 2688 / 8 = 336 is an e4m3 tie (320 | 352) and goes
+    to the even 320; 672 / 8 = 84 ties (80 | 88) to 80. With scale 1, e4m3 subnormals (multiples of 2**-9): 2**-7
+    is exact, 1.5 and 2.5 * 2**-9 tie to 2 * 2**-9, 0.5 * 2**-9 ties to 0."""
+    block = torch.zeros(16)
+    block[:3] = torch.tensor([2688.0, -672.0, 1.5 * 448])
+    x = fake_quant_nvfp4(block)
+    assert x[:3].tolist() == [2688.0, -672.0, 672.0]  # scale e4m3(448), codes 6, -1.5, 1.5: exact
+    assert e4m3_pow2_scale(x).item() == 8.0
+    assert fake_quant_fp8_pow2(x)[:3].tolist() == [2560.0, -640.0, 640.0]
+    tiny = torch.tensor([448.0, 2.0**-7, 1.5 * 2.0**-9, -2.5 * 2.0**-9, 0.5 * 2.0**-9])
+    assert e4m3_pow2_scale(tiny).item() == 1.0
+    assert fake_quant_fp8_pow2(tiny).tolist() == [448.0, 2.0**-7, 2.0**-8, -(2.0**-8), 0.0]
+    assert fake_quant_fp8_pow2(tiny * 2.0**-20).tolist() == (fake_quant_fp8_pow2(tiny) * 2.0**-20).tolist()
+
+
+def test_pow2_scale_is_the_smallest_that_does_not_saturate() -> None:
+    amax = torch.tensor([448.0, 449.0, 224.0, 224.0001, 1.0, 2688.0, 3e38, 2.0**-140])
+    scale = e4m3_pow2_scale(amax[:, None]).flatten()
+    assert scale.tolist() == [1.0, 2.0, 0.5, 1.0, 2.0**-8, 8.0, 2.0**120, 2.0**-126]
+    assert bool((amax / scale <= 448).all()) and bool((amax[:-1] / scale[:-1] > 224).all())  # max in (224, 448]
+
+
+def test_pow2_requantization_matches_brute_force(gen: torch.Generator) -> None:
+    """NVFP4 rows (block scales spread over 2**-8..2**8, so small blocks hit e4m3 subnormals at the row's scale) vs
+    the brute-force scale and e4m3 oracle; the scale is a power of two, nothing saturates."""
+    spread = 2.0 ** torch.randint(-8, 9, (256, 8), generator=gen).float().repeat_interleave(16, -1)
+    x = fake_quant_nvfp4(torch.randn(256, 128, generator=gen) * spread)
+    scale = e4m3_pow2_scale(x)
+    assert torch.equal(scale, oracle_pow2_scale(x))
+    assert bool((torch.frexp(scale).mantissa == 0.5).all())
+    expected = e4m3_positive_values()[oracle_e4m3_bits(x / scale).long() & 0x7F].float() * scale
+    out = fake_quant_fp8_pow2(x)
+    assert torch.equal(out, torch.where(x < 0, -expected, expected))
+    assert bool(((out - x).abs() <= 2.0**-4 * x.abs() + 2.0**-10 * scale).all())  # RNE: half an ulp
+
+
+def test_pow2_requantization_groups_over_given_dims(gen: torch.Generator) -> None:
+    """One scale per group: per row over the last dim, or over several dims (a KV tile: keys x head_dim)."""
+    x = fake_quant_nvfp4(torch.randn(3, 64, 2, 128, generator=gen) * torch.tensor([1.0, 300.0]).view(1, 1, 2, 1))
+    scale = e4m3_pow2_scale(x, (1, 3))
+    assert scale.shape == (3, 1, 2, 1)
+    assert torch.equal(scale, oracle_pow2_scale(x.transpose(1, 2).flatten(2)).view(3, 1, 2, 1))
+    assert torch.equal(fake_quant_fp8_pow2(x, (1, 3)), fake_quant_fp8(x, scale))
+
+
+def test_pow2_requantization_is_idempotent(gen: torch.Generator) -> None:
+    """Values already e4m3 at a power-of-two scale come back unchanged (the requantized max may fall to 224 * 2**e,
+    halving the next scale: doubled e4m3 values are e4m3 again)."""
+    codes = torch.randint(0, 256, (64, 128), generator=gen, dtype=torch.uint8)
+    codes[(codes & 0x7F) == 0x7F] = 0  # no NaN codes
+    x = codes.view(torch.float8_e4m3fn).float() * 2.0 ** torch.randint(-20, 20, (64, 1), generator=gen).float()
+    assert torch.equal(fake_quant_fp8_pow2(x), x)
+    once = fake_quant_fp8_pow2(fake_quant_nvfp4(torch.randn(64, 128, generator=gen) * 3))
+    assert torch.equal(fake_quant_fp8_pow2(once), once)
+    at_224 = torch.tensor([[224.1, 1.0]])
+    assert fake_quant_fp8_pow2(at_224).tolist() == [[224.0, 1.0]] and e4m3_pow2_scale(at_224).item() == 1.0
+    assert e4m3_pow2_scale(fake_quant_fp8_pow2(at_224)).item() == 0.5
+
+
+def test_pow2_requantization_of_zero_groups_is_zero_without_nan() -> None:
+    x = torch.zeros(3, 32)
+    x[1, 5] = -3.0
+    assert e4m3_pow2_scale(x).flatten().tolist() == [1.0, 2.0**-7, 1.0]
+    out = fake_quant_fp8_pow2(x)
+    assert torch.equal(out, x) and not bool(torch.signbit(out[0]).any())
+    assert torch.equal(fake_quant_fp8_pow2(torch.zeros(2, 4, 16), (1, 2)), torch.zeros(2, 4, 16))
+    with pytest.raises(FormatError):
+        fake_quant_fp8_pow2(torch.tensor([1.0, float("inf")]))

@@ -15,6 +15,7 @@ from mpfa.kernels import (
     center,
     delta_s,
     fake_quant_fp8,
+    fake_quant_fp8_pow2,
     fake_quant_nvfp4,
     fake_quant_p_fp8,
     sequence_means,
@@ -123,6 +124,8 @@ def test_registry_matches_the_spec() -> None:
         "qk4-pv8-direct": ("nvfp4", "nvfp4", "fp8", "fp8", False),
         "mpfa": ("nvfp4", "nvfp4", "fp8", "fp8", True),
         "qk4-pv4": ("nvfp4", "nvfp4", "nvfp4", "nvfp4", True),
+        "mpfa-qk8row": ("nvfp4>e4m3-row", "nvfp4>e4m3-row", "fp8", "fp8", True),
+        "mpfa-qk8tile": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
     }
 
 
@@ -155,7 +158,13 @@ def emulate_one_tile(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         q_mean, k_mean = sequence_means(q, cu_q), sequence_means(k, cu_k)
         q, k = center(q, q_mean, cu_q), center(k, k_mean, cu_k)
         shift = delta_s(q_mean, k, cu_k).float().T[:, None, :]
-    formats = {"bf16": lambda x: x, "fp8": fake_quant_fp8, "nvfp4": fake_quant_nvfp4}
+    formats = {
+        "bf16": lambda x: x,
+        "fp8": fake_quant_fp8,
+        "nvfp4": fake_quant_nvfp4,
+        "nvfp4>e4m3-row": lambda x: fake_quant_fp8_pow2(fake_quant_nvfp4(x)),  # per token and head
+        "nvfp4>e4m3-tile": lambda x: fake_quant_fp8_pow2(fake_quant_nvfp4(x), (0, 2)),  # the one tile, per KV head
+    }
     q_op, k_op = formats[spec.q](q), formats[spec.k](k)
     if spec.v == "nvfp4":  # 16-token blocks per channel
         v_op = _nvfp4_padded(v.permute(1, 2, 0)).permute(2, 0, 1)

@@ -1,0 +1,101 @@
+"""`mpfa-qk8row` / `mpfa-qk8tile`: NVFP4 Q/K requantized to e4m3 with power-of-two scales (an FP8 QK^T MMA) per row,
+or for K per KV tile, through every form of the reference (tiled, all tiles at once, padded batch, split-KV decode)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mpfa.kernels import (
+    SmoothingMeans,
+    attention,
+    attention_float64,
+    decode_partials,
+    merge_partials,
+    sequence_means,
+)
+from mpfa.kernels.reference import attend_prepared, attend_prepared_batch, attention_one_sequence, prepare_one_sequence
+
+QK8 = ("mpfa-qk8row", "mpfa-qk8tile")
+OUTLIER_KEY, OUTLIER_CHANNEL, OUTLIER = 40, 3, 2688.0  # 6 * 448: the largest NVFP4 value without a global scale
+
+
+def with_outlier_key(q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Keys 32-63 of KV head 0 scaled by 2**-4 and key OUTLIER_KEY among them given OUTLIER on a channel no query
+    reads: at that tile's scale (8) the keys' NVFP4 values below 2**-3 are e4m3 subnormals (steps of 2**-6), while at
+    their rows' scales they are normal; the scores stay moderate."""
+    q, k = q.clone(), k.clone()
+    q[..., OUTLIER_CHANNEL] = 0
+    k[32:64, 0] *= 2.0**-4
+    k[OUTLIER_KEY, 0, OUTLIER_CHANNEL] = OUTLIER
+    return q, k
+
+
+def test_error_vs_float64_with_channel_outliers(make_batch) -> None:
+    """On the inputs of the variant-ordering test the requantized variants stay finite, add at most 10% to mpfa's
+    error (one e4m3 rounding of the NVFP4 values: their significands need up to 6 bits, e4m3 keeps 4) and stay
+    below the unsmoothed qk4-pv8-direct. Measured: ~2-3% above mpfa, per tile as per row."""
+    b = make_batch([192, 64], [192, 128], 8, 2, 128, q_offset=1.0, k_offset=6.0)
+    ref = attention_float64(b.q, b.k, b.v, causal=True, **b.varlen)
+    errors = {}
+    for variant in ("fp8", "mpfa", *QK8, "qk4-pv8-direct"):
+        out = attention(b.q, b.k, b.v, variant=variant, causal=True, block_n=64, **b.varlen)
+        assert bool(torch.isfinite(out).all()), variant
+        errors[variant] = float((out.double() - ref).norm() / ref.norm())
+    for variant in QK8:
+        assert errors["fp8"] < errors[variant] < min(1.1 * errors["mpfa"], errors["qk4-pv8-direct"]), errors
+
+
+@pytest.mark.parametrize("variant", QK8)
+def test_decode_matches_prefill_attention_with_frozen_means(make_batch, variant: str) -> None:
+    """Split-KV decode of one-token queries with frozen means equals the tiled attention (one partition: only the
+    merge's rescaling differs; the K tiles and their scales are the same)."""
+    prefill = make_batch([40, 70], [40, 70], 8, 2, 64, q_offset=2.0, k_offset=4.0)
+    means = SmoothingMeans(sequence_means(prefill.q, prefill.cu_q), sequence_means(prefill.k, prefill.cu_k))
+    b = make_batch([1, 1], [41, 200], 8, 2, 64, q_offset=2.0, k_offset=4.0)
+    parts = decode_partials(b.q, b.k, b.v, variant=variant, cu_seqlens_k=b.cu_k, means=means, partition_size=256,
+                            block_n=32)
+    tiled = attention(b.q, b.k, b.v, variant=variant, causal=True, means=means, block_n=32, **b.varlen)
+    assert bool(torch.isfinite(parts.o).all())
+    torch.testing.assert_close(merge_partials(parts), tiled, rtol=1e-5, atol=1e-6)
+
+
+def test_k_tile_scales_follow_the_tiles(make_batch) -> None:
+    """With one partition per 32-key tile, only the partition holding the outlier key (tile 1 of request 0, KV head
+    0's query heads) differs from per-row scaling; elsewhere the partials are bit-identical (a power-of-two scale
+    does not change the e4m3 rounding of normal values, and no tile spans e4m3's normal range)."""
+    b = make_batch([1, 1], [150, 97], 8, 2, 64)
+    q, k = with_outlier_key(b.q, b.k)
+    means = SmoothingMeans(torch.zeros(2, 8, 64), torch.zeros(2, 2, 64))  # no centering: K's values as made
+    row, tile = (decode_partials(q, k, b.v, variant=v, cu_seqlens_k=b.cu_k, means=means, partition_size=32,
+                                 block_n=32) for v in QK8)
+    differs = (row.o != tile.o).any(-1) | (row.l != tile.l) | (row.m != tile.m)  # [batch, Hq, partitions]
+    expected = torch.zeros_like(differs)
+    expected[0, :4, OUTLIER_KEY // 32] = True
+    assert torch.equal(differs, expected)
+
+
+@pytest.mark.parametrize("block_n", [32, 64])
+def test_all_tiles_at_once_agree_with_the_tiled_loop(make_batch, block_n: int) -> None:
+    """The all-tiles-at-once form tiles K like the loop (the outlier's tile differs from per-row scaling)."""
+    b = make_batch([150], [150], 8, 2, 128, q_offset=3.0, k_offset=6.0)
+    q, k = with_outlier_key(b.q, b.k)
+    tiled = attention(q, k, b.v, variant="mpfa-qk8tile", causal=True, block_n=block_n)
+    fast = attention_one_sequence(q, k, b.v, variant="mpfa-qk8tile", block_n=block_n)
+    assert float((fast - tiled).abs().max()) <= 2.0**-18 * float(tiled.abs().max())
+    assert not torch.equal(fast, attention_one_sequence(q, k, b.v, variant="mpfa-qk8row", block_n=block_n))
+
+
+def test_padding_keys_stay_out_of_the_tile_scales(make_batch) -> None:
+    """A padded row's keys past its length (here prepared operands of 6 * 448, as the compacted slots of a batch
+    may hold) do not enter its last tile's scales: small keys (2**-4 of the usual) would become e4m3 subnormals."""
+    b = make_batch([5], [40], 8, 2, 64)
+    variant = "mpfa-qk8tile"
+    ops = prepare_one_sequence(b.q, (b.k.float() * 2.0**-4).bfloat16(), b.v, variant=variant)
+    garbage = torch.full((24, 2, 64), 2688.0)
+    k_op, v_op = torch.cat([ops.k, garbage]), torch.cat([ops.v, garbage])
+    ds = torch.cat([ops.delta_s, torch.zeros(24, 8)])
+    batch = attend_prepared_batch(ops.q[None], k_op[None], v_op[None], ds[None], variant=variant, block_n=64,
+                                  key_lengths=torch.tensor([40]), exact_sums=True)[0]
+    alone = attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant=variant, block_n=64, exact_sums=True)
+    assert torch.equal(batch, alone)
