@@ -22,7 +22,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from mpfa.kernels.capture import ActivationSet, LayerQKV, capture_qkv
+from mpfa.kernels.capture import ALL_LAYERS, ActivationSet, LayerQKV, capture_qkv
 from mpfa.kernels.formats import (
     E2M1_MAX,
     E4M3_MAX,
@@ -80,16 +80,17 @@ def _layer_rows(model: str, lay: LayerQKV, q_heads: list[int], kv_heads: list[in
 
 
 def load_or_capture(
-    source: str | Path, *, layers: Sequence[int] | None = None, seq_len: int = 2048, cache_dir: Path | None = None
+    source: str | Path, *, layers: Sequence[int] | str | None = None, seq_len: int = 2048,
+    cache_dir: Path | None = None
 ) -> ActivationSet:
-    """An activation file (optionally keeping only `layers`), or a model name of `models.MODELS` to capture
-    (`layers` default: `capture.evenly_spaced_layers`)."""
+    """An activation file (optionally keeping only `layers`; ``"all"``: every captured one), or a model name of
+    `models.MODELS` to capture (`capture.select_layers`: default `capture.evenly_spaced_layers`)."""
     if str(source) in MODELS:
         return capture_qkv(str(source), layers, seq_len=seq_len, cache_dir=cache_dir)
     if not Path(source).is_file():
         raise ValueError(f"{source}: neither an activation file nor a known model ({', '.join(sorted(MODELS))})")
     acts = ActivationSet.load(Path(source))
-    if layers is not None:
+    if layers not in (None, ALL_LAYERS):
         missing = sorted(set(layers) - {lay.layer for lay in acts.layers})
         if missing:
             raise ValueError(f"{source}: layers {missing} were not captured")
@@ -222,7 +223,7 @@ def print_kernel_accuracy(
     source: str | Path,
     variants: Sequence[str] = DEFAULT_VARIANTS,
     *,
-    layers: Sequence[int] | None = None,
+    layers: Sequence[int] | str | None = None,
     seq_len: int = 2048,
     device: str | torch.device = "cpu",
     block_n: int = 128,

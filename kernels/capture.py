@@ -123,9 +123,23 @@ def evenly_spaced_layers(num_layers: int, count: int = DEFAULT_LAYER_COUNT) -> l
     return sorted({round(i * (num_layers - 1) / (count - 1)) for i in range(count)})
 
 
+ALL_LAYERS = "all"
+
+
+def select_layers(num_layers: int, layers: Sequence[int] | str | None) -> list[int]:
+    """The layers to capture: `evenly_spaced_layers` for None, every layer for ``ALL_LAYERS``, else the given ones
+    (sorted, unique, each in [0, num_layers))."""
+    if layers == ALL_LAYERS:
+        return list(range(num_layers))
+    wanted = evenly_spaced_layers(num_layers) if layers is None else sorted(set(layers))
+    if not wanted or wanted[0] < 0 or wanted[-1] >= num_layers:
+        raise CaptureError(f"layers must be in [0, {num_layers}), got {wanted}")
+    return wanted
+
+
 def capture_qkv(
     model_name: str,
-    layers: Sequence[int] | None = None,
+    layers: Sequence[int] | str | None = None,
     *,
     seq_len: int,
     kv_heads: Sequence[int] | None = None,
@@ -133,7 +147,7 @@ def capture_qkv(
     cache_dir: Path | None = None,
 ) -> ActivationSet:
     """Run `model_name` (see models.MODELS) on the first `seq_len` tokens of the essays; return Q/K/V of `layers`
-    (default: `evenly_spaced_layers`).
+    (`select_layers`: default `evenly_spaced_layers`, ``"all"`` every layer).
 
     `kv_heads` keeps a subset of KV heads (default all) and `q_per_kv` the first few query heads of each kept
     KV head's GQA group (default the whole group), to make small fixtures.
@@ -151,9 +165,7 @@ def capture_qkv(
         gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
     )
     config = model.config
-    wanted = evenly_spaced_layers(config.num_hidden_layers) if layers is None else sorted(set(layers))
-    if not wanted or wanted[0] < 0 or wanted[-1] >= config.num_hidden_layers:
-        raise CaptureError(f"layers must be in [0, {config.num_hidden_layers}), got {wanted}")
+    wanted = select_layers(config.num_hidden_layers, layers)
     kv_sel, q_sel = _select_heads(config.num_attention_heads, config.num_key_value_heads, kv_heads, q_per_kv)
     ids = tokenizer(text, return_tensors="pt").input_ids[:, :seq_len]
     if ids.shape[1] < seq_len:

