@@ -192,17 +192,18 @@ class SplitKVDecodeSm90:
         keys = [lay.qk_key(n_tile, g) for n_tile in range(lay.N_TILES)]
         keys += [lay.score_key(n_tile, c, half) for n_tile in range(lay.N_TILES) for half in range(2)]
         row = page_table.iterator.toint() + Int64(batch_idx) * page_table.stride[0] * 4
+
+        def page_of(index):
+            return Int32(load_u32(row + Int64(index) * 4))
+
+        bounds = (cutlass.max, cutlass.min)
         if cutlass.const_expr(self.tile_page_reads and self.page_size >= lay.TILE_KEYS):
-            first = cutlass.max(cutlass.min(tile, end - 1), 0)
-            page_base = (Int32(load_u32(row + Int64(first >> self.page_shift) * 4)) << self.page_shift) + (
-                first & (self.page_size - 1))
+            base = lay.tile_page_base(page_of, tile, end, self.page_shift, *bounds)
             for i in cutlass.range_constexpr(LANE_KEYS):
-                slots[i] = page_base + cutlass.min(keys[i], cutlass.max(end - 1 - first, 0))
+                slots[i] = lay.tile_key_slot(base, tile, keys[i], end, *bounds)
         else:
             for i in cutlass.range_constexpr(LANE_KEYS):
-                token = cutlass.max(cutlass.min(tile + keys[i], end - 1), 0)
-                page = Int32(load_u32(row + Int64(token >> self.page_shift) * 4))
-                slots[i] = (page << self.page_shift) + (token & (self.page_size - 1))
+                slots[i] = lay.key_slot(page_of, tile, keys[i], end, self.page_shift, *bounds)
 
     @cute.jit
     def _load_tile(self, tile_slots, tile, end, row_valid, g, c, bases):

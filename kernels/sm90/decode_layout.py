@@ -45,6 +45,32 @@ def partition_keys(seq_len, num_parts, min_partition, maximum=max):
     return maximum(TILE_KEYS * ((seq_len + span - 1) // span), min_partition)
 
 
+def clamped_token(tile, key, end, maximum=max, minimum=min):
+    """Token of ``key`` in the tile starting at token ``tile``, clamped to [0, end - 1] (keys past the end read the
+    last key's slot; their loads are predicated off)."""
+    return maximum(minimum(tile + key, end - 1), 0)
+
+
+def key_slot(page_of, tile, key, end, page_shift, maximum=max, minimum=min):
+    """Cache slot of ``key`` in the tile at ``tile``: its clamped token's page (``page_of(page index)``, a page-table
+    read) and offset; pages of ``2**page_shift`` keys. One page-table read per key."""
+    token = clamped_token(tile, key, end, maximum, minimum)
+    return (page_of(token >> page_shift) << page_shift) + (token & ((1 << page_shift) - 1))
+
+
+def tile_page_base(page_of, tile, end, page_shift, maximum=max, minimum=min):
+    """Slot of the tile's first (clamped) token. With pages of >= TILE_KEYS keys a tile (a multiple of TILE_KEYS
+    from the sequence start) lies in one page, so this one page-table read gives every key's slot
+    (`tile_key_slot`)."""
+    return key_slot(page_of, tile, 0, end, page_shift, maximum, minimum)
+
+
+def tile_key_slot(base, tile, key, end, maximum=max, minimum=min):
+    """``key_slot`` from the tile's `tile_page_base`: equal for every tile that starts inside the sequence; a tile
+    before its start (a prefetch that copies nothing) gets slots in the sequence's first page."""
+    return base + minimum(key, maximum(end - 1 - clamped_token(tile, 0, end, maximum, minimum), 0))
+
+
 def qk_key(n_tile, g):
     """Key (within the tile) whose K chunk lane-group g loads for n-tile ``n_tile``."""
     return 8 * n_tile + g

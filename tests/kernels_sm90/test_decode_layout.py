@@ -268,3 +268,31 @@ def test_decode_kernel_switch(monkeypatch):
     monkeypatch.setenv(KERNEL_ENV, "v4")
     with pytest.raises(ValueError, match="v1, v2 or v3"):
         decode_kernel()
+
+
+def test_one_page_read_per_tile_gives_every_keys_slot():
+    """With pages of >= 32 keys, `tile_key_slot` from one page-table read (`tile_page_base`) equals `key_slot` (one
+    read per key) for every tile inside the sequence; a prefetch tile before the start stays in the first page."""
+    import random
+
+    rng = random.Random(7)
+    for page_shift in (5, 6, 7):
+        page_size = 1 << page_shift
+        for end in (1, 31, 32, 33, 100, 257, 1000):
+            pages = rng.sample(range(4 * end + 8), -(-end // page_size))
+            reads = []
+
+            def page_of(index):
+                reads.append(index)
+                return pages[index]
+
+            for tile in range(-2 * lay.TILE_KEYS, end, lay.TILE_KEYS):
+                reads.clear()
+                base = lay.tile_page_base(page_of, tile, end, page_shift)
+                assert len(reads) == 1
+                for key in range(lay.TILE_KEYS):
+                    slot = lay.tile_key_slot(base, tile, key, end)
+                    if tile >= 0:
+                        assert slot == lay.key_slot(page_of, tile, key, end, page_shift)
+                    else:
+                        assert pages[0] * page_size <= slot < (pages[0] + 1) * page_size
