@@ -91,12 +91,12 @@ CHUNK_ELEMS = 32  # elements of a 16-byte NVFP4 chunk (2 blocks): the unit of Q 
 V_UNITS = TILE_KEYS * HEAD_DIM // 16  # 16-byte e4m3 pieces of a V tile (512)
 
 
-def smem_offsets(warpgroups: int) -> tuple:
-    """(Q tile of warpgroup 0 (warpgroup w's: + w OPERAND_BYTES), K tile, V tile, ring) in the CTA's shared
+def smem_offsets(warpgroups: int, qk_bytes: int = OPERAND_BYTES) -> tuple:
+    """(Q tile of warpgroup 0 (warpgroup w's: + w ``qk_bytes``), K tile, V tile, ring) in the CTA's shared
     memory: one Q operand tile per warpgroup, then the K and V operand tiles and the ring, which the warpgroups
-    share."""
-    k_offset = warpgroups * OPERAND_BYTES
-    return 0, k_offset, k_offset + OPERAND_BYTES, k_offset + 2 * OPERAND_BYTES
+    share. ``qk_bytes``: the bytes of a Q / K operand tile (FP16: `OPERAND_BYTES`; v4's e4m3: half)."""
+    k_offset = warpgroups * qk_bytes
+    return 0, k_offset, k_offset + qk_bytes, k_offset + qk_bytes + OPERAND_BYTES
 
 
 def warpgroup_half(wg, r: int, warpgroups: int):
@@ -153,6 +153,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     the kernel body is replaced."""
 
     tile_keys = TILE_KEYS  # the CTA's walk (`_walk`) in 64-key tiles
+    qk_bytes = OPERAND_BYTES  # one Q / K operand tile
+    state_size = 4  # per-thread softmax state: running max of rows g, g + 8, lane-partial sums
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 1):
@@ -169,7 +171,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         assert (self.heads, self.row_blocks, self.threads, self.block_m) == (GROUP, warpgroups, THREADS * warpgroups,
                                                                              ROWS * warpgroups)
         self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
-        self.offsets = smem_offsets(warpgroups)
+        self.offsets = smem_offsets(warpgroups, self.qk_bytes)
         self.smem_bytes = self.offsets[3] + STAGES * self.tile_bytes
 
     @cute.kernel
@@ -208,14 +210,12 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         smem = smem_ptr.toint()
         q_offset, k_offset, v_offset, _ = self.offsets
         if cutlass.const_expr(self.warpgroups > 1):  # the warpgroup's own Q tile
-            q_offset = cute.assume(q_offset + wg * OPERAND_BYTES, divby=OPERAND_BYTES)
+            q_offset = cute.assume(q_offset + wg * self.qk_bytes, divby=self.qk_bytes)
         layout = operand_layout()
-        s_q, s_k, s_v = [cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=cutlass.Float16),
-                                          layout.outer) for offset in (q_offset, k_offset, v_offset)]
+        s_v = cute.make_tensor(cute.recast_ptr(smem_ptr + v_offset, layout.inner, dtype=cutlass.Float16),
+                               layout.outer)
         s_vt = cute.composition(s_v, cute.make_ordered_layout((HEAD_DIM, TILE_KEYS), order=(1, 0)))
-
-        mma_qk = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
-                                                   OperandMajorMode.K, Float32, (1, 1, 1), (64, TILE_KEYS))
+        mma_qk, s_q, s_k = self._qk_operands(smem_ptr, q_offset, k_offset)
         mma_pv = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
                                                    OperandMajorMode.MN, Float32, (1, 1, 1), (64, HEAD_DIM),
                                                    a_source=warpgroup.OperandSource.RMEM)
@@ -231,17 +231,30 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = Float32(0.0)
-        state = cute.make_rmem_tensor((4,), Float32)  # running max (S * 2**-7) of rows g, g + 8; lane-partial sums
-        state[0] = -math.inf
+        state = cute.make_rmem_tensor((self.state_size,), Float32)  # running max (S * 2**-7) of rows g, g + 8;
+        state[0] = -math.inf  # lane-partial sums (v4: + the requantization exponents)
         state[1] = -math.inf
         state[2] = Float32(0.0)
         state[3] = Float32(0.0)
+        self._row_exponents(state, q_scales, q_start, q_len, row0, head, g)
 
         self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], wg_tid, smem + q_offset)
         mmas = (mma_qk, mma_pv, operands, acc_s, acc_o)
         self._run_wgmma_tiles(walk, mmas, state, lam_scaled, (k_codes, k_scales, v, delta_s), page_table, batch,
                               kv_head, cta_heads, kv_len, limits, (tid, wg, wg_tid, wg_warp), c, smem)
         self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+
+    def _qk_operands(self, smem_ptr, q_offset, k_offset):
+        """(QK's tiled MMA, Q and K operand tiles in shared memory): FP16 ``m64n64k16``, `operand_layout`."""
+        layout = operand_layout()
+        s_q, s_k = [cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=cutlass.Float16),
+                                     layout.outer) for offset in (q_offset, k_offset)]
+        mma_qk = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
+                                                   OperandMajorMode.K, Float32, (1, 1, 1), (64, TILE_KEYS))
+        return mma_qk, s_q, s_k
+
+    def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
+        """v4's per-row Q requantization exponents into ``state``; v3 has none."""
 
     def _warpgroup(self, tid, warp):
         """(warpgroup of the CTA, thread and warp index within it): (0, tid, warp) with one warpgroup."""
@@ -274,18 +287,30 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             store_shared_v4_u32(tile + operand_offset(row, 4 * chunk + quad), *regs[4 * quad:4 * quad + 4])
 
     @cute.jit
-    def _expand_kv(self, stage, threads, smem):
-        """The 64-key tile in ring stage ``stage`` (two 32-key halves) -> FP16 K and V operand tiles, the CTA's
+    def _expand_kv(self, stage, threads, smem, state: cute.Tensor):
+        """The 64-key tile in ring stage ``stage`` (two 32-key halves) -> the K and V operand tiles, the CTA's
         threads ``threads`` = (tid, warpgroup, thread and warp in the warpgroup) sharing the work: K chunks by
         `k_expand_unit`, V pieces by `v_expand_unit`. Keys past the sequence end were zero-filled by the copy."""
-        tid, wg, wg_tid, _ = threads
-        _, k_offset, v_offset, _ = self.offsets
+        self._expand_k(stage, threads, smem, state)
+        self._expand_v(stage, threads, smem)
+
+    @cute.jit
+    def _expand_k(self, stage, threads, smem, state: cute.Tensor):
+        """K of the tile exactly to FP16 (K * 2**-7, `k_chunk_regs`)."""
+        _, wg, wg_tid, _ = threads
+        k_offset = self.offsets[1]
         for r in cutlass.range_constexpr(HALVES // self.warpgroups):
             half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
             raw = stage + half * self.stage_bytes
             words = load_shared_v4_u32(raw + sl.k_read(0, 0) + 16 * wg_tid)  # key wg_tid >> 2, chunk wg_tid & 3
             scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * chunk)
             self._store_chunk(smem + k_offset, sl.TILE_KEYS * half + key, chunk, k_chunk_regs(words, scales))
+
+    @cute.jit
+    def _expand_v(self, stage, threads, smem):
+        """e4m3 V of the tile exactly to FP16."""
+        tid = threads[0]
+        v_offset = self.offsets[2]
         for r in cutlass.range_constexpr(V_UNITS // self.threads):
             half, in_half, piece = v_expand_unit(tid, r, self.threads)
             raw = stage + half * self.stage_bytes
@@ -365,7 +390,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         self._fetch_page(page, table_row, HALVES * sl.ring_copy(step + 1, cta_tiles, STAGES)[0])
         tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, STAGES)
         stage = ring + compute_stage * self.tile_bytes
-        self._expand_kv(stage, threads, smem)
+        self._expand_kv(stage, threads, smem, state)
         cute.arch.fence_proxy("async.shared", space="cta")  # the operand stores, visible to wgmma
         cute.arch.barrier()
         if cutlass.const_expr(masked and self.warpgroups > 1):
@@ -383,23 +408,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         """One warpgroup on the tile of keys ``tile`` .. + 63 (K / V operand tiles filled, Delta_S in ring stage
         ``stage``): S = Delta_S + Q K^T (-inf where masked), online softmax, O = alpha O + e4m3(448 P) V, both
         wgmmas waited for."""
-        mma_qk, mma_pv, operands, acc_s, acc_o = mmas
-        t_q, t_k, t_p, t_vt = operands
-        ds_bits = None
-        if cutlass.const_expr(self.compensate):
-            ds_bits = []
-            for block in cutlass.range_constexpr(N_BLOCKS):
-                for half in cutlass.range_constexpr(2):
-                    ds_bits.append(load_shared_u16(stage + (block // 4) * self.stage_bytes + ds_lane
-                                                   + sl.ds_read(self.heads, block % 4, half)))
-        seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
-        for block in cutlass.range_constexpr(N_BLOCKS):
-            init = tile_math.score_init(ds_bits, seen, block)
-            for i in cutlass.range_constexpr(4):
-                acc_s[4 * block + i] = init[i]
-        _gemm(mma_qk, acc_s, t_q, t_k)
-
-        scores = [[acc_s[4 * block + i] for i in range(4)] for block in range(N_BLOCKS)]
+        mma_pv, operands, acc_o = mmas[1], mmas[2], mmas[4]
+        scores = self._qk_scores(masked, tile, stage, mmas, state, ds_lane, limits, c)
         probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
                                                                  lam_scaled)
         for r in cutlass.range_constexpr(2):
@@ -407,8 +417,33 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             state[2 + r] = l_rows[r]
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
-        p_operand(probs, cute.recast_tensor(t_p, Uint32))
-        _gemm(mma_pv, acc_o, t_p, t_vt)
+        p_operand(probs, cute.recast_tensor(operands[2], Uint32))
+        _gemm(mma_pv, acc_o, operands[2], operands[3])
+
+    def _ds_bits(self, stage, ds_lane):
+        """The thread's Delta_S of the tile (bf16 bits, 2 per 8-key column block), None for the direct build."""
+        ds_bits = None
+        if self.compensate:
+            ds_bits = []
+            for block in range(N_BLOCKS):
+                for half in range(2):
+                    ds_bits.append(load_shared_u16(stage + (block // 4) * self.stage_bytes + ds_lane
+                                                   + sl.ds_read(self.heads, block % 4, half)))
+        return ds_bits
+
+    def _qk_scores(self, masked: bool, tile, stage, mmas, state: cute.Tensor, ds_lane, limits, c) -> list:
+        """S * 2**-7 = Delta_S * 2**-7 + Q K^T * 2**-7 (-inf where masked) on the QK wgmma -> the thread's scores
+        [column block][4] (rows g, g + 8 x keys 8 j + 2c, + 1)."""
+        mma_qk, acc_s = mmas[0], mmas[3]
+        t_q, t_k = mmas[2][0], mmas[2][1]
+        ds_bits = self._ds_bits(stage, ds_lane)
+        seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
+        for block in range(N_BLOCKS):
+            init = tile_math.score_init(ds_bits, seen, block)
+            for i in range(4):
+                acc_s[4 * block + i] = init[i]
+        _gemm(mma_qk, acc_s, t_q, t_k)
+        return [[acc_s[4 * block + i] for i in range(4)] for block in range(N_BLOCKS)]
 
     # --- epilogue ---------------------------------------------------------------------------------------------------
 

@@ -171,6 +171,51 @@ def e4m3x2_to_f16x2(pair: Uint32, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def f16x2x2_to_e4m3x4(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Two f16x2 -> four e4m3 (round to nearest even, saturating): ``a``'s low, high half in bytes 0, 1, ``b``'s in
+    bytes 2, 3 (``cvt.rn.satfinite.e4m3x2.f16x2``; exact for values e4m3 represents)."""
+    value, struct = _asm(
+        [T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip)],
+        "{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f16x2 lo, $1;\n cvt.rn.satfinite.e4m3x2.f16x2 hi, $2;\n"
+        " mov.b32 $0, {lo, hi};\n}", "=r,r,r",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def max_u16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Lane-wise unsigned maximum of two pairs of 16-bit integers (``max.u16x2``, sm_90)."""
+    value, struct = _asm([T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip)], "max.u16x2 $0, $1, $2;", "=r,r,r")
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def e4m3_pow2_exponent(scale: Uint32, *, loc=None, ip=None) -> Uint32:
+    """The e4m3 block scale in the low byte of ``scale`` -> the exponent e (two's complement) of the power-of-two
+    e4m3 requantization scale of a group whose largest magnitude is 6 x scale: the smallest e with
+    6 scale / 2**e <= 448 (`formats.e4m3_pow2_scale`), 0 for a zero scale. 6 scale = m 2**E, m in [1, 2):
+    e = E - 8 + (m > 1.75)."""
+    value, struct = _asm(
+        [T.i32()], [_u32(scale, loc, ip)],
+        "{\n .reg .b16 h, lo, hi;\n .reg .b32 x2, bits, ex, up;\n .reg .f32 f;\n .reg .pred p, z;\n"
+        " cvt.u16.u32 h, $1;\n cvt.rn.f16x2.e4m3x2 x2, h;\n mov.b32 {lo, hi}, x2;\n cvt.f32.f16 f, lo;\n"
+        " mul.f32 f, f, 0f40C00000;\n mov.b32 bits, f;\n shr.u32 ex, bits, 23;\n and.b32 up, bits, 0x7fffff;\n"
+        " setp.gt.u32 p, up, 0x600000;\n selp.u32 up, 1, 0, p;\n add.u32 ex, ex, up;\n sub.u32 ex, ex, 135;\n"
+        " setp.eq.u32 z, bits, 0;\n selp.u32 $0, 0, ex, z;\n}", "=r,r",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def shuffle_xor_u32(x: Uint32, mask: int, *, loc=None, ip=None) -> Uint32:
+    """`shuffle_xor` of a 32-bit integer."""
+    value, struct = _asm(
+        [T.i32()], [_u32(x, loc, ip)], f"shfl.sync.bfly.b32 $0, $1, {mask}, 0x1f, 0xffffffff;", "=r,r"
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
 def f32x2_to_e4m3x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
     """Two FP32 -> e4m3 (round to nearest even, saturating) in the low 16 bits: ``lo`` in byte 0, ``hi`` in byte 1."""
     value, struct = _asm(
