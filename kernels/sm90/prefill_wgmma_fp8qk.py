@@ -1,0 +1,250 @@
+"""MpFA prefill v4: v3 (`prefill_wgmma`) with QK^T on FP8 (e4m3) wgmma; PV unchanged (FP16 wgmma, P e4m3-exact).
+
+Numerics: the reference variant ``mpfa-qk8tile`` (`kernels/reference.py`, `formats.fake_quant_fp8_pow2`). Q and K
+are the exactly dequantized centered NVFP4 values requantized to e4m3 with a power-of-two scale 2**e, Q per (query
+row, head), K per 64-key tile of a KV head; S = (q8 . k8) 2**(e_q + e_k) + Delta_S.
+
+* The exponent: the smallest e with amax / 2**e <= 448, with amax taken as 6 x the largest NVFP4 block scale of the
+  group (`exponent_from_scale`, `ptx.e4m3_pow2_exponent`): no value of the group is larger, so nothing saturates,
+  and it is the reference's exponent whenever the group's largest e2m1 code in its largest-scale block is 6 (or the
+  largest magnitude lies in the same binade above 448 * 2**(e - 1)); otherwise e is one larger than the
+  reference's, which changes a value's e4m3 rounding only if it falls into e4m3's subnormal range (more than
+  ~13 binades below the group's maximum; the widest spread measured in a 64-key tile is 11.8). K: every warp reads
+  the tile's 512 block scales from the ring (16 bytes per lane) and reduces them with shuffles: no barrier, no
+  shared memory. Q: the 4 threads of a quad that expand a row reduce its 8 scales with shuffles; the softmax
+  threads read their rows' 8 scales once per CTA and compute the same exponent.
+* The expansion: v3's exact NVFP4 -> f16x2 (e2m1 x block scale), with the block scale multiplied by 2**-e in two
+  exact power-of-two steps (2**-e can exceed FP16's 2**15; scale x 2**-e <= 448 / 6 fits), then
+  ``cvt.rn.satfinite.e4m3x2.f16x2`` (`ptx.f16x2x2_to_e4m3x4`) into e4m3 operand tiles [64 rows][128] e4m3,
+  K-major with the 128-byte swizzle (`fp8_operand_offset`, CuTe's `fp8_operand_layout`): 8 KB each, half v3's.
+  Exact in FP16 (at most 6 significant bits, nothing below FP16's normal range that e4m3 would not flush to 0),
+  so bit-exact with `fake_quant_fp8_pow2` for the same exponent.
+* QK on ``m64n64k32`` e4m3 wgmma (4 k-steps): the accumulator starts at Delta_S / 2**(e_q + e_k) (v3's
+  Delta_S x 2**-7 times 2**(7 - e_q - e_k): one FMUL per score; -inf where masked); the factor c = 2**(e_q + e_k
+  - 7) (v3's softmax works on S x 2**-7) is then applied to the 32 scores of the thread (one FMUL each, exact) so
+  v3's online softmax (`prefill_tile.online_softmax`) runs unchanged. Folding c into the running max and lambda
+  instead would save the 32 FMULs but needs a second softmax; left for later.
+* PV exactly as v3.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float32, Int64, Uint32
+from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.utils import LayoutEnum
+
+from mpfa.kernels.sm90 import decode_layout as lay
+from mpfa.kernels.sm90 import prefill_staged_layout as sl
+from mpfa.kernels.sm90 import prefill_tile as tile_math
+from mpfa.kernels.sm90.prefill_wgmma import (
+    HALVES,
+    HEAD_DIM,
+    N_BLOCKS,
+    ROWS,
+    THREADS,
+    TILE_KEYS,
+    PrefillSm90Wgmma,
+    _gemm,
+    k_expand_unit,
+)
+from mpfa.kernels.sm90.ptx import (
+    bits_to_f32,
+    e4m3_pow2_exponent,
+    e4m3x2_to_f16x2,
+    f16x2x2_to_e4m3x4,
+    load_u16,
+    load_v4_u32,
+    max_u16x2,
+    mul_f16x2,
+    prmt,
+    shuffle_xor_u32,
+)
+from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
+from mpfa.kernels.sm90.ptx import load_shared_v4_u32
+
+FP8_OPERAND_BYTES = TILE_KEYS * HEAD_DIM  # one e4m3 operand tile [64][128]
+FP8_ROW_UNITS = HEAD_DIM // 16  # 16-byte units of an e4m3 operand row (128 bytes)
+E4M3_MAX = 448.0
+F16_EXP_BIAS = 15
+F16_MAX_EXP = 15  # 2**15: the largest power of two in FP16
+F16X2_EXP_SHIFT = 0x04000400  # (biased exponent) * this = the f16x2 of 2**(exponent - 15) in both halves
+
+
+# --- pure-Python model of the requantization (the CPU tests check it against `formats.fake_quant_fp8_pow2`) ------
+
+def exponent_from_scale(scale: float) -> int:
+    """The exponent e of the power-of-two e4m3 scale of a group whose largest NVFP4 block scale is ``scale``
+    (its largest magnitude taken as 6 scale): the smallest e with 6 scale / 2**e <= 448; 0 for 0 (as
+    `ptx.e4m3_pow2_exponent` computes it in the kernel)."""
+    amax = 6.0 * float(scale)
+    if amax == 0.0:
+        return 0
+    mantissa, exponent = math.frexp(amax)  # amax = mantissa 2**exponent, mantissa in [0.5, 1)
+    return exponent - 9 + (1 if mantissa > 0.875 else 0)
+
+
+def factor_exponents(e: int) -> tuple[int, int]:
+    """The two power-of-two steps (a, b), a + b = -e, each a normal FP16 power of two (|step| <= 15), by which the
+    kernel multiplies a block scale: ``a = min(-e, 15)``, ``b = -e - a`` (e >= -30 for any e4m3 scale)."""
+    a = min(-e, F16_MAX_EXP)
+    return a, -e - a
+
+
+def fp8_operand_offset(row, unit):
+    """Byte offset in an e4m3 operand tile [64 rows][128] of the 16-byte unit ``unit`` (elements 16 unit ..
+    16 unit + 15) of row ``row``: K-major 128-byte swizzle, 128 bytes per row, unit XOR row within each 8-row,
+    1024-byte group."""
+    return row * 128 + (((unit & 7) ^ (row & 7)) << 4)
+
+
+def fp8_operand_layout():
+    """CuTe's layout of an e4m3 [64][128] wgmma operand tile with the 128 elements (bytes) contiguous (K-major)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float8E4M3FN, HEAD_DIM), cutlass.Float8E4M3FN)
+    return cute.tile_to_shape(atom, (TILE_KEYS, HEAD_DIM), order=(0, 1))
+
+
+# --- traced pieces -----------------------------------------------------------------------------------------------
+
+def max_scale_pairs(words: list) -> Uint32:
+    """The per-16-bit-lane maximum of the e4m3 scale bytes in ``words`` (4 bytes each, non-negative scales: the
+    byte order is the value order): a u16x2 of two candidate maxima."""
+    best = None
+    for word in words:
+        pair = max_u16x2(word & Uint32(0x007F007F), (word >> 8) & Uint32(0x007F007F))
+        best = pair if best is None else max_u16x2(best, pair)
+    return best
+
+
+def fold_max(pairs: Uint32, masks: tuple) -> Uint32:
+    """`max_scale_pairs` over the lanes ``lane ^ m`` (shuffles with each mask in ``masks``) -> the largest scale
+    byte, in the low 8 bits."""
+    for mask in masks:
+        pairs = max_u16x2(pairs, shuffle_xor_u32(pairs, mask))
+    return max_u16x2(pairs, pairs >> 16) & Uint32(0xFF)
+
+
+def pow2_factors(e: Uint32) -> tuple:
+    """The f16x2 of 2**a and 2**b (`factor_exponents`) for the exponent ``e`` (two's complement): their product is
+    2**-e; both steps are exact on a block scale (each product stays <= 448 / 6)."""
+    biased = Uint32(F16_EXP_BIAS) - e  # 15 - e = 15 + a + b, >= 12
+    a_biased = cutlass.min(biased, Uint32(F16_EXP_BIAS + F16_MAX_EXP))
+    return a_biased * Uint32(F16X2_EXP_SHIFT), (biased - a_biased + Uint32(F16_EXP_BIAS)) * Uint32(F16X2_EXP_SHIFT)
+
+
+def f32_pow2(biased) -> Float32:
+    """2**(biased - 127) from its biased FP32 exponent (a Uint32 in 1 .. 254)."""
+    return bits_to_f32(biased << 23)
+
+
+def fp8_chunk_words(words: list, scale_pair: Uint32, factors: tuple) -> list:
+    """A 16-byte NVFP4 chunk (32 elements: 4 words) and its two e4m3 block scales -> 8 words of e4m3
+    (x / 2**e, `factors` from `pow2_factors`): v3's exact f16x2 expansion (`warp_mma.q_chunk_regs`' element order,
+    register i -> bytes 2i, 2i + 1) with the block scales times 2**-e, then e4m3 per pair."""
+    scales = mul_f16x2(mul_f16x2(e4m3x2_to_f16x2(scale_pair), factors[0]), factors[1])
+    blocks = prmt(scales, scales, 0x1010), prmt(scales, scales, 0x3232)
+    regs = []
+    for reg in range(lay.QK_REGS):
+        word, j = divmod(reg, 4)
+        exact = mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), Uint32(lay.F16X2_TWO_POW_14))
+        regs.append(mul_f16x2(exact, blocks[word // 2]))
+    return [f16x2x2_to_e4m3x4(regs[2 * i], regs[2 * i + 1]) for i in range(len(regs) // 2)]
+
+
+class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
+    """v4: `PrefillSm90Wgmma` with e4m3 Q / K operand tiles and QK on FP8 wgmma (``mpfa-qk8tile`` numerics).
+    ``state`` carries, after v3's 4 entries, 2**(e_q - 7) and 2**(7 - e_q) of rows g, g + 8 and 2**e_k,
+    2**-e_k of the current tile."""
+
+    qk_bytes = FP8_OPERAND_BYTES
+    state_size = 10
+    _ROW_SCALE, _ROW_INV, _TILE_SCALE, _TILE_INV = 4, 6, 8, 9
+
+    def _qk_operands(self, smem_ptr, q_offset, k_offset):
+        """(QK's tiled MMA, Q and K operand tiles): e4m3 ``m64n64k32``, `fp8_operand_layout`."""
+        layout = fp8_operand_layout()
+        s_q, s_k = [cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=cutlass.Float8E4M3FN),
+                                     layout.outer) for offset in (q_offset, k_offset)]
+        mma_qk = sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, OperandMajorMode.K,
+                                                   OperandMajorMode.K, Float32, (1, 1, 1), (64, TILE_KEYS))
+        return mma_qk, s_q, s_k
+
+    def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
+        """2**(e_q - 7), 2**(7 - e_q) of the thread's rows g, g + 8 (from their 8 block scales each, as the
+        expanding quad computes them in `_expand_q`)."""
+        for r in range(2):
+            query = row0 + g + 8 * r
+            valid = Uint32(query < q_len)
+            base = q_scales.iterator.toint() + (Int64(q_start + query) * self.num_q_heads + head) * sl.SCALE_ROW_BYTES
+            pairs = [load_u16(base + 2 * k, valid, Uint32(0)) for k in range(4)]
+            top = fold_max(max_scale_pairs([pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16)]), ())
+            e = e4m3_pow2_exponent(top)
+            state[self._ROW_SCALE + r] = f32_pow2(e + Uint32(127 - 7))
+            state[self._ROW_INV + r] = f32_pow2(Uint32(127 + 7) - e)
+
+    @cute.jit
+    def _expand_q(self, q_codes: cute.Tensor, q_scales: cute.Tensor, q_start, q_len, row0, first_head, wg_tid,
+                  q_tile):
+        """Q of the warpgroup's 64 rows to e4m3 (per-row power-of-two scale) in its Q operand tile: thread
+        ``wg_tid`` expands chunks ``wg_tid`` and ``wg_tid + 128`` (row ``unit >> 2``, chunk ``unit & 3``: the quad of
+        a row reduces its scales with two shuffles); rows past the sequence are zeros."""
+        for r in cutlass.range_constexpr(2):
+            unit = wg_tid + THREADS * r
+            row, chunk = unit >> 2, unit & 3
+            query = row & (ROWS - 1)
+            valid = Uint32(row0 + query < q_len)
+            q_row = Int64(q_start + row0 + query) * self.num_q_heads + first_head + (row >> 4)
+            words = load_v4_u32(q_codes.iterator.toint() + q_row * sl.K_ROW_BYTES + 16 * chunk, valid)
+            scales = load_u16(q_scales.iterator.toint() + q_row * sl.SCALE_ROW_BYTES + 2 * chunk, valid, Uint32(0))
+            e = e4m3_pow2_exponent(fold_max(max_scale_pairs([scales]), (1, 2)))
+            self._store_fp8_chunk(q_tile, row, chunk, fp8_chunk_words(words, scales, pow2_factors(e)))
+
+    @cute.jit
+    def _store_fp8_chunk(self, tile, row, chunk, words: list):
+        """8 words of e4m3 (32 elements of NVFP4 chunk ``chunk``) -> 2 units of ``row`` of an e4m3 operand tile."""
+        for unit in cutlass.range_constexpr(2):
+            store_shared_v4_u32(tile + fp8_operand_offset(row, 2 * chunk + unit), *words[4 * unit:4 * unit + 4])
+
+    @cute.jit
+    def _expand_k(self, stage, threads, smem, state: cute.Tensor):
+        """The tile's K to e4m3 with the tile's power-of-two scale: each warp reduces the tile's 512 block scales
+        (16 bytes per lane: lanes 0-15 the first 32-key half, 16-31 the second) to e_k, then expands v3's K
+        chunks (`k_expand_unit`)."""
+        tid, wg, wg_tid, _ = threads
+        lane = tid & 31
+        k_offset = self.offsets[1]
+        tile_scales = load_shared_v4_u32(stage + (lane >> 4) * self.stage_bytes + sl.SCALE_OFFSET + 16 * (lane & 15))
+        e = e4m3_pow2_exponent(fold_max(max_scale_pairs(tile_scales), (1, 2, 4, 8, 16)))
+        state[self._TILE_SCALE] = f32_pow2(e + Uint32(127))
+        state[self._TILE_INV] = f32_pow2(Uint32(127) - e)
+        factors = pow2_factors(e)
+        for r in cutlass.range_constexpr(HALVES // self.warpgroups):
+            half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
+            raw = stage + half * self.stage_bytes
+            words = load_shared_v4_u32(raw + sl.k_read(0, 0) + 16 * wg_tid)  # key wg_tid >> 2, chunk wg_tid & 3
+            scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * chunk)
+            self._store_fp8_chunk(smem + k_offset, sl.TILE_KEYS * half + key, chunk,
+                                  fp8_chunk_words(words, scales, factors))
+
+    def _qk_scores(self, masked: bool, tile, stage, mmas, state: cute.Tensor, ds_lane, limits, c) -> list:
+        """S * 2**-7 = (Delta_S / 2**(e_q + e_k) + q8 k8^T) 2**(e_q + e_k - 7) (-inf where masked) on the e4m3
+        QK wgmma."""
+        mma_qk, acc_s = mmas[0], mmas[3]
+        t_q, t_k = mmas[2][0], mmas[2][1]
+        ds_bits = self._ds_bits(stage, ds_lane)
+        seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
+        scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]
+        for block in range(N_BLOCKS):
+            init = tile_math.score_init(ds_bits, seen, block)
+            for i in range(4):
+                value = init[i]
+                if ds_bits is not None:
+                    value = value * (state[self._ROW_INV + (i >> 1)] * state[self._TILE_INV])
+                acc_s[4 * block + i] = value
+        _gemm(mma_qk, acc_s, t_q, t_k)
+        return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
