@@ -9,7 +9,8 @@ centered NVFP4 rows as the KV write returns them. Their correctness lives in tes
 Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v3 for 32:8); ``mpfa-v1``,
 ``mpfa-v2``, ``mpfa-v2w8``, ``mpfa-v3`` and ``mpfa-v3w8`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs, v3
 (`prefill_wgmma`) or v3 with 2-warpgroup CTAs, so one run can time them side by side (decode is the same kernel
-in all five). ``mpfa-dv1`` /
+in all of them); ``mpfa-v4`` / ``mpfa-v4w8`` pin v3 / v3w8 with QK^T on FP8 (`prefill_wgmma_fp8qk`: Q and K
+requantized to e4m3, the reference's ``mpfa-qk8tile`` numerics). ``mpfa-dv1`` /
 ``mpfa-dv3`` pin decode v1 (no ring) or v3 (3-stage ring) the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2
 by default). ``mpfa-direct`` runs the direct builds (``compensate=False``: no Delta_S read, inputs quantized
 uncentered): mpfa vs mpfa-direct is the compensation's cost.
@@ -63,8 +64,8 @@ class MpfaAdapter:
 
     def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
                  compensate: bool = True):
-        """``prefill_kernel``: "v1", "v2", "v2w8", "v3" or "v3w8" pins the prefill kernel (backend ``mpfa-v1`` /
-        ``mpfa-v2`` / ``mpfa-v2w8`` / ``mpfa-v3`` / ``mpfa-v3w8``); ``decode_kernel``: "v1", "v2" or "v3" the
+        """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v4" or "v4w8" pins the prefill kernel (backend
+        ``mpfa-v1`` / ``mpfa-v2`` / ``mpfa-v2w8`` / ``mpfa-v3`` / ``mpfa-v3w8`` / ``mpfa-v4`` / ``mpfa-v4w8``); ``decode_kernel``: "v1", "v2" or "v3" the
         decode split kernel (``mpfa-dv1`` ...); None follows ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct
         builds (backend ``mpfa-direct``)."""
         self.prefill_kernel = prefill_kernel
@@ -163,7 +164,8 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.prefill_launch import STAGED_WARPS, WGMMA_WARPGROUPS, mpfa_prefill, prefill_kernel
+    from mpfa.kernels.sm90.prefill_launch import (FP8_QK_KERNELS, STAGED_WARPS, WGMMA_WARPGROUPS, mpfa_prefill,
+                                                  prefill_kernel)
 
     tokens = w.batch * w.seq
     page_table, slots_of_token, num_pages = paged_layout(w, device)
@@ -194,6 +196,7 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     if WGMMA_WARPGROUPS.get(name, 1) > 1:
         version += f", {WGMMA_WARPGROUPS[name]}-warpgroup CTAs"
     mma = "wgmma" if name in WGMMA_WARPGROUPS else "mma.sync"
+    mma += ", FP8 QK^T from e4m3-requantized Q / K" if name in FP8_QK_KERNELS else ""
     version += "" if compensate else ", direct build"
 
     return PreparedKernel(run, _dense_inputs, num_sets,
