@@ -5,11 +5,12 @@ are the exactly dequantized centered NVFP4 values requantized to e4m3 with a pow
 row, head), K per 64-key tile of a KV head; S = (q8 . k8) 2**(e_q + e_k) + Delta_S.
 
 * The exponent: the smallest e with amax / 2**e <= 448, with amax taken as 6 x the largest NVFP4 block scale of the
-  group (`exponent_from_scale`, `ptx.e4m3_pow2_exponent`): no value of the group is larger, so nothing saturates,
-  and it is the reference's exponent whenever the group's largest e2m1 code in its largest-scale block is 6 (or the
-  largest magnitude lies in the same binade above 448 * 2**(e - 1)); otherwise e is one larger than the
-  reference's, which changes a value's e4m3 rounding only if it falls into e4m3's subnormal range (more than
-  ~13 binades below the group's maximum; the widest spread measured in a 64-key tile is 11.8). K: every warp reads
+  group (`exponent_from_scale`, `ptx.e4m3_pow2_exponent`). NVFP4 quantization (`formats.quantize_nvfp4`) gives the
+  largest element of every nonzero block the code 6 (its scale is amax / 6 rounded to e4m3, within 6.25%, so
+  amax / scale >= 5.6 encodes as 6), so 6 x the largest block scale *is* the group's largest magnitude and e is the
+  reference's exponent (`formats.e4m3_pow2_scale`; checked on the CPU). Were it ever larger (a block whose largest
+  code is 4), nothing would saturate and only values in e4m3's subnormal range would round differently. K: every
+  warp reads
   the tile's 512 block scales from the ring (16 bytes per lane) and reduces them with shuffles: no barrier, no
   shared memory. Q: the 4 threads of a quad that expand a row reduce its 8 scales with shuffles; the softmax
   threads read their rows' 8 scales once per CTA and compute the same exponent.
