@@ -1,0 +1,92 @@
+"""The FP8-QK prefill (v4, `prefill_wgmma_fp8qk`, and v4w8, its 2-warpgroup CTA) on the GPU: against the oracle of
+its numerics, `reference.attention(..., variant="mpfa-qk8tile", block_n=64)` (Q requantized to e4m3 per row and
+head, K per 64-key tile of a KV head, power-of-two scales; everything else MpFA's), the float64 reference and v3;
+v4w8 against v4, bit for bit.
+
+The requantization is bit-exact with the reference's (`test_prefill_v4_compile`: the exponent from the NVFP4 block
+scales is the reference's; the FP16 path rounds nothing), the e4m3 products are exact in FP32, so v4 equals the
+oracle up to FP32 summation order, as v3 equals its own: v3's tolerances (test_prefill_gpu's ``_check``: every
+output finite, so NaN-poisoned rows left unwritten fail; rms ratio <= 1e-3, max |diff| <= 2% of max |O|, no
+further from float64 than the oracle + 1%). Against v3 the difference may not exceed what the requantization alone
+explains (the distance between the ``mpfa`` and ``mpfa-qk8tile`` oracles) by more than 10% + the summation-order
+allowance. Inputs and cases are v3's (test_prefill_wgmma_gpu).
+
+    pytest -q -m gpu tests/kernels_sm90/test_prefill_v4_gpu.py -x
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)  # skips this module too when triton / cutlass / tvm_ffi are missing
+    return module
+
+
+v3_tests = _load("_prefill_wgmma_gpu_v3", "test_prefill_wgmma_gpu.py")
+v1_tests = v3_tests.v1_tests
+
+TILE_KEYS = 64
+VARIANT = "mpfa-qk8tile"
+V3_SLACK = 1e-3  # summation-order allowance on top of the requantization's difference
+CASES, IDS = v3_tests.CASES, v3_tests.IDS
+KERNELS = ["v4", "v4w8"]
+
+
+def _oracle(problem, causal: bool, variant: str = VARIANT, sm_scale: float | None = None) -> torch.Tensor:
+    return v1_tests.attention(**problem.reference_inputs, variant=variant, causal=causal, block_m=64,
+                              block_n=TILE_KEYS, sm_scale=sm_scale)
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", CASES, ids=IDS)
+def test_v4_matches_oracle_and_v3(gen, kernel, q_lens, kv_lens, page_size, causal):
+    problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
+    out = v1_tests._run(problem, causal, kernel=kernel)
+    expected = _oracle(problem, causal)
+    _, exact = v1_tests._expected(problem, causal)
+    v1_tests._check(out, expected, exact)
+
+    v3 = v1_tests._run(problem, causal, kernel="v3")
+    requant = _oracle(problem, causal, "mpfa")  # v3's oracle: what the requantization alone changes
+    scale = float(expected.abs().max())
+    assert v1_tests._rms_ratio(out, v3) <= 1.1 * v1_tests._rms_ratio(expected, requant) + V3_SLACK
+    assert v3_tests._max_diff(out, v3) <= 1.1 * v3_tests._max_diff(expected, requant) + 0.02 * scale
+    assert torch.equal(v1_tests._run(problem, causal, kernel=kernel, max_seqlen_q=max(q_lens)), out)
+    if kernel != "v4":  # v4w8: v4's output, bit for bit
+        v4 = v1_tests._run(problem, causal, kernel="v4")
+        assert torch.equal(out, v4), f"{kernel} differs from v4 (max |diff| {v3_tests._max_diff(out, v4)})"
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_v4_bf16_output_through_the_switch(gen, monkeypatch, kernel):
+    """``MPFA_PREFILL_KERNEL=v4`` (``v4w8``) selects it when ``kernel`` is not given; BF16 output, another
+    sm_scale."""
+    from mpfa.kernels.sm90 import prefill_launch
+
+    problem = v1_tests._problem(gen, [150, 33], [150, 200], 32, 8, 128)
+    monkeypatch.setenv(prefill_launch.KERNEL_ENV, kernel)
+    out = v1_tests._run(problem, True, torch.bfloat16, sm_scale=0.05)
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    expected = _oracle(problem, True, sm_scale=0.05)
+    assert v1_tests._rms_ratio(out.float(), expected) <= 4e-3  # + BF16 output rounding (2**-9)
+    if kernel != "v4":
+        assert torch.equal(out, v1_tests._run(problem, True, torch.bfloat16, sm_scale=0.05, kernel="v4"))
+
+
+@pytest.mark.parametrize("kernel", KERNELS)
+def test_v4_refuses_other_groups(gen, kernel):
+    problem = v1_tests._problem(gen, [40], [40], 40, 8, 128)
+    with pytest.raises(ValueError, match="group 4 only"):
+        v1_tests._run(problem, True, kernel=kernel)
