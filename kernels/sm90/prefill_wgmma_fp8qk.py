@@ -20,11 +20,11 @@ row, head), K per 64-key tile of a KV head; S = (q8 . k8) 2**(e_q + e_k) + Delta
   K-major with the 128-byte swizzle (`fp8_operand_offset`, CuTe's `fp8_operand_layout`): 8 KB each, half v3's.
   Exact in FP16 (at most 6 significant bits, nothing below FP16's normal range that e4m3 would not flush to 0),
   so bit-exact with `fake_quant_fp8_pow2` for the same exponent.
-* QK on ``m64n64k32`` e4m3 wgmma (4 k-steps): the accumulator starts at Delta_S / 2**(e_q + e_k) (v3's
-  Delta_S x 2**-7 times 2**(7 - e_q - e_k): one FMUL per score; -inf where masked); the factor c = 2**(e_q + e_k
-  - 7) (v3's softmax works on S x 2**-7) is then applied to the 32 scores of the thread (one FMUL each, exact) so
-  v3's online softmax (`prefill_tile.online_softmax`) runs unchanged. Folding c into the running max and lambda
-  instead would save the 32 FMULs but needs a second softmax; left for later.
+* QK on ``m64n64k32`` e4m3 wgmma (4 k-steps): the accumulator starts at Delta_S / 2**(e_q + e_k) (v3's one FMUL
+  per score, by 2**-(e_q + e_k) of the row instead of 2**-7; -inf where masked); the factor c = 2**(e_q + e_k - 7)
+  (v3's softmax works on S x 2**-7) is then applied to the 32 scores of the thread (one FMUL each, exact) so v3's
+  online softmax (`prefill_tile.online_softmax`) runs unchanged. Folding c into the running max and lambda
+  instead would save those 32 FMULs per tile but needs its own softmax; left for later.
 * PV exactly as v3.
 """
 
@@ -159,8 +159,8 @@ def fp8_chunk_words(words: list, scale_pair: Uint32, factors: tuple) -> list:
 
 class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     """v4: `PrefillSm90Wgmma` with e4m3 Q / K operand tiles and QK on FP8 wgmma (``mpfa-qk8tile`` numerics).
-    ``state`` carries, after v3's 4 entries, 2**(e_q - 7) and 2**(7 - e_q) of rows g, g + 8 and 2**e_k,
-    2**-e_k of the current tile."""
+    ``state`` carries, after v3's 4 entries, 2**(e_q - 7) and 2**-e_q of rows g, g + 8 and 2**e_k, 2**-e_k of the
+    current tile."""
 
     qk_bytes = FP8_OPERAND_BYTES
     state_size = 10
@@ -176,7 +176,7 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         return mma_qk, s_q, s_k
 
     def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
-        """2**(e_q - 7), 2**(7 - e_q) of the thread's rows g, g + 8 (from their 8 block scales each, as the
+        """2**(e_q - 7), 2**-e_q of the thread's rows g, g + 8 (from their 8 block scales each, as the
         expanding quad computes them in `_expand_q`)."""
         for r in range(2):
             query = row0 + g + 8 * r
@@ -186,7 +186,7 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
             top = fold_max(max_scale_pairs([pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16)]), ())
             e = e4m3_pow2_exponent(top)
             state[self._ROW_SCALE + r] = f32_pow2(e + Uint32(127 - 7))
-            state[self._ROW_INV + r] = f32_pow2(Uint32(127 + 7) - e)
+            state[self._ROW_INV + r] = f32_pow2(Uint32(127) - e)
 
     @cute.jit
     def _expand_q(self, q_codes: cute.Tensor, q_scales: cute.Tensor, q_start, q_len, row0, first_head, wg_tid,
@@ -239,13 +239,11 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         t_q, t_k = mmas[2][0], mmas[2][1]
         ds_bits = self._ds_bits(stage, ds_lane)
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
-        scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]
+        scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]  # 2**(e_q + e_k - 7)
+        inverse = tuple(state[self._ROW_INV + r] * state[self._TILE_INV] for r in range(2))  # 2**-(e_q + e_k)
         for block in range(N_BLOCKS):
-            init = tile_math.score_init(ds_bits, seen, block)
+            init = tile_math.score_init(ds_bits, seen, block, inverse)
             for i in range(4):
-                value = init[i]
-                if ds_bits is not None:
-                    value = value * (state[self._ROW_INV + (i >> 1)] * state[self._TILE_INV])
-                acc_s[4 * block + i] = value
+                acc_s[4 * block + i] = init[i]
         _gemm(mma_qk, acc_s, t_q, t_k)
         return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
