@@ -26,6 +26,13 @@ row, head), K per 64-key tile of a KV head; S = (q8 . k8) 2**(e_q + e_k) + Delta
   online softmax (`prefill_tile.online_softmax`) runs unchanged. Folding c into the running max and lambda
   instead would save those 32 FMULs per tile but needs its own softmax; left for later.
 * PV exactly as v3.
+
+Resources (ptxas, 32:8 causal BF16 page 128; `tests/kernels_sm90/test_prefill_v4_compile.py`): v4 132 registers
+(v3 151), 0 spills, 84 KB dynamic shared memory (v3 100 KB), 2 CTAs per SM; per tile loop 4 QGMMA.64x64x32 E4M3 +
+4 HGMMA.64x128x16 (v3: 8 + 4 HGMMA); SASS per thread and whole 64-key tile 975 (v3 846: +34 HMUL2 and +32
+F2FP e4m3 for the requantization, +32 FMUL for c, the tile-max reduction). v4w8: 128 registers, 92 KB, 800 per
+tile (v3w8 705). Not yet run on a GPU. Cheapest next savings: fold c into the softmax (-32 FMUL) and drop the
+separate x 2**14 of the e2m1 expansion (-16 HMUL2 per K chunk; needs a block-scale factor that cannot overflow FP16).
 """
 
 from __future__ import annotations
@@ -58,6 +65,7 @@ from mpfa.kernels.sm90.ptx import (
     e4m3_pow2_exponent,
     e4m3x2_to_f16x2,
     f16x2x2_to_e4m3x4,
+    load_shared_v4_u32,
     load_u16,
     load_v4_u32,
     max_u16x2,
@@ -66,7 +74,6 @@ from mpfa.kernels.sm90.ptx import (
     shuffle_xor_u32,
 )
 from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
-from mpfa.kernels.sm90.ptx import load_shared_v4_u32
 
 FP8_OPERAND_BYTES = TILE_KEYS * HEAD_DIM  # one e4m3 operand tile [64][128]
 FP8_ROW_UNITS = HEAD_DIM // 16  # 16-byte units of an e4m3 operand row (128 bytes)
