@@ -278,7 +278,12 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             q_row = Int64(q_start + row0 + query) * self.num_q_heads + first_head + (row >> 4)
             words = load_v4_u32(q_codes.iterator.toint() + q_row * sl.K_ROW_BYTES + 16 * chunk, valid)
             scales = load_u16(q_scales.iterator.toint() + q_row * sl.SCALE_ROW_BYTES + 2 * chunk, valid, Uint32(0))
-            self._store_chunk(q_tile, row, chunk, q_chunk_regs(words, scales))
+            self._expand_q_chunk(q_tile, row, chunk, words, scales)
+
+    @cute.jit
+    def _expand_q_chunk(self, q_tile, row, chunk, words, scales):
+        """One 16-byte NVFP4 chunk of Q (its codes ``words``, its two block scales) into the Q operand tile."""
+        self._store_chunk(q_tile, row, chunk, q_chunk_regs(words, scales))
 
     @cute.jit
     def _store_chunk(self, tile, row, chunk, regs: list):

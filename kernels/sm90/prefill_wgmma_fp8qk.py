@@ -53,8 +53,6 @@ from mpfa.kernels.sm90.prefill_wgmma import (
     HALVES,
     HEAD_DIM,
     N_BLOCKS,
-    ROWS,
-    THREADS,
     TILE_KEYS,
     PrefillSm90Wgmma,
     _gemm,
@@ -67,7 +65,6 @@ from mpfa.kernels.sm90.ptx import (
     f16x2x2_to_e4m3x4,
     load_shared_v4_u32,
     load_u16,
-    load_v4_u32,
     max_u16x2,
     mul_f16x2,
     prmt,
@@ -196,21 +193,11 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
             state[self._ROW_INV + r] = f32_pow2(Uint32(127) - e)
 
     @cute.jit
-    def _expand_q(self, q_codes: cute.Tensor, q_scales: cute.Tensor, q_start, q_len, row0, first_head, wg_tid,
-                  q_tile):
-        """Q of the warpgroup's 64 rows to e4m3 (per-row power-of-two scale) in its Q operand tile: thread
-        ``wg_tid`` expands chunks ``wg_tid`` and ``wg_tid + 128`` (row ``unit >> 2``, chunk ``unit & 3``: the quad of
-        a row reduces its scales with two shuffles); rows past the sequence are zeros."""
-        for r in cutlass.range_constexpr(2):
-            unit = wg_tid + THREADS * r
-            row, chunk = unit >> 2, unit & 3
-            query = row & (ROWS - 1)
-            valid = Uint32(row0 + query < q_len)
-            q_row = Int64(q_start + row0 + query) * self.num_q_heads + first_head + (row >> 4)
-            words = load_v4_u32(q_codes.iterator.toint() + q_row * sl.K_ROW_BYTES + 16 * chunk, valid)
-            scales = load_u16(q_scales.iterator.toint() + q_row * sl.SCALE_ROW_BYTES + 2 * chunk, valid, Uint32(0))
-            e = e4m3_pow2_exponent(fold_max(max_scale_pairs([scales]), (1, 2)))
-            self._store_fp8_chunk(q_tile, row, chunk, fp8_chunk_words(words, scales, pow2_factors(e)))
+    def _expand_q_chunk(self, q_tile, row, chunk, words, scales):
+        """One chunk of Q to e4m3 with its row's power-of-two scale (the quad expanding the row reduces its block
+        scales with two shuffles) in the warpgroup's e4m3 Q operand tile."""
+        e = e4m3_pow2_exponent(fold_max(max_scale_pairs([scales]), (1, 2)))
+        self._store_fp8_chunk(q_tile, row, chunk, fp8_chunk_words(words, scales, pow2_factors(e)))
 
     @cute.jit
     def _store_fp8_chunk(self, tile, row, chunk, words: list):

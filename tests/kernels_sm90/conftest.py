@@ -38,3 +38,26 @@ def compile_sm90() -> Callable[[str, Path], None]:
         assert result.returncode == 0, result.stderr[-4000:]
 
     return run
+
+
+@pytest.fixture(scope="session")
+def compile_builds(compile_sm90) -> Callable[[list, str, Path], dict]:
+    """``compile_builds(builds, class_name, dump)``: compile each ``(config, compensate, kernel)`` prefill build
+    (`compile_prefill_kernel(*config, kernel=..., compensate=...)`) in one fresh interpreter -> {build: its cubin},
+    the PTX beside each cubin; ``class_name`` names the kernel class whose files to keep."""
+
+    def run(builds: list, class_name: str, dump: Path) -> dict:
+        code = f"""
+            from pathlib import Path
+            from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
+            dump = Path({str(dump)!r})
+            for i, (config, compensate, kernel) in enumerate({builds!r}):
+                compile_prefill_kernel(*config, kernel=kernel, compensate=compensate)
+                for suffix in ("cubin", "ptx"):
+                    (path,) = dump.glob(f"*{class_name}_*.{{suffix}}")
+                    path.rename(dump / f"build{{i}}.{{suffix}}")
+            """
+        compile_sm90(code, dump)
+        return {build: dump / f"build{i}.cubin" for i, build in enumerate(builds)}
+
+    return run

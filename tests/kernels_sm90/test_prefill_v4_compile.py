@@ -21,62 +21,37 @@ pytest.importorskip("triton", reason="triton is not installed (pip install '.[ke
 
 from mpfa.kernels import formats  # noqa: E402
 from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
+from mpfa.kernels.sm90.sass import (  # noqa: E402
+    MAX_REGISTERS,
+    REGISTERS_PER_SM,
+    SMEM_PER_CTA,
+    SMEM_PER_SM,
+    SMEM_RESERVED_PER_CTA,
+    WARPGROUP,
+    instructions,
+    mma_loops,
+)
 from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m, prefill_kernel  # noqa: E402
 
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
 BUILDS = ([(config, True, "v4") for config in CONFIGS] + [(CONFIGS[0], False, "v4")]
           + [(CONFIGS[0], True, "v4w8")])
 IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direct", "v4w8-causal-bf16-page128"]
-REGISTERS_PER_SM = 65536
-MAX_REGISTERS = 255
-SMEM_PER_SM = 228 * 1024
-SMEM_PER_CTA = 227 * 1024
-SMEM_RESERVED_PER_CTA = 1024
-WARPGROUP = 128
 WARPGROUPS = {"v4": 1, "v4w8": 2}
 WARPGROUPS_PER_SM = 2  # v4: 2 CTAs of 1, v4w8: 1 CTA of 2
 TILE_LOOPS = 2  # masked tiles, then whole tiles
 
 
 @pytest.fixture(scope="module")
-def v4_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[tuple, Path]:
+def v4_cubins(tmp_path_factory: pytest.TempPathFactory, compile_builds) -> dict[tuple, Path]:
     """One cubin (and its PTX beside it) per build."""
-    dump = tmp_path_factory.mktemp("prefill_v4")
-    code = f"""
-        from pathlib import Path
-        from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
-        for i, (config, compensate, kernel) in enumerate({BUILDS!r}):
-            compile_prefill_kernel(*config, kernel=kernel, compensate=compensate)
-            (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90WgmmaFp8Qk*.cubin")
-            cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
-            (ptx,) = Path({str(dump)!r}).glob("*PrefillSm90WgmmaFp8Qk*.ptx")
-            ptx.rename(Path({str(dump)!r}) / f"build{{i}}.ptx")
-        """
-    compile_sm90(code, dump)
-    return {build: dump / f"build{i}.cubin" for i, build in enumerate(BUILDS)}
+    return compile_builds(BUILDS, "PrefillSm90WgmmaFp8Qk", tmp_path_factory.mktemp("prefill_v4"))
 
 
 def _launcher(config, compensate, kernel):
     from mpfa.kernels.sm90.prefill_wgmma_fp8qk import PrefillSm90WgmmaFp8Qk
 
     return PrefillSm90WgmmaFp8Qk(*config, compensate=compensate, warpgroups=WARPGROUPS[kernel])
-
-
-def _instructions(sass: str) -> list[tuple[int, str]]:
-    return [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-
-
-def tile_loops(sass: str) -> list[list[str]]:
-    """The instructions of each loop body that issues wgmmas: from a backward branch's target to the branch."""
-    ops = _instructions(sass)
-    loops = []
-    for address, op in ops:
-        target = re.search(r"\bBRA 0x([0-9a-f]+)", op)
-        if target and int(target[1], 16) < address:
-            body = [o for a, o in ops if int(target[1], 16) <= a <= address]
-            if any(o.startswith(("QGMMA", "HGMMA")) for o in body):
-                loops.append(body)
-    return loops
 
 
 @pytest.mark.parametrize("config,compensate,kernel", BUILDS, ids=IDS)
@@ -106,7 +81,7 @@ def test_v4_prefill_compiles_for_sm90a(v4_cubins, cuobjdump, config, compensate,
     assert copies >= TILE_LOOPS and len(pv) == 4 * copies and len(qk) == 4 * copies, (qk, pv)
     assert len(re.findall(r"\b[QH]GMMA\.", sass)) == len(qk) + len(pv)
     assert "HMMA" not in sass.replace("HGMMA", ""), f"{kernel} should have no mma.sync left"
-    loops = tile_loops(sass)
+    loops = mma_loops(sass)
     assert len(loops) == TILE_LOOPS, [len(body) for body in loops]
     for body in loops:
         assert sum(op.startswith("QGMMA.64x64x32") for op in body) == 4, body
@@ -120,7 +95,7 @@ def test_v4_prefill_compiles_for_sm90a(v4_cubins, cuobjdump, config, compensate,
 def test_v4_expands_half_the_k_bytes(v4_cubins, cuobjdump):
     """v4 (`CONFIGS[0]`): the e4m3 K chunk is 2 STS.128 (v3's FP16 one 4); V's 4 pieces x 2 as v3: 12 per tile."""
     sass = cuobjdump("--dump-sass", str(v4_cubins[CONFIGS[0], True, "v4"]))
-    for body in tile_loops(sass):
+    for body in mma_loops(sass):
         assert sum(op.startswith("STS.128") for op in body) == 2 * 2 + 4 * 2, body
 
 

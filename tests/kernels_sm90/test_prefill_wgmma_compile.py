@@ -21,6 +21,16 @@ pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip inst
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
 from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
+from mpfa.kernels.sm90.sass import (  # noqa: E402
+    MAX_REGISTERS,
+    REGISTERS_PER_SM,
+    SMEM_PER_CTA,
+    SMEM_PER_SM,
+    SMEM_RESERVED_PER_CTA,
+    WARPGROUP,
+    instructions,
+    mma_loops,
+)
 from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m, prefill_kernel  # noqa: E402
 
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
@@ -29,57 +39,21 @@ BUILDS = ([(config, True, "v3") for config in CONFIGS] + [(CONFIGS[0], False, "v
           + [(CONFIGS[0], True, "v3w8"), (CONFIGS[0], False, "v3w8")])
 IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direct", "v3w8-causal-bf16-page128",
        "v3w8-causal-bf16-page128-direct"]
-REGISTERS_PER_SM = 65536
-MAX_REGISTERS = 255
-SMEM_PER_SM = 228 * 1024
-SMEM_PER_CTA = 227 * 1024
-SMEM_RESERVED_PER_CTA = 1024
-WARPGROUP = 128
 WARPGROUPS = {"v3": 1, "v3w8": 2}
 WARPGROUPS_PER_SM = 2  # v3: 2 CTAs of 1, v3w8: 1 CTA of 2
 TILE_LOOPS = 2  # masked tiles, then whole tiles
 
 
 @pytest.fixture(scope="module")
-def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[tuple, Path]:
+def wgmma_cubins(tmp_path_factory: pytest.TempPathFactory, compile_builds) -> dict[tuple, Path]:
     """One cubin (and its PTX beside it) per build."""
-    dump = tmp_path_factory.mktemp("prefill_wgmma")
-    code = f"""
-        from pathlib import Path
-        from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
-        for i, (config, compensate, kernel) in enumerate({BUILDS!r}):
-            compile_prefill_kernel(*config, kernel=kernel, compensate=compensate)
-            (cubin,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.cubin")
-            cubin.rename(Path({str(dump)!r}) / f"build{{i}}.cubin")
-            (ptx,) = Path({str(dump)!r}).glob("*PrefillSm90Wgmma*.ptx")
-            ptx.rename(Path({str(dump)!r}) / f"build{{i}}.ptx")
-        """
-    compile_sm90(code, dump)
-    return {build: dump / f"build{i}.cubin" for i, build in enumerate(BUILDS)}
+    return compile_builds(BUILDS, "PrefillSm90Wgmma", tmp_path_factory.mktemp("prefill_wgmma"))
 
 
 def _launcher(config, compensate, kernel):
     from mpfa.kernels.sm90.prefill_wgmma import PrefillSm90Wgmma
 
     return PrefillSm90Wgmma(*config, compensate=compensate, warpgroups=WARPGROUPS[kernel])
-
-
-def _instructions(sass: str) -> list[tuple[int, str]]:
-    """(address, instruction) of every SASS instruction."""
-    return [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-
-
-def tile_loops(sass: str) -> list[list[str]]:
-    """The instructions of each loop body that issues wgmmas: from a backward branch's target to the branch."""
-    ops = _instructions(sass)
-    loops = []
-    for address, op in ops:
-        target = re.search(r"\bBRA 0x([0-9a-f]+)", op)
-        if target and int(target[1], 16) < address:
-            body = [o for a, o in ops if int(target[1], 16) <= a <= address]
-            if any(o.startswith("HGMMA") for o in body):
-                loops.append(body)
-    return loops
 
 
 @pytest.mark.parametrize("config,compensate,kernel", BUILDS, ids=IDS)
@@ -107,7 +81,7 @@ def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config, compe
     assert len(hgmma) == len(qk) + len(pv), hgmma
     assert "HMMA" not in sass.replace("HGMMA", ""), f"{kernel} should have no mma.sync left"
     # per tile loop (masked, whole) and warpgroup: 8 QK and 4 PV wgmmas, between CTA barriers
-    loops = tile_loops(sass)
+    loops = mma_loops(sass)
     assert len(loops) == TILE_LOOPS, [len(body) for body in loops]
     for body in loops:
         assert sum(op.startswith("HGMMA.64x64x16") for op in body) == 8, body
@@ -122,7 +96,7 @@ def test_v3w8_shares_the_expansion(wgmma_cubins, cuobjdump):
     stats = {}
     for kernel in WARPGROUPS:
         sass = cuobjdump("--dump-sass", str(wgmma_cubins[CONFIGS[0], True, kernel]))
-        loops = tile_loops(sass)
+        loops = mma_loops(sass)
         stats[kernel] = dict(
             sts=[sum(op.startswith("STS.128") for op in body) for body in loops],
             copies=[sum(op.startswith("LDGSTS") or " LDGSTS" in op for op in body) for body in loops],

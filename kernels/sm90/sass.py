@@ -1,0 +1,32 @@
+"""Reading compiled sm_90a kernels: the SASS tile loops of the wgmma prefill kernels and the limits that decide
+how many CTAs fit an SM (what the compile tests and the lab book's per-tile instruction counts use)."""
+
+from __future__ import annotations
+
+import re
+
+REGISTERS_PER_SM = 65536
+MAX_REGISTERS = 255  # per thread
+SMEM_PER_SM = 228 * 1024
+SMEM_PER_CTA = 227 * 1024
+SMEM_RESERVED_PER_CTA = 1024  # the driver's share of each CTA's shared memory
+WARPGROUP = 128  # threads
+
+
+def instructions(sass: str) -> list[tuple[int, str]]:
+    """(address, instruction) of every instruction in `cuobjdump --dump-sass` output."""
+    return [(int(a, 16), op.strip()) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
+
+
+def mma_loops(sass: str, mma_prefixes: tuple[str, ...] = ("HGMMA", "QGMMA")) -> list[list[str]]:
+    """The instructions of each loop body that issues warpgroup MMAs: from a backward branch's target to the
+    branch."""
+    ops = instructions(sass)
+    loops = []
+    for address, op in ops:
+        target = re.search(r"\bBRA 0x([0-9a-f]+)", op)
+        if target and int(target[1], 16) < address:
+            body = [o for a, o in ops if int(target[1], 16) <= a <= address]
+            if any(o.startswith(mma_prefixes) for o in body):
+                loops.append(body)
+    return loops
