@@ -153,6 +153,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     the kernel body is replaced."""
 
     tile_keys = TILE_KEYS  # the CTA's walk (`_walk`) in 64-key tiles
+    qk_dtype = cutlass.Float16  # QK's operand type (`_qk_operands`)
     qk_bytes = OPERAND_BYTES  # one Q / K operand tile
     state_size = 4  # per-thread softmax state: running max of rows g, g + 8, lane-partial sums
 
@@ -245,13 +246,17 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
 
     def _qk_operands(self, smem_ptr, q_offset, k_offset):
-        """(QK's tiled MMA, Q and K operand tiles in shared memory): FP16 ``m64n64k16``, `operand_layout`."""
-        layout = operand_layout()
-        s_q, s_k = [cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=cutlass.Float16),
+        """(QK's tiled MMA, Q and K operand tiles in shared memory) in ``qk_dtype`` (v3: FP16 ``m64n64k16`` in
+        `operand_layout`), K-major both."""
+        layout = self._qk_layout()
+        s_q, s_k = [cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=self.qk_dtype),
                                      layout.outer) for offset in (q_offset, k_offset)]
-        mma_qk = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
+        mma_qk = sm90_utils.make_trivial_tiled_mma(self.qk_dtype, self.qk_dtype, OperandMajorMode.K,
                                                    OperandMajorMode.K, Float32, (1, 1, 1), (64, TILE_KEYS))
         return mma_qk, s_q, s_k
+
+    def _qk_layout(self):
+        return operand_layout()
 
     def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
         """v4's per-row Q requantization exponents into ``state``; v3 has none."""

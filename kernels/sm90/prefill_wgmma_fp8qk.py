@@ -43,7 +43,7 @@ import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int64, Uint32
-from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
+from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
 from mpfa.kernels.sm90 import decode_layout as lay
@@ -170,18 +170,14 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     state_size = 10
     _ROW_SCALE, _ROW_INV, _TILE_SCALE, _TILE_INV = 4, 6, 8, 9
 
-    def _qk_operands(self, smem_ptr, q_offset, k_offset):
-        """(QK's tiled MMA, Q and K operand tiles): e4m3 ``m64n64k32``, `fp8_operand_layout`."""
-        layout = fp8_operand_layout()
-        s_q, s_k = [cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=cutlass.Float8E4M3FN),
-                                     layout.outer) for offset in (q_offset, k_offset)]
-        mma_qk = sm90_utils.make_trivial_tiled_mma(cutlass.Float8E4M3FN, cutlass.Float8E4M3FN, OperandMajorMode.K,
-                                                   OperandMajorMode.K, Float32, (1, 1, 1), (64, TILE_KEYS))
-        return mma_qk, s_q, s_k
+    qk_dtype = cutlass.Float8E4M3FN  # QK on e4m3 ``m64n64k32``
+
+    def _qk_layout(self):
+        return fp8_operand_layout()
 
     def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
         """2**(e_q - 7), 2**-e_q of the thread's rows g, g + 8 (from their 8 block scales each, as the
-        expanding quad computes them in `_expand_q`)."""
+        expanding quad computes them in `_expand_q_chunk`)."""
         for r in range(2):
             query = row0 + g + 8 * r
             valid = Uint32(query < q_len)
