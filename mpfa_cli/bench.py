@@ -35,7 +35,7 @@ from mpfa.cli.environment import collect_environment
 from mpfa.cli.errors import UserError
 from mpfa.cli.records import RequestRecord, RunRecord
 from mpfa.cli.report import CAVEAT_MARK
-from mpfa.cli.scenario import LoadPoint, Scenario
+from mpfa.cli.scenario import LoadPoint, Scenario, without_bundled_model_paths
 from mpfa.cli.server import ServerError, ServerProcess, pick_port
 from mpfa.cli.store import ResultStore
 
@@ -149,7 +149,8 @@ def run_bench(
                             seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,
                             num_requests=point.num_requests, load=point.load,
                         ),
-                        started_at=time.time(), model=model_name(scenario.model), gpu=gpu, server_info=info,
+                        started_at=time.time(), model=model_name(scenario.model), gpu=gpu,
+                        server_info=without_bundled_model_paths(info, scenario.model),
                         backend_flags=_flags(spec, opts), environment=environment,
                     )
                     run_id = store.begin_run(run)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -237,3 +238,11 @@ def model_dir(model: str) -> Path:
 
 def is_bundled_model(model: str) -> bool:
     return (MODEL_DIR / model).is_dir()
+
+
+def without_bundled_model_paths(info: dict[str, Any], model: str) -> dict[str, Any]:
+    """`info` (a server's own report) with the bundled config's absolute directory replaced by its name, so that
+    stored runs and their exports name no path of the machine they ran on."""
+    if not is_bundled_model(model):
+        return info
+    return json.loads(json.dumps(info).replace(json.dumps(str(MODEL_DIR / model))[1:-1], model))

@@ -4,7 +4,7 @@ from pathlib import Path
 import pytest
 
 from mpfa.cli.errors import UserError
-from mpfa.cli.scenario import available_scenarios, load_scenario, model_dir
+from mpfa.cli.scenario import available_scenarios, load_scenario, model_dir, without_bundled_model_paths
 
 
 def test_bundled_scenarios_load_and_expand() -> None:
@@ -118,3 +118,12 @@ def test_only_cuts_a_scenario_to_named_points() -> None:
     assert [p.label for p in sweep.points()] == ["128K c=8", "16K c=1"]
     with pytest.raises(UserError, match="no point 64K:c=2; valid: 16K:c=1, 16K:c=8"):
         load_scenario("paper-sweep").only(["64K:c=2"])
+
+
+def test_server_info_names_bundled_models_without_their_path() -> None:
+    where = str(model_dir("llama-3.1-8b"))
+    info = {"model_path": where, "states": [{"tokenizer_path": where}], "port": 30000, "other": "/elsewhere/x"}
+    kept = without_bundled_model_paths(info, "llama-3.1-8b")
+    assert kept == {"model_path": "llama-3.1-8b", "states": [{"tokenizer_path": "llama-3.1-8b"}], "port": 30000,
+                    "other": "/elsewhere/x"}
+    assert without_bundled_model_paths(info, "/some/own/model") is info
