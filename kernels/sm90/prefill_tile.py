@@ -74,18 +74,17 @@ def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list |
             for n_tile in range(len(k_words))]
 
 
-def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int, ds_scale: tuple | None = None) -> list:
+def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int) -> list:
     """The initial accumulators of n-tile ``n_tile`` (rows g, g + 8 x keys 8 n + 2c, + 1, as `qk_scores`' S):
     Delta_S * 2**-7, or -inf where ``seen`` masks the score. ``ds_bits`` None (the direct build, no compensation):
-    0, exactly the value of an all-zero Delta_S. ``ds_scale``: the factors of rows g, g + 8 instead of 2**-7."""
+    0, exactly the value of an all-zero Delta_S."""
     init = []
     for r in range(2):
         for half in range(2):
             if ds_bits is None:
                 ds = Float32(0.0)
             else:
-                factor = Float32(2.0 ** -lay.SCORE_SCALE_LOG2) if ds_scale is None else ds_scale[r]
-                ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16) * factor
+                ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
             init.append(ds if seen is None else Float32(select_(seen[r] >= 8 * n_tile + half, ds,
                                                                 Float32(-math.inf))))
     return init

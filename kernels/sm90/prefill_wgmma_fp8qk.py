@@ -2,7 +2,8 @@
 
 Numerics: the reference variant ``mpfa-qk8tile`` (`kernels/reference.py`, `formats.fake_quant_fp8_pow2`). Q and K
 are the exactly dequantized centered NVFP4 values requantized to e4m3 with a power-of-two scale 2**e, Q per (query
-row, head), K per 64-key tile of a KV head; S = (q8 . k8) 2**(e_q + e_k) + Delta_S.
+row, head), K per 64-key tile of a KV head; S = (q8 . k8) 2**(e_q + e_k) + Delta_S, the dot products summed by
+the FP8 wgmma (not exactly in FP32: see the QK item below).
 
 * The exponent: the smallest e with amax / 2**e <= 448, with amax taken as 6 x the largest NVFP4 block scale of the
   group (`exponent_from_scale`, `ptx.e4m3_pow2_exponent`). NVFP4 quantization (`formats.quantize_nvfp4`) gives the
@@ -20,19 +21,22 @@ row, head), K per 64-key tile of a KV head; S = (q8 . k8) 2**(e_q + e_k) + Delta
   K-major with the 128-byte swizzle (`fp8_operand_offset`, CuTe's `fp8_operand_layout`): 8 KB each, half v3's.
   Exact in FP16 (at most 6 significant bits, nothing below FP16's normal range that e4m3 would not flush to 0),
   so bit-exact with `fake_quant_fp8_pow2` for the same exponent.
-* QK on ``m64n64k32`` e4m3 wgmma (4 k-steps): the accumulator starts at Delta_S / 2**(e_q + e_k) (v3's one FMUL
-  per score, by 2**-(e_q + e_k) of the row instead of 2**-7; -inf where masked); the factor c = 2**(e_q + e_k - 7)
-  (v3's softmax works on S x 2**-7) is then applied to the 32 scores of the thread (one FMUL each, exact) so v3's
-  online softmax (`prefill_tile.online_softmax`) runs unchanged. Folding c into the running max and lambda
-  instead would save those 32 FMULs per tile but needs its own softmax; left for later.
+* QK on ``m64n64k32`` e4m3 wgmma (4 k-steps) from a zero accumulator (-inf where masked), then per score one FFMA:
+  S 2**-7 = acc 2**(e_q + e_k - 7) + Delta_S 2**-7, so v3's online softmax (`prefill_tile.online_softmax`) runs
+  unchanged. Not v3's Delta_S-initialised accumulator: Hopper's FP8 wgmma adds the products with fewer bits than
+  FP32 (DeepSeek-V3's report measured ~14), relative to the largest addend, so a large initial value costs them
+  precision: on the H200, 2.4-3.8e-3 rms from the oracle with Delta_S as the initial value, 1.5-2.3e-3 added after
+  (both at ~1.5% of the format's own error, 0.13 from float64; `profiles/NOTES.md`). Folding 2**(e_q + e_k) into
+  the running max and lambda would save the multiply but needs its own softmax; left for later.
 * PV exactly as v3.
 
-Resources (ptxas, 32:8 causal BF16 page 128; `tests/kernels_sm90/test_prefill_v4_compile.py`): v4 132 registers
+Resources (ptxas, 32:8 causal BF16 page 128; `tests/kernels_sm90/test_prefill_v4_compile.py`): v4 147 registers
 (v3 151), 0 spills, 84 KB dynamic shared memory (v3 100 KB), 2 CTAs per SM; per tile loop 4 QGMMA.64x64x32 E4M3 +
-4 HGMMA.64x128x16 (v3: 8 + 4 HGMMA); SASS per thread and whole 64-key tile 975 (v3 846: +34 HMUL2 and +32
-F2FP e4m3 for the requantization, +32 FMUL for c, the tile-max reduction). v4w8: 128 registers, 92 KB, 800 per
-tile (v3w8 705). Not yet run on a GPU. Cheapest next savings: fold c into the softmax (-32 FMUL) and drop the
-separate x 2**14 of the e2m1 expansion (-16 HMUL2 per K chunk; needs a block-scale factor that cannot overflow FP16).
+4 HGMMA.64x128x16 (v3: 8 + 4 HGMMA); SASS per thread and whole 64-key tile 971 (v3 846: +34 HMUL2 and +32
+F2FP e4m3 for the requantization, the tile-max reduction). v4w8: 152 registers, 92 KB, 796 per tile (v3w8 705).
+On the H200 (session 14, Delta_S still the initial accumulator): v4w8 90.8 ms at 64K causal 32:8 (387 TFLOPS),
+1.41x v3. Cheapest next savings: fold the scale into the softmax (-32 FMUL) and drop the separate x 2**14 of the
+e2m1 expansion (-16 HMUL2 per K chunk; needs a block-scale factor that cannot overflow FP16).
 """
 
 from __future__ import annotations
@@ -163,12 +167,11 @@ def fp8_chunk_words(words: list, scale_pair: Uint32, factors: tuple) -> list:
 
 class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     """v4: `PrefillSm90Wgmma` with e4m3 Q / K operand tiles and QK on FP8 wgmma (``mpfa-qk8tile`` numerics).
-    ``state`` carries, after v3's 4 entries, 2**(e_q - 7) and 2**-e_q of rows g, g + 8 and 2**e_k, 2**-e_k of the
-    current tile."""
+    ``state`` carries, after v3's 4 entries, 2**(e_q - 7) of rows g, g + 8 and 2**e_k of the current tile."""
 
     qk_bytes = FP8_OPERAND_BYTES
-    state_size = 10
-    _ROW_SCALE, _ROW_INV, _TILE_SCALE, _TILE_INV = 4, 6, 8, 9
+    state_size = 7
+    _ROW_SCALE, _TILE_SCALE = 4, 6
 
     qk_dtype = cutlass.Float8E4M3FN  # QK on e4m3 ``m64n64k32``
 
@@ -176,7 +179,7 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         return fp8_operand_layout()
 
     def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
-        """2**(e_q - 7), 2**-e_q of the thread's rows g, g + 8 (from their 8 block scales each, as the
+        """2**(e_q - 7) of the thread's rows g, g + 8 (from their 8 block scales each, as the
         expanding quad computes them in `_expand_q_chunk`)."""
         for r in range(2):
             query = row0 + g + 8 * r
@@ -186,7 +189,6 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
             top = fold_max(max_scale_pairs([pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16)]), ())
             e = e4m3_pow2_exponent(top)
             state[self._ROW_SCALE + r] = f32_pow2(e + Uint32(127 - 7))
-            state[self._ROW_INV + r] = f32_pow2(Uint32(127) - e)
 
     @cute.jit
     def _expand_q_chunk(self, q_tile, row, chunk, words, scales):
@@ -212,7 +214,6 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         tile_scales = load_shared_v4_u32(stage + (lane >> 4) * self.stage_bytes + sl.SCALE_OFFSET + 16 * (lane & 15))
         e = e4m3_pow2_exponent(fold_max(max_scale_pairs(tile_scales), (1, 2, 4, 8, 16)))
         state[self._TILE_SCALE] = f32_pow2(e + Uint32(127))
-        state[self._TILE_INV] = f32_pow2(Uint32(127) - e)
         factors = pow2_factors(e)
         for r in cutlass.range_constexpr(HALVES // self.warpgroups):
             half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
@@ -223,17 +224,21 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
                                   fp8_chunk_words(words, scales, factors))
 
     def _qk_scores(self, masked: bool, tile, stage, mmas, state: cute.Tensor, ds_lane, limits, c) -> list:
-        """S * 2**-7 = (Delta_S / 2**(e_q + e_k) + q8 k8^T) 2**(e_q + e_k - 7) (-inf where masked) on the e4m3
-        QK wgmma."""
+        """S * 2**-7 = q8 k8^T 2**(e_q + e_k - 7) + Delta_S * 2**-7 (-inf where masked): the e4m3 QK wgmma from 0
+        (or -inf), then one FFMA per score. Delta_S is not the accumulator's initial value as in v3: the FP8 wgmma
+        accumulates with fewer bits than FP32, and a large initial value costs the products precision (measured:
+        2.4-3.8e-3 rms from the oracle with Delta_S as the initial value, 1.5-2.3e-3 added after; NOTES)."""
         mma_qk, acc_s = mmas[0], mmas[3]
         t_q, t_k = mmas[2][0], mmas[2][1]
         ds_bits = self._ds_bits(stage, ds_lane)
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
         scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]  # 2**(e_q + e_k - 7)
-        inverse = tuple(state[self._ROW_INV + r] * state[self._TILE_INV] for r in range(2))  # 2**-(e_q + e_k)
         for block in range(N_BLOCKS):
-            init = tile_math.score_init(ds_bits, seen, block, inverse)
+            init = tile_math.score_init(None, seen, block)  # 0, or -inf where masked
             for i in range(4):
                 acc_s[4 * block + i] = init[i]
         _gemm(mma_qk, acc_s, t_q, t_k)
-        return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
+        if cutlass.const_expr(ds_bits is None):
+            return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
+        ds = [tile_math.score_init(ds_bits, None, block) for block in range(N_BLOCKS)]  # Delta_S * 2**-7
+        return [[acc_s[4 * block + i] * scale[i >> 1] + ds[block][i] for i in range(4)] for block in range(N_BLOCKS)]

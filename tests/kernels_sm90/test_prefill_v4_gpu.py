@@ -4,12 +4,15 @@ head, K per 64-key tile of a KV head, power-of-two scales; everything else MpFA'
 v4w8 against v4, bit for bit.
 
 The requantization is bit-exact with the reference's (`test_prefill_v4_compile`: the exponent from the NVFP4 block
-scales is the reference's; the FP16 path rounds nothing), the e4m3 products are exact in FP32, so v4 equals the
-oracle up to FP32 summation order, as v3 equals its own: v3's tolerances (test_prefill_gpu's ``_check``: every
-output finite, so NaN-poisoned rows left unwritten fail; rms ratio <= 1e-3, max |diff| <= 2% of max |O|, no
-further from float64 than the oracle + 1%). Against v3 the difference may not exceed what the requantization alone
-explains (the distance between the ``mpfa`` and ``mpfa-qk8tile`` oracles) by more than 10% + the summation-order
-allowance. Inputs and cases are v3's (test_prefill_wgmma_gpu).
+scales is the reference's; the FP16 path rounds nothing) and the e4m3 products are exact, but Hopper's FP8 wgmma
+sums them with fewer bits than FP32 (DeepSeek-V3's report: ~14, aligned to the largest addend), so v4 does not
+equal its oracle up to FP32 summation order as v3 does. Measured on the H200 on these cases (session 14,
+`profiles/NOTES.md`): 1.5-2.3e-3 rms from the oracle, max |diff| 1.0-3.6% of max |O|, and as far from float64 as
+the oracle to three digits (0.12-0.14: the accumulation adds ~1.5% to the format's own error). Tolerances: rms <=
+5e-3, max |diff| <= 5% of max |O| (about 2x the worst measured), every output finite (NaN-poisoned rows left
+unwritten fail), no further from float64 than the oracle + 1%. Against v3 the difference may not exceed what the
+requantization alone explains (the distance between the ``mpfa`` and ``mpfa-qk8tile`` oracles, ~3.5e-2) by more
+than 10% + the accumulation allowance. Inputs and cases are v3's (test_prefill_wgmma_gpu).
 
     pytest -q -m gpu tests/kernels_sm90/test_prefill_v4_gpu.py -x
 """
@@ -39,7 +42,7 @@ v1_tests = v3_tests.v1_tests
 
 TILE_KEYS = 64
 VARIANT = "mpfa-qk8tile"
-V3_SLACK = 1e-3  # summation-order allowance on top of the requantization's difference
+FP8_RMS, FP8_MAX = 5e-3, 0.05  # the FP8 wgmma's accumulation (module docstring)
 CASES, IDS = v3_tests.CASES, v3_tests.IDS
 KERNELS = ["v4", "v4w8"]
 
@@ -56,13 +59,13 @@ def test_v4_matches_oracle_and_v3(gen, kernel, q_lens, kv_lens, page_size, causa
     out = v1_tests._run(problem, causal, kernel=kernel)
     expected = _oracle(problem, causal)
     _, exact = v1_tests._expected(problem, causal)
-    v1_tests._check(out, expected, exact)
+    v1_tests._check(out, expected, exact, rms=FP8_RMS, max_fraction=FP8_MAX)
 
     v3 = v1_tests._run(problem, causal, kernel="v3")
     requant = _oracle(problem, causal, "mpfa")  # v3's oracle: what the requantization alone changes
     scale = float(expected.abs().max())
-    assert v1_tests._rms_ratio(out, v3) <= 1.1 * v1_tests._rms_ratio(expected, requant) + V3_SLACK
-    assert v3_tests._max_diff(out, v3) <= 1.1 * v3_tests._max_diff(expected, requant) + 0.02 * scale
+    assert v1_tests._rms_ratio(out, v3) <= 1.1 * v1_tests._rms_ratio(expected, requant) + FP8_RMS
+    assert v3_tests._max_diff(out, v3) <= 1.1 * v3_tests._max_diff(expected, requant) + FP8_MAX * scale
     assert torch.equal(v1_tests._run(problem, causal, kernel=kernel, max_seqlen_q=max(q_lens)), out)
     if kernel != "v4":  # v4w8: v4's output, bit for bit
         v4 = v1_tests._run(problem, causal, kernel="v4")
@@ -80,7 +83,7 @@ def test_v4_bf16_output_through_the_switch(gen, monkeypatch, kernel):
     out = v1_tests._run(problem, True, torch.bfloat16, sm_scale=0.05)
     assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
     expected = _oracle(problem, True, sm_scale=0.05)
-    assert v1_tests._rms_ratio(out.float(), expected) <= 4e-3  # + BF16 output rounding (2**-9)
+    assert v1_tests._rms_ratio(out.float(), expected) <= FP8_RMS + 2**-9  # + BF16 output rounding
     if kernel != "v4":
         assert torch.equal(out, v1_tests._run(problem, True, torch.bfloat16, sm_scale=0.05, kernel="v4"))
 
