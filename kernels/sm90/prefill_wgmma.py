@@ -107,17 +107,31 @@ def warpgroup_half(wg, r: int, warpgroups: int):
 
 
 def k_expand_unit(wg, wg_tid, r: int, warpgroups: int) -> tuple:
-    """(32-key half, key within the half, NVFP4 chunk) of the K tile that thread ``wg_tid`` of warpgroup
-    ``wg`` expands in round ``r``: chunk t % 4 of key t / 4 of the half `warpgroup_half` gives it."""
-    return warpgroup_half(wg, r, warpgroups), wg_tid >> 2, wg_tid & 3
+    """(32-key half, key within the half, NVFP4 chunk) of the K tile that thread ``wg_tid`` of warpgroup ``wg``
+    expands in round ``r``, in the half `warpgroup_half` gives it. Warp w takes keys 8 w .. 8 w + 7, its quarter-warps
+    q (8 lanes each) keys 4 (q / 2) .. + 3 of those, two chunks each, chosen so that the 8 lanes of a quarter-warp
+    touch 8 different 16-byte bank groups both when they read their chunks (byte 64 key + 16 chunk of the ring
+    half) and when they store them (`operand_offset`: 4 FP16 units; v4's `fp8_operand_offset`: 2 e4m3 units; both
+    swizzled by key & 7): no shared-memory bank conflict (`test_expansion_is_bank_conflict_free`)."""
+    lane = wg_tid & 31
+    quarter, row = lane >> 3, (lane & 7) >> 1
+    key = ((wg_tid >> 5) << 3) + ((quarter >> 1) << 2) + row
+    chunk = (lane & 1) + ((((row ^ (row >> 1)) ^ quarter) & 1) << 1)
+    return warpgroup_half(wg, r, warpgroups), key, chunk
 
 
 def v_expand_unit(tid, r: int, threads: int) -> tuple:
-    """(32-key half, key within the half, 16-byte piece) of the V tile that thread ``tid`` of the CTA expands in
-    round ``r`` (``0 .. V_UNITS // threads - 1``): piece unit ``tid + threads r`` = key ``unit / 8``, piece
-    ``unit % 8`` (``threads / 8 <= 32`` keys per round, so a round's keys lie in one half)."""
+    """(32-key half, key within the half, 16-byte e4m3 piece) of the V tile that thread ``tid`` of the CTA expands
+    in round ``r`` (``0 .. V_UNITS // threads - 1``): round r takes the ``threads / 8`` keys from ``threads / 8 r``
+    (one half), warp w 4 of them, each quarter-warp an even key and the next one, 4 pieces of each (pieces 0-3 of
+    one, 4-7 of the other): its 8 lanes read 8 different bank groups (the two keys share their `v_swizzle`) and
+    store to 8 (the two keys' operand rows differ in the swizzle's low bit): no bank conflict."""
     keys = threads // 8 * r  # the round's first key, a multiple of threads / 8
-    return keys // sl.TILE_KEYS, (tid >> 3) + keys % sl.TILE_KEYS, tid & 7
+    lane = tid & 31
+    quarter, second = lane >> 3, (lane >> 2) & 1
+    key = ((tid >> 5) << 2) + ((quarter >> 1) << 1) + second
+    piece = (lane & 3) + ((second ^ (quarter & 1)) << 2)
+    return keys // sl.TILE_KEYS, key + keys % sl.TILE_KEYS, piece
 
 
 def operand_offset(row, chunk):
@@ -312,7 +326,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         for r in cutlass.range_constexpr(HALVES // self.warpgroups):
             half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
             raw = stage + half * self.stage_bytes
-            words = load_shared_v4_u32(raw + sl.k_read(0, 0) + 16 * wg_tid)  # key wg_tid >> 2, chunk wg_tid & 3
+            words = load_shared_v4_u32(raw + sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk)
             scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * chunk)
             self._store_chunk(smem + k_offset, sl.TILE_KEYS * half + key, chunk, k_chunk_regs(words, scales))
 

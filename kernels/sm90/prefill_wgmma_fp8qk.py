@@ -218,7 +218,7 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         for r in cutlass.range_constexpr(HALVES // self.warpgroups):
             half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
             raw = stage + half * self.stage_bytes
-            words = load_shared_v4_u32(raw + sl.k_read(0, 0) + 16 * wg_tid)  # key wg_tid >> 2, chunk wg_tid & 3
+            words = load_shared_v4_u32(raw + sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk)
             scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * chunk)
             self._store_fp8_chunk(smem + k_offset, sl.TILE_KEYS * half + key, chunk,
                                   fp8_chunk_words(words, scales, factors))
