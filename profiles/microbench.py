@@ -25,7 +25,7 @@ from mpfa.profiles.inputs import DEFAULT_L2_BYTES, DEFAULT_SEED, rotation_sets
 from mpfa.profiles.kernel_adapter import KernelAdapter, PreparedKernel
 from mpfa.profiles.peaks import measure_peaks
 from mpfa.profiles.registry import DEFAULT_BACKENDS, REFERENCE_BACKEND, adapter_for, parse_backends
-from mpfa.profiles.report import render_profile
+from mpfa.profiles.report import LOG_WIDTH, render_profile
 from mpfa.profiles.results import ERROR, NOT_BUILT, OK, BackendResult, ProfileResult, TraceResult
 from mpfa.profiles.timing import measure, summarize
 from mpfa.profiles.torch_trace import record_trace
@@ -39,7 +39,6 @@ Progress = Callable[[str], None]
 MEMORY_FRACTION = 0.5  # of free device memory, for one backend's rotated input sets
 TRACE_LAUNCHES = 5
 TRACE_WARMUP = 2
-_LOG_WIDTH = 200  # rich's 80-column default would fold the tables when stdout is a log file
 VERSIONED_PACKAGES = ("torch", "flash-attn-4", "nvidia-cutlass-dsl", "flashinfer-python")
 
 
@@ -196,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rich.console import Console
 
-    render_profile(result, Console(width=None if sys.stdout.isatty() else _LOG_WIDTH))
+    render_profile(result, Console(width=None if sys.stdout.isatty() else LOG_WIDTH))
     print(f"raw results: {result.json_path}")
     return 0
 

@@ -54,13 +54,19 @@ def ncu_command(ncu: str, kernel_regex: str, launch_skip: int, metrics: tuple[st
             "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(metrics), *target]
 
 
-def parse_raw_csv(text: str) -> list[NcuKernel]:
-    """Kernels in ncu's `--csv --page raw` output; other lines (==PROF==, program output) are ignored."""
+def csv_table(text: str) -> tuple[list[str], list[list[str]]]:
+    """The header row of ncu's CSV output (any page) and the rows after it; other lines (==PROF==, program
+    output) are ignored."""
     rows = list(csv.reader(line for line in text.splitlines() if line.startswith('"')))
     header_at = next((i for i, row in enumerate(rows) if "ID" in row and "Kernel Name" in row), None)
     if header_at is None:
         raise ToolError("ncu printed no CSV header (no kernel was profiled)")
-    header, body = rows[header_at], rows[header_at + 1:]
+    return rows[header_at], rows[header_at + 1:]
+
+
+def parse_raw_csv(text: str) -> list[NcuKernel]:
+    """Kernels in ncu's `--csv --page raw` output."""
+    header, body = csv_table(text)
     units: dict[str, str] = {}
     if body and body[0][header.index("ID")] == "":
         units = dict(zip(header, body[0]))
@@ -71,12 +77,13 @@ def parse_raw_csv(text: str) -> list[NcuKernel]:
         record = dict(zip(header, row))
         metrics, metric_units = {}, {}
         for name in metric_columns:
-            metrics[name], metric_units[name] = _to_base(parse_number(record.get(name, "")), units.get(name, ""))
+            metrics[name], metric_units[name] = to_base(parse_number(record.get(name, "")), units.get(name, ""))
         kernels.append(NcuKernel(record["Kernel Name"], metrics, metric_units))
     return kernels
 
 
-def _to_base(value: float | None, unit: str) -> tuple[float | None, str]:
+def to_base(value: float | None, unit: str) -> tuple[float | None, str]:
+    """(2.5, 'Mbyte') -> (2.5e6, 'byte'); units without a scaled form in _TO_BASE are returned as they are."""
     head, slash, rest = unit.partition("/")
     if head not in _TO_BASE:
         return value, unit
