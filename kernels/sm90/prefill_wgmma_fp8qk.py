@@ -26,17 +26,21 @@ the FP8 wgmma (not exactly in FP32: see the QK item below).
   unchanged. Not v3's Delta_S-initialised accumulator: Hopper's FP8 wgmma adds the products with fewer bits than
   FP32 (DeepSeek-V3's report measured ~14), relative to the largest addend, so a large initial value costs them
   precision: on the H200, 2.4-3.8e-3 rms from the oracle with Delta_S as the initial value, 1.5-2.3e-3 added after
-  (both at ~1.5% of the format's own error, 0.13 from float64; `profiles/NOTES.md`). Folding 2**(e_q + e_k) into
+  (both at ~1.5% of the format's own error, 0.13 from float64; `profiles/NOTES.md`). Delta_S is read from shared
+  memory after the MMA, so no register holds it across the MMA (v4w8 stays at 128). Folding 2**(e_q + e_k) into
   the running max and lambda would save the multiply but needs its own softmax; left for later.
 * PV exactly as v3.
 
-Resources (ptxas, 32:8 causal BF16 page 128; `tests/kernels_sm90/test_prefill_v4_compile.py`): v4 147 registers
-(v3 151), 0 spills, 84 KB dynamic shared memory (v3 100 KB), 2 CTAs per SM; per tile loop 4 QGMMA.64x64x32 E4M3 +
-4 HGMMA.64x128x16 (v3: 8 + 4 HGMMA); SASS per thread and whole 64-key tile 971 (v3 846: +34 HMUL2 and +32
-F2FP e4m3 for the requantization, the tile-max reduction). v4w8: 152 registers, 92 KB, 796 per tile (v3w8 705).
-On the H200 (session 14, Delta_S still the initial accumulator): v4w8 90.8 ms at 64K causal 32:8 (387 TFLOPS),
-1.41x v3. Cheapest next savings: fold the scale into the softmax (-32 FMUL) and drop the separate x 2**14 of the
-e2m1 expansion (-16 HMUL2 per K chunk; needs a block-scale factor that cannot overflow FP16).
+Resources (ptxas, 32:8 causal BF16 page 128; `tests/kernels_sm90/test_prefill_v4_compile.py`): v4 151 registers
+(v3 154), 0 spills, 84 KB dynamic shared memory (v3 100 KB), 2 CTAs per SM (8 warps); per tile loop 4
+QGMMA.64x64x32 E4M3 + 4 HGMMA.64x128x16 (v3: 8 + 4 HGMMA); SASS per thread and whole 64-key tile 962 (v3 830:
++34 HMUL2 and +32 F2FP e4m3 for the requantization, the tile-max reduction). v4w8: 128 registers and 92 KB, so 2
+CTAs of 256 threads fit an SM: 16 warps, the only build with more than 8 (the compile test holds it there: one
+register more and it drops to 8); 778 per tile (v3w8 703). On the H200 (session 14, Delta_S still the initial
+accumulator, 128 registers): v4w8 90.8 ms at 64K causal 32:8 (387 TFLOPS), 1.41x v3, where v4 (8 warps) gained
+nothing: the warps, not FP8 QK, made the difference. Cheapest next savings: fold the scale into the softmax (-32
+FMUL) and drop the separate x 2**14 of the e2m1 expansion (-16 HMUL2 per K chunk; needs a block-scale factor that
+cannot overflow FP16).
 """
 
 from __future__ import annotations
@@ -60,7 +64,7 @@ from mpfa.kernels.sm90.prefill_wgmma import (
     TILE_KEYS,
     PrefillSm90Wgmma,
     _gemm,
-    k_expand_unit,
+    warpgroup_half,
 )
 from mpfa.kernels.sm90.ptx import (
     bits_to_f32,
@@ -116,6 +120,16 @@ def fp8_operand_layout():
     atom = warpgroup.make_smem_layout_atom(
         sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float8E4M3FN, HEAD_DIM), cutlass.Float8E4M3FN)
     return cute.tile_to_shape(atom, (TILE_KEYS, HEAD_DIM), order=(0, 1))
+
+
+def k_expand_unit(wg, wg_tid, r: int, warpgroups: int) -> tuple:
+    """(32-key half, key within the half, NVFP4 chunk) of the K tile that thread ``wg_tid`` of warpgroup ``wg``
+    expands in round ``r``: chunk t % 4 of key t / 4 of the half `warpgroup_half` gives it. A quarter-warp's 8 lanes
+    (2 keys x 4 chunks) read 8 bank groups (64 key + 16 chunk) and store 8 (`fp8_operand_offset`: the two keys'
+    128-byte rows differ in the swizzle's low bit): conflict-free, and cheaper in registers than v3's mapping
+    (`prefill_wgmma.k_expand_unit`, which FP16's 256-byte rows need: v4w8 then needs 130 registers, 2 more than
+    two CTAs per SM allow)."""
+    return warpgroup_half(wg, r, warpgroups), wg_tid >> 2, wg_tid & 3
 
 
 # --- traced pieces -----------------------------------------------------------------------------------------------
@@ -230,14 +244,14 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         2.4-3.8e-3 rms from the oracle with Delta_S as the initial value, 1.5-2.3e-3 added after; NOTES)."""
         mma_qk, acc_s = mmas[0], mmas[3]
         t_q, t_k = mmas[2][0], mmas[2][1]
-        ds_bits = self._ds_bits(stage, ds_lane)
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
-        scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]  # 2**(e_q + e_k - 7)
         for block in range(N_BLOCKS):
             init = tile_math.score_init(None, seen, block)  # 0, or -inf where masked
             for i in range(4):
                 acc_s[4 * block + i] = init[i]
         _gemm(mma_qk, acc_s, t_q, t_k)
+        ds_bits = self._ds_bits(stage, ds_lane)  # read after the MMA: no registers held across it
+        scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]  # 2**(e_q + e_k - 7)
         if cutlass.const_expr(ds_bits is None):
             return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
         ds = [tile_math.score_init(ds_bits, None, block) for block in range(N_BLOCKS)]  # Delta_S * 2**-7

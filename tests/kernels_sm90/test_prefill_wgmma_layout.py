@@ -292,24 +292,24 @@ def _wavefronts(addresses: list[int]) -> int:
 def test_expansion_is_bank_conflict_free(warpgroups):
     """Every 16-byte load and store of `_expand_k` / `_expand_v` is one wavefront per quarter-warp (ncu of v3 before
     this mapping: 42% of the shared-store wavefronts were conflicts, 2-way on the K and V operand stores): K reads
-    its chunk at ``64 key + 16 chunk`` of the ring half and stores units ``4 chunk + quad`` (FP16, `operand_offset`)
-    or ``2 chunk + unit`` (v4's e4m3, `fp8_operand_offset`) of row ``32 half + key``; V reads piece ``piece ^
+    its chunk at ``64 key + 16 chunk`` of the ring half and stores units ``4 chunk + quad`` (FP16, `operand_offset`;
+    v3's `k_expand_unit`) or ``2 chunk + unit`` (e4m3, `fp8_operand_offset`; v4's `k_expand_unit`) of row
+    ``32 half + key``; V reads piece ``piece ^
     v_swizzle(key)`` of its 128-byte row and stores units ``2 piece + quad``."""
     from mpfa.kernels.sm90 import prefill_staged_layout as sl
-    from mpfa.kernels.sm90.prefill_wgmma_fp8qk import fp8_operand_offset
+    from mpfa.kernels.sm90 import prefill_wgmma_fp8qk as v4
 
     threads = v3.THREADS * warpgroups
     for first in range(0, threads, 8):
         lanes = range(first, first + 8)
         for r in range(2 // warpgroups):
-            units = [v3.k_expand_unit(t // v3.THREADS, t % v3.THREADS, r, warpgroups) for t in lanes]
-            assert _wavefronts([sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk for _, key, chunk in units]) == 1
-            for quad in range(4):
-                assert _wavefronts([v3.operand_offset(32 * half + key, 4 * chunk + quad)
-                                    for half, key, chunk in units]) == 1
-            for unit in range(2):
-                assert _wavefronts([fp8_operand_offset(32 * half + key, 2 * chunk + unit)
-                                    for half, key, chunk in units]) == 1
+            for k_unit, store, units_per_chunk in ((v3.k_expand_unit, v3.operand_offset, 4),
+                                                   (v4.k_expand_unit, v4.fp8_operand_offset, 2)):
+                units = [k_unit(t // v3.THREADS, t % v3.THREADS, r, warpgroups) for t in lanes]
+                assert _wavefronts([sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk for _, key, chunk in units]) == 1
+                for unit in range(units_per_chunk):
+                    assert _wavefronts([store(32 * half + key, units_per_chunk * chunk + unit)
+                                        for half, key, chunk in units]) == 1
         for r in range(v3.V_UNITS // threads):
             units = [v3.v_expand_unit(t, r, threads) for t in lanes]
             assert _wavefronts([sl.V_OFFSET + sl.V_ROW_BYTES * key + 16 * (piece ^ sl.v_swizzle(key))
