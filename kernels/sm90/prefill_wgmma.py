@@ -22,7 +22,8 @@ its cp.async ring and its order, and replaces the tile's arithmetic with two wgm
   exact; only the FP32 summation order differs from v1's mma.sync chain.
 * Online softmax on the accumulator (exp2, lambda folded, as v1), P quantized to e4m3(448 P) as v1
   (`warp_mma.p_pair`) and widened exactly to FP16: the register A operand of the PV wgmma (``m64n128k16``,
-  4 k-steps; `p_operand`); O in FP32 registers, rescaled by alpha before the MMA; O / (448 l) in BF16 (or FP32)
+  4 k-steps; `p_operand`); O in FP32 registers, rescaled by alpha before the MMA (skipped by a warp whose rows
+  all keep their maximum: alpha is then exactly 1); O / (448 l) in BF16 (or FP32)
   at the end, as v1. e4m3 x e4m3 products are exact in FP32, so PV differs from v1's only by summation order.
 * Synchronisation per tile: wait for the tile's copies + barrier, issue the copies of a later tile, expand K / V,
   ``fence.proxy.async`` (generic-proxy stores must be visible to wgmma) + barrier, QK, softmax, PV (each wgmma
@@ -39,11 +40,12 @@ the K and V tiles. The CTA walks the tiles its last row sees and splits masked /
 row sees (v2w8's walk, `_walk`); each warpgroup masks with its own rows' limits and skips the masked tiles none of
 its rows sees (only the earlier warpgroup, only at the start of the walk). Each warpgroup thus runs v3's arithmetic
 on v3's tiles in v3's order (a tile masked here that v3 runs whole has every score visible: the same initial
-scores), so the output is v3's bit for bit. Shared memory: 2 Q tiles + K + V + the ring = 116 KB, 1 CTA (8 warps)
-per SM as v3's 2.
+scores), so the output is v3's bit for bit. Shared memory: 2 Q tiles + K + V + a 3-stage ring = 103 KB and 128
+registers per thread, so 2 CTAs (16 warps) share an SM where v3 holds 8 (`ring_stages`; the compile test keeps
+it there): the warps, not the shared expansion, are what the latency-bound tile loop lacks (profiles/NOTES.md).
 
 Only GQA group 4 (32:8); the launcher refuses other groups. Shared memory: Q, K, V operand tiles (16 KB each) and
-a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM (v3w8: one Q tile more, 1 CTA per SM).
+a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM (v3w8: one Q tile more and a 3-stage ring).
 """
 
 from __future__ import annotations
@@ -61,6 +63,7 @@ from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_staged import PrefillSm90Staged
+from mpfa.kernels.sm90.sass import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from mpfa.kernels.sm90.ptx import (
     cp_async_commit,
     cp_async_wait,
@@ -84,7 +87,8 @@ GROUP = 4  # query heads per KV head v3 supports: 4 heads x 16 rows = one 64-row
 ROWS = sl.WARP_ROWS  # query rows per warpgroup (per head)
 THREADS = 128  # one warpgroup
 WARPGROUPS = (1, 2)  # warpgroups per CTA: v3, v3w8
-STAGES = 4
+STAGES = 4  # ring stages at most; fewer where that lets 2 CTAs share an SM (`ring_stages`)
+CTAS_PER_SM = 2
 OPERAND_BYTES = TILE_KEYS * HEAD_DIM * 2  # one FP16 operand tile [64][128]
 OPERAND_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
 CHUNK_ELEMS = 32  # elements of a 16-byte NVFP4 chunk (2 blocks): the unit of Q / K expansion
@@ -97,6 +101,16 @@ def smem_offsets(warpgroups: int, qk_bytes: int = OPERAND_BYTES) -> tuple:
     share. ``qk_bytes``: the bytes of a Q / K operand tile (FP16: `OPERAND_BYTES`; v4's e4m3: half)."""
     k_offset = warpgroups * qk_bytes
     return 0, k_offset, k_offset + qk_bytes, k_offset + qk_bytes + OPERAND_BYTES
+
+
+def ring_stages(operand_bytes: int, tile_bytes: int) -> int:
+    """Ring stages (64-key tiles) after ``operand_bytes`` of operand tiles: `STAGES`, or fewer (at least 2) if that
+    lets `CTAS_PER_SM` CTAs share an SM's shared memory. Warps per SM bound these latency-bound kernels (v3 profile,
+    NOTES): v3w8 at 3 stages (103 KB) holds 16 warps per SM where 4 stages (116 KB) hold 8."""
+    def fits(stages: int) -> bool:
+        return CTAS_PER_SM * (operand_bytes + stages * tile_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM
+
+    return next((stages for stages in range(STAGES, 1, -1) if fits(stages)), STAGES)
 
 
 def warpgroup_half(wg, r: int, warpgroups: int):
@@ -187,7 +201,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                                                                              ROWS * warpgroups)
         self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
         self.offsets = smem_offsets(warpgroups, self.qk_bytes)
-        self.smem_bytes = self.offsets[3] + STAGES * self.tile_bytes
+        self.stages = ring_stages(self.offsets[3], self.tile_bytes)
+        self.smem_bytes = self.offsets[3] + self.stages * self.tile_bytes
 
     @cute.kernel
     def kernel(
@@ -353,7 +368,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     def _run_wgmma_tiles(self, walk, mmas, state: cute.Tensor, lam_scaled, cache, page_table: cute.Tensor, batch,
                          kv_head, cta_heads, kv_len, limits, threads, c, smem):
         """The CTA's tiles (``walk``: tiles the CTA walks, leading keys all its rows see, tiles this warpgroup's
-        rows see) through the ``STAGES``-deep ring (`prefill_staged_layout.ring_*`, one 64-key tile per stage),
+        rows see) through the ``stages``-deep ring (`prefill_staged_layout.ring_*`, one 64-key tile per stage),
         masked tiles first, then whole ones (as v1)."""
         cta_tiles, cta_common, num_tiles = walk
         k_codes, k_scales, v, delta_s = cache
@@ -370,13 +385,13 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
         ring = smem + self.offsets[3]
         page = cute.make_rmem_tensor((1,), Int32)
-        for index in cutlass.range_constexpr(STAGES - 1):
+        for index in cutlass.range_constexpr(self.stages - 1):
             tile_index, stage = sl.ring_prologue(index, cta_tiles)
             if tile_index >= 0:
                 self._copy_wgmma_tile(tile_index, Int32(load_u32(self._page_entry(table_row, HALVES * tile_index))),
                                       ring + stage * self.tile_bytes, kv_len, threads, sources, True)
             cp_async_commit()
-        self._fetch_page(page, table_row, HALVES * sl.ring_copy(0, cta_tiles, STAGES)[0])
+        self._fetch_page(page, table_row, HALVES * sl.ring_copy(0, cta_tiles, self.stages)[0])
         full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
         masked_tiles = cta_tiles - full_tiles
         for step in cutlass.range(masked_tiles, unroll=1):
@@ -404,15 +419,15 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         """Step ``step`` of the CTA's walk: ring bookkeeping and K / V expansion (the CTA), then QK, softmax and PV
         (each warpgroup, `_wgmma_tile`). Both barriers are the CTA's: the first also keeps the expansion from
         overwriting K / V before every warpgroup has waited for its PV wgmma of the previous step."""
-        cp_async_wait(sl.ring_wait(STAGES, False))
+        cp_async_wait(sl.ring_wait(self.stages, False))
         cute.arch.barrier()  # the tile has landed; every thread is done with the previous step (stage, operands)
-        copy_index, copy_stage = sl.ring_copy(step, cta_tiles, STAGES)
+        copy_index, copy_stage = sl.ring_copy(step, cta_tiles, self.stages)
         if copy_index >= 0:
             self._copy_wgmma_tile(copy_index, page[0], ring + copy_stage * self.tile_bytes, kv_len, threads, sources,
                                   masked)
         cp_async_commit()
-        self._fetch_page(page, table_row, HALVES * sl.ring_copy(step + 1, cta_tiles, STAGES)[0])
-        tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, STAGES)
+        self._fetch_page(page, table_row, HALVES * sl.ring_copy(step + 1, cta_tiles, self.stages)[0])
+        tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
         stage = ring + compute_stage * self.tile_bytes
         self._expand_kv(stage, threads, smem, state)
         cute.arch.fence_proxy("async.shared", space="cta")  # the operand stores, visible to wgmma
@@ -439,8 +454,11 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         for r in cutlass.range_constexpr(2):
             state[r] = m_rows[r]
             state[2 + r] = l_rows[r]
-        for i in cutlass.range_constexpr(cute.size(acc_o)):
-            acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
+        # O *= alpha only where some row of the warp has a new maximum: alpha is exactly 1 otherwise (exp2 of 0), so
+        # skipping is bit-exact, and walking the keys last to first, most tiles raise no row's maximum.
+        if cute.arch.vote_any_sync((alphas[0] != Float32(1.0)) | (alphas[1] != Float32(1.0))):
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
         p_operand(probs, cute.recast_tensor(operands[2], Uint32))
         _gemm(mma_pv, acc_o, operands[2], operands[3])
 
