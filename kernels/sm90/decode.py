@@ -257,7 +257,9 @@ class SplitKVDecodeSm90:
             for n_tile in cutlass.range_constexpr(lay.N_TILES):
                 for half in cutlass.range_constexpr(2):
                     probs[2 * n_tile + half] = exp2_approx(scores[n_tile][half] * lam_scaled - m_lam)
-            probs[lay.N_TILES * 2] = exp2_approx(m_old * lam_scaled - m_lam)
+            # exactly 1 where the maximum stays (see `prefill_tile.online_softmax`): the warp then skips O *= alpha
+            probs[lay.N_TILES * 2] = Float32(cutlass.select_(m_new == m_old, Float32(1.0),
+                                                             exp2_approx(m_old * lam_scaled - m_lam)))
         else:
             for i in cutlass.range_constexpr(lay.N_TILES * 2):
                 probs[i] = Float32(0.0)
@@ -275,8 +277,9 @@ class SplitKVDecodeSm90:
     def _pv_tile(self, p_regs, alpha, acc: cute.Tensor, v_rows, c):
         """acc = alpha * acc + e4m3(448 P) V over the tile (V rows of the lane's score keys, chunk g)."""
         alpha_heads = (shuffle_idx(alpha, Uint32(8 * c)), shuffle_idx(alpha, Uint32(8 * c + 4)))
-        for i in cutlass.range_constexpr(lay.M_TILES * 4):
-            acc[i] = acc[i] * alpha_heads[i % 2]
+        if cute.arch.vote_any_sync((alpha_heads[0] != Float32(1.0)) | (alpha_heads[1] != Float32(1.0))):
+            for i in cutlass.range_constexpr(lay.M_TILES * 4):
+                acc[i] = acc[i] * alpha_heads[i % 2]
         transposed = transpose_v(v_rows)  # keys pv_key(k_half, c, j) = score keys 4 k_half + j
         for m_tile in cutlass.range_constexpr(lay.M_TILES):
             c_regs = pv_mtile(transposed, p_regs, m_tile, [acc[4 * m_tile + i] for i in range(4)])

@@ -90,10 +90,14 @@ def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int) -> list:
     return init
 
 
-def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32, exp2=None) -> tuple:
+def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32, exp2=None,
+                   exact_alpha: bool = False) -> tuple:
     """Rows g, g + 8: m_new = max(m, rowmax S), P = exp2(lam S - lam m_new), alpha = exp2(lam m - lam m_new),
     l = alpha l + (this lane's part of) rowsum P. A row that has seen no key keeps m = -inf and gets P = 0 and
-    alpha = 0 (the reference's m_ref = 0). -> (P in the scores' layout, alphas, new m rows, new l rows).
+    alpha = 0 (the reference's m_ref = 0). ``exact_alpha``: alpha is exactly 1 where the row's maximum stays (as
+    in the reference; the compiler otherwise fuses lam m - lam m_new into an FFMA that leaves a rounding residue),
+    and 1 for a row that has seen no key (its O and l are 0): what lets a warp skip rescaling O (v3; v1's kernel
+    has no registers left for the select). -> (P in the scores' layout, alphas, new m rows, new l rows).
     ``exp2``: replaces `exp2_approx` (only for the timing ablations of `ablation`)."""
     exp2 = exp2_approx if exp2 is None else exp2
     probs = [[None] * 4 for _ in scores]
@@ -113,6 +117,8 @@ def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32
                 probs[n_tile][2 * r + half] = p
                 row_sum = row_sum + p
         alpha = exp2(m_rows[r] * lam_scaled - m_lam)
+        if exact_alpha:
+            alpha = Float32(select_(m_new == m_rows[r], Float32(1.0), alpha))
         alphas.append(alpha)
         m_new_rows.append(m_new)
         l_new_rows.append(alpha * l_rows[r] + row_sum)

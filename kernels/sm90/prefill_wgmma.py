@@ -450,12 +450,12 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         mma_pv, operands, acc_o = mmas[1], mmas[2], mmas[4]
         scores = self._qk_scores(masked, tile, stage, mmas, state, ds_lane, limits, c)
         probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
-                                                                 lam_scaled)
+                                                                 lam_scaled, exact_alpha=True)
         for r in cutlass.range_constexpr(2):
             state[r] = m_rows[r]
             state[2 + r] = l_rows[r]
-        # O *= alpha only where some row of the warp has a new maximum: alpha is exactly 1 otherwise (exp2 of 0), so
-        # skipping is bit-exact, and walking the keys last to first, most tiles raise no row's maximum.
+        # O *= alpha only where some row of the warp has a new maximum (alpha is exactly 1 otherwise, ``exact_alpha``):
+        # walking the keys last to first, most tiles raise no row's maximum.
         if cute.arch.vote_any_sync((alphas[0] != Float32(1.0)) | (alphas[1] != Float32(1.0))):
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
