@@ -40,12 +40,12 @@ the K and V tiles. The CTA walks the tiles its last row sees and splits masked /
 row sees (v2w8's walk, `_walk`); each warpgroup masks with its own rows' limits and skips the masked tiles none of
 its rows sees (only the earlier warpgroup, only at the start of the walk). Each warpgroup thus runs v3's arithmetic
 on v3's tiles in v3's order (a tile masked here that v3 runs whole has every score visible: the same initial
-scores), so the output is v3's bit for bit. Shared memory: 2 Q tiles + K + V + a 3-stage ring = 103 KB and 128
-registers per thread, so 2 CTAs (16 warps) share an SM where v3 holds 8 (`ring_stages`; the compile test keeps
-it there): the warps, not the shared expansion, are what the latency-bound tile loop lacks (profiles/NOTES.md).
+scores), so the output is v3's bit for bit. Shared memory: 2 Q tiles + K + V + the ring = 116 KB, 1 CTA (8 warps)
+per SM as v3's 2. (16 warps, what made v4w8 1.4x v3, would need a 2-stage ring, 90 KB, and <= 128 registers:
+ptxas gives 129, profiles/NOTES.md.)
 
 Only GQA group 4 (32:8); the launcher refuses other groups. Shared memory: Q, K, V operand tiles (16 KB each) and
-a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM (v3w8: one Q tile more and a 3-stage ring).
+a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM (v3w8: one Q tile more, 1 CTA per SM).
 """
 
 from __future__ import annotations
@@ -63,7 +63,6 @@ from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_staged import PrefillSm90Staged
-from mpfa.kernels.sm90.sass import SMEM_PER_SM, SMEM_RESERVED_PER_CTA
 from mpfa.kernels.sm90.ptx import (
     cp_async_commit,
     cp_async_wait,
@@ -87,8 +86,7 @@ GROUP = 4  # query heads per KV head v3 supports: 4 heads x 16 rows = one 64-row
 ROWS = sl.WARP_ROWS  # query rows per warpgroup (per head)
 THREADS = 128  # one warpgroup
 WARPGROUPS = (1, 2)  # warpgroups per CTA: v3, v3w8
-STAGES = 4  # ring stages at most; fewer where that lets 2 CTAs share an SM (`ring_stages`)
-CTAS_PER_SM = 2
+STAGES = 4
 OPERAND_BYTES = TILE_KEYS * HEAD_DIM * 2  # one FP16 operand tile [64][128]
 OPERAND_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
 CHUNK_ELEMS = 32  # elements of a 16-byte NVFP4 chunk (2 blocks): the unit of Q / K expansion
@@ -101,16 +99,6 @@ def smem_offsets(warpgroups: int, qk_bytes: int = OPERAND_BYTES) -> tuple:
     share. ``qk_bytes``: the bytes of a Q / K operand tile (FP16: `OPERAND_BYTES`; v4's e4m3: half)."""
     k_offset = warpgroups * qk_bytes
     return 0, k_offset, k_offset + qk_bytes, k_offset + qk_bytes + OPERAND_BYTES
-
-
-def ring_stages(operand_bytes: int, tile_bytes: int) -> int:
-    """Ring stages (64-key tiles) after ``operand_bytes`` of operand tiles: `STAGES`, or fewer (at least 2) if that
-    lets `CTAS_PER_SM` CTAs share an SM's shared memory. Warps per SM bound these latency-bound kernels (v3 profile,
-    NOTES): v3w8 at 3 stages (103 KB) holds 16 warps per SM where 4 stages (116 KB) hold 8."""
-    def fits(stages: int) -> bool:
-        return CTAS_PER_SM * (operand_bytes + stages * tile_bytes + SMEM_RESERVED_PER_CTA) <= SMEM_PER_SM
-
-    return next((stages for stages in range(STAGES, 1, -1) if fits(stages)), STAGES)
 
 
 def warpgroup_half(wg, r: int, warpgroups: int):
@@ -201,7 +189,6 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                                                                              ROWS * warpgroups)
         self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
         self.offsets = smem_offsets(warpgroups, self.qk_bytes)
-        self.stages = ring_stages(self.offsets[3], self.tile_bytes)
         self.smem_bytes = self.offsets[3] + self.stages * self.tile_bytes
 
     @cute.kernel
