@@ -35,8 +35,9 @@ from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_bloc
 
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
 BUILDS = ([(config, True, "v4") for config in CONFIGS] + [(CONFIGS[0], False, "v4")]
-          + [(CONFIGS[0], True, "v4w8")])
-IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direct", "v4w8-causal-bf16-page128"]
+          + [(CONFIGS[0], True, "v4w8"), (CONFIGS[0], False, "v4w8")])
+IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direct", "v4w8-causal-bf16-page128",
+       "v4w8-causal-bf16-page128-direct"]
 WARPGROUPS = {"v4": 1, "v4w8": 2}
 # CTAs per SM: v4 2 (8 warps; shared memory allows no third), v4w8 2 (16 warps: 2 x 92 KB fit, and <= 128 registers
 # per thread let 2 x 256 threads share the register file; measured 1.4x v3 at 64K, where v3 / v3w8 / v4 hold 8 warps)
