@@ -2,7 +2,8 @@
 
 For every backend: build its inputs (several rotated sets), call once (JIT compile), time with CUDA events and
 report the median next to the copy/GEMM peaks measured in the same run. Optionally re-run each kernel under
-Nsight Compute (`ncu=True`) and trace it with Nsight Systems, falling back to torch.profiler (`nsys=True`).
+Nsight Compute (`ncu=True`: a short metric list; `ncu_full=True`: `--set full`, summarised as what bounds it) and
+trace it with Nsight Systems, falling back to torch.profiler (`nsys=True`).
 One backend failing (import error, JIT failure) becomes an error row; the others still run.
 
     python -m mpfa.profiles.microbench prefill --seq 16384 --backend fa4-bf16,flashinfer-fp8,mpfa --out OUT
@@ -19,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mpfa.profiles import ncu as ncu_profiler
+from mpfa.profiles import ncu_details
 from mpfa.profiles import nsys as nsys_tracer
 from mpfa.profiles.errors import KernelNotBuilt, ProfileError, ToolError
 from mpfa.profiles.inputs import DEFAULT_L2_BYTES, DEFAULT_SEED, rotation_sets
@@ -43,7 +45,8 @@ VERSIONED_PACKAGES = ("torch", "flash-attn-4", "nvidia-cutlass-dsl", "flashinfer
 
 
 def run_profile(kind: str, seq: int, batch: int, heads: tuple[int, int], head_dim: int, backends: list[str],
-                ncu: bool, nsys: bool, out_dir: Path, progress: Progress | None = None) -> ProfileResult:
+                ncu: bool, nsys: bool, out_dir: Path, progress: Progress | None = None,
+                ncu_full: bool = False) -> ProfileResult:
     """Profile `backends` on one attention workload; writes the raw result JSON into `out_dir`.
 
     Raises ValueError for bad arguments and ProfileError when there is no CUDA device.
@@ -74,6 +77,10 @@ def run_profile(kind: str, seq: int, batch: int, heads: tuple[int, int], head_di
         for adapter in timed:
             say(f"{adapter.name}: Nsight Compute (a child process; compiles again)")
             result.ncu.append(ncu_profiler.profile_with_ncu(adapter, workload, out_dir))
+    if ncu_full:
+        for adapter in timed:
+            say(f"{adapter.name}: Nsight Compute --set full (a child process; compiles again; takes minutes)")
+            result.ncu_full.append(ncu_details.profile_full_with_ncu(adapter, workload, out_dir))
     result.write_json(out_dir)
     return result
 
@@ -182,6 +189,8 @@ def main(argv: list[str] | None = None) -> int:
     add_workload_arguments(parser)
     parser.add_argument("--backend", default=",".join(DEFAULT_BACKENDS), help="comma-separated backends")
     parser.add_argument("--ncu", action="store_true", help="also profile each kernel with Nsight Compute")
+    parser.add_argument("--ncu-full", action="store_true",
+                        help="also profile each kernel with Nsight Compute's full set: what bounds it")
     parser.add_argument("--nsys", action="store_true", help="also trace with Nsight Systems (or torch.profiler)")
     parser.add_argument("--out", type=Path, default=Path("mpfa-profile"), help="directory for the raw results")
     args = parser.parse_args(argv)
@@ -189,7 +198,8 @@ def main(argv: list[str] | None = None) -> int:
         workload = workload_from_arguments(args)
         result = run_profile(workload.kind, workload.seq, workload.batch, (workload.q_heads, workload.kv_heads),
                              workload.head_dim, parse_backends(args.backend), args.ncu, args.nsys, args.out,
-                             progress=lambda message: print(message, file=sys.stderr, flush=True))
+                             progress=lambda message: print(message, file=sys.stderr, flush=True),
+                             ncu_full=args.ncu_full)
     except (ValueError, ProfileError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -3,18 +3,21 @@
 ncu runs `launch_one` for the backend in a child process, skips the warm-up launches of the kernels matching
 the backend's name regex (`--launch-skip` counts matching launches only) and profiles the next one.
 `--csv --page raw --print-units base` prints a header row, a units row, then one row per profiled kernel.
+`mpfa profile --ncu-full` runs the same launch with `--set full --page details` (read by profiles/ncu_details.py).
 """
 from __future__ import annotations
 
 import csv
 import re
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from typing import TypeVar
 
 from mpfa.profiles.errors import ToolError
 from mpfa.profiles.kernel_adapter import KernelAdapter
 from mpfa.profiles.launch_one import launch_arguments
-from mpfa.profiles.results import NcuKernel, NcuResult
+from mpfa.profiles.results import NcuFullResult, NcuKernel, NcuResult
 from mpfa.profiles.tools import find_tool, output_tail, parse_number, run_tool
 from mpfa.profiles.workload import AttentionWorkload
 
@@ -37,6 +40,8 @@ TENSOR_METRICS = ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustain
 WARMUP_LAUNCHES = 3
 TIMEOUT_S = 540.0
 
+Parsed = TypeVar("Parsed")
+
 _METRIC_COLUMN = re.compile(r"[a-z0-9]+__[a-z0-9_.]+")
 _PERMISSION = "ERR_NVGPUCTRPERM"
 _UNKNOWN_METRIC = re.compile(r"(failed to find|unknown|invalid) metrics?[^\n]*", re.IGNORECASE)
@@ -47,11 +52,15 @@ _TO_BASE = {
 }
 
 
-def ncu_command(ncu: str, kernel_regex: str, launch_skip: int, metrics: tuple[str, ...],
+def ncu_command(ncu: str, kernel_regex: str, launch_skip: int, metrics: tuple[str, ...] | None,
                 target: list[str]) -> list[str]:
+    """ncu profiling one launch of `target`'s kernels matching `kernel_regex`: the raw page of `metrics`, or with
+    `metrics` None the details page of every section in `--set full`."""
+    page = (["--set", "full", "--page", "details"] if metrics is None
+            else ["--page", "raw", "--metrics", ",".join(metrics)])
     return [ncu, "--clock-control", "none", "--target-processes", "all",
             "--kernel-name", f"regex:{kernel_regex}", "--launch-skip", str(launch_skip), "--launch-count", "1",
-            "--csv", "--page", "raw", "--print-units", "base", "--metrics", ",".join(metrics), *target]
+            "--csv", "--print-units", "base", *page, *target]
 
 
 def csv_table(text: str) -> tuple[list[str], list[list[str]]]:
@@ -114,27 +123,33 @@ def profile_with_ncu(adapter: KernelAdapter, workload: AttentionWorkload, out_di
     ncu's raw output is kept as `out_dir/ncu-<backend>.csv`.
     """
     result = NcuResult(adapter.name, [])
+    csv_path = out_dir / f"ncu-{adapter.name}.csv"
     try:
-        ncu = find_tool("ncu")
         try:
-            result.kernels = _run_ncu(ncu, adapter, workload, CORE_METRICS + TENSOR_METRICS, out_dir, result)
+            result.kernels = run_ncu(adapter, workload, CORE_METRICS + TENSOR_METRICS, csv_path, parse_raw_csv,
+                                     result)
         except UnknownMetric:
             result.dropped_metrics = list(TENSOR_METRICS)
-            result.kernels = _run_ncu(ncu, adapter, workload, CORE_METRICS, out_dir, result)
+            result.kernels = run_ncu(adapter, workload, CORE_METRICS, csv_path, parse_raw_csv, result)
     except ToolError as exc:
         result.error = str(exc)
     return result
 
 
-def _run_ncu(ncu: str, adapter: KernelAdapter, workload: AttentionWorkload, metrics: tuple[str, ...],
-             out_dir: Path, result: NcuResult) -> list[NcuKernel]:
+def run_ncu(adapter: KernelAdapter, workload: AttentionWorkload, metrics: tuple[str, ...] | None, csv_path: Path,
+            parse: Callable[[str], Parsed], result: NcuResult | NcuFullResult) -> Parsed:
+    """Run `launch_one` for `adapter` under ncu (see `ncu_command` for `metrics`) and `parse` its CSV.
+
+    The command goes into `result.command` before it runs, so a failed run still says what ran; ncu's stdout is
+    kept as `csv_path`. Every failure is a one-line ToolError.
+    """
     target = [sys.executable, *launch_arguments(workload, adapter.name, warmup=WARMUP_LAUNCHES, launches=1,
                                                 profiler_range=False)]
-    result.command = ncu_command(ncu, adapter.kernel_regex, WARMUP_LAUNCHES, metrics, target)
+    result.command = ncu_command(find_tool("ncu"), adapter.kernel_regex, WARMUP_LAUNCHES, metrics, target)
     process = run_tool(result.command, TIMEOUT_S)
-    (out_dir / f"ncu-{adapter.name}.csv").write_text(process.stdout)
+    csv_path.write_text(process.stdout)
     check_output(process.stdout, process.stderr, adapter.kernel_regex)
     try:
-        return parse_raw_csv(process.stdout)
+        return parse(process.stdout)
     except ToolError:
         raise ToolError(f"ncu produced no report: {output_tail(process)}") from None

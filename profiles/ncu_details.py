@@ -3,7 +3,8 @@
     python -m mpfa.profiles.ncu_details FILE [FILE ...]
 
 The details page has one row per (kernel ID, section, metric) and one per rule result (a row with an empty Metric
-Name). `mpfa profile --ncu` reads the raw page instead (profiles/ncu.py).
+Name). `mpfa profile --ncu-full` captures and summarises this page per backend (`profile_full_with_ncu`);
+`mpfa profile --ncu` reads the raw page instead (profiles/ncu.py).
 """
 from __future__ import annotations
 
@@ -14,9 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from mpfa.profiles.errors import ToolError
-from mpfa.profiles.ncu import csv_table, to_base
+from mpfa.profiles.kernel_adapter import KernelAdapter
+from mpfa.profiles.ncu import csv_table, run_ncu, to_base
 from mpfa.profiles.report import LOG_WIDTH, Section, render_sections, short_name
+from mpfa.profiles.results import NcuBoundSummary, NcuFullResult
 from mpfa.profiles.tools import parse_number
+from mpfa.profiles.workload import AttentionWorkload
 
 MODULE = "mpfa.profiles.ncu_details"
 REQUIRED_COLUMNS = ("ID", "Kernel Name", "Block Size", "Grid Size", "Section Name", "Metric Name", "Metric Unit",
@@ -174,6 +178,19 @@ def _conflict_text(rule: NcuRule) -> str:
     speedup = "" if rule.speedup is None else f" (estimated speedup {rule.speedup:.2f}%)"
     return (f"{access or 'shared memory'}: {ways or NA}-way, {share or NA}% of the wavefronts are bank conflicts"
             f"{speedup}")
+
+
+def profile_full_with_ncu(adapter: KernelAdapter, workload: AttentionWorkload, out_dir: Path) -> NcuFullResult:
+    """What bounds one warm launch of `adapter`'s kernel, from ncu's `--set full` details page; failures are
+    returned in `NcuFullResult.error`. The CSV is kept as `out_dir/ncu-full-<backend>.csv`."""
+    result = NcuFullResult(adapter.name, [])
+    try:
+        details = run_ncu(adapter, workload, None, out_dir / f"ncu-full-{adapter.name}.csv", parse_details, result)
+    except ToolError as exc:
+        result.error = str(exc)
+        return result
+    result.kernels = [NcuBoundSummary(kernel.kernel, bound_summary(kernel)) for kernel in details]
+    return result
 
 
 def summary_section(details: NcuDetails) -> Section:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpfa.profiles.results import NOT_BUILT, OK, BackendResult, NcuKernel, ProfileResult
+from mpfa.profiles.results import NOT_BUILT, OK, BackendResult, NcuFullResult, NcuKernel, ProfileResult
 
 _DASH = "-"
 _NAME_WIDTH = 80  # keeps e.g. FA4's '...flash_fwd_sm90FlashAttentionForwardSm90' visible
@@ -18,6 +18,7 @@ class Section:
     headers: list[str]
     rows: list[list[str]]
     notes: list[str]
+    left_aligned: bool = False  # every column holds text, not numbers
 
 
 def num_cell(value: float | None, digits: int = 1) -> str:
@@ -93,6 +94,23 @@ def ncu_section(result: ProfileResult) -> Section:
     return Section("Nsight Compute, one warm launch of the main attention kernel", headers, rows, notes)
 
 
+def ncu_full_section(result: ProfileResult) -> Section:
+    """The `--ncu-full` bound summaries side by side: a row per fact, a column per backend's kernel."""
+    columns = [column for ncu in result.ncu_full for column in _ncu_full_columns(ncu)]
+    labels = list(dict.fromkeys(label for _, _, facts in columns for label in facts))
+    rows = [["kernel", *(first for _, first, _ in columns)]]
+    rows += [[label, *(facts.get(label, _DASH) for _, _, facts in columns)] for label in labels]
+    return Section("Nsight Compute --set full: what bounds each kernel", ["fact", *(name for name, _, _ in columns)],
+                   rows, [], left_aligned=True)
+
+
+def _ncu_full_columns(ncu: NcuFullResult) -> list[tuple[str, str, dict[str, str]]]:
+    """(header, first cell, facts) per kernel of one backend; a single error column when its run failed."""
+    if ncu.error:
+        return [(ncu.backend, f"error: {ncu.error}", {})]
+    return [(ncu.backend, short_name(summary.kernel), dict(summary.rows)) for summary in ncu.kernels]
+
+
 def trace_section(result: ProfileResult) -> Section:
     headers = ["backend", "source", "kernel", "calls", "total us", "avg us", "us per op"]
     rows, notes = [], []
@@ -114,6 +132,8 @@ def sections(result: ProfileResult) -> list[Section]:
         found.append(ncu_section(result))
     if result.traces:
         found.append(trace_section(result))
+    if result.ncu_full:
+        found.append(ncu_full_section(result))
     return found
 
 
@@ -139,7 +159,8 @@ def render_sections(found: list[Section], console: object | None = None) -> None
         for section in found:
             table = Table(title=section.title, title_justify="left")
             for index, header in enumerate(section.headers):
-                table.add_column(header, justify="left" if index == 0 or header in _TEXT_COLUMNS else "right")
+                left = section.left_aligned or index == 0 or header in _TEXT_COLUMNS
+                table.add_column(header, justify="left" if left else "right")
             for row in section.rows:
                 table.add_row(*(Text(cell) for cell in row))
             out.print(table)

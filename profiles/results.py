@@ -88,6 +88,24 @@ class NcuResult:
 
 
 @dataclass
+class NcuBoundSummary:
+    """What bounds one kernel: `ncu_details.bound_summary`'s (label, text) rows."""
+
+    kernel: str
+    rows: list[tuple[str, str]]
+
+
+@dataclass
+class NcuFullResult:
+    """`--ncu-full`: one warm launch of a backend's kernel under ncu's `--set full`, summarised."""
+
+    backend: str
+    command: list[str]
+    kernels: list[NcuBoundSummary] = field(default_factory=list)
+    error: str | None = None
+
+
+@dataclass
 class TraceResult:
     backend: str
     source: str  # "nsys" or "torch.profiler"
@@ -107,6 +125,7 @@ class ProfileResult:
     backends: list[BackendResult]
     ncu: list[NcuResult] = field(default_factory=list)
     traces: list[TraceResult] = field(default_factory=list)
+    ncu_full: list[NcuFullResult] = field(default_factory=list)
     json_path: str | None = None
 
     def row(self, backend: str) -> BackendResult | None:

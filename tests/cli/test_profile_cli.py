@@ -1,4 +1,5 @@
-"""`mpfa profile` argument errors are one line and exit 2; without a GPU it says so instead of crashing."""
+"""`mpfa profile` argument errors are one line and exit 2; without a GPU it says so instead of crashing; `--ncu-full`
+reaches the profiler and its table is shown and stored."""
 import pytest
 
 
@@ -26,3 +27,37 @@ def test_kernel_profile_without_gpu_is_a_clear_error(mpfa) -> None:
         pytest.skip("a GPU is present")
     result = mpfa("profile", "decode", "--seq", "1k")
     assert result.returncode == 2 and "no CUDA device" in result.stderr
+
+
+def test_ncu_full_flag_reaches_run_profile_and_its_table_is_shown_and_stored(monkeypatch, tmp_path) -> None:
+    """`--ncu-full` without `--ncu`, run_profile faked (no GPU): the flag reaches it, the side-by-side table is
+    printed and the summaries are stored with the profile."""
+    from typer.testing import CliRunner
+
+    from mpfa.cli.main import app
+    from mpfa.cli.store import ResultStore
+    from mpfa.profiles import microbench
+    from mpfa.profiles.results import NcuBoundSummary, NcuFullResult, Peaks, ProfileResult
+    from mpfa.profiles.workload import AttentionWorkload
+
+    calls = []
+
+    def run_profile(kind, seq, batch, heads, head_dim, backends, ncu, nsys, out_dir, progress=None, ncu_full=False):
+        calls.append({"ncu": ncu, "ncu_full": ncu_full, "backends": backends})
+        full = [NcuFullResult("fa4-bf16", [], error="ncu not found on PATH or in $CUDA_HOME/bin"),
+                NcuFullResult("mpfa", [], [NcuBoundSummary("PrefillSm90Wgmma", [("issue slots busy", "45.45%")])])]
+        return ProfileResult(AttentionWorkload(kind, seq, batch, *heads, head_dim), "fa4-bf16", "Fake GPU", {},
+                             Peaks(), [], ncu_full=full)
+
+    monkeypatch.setattr(microbench, "run_profile", run_profile)
+    db = tmp_path / "r.db"
+    result = CliRunner().invoke(app, ["profile", "prefill", "--seq", "1k", "--backend", "fa4-bf16,mpfa",
+                                      "--ncu-full", "--db", str(db), "--out", str(tmp_path)],
+                                env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    assert calls == [{"ncu": False, "ncu_full": True, "backends": ["fa4-bf16", "mpfa"]}]
+    assert "what bounds each kernel" in result.output and "45.45%" in result.output
+    assert "error: ncu not found on PATH" in result.output
+    with ResultStore(db) as store:
+        [stored] = store.list_profiles("prefill")
+    assert stored.result["ncu_full"][1]["kernels"][0]["rows"] == [["issue slots busy", "45.45%"]]

@@ -1,14 +1,19 @@
 """run_profile's orchestration on the CPU, with torch.cuda faked: one row per backend, a failing backend
-becomes an error row, an unbuilt one a "not built" row, and the raw JSON is written."""
+becomes an error row, an unbuilt one a "not built" row, and the raw JSON is written; `ncu_full` with ncu faked."""
+import io
 import json
+import subprocess
 import time
+from pathlib import Path
 
 import pytest
 import torch
+from rich.console import Console
 
-from mpfa.profiles import microbench, registry
+from mpfa.profiles import microbench, ncu, registry
 from mpfa.profiles.errors import KernelNotBuilt
 from mpfa.profiles.kernel_adapter import PreparedKernel
+from mpfa.profiles.report import LOG_WIDTH, render_profile
 from mpfa.profiles.results import ERROR, NOT_BUILT, OK, Peaks
 from mpfa.profiles.workload import BF16
 
@@ -50,6 +55,10 @@ class _BrokenAdapter(_SleepyAdapter):
 
     def prepare(self, workload, num_sets, device, seed):
         raise ImportError("libcuda.so.1: cannot open shared object file")
+
+
+class _SleepyMpfa(_SleepyAdapter):
+    name = "mpfa"
 
 
 class _UnbuiltAdapter(_SleepyAdapter):
@@ -94,3 +103,29 @@ def test_every_backend_gets_a_row_and_failures_do_not_stop_the_others(fake_cuda,
     assert [row["status"] for row in data["backends"]] == [ERROR, NOT_BUILT, OK]
     assert data["device"] == "Fake GPU"
     assert any("flashinfer-fp8: ImportError" in message for message in messages)
+
+
+def test_ncu_full_profiles_each_timed_backend_and_keeps_a_failure_in_its_column(fake_cuda, monkeypatch, tmp_path):
+    """fa4-bf16's ncu may not read the counters, mpfa's answers with a real H200 details capture."""
+    fake_cuda["mpfa"] = _SleepyMpfa()
+    details = (Path(__file__).parent / "fixtures" / "ncu-details-prefill-v3-16k-h200.csv").read_text()
+    answers = {"fa4-bf16": "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission", "mpfa": details}
+    monkeypatch.setattr(ncu, "find_tool", lambda name: f"/fake/{name}")
+    monkeypatch.setattr(ncu, "run_tool", lambda command, timeout_s: subprocess.CompletedProcess(
+        command, 0, answers[command[command.index("--backend") + 1]], ""))
+    messages = []
+    result = microbench.run_profile("prefill", 4096, 1, (32, 8), 128, ["fa4-bf16", "flashinfer-fp8", "mpfa"],
+                                    ncu=False, nsys=False, out_dir=tmp_path, progress=messages.append,
+                                    ncu_full=True)
+    assert result.ncu == [] and [full.backend for full in result.ncu_full] == ["fa4-bf16", "mpfa"]
+    assert any(message.startswith("mpfa: Nsight Compute --set full") for message in messages)
+    assert (tmp_path / "ncu-full-mpfa.csv").read_text() == details
+    stored = json.loads(Path(result.json_path).read_text())["ncu_full"]
+    assert "ERR_NVGPUCTRPERM" in stored[0]["error"] and stored[0]["kernels"] == []
+    assert stored[1]["error"] is None and ["issue slots busy", "45.45%"] in stored[1]["kernels"][0]["rows"]
+
+    console = Console(record=True, width=LOG_WIDTH, file=io.StringIO())
+    render_profile(result, console)
+    text = console.export_text()
+    assert text.index("Nsight Compute --set full") > text.index("prefill")  # after the timing table
+    assert "ERR_NVGPUCTRPERM" in text and "10.2-way" in text and "shared memory: 2 blocks per SM" in text
