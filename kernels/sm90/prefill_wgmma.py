@@ -170,6 +170,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
 
     tile_keys = TILE_KEYS  # the CTA's walk (`_walk`) in 64-key tiles
     qk_dtype = cutlass.Float16  # QK's operand type (`_qk_operands`)
+    _unit_offset = staticmethod(operand_offset)  # 16-byte unit of a Q / K operand tile row (`_store_chunk`)
+    _k_unit = staticmethod(k_expand_unit)  # the K chunks a thread expands
     qk_bytes = OPERAND_BYTES  # one Q / K operand tile
     state_size = 4  # per-thread softmax state: running max of rows g, g + 8, lane-partial sums
 
@@ -307,10 +309,12 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         self._store_chunk(q_tile, row, chunk, q_chunk_regs(words, scales))
 
     @cute.jit
-    def _store_chunk(self, tile, row, chunk, regs: list):
-        """16 f16x2 registers (32 elements of NVFP4 chunk ``chunk``) -> 4 operand chunks of ``row``."""
-        for quad in cutlass.range_constexpr(4):
-            store_shared_v4_u32(tile + operand_offset(row, 4 * chunk + quad), *regs[4 * quad:4 * quad + 4])
+    def _store_chunk(self, tile, row, chunk, words: list):
+        """The words of NVFP4 chunk ``chunk`` expanded (32 elements: 16 f16x2 here, v4's 8 e4m3x4) -> their 16-byte
+        units of ``row`` of an operand tile (`_unit_offset`)."""
+        units = len(words) // 4
+        for unit in cutlass.range_constexpr(units):
+            store_shared_v4_u32(tile + self._unit_offset(row, units * chunk + unit), *words[4 * unit:4 * unit + 4])
 
     @cute.jit
     def _expand_kv(self, stage, threads, smem, state: cute.Tensor):
@@ -323,14 +327,19 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     @cute.jit
     def _expand_k(self, stage, threads, smem, state: cute.Tensor):
         """K of the tile exactly to FP16 (K * 2**-7, `k_chunk_regs`)."""
+        self._expand_k_chunks(stage, threads, smem, k_chunk_regs)
+
+    @cute.jit
+    def _expand_k_chunks(self, stage, threads, smem, convert):
+        """The thread's K chunks of the tile (`_k_unit`: its 16 bytes of codes and its two block scales in the ring
+        stage) through ``convert(words, scales)`` into the K operand tile."""
         _, wg, wg_tid, _ = threads
-        k_offset = self.offsets[1]
         for r in cutlass.range_constexpr(HALVES // self.warpgroups):
-            half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
+            half, key, chunk = self._k_unit(wg, wg_tid, r, self.warpgroups)
             raw = stage + half * self.stage_bytes
             words = load_shared_v4_u32(raw + sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk)
             scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * chunk)
-            self._store_chunk(smem + k_offset, sl.TILE_KEYS * half + key, chunk, k_chunk_regs(words, scales))
+            self._store_chunk(smem + self.offsets[1], sl.TILE_KEYS * half + key, chunk, convert(words, scales))
 
     @cute.jit
     def _expand_v(self, stage, threads, smem):

@@ -45,6 +45,7 @@ cannot overflow FP16).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import cutlass
@@ -58,7 +59,6 @@ from mpfa.kernels.sm90 import decode_layout as lay
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_wgmma import (
-    HALVES,
     HEAD_DIM,
     N_BLOCKS,
     TILE_KEYS,
@@ -78,7 +78,6 @@ from mpfa.kernels.sm90.ptx import (
     prmt,
     shuffle_xor_u32,
 )
-from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
 
 FP8_OPERAND_BYTES = TILE_KEYS * HEAD_DIM  # one e4m3 operand tile [64][128]
 FP8_ROW_UNITS = HEAD_DIM // 16  # 16-byte units of an e4m3 operand row (128 bytes)
@@ -188,6 +187,8 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     _ROW_SCALE, _TILE_SCALE = 4, 6
 
     qk_dtype = cutlass.Float8E4M3FN  # QK on e4m3 ``m64n64k32``
+    _unit_offset = staticmethod(fp8_operand_offset)
+    _k_unit = staticmethod(k_expand_unit)  # this module's: conflict-free for e4m3 rows, fewer registers
 
     def _qk_layout(self):
         return fp8_operand_layout()
@@ -209,33 +210,18 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         """One chunk of Q to e4m3 with its row's power-of-two scale (the quad expanding the row reduces its block
         scales with two shuffles) in the warpgroup's e4m3 Q operand tile."""
         e = e4m3_pow2_exponent(fold_max(max_scale_pairs([scales]), (1, 2)))
-        self._store_fp8_chunk(q_tile, row, chunk, fp8_chunk_words(words, scales, pow2_factors(e)))
-
-    @cute.jit
-    def _store_fp8_chunk(self, tile, row, chunk, words: list):
-        """8 words of e4m3 (32 elements of NVFP4 chunk ``chunk``) -> 2 units of ``row`` of an e4m3 operand tile."""
-        for unit in cutlass.range_constexpr(2):
-            store_shared_v4_u32(tile + fp8_operand_offset(row, 2 * chunk + unit), *words[4 * unit:4 * unit + 4])
+        self._store_chunk(q_tile, row, chunk, fp8_chunk_words(words, scales, pow2_factors(e)))
 
     @cute.jit
     def _expand_k(self, stage, threads, smem, state: cute.Tensor):
         """The tile's K to e4m3 with the tile's power-of-two scale: each warp reduces the tile's 512 block scales
         (16 bytes per lane: lanes 0-15 the first 32-key half, 16-31 the second) to e_k, then expands v3's K
         chunks (`k_expand_unit`)."""
-        tid, wg, wg_tid, _ = threads
-        lane = tid & 31
-        k_offset = self.offsets[1]
+        lane = threads[0] & 31
         tile_scales = load_shared_v4_u32(stage + (lane >> 4) * self.stage_bytes + sl.SCALE_OFFSET + 16 * (lane & 15))
         e = e4m3_pow2_exponent(fold_max(max_scale_pairs(tile_scales), (1, 2, 4, 8, 16)))
         state[self._TILE_SCALE] = f32_pow2(e + Uint32(127))
-        factors = pow2_factors(e)
-        for r in cutlass.range_constexpr(HALVES // self.warpgroups):
-            half, key, chunk = k_expand_unit(wg, wg_tid, r, self.warpgroups)
-            raw = stage + half * self.stage_bytes
-            words = load_shared_v4_u32(raw + sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk)
-            scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * chunk)
-            self._store_fp8_chunk(smem + k_offset, sl.TILE_KEYS * half + key, chunk,
-                                  fp8_chunk_words(words, scales, factors))
+        self._expand_k_chunks(stage, threads, smem, functools.partial(fp8_chunk_words, factors=pow2_factors(e)))
 
     def _qk_scores(self, masked: bool, tile, stage, mmas, state: cute.Tensor, ds_lane, limits, c) -> list:
         """S * 2**-7 = q8 k8^T 2**(e_q + e_k - 7) + Delta_S * 2**-7 (-inf where masked): the e4m3 QK wgmma from 0
