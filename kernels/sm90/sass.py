@@ -30,3 +30,12 @@ def mma_loops(sass: str, mma_prefixes: tuple[str, ...] = ("HGMMA", "QGMMA")) -> 
             if any(o.startswith(mma_prefixes) for o in body):
                 loops.append(body)
     return loops
+
+
+def ctas_per_sm(registers: int, threads: int, smem_bytes: int) -> int:
+    """CTAs of ``threads`` threads that fit one SM with ``registers`` per thread (allocated in multiples of 8) and
+    ``smem_bytes`` of shared memory per CTA (plus the driver's share); 0 past the per-CTA shared-memory limit."""
+    if smem_bytes > SMEM_PER_CTA:
+        return 0
+    return min(REGISTERS_PER_SM // (-(-registers // 8) * 8 * threads),
+               SMEM_PER_SM // (smem_bytes + SMEM_RESERVED_PER_CTA))

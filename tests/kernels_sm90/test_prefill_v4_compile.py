@@ -23,11 +23,8 @@ from mpfa.kernels import formats  # noqa: E402
 from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
 from mpfa.kernels.sm90.sass import (  # noqa: E402
     MAX_REGISTERS,
-    REGISTERS_PER_SM,
-    SMEM_PER_CTA,
-    SMEM_PER_SM,
-    SMEM_RESERVED_PER_CTA,
     WARPGROUP,
+    ctas_per_sm,
     instructions,
     mma_loops,
 )
@@ -63,15 +60,11 @@ def test_v4_prefill_compiles_for_sm90a(v4_cubins, cuobjdump, config, compensate,
     usage = cuobjdump("--dump-resource-usage", cubin)
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the {kernel} prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    ctas = CTAS_PER_SM[kernel]
-    allocated = -(-registers // 8) * 8 * WARPGROUP * WARPGROUPS[kernel]
-    assert registers <= MAX_REGISTERS and REGISTERS_PER_SM // allocated >= ctas, \
-        f"{registers} registers: fewer than {ctas} CTAs per SM"
-    static_smem = int(re.search(r"SHARED:(\d+)", usage).group(1))
     launcher = _launcher(config, compensate, kernel)
-    smem = launcher.smem_bytes + static_smem + SMEM_RESERVED_PER_CTA
-    assert smem - SMEM_RESERVED_PER_CTA <= SMEM_PER_CTA and ctas * smem <= SMEM_PER_SM, \
-        f"{smem} bytes of shared memory per CTA: fewer than {ctas} CTAs per SM"
+    smem = launcher.smem_bytes + int(re.search(r"SHARED:(\d+)", usage).group(1))
+    fits = ctas_per_sm(registers, WARPGROUP * WARPGROUPS[kernel], smem)
+    assert registers <= MAX_REGISTERS and fits >= CTAS_PER_SM[kernel], \
+        f"{registers} registers and {smem} B of shared memory per CTA: {fits} CTAs per SM, not {CTAS_PER_SM[kernel]}"
     # e4m3 Q / K tiles: 8 KB each, 16 KB less than v3's operand tiles (v4w8: 24 KB)
     from mpfa.kernels.sm90.prefill_wgmma import PrefillSm90Wgmma
     v3 = PrefillSm90Wgmma(*config, compensate=compensate, warpgroups=WARPGROUPS[kernel])

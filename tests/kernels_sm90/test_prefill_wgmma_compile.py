@@ -23,11 +23,8 @@ pytest.importorskip("triton", reason="triton is not installed (pip install '.[ke
 from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
 from mpfa.kernels.sm90.sass import (  # noqa: E402
     MAX_REGISTERS,
-    REGISTERS_PER_SM,
-    SMEM_PER_CTA,
-    SMEM_PER_SM,
-    SMEM_RESERVED_PER_CTA,
     WARPGROUP,
+    ctas_per_sm,
     instructions,
     mma_loops,
 )
@@ -63,14 +60,10 @@ def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config, compe
     usage = cuobjdump("--dump-resource-usage", cubin)
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the {kernel} prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    ctas = CTAS_PER_SM[kernel]
-    allocated = -(-registers // 8) * 8 * WARPGROUP * WARPGROUPS[kernel]
-    assert registers <= MAX_REGISTERS and REGISTERS_PER_SM // allocated >= ctas, \
-        f"{registers} registers: fewer than {ctas} CTAs per SM"
-    static_smem = int(re.search(r"SHARED:(\d+)", usage).group(1))
-    smem = _launcher(config, compensate, kernel).smem_bytes + static_smem + SMEM_RESERVED_PER_CTA
-    assert smem - SMEM_RESERVED_PER_CTA <= SMEM_PER_CTA and ctas * smem <= SMEM_PER_SM, \
-        f"{smem} bytes of shared memory per CTA: fewer than {ctas} CTAs per SM"
+    smem = _launcher(config, compensate, kernel).smem_bytes + int(re.search(r"SHARED:(\d+)", usage).group(1))
+    fits = ctas_per_sm(registers, WARPGROUP * WARPGROUPS[kernel], smem)
+    assert registers <= MAX_REGISTERS and fits >= CTAS_PER_SM[kernel], \
+        f"{registers} registers and {smem} B of shared memory per CTA: {fits} CTAs per SM, not {CTAS_PER_SM[kernel]}"
 
     sass = cuobjdump("--dump-sass", cubin)
     hgmma = re.findall(r"HGMMA\.(\d+x\d+x\d+)\.F32[^;]*", sass)
@@ -128,12 +121,11 @@ def test_direct_build_copies_and_reads_no_delta_s(wgmma_cubins, cuobjdump, kerne
             smem=_launcher(CONFIGS[0], compensate, kernel).smem_bytes)
     full, direct = counts[True], counts[False]
 
-    def ctas_per_sm(build: dict) -> int:  # as registers and shared memory allow
-        return min(REGISTERS_PER_SM // (-(-build["registers"] // 8) * 8 * WARPGROUP * WARPGROUPS[kernel]),
-                   SMEM_PER_SM // (build["smem"] + SMEM_RESERVED_PER_CTA))
+    def ctas(build: dict) -> int:
+        return ctas_per_sm(build["registers"], WARPGROUP * WARPGROUPS[kernel], build["smem"])
 
     # no fewer CTAs per SM (v3w8's 1 CTA per SM, bound by shared memory, leaves ptxas room for more registers)
-    assert direct["hgmma"] == full["hgmma"] and ctas_per_sm(direct) >= ctas_per_sm(full), counts
+    assert direct["hgmma"] == full["hgmma"] and ctas(direct) >= ctas(full), counts
     assert direct["smem"] < full["smem"], counts
     kept = Counter({bits: n for bits, n in full["copies"].items() if bits != "32"})
     assert full["copies"]["32"] > 0 and direct["copies"] == kept, counts
