@@ -194,7 +194,8 @@ def profile_full_with_ncu(adapter: KernelAdapter, workload: AttentionWorkload, o
 
 
 def summary_section(details: NcuDetails) -> Section:
-    return Section(short_name(details.kernel), ["fact", "value"], [list(row) for row in bound_summary(details)], [])
+    return Section(short_name(details.kernel), ["fact", "value"], [list(row) for row in bound_summary(details)], [],
+                   left_aligned=True)
 
 
 def main(argv: list[str] | None = None) -> int:

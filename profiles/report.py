@@ -9,7 +9,7 @@ _DASH = "-"
 _NAME_WIDTH = 80  # keeps e.g. FA4's '...flash_fwd_sm90FlashAttentionForwardSm90' visible
 LOG_WIDTH = 200  # rich's 80-column default would fold the tables when stdout is a log file
 _TRACE_TOP = 5  # kernels shown per backend in the trace section
-_TEXT_COLUMNS = {"kernel", "kernel / note", "source", "category", "value"}  # left-aligned like the first column
+_TEXT_COLUMNS = {"kernel", "kernel / note", "source", "category"}  # left-aligned like the first column
 
 
 @dataclass(frozen=True)
