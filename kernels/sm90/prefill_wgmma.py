@@ -234,14 +234,14 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         if cutlass.const_expr(self.warpgroups > 1):  # the warpgroup's own Q tile
             q_offset = cute.assume(q_offset + wg * self.qk_bytes, divby=self.qk_bytes)
         mma_qk, s_q, s_k = self._qk_operands(smem_ptr, q_offset, k_offset)
-        mma_pv, s_vt = self._pv_operands(smem_ptr, v_offset)
+        mma_pv, s_vts = self._pv_operands(smem_ptr, v_offset)
         thr_qk = mma_qk.get_slice(wg_tid)
         thr_pv = mma_pv.get_slice(wg_tid)
         operands = (
             thr_qk.make_fragment_A(thr_qk.partition_A(s_q)),
             thr_qk.make_fragment_B(thr_qk.partition_B(s_k)),
             thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))),
-            thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)),
+            tuple(thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)) for s_vt in s_vts),
         )
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
@@ -274,8 +274,9 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         return operand_layout()
 
     def _pv_operands(self, smem_ptr, v_offset):
-        """(PV's tiled MMA, V^T [dims][keys] in shared memory): v3's FP16 ``m64n128k16`` with P from registers and
-        the V operand tile read transposed (MN-major, dimensions contiguous)."""
+        """(PV's tiled MMA, its B operands in shared memory: V^T [dims][keys], one tensor per MMA N tile): v3's FP16
+        ``m64n128k16`` with P from registers and the V operand tile read transposed (MN-major, dimensions
+        contiguous)."""
         layout = operand_layout()
         s_v = cute.make_tensor(cute.recast_ptr(smem_ptr + v_offset, layout.inner, dtype=cutlass.Float16),
                                layout.outer)
@@ -283,7 +284,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         mma_pv = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
                                                    OperandMajorMode.MN, Float32, (1, 1, 1), (64, HEAD_DIM),
                                                    a_source=warpgroup.OperandSource.RMEM)
-        return mma_pv, s_vt
+        return mma_pv, (s_vt,)
 
     def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
         """v4's per-row Q requantization exponents into ``state``; v3 has none."""
@@ -471,7 +472,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             for i in cutlass.range_constexpr(cute.size(acc_o)):
                 acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
         self._p_operand(probs, cute.recast_tensor(operands[2], Uint32))
-        _gemm(mma_pv, acc_o, operands[2], operands[3])
+        _gemm(mma_pv, acc_o, operands[2], operands[3][0])
 
     def _ds_bits(self, stage, ds_lane):
         """The thread's Delta_S of the tile (bf16 bits, 2 per 8-key column block), None for the direct build."""
