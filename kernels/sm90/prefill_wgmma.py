@@ -466,11 +466,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         """O = alpha O + e4m3(448 P) V: O rescaled in place (skipped where alpha is 1), then the PV wgmma
         accumulating onto O, waited for."""
         mma_pv, operands, acc_o = mmas[1], mmas[2], mmas[4]
-        # O *= alpha only where some row of the warp has a new maximum (alpha is exactly 1 otherwise, ``exact_alpha``):
-        # walking the keys last to first, most tiles raise no row's maximum.
-        if cute.arch.vote_any_sync((alphas[0] != Float32(1.0)) | (alphas[1] != Float32(1.0))):
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
+        rescale(acc_o, alphas)
         self._p_operand(probs, cute.recast_tensor(operands[2], Uint32))
         _gemm(mma_pv, acc_o, operands[2], operands[3][0])
 
@@ -521,6 +517,15 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                         store_v2_f32(address, lo, hi)
                     else:
                         store_u32(address, f32x2_to_bf16x2(lo, hi))
+
+
+@cute.jit
+def rescale(acc_o: cute.Tensor, alphas: list) -> None:
+    """O *= alpha of each register's row, only where some row of the warp has a new maximum (alpha is exactly 1
+    otherwise, ``exact_alpha``): walking the keys last to first, most tiles raise no row's maximum."""
+    if cute.arch.vote_any_sync((alphas[0] != Float32(1.0)) | (alphas[1] != Float32(1.0))):
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
 
 
 @cute.jit

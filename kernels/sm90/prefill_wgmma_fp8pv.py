@@ -5,10 +5,15 @@ nearest even, saturating; `warp_mma.P_SCALE`) and V the cache's e4m3 values in b
 in FP32. What changes is who sums them: Hopper's FP8 wgmma adds a k-step's products with ~14 bits aligned to the
 largest addend (measured for v4's QK, `profiles/NOTES.md`), not in FP32 as the FP16 wgmma of v3 / v4 does. So by
 default (``fresh_pv``) each tile's P V goes into a fresh accumulator (the first k-step ignores its value) and is
-added to O in FP32 (O = alpha O + P V: one FFMA per element, v4's rescale fused in), as the reference forms each
-tile's P V and sums the tiles in FP32 -- the per-tile accumulation error stays that of 64 products, not of O's whole
-history. ``fresh_pv=False`` accumulates onto O in the wgmma as v3 / v4 do (64 fewer registers' worth of live
-accumulator, 64 FFMA fewer per tile where alpha is 1, but O's low bits lost at every tile).
+added to O in FP32, as the reference forms each tile's P V and sums the tiles in FP32 -- the accumulation error of a
+tile stays that of its 64 products, not of O's whole history. O is rescaled first as in v3 / v4 (skipped where
+alpha is 1), then PV runs as two ``m64n64k32`` halves of the dims, each into S's accumulator (free once P is
+packed: no extra registers) followed by 32 FADD into O. ``fresh_pv=False`` accumulates onto O in the wgmma as v3 /
+v4 do (64 FADD fewer per tile, but O's low bits are lost at every tile).
+
+Registers: v5w8 (2 CTAs of 256 threads per SM, v4w8's 16 warps) needs <= 128; ptxas gives the build 173 unbounded,
+so it is launched with ``min_blocks_per_mp=2`` (``.minnctapersm 2``): 128, no local memory traffic in the tile loops
+(24 bytes of values the epilogue needs are parked before them). Measured alternatives: `profiles/NOTES.md`.
 
 Layouts (pure-Python models below, checked in `tests/kernels_sm90/test_prefill_v5_layout.py`):
 
@@ -42,7 +47,7 @@ from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.utils import LayoutEnum
 
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90.prefill_wgmma import HEAD_DIM, N_BLOCKS, TILE_KEYS, _gemm
+from mpfa.kernels.sm90.prefill_wgmma import HEAD_DIM, N_BLOCKS, TILE_KEYS, _gemm, rescale
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import PrefillSm90WgmmaFp8Qk
 from mpfa.kernels.sm90.ptx import f32x4_to_e4m3x4, ldmatrix_x4_trans, prmt, stmatrix_x4
 from mpfa.kernels.sm90.warp_mma import P_SCALE
@@ -127,7 +132,7 @@ class PrefillSm90WgmmaFp8Pv(PrefillSm90WgmmaFp8Qk):
     v_bytes = VT_BYTES
     _p_operand = staticmethod(p_operand_fp8)
     fresh_pv = True  # each tile's P V in a fresh accumulator, added to O in FP32
-    pv_n = 64  # PV's wgmma N: 64 = two m64n64k32 halves of the dims, each into S's (free) accumulator; 128 = one
+    pv_n = 64  # PV's wgmma N: 64 = two m64n64k32 halves of the dims into S's accumulator; 32 / 128: a fresh one
 
     @property
     def min_ctas_per_sm(self) -> int:
@@ -137,15 +142,16 @@ class PrefillSm90WgmmaFp8Pv(PrefillSm90WgmmaFp8Qk):
         return 2 if self.warpgroups == 2 else 0
 
     def _pv_operands(self, smem_ptr, v_offset):
-        """PV on e4m3 ``m64n{pv_n}k32`` (2 k-steps), P from registers, V^T K-major (`vt_layout`): one B tensor per
-        ``pv_n`` rows of V^T."""
+        """PV on e4m3 ``m64n{pv_n}k32`` (2 k-steps; ``m64n128k32`` without ``fresh_pv``), P from registers, V^T
+        K-major (`vt_layout`): one B tensor per N tile of V^T's rows."""
         e4m3 = cutlass.Float8E4M3FN
-        layout = vt_layout(self.pv_n)
+        n_tile = self.pv_n if self.fresh_pv else HEAD_DIM  # accumulating onto O: one MMA over all dims
+        layout = vt_layout(n_tile)
         s_vts = tuple(cute.make_tensor(cute.recast_ptr(smem_ptr + v_offset + vt_offset(n, 0), layout.inner,
                                                        dtype=e4m3), layout.outer)
-                      for n in range(0, HEAD_DIM, self.pv_n))
+                      for n in range(0, HEAD_DIM, n_tile))
         mma_pv = sm90_utils.make_trivial_tiled_mma(e4m3, e4m3, OperandMajorMode.K, OperandMajorMode.K, Float32,
-                                                   (1, 1, 1), (64, self.pv_n), a_source=warpgroup.OperandSource.RMEM)
+                                                   (1, 1, 1), (64, n_tile), a_source=warpgroup.OperandSource.RMEM)
         return mma_pv, s_vts
 
     @cute.jit
@@ -164,19 +170,21 @@ class PrefillSm90WgmmaFp8Pv(PrefillSm90WgmmaFp8Qk):
 
     @cute.jit
     def _pv(self, mmas, probs: list, alphas: list):
-        """O = alpha O + e4m3(448 P) V^T on the FP8 wgmma: with ``fresh_pv`` the tile's P V from a fresh
-        accumulator, then one FFMA per element of O; ``pv_n`` 64: per half of the dims, into S's accumulator (free
-        once P is packed; O's registers 32 h .. 32 h + 31 are dims 64 h .. 64 h + 63); else v3's (rescale where
-        needed, accumulate onto O)."""
+        """O = alpha O + e4m3(448 P) V^T on the FP8 wgmma. ``fresh_pv``: O rescaled as v3 (skipped where alpha is
+        1), then per ``pv_n`` dims the tile's P V from a fresh accumulator -- S's, free once P is packed, for
+        ``pv_n`` 64 -- added to O (O's registers 32 n .. 32 n + 31 are dims 64 n .. 64 n + 63); else v3's
+        (accumulated onto O by the wgmma)."""
         if cutlass.const_expr(not self.fresh_pv):
             PrefillSm90WgmmaFp8Qk._pv(self, mmas, probs, alphas)
         else:
             mma_pv, operands, acc_s, acc_o = mmas[1], mmas[2], mmas[3], mmas[4]
+            rescale(acc_o, alphas)
             self._p_operand(probs, cute.recast_tensor(operands[2], Uint32))
-            acc_pv = acc_s if cutlass.const_expr(self.pv_n == TILE_KEYS) else cute.make_rmem_tensor(acc_o.shape,
-                                                                                                    Float32)
+            acc_pv = acc_s
+            if cutlass.const_expr(self.pv_n != TILE_KEYS):
+                acc_pv = cute.make_rmem_tensor(mma_pv.get_slice(0).partition_shape_C((64, self.pv_n)), Float32)
             size = cute.size(acc_pv)
             for n in cutlass.range_constexpr(HEAD_DIM // self.pv_n):
                 _gemm(mma_pv, acc_pv, operands[2], operands[3][n], fresh=True)
                 for i in cutlass.range_constexpr(size):
-                    acc_o[size * n + i] = acc_o[size * n + i] * alphas[(i >> 1) & 1] + acc_pv[i]
+                    acc_o[size * n + i] = acc_o[size * n + i] + acc_pv[i]
