@@ -24,8 +24,8 @@ Layouts (pure-Python models below, checked in `tests/kernels_sm90/test_prefill_v
   g + 8; the e4m3 A fragment of ``m64nNk32`` wants in each 32-bit register 4 consecutive k positions 4c .. 4c + 3
   (+ 16 for the second register of a row, + 32 per k-step). Instead of moving P between lanes, the k positions are
   relabelled: position 16 G + 4c + b holds key 16 G + 2c + (b & 1) + 8 (b >> 1) (`pv_key`), so the thread packs its
-  own accumulator values of column blocks 2 G and 2 G + 1 into one register (`p_operand_fp8`: 2 cvt + 1 byte move
-  per 4 keys), and V^T is written in the same key order.
+  own accumulator values of column blocks 2 G and 2 G + 1 into one register (`p_operand_fp8`: 2 cvt per 4 keys,
+  the second merging into the first's register), and V^T is written in the same key order.
 * The V transpose (replacing v3 / v4's FP8 -> FP16 V expansion, done by all the CTA's threads): per 16 keys x 16
   dims block, `ldmatrix.trans` of the two 8x8 matrices of 16-bit elements (keys 16 G .. + 7 and + 8 .. + 15, 16
   bytes of dims each, from the ring's V rows) gives lane (g, c) the bytes V[key 2c, 2c + 1][dims 2g, 2g + 1] of
@@ -60,7 +60,6 @@ DIM_PIECES = HEAD_DIM // BLOCK  # 8 (16-byte pieces of a V row in the ring)
 BLOCKS = KEY_GROUPS * DIM_PIECES  # 32 per tile
 BLOCKS_PER_WARP_STEP = 2  # one ldmatrix.x4 / stmatrix.x4
 EVEN_BYTES, ODD_BYTES = 0x6420, 0x7531  # prmt selectors: bytes 0, 2, 4, 6 / 1, 3, 5, 7 of {b, a}
-LOW_HALVES = 0x5410  # prmt: the low 16 bits of a, then of b
 
 
 # --- pure-Python models (the CPU tests check them; the kernel traces the same functions) -----------------------
@@ -125,9 +124,11 @@ def p_operand_fp8(probs: list, words) -> None:
 
 
 class PrefillSm90WgmmaFp8Pv(PrefillSm90WgmmaFp8Qk):
-    """v5: `PrefillSm90WgmmaFp8Qk` (v4) with PV on e4m3 ``m64n128k32`` wgmma, P from registers and V transposed into
-    an e4m3 V^T tile (``warpgroups`` 2: v5w8). ``fresh_pv`` (a class attribute): each tile's P V in a fresh
-    accumulator, added to O in FP32 (the build); False: accumulated onto O by the wgmma (for comparison)."""
+    """v5: `PrefillSm90WgmmaFp8Qk` (v4) with PV on e4m3 wgmma (two ``m64n64k32`` halves of the dims), P from
+    registers and V transposed into an e4m3 V^T tile (``warpgroups`` 2: v5w8). Class attributes for comparison
+    builds: ``fresh_pv`` (True, the build: each tile's P V in a fresh accumulator, added to O in FP32; False: one
+    ``m64n128k32`` accumulating onto O) and ``pv_n`` (64, the build: halves into S's accumulator; 32 / 128: a
+    fresh accumulator of that many dims)."""
 
     v_bytes = VT_BYTES
     _p_operand = staticmethod(p_operand_fp8)
