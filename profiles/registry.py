@@ -12,6 +12,7 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     MpfaAdapter("v1"), MpfaAdapter("v2"), MpfaAdapter("v2w8"),
                     MpfaAdapter("v3"), MpfaAdapter("v3w8"),  # mpfa-<v>: the prefill kernel pinned
                     MpfaAdapter("v4"), MpfaAdapter("v4w8"),  # v3 with QK^T on FP8 (mpfa-qk8tile numerics)
+                    MpfaAdapter("v5"), MpfaAdapter("v5w8"),  # v4 with PV on FP8 too (mpfa-qk8tile numerics)
                     MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }

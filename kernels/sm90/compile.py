@@ -39,9 +39,31 @@ def fake_tensor(dtype: Any, shape: tuple, *, align: int = 16) -> Any:
     return cute.runtime.make_fake_compact_tensor(dtype, dims, stride_order=order, assumed_align=align)
 
 
+SMEM_PER_SM = 228 * 1024  # sm_90 (H100 and H200)
+
+
 def compile_kernel(launcher: Any, *args: Any) -> Any:
-    """``cute.compile`` with a fake stream taken from the caller's current stream at call time (TVM-FFI)."""
+    """``cute.compile`` with a fake stream taken from the caller's current stream at call time (TVM-FFI). A launch
+    with ``min_blocks_per_mp`` > 1 (``.minnctapersm``: ptxas then bounds the registers so that many CTAs fit an SM)
+    makes the DSL ask the device for its shared memory per SM (a carveout hint); without a device the answer is
+    sm_90's, so a CPU-only build is the GPU's."""
     import cutlass.cute as cute
+    from cutlass.cutlass_dsl import cutlass as dsl_cutlass
+
+    helpers = dsl_cutlass.cuda_helpers
+    device_attribute = helpers.get_device_attribute
+
+    def attribute_or_sm90(attribute, device_id: int = 0):
+        try:
+            return device_attribute(attribute, device_id)
+        except Exception:
+            if attribute != helpers.cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR:
+                raise
+            return SMEM_PER_SM
 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
-    return cute.compile(launcher, *args, stream, options="--enable-tvm-ffi")
+    helpers.get_device_attribute = attribute_or_sm90
+    try:
+        return cute.compile(launcher, *args, stream, options="--enable-tvm-ffi")
+    finally:
+        helpers.get_device_attribute = device_attribute

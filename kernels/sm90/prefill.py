@@ -73,6 +73,7 @@ class PrefillSm90:
     threads = 32 * WARPS
     block_m = BLOCK_M  # query rows per CTA
     cta_order = prefill_grid.HEADS_FASTEST  # a GQA group's CTAs (one per head) side by side
+    min_ctas_per_sm = 0  # > 1: ``.minnctapersm`` (ptxas bounds the registers for that many CTAs per SM)
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  ablation: abl.Ablation = abl.FULL, compensate: bool = True):
@@ -119,7 +120,8 @@ class PrefillSm90:
             q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
         ).launch(grid=prefill_grid.grid(self.cta_order, self.num_q_heads // self.heads, num_m_blocks,
                                         seq_lens_k.shape[0]),
-                 block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream)
+                 block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream,
+                 min_blocks_per_mp=self.min_ctas_per_sm)
 
     @cute.kernel
     def kernel(

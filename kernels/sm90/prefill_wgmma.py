@@ -93,12 +93,13 @@ CHUNK_ELEMS = 32  # elements of a 16-byte NVFP4 chunk (2 blocks): the unit of Q 
 V_UNITS = TILE_KEYS * HEAD_DIM // 16  # 16-byte e4m3 pieces of a V tile (512)
 
 
-def smem_offsets(warpgroups: int, qk_bytes: int = OPERAND_BYTES) -> tuple:
+def smem_offsets(warpgroups: int, qk_bytes: int = OPERAND_BYTES, v_bytes: int = OPERAND_BYTES) -> tuple:
     """(Q tile of warpgroup 0 (warpgroup w's: + w ``qk_bytes``), K tile, V tile, ring) in the CTA's shared
     memory: one Q operand tile per warpgroup, then the K and V operand tiles and the ring, which the warpgroups
-    share. ``qk_bytes``: the bytes of a Q / K operand tile (FP16: `OPERAND_BYTES`; v4's e4m3: half)."""
+    share. ``qk_bytes`` / ``v_bytes``: the bytes of a Q / K and of the V operand tile (FP16: `OPERAND_BYTES`;
+    v4's e4m3 Q / K and v5's e4m3 V^T: half)."""
     k_offset = warpgroups * qk_bytes
-    return 0, k_offset, k_offset + qk_bytes, k_offset + qk_bytes + OPERAND_BYTES
+    return 0, k_offset, k_offset + qk_bytes, k_offset + qk_bytes + v_bytes
 
 
 def warpgroup_half(wg, r: int, warpgroups: int):
@@ -172,7 +173,9 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     qk_dtype = cutlass.Float16  # QK's operand type (`_qk_operands`)
     _unit_offset = staticmethod(operand_offset)  # 16-byte unit of a Q / K operand tile row (`_store_chunk`)
     _k_unit = staticmethod(k_expand_unit)  # the K chunks a thread expands
+    _p_operand = staticmethod(p_operand)  # P -> the PV wgmma's register A fragment
     qk_bytes = OPERAND_BYTES  # one Q / K operand tile
+    v_bytes = OPERAND_BYTES  # the V operand tile
     state_size = 4  # per-thread softmax state: running max of rows g, g + 8, lane-partial sums
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
@@ -190,7 +193,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         assert (self.heads, self.row_blocks, self.threads, self.block_m) == (GROUP, warpgroups, THREADS * warpgroups,
                                                                              ROWS * warpgroups)
         self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
-        self.offsets = smem_offsets(warpgroups, self.qk_bytes)
+        self.offsets = smem_offsets(warpgroups, self.qk_bytes, self.v_bytes)
         self.smem_bytes = self.offsets[3] + self.stages * self.tile_bytes
 
     @cute.kernel
@@ -230,21 +233,15 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         q_offset, k_offset, v_offset, _ = self.offsets
         if cutlass.const_expr(self.warpgroups > 1):  # the warpgroup's own Q tile
             q_offset = cute.assume(q_offset + wg * self.qk_bytes, divby=self.qk_bytes)
-        layout = operand_layout()
-        s_v = cute.make_tensor(cute.recast_ptr(smem_ptr + v_offset, layout.inner, dtype=cutlass.Float16),
-                               layout.outer)
-        s_vt = cute.composition(s_v, cute.make_ordered_layout((HEAD_DIM, TILE_KEYS), order=(1, 0)))
         mma_qk, s_q, s_k = self._qk_operands(smem_ptr, q_offset, k_offset)
-        mma_pv = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
-                                                   OperandMajorMode.MN, Float32, (1, 1, 1), (64, HEAD_DIM),
-                                                   a_source=warpgroup.OperandSource.RMEM)
+        mma_pv, s_vts = self._pv_operands(smem_ptr, v_offset)
         thr_qk = mma_qk.get_slice(wg_tid)
         thr_pv = mma_pv.get_slice(wg_tid)
         operands = (
             thr_qk.make_fragment_A(thr_qk.partition_A(s_q)),
             thr_qk.make_fragment_B(thr_qk.partition_B(s_k)),
             thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))),
-            thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)),
+            tuple(thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)) for s_vt in s_vts),
         )
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
@@ -275,6 +272,19 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
 
     def _qk_layout(self):
         return operand_layout()
+
+    def _pv_operands(self, smem_ptr, v_offset):
+        """(PV's tiled MMA, its B operands in shared memory: V^T [dims][keys], one tensor per MMA N tile): v3's FP16
+        ``m64n128k16`` with P from registers and the V operand tile read transposed (MN-major, dimensions
+        contiguous)."""
+        layout = operand_layout()
+        s_v = cute.make_tensor(cute.recast_ptr(smem_ptr + v_offset, layout.inner, dtype=cutlass.Float16),
+                               layout.outer)
+        s_vt = cute.composition(s_v, cute.make_ordered_layout((HEAD_DIM, TILE_KEYS), order=(1, 0)))
+        mma_pv = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
+                                                   OperandMajorMode.MN, Float32, (1, 1, 1), (64, HEAD_DIM),
+                                                   a_source=warpgroup.OperandSource.RMEM)
+        return mma_pv, (s_vt,)
 
     def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
         """v4's per-row Q requantization exponents into ``state``; v3 has none."""
@@ -443,20 +453,22 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         """One warpgroup on the tile of keys ``tile`` .. + 63 (K / V operand tiles filled, Delta_S in ring stage
         ``stage``): S = Delta_S + Q K^T (-inf where masked), online softmax, O = alpha O + e4m3(448 P) V, both
         wgmmas waited for."""
-        mma_pv, operands, acc_o = mmas[1], mmas[2], mmas[4]
         scores = self._qk_scores(masked, tile, stage, mmas, state, ds_lane, limits, c)
         probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
                                                                  lam_scaled, exact_alpha=True)
         for r in cutlass.range_constexpr(2):
             state[r] = m_rows[r]
             state[2 + r] = l_rows[r]
-        # O *= alpha only where some row of the warp has a new maximum (alpha is exactly 1 otherwise, ``exact_alpha``):
-        # walking the keys last to first, most tiles raise no row's maximum.
-        if cute.arch.vote_any_sync((alphas[0] != Float32(1.0)) | (alphas[1] != Float32(1.0))):
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
-        p_operand(probs, cute.recast_tensor(operands[2], Uint32))
-        _gemm(mma_pv, acc_o, operands[2], operands[3])
+        self._pv(mmas, probs, alphas)
+
+    @cute.jit
+    def _pv(self, mmas, probs: list, alphas: list):
+        """O = alpha O + e4m3(448 P) V: O rescaled in place (skipped where alpha is 1), then the PV wgmma
+        accumulating onto O, waited for."""
+        mma_pv, operands, acc_o = mmas[1], mmas[2], mmas[4]
+        rescale(acc_o, alphas)
+        self._p_operand(probs, cute.recast_tensor(operands[2], Uint32))
+        _gemm(mma_pv, acc_o, operands[2], operands[3][0])
 
     def _ds_bits(self, stage, ds_lane):
         """The thread's Delta_S of the tile (bf16 bits, 2 per 8-key column block), None for the direct build."""
@@ -508,12 +520,23 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
 
 
 @cute.jit
-def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor) -> None:
-    """acc += A B over the k-steps on wgmma (accumulating onto acc's current value), waited for."""
+def rescale(acc_o: cute.Tensor, alphas: list) -> None:
+    """O *= alpha of each register's row, only where some row of the warp has a new maximum (alpha is exactly 1
+    otherwise, ``exact_alpha``): walking the keys last to first, most tiles raise no row's maximum."""
+    if cute.arch.vote_any_sync((alphas[0] != Float32(1.0)) | (alphas[1] != Float32(1.0))):
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1]
+
+
+@cute.jit
+def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor,
+          fresh: cutlass.Constexpr = False) -> None:
+    """acc += A B over the k-steps on wgmma (accumulating onto acc's current value; ``fresh``: acc = A B, the
+    first k-step ignoring acc), waited for."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
-    atom.set(warpgroup.Field.ACCUMULATE, True)
     for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
+        atom.set(warpgroup.Field.ACCUMULATE, not (fresh and k == 0))
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
     warpgroup.commit_group()
     warpgroup.wait_group(0)

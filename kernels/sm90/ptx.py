@@ -317,3 +317,37 @@ def load_shared_u32(smem_address: Int32, *, loc=None, ip=None) -> Uint32:
     value, struct = _asm([T.i32()], [Int32(smem_address).ir_value(loc=loc, ip=ip)], "ld.shared.u32 $0, [$1];",
                          "=r,r", pinned=True)
     return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+# --- 8x8 b16 matrices through shared memory (the FP8 V transpose of prefill v5) -------------------------------------
+
+@dsl_user_op
+def ldmatrix_x4_trans(smem_address: Int32, *, loc=None, ip=None) -> list:
+    """Four 8x8 matrices of 16-bit elements, transposed: lanes 8 i .. 8 i + 7 give the addresses of matrix i's 8
+    rows (16 bytes each); register i of lane (g, c) = (lane / 4, lane % 4) holds matrix i's elements (row 2c,
+    column g) in its low and (row 2c + 1, column g) in its high 16 bits."""
+    value, struct = _asm([T.i32()] * 4, [Int32(smem_address).ir_value(loc=loc, ip=ip)],
+                         "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r",
+                         pinned=True)
+    return _unpack(value, struct, 4, T.i32(), Uint32)
+
+
+@dsl_user_op
+def stmatrix_x4(smem_address: Int32, a: Uint32, b: Uint32, c: Uint32, d: Uint32, *, loc=None, ip=None) -> None:
+    """Four 8x8 matrices of 16-bit elements to shared memory: lanes 8 i .. 8 i + 7 give the addresses of matrix i's
+    8 rows (16 bytes each); lane (g, c) gives matrix i's (row g, columns 2c, 2c + 1) in its register i (a, b, c,
+    d)."""
+    _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), _u32(a, loc, ip), _u32(b, loc, ip),
+                      _u32(c, loc, ip), _u32(d, loc, ip)],
+                     "stmatrix.sync.aligned.m8n8.x4.shared.b16 [$0], {$1, $2, $3, $4};", "r,r,r,r,r")
+
+
+@dsl_user_op
+def f32x4_to_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None, ip=None) -> Uint32:
+    """Four FP32 -> e4m3 (round to nearest even, saturating): ``a`` in byte 0 .. ``d`` in byte 3."""
+    value, struct = _asm(
+        [T.i32()], [_f32(a, loc, ip), _f32(b, loc, ip), _f32(c, loc, ip), _f32(d, loc, ip)],
+        "{\n .reg .b16 lo, hi;\n cvt.rn.satfinite.e4m3x2.f32 lo, $2, $1;\n cvt.rn.satfinite.e4m3x2.f32 hi, $4, $3;\n"
+        " mov.b32 $0, {lo, hi};\n}", "=r,f,f,f,f",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
