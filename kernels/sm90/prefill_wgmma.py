@@ -40,12 +40,12 @@ the K and V tiles. The CTA walks the tiles its last row sees and splits masked /
 row sees (v2w8's walk, `_walk`); each warpgroup masks with its own rows' limits and skips the masked tiles none of
 its rows sees (only the earlier warpgroup, only at the start of the walk). Each warpgroup thus runs v3's arithmetic
 on v3's tiles in v3's order (a tile masked here that v3 runs whole has every score visible: the same initial
-scores), so the output is v3's bit for bit. Shared memory: 2 Q tiles + K + V + the ring = 116 KB, 1 CTA (8 warps)
-per SM as v3's 2. (16 warps, what made v4w8 1.4x v3, would need a 2-stage ring, 90 KB, and <= 128 registers:
-ptxas gives 129, profiles/NOTES.md.)
+scores), so the output is v3's bit for bit. v3w8 runs 16 warps per SM, what made v4w8 1.4x v3: a 2-stage ring
+(2 Q tiles + K + V + 2 stages = 90 KB) and ``.minnctapersm 2`` (`min_ctas_per_sm`: ptxas bounds the registers to
+128; unbounded it gives 129) let 2 CTAs of 8 warps share an SM; with 4 stages (116 KB) it held 1.
 
-Only GQA group 4 (32:8); the launcher refuses other groups. Shared memory: Q, K, V operand tiles (16 KB each) and
-a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM (v3w8: one Q tile more, 1 CTA per SM).
+Only GQA group 4 (32:8); the launcher refuses other groups. Shared memory (v3): Q, K, V operand tiles (16 KB each)
+and a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM.
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ GROUP = 4  # query heads per KV head v3 supports: 4 heads x 16 rows = one 64-row
 ROWS = sl.WARP_ROWS  # query rows per warpgroup (per head)
 THREADS = 128  # one warpgroup
 WARPGROUPS = (1, 2)  # warpgroups per CTA: v3, v3w8
-STAGES = 4
+STAGES = 4  # ring stages of v3 (one warpgroup per CTA)
+W8_STAGES = 2  # of v3w8: 90 KB, so 2 CTAs of 2 warpgroups fit an SM
 OPERAND_BYTES = TILE_KEYS * HEAD_DIM * 2  # one FP16 operand tile [64][128]
 OPERAND_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
 CHUNK_ELEMS = 32  # elements of a 16-byte NVFP4 chunk (2 blocks): the unit of Q / K expansion
@@ -177,6 +178,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     qk_bytes = OPERAND_BYTES  # one Q / K operand tile
     v_bytes = OPERAND_BYTES  # the V operand tile
     state_size = 4  # per-thread softmax state: running max of rows g, g + 8, lane-partial sums
+    w8_stages = W8_STAGES  # ring stages with 2 warpgroups per CTA
+    w8_min_ctas = 2  # ``.minnctapersm`` with 2 warpgroups per CTA (0: ptxas unbounded)
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 1):
@@ -187,7 +190,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             raise ValueError(f"the v3 (wgmma) prefill needs page_size >= {TILE_KEYS}, got {page_size}")
         if warpgroups not in WARPGROUPS:
             raise ValueError(f"warpgroups per CTA must be one of {WARPGROUPS}, got {warpgroups}")
-        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, warps=4 * warpgroups, stages=STAGES,
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, warps=4 * warpgroups,
+                         stages=self.w8_stages if warpgroups == 2 else STAGES,
                          shared_dequant=False, compensate=compensate)
         self.warpgroups = warpgroups
         assert (self.heads, self.row_blocks, self.threads, self.block_m) == (GROUP, warpgroups, THREADS * warpgroups,
@@ -195,6 +199,12 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
         self.offsets = smem_offsets(warpgroups, self.qk_bytes, self.v_bytes)
         self.smem_bytes = self.offsets[3] + self.stages * self.tile_bytes
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """CTAs per SM ptxas bounds the registers for: ``w8_min_ctas`` with 2 warpgroups per CTA (one warpgroup
+        fits 2 CTAs by shared memory whatever its registers)."""
+        return self.w8_min_ctas if self.warpgroups == 2 else 0
 
     @cute.kernel
     def kernel(

@@ -135,12 +135,8 @@ class PrefillSm90WgmmaFp8Pv(PrefillSm90WgmmaFp8Qk):
     fresh_pv = True  # each tile's P V in a fresh accumulator, added to O in FP32
     pv_n = 64  # PV's wgmma N: 64 = two m64n64k32 halves of the dims into S's accumulator; 32 / 128: a fresh one
 
-    @property
-    def min_ctas_per_sm(self) -> int:
-        """v5w8: 2 CTAs of 256 threads per SM (16 warps, v4w8's occupancy): ptxas bounds the registers to 128
-        (unbounded it gives 173; v4w8 fits 128 by itself). v5 (one warpgroup) fits 2 CTAs by shared memory
-        whatever its registers."""
-        return 2 if self.warpgroups == 2 else 0
+    w8_min_ctas = 2  # v5w8: ptxas bounded to 128 registers (unbounded 173), 2 CTAs of 256 threads per SM
+    # (v4w8's occupancy); v5 fits 2 CTAs by shared memory whatever its registers
 
     def _pv_operands(self, smem_ptr, v_offset):
         """PV on e4m3 ``m64n{pv_n}k32`` (2 k-steps; ``m64n128k32`` without ``fresh_pv``), P from registers, V^T

@@ -61,6 +61,7 @@ from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_wgmma import (
     HEAD_DIM,
     N_BLOCKS,
+    STAGES,
     TILE_KEYS,
     PrefillSm90Wgmma,
     _gemm,
@@ -189,6 +190,8 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     qk_dtype = cutlass.Float8E4M3FN  # QK on e4m3 ``m64n64k32``
     _unit_offset = staticmethod(fp8_operand_offset)
     _k_unit = staticmethod(k_expand_unit)  # this module's: conflict-free for e4m3 rows, fewer registers
+    w8_stages = STAGES  # v4w8: 4 stages (92 KB) and 128 registers unbounded, as measured
+    w8_min_ctas = 0
 
     def _qk_layout(self):
         return fp8_operand_layout()

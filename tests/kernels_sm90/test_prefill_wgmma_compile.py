@@ -3,7 +3,7 @@
 HGMMA.64x64x16 for QK and 4 HGMMA.64x128x16 with V^T read transposed, ``tnspB``, for PV; no mma.sync), no local
 memory, registers and shared memory that leave 2 CTAs (2 warpgroups) per SM; the direct build
 (``compensate=False``) without Delta_S copies or reads. v3w8 (``kernel="v3w8"``, 2 warpgroups per CTA): the same
-per tile body and warpgroup, 1 CTA (the same 2 warpgroups) per SM, half of v3's K / V expansion stores per thread.
+per tile body and warpgroup, 2 CTAs (4 warpgroups) per SM, half of v3's K / V expansion stores per thread.
 Also the switch, v3's limits (GQA group 4, pages of >= 64 keys), the operand-tile layout against CuTe's, and the
 benchmark backends."""
 
@@ -37,8 +37,11 @@ BUILDS = ([(config, True, "v3") for config in CONFIGS] + [(CONFIGS[0], False, "v
 IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direct", "v3w8-causal-bf16-page128",
        "v3w8-causal-bf16-page128-direct"]
 WARPGROUPS = {"v3": 1, "v3w8": 2}
-# CTAs per SM: v3 2 (8 warps), v3w8 1 (8 warps: 116 KB; 16 would need a 2-stage ring and <= 128 registers, NOTES)
-CTAS_PER_SM = {"v3": 2, "v3w8": 1}
+# CTAs per SM: v3 2 (8 warps), v3w8 2 (16 warps: a 2-stage ring, 90 KB, and ptxas bounded to 128 registers)
+CTAS_PER_SM = {"v3": 2, "v3w8": 2}
+# bytes of stack allowed: v3w8's direct build, bounded to 128 registers, parks 8 B before the tile loops (never
+# touched inside them: checked below)
+STACK_BYTES = {"v3": 0, "v3w8": 8}
 TILE_LOOPS = 2  # masked tiles, then whole tiles
 
 
@@ -58,7 +61,8 @@ def _launcher(config, compensate, kernel):
 def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config, compensate, kernel):
     cubin = str(wgmma_cubins[config, compensate, kernel])
     usage = cuobjdump("--dump-resource-usage", cubin)
-    assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the {kernel} prefill spills: {usage}"
+    assert re.search(r"LOCAL:0\b", usage) and int(re.search(r"STACK:(\d+)", usage).group(1)) <= STACK_BYTES[kernel], \
+        f"the {kernel} prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     smem = _launcher(config, compensate, kernel).smem_bytes + int(re.search(r"SHARED:(\d+)", usage).group(1))
     fits = ctas_per_sm(registers, WARPGROUP * WARPGROUPS[kernel], smem)
@@ -78,6 +82,7 @@ def test_wgmma_prefill_compiles_for_sm90a(wgmma_cubins, cuobjdump, config, compe
     loops = mma_loops(sass)
     assert len(loops) == TILE_LOOPS, [len(body) for body in loops]
     for body in loops:
+        assert not any(op.startswith(("STL", "LDL")) for op in body), "local memory traffic in the tile loop"
         assert sum(op.startswith("HGMMA.64x64x16") for op in body) == 8, body
         assert sum(op.startswith("HGMMA.64x128x16") and "tnspB" in op for op in body) == 4, body
         assert sum(op.startswith("BAR.SYNC") for op in body) == 2, "a tile needs its two CTA barriers"
@@ -124,7 +129,7 @@ def test_direct_build_copies_and_reads_no_delta_s(wgmma_cubins, cuobjdump, kerne
     def ctas(build: dict) -> int:
         return ctas_per_sm(build["registers"], WARPGROUP * WARPGROUPS[kernel], build["smem"])
 
-    # no fewer CTAs per SM (v3w8's 1 CTA per SM, bound by shared memory, leaves ptxas room for more registers)
+    # no fewer CTAs per SM
     assert direct["hgmma"] == full["hgmma"] and ctas(direct) >= ctas(full), counts
     assert direct["smem"] < full["smem"], counts
     kept = Counter({bits: n for bits, n in full["copies"].items() if bits != "32"})
