@@ -12,6 +12,8 @@ from pathlib import Path
 
 import pytest
 
+sys.path.insert(0, str(Path(__file__).parent))  # `siblings`: test modules that load each other by file name
+
 
 @pytest.fixture(scope="session")
 def cuobjdump() -> Callable[..., str]:

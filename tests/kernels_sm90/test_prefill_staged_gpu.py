@@ -16,25 +16,14 @@ different diagonals, or the second has one row or none (GQA 40:8 runs the 4-warp
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from siblings import load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _load_v1_tests():
-    spec = importlib.util.spec_from_file_location("_prefill_gpu_v1", Path(__file__).with_name("test_prefill_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)  # skips this module too when triton / cutlass / tvm_ffi are missing
-    return module
-
-
-v1_tests = _load_v1_tests()
+v1_tests = load("test_prefill_gpu.py", "_prefill_gpu_v1")
 
 CASES = v1_tests.CASES + [  # (q_lens, kv_lens, Hq, Hkv, page size, causal)
     ([1000, 555, 17], [1000, 2100, 17], 32, 8, 128, True),  # ~66 tiles per CTA: the ring wraps many times

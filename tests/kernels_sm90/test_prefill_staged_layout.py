@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from siblings import load
 
 from mpfa.kernels.cache_layout import delta_s_row
 from mpfa.kernels.sm90 import decode_layout as lay
@@ -286,17 +287,7 @@ def test_fragment_buffers_sit_after_the_ring_without_bank_conflicts(compensate):
 # --- the expanded-K QK^T on the NumPy model of a warp (test_prefill_layout's emulated primitives) ------------------
 
 def _numpy_warp_module():
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    name = "_prefill_layout_model"
-    if name not in sys.modules:
-        spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name("test_prefill_layout.py"))
-        module = importlib.util.module_from_spec(spec)
-        sys.modules[name] = module
-        spec.loader.exec_module(module)
-    return sys.modules[name]
+    return load("test_prefill_layout.py", "_prefill_layout_model")
 
 
 def test_expanded_k_gives_v1_scores_bit_for_bit(monkeypatch: pytest.MonkeyPatch):

@@ -19,25 +19,14 @@ than 10% + the accumulation allowance. Inputs and cases are v3's (test_prefill_w
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from siblings import load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)  # skips this module too when triton / cutlass / tvm_ffi are missing
-    return module
-
-
-v3_tests = _load("_prefill_wgmma_gpu_v3", "test_prefill_wgmma_gpu.py")
+v3_tests = load("test_prefill_wgmma_gpu.py", "_prefill_wgmma_gpu_v3")
 v1_tests = v3_tests.v1_tests
 
 TILE_KEYS = 64

@@ -17,25 +17,14 @@ v3's (test_prefill_wgmma_gpu): causal and non-causal, ragged batches, lengths of
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from siblings import load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)  # skips this module too when triton / cutlass / tvm_ffi are missing
-    return module
-
-
-v4_tests = _load("_prefill_v4_gpu_v5", "test_prefill_v4_gpu.py")
+v4_tests = load("test_prefill_v4_gpu.py", "_prefill_v4_gpu_v5")
 v3_tests, v1_tests = v4_tests.v3_tests, v4_tests.v1_tests
 
 PV8_RMS, PV8_MAX = 1e-3, 0.01  # FP8 wgmma summation of each tile's P V (module docstring)

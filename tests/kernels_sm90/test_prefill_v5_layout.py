@@ -10,6 +10,7 @@ import os
 
 import pytest
 import torch
+from siblings import load
 
 os.environ.setdefault("CUTE_DSL_ARCH", "sm_90a")
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
@@ -25,19 +26,7 @@ from mpfa.kernels.sm90 import prefill_wgmma_fp8pv as v5  # noqa: E402
 
 
 
-def _load(name: str, file: str):
-    import importlib.util
-    import sys
-    from pathlib import Path
-
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
-v3_layout = _load("_prefill_wgmma_layout_v3", "test_prefill_wgmma_layout.py")
+v3_layout = load("test_prefill_wgmma_layout.py", "_prefill_wgmma_layout_v3")
 _ptx_acc, _trace = v3_layout._ptx_acc, v3_layout._trace
 
 KEYS, DIMS, M, THREADS = v5.TILE_KEYS, v5.HEAD_DIM, 64, 128

@@ -28,25 +28,14 @@ only the later warpgroup sees (offset kv_len - q_len % 32 in 1..16: the earlier 
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from siblings import load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _load_v1_tests():
-    spec = importlib.util.spec_from_file_location("_prefill_gpu_v1", Path(__file__).with_name("test_prefill_gpu.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)  # skips this module too when triton / cutlass / tvm_ffi are missing
-    return module
-
-
-v1_tests = _load_v1_tests()
+v1_tests = load("test_prefill_gpu.py", "_prefill_gpu_v1")
 
 V3_TILE_KEYS = 64
 V1_SLACK = 1e-3  # summation-order allowance on top of the tile-size difference (the oracle check's rms bound)
