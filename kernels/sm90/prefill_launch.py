@@ -16,12 +16,14 @@ to FP32 summation order (its 64-key tiles), not bit for bit; on the H200 it pass
 faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows
 per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical
 to v3). The default is v3 where it applies, else v2 (v1 for an odd number of query heads: v2 copies Delta_S as
-aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v4|v4w8|v5|v5w8`` or the ``kernel=`` argument of
+aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v4|v4w8|v5|v5w8|v6`` or the ``kernel=`` argument of
 `mpfa_prefill` pins one (v3 / v3w8 / v4 / v4w8 then refuse other shapes with a clear error). v4 / v4w8
 (`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K requantized to e4m3 with
 power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 /
 v5w8 (`prefill_wgmma_fp8pv`, opt-in only) are v4 / v4w8 with PV on FP8 wgmma too (V transposed to e4m3 V^T in
-shared memory, P e4m3 in registers, each tile's P V added to O in FP32): the same reference variant.
+shared memory, P e4m3 in registers, each tile's P V added to O in FP32): the same reference variant. v6
+(`prefill_wgmma_ws`, opt-in only) is v5w8 warp-specialized (a producer warpgroup copies, expands K and transposes V
+into double-buffered operand stages; two consumer warpgroups run v5w8's tile body): v5w8's output bit for bit.
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -46,13 +48,14 @@ BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host sid
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8", "v3", "v3w8",
-# "v4", "v4w8", "v5" or "v5w8"
+# "v4", "v4w8", "v5", "v5w8" or "v6"
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
 WGMMA_KERNEL = "v3"  # `prefill_wgmma`: the default where its shape limits allow
-WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v4": 1, "v4w8": 2, "v5": 1, "v5w8": 2}  # the wgmma kernel's variants:
-# warpgroups per CTA
+WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v4": 1, "v4w8": 2, "v5": 1, "v5w8": 2, "v6": 2}  # the wgmma kernel's
+# variants: warpgroups per CTA computing rows (v6: its consumers; the CTA has a producer warpgroup more)
 FP8_QK_KERNELS = ("v4", "v4w8")  # opt-in: v3 with QK on FP8 wgmma (`prefill_wgmma_fp8qk`, "mpfa-qk8tile" numerics)
 FP8_PV_KERNELS = ("v5", "v5w8")  # opt-in: v4 with PV on FP8 wgmma too (`prefill_wgmma_fp8pv`, "mpfa-qk8tile")
+WS_KERNELS = ("v6",)  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer warpgroup, 2 consumers)
 WGMMA_GROUP = 4  # the only GQA group v3 supports (4 heads x 16 rows = one 64-row warpgroup tile)
 WGMMA_BLOCK_M = 16  # query rows per v3 warpgroup
 WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
@@ -90,8 +93,8 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
     only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
-    (``MPFA_PREFILL_KERNEL``); "v3", "v3w8", "v4", "v4w8", "v5" and "v5w8" only for GQA group 4 and pages of >= 64
-    keys. ``compensate``
+    (``MPFA_PREFILL_KERNEL``); "v3", "v3w8", "v4", "v4w8", "v5", "v5w8" and "v6" only for GQA group 4 and pages of
+    >= 64 keys. ``compensate``
     False: the direct build (no Delta_S, for timing the compensation)."""
     name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size,
                           "v1" if kernel is None and ablation is not None else kernel)
@@ -110,14 +113,16 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     import cutlass
     from cutlass import Float32, Int32
 
-    from mpfa.kernels.sm90 import prefill, prefill_staged, prefill_wgmma, prefill_wgmma_fp8pv, prefill_wgmma_fp8qk
+    from mpfa.kernels.sm90 import (prefill, prefill_staged, prefill_wgmma, prefill_wgmma_fp8pv, prefill_wgmma_fp8qk,
+                                   prefill_wgmma_ws)
     from mpfa.kernels.sm90.ablation import FULL
 
     assert (prefill.BLOCK_M, prefill.TILE_KEYS, prefill_staged.TILE_KEYS) == (BLOCK_M, TILE_KEYS, TILE_KEYS)
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8 = cutlass.Uint8
     if kernel in WGMMA_WARPGROUPS:
-        cls = (prefill_wgmma_fp8pv.PrefillSm90WgmmaFp8Pv if kernel in FP8_PV_KERNELS
+        cls = (prefill_wgmma_ws.PrefillSm90WgmmaWs if kernel in WS_KERNELS
+               else prefill_wgmma_fp8pv.PrefillSm90WgmmaFp8Pv if kernel in FP8_PV_KERNELS
                else prefill_wgmma_fp8qk.PrefillSm90WgmmaFp8Qk if kernel in FP8_QK_KERNELS
                else prefill_wgmma.PrefillSm90Wgmma)
         launcher = cls(num_kv_heads, group, page_size, causal, out_dtype, compensate,
@@ -196,10 +201,10 @@ def mpfa_prefill(
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
-    ``kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v4", "v4w8", "v5" or "v5w8" (None: `prefill_kernel`'s choice); all
+    ``kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v4", "v4w8", "v5", "v5w8" or "v6" (None: `prefill_kernel`'s choice); all
     but v4 / v5 give the same output (v3 / v3w8 up to FP32 summation order); v4 / v4w8 (opt-in) compute QK^T on FP8
     from Q and K requantized to e4m3 (the reference's "mpfa-qk8tile"), v5 / v5w8 (opt-in) PV on FP8 too (the
-    same variant). ``compensate=False``: the direct build, for timing only (no
+    same variant; v6 (opt-in) v5w8's output). ``compensate=False``: the direct build, for timing only (no
     Delta_S: the output of an all-zero Delta_S)."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
                     causal=causal, sm_scale=sm_scale, out=out, kernel=kernel, compensate=compensate)

@@ -296,6 +296,17 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                                                    a_source=warpgroup.OperandSource.RMEM)
         return mma_pv, (s_vt,)
 
+    @property
+    def fill_warpgroups(self) -> int:
+        """Warpgroups that share a tile's ring copies and K / V expansion (`_copy_wgmma_tile`, `_expand_kv`): all
+        of the CTA's here; v6's one producer warpgroup."""
+        return self.warpgroups
+
+    @property
+    def fill_threads(self) -> int:
+        """Threads that share a tile's V expansion (`_expand_v`): the CTA's here; v6's producer warpgroup."""
+        return self.threads
+
     def _row_exponents(self, state, q_scales, q_start, q_len, row0, head, g):
         """v4's per-row Q requantization exponents into ``state``; v3 has none."""
 
@@ -354,8 +365,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         """The thread's K chunks of the tile (`_k_unit`: its 16 bytes of codes and its two block scales in the ring
         stage) through ``convert(words, scales)`` into the K operand tile."""
         _, wg, wg_tid, _ = threads
-        for r in cutlass.range_constexpr(HALVES // self.warpgroups):
-            half, key, chunk = self._k_unit(wg, wg_tid, r, self.warpgroups)
+        for r in cutlass.range_constexpr(HALVES // self.fill_warpgroups):
+            half, key, chunk = self._k_unit(wg, wg_tid, r, self.fill_warpgroups)
             raw = stage + half * self.stage_bytes
             words = load_shared_v4_u32(raw + sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk)
             scales = load_shared_u16(raw + sl.SCALE_OFFSET + sl.SCALE_ROW_BYTES * key + 2 * chunk)
@@ -366,8 +377,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         """e4m3 V of the tile exactly to FP16."""
         tid = threads[0]
         v_offset = self.offsets[2]
-        for r in cutlass.range_constexpr(V_UNITS // self.threads):
-            half, in_half, piece = v_expand_unit(tid, r, self.threads)
+        for r in cutlass.range_constexpr(V_UNITS // self.fill_threads):
+            half, in_half, piece = v_expand_unit(tid, r, self.fill_threads)
             raw = stage + half * self.stage_bytes
             words = load_shared_v4_u32(raw + sl.V_OFFSET + sl.V_ROW_BYTES * in_half
                                        + 16 * (piece ^ sl.v_swizzle(in_half)))
@@ -424,8 +435,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         warpgroup with v2's 4-warp copy plan (`prefill_staged_layout.copy_plan`): the halves `warpgroup_half`
         gives it (v3w8: half w, so a thread computes the cache addresses of one half only)."""
         _, wg, wg_tid, wg_warp = threads
-        for r in cutlass.range_constexpr(HALVES // self.warpgroups):
-            half = warpgroup_half(wg, r, self.warpgroups)
+        for r in cutlass.range_constexpr(HALVES // self.fill_warpgroups):
+            half = warpgroup_half(wg, r, self.fill_warpgroups)
             self._copy_tile(HALVES * tile_index + half, page, stage + half * self.stage_bytes, kv_len, wg_tid, wg_warp,
                             sources, ragged, THREADS)
 

@@ -157,11 +157,11 @@ class PrefillSm90WgmmaFp8Pv(PrefillSm90WgmmaFp8Qk):
         round one ldmatrix.x4.trans, 4 byte permutes, one stmatrix.x4 (module docstring)."""
         tid = threads[0]
         vt = smem + self.offsets[2]
-        for r in cutlass.range_constexpr(BLOCKS // BLOCKS_PER_WARP_STEP // (self.threads // 32)):
-            half, key, piece = v_load_lane(tid, r, self.threads)
+        for r in cutlass.range_constexpr(BLOCKS // BLOCKS_PER_WARP_STEP // (self.fill_threads // 32)):
+            half, key, piece = v_load_lane(tid, r, self.fill_threads)
             m = ldmatrix_x4_trans(stage + half * self.stage_bytes + sl.V_OFFSET + sl.V_ROW_BYTES * key
                                   + ((piece ^ sl.v_swizzle(key)) << 4))
-            dim, unit = v_store_lane(tid, r, self.threads)
+            dim, unit = v_store_lane(tid, r, self.fill_threads)
             stmatrix_x4(vt + vt_offset(dim, unit), prmt(m[0], m[1], EVEN_BYTES), prmt(m[0], m[1], ODD_BYTES),
                         prmt(m[2], m[3], EVEN_BYTES), prmt(m[2], m[3], ODD_BYTES))
 

@@ -220,11 +220,16 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         """The tile's K to e4m3 with the tile's power-of-two scale: each warp reduces the tile's 512 block scales
         (16 bytes per lane: lanes 0-15 the first 32-key half, 16-31 the second) to e_k, then expands v3's K
         chunks (`k_expand_unit`)."""
+        state[self._TILE_SCALE] = f32_pow2(self._expand_k_e4m3(stage, threads, smem) + Uint32(127))
+
+    def _expand_k_e4m3(self, stage, threads, smem) -> Uint32:
+        """`_expand_k` without the state: the tile's K expanded to e4m3, its exponent e_k returned (v6's producer
+        hands it to the consumers through shared memory)."""
         lane = threads[0] & 31
         tile_scales = load_shared_v4_u32(stage + (lane >> 4) * self.stage_bytes + sl.SCALE_OFFSET + 16 * (lane & 15))
         e = e4m3_pow2_exponent(fold_max(max_scale_pairs(tile_scales), (1, 2, 4, 8, 16)))
-        state[self._TILE_SCALE] = f32_pow2(e + Uint32(127))
         self._expand_k_chunks(stage, threads, smem, functools.partial(fp8_chunk_words, factors=pow2_factors(e)))
+        return e
 
     def _qk_scores(self, masked: bool, tile, stage, mmas, state: cute.Tensor, ds_lane, limits, c) -> list:
         """S * 2**-7 = q8 k8^T 2**(e_q + e_k - 7) + Delta_S * 2**-7 (-inf where masked): the e4m3 QK wgmma from 0

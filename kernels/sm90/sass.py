@@ -21,13 +21,19 @@ def instructions(sass: str) -> list[tuple[int, str]]:
 def mma_loops(sass: str, mma_prefixes: tuple[str, ...] = ("HGMMA", "QGMMA")) -> list[list[str]]:
     """The instructions of each loop body that issues warpgroup MMAs: from a backward branch's target to the
     branch."""
+    return loops_issuing(sass, mma_prefixes)
+
+
+def loops_issuing(sass: str, prefixes: tuple[str, ...]) -> list[list[str]]:
+    """The instructions of each loop body (from a backward branch's target to the branch) with an instruction
+    starting with one of ``prefixes`` (e.g. v6's producer loops: its named barrier ``BAR.SYNC.DEFER_BLOCKING 0x1,``)."""
     ops = instructions(sass)
     loops = []
     for address, op in ops:
         target = re.search(r"\bBRA 0x([0-9a-f]+)", op)
         if target and int(target[1], 16) < address:
             body = [o for a, o in ops if int(target[1], 16) <= a <= address]
-            if any(o.startswith(mma_prefixes) for o in body):
+            if any(o.startswith(prefixes) for o in body):
                 loops.append(body)
     return loops
 

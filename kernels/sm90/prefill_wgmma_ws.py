@@ -1,0 +1,314 @@
+"""MpFA prefill v6: v5w8 (`prefill_wgmma_fp8pv`, both GEMMs on e4m3 wgmma) warp-specialized as FA3 is.
+
+v5w8's 8 warps each do everything per 64-key tile: the ring copies, the NVFP4 K -> e4m3 expansion, the V transpose,
+two CTA barriers, QK, softmax, PV. v6 splits the CTA by role (profiles/NOTES.md, "The profile of v3", "Prefill v6"):
+
+* CTA = 3 warpgroups (384 threads), 1 CTA per SM. Warpgroup 0 is the **producer**: the cp.async ring of raw tiles
+  (v3's `_copy_wgmma_tile`, one warpgroup copying both 32-key halves), the K expansion to the e4m3 operand tile with
+  the tile's power-of-two exponent (v4's `_expand_k_e4m3`), the V transpose to V^T (v5's `_expand_v`), into one of
+  two **operand stages** (K + V^T, 16 KB each). Warpgroups 1 and 2 are the **consumers**: consumer w owns what v5w8's
+  warpgroup w owns (query rows 16 w .. 16 w + 15 of the CTA's 4 heads, its own e4m3 Q tile, expanded by itself at
+  the start) and runs v5's tile body (`_wgmma_tile`: QK e4m3 wgmma, Delta_S after the MMA, online softmax with exact
+  alpha and vote-skip, P packed to e4m3, PV into a fresh accumulator added to O in FP32) on each operand stage.
+* Same walk as v5w8: the CTA walks the tiles its last row sees, masked tiles first, then whole ones; the earlier
+  consumer skips the leading tiles none of its rows sees. Each consumer runs v5's arithmetic on v5's tiles in v5's
+  order, so the output is v5w8's (and v5's) bit for bit.
+* `setmaxnreg`: the producer drops to ``PRODUCER_REGS``, the consumers rise to ``CONSUMER_REGS``
+  (128 (p + 2 c) <= 3 x 128 x the launch's 168 registers: ``.reqntid 384`` caps ptxas at 168).
+
+Synchronisation (the deadlock-prone part; every wait below has a matching arrive on every path):
+
+* ``full[s]`` / ``empty[s]``, s = 0, 1: one mbarrier pair per operand stage, initialised by thread 0, made visible
+  by ``fence.mbarrier_init`` and the one CTA-wide ``bar.sync 0`` of the kernel (before any role starts).
+  ``full[s]`` expects ``PRODUCER_THREADS`` (128) arrivals: every producer thread arrives after its own operand
+  stores and its own ``fence.proxy.async`` (each thread's generic stores made visible to the async proxy, i.e. to
+  wgmma, before its release-arrive). ``empty[s]`` expects ``CONSUMER_THREADS`` (256) arrivals: every consumer
+  thread arrives once per step after its PV wgmma has been waited for (``wgmma.wait_group 0``) and its Delta_S
+  loads from the ring stage are done, on **every** step of the CTA's walk, also on the steps whose tile it skips
+  (the earlier consumer's leading tiles in a causal CTA): both consumers walk the same ``cta_tiles`` steps.
+* Step p of the walk uses operand stage s = p & 1 in its (p >> 1)-th phase: consumers wait ``full[s]`` for parity
+  (p >> 1) & 1. The producer waits ``empty[s]`` for parity ((p >> 1) & 1) ^ 1 before refilling stage s: on the first
+  pass (p = 0, 1) that is parity 1 of a fresh mbarrier, whose "preceding phase" counts as complete, so the wait
+  returns at once (CUTLASS's producer start state); from p = 2 on it waits for the consumers' release of step p - 2.
+  Neither side can run two phases ahead of the other on one barrier (the producer needs the release of step p - 2
+  to fill step p; a consumer needs the fill of step p to release it), so one parity bit is enough.
+* The raw ring (``RING_STAGES`` = 8 stages of one 64-key tile) runs ``RING_STAGES - 2`` tiles ahead: at step p the
+  producer copies walk step p + 6 into the ring stage of step p - 2, after ``empty[s]`` proved both consumers done
+  with step p - 2 (they read its Delta_S from the ring stage) and the producer's own threads done with it (their
+  ``full`` arrivals of step p - 2 preceded that release). ``cp.async.wait_group 6`` then leaves the thread's own
+  copies of step p landed; named barrier 1 (the 128 producer threads) makes every producer thread's copies visible
+  to the others before the expansion reads them.
+* Named barriers: 0 only for the CTA-wide start; 1 the producer's per-step barrier; 2 and 3 each consumer's barrier
+  after its Q expansion (128 threads each). The tile's K exponent goes through shared memory (one word per operand
+  stage, written by producer thread 0 before its ``full`` arrival, read by the consumers after their ``full`` wait).
+
+Shared memory: 2 Q tiles (8 KB each), 2 operand stages (16 KB), the ring (8 x 13 KB compensated), the barriers and
+the exponents: ~152 KB compensated, 1 CTA per SM.
+"""
+
+from __future__ import annotations
+
+import math
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from mpfa.kernels.sm90 import prefill_grid
+from mpfa.kernels.sm90 import prefill_staged_layout as sl
+from mpfa.kernels.sm90 import prefill_tile as tile_math
+from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS
+from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv
+from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_u32
+from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
+
+CONSUMERS = 2  # consumer warpgroups (v5w8's two warpgroups)
+WARPGROUPS = 1 + CONSUMERS  # + the producer
+PRODUCER_THREADS = THREADS  # arrivals expected on ``full[s]``: every producer thread
+CONSUMER_THREADS = CONSUMERS * THREADS  # arrivals expected on ``empty[s]``: every consumer thread
+OPERAND_STAGES = 2
+RING_STAGES = 8  # raw 64-key tiles; the producer copies RING_STAGES - 2 tiles ahead
+PRODUCER_REGS = 56  # setmaxnreg of the producer warpgroup
+CONSUMER_REGS = 224  # setmaxnreg of each consumer warpgroup: 56 + 2 x 224 = 504 = 3 x 168
+LAUNCH_REGS = 168  # ptxas' cap for 384 threads per CTA (65536 / 384, in multiples of 8)
+PRODUCER_BARRIER = 1  # named barrier of the producer's 128 threads (0 is the CTA's)
+CONSUMER_BARRIER = 2  # consumer w's named barrier: 2 + w
+
+
+def ws_ring_copy(step, tiles, stages: int):
+    """(tile index, ring stage) of the copy the producer issues at ``step``: walk step ``step + stages - 2`` into
+    the stage of walk step ``step - 2`` (no copy when the tile index is negative). The prologue copies walk steps
+    0 .. stages - 3 (`prefill_staged_layout.ring_prologue`)."""
+    ahead = step + stages - 2
+    return tiles - 1 - ahead, ahead & (stages - 1)
+
+
+def stage_parity(step):
+    """(operand stage, phase parity) of walk step ``step``: stage step & 1 in its (step >> 1)-th use."""
+    return step & 1, (step >> 1) & 1
+
+
+class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
+    """v6: `PrefillSm90WgmmaFp8Pv` (v5w8's consumers, v5's numerics) with a producer warpgroup (module docstring).
+    ``warpgroups`` is the consumers' count (2, v5w8's rows per CTA); the CTA has one warpgroup more."""
+
+    ring_stages = RING_STAGES
+    producer_regs = PRODUCER_REGS
+    consumer_regs = CONSUMER_REGS
+
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
+                 compensate: bool = True, warpgroups: int = CONSUMERS):
+        if warpgroups != CONSUMERS:
+            raise ValueError(f"the v6 prefill has {CONSUMERS} consumer warpgroups, got {warpgroups}")
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups=warpgroups)
+        assert self.producer_regs + CONSUMERS * self.consumer_regs <= WARPGROUPS * LAUNCH_REGS
+        self.threads = WARPGROUPS * THREADS  # the launch's block
+        self.stages = self.ring_stages
+        q_bytes = CONSUMERS * self.qk_bytes
+        self.operand_stage_bytes = self.qk_bytes + self.v_bytes  # K (e4m3) + V^T (e4m3)
+        ring = q_bytes + OPERAND_STAGES * self.operand_stage_bytes
+        # (Q tile of consumer 0, K and V^T of operand stage 0 (stage s: + s operand_stage_bytes), ring)
+        self.offsets = (0, q_bytes, q_bytes + self.qk_bytes, ring)
+        self.barrier_offset = ring + self.stages * self.tile_bytes  # full[0..1], empty[0..1]: 8 bytes each
+        self.exponent_offset = self.barrier_offset + 8 * 2 * OPERAND_STAGES  # the tile's K exponent per stage
+        self.smem_bytes = self.exponent_offset + 4 * OPERAND_STAGES
+
+    @property
+    def min_ctas_per_sm(self) -> int:
+        """1 CTA of 384 threads per SM (``.minnctapersm 1``; ``.reqntid 384`` caps the launch at 168 registers)."""
+        return 1
+
+    @property
+    def fill_warpgroups(self) -> int:
+        return 1  # the producer copies both halves of a tile and expands all its K
+
+    @property
+    def fill_threads(self) -> int:
+        return PRODUCER_THREADS  # and transposes all its V
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_codes: cute.Tensor,
+        q_scales: cute.Tensor,
+        k_codes: cute.Tensor,
+        k_scales: cute.Tensor,
+        v: cute.Tensor,
+        delta_s: cute.Tensor,
+        page_table: cute.Tensor,
+        cu_seqlens_q: cute.Tensor,
+        seq_lens_k: cute.Tensor,
+        out: cute.Tensor,
+        lam_scaled: Float32,
+    ):
+        tid, _, _ = cute.arch.thread_idx()
+        warp, lane = self._warp_lane(tid)
+        role = warp >> 2  # 0: producer, 1 / 2: consumers (warpgroup-uniform)
+        block_head, m_block, batch = prefill_grid.cta(self.cta_order, cute.arch.block_idx(), cute.arch.grid_dim())
+        q_start = cu_seqlens_q[batch]
+        q_len = cu_seqlens_q[batch + 1] - q_start
+        kv_len = seq_lens_k[batch]
+        cta_row0 = m_block * self.block_m
+        # the CTA's walk (v5w8's): the tiles its last row sees, the leading keys all its rows see
+        cta_tiles, _, cta_common = tile_math.warp_plan(cta_row0, q_len, kv_len, lane >> 2, causal=self.causal,
+                                                       tile_keys=TILE_KEYS, warp_rows=self.block_m)
+        walk = (Int32(cta_tiles), cta_common)
+
+        smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
+        bars = cute.recast_ptr(smem_ptr + self.barrier_offset, dtype=cutlass.Int64)
+        if tid == 0:
+            for s in cutlass.range_constexpr(OPERAND_STAGES):
+                cute.arch.mbarrier_init(bars + s, PRODUCER_THREADS)  # full[s]
+                cute.arch.mbarrier_init(bars + OPERAND_STAGES + s, CONSUMER_THREADS)  # empty[s]
+        cute.arch.mbarrier_init_fence()
+        cute.arch.barrier()  # the only CTA-wide barrier: the mbarriers are initialised before any role uses them
+
+        if role == 0:
+            cute.arch.setmaxregister_decrease(self.producer_regs)
+            self._produce(walk, (k_codes, k_scales, v, delta_s), page_table, batch, block_head, kv_len, tid, warp,
+                          smem_ptr, bars)
+        else:
+            cute.arch.setmaxregister_increase(self.consumer_regs)
+            self._consume(walk, q_codes, q_scales, (k_scales, delta_s), out, lam_scaled, block_head, batch, q_start,
+                          q_len, kv_len, cta_row0, role - 1, tid & (THREADS - 1), warp & 3, lane, smem_ptr, bars)
+
+    # --- the producer warpgroup -------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _produce(self, walk, cache, page_table: cute.Tensor, batch, block_head, kv_len, tid, warp, smem_ptr, bars):
+        """The CTA's tiles into the operand stages: the ring prologue, then one `_produce_step` per walk step."""
+        cta_tiles, cta_common = walk
+        k_codes, k_scales, v, delta_s = cache
+        _, kv_head, (first_head, _) = self._heads(block_head, warp)
+        group_first = first_head - kv_head * self.group
+        head_slot = kv_head * k_scales.shape[1]
+        sources = (
+            (k_codes.iterator.toint() + kv_head * sl.K_ROW_BYTES, 0),
+            (v.iterator.toint() + kv_head * HEAD_DIM, 0),
+            (k_scales.iterator.toint(), head_slot),
+            (delta_s.iterator.toint() + 4 * sl.ds_first_word(group_first), head_slot),
+        )
+        threads = (tid, 0, tid, warp)  # (tid, warpgroup, thread and warp in it): the producer is warpgroup 0
+        table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
+        smem = smem_ptr.toint()
+        ring = smem + self.offsets[3]
+        page = cute.make_rmem_tensor((1,), Int32)
+        for index in cutlass.range_constexpr(self.stages - 2):  # walk steps 0 .. stages - 3 in flight
+            tile_index, stage = sl.ring_prologue(index, cta_tiles)
+            if tile_index >= 0:
+                self._copy_wgmma_tile(tile_index, Int32(load_u32(self._page_entry(table_row, HALVES * tile_index))),
+                                      ring + stage * self.tile_bytes, kv_len, threads, sources, True)
+            cp_async_commit()
+        self._fetch_page(page, table_row, HALVES * ws_ring_copy(0, cta_tiles, self.stages)[0])
+        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
+        masked_tiles = cta_tiles - full_tiles
+        for step in cutlass.range(masked_tiles, unroll=1):
+            self._produce_step(True, step, cta_tiles, page, table_row, ring, kv_len, threads, sources, smem, bars)
+        for step in cutlass.range(full_tiles, unroll=1):
+            self._produce_step(False, masked_tiles + step, cta_tiles, page, table_row, ring, kv_len, threads, sources,
+                               smem, bars)
+        cp_async_wait(0)  # only empty groups can be pending here
+
+    @cute.jit
+    def _produce_step(self, masked: cutlass.Constexpr, step, cta_tiles, page: cute.Tensor, table_row, ring, kv_len,
+                      threads, sources, smem, bars):
+        """Walk step ``step``: wait for operand stage s to be free, issue the copy ``RING_STAGES - 2`` steps ahead,
+        wait for this step's tile, expand K and transpose V into stage s, arrive on ``full[s]``."""
+        s, parity = stage_parity(step)
+        # Both consumers are done with step - 2 (stage s, its ring stage); the first pass returns at once (parity 1
+        # of a fresh mbarrier: the phase before its first is complete).
+        cute.arch.mbarrier_wait(bars + OPERAND_STAGES + s, parity ^ 1)
+        copy_index, copy_stage = ws_ring_copy(step, cta_tiles, self.stages)
+        if copy_index >= 0:
+            self._copy_wgmma_tile(copy_index, page[0], ring + copy_stage * self.tile_bytes, kv_len, threads, sources,
+                                  masked)
+        cp_async_commit()
+        self._fetch_page(page, table_row, HALVES * ws_ring_copy(step + 1, cta_tiles, self.stages)[0])
+        cp_async_wait(self.stages - 2)  # this thread's copies of this step's tile have landed
+        cute.arch.barrier(barrier_id=PRODUCER_BARRIER, number_of_threads=PRODUCER_THREADS)  # everyone's have
+        _, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
+        stage = ring + compute_stage * self.tile_bytes
+        operands = smem + s * self.operand_stage_bytes  # + offsets[1] / [2]: K / V^T of stage s
+        e = self._expand_k_e4m3(stage, threads, operands)
+        self._expand_v(stage, threads, operands)
+        if threads[0] == 0:  # 2**e_k as FP32 bits for the consumers (`_qk_scores`' tile scale)
+            store_shared_u32(smem + self.exponent_offset + 4 * s, (e + Uint32(127)) << 23)
+        cute.arch.fence_proxy("async.shared", space="cta")  # this thread's operand stores, visible to wgmma
+        cute.arch.mbarrier_arrive(bars + s)  # full[s]: one of 128 arrivals
+
+    # --- the consumer warpgroups ------------------------------------------------------------------------------------
+
+    @cute.jit
+    def _consume(self, walk, q_codes: cute.Tensor, q_scales: cute.Tensor, cache, out: cute.Tensor, lam_scaled,
+                 block_head, batch, q_start, q_len, kv_len, cta_row0, wg, wg_tid, wg_warp, lane, smem_ptr, bars):
+        """Consumer ``wg``: v5w8's warpgroup ``wg`` (its Q tile, rows, softmax state, O) on the operand stages."""
+        cta_tiles, cta_common = walk
+        k_scales, delta_s = cache
+        c = lane & 3
+        g = lane >> 2
+        head, kv_head, cta_heads = self._heads(block_head, wg_warp)
+        row0 = cta_row0 + ROWS * wg
+        num_tiles, limits, _ = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal, tile_keys=TILE_KEYS,
+                                                   warp_rows=ROWS)
+        smem = smem_ptr.toint()
+        q_offset = cute.assume(self.offsets[0] + wg * self.qk_bytes, divby=self.qk_bytes)
+        mma_qk, s_q, _ = self._qk_operands(smem_ptr, q_offset, self.offsets[1])
+        mma_pv, _ = self._pv_operands(smem_ptr, self.offsets[2])
+        thr_qk = mma_qk.get_slice(wg_tid)
+        thr_pv = mma_pv.get_slice(wg_tid)
+        frag_q = thr_qk.make_fragment_A(thr_qk.partition_A(s_q))
+        frag_p = thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS)))
+        acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
+        for i in cutlass.range_constexpr(cute.size(acc_o)):
+            acc_o[i] = Float32(0.0)
+        state = cute.make_rmem_tensor((self.state_size,), Float32)
+        state[0] = -math.inf
+        state[1] = -math.inf
+        state[2] = Float32(0.0)
+        state[3] = Float32(0.0)
+        self._row_exponents(state, q_scales, q_start, q_len, row0, head, g)
+        self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], wg_tid, smem + q_offset)
+        cute.arch.fence_proxy("async.shared", space="cta")  # the Q stores, visible to wgmma
+        cute.arch.barrier(barrier_id=CONSUMER_BARRIER + wg, number_of_threads=THREADS)  # the warpgroup's Q tile
+
+        first_head, head_in_cta = cta_heads
+        ds_lane = sl.ds_lane_base(self.heads, first_head - kv_head * self.group, head_in_cta, c)
+        ring = smem + self.offsets[3]
+        fixed = (mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o)
+        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
+        masked_tiles = cta_tiles - full_tiles
+        for step in cutlass.range(masked_tiles, unroll=1):
+            self._consume_step(True, step, cta_tiles, num_tiles, ring, fixed, state, lam_scaled, ds_lane, limits, c,
+                               smem_ptr, bars)
+        for step in cutlass.range(full_tiles, unroll=1):
+            self._consume_step(False, masked_tiles + step, cta_tiles, num_tiles, ring, fixed, state, lam_scaled,
+                               ds_lane, limits, c, smem_ptr, bars)
+        self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+
+    @cute.jit
+    def _consume_step(self, masked: cutlass.Constexpr, step, cta_tiles, num_tiles, ring, fixed, state: cute.Tensor,
+                      lam_scaled, ds_lane, limits, c, smem_ptr, bars):
+        """Walk step ``step`` of one consumer: wait for ``full[s]``, v5's tile body on operand stage s (skipped by
+        the earlier consumer on a leading tile none of its rows sees), arrive on ``empty[s]`` -- on every step."""
+        mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
+        s, parity = stage_parity(step)
+        cute.arch.mbarrier_wait(bars + s, parity)  # full[s]: the producer filled stage s for this step
+        tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
+        stage = ring + compute_stage * self.tile_bytes  # Delta_S of the tile stays in the raw ring stage
+        smem = smem_ptr.toint()
+        state[self._TILE_SCALE] = bits_to_f32(load_shared_u32(smem + self.exponent_offset + 4 * s))
+        k_offset = cute.assume(self.offsets[1] + s * self.operand_stage_bytes, divby=self.operand_stage_bytes)
+        v_offset = cute.assume(self.offsets[2] + s * self.operand_stage_bytes, divby=self.qk_bytes)
+        _, _, s_k = self._qk_operands(smem_ptr, self.offsets[0], k_offset)
+        _, s_vts = self._pv_operands(smem_ptr, v_offset)
+        operands = (frag_q, thr_qk.make_fragment_B(thr_qk.partition_B(s_k)), frag_p,
+                    tuple(thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)) for s_vt in s_vts))
+        mmas = (mma_qk, mma_pv, operands, acc_s, acc_o)
+        if cutlass.const_expr(masked):
+            if tile_index < num_tiles:  # v5w8's skip (warpgroup-uniform; only the earlier consumer, at the start)
+                self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
+        else:
+            self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
+        # Both wgmmas of the tile were waited for (`_gemm`) and its Delta_S read: release stage s and its ring stage.
+        cute.arch.mbarrier_arrive(bars + OPERAND_STAGES + s)  # empty[s]: one of 256 arrivals

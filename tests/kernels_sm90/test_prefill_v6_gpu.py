@@ -1,0 +1,93 @@
+"""The warp-specialized prefill (v6, `prefill_wgmma_ws`) on the GPU: against the oracle of its numerics
+(`reference.attention(..., variant="mpfa-qk8tile", block_n=64)`, v5's bounds), the float64 reference, and v5w8 --
+bit for bit, because each consumer warpgroup runs v5's tile body (the same traced code: QK, Delta_S after the MMA,
+online softmax, P packing, PV into a fresh accumulator added to O) on v5w8's tiles in v5w8's order, on K / V^T
+operand tiles that the producer fills with v5's expansion and transpose code. Only who writes the operand tiles and
+when changes; a difference means a synchronisation bug (a stage consumed before it was filled or refilled before
+it was consumed), not numerics. Outputs are NaN-poisoned before each launch (`v1_tests._run`), so rows left
+unwritten fail; inputs are fresh random problems (the session's generator). Cases: v3's (causal / non-causal,
+ragged batches, chunked prefill, lengths off 64 / 128, pages of 64 and 128, a warpgroup skipping leading tiles,
+~33 tiles per CTA), the direct build against v5w8's direct build, BF16 output through ``MPFA_PREFILL_KERNEL``, and
+a longer causal batch whose CTAs walk ~70 tiles (the 8-stage ring and both operand stages wrap many times, every
+SM holds one CTA) against v5w8 only. A hang in any of them is a deadlock (see the module docstring of
+`prefill_wgmma_ws`: mbarrier phases and arrival counts).
+
+    pytest -q -m gpu tests/kernels_sm90/test_prefill_v6_gpu.py -x
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+
+
+def _load(name: str, file: str):
+    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclass looks its module up
+    spec.loader.exec_module(module)  # skips this module too when triton / cutlass / tvm_ffi are missing
+    return module
+
+
+v5_tests = _load("_prefill_v5_gpu_v6", "test_prefill_v5_gpu.py")
+v4_tests, v3_tests, v1_tests = v5_tests.v4_tests, v5_tests.v3_tests, v5_tests.v1_tests
+
+RMS, MAX = v5_tests.RMS, v5_tests.MAX  # v5's bounds from the oracle (the same arithmetic)
+CASES, IDS = v3_tests.CASES, v3_tests.IDS
+
+
+def _same(out: torch.Tensor, reference: torch.Tensor, name: str) -> None:
+    assert torch.equal(out, reference), f"v6 differs from {name} (max |diff| {v3_tests._max_diff(out, reference)})"
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", CASES, ids=IDS)
+def test_v6_matches_oracle_and_v5w8(gen, q_lens, kv_lens, page_size, causal):
+    problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
+    out = v1_tests._run(problem, causal, kernel="v6")
+    expected = v4_tests._oracle(problem, causal)
+    _, exact = v1_tests._expected(problem, causal)
+    v1_tests._check(out, expected, exact, rms=RMS, max_fraction=MAX)
+    _same(out, v1_tests._run(problem, causal, kernel="v5w8"), "v5w8")
+    _same(v1_tests._run(problem, causal, kernel="v6", max_seqlen_q=max(q_lens)), out, "itself (a second launch)")
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", CASES[:3], ids=IDS[:3])
+def test_v6_direct_matches_v5w8_direct(gen, q_lens, kv_lens, page_size, causal):
+    """``compensate=False`` (no Delta_S copied or read): v5w8's direct build, bit for bit."""
+    problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
+    out = v1_tests._run(problem, causal, kernel="v6", compensate=False)
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    _same(out, v1_tests._run(problem, causal, kernel="v5w8", compensate=False), "v5w8 direct")
+
+
+def test_v6_long_causal_batch_matches_v5w8(gen):
+    """~70 tiles per CTA, more CTAs than SMs: the ring and the operand stages wrap many times in every CTA."""
+    problem = v1_tests._problem(gen, [4500, 3001, 64], [4500, 3300, 4000], 32, 8, 128)
+    out = v1_tests._run(problem, True, kernel="v6")
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    _same(out, v1_tests._run(problem, True, kernel="v5w8"), "v5w8")
+
+
+def test_v6_bf16_output_through_the_switch(gen, monkeypatch):
+    """``MPFA_PREFILL_KERNEL=v6`` selects it when ``kernel`` is not given; BF16 output, another sm_scale."""
+    from mpfa.kernels.sm90 import prefill_launch
+
+    problem = v1_tests._problem(gen, [150, 33], [150, 200], 32, 8, 128)
+    monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v6")
+    out = v1_tests._run(problem, True, torch.bfloat16, sm_scale=0.05)
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    expected = v4_tests._oracle(problem, True, sm_scale=0.05)
+    assert v1_tests._rms_ratio(out.float(), expected) <= RMS + 2**-9  # + BF16 output rounding
+    _same(out, v1_tests._run(problem, True, torch.bfloat16, sm_scale=0.05, kernel="v5w8"), "v5w8")
+
+
+def test_v6_refuses_other_groups(gen):
+    problem = v1_tests._problem(gen, [40], [40], 40, 8, 128)
+    with pytest.raises(ValueError, match="group 4 only"):
+        v1_tests._run(problem, True, kernel="v6")
