@@ -17,25 +17,14 @@ SM holds one CTA) against v5w8 only. A hang in any of them is a deadlock (see th
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
 import torch
+from siblings import load
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
-def _load(name: str, file: str):
-    spec = importlib.util.spec_from_file_location(name, Path(__file__).with_name(file))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclass looks its module up
-    spec.loader.exec_module(module)  # skips this module too when triton / cutlass / tvm_ffi are missing
-    return module
-
-
-v5_tests = _load("_prefill_v5_gpu_v6", "test_prefill_v5_gpu.py")
+v5_tests = load("test_prefill_v5_gpu.py", "_prefill_v5_gpu_v6")
 v4_tests, v3_tests, v1_tests = v5_tests.v4_tests, v5_tests.v3_tests, v5_tests.v1_tests
 
 RMS, MAX = v5_tests.RMS, v5_tests.MAX  # v5's bounds from the oracle (the same arithmetic)
