@@ -40,6 +40,9 @@ _CONFLICT_RULE = re.compile(r"conflict", re.IGNORECASE)
 _CONFLICT_ACCESS = re.compile(r"\bfor (shared \w+)")
 _CONFLICT_WAYS = re.compile(r"(\d+(?:\.\d+)?)\s*-\s*way bank conflict")
 _CONFLICT_SHARE = re.compile(r"(\d+(?:\.\d+)?)% of the overall\b.*?\bwavefronts")
+_EXCESS_RULE = "UncoalescedSharedAccess"
+_EXCESS_SHARE = re.compile(r"([\d,]+) excessive wavefronts \((\d+(?:\.\d+)?)% of the total ([\d,]+) wavefronts\)")
+NO_RULE = "none reported (ncu's rule did not fire)"
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,7 @@ def bound_summary(details: NcuDetails) -> list[tuple[str, str]]:
         ("dynamic shared memory per block", _bytes(details, LAUNCH, "Dynamic Shared Memory Per Block")),
         ("executed instructions", _count(number("Instruction Statistics", "Executed Instructions"), 0)),
         ("shared-memory bank conflicts", _bank_conflicts(details.rules)),
+        ("excess shared-memory wavefronts", _excess_wavefronts(details.rules)),
     ]
 
 
@@ -169,7 +173,7 @@ def _limiter(details: NcuDetails) -> str:
 
 def _bank_conflicts(rules: list[NcuRule]) -> str:
     found = [rule for rule in rules if _CONFLICT_RULE.search(rule.name)]
-    return "; ".join(map(_conflict_text, found)) or "none reported"
+    return "; ".join(map(_conflict_text, found)) or NO_RULE
 
 
 def _conflict_text(rule: NcuRule) -> str:
@@ -178,6 +182,15 @@ def _conflict_text(rule: NcuRule) -> str:
     speedup = "" if rule.speedup is None else f" (estimated speedup {rule.speedup:.2f}%)"
     return (f"{access or 'shared memory'}: {ways or NA}-way, {share or NA}% of the wavefronts are bank conflicts"
             f"{speedup}")
+
+
+def _excess_wavefronts(rules: list[NcuRule]) -> str:
+    """Shared-memory wavefronts beyond one per request (conflicts and uncoalesced accesses, loads and stores)."""
+    for rule in rules:
+        if rule.name == _EXCESS_RULE and (match := _EXCESS_SHARE.search(rule.description)):
+            excess, share, total = match.groups()
+            return f"{share}% ({int(excess.replace(',', '')):,} of {int(total.replace(',', '')):,})"
+    return NO_RULE
 
 
 def profile_full_with_ncu(adapter: KernelAdapter, workload: AttentionWorkload, out_dir: Path) -> NcuFullResult:

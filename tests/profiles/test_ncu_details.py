@@ -12,6 +12,8 @@ from mpfa.profiles.ncu_details import NcuRule, bound_summary, parse_details
 FIXTURES = Path(__file__).parent / "fixtures"
 # Real output from the H200, session 14: prefill v3 (mpfa-v3) at 16K, 32:8 heads, one warm launch.
 PREFILL_V3 = FIXTURES / "ncu-details-prefill-v3-16k-h200.csv"
+# The same after session 14's conflict-free K / V expansion (session 15, `mpfa profile prefill --ncu-full`).
+PREFILL_V3_CONFLICT_FREE = FIXTURES / "ncu-details-prefill-v3-16k-conflict-free-h200.csv"
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value","Rule Name","Rule Type",'
           '"Rule Description","Estimated Speedup Type","Estimated Speedup"')
@@ -74,7 +76,17 @@ def test_bound_summary_of_the_real_capture():
         "executed instructions": "3,542,172,096",
         "shared-memory bank conflicts": "shared stores: 10.2-way, 42.04% of the wavefronts are bank conflicts "
                                         "(estimated speedup 27.44%)",
+        "excess shared-memory wavefronts": "24% (304,218,112 of 1,265,303,018)",
     }
+
+
+def test_the_conflict_free_expansion_in_a_real_capture():
+    """Session 15's capture of v3 after the conflict-free expansion: no conflict rule, 3% excess wavefronts."""
+    [kernel] = parse_details(PREFILL_V3_CONFLICT_FREE.read_text())
+    summary = dict(bound_summary(kernel))
+    assert summary["shared-memory bank conflicts"] == "none reported (ncu's rule did not fire)"
+    assert summary["excess shared-memory wavefronts"] == "3% (34,734,080 of 995,818,610)"
+    assert summary["executed instructions"] == "3,331,880,704"
 
 
 def test_two_kernels_are_grouped_by_id():
@@ -103,7 +115,8 @@ def test_two_kernels_are_grouped_by_id():
     assert first["duration"] == "1.500 ms" and second["duration"] == "0.002 ms"
     assert first["occupancy limiter"] == ("registers and warps: 4 blocks per SM (block limits: registers 4, "
                                           "shared memory 8, warps 4)")
-    assert first["shared-memory bank conflicts"] == "none reported"
+    assert first["shared-memory bank conflicts"] == first["excess shared-memory wavefronts"] == \
+        "none reported (ncu's rule did not fire)"
     assert first["registers per thread"] == first["memory throughput"] == "n/a"
     assert first["occupancy, theoretical / achieved"] == "n/a / n/a"
     assert second["occupancy limiter"] == "n/a"
