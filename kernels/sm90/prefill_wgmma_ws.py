@@ -53,12 +53,14 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import warpgroup
 
 from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
-from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS
+from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm, rescale
 from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv
+from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
 from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_u32
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
 
@@ -312,3 +314,63 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
             self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
         # Both wgmmas of the tile were waited for (`_gemm`) and its Delta_S read: release stage s and its ring stage.
         cute.arch.mbarrier_arrive(bars + OPERAND_STAGES + s)  # empty[s]: one of 256 arrivals
+
+
+# --- opt-in variants (kernels v6a .. v6d; profiles/NOTES.md, "Prefill v6 variants") -----------------------------------
+
+class PrefillSm90WgmmaWsPv(PrefillSm90WgmmaWs):
+    """v6a: v6 with each tile's P V in **one** ``m64n128k32`` wgmma (2 k-steps) into its own 64-register fresh
+    accumulator (v6: two ``m64n64k32`` halves into S's registers, each waited for), which the consumers' 224
+    registers now hold. O's rescale (vote-skipped as in v6) is issued while that wgmma runs (O and the accumulator
+    are different registers), then one wait and 64 FADD. Every value goes through v6's operations (O alpha rounded,
+    then + the tile's P V rounded), so the output is v6's bit for bit -- provided the FP8 wgmma sums an output
+    element's 32-product k-steps the same way whatever its N (each element is its own dot product; the GPU test
+    checks it)."""
+
+    pv_n = HEAD_DIM  # v5's knob: one fresh m64n128k32 accumulator
+    fold_rescale = False  # True (v6b): O = O alpha + P V in one FFMA on every tile
+
+    @cute.jit
+    def _pv(self, mmas, probs: list, alphas: list):
+        """O = alpha O + e4m3(448 P) V^T: the PV wgmma into a fresh accumulator, issued first; then O's rescale
+        under it (``fold_rescale`` False) and O += P V after its wait, or (True) after the wait O = O alpha + P V
+        in one FFMA per register on every tile, with no vote: where alpha is 1 that is O + P V rounded once, the
+        FADD's result (a vote-skipped branch of FFMA and FADD gets merged by the compiler into FMUL + FADD)."""
+        mma_pv, operands, acc_o = mmas[1], mmas[2], mmas[4]
+        self._p_operand(probs, cute.recast_tensor(operands[2], Uint32))
+        acc_pv = cute.make_rmem_tensor(mma_pv.get_slice(0).partition_shape_C((64, HEAD_DIM)), Float32)
+        _gemm(mma_pv, acc_pv, operands[2], operands[3][0], fresh=True, wait=False)
+        if cutlass.const_expr(not self.fold_rescale):
+            rescale(acc_o, alphas)
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] + acc_pv[i]
+        else:
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1] + acc_pv[i]  # one FFMA: O + P V exactly when alpha is 1
+
+
+class PrefillSm90WgmmaWsPvFold(PrefillSm90WgmmaWsPv):
+    """v6b: v6a with O's rescale folded into the add, O = O alpha + P V: 64 FFMA on every tile, in place of v6a's
+    64 FADD plus, where a row's maximum moved, the vote-skipped 64 FMUL (no vote, no branch). Where alpha is 1 the
+    FFMA is the FADD; where not, O alpha is no longer rounded before the add, so not v6's output bit for bit (an
+    ulp of O apart at most per rescaled tile; the oracle bounds are v6's)."""
+
+    fold_rescale = True
+
+
+class PrefillSm90WgmmaWsLut(PrefillSm90WgmmaWs):
+    """v6c: v6 with the producer's NVFP4 -> e4m3 K expansion decoding e2m1 by byte-permute table look-up
+    (`prefill_wgmma_fp8qk.e2m1_word_f16x2_lut`: the FP16 of each value directly, no x 2**14 HMUL2; 15 integer
+    operations per code word against 15 + 4 HMUL2). The same FP16 values, so the same K operand tile and v6's
+    output bit for bit."""
+
+    _k_decode = staticmethod(e2m1_word_f16x2_lut)
+
+
+class PrefillSm90WgmmaWsPvFoldLut(PrefillSm90WgmmaWsPvFold):
+    """v6d: v6b's consumers (one PV wgmma, rescale folded into FFMA) and v6c's producer (table look-up K
+    expansion): v6b's output bit for bit."""
+
+    _k_decode = staticmethod(e2m1_word_f16x2_lut)
