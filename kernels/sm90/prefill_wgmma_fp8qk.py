@@ -190,8 +190,8 @@ def e2m1_word_f16x2_lut(word: Uint32, lookup=prmt_lut, permute=prmt):
     high bytes of 4 codes in the 8-byte table `E2M1_F16_HIGH` (two for the word), one permute per register spreads
     codes j and j + 4 into an f16x2, and the sign bits are ORed in as in `decode_layout.e2m1_word_to_f16x2`.
     Per word 15 integer operations where v3's take 15 and 4 HMUL2. The same FP16 bits (-0 for code 8), so
-    bit-exact with it (a generator as that one); ``lookup`` / ``permute``: the byte permutes (`ptx.prmt_lut`, `ptx.prmt`, or the CPU
-    tests' model)."""
+    bit-exact with it (a generator as that one); ``lookup`` / ``permute``: the byte permutes (`ptx.prmt_lut`,
+    `ptx.prmt`, or the CPU tests' model)."""
     magnitudes = word & E2M1_MAGNITUDES  # (plain ints: the same function models the kernel on the CPU)
     low = lookup(*E2M1_F16_HIGH, magnitudes)  # high bytes of codes 0 .. 3
     high = lookup(*E2M1_F16_HIGH, magnitudes >> 16)  # of codes 4 .. 7
@@ -220,6 +220,8 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     qk_bytes = FP8_OPERAND_BYTES
     state_size = 7
     _ROW_SCALE, _TILE_SCALE = 4, 6
+    score_scale_log2 = lay.SCORE_SCALE_LOG2  # the tile body's scores are S 2**-7 (v3's scale, which FP16 K needs;
+    # lam_scaled carries 2**7); v6e: 0 (S itself, Delta_S unscaled: 16 FMUL fewer per tile, `score_init`)
 
     qk_dtype = cutlass.Float8E4M3FN  # QK on e4m3 ``m64n64k32``
     _unit_offset = staticmethod(fp8_operand_offset)
@@ -241,7 +243,7 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
             pairs = [load_u16(base + 2 * k, valid, Uint32(0)) for k in range(4)]
             top = fold_max(max_scale_pairs([pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16)]), ())
             e = e4m3_pow2_exponent(top)
-            state[self._ROW_SCALE + r] = f32_pow2(e + Uint32(127 - 7))
+            state[self._ROW_SCALE + r] = f32_pow2(e + Uint32(127 - self.score_scale_log2))
 
     @cute.jit
     def _expand_q_chunk(self, q_tile, row, chunk, words, scales):
@@ -284,5 +286,6 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]  # 2**(e_q + e_k - 7)
         if cutlass.const_expr(ds_bits is None):
             return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
-        ds = [tile_math.score_init(ds_bits, None, block) for block in range(N_BLOCKS)]  # Delta_S * 2**-7
+        ds = [tile_math.score_init(ds_bits, None, block, self.score_scale_log2)  # Delta_S * 2**-7
+              for block in range(N_BLOCKS)]
         return [[acc_s[4 * block + i] * scale[i >> 1] + ds[block][i] for i in range(4)] for block in range(N_BLOCKS)]

@@ -58,6 +58,7 @@ from cutlass.cute.nvgpu import warpgroup
 from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
+from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm, rescale
 from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
@@ -374,3 +375,19 @@ class PrefillSm90WgmmaWsPvFoldLut(PrefillSm90WgmmaWsPvFold):
     expansion): v6b's output bit for bit."""
 
     _k_decode = staticmethod(e2m1_word_f16x2_lut)
+
+
+class PrefillSm90WgmmaWsUnscaled(PrefillSm90WgmmaWsPvFoldLut):
+    """v6e: v6d with the scores unscaled (``score_scale_log2`` 0): S = q8 k8 2**(e_q + e_k) + Delta_S instead of
+    S 2**-7 = q8 k8 2**(e_q + e_k - 7) + Delta_S 2**-7, and lam 2**-7 in place of the launch's lam 2**7 (one
+    multiply, hoisted out of the tile loops). Saves the 16 FMUL per tile that scale Delta_S. S' = 2**7 S exactly
+    and lam' S' = lam S as real numbers, so the softmax's FFMA / exp2 / max see the same values: v6d's output bit
+    for bit (short of scores below 2**-119 in magnitude, where FP32 would round 2**-7 S as a subnormal)."""
+
+    score_scale_log2 = 0
+
+    @cute.jit
+    def _wgmma_tile(self, masked: cutlass.Constexpr, tile, stage, mmas, state: cute.Tensor, lam_scaled, ds_lane,
+                    limits, c):
+        PrefillSm90WgmmaWsPvFoldLut._wgmma_tile(self, masked, tile, stage, mmas, state,
+                                                lam_scaled * Float32(2.0 ** -SCORE_SCALE_LOG2), ds_lane, limits, c)

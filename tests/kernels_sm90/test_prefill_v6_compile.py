@@ -25,13 +25,14 @@ from mpfa.kernels.sm90.sass import SMEM_PER_CTA, WARPGROUP, ctas_per_sm, loops_i
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
 BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True, "v6")]
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
-# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6d, which has every change, non-causal FP32 too
-VARIANT_BUILDS = [(CONFIGS[0], True, k) for k in ("v6a", "v6b", "v6c", "v6d")] + [(CONFIGS[1], True, "v6d")]
+# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6e, which has every change, non-causal FP32 too
+VARIANT_BUILDS = [(CONFIGS[0], True, k) for k in ("v6a", "v6b", "v6c", "v6d", "v6e")] + [(CONFIGS[1], True, "v6e")]
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}"
                for config, _, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d")  # PV as one m64n128k32 into a fresh accumulator
-FOLDED_RESCALE = ("v6b", "v6d")  # O = O alpha + P V in one FFMA, no vote
-LUT_K = ("v6c", "v6d")  # the K expansion's e2m1 by table look-up
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e")  # PV as one m64n128k32 into a fresh accumulator
+FOLDED_RESCALE = ("v6b", "v6d", "v6e")  # O = O alpha + P V in one FFMA, no vote
+LUT_K = ("v6c", "v6d", "v6e")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e",)  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once per tile instead
 TILE_LOOPS = 2  # masked tiles, then whole tiles: in the producer and in each consumer
 PRODUCER_LOOP = "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80"  # the producer's named barrier (its 128 threads)
 
@@ -101,6 +102,8 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
             assert sum(op.startswith("FFMA") for op in body) >= 2 * 32 + 64
         else:
             assert sum(op.startswith("VOTE.ANY") for op in body) == 1  # O's rescale, vote-skipped
+        two_pow_minus_7 = sum(op.startswith("FMUL") and op.endswith(", 0.0078125") for op in body)
+        assert two_pow_minus_7 == (1 if kernel in UNSCALED else 16 if compensate else 0), body
         assert not any(op.startswith("BAR.") for op in body), "a consumer tile needs no CTA or named barrier"
         assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in body) == 1  # wait full[s]
         assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in body) == 1  # arrive empty[s]
@@ -213,7 +216,8 @@ def test_lut_decode_gives_the_shift_decodes_fp16_bits():
                 assert got == expected[0] | (expected[1] << 16), (j, low, high, hex(word))
                 for half, code in enumerate((low, high)):
                     value = (-1.0 if code & 8 else 1.0) * formats.E2M1_GRID[code & 7]
-                    assert (got >> (16 * half)) & 0xFFFF == int(torch.tensor([value]).half().view(torch.int16)[0]) & 0xFFFF
+                    bits = int(torch.tensor([value]).half().view(torch.int16)[0]) & 0xFFFF
+                    assert (got >> (16 * half)) & 0xFFFF == bits
 
 
 def test_lut_expansion_is_fake_quant_fp8():
