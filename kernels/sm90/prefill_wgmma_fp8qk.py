@@ -269,6 +269,12 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
                                                                       decode=self._k_decode))
         return e
 
+    def _qk_turn(self):
+        """Before the QK wgmma is issued: nothing here; v6f's consumer ping-pong waits for its turn."""
+
+    def _qk_issued(self):
+        """After the QK wgmma is issued, before its wait: nothing here; v6f hands the turn to the other consumer."""
+
     def _qk_scores(self, masked: bool, tile, stage, mmas, state: cute.Tensor, ds_lane, limits, c) -> list:
         """S * 2**-7 = q8 k8^T 2**(e_q + e_k - 7) + Delta_S * 2**-7 (-inf where masked): the e4m3 QK wgmma from 0
         (or -inf), then one FFMA per score. Delta_S is not the accumulator's initial value as in v3: the FP8 wgmma
@@ -281,7 +287,10 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
             init = tile_math.score_init(None, seen, block)  # 0, or -inf where masked
             for i in range(4):
                 acc_s[4 * block + i] = init[i]
-        _gemm(mma_qk, acc_s, t_q, t_k)
+        self._qk_turn()
+        _gemm(mma_qk, acc_s, t_q, t_k, wait=False)
+        self._qk_issued()
+        warpgroup.wait_group(0)
         ds_bits = self._ds_bits(stage, ds_lane)  # read after the MMA: no registers held across it
         scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]  # 2**(e_q + e_k - 7)
         if cutlass.const_expr(ds_bits is None):

@@ -274,6 +274,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], wg_tid, smem + q_offset)
         cute.arch.fence_proxy("async.shared", space="cta")  # the Q stores, visible to wgmma
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER + wg, number_of_threads=THREADS)  # the warpgroup's Q tile
+        self._pingpong_start(wg)
 
         first_head, head_in_cta = cta_heads
         ds_lane = sl.ds_lane_base(self.heads, first_head - kv_head * self.group, head_in_cta, c)
@@ -287,7 +288,14 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         for step in cutlass.range(full_tiles, unroll=1):
             self._consume_step(False, masked_tiles + step, cta_tiles, num_tiles, ring, fixed, state, lam_scaled,
                                ds_lane, limits, c, smem_ptr, bars)
+        self._pingpong_end(wg)
         self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+
+    def _pingpong_start(self, wg):
+        """Before consumer ``wg``'s walk: nothing here (v6f: consumer 1 gives consumer 0 the first QK turn)."""
+
+    def _pingpong_end(self, wg):
+        """After consumer ``wg``'s walk: nothing here (v6f: consumer 0 takes consumer 1's last hand-over)."""
 
     @cute.jit
     def _consume_step(self, masked: cutlass.Constexpr, step, cta_tiles, num_tiles, ring, fixed, state: cute.Tensor,
@@ -311,6 +319,9 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         if cutlass.const_expr(masked):
             if tile_index < num_tiles:  # v5w8's skip (warpgroup-uniform; only the earlier consumer, at the start)
                 self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
+            else:  # the skipped tile's QK turn (v6f's ping-pong; nothing in v6)
+                self._qk_turn()
+                self._qk_issued()
         else:
             self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
         # Both wgmmas of the tile were waited for (`_gemm`) and its Delta_S read: release stage s and its ring stage.
@@ -391,3 +402,52 @@ class PrefillSm90WgmmaWsUnscaled(PrefillSm90WgmmaWsPvFoldLut):
                     limits, c):
         PrefillSm90WgmmaWsPvFoldLut._wgmma_tile(self, masked, tile, stage, mmas, state,
                                                 lam_scaled * Float32(2.0 ** -SCORE_SCALE_LOG2), ds_lane, limits, c)
+
+
+PINGPONG_BARRIER = 4  # v6f: consumer w's QK turn is named barrier 4 + w (both consumers: 256 threads)
+
+
+class PrefillSm90WgmmaWsPingPong(PrefillSm90WgmmaWsUnscaled):
+    """v6f: v6e with FA3's consumer ping-pong: the two consumers take turns issuing their QK wgmma, so that one's
+    softmax (and PV, O update) runs while the other's QK is on the tensor pipe, instead of both issuing their QK
+    at once and then both doing softmax with the tensor pipe idle. Same arithmetic: v6e's output bit for bit.
+
+    Protocol. Named barrier ``PINGPONG_BARRIER + w`` (256 threads) is consumer w's turn. Consumer w, on every step
+    of the walk (also on a leading tile it skips), does ``bar.sync`` on its own barrier right before issuing its QK
+    wgmma (`_qk_turn`: its 128 threads plus 128 arrivals of the other consumer complete the barrier), then
+    ``bar.arrive`` on the other's barrier right after issuing it (`_qk_issued`, before waiting for it). Consumer 1
+    arrives on barrier 4 once before its walk (`_pingpong_start`: consumer 0 goes first), and consumer 0 syncs on it
+    once after its walk (`_pingpong_end`: the arrival of consumer 1's last step), so every arrival has its sync:
+    barrier 4 sees 1 + T arrivals and T + 1 syncs, barrier 5 T and T (T = the CTA's walk, the same for both).
+    The QK issues alternate 0, 1, 0, 1, ...: consumer 0's issue of step p needs consumer 1's of step p - 1, and
+    consumer 1's of step p needs consumer 0's of step p. Neither barrier holds arrivals of two phases: a
+    consumer's next arrival on a barrier needs its own next turn, which needs the other's sync on that barrier.
+
+    No deadlock with the mbarriers (``full[s]``, ``empty[s]``): the consumers are at most one step apart (consumer 1
+    at step p - 1 or p while consumer 0 is at p), and the producer fills step p + 1 only after both released step
+    p - 1, so every ``full`` wait a consumer can reach is for a step the producer can fill without the waiting
+    consumer's turn. A consumer blocked on its turn (step p) waits for the other's QK issue of step p - 1 (consumer
+    0) or p (consumer 1); that consumer has released everything before that step, its ``full`` wait is for a step
+    <= p, which the producer fills (it needs only releases of steps <= p - 2, both done), and its turn is the one
+    the blocked consumer handed over at its previous issue. The producer never touches barriers 4 and 5."""
+
+    @staticmethod
+    def _consumer():
+        return (cute.arch.thread_idx()[0] >> 7) - 1  # warpgroup 1 + w is consumer w (warpgroup-uniform)
+
+    def _qk_turn(self):
+        cute.arch.barrier(barrier_id=PINGPONG_BARRIER + self._consumer(), number_of_threads=CONSUMER_THREADS)
+
+    def _qk_issued(self):
+        cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - self._consumer(),
+                                 number_of_threads=CONSUMER_THREADS)
+
+    @cute.jit
+    def _pingpong_start(self, wg):
+        if wg == 1:
+            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+    @cute.jit
+    def _pingpong_end(self, wg):
+        if wg == 0:
+            cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMER_THREADS)

@@ -25,14 +25,16 @@ from mpfa.kernels.sm90.sass import SMEM_PER_CTA, WARPGROUP, ctas_per_sm, loops_i
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
 BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True, "v6")]
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
-# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6e, which has every change, non-causal FP32 too
-VARIANT_BUILDS = [(CONFIGS[0], True, k) for k in ("v6a", "v6b", "v6c", "v6d", "v6e")] + [(CONFIGS[1], True, "v6e")]
+# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f, which has every change, non-causal FP32 too
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f")
+VARIANT_BUILDS = [(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f")]
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}"
                for config, _, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e")  # PV as one m64n128k32 into a fresh accumulator
-FOLDED_RESCALE = ("v6b", "v6d", "v6e")  # O = O alpha + P V in one FFMA, no vote
-LUT_K = ("v6c", "v6d", "v6e")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e",)  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once per tile instead
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f")  # PV as one m64n128k32 into a fresh accumulator
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f")  # O = O alpha + P V in one FFMA, no vote
+LUT_K = ("v6c", "v6d", "v6e", "v6f")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once per tile instead
+PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
 TILE_LOOPS = 2  # masked tiles, then whole tiles: in the producer and in each consumer
 PRODUCER_LOOP = "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80"  # the producer's named barrier (its 128 threads)
 
@@ -104,7 +106,18 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
             assert sum(op.startswith("VOTE.ANY") for op in body) == 1  # O's rescale, vote-skipped
         two_pow_minus_7 = sum(op.startswith("FMUL") and op.endswith(", 0.0078125") for op in body)
         assert two_pow_minus_7 == (1 if kernel in UNSCALED else 16 if compensate else 0), body
-        assert not any(op.startswith("BAR.") for op in body), "a consumer tile needs no CTA or named barrier"
+        bars = [op for op in body if op.startswith("BAR.")]
+        if kernel in PINGPONG:  # its turn right before the QK issue, the other's turn right after (and on a skip)
+            syncs = [i for i, op in enumerate(body) if op.startswith("BAR.SYNC.DEFER_BLOCKING R")]
+            arrives = [i for i, op in enumerate(body) if op.startswith("BAR.ARV R")]
+            assert all(op.endswith(", 0x100") for op in bars) and len(bars) == len(syncs) + len(arrives), bars
+            assert len(syncs) == len(arrives) in (1, 2), bars  # 2 in the masked loop: the skipped tile's turn
+            first_qk = next(i for i, op in enumerate(body) if op.startswith("QGMMA"))
+            last_qk = max(i for i, op in enumerate(body) if op.startswith("QGMMA.64x64x32"))
+            first_wait = next(i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR"))
+            assert syncs[0] < first_qk and last_qk < arrives[0] < first_wait, bars
+        else:
+            assert not bars, "a consumer tile needs no CTA or named barrier"
         assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in body) == 1  # wait full[s]
         assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in body) == 1  # arrive empty[s]
         assert not any(op.startswith(("LDSM", "STSM", "LDGSTS")) for op in body), "the producer's work"
