@@ -39,7 +39,8 @@ Synchronisation (the deadlock-prone part; every wait below has a matching arrive
   copies of step p landed; named barrier 1 (the 128 producer threads) makes every producer thread's copies visible
   to the others before the expansion reads them.
 * Named barriers: 0 only for the CTA-wide start; 1 the producer's per-step barrier; 2 and 3 each consumer's barrier
-  after its Q expansion (128 threads each). The tile's K exponent goes through shared memory (one word per operand
+  after its Q expansion (128 threads each); 4 and 5 only in v6f, the consumers' QK turns (256 threads each,
+  `PrefillSm90WgmmaWsPingPong`). The tile's K exponent goes through shared memory (one word per operand
   stage, written by producer thread 0 before its ``full`` arrival, read by the consumers after their ``full`` wait).
 
 Shared memory: 2 Q tiles (8 KB each), 2 operand stages (16 KB), the ring (8 x 13 KB compensated), the barriers and
