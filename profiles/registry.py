@@ -14,6 +14,7 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     MpfaAdapter("v4"), MpfaAdapter("v4w8"),  # v3 with QK^T on FP8 (mpfa-qk8tile numerics)
                     MpfaAdapter("v5"), MpfaAdapter("v5w8"),  # v4 with PV on FP8 too (mpfa-qk8tile numerics)
                     MpfaAdapter("v6"),  # v5w8 warp-specialized: a producer warpgroup, two consumers
+                    *(MpfaAdapter(v) for v in ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f")),  # variants (WS_KERNELS)
                     MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }

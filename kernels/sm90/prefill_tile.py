@@ -74,17 +74,20 @@ def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list |
             for n_tile in range(len(k_words))]
 
 
-def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int) -> list:
+def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int,
+               scale_log2: int = lay.SCORE_SCALE_LOG2) -> list:
     """The initial accumulators of n-tile ``n_tile`` (rows g, g + 8 x keys 8 n + 2c, + 1, as `qk_scores`' S):
-    Delta_S * 2**-7, or -inf where ``seen`` masks the score. ``ds_bits`` None (the direct build, no compensation):
-    0, exactly the value of an all-zero Delta_S."""
+    Delta_S * 2**-7 (2**-``scale_log2``; 0: Delta_S itself, no multiply), or -inf where ``seen`` masks the score.
+    ``ds_bits`` None (the direct build, no compensation): 0, exactly the value of an all-zero Delta_S."""
     init = []
     for r in range(2):
         for half in range(2):
             if ds_bits is None:
                 ds = Float32(0.0)
             else:
-                ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16) * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)
+                ds = bits_to_f32(ds_bits[2 * n_tile + half] << 16)
+                if scale_log2:
+                    ds = ds * Float32(2.0 ** -scale_log2)
             init.append(ds if seen is None else Float32(select_(seen[r] >= 8 * n_tile + half, ds,
                                                                 Float32(-math.inf))))
     return init

@@ -551,13 +551,15 @@ def rescale(acc_o: cute.Tensor, alphas: list) -> None:
 
 @cute.jit
 def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor,
-          fresh: cutlass.Constexpr = False) -> None:
+          fresh: cutlass.Constexpr = False, wait: cutlass.Constexpr = True) -> None:
     """acc += A B over the k-steps on wgmma (accumulating onto acc's current value; ``fresh``: acc = A B, the
-    first k-step ignoring acc), waited for."""
+    first k-step ignoring acc), waited for (``wait`` False: committed only; the caller waits with
+    ``warpgroup.wait_group(0)`` before reading acc)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
         atom.set(warpgroup.Field.ACCUMULATE, not (fresh and k == 0))
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
     warpgroup.commit_group()
-    warpgroup.wait_group(0)
+    if cutlass.const_expr(wait):
+        warpgroup.wait_group(0)

@@ -77,6 +77,7 @@ from mpfa.kernels.sm90.ptx import (
     max_u16x2,
     mul_f16x2,
     prmt,
+    prmt_lut,
     shuffle_xor_u32,
 )
 
@@ -86,6 +87,9 @@ E4M3_MAX = 448.0
 F16_EXP_BIAS = 15
 F16_MAX_EXP = 15  # 2**15: the largest power of two in FP16
 F16X2_EXP_SHIFT = 0x04000400  # (biased exponent) * this = the f16x2 of 2**(exponent - 15) in both halves
+E2M1_F16_HIGH = (0x3E3C3800, 0x46444240)  # high bytes of the FP16 of e2m1 magnitudes 0, .5, 1, 1.5 | 2, 3, 4, 6
+E2M1_MAGNITUDES = 0x77777777  # the 3 magnitude bits of each of a word's 8 e2m1 codes
+F16X2_SIGNS = 0x80008000
 
 
 # --- pure-Python model of the requantization (the CPU tests check it against `formats.fake_quant_fp8_pow2`) ------
@@ -165,17 +169,47 @@ def f32_pow2(biased) -> Float32:
     return bits_to_f32(biased << 23)
 
 
-def fp8_chunk_words(words: list, scale_pair: Uint32, factors: tuple) -> list:
+def e2m1_word_f16x2_shift(word: Uint32):
+    """A word of 8 e2m1 codes -> 4 f16x2 of their exact values (register j: codes j, j + 4; a generator, so the
+    caller's use of each register is traced right after it), v3's way: the code's bits placed in FP16
+    (`decode_layout.e2m1_word_to_f16x2`: value x 2**-14, 2 shifts and 2 masks) times 2**14 (one HMUL2 each)."""
+    for j in range(4):
+        yield mul_f16x2(lay.e2m1_word_to_f16x2(word, j), Uint32(lay.F16X2_TWO_POW_14))
+
+
+def e2m1_lut_selectors(j: int) -> int:
+    """The `prmt` selector that spreads the looked-up high bytes of codes j (from ``low``) and j + 4 (from
+    ``high``) into an f16x2 (`e2m1_word_f16x2_lut`): bytes 1 and 3; bytes 0 and 2 are the sign of byte 0 of
+    ``low`` (nibble 8), 0 since every table byte is below 0x80."""
+    return 0x8 | (j << 4) | (0x8 << 8) | ((4 + j) << 12)
+
+
+def e2m1_word_f16x2_lut(word: Uint32, lookup=prmt_lut, permute=prmt):
+    """`e2m1_word_f16x2_shift` by table look-up, without the 2**14 multiply: the FP16 of every e2m1 magnitude has
+    only its high byte set, so one byte permute with the codes' magnitudes (3 bits each) as selectors looks up the
+    high bytes of 4 codes in the 8-byte table `E2M1_F16_HIGH` (two for the word), one permute per register spreads
+    codes j and j + 4 into an f16x2, and the sign bits are ORed in as in `decode_layout.e2m1_word_to_f16x2`.
+    Per word 15 integer operations where v3's take 15 and 4 HMUL2. The same FP16 bits (-0 for code 8), so
+    bit-exact with it (a generator as that one); ``lookup`` / ``permute``: the byte permutes (`ptx.prmt_lut`,
+    `ptx.prmt`, or the CPU tests' model)."""
+    magnitudes = word & E2M1_MAGNITUDES  # (plain ints: the same function models the kernel on the CPU)
+    low = lookup(*E2M1_F16_HIGH, magnitudes)  # high bytes of codes 0 .. 3
+    high = lookup(*E2M1_F16_HIGH, magnitudes >> 16)  # of codes 4 .. 7
+    for j in range(4):
+        yield permute(low, high, e2m1_lut_selectors(j)) | ((word << (12 - 4 * j)) & F16X2_SIGNS)
+
+
+def fp8_chunk_words(words: list, scale_pair: Uint32, factors: tuple, decode=e2m1_word_f16x2_shift) -> list:
     """A 16-byte NVFP4 chunk (32 elements: 4 words) and its two e4m3 block scales -> 8 words of e4m3
     (x / 2**e, `factors` from `pow2_factors`): v3's exact f16x2 expansion (`warp_mma.q_chunk_regs`' element order,
-    register i -> bytes 2i, 2i + 1) with the block scales times 2**-e, then e4m3 per pair."""
+    register i -> bytes 2i, 2i + 1; ``decode`` a word's 4 registers of exact values) with the block scales times
+    2**-e, then e4m3 per pair."""
     scales = mul_f16x2(mul_f16x2(e4m3x2_to_f16x2(scale_pair), factors[0]), factors[1])
     blocks = prmt(scales, scales, 0x1010), prmt(scales, scales, 0x3232)
     regs = []
-    for reg in range(lay.QK_REGS):
-        word, j = divmod(reg, 4)
-        exact = mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), Uint32(lay.F16X2_TWO_POW_14))
-        regs.append(mul_f16x2(exact, blocks[word // 2]))
+    for word in range(lay.QK_REGS // 4):
+        for exact in decode(words[word]):
+            regs.append(mul_f16x2(exact, blocks[word // 2]))
     return [f16x2x2_to_e4m3x4(regs[2 * i], regs[2 * i + 1]) for i in range(len(regs) // 2)]
 
 
@@ -186,10 +220,13 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     qk_bytes = FP8_OPERAND_BYTES
     state_size = 7
     _ROW_SCALE, _TILE_SCALE = 4, 6
+    score_scale_log2 = lay.SCORE_SCALE_LOG2  # the tile body's scores are S 2**-7 (v3's scale, which FP16 K needs;
+    # lam_scaled carries 2**7); v6e: 0 (S itself, Delta_S unscaled: 16 FMUL fewer per tile, `score_init`)
 
     qk_dtype = cutlass.Float8E4M3FN  # QK on e4m3 ``m64n64k32``
     _unit_offset = staticmethod(fp8_operand_offset)
     _k_unit = staticmethod(k_expand_unit)  # this module's: conflict-free for e4m3 rows, fewer registers
+    _k_decode = staticmethod(e2m1_word_f16x2_shift)  # e2m1 -> exact f16x2 in the K expansion (`fp8_chunk_words`)
     w8_stages = STAGES  # v4w8: 4 stages (92 KB) and 128 registers unbounded, as measured
     w8_min_ctas = 0
 
@@ -206,7 +243,7 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
             pairs = [load_u16(base + 2 * k, valid, Uint32(0)) for k in range(4)]
             top = fold_max(max_scale_pairs([pairs[0] | (pairs[1] << 16), pairs[2] | (pairs[3] << 16)]), ())
             e = e4m3_pow2_exponent(top)
-            state[self._ROW_SCALE + r] = f32_pow2(e + Uint32(127 - 7))
+            state[self._ROW_SCALE + r] = f32_pow2(e + Uint32(127 - self.score_scale_log2))
 
     @cute.jit
     def _expand_q_chunk(self, q_tile, row, chunk, words, scales):
@@ -228,8 +265,15 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         lane = threads[0] & 31
         tile_scales = load_shared_v4_u32(stage + (lane >> 4) * self.stage_bytes + sl.SCALE_OFFSET + 16 * (lane & 15))
         e = e4m3_pow2_exponent(fold_max(max_scale_pairs(tile_scales), (1, 2, 4, 8, 16)))
-        self._expand_k_chunks(stage, threads, smem, functools.partial(fp8_chunk_words, factors=pow2_factors(e)))
+        self._expand_k_chunks(stage, threads, smem, functools.partial(fp8_chunk_words, factors=pow2_factors(e),
+                                                                      decode=self._k_decode))
         return e
+
+    def _qk_turn(self):
+        """Before the QK wgmma is issued: nothing here; v6f's consumer ping-pong waits for its turn."""
+
+    def _qk_issued(self):
+        """After the QK wgmma is issued, before its wait: nothing here; v6f hands the turn to the other consumer."""
 
     def _qk_scores(self, masked: bool, tile, stage, mmas, state: cute.Tensor, ds_lane, limits, c) -> list:
         """S * 2**-7 = q8 k8^T 2**(e_q + e_k - 7) + Delta_S * 2**-7 (-inf where masked): the e4m3 QK wgmma from 0
@@ -243,10 +287,14 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
             init = tile_math.score_init(None, seen, block)  # 0, or -inf where masked
             for i in range(4):
                 acc_s[4 * block + i] = init[i]
-        _gemm(mma_qk, acc_s, t_q, t_k)
+        self._qk_turn()
+        _gemm(mma_qk, acc_s, t_q, t_k, wait=False)
+        self._qk_issued()
+        warpgroup.wait_group(0)
         ds_bits = self._ds_bits(stage, ds_lane)  # read after the MMA: no registers held across it
         scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]  # 2**(e_q + e_k - 7)
         if cutlass.const_expr(ds_bits is None):
             return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
-        ds = [tile_math.score_init(ds_bits, None, block) for block in range(N_BLOCKS)]  # Delta_S * 2**-7
+        ds = [tile_math.score_init(ds_bits, None, block, self.score_scale_log2)  # Delta_S * 2**-7
+              for block in range(N_BLOCKS)]
         return [[acc_s[4 * block + i] * scale[i >> 1] + ds[block][i] for i in range(4)] for block in range(N_BLOCKS)]

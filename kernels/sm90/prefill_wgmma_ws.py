@@ -39,7 +39,8 @@ Synchronisation (the deadlock-prone part; every wait below has a matching arrive
   copies of step p landed; named barrier 1 (the 128 producer threads) makes every producer thread's copies visible
   to the others before the expansion reads them.
 * Named barriers: 0 only for the CTA-wide start; 1 the producer's per-step barrier; 2 and 3 each consumer's barrier
-  after its Q expansion (128 threads each). The tile's K exponent goes through shared memory (one word per operand
+  after its Q expansion (128 threads each); 4 and 5 only in v6f, the consumers' QK turns (256 threads each,
+  `PrefillSm90WgmmaWsPingPong`). The tile's K exponent goes through shared memory (one word per operand
   stage, written by producer thread 0 before its ``full`` arrival, read by the consumers after their ``full`` wait).
 
 Shared memory: 2 Q tiles (8 KB each), 2 operand stages (16 KB), the ring (8 x 13 KB compensated), the barriers and
@@ -53,12 +54,15 @@ import math
 import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
+from cutlass.cute.nvgpu import warpgroup
 
 from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
-from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS
+from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
+from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm, rescale
 from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv
+from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
 from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_u32
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
 
@@ -271,6 +275,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], wg_tid, smem + q_offset)
         cute.arch.fence_proxy("async.shared", space="cta")  # the Q stores, visible to wgmma
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER + wg, number_of_threads=THREADS)  # the warpgroup's Q tile
+        self._pingpong_start(wg)
 
         first_head, head_in_cta = cta_heads
         ds_lane = sl.ds_lane_base(self.heads, first_head - kv_head * self.group, head_in_cta, c)
@@ -284,7 +289,14 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         for step in cutlass.range(full_tiles, unroll=1):
             self._consume_step(False, masked_tiles + step, cta_tiles, num_tiles, ring, fixed, state, lam_scaled,
                                ds_lane, limits, c, smem_ptr, bars)
+        self._pingpong_end(wg)
         self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+
+    def _pingpong_start(self, wg):
+        """Before consumer ``wg``'s walk: nothing here (v6f: consumer 1 gives consumer 0 the first QK turn)."""
+
+    def _pingpong_end(self, wg):
+        """After consumer ``wg``'s walk: nothing here (v6f: consumer 0 takes consumer 1's last hand-over)."""
 
     @cute.jit
     def _consume_step(self, masked: cutlass.Constexpr, step, cta_tiles, num_tiles, ring, fixed, state: cute.Tensor,
@@ -308,7 +320,135 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         if cutlass.const_expr(masked):
             if tile_index < num_tiles:  # v5w8's skip (warpgroup-uniform; only the earlier consumer, at the start)
                 self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
+            else:  # the skipped tile's QK turn (v6f's ping-pong; nothing in v6)
+                self._qk_turn()
+                self._qk_issued()
         else:
             self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
         # Both wgmmas of the tile were waited for (`_gemm`) and its Delta_S read: release stage s and its ring stage.
         cute.arch.mbarrier_arrive(bars + OPERAND_STAGES + s)  # empty[s]: one of 256 arrivals
+
+
+# --- opt-in variants (kernels v6a .. v6d; profiles/NOTES.md, "Prefill v6 variants") -----------------------------------
+
+class PrefillSm90WgmmaWsPv(PrefillSm90WgmmaWs):
+    """v6a: v6 with each tile's P V in **one** ``m64n128k32`` wgmma (2 k-steps) into its own 64-register fresh
+    accumulator (v6: two ``m64n64k32`` halves into S's registers, each waited for), which the consumers' 224
+    registers now hold. O's rescale (vote-skipped as in v6) is issued while that wgmma runs (O and the accumulator
+    are different registers), then one wait and 64 FADD. Every value goes through v6's operations (O alpha rounded,
+    then + the tile's P V rounded), so the output is v6's bit for bit -- provided the FP8 wgmma sums an output
+    element's 32-product k-steps the same way whatever its N (each element is its own dot product; the GPU test
+    checks it)."""
+
+    pv_n = HEAD_DIM  # v5's knob: one fresh m64n128k32 accumulator
+    fold_rescale = False  # True (v6b): O = O alpha + P V in one FFMA on every tile
+
+    @cute.jit
+    def _pv(self, mmas, probs: list, alphas: list):
+        """O = alpha O + e4m3(448 P) V^T: the PV wgmma into a fresh accumulator, issued first; then O's rescale
+        under it (``fold_rescale`` False) and O += P V after its wait, or (True) after the wait O = O alpha + P V
+        in one FFMA per register on every tile, with no vote: where alpha is 1 that is O + P V rounded once, the
+        FADD's result (a vote-skipped branch of FFMA and FADD gets merged by the compiler into FMUL + FADD)."""
+        mma_pv, operands, acc_o = mmas[1], mmas[2], mmas[4]
+        self._p_operand(probs, cute.recast_tensor(operands[2], Uint32))
+        acc_pv = cute.make_rmem_tensor(mma_pv.get_slice(0).partition_shape_C((64, HEAD_DIM)), Float32)
+        _gemm(mma_pv, acc_pv, operands[2], operands[3][0], fresh=True, wait=False)
+        if cutlass.const_expr(not self.fold_rescale):
+            rescale(acc_o, alphas)
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] + acc_pv[i]
+        else:
+            warpgroup.wait_group(0)
+            for i in cutlass.range_constexpr(cute.size(acc_o)):
+                acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1] + acc_pv[i]  # one FFMA: O + P V exactly when alpha is 1
+
+
+class PrefillSm90WgmmaWsPvFold(PrefillSm90WgmmaWsPv):
+    """v6b: v6a with O's rescale folded into the add, O = O alpha + P V: 64 FFMA on every tile, in place of v6a's
+    64 FADD plus, where a row's maximum moved, the vote-skipped 64 FMUL (no vote, no branch). Where alpha is 1 the
+    FFMA is the FADD; where not, O alpha is no longer rounded before the add, so not v6's output bit for bit (an
+    ulp of O apart at most per rescaled tile; the oracle bounds are v6's)."""
+
+    fold_rescale = True
+
+
+class PrefillSm90WgmmaWsLut(PrefillSm90WgmmaWs):
+    """v6c: v6 with the producer's NVFP4 -> e4m3 K expansion decoding e2m1 by byte-permute table look-up
+    (`prefill_wgmma_fp8qk.e2m1_word_f16x2_lut`: the FP16 of each value directly, no x 2**14 HMUL2; 15 integer
+    operations per code word against 15 + 4 HMUL2). The same FP16 values, so the same K operand tile and v6's
+    output bit for bit."""
+
+    _k_decode = staticmethod(e2m1_word_f16x2_lut)
+
+
+class PrefillSm90WgmmaWsPvFoldLut(PrefillSm90WgmmaWsPvFold):
+    """v6d: v6b's consumers (one PV wgmma, rescale folded into FFMA) and v6c's producer (table look-up K
+    expansion): v6b's output bit for bit."""
+
+    _k_decode = staticmethod(e2m1_word_f16x2_lut)
+
+
+class PrefillSm90WgmmaWsUnscaled(PrefillSm90WgmmaWsPvFoldLut):
+    """v6e: v6d with the scores unscaled (``score_scale_log2`` 0): S = q8 k8 2**(e_q + e_k) + Delta_S instead of
+    S 2**-7 = q8 k8 2**(e_q + e_k - 7) + Delta_S 2**-7, and lam 2**-7 in place of the launch's lam 2**7 (one
+    multiply, hoisted out of the tile loops). Saves the 16 FMUL per tile that scale Delta_S. S' = 2**7 S exactly
+    and lam' S' = lam S as real numbers, so the softmax's FFMA / exp2 / max see the same values: v6d's output bit
+    for bit (short of scores below 2**-119 in magnitude, where FP32 would round 2**-7 S as a subnormal)."""
+
+    score_scale_log2 = 0
+
+    @cute.jit
+    def _wgmma_tile(self, masked: cutlass.Constexpr, tile, stage, mmas, state: cute.Tensor, lam_scaled, ds_lane,
+                    limits, c):
+        PrefillSm90WgmmaWsPvFoldLut._wgmma_tile(self, masked, tile, stage, mmas, state,
+                                                lam_scaled * Float32(2.0 ** -SCORE_SCALE_LOG2), ds_lane, limits, c)
+
+
+PINGPONG_BARRIER = 4  # v6f: consumer w's QK turn is named barrier 4 + w (both consumers: 256 threads)
+
+
+class PrefillSm90WgmmaWsPingPong(PrefillSm90WgmmaWsUnscaled):
+    """v6f: v6e with FA3's consumer ping-pong: the two consumers take turns issuing their QK wgmma, so that one's
+    softmax (and PV, O update) runs while the other's QK is on the tensor pipe, instead of both issuing their QK
+    at once and then both doing softmax with the tensor pipe idle. Same arithmetic: v6e's output bit for bit.
+
+    Protocol. Named barrier ``PINGPONG_BARRIER + w`` (256 threads) is consumer w's turn. Consumer w, on every step
+    of the walk (also on a leading tile it skips), does ``bar.sync`` on its own barrier right before issuing its QK
+    wgmma (`_qk_turn`: its 128 threads plus 128 arrivals of the other consumer complete the barrier), then
+    ``bar.arrive`` on the other's barrier right after issuing it (`_qk_issued`, before waiting for it). Consumer 1
+    arrives on barrier 4 once before its walk (`_pingpong_start`: consumer 0 goes first), and consumer 0 syncs on it
+    once after its walk (`_pingpong_end`: the arrival of consumer 1's last step), so every arrival has its sync:
+    barrier 4 sees 1 + T arrivals and T + 1 syncs, barrier 5 T and T (T = the CTA's walk, the same for both).
+    The QK issues alternate 0, 1, 0, 1, ...: consumer 0's issue of step p needs consumer 1's of step p - 1, and
+    consumer 1's of step p needs consumer 0's of step p. Neither barrier holds arrivals of two phases: a
+    consumer's next arrival on a barrier needs its own next turn, which needs the other's sync on that barrier.
+
+    No deadlock with the mbarriers (``full[s]``, ``empty[s]``): the consumers are at most one step apart (consumer 1
+    at step p - 1 or p while consumer 0 is at p), and the producer fills step p + 1 only after both released step
+    p - 1, so every ``full`` wait a consumer can reach is for a step the producer can fill without the waiting
+    consumer's turn. A consumer blocked on its turn (step p) waits for the other's QK issue of step p - 1 (consumer
+    0) or p (consumer 1); that consumer has released everything before that step, its ``full`` wait is for a step
+    <= p, which the producer fills (it needs only releases of steps <= p - 2, both done), and its turn is the one
+    the blocked consumer handed over at its previous issue. The producer never touches barriers 4 and 5."""
+
+    @staticmethod
+    def _consumer():
+        return (cute.arch.thread_idx()[0] >> 7) - 1  # warpgroup 1 + w is consumer w (warpgroup-uniform)
+
+    def _qk_turn(self):
+        cute.arch.barrier(barrier_id=PINGPONG_BARRIER + self._consumer(), number_of_threads=CONSUMER_THREADS)
+
+    def _qk_issued(self):
+        cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER + 1 - self._consumer(),
+                                 number_of_threads=CONSUMER_THREADS)
+
+    @cute.jit
+    def _pingpong_start(self, wg):
+        if wg == 1:
+            cute.arch.barrier_arrive(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+    @cute.jit
+    def _pingpong_end(self, wg):
+        if wg == 0:
+            cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMER_THREADS)

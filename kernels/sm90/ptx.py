@@ -154,6 +154,18 @@ def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
+def prmt_lut(a: Uint32, b: Uint32, selectors: Uint32, *, loc=None, ip=None) -> Uint32:
+    """`prmt` with the selector in a register: byte i of the result is byte ``selectors`` nibble i (its low 3 bits)
+    of {b, a}, or that byte's sign replicated where the nibble's bit 3 is set; only the low 16 bits of
+    ``selectors`` count. With a table of 8 bytes in {b, a}: 4 table look-ups by 3-bit index at once."""
+    value, struct = _asm(
+        [T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip), _u32(selectors, loc, ip)], "prmt.b32 $0, $1, $2, $3;",
+        "=r,r,r,r",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
 def mul_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """Lane-wise FP16 product of two f16x2 registers, round to nearest (subnormals kept)."""
     value, struct = _asm([T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r")

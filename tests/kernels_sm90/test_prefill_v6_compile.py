@@ -11,11 +11,13 @@ import re
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
 pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
+from mpfa.kernels import formats  # noqa: E402
 from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
 from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m, prefill_kernel  # noqa: E402
 from mpfa.kernels.sm90.sass import SMEM_PER_CTA, WARPGROUP, ctas_per_sm, loops_issuing, mma_loops  # noqa: E402
@@ -23,6 +25,16 @@ from mpfa.kernels.sm90.sass import SMEM_PER_CTA, WARPGROUP, ctas_per_sm, loops_i
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
 BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True, "v6")]
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
+# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f, which has every change, non-causal FP32 too
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f")
+VARIANT_BUILDS = [(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f")]
+VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}"
+               for config, _, kernel in VARIANT_BUILDS]
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f")  # PV as one m64n128k32 into a fresh accumulator
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f")  # O = O alpha + P V in one FFMA, no vote
+LUT_K = ("v6c", "v6d", "v6e", "v6f")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once per tile instead
+PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
 TILE_LOOPS = 2  # masked tiles, then whole tiles: in the producer and in each consumer
 PRODUCER_LOOP = "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80"  # the producer's named barrier (its 128 threads)
 
@@ -32,17 +44,37 @@ def v6_cubins(tmp_path_factory: pytest.TempPathFactory, compile_builds) -> dict[
     return compile_builds(BUILDS, "PrefillSm90WgmmaWs", tmp_path_factory.mktemp("prefill_v6"))
 
 
+@pytest.fixture(scope="module")
+def variant_cubins(tmp_path_factory: pytest.TempPathFactory, compile_builds) -> dict[tuple, Path]:
+    """One compiling interpreter per variant class (`compile_builds` keeps one class's files per call)."""
+    cubins = {}
+    for kernel, class_name in prefill_launch.WS_KERNELS.items():
+        builds = [build for build in VARIANT_BUILDS if build[2] == kernel]
+        if builds:
+            cubins.update(compile_builds(builds, class_name, tmp_path_factory.mktemp(f"prefill_{kernel}")))
+    return cubins
+
+
 @pytest.mark.parametrize("config,compensate,kernel", BUILDS, ids=IDS)
 def test_v6_prefill_compiles_for_sm90a(v6_cubins, cuobjdump, config, compensate, kernel):
+    _check_ws_build(str(v6_cubins[config, compensate, kernel]), cuobjdump, config, compensate, kernel)
+
+
+@pytest.mark.parametrize("config,compensate,kernel", VARIANT_BUILDS, ids=VARIANT_IDS)
+def test_v6_variants_compile_for_sm90a(variant_cubins, cuobjdump, config, compensate, kernel):
+    """v6's checks (roles, registers, barriers, no local memory), with each variant's own MMAs and arithmetic."""
+    _check_ws_build(str(variant_cubins[config, compensate, kernel]), cuobjdump, config, compensate, kernel)
+
+
+def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     from mpfa.kernels.sm90 import prefill_wgmma_ws as ws
 
-    cubin = str(v6_cubins[config, compensate, kernel])
+    launcher = getattr(ws, prefill_launch.WS_KERNELS[kernel])(*config, compensate=compensate)
     usage = cuobjdump("--dump-resource-usage", cubin)
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the v6 prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    launcher = ws.PrefillSm90WgmmaWs(*config, compensate=compensate)
     threads = ws.WARPGROUPS * WARPGROUP
-    assert launcher.threads == threads == 384 and launcher.block_m == kernel_block_m(4, "v6") == 32
+    assert launcher.threads == threads == 384 and launcher.block_m == kernel_block_m(4, kernel) == 32
     smem = launcher.smem_bytes + int(re.search(r"SHARED:(\d+)", usage).group(1))
     assert smem <= SMEM_PER_CTA and ctas_per_sm(registers, threads, smem) == 1, (registers, smem)
     # setmaxnreg moves registers within the CTA's launch allocation: 128 (p + 2c) <= 384 x launch registers
@@ -59,10 +91,33 @@ def test_v6_prefill_compiles_for_sm90a(v6_cubins, cuobjdump, config, compensate,
     consumer_loops = mma_loops(sass)
     assert len(consumer_loops) == TILE_LOOPS, [len(body) for body in consumer_loops]
     for body in consumer_loops:
-        qgmma = [op for op in body if op.startswith("QGMMA.64x64x32.F32.E4M3.E4M3")]
-        assert len(qgmma) == 8, body  # QK: 4 (smem x smem); PV: 2 halves x 2 k-steps, A from registers
-        assert sum(re.match(r"QGMMA\S* R\d+, R\d+, gdesc", op) is not None for op in qgmma) == 4, qgmma
-        assert not any(op.startswith("BAR.") for op in body), "a consumer tile needs no CTA or named barrier"
+        qk = [op for op in body if re.match(r"QGMMA.64x64x32.F32.E4M3.E4M3 R\d+, gdesc", op)]
+        assert len(qk) == 4, body  # QK: 4 k-steps, smem x smem
+        pv_shape = "64x128x32" if kernel in ONE_PV_WGMMA else "64x64x32"  # v6: 2 halves of the dims
+        pv = [op for op in body if re.match(rf"QGMMA.{pv_shape}.F32.E4M3.E4M3 R\d+, R\d+, gdesc", op)]
+        assert len(pv) == (2 if kernel in ONE_PV_WGMMA else 4), body  # 2 k-steps each, A (P) from registers
+        assert sum(op.startswith("QGMMA") for op in body) == len(qk) + len(pv)
+        waits = sum(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for op in body)
+        assert waits == (2 if kernel in ONE_PV_WGMMA else 3), body  # one wgmma wait per GEMM (v6: per PV half)
+        if kernel in FOLDED_RESCALE:  # O = O alpha + P V: 64 FFMA, no vote, no FMUL by alpha
+            assert not any(op.startswith("VOTE") for op in body)
+            assert sum(op.startswith("FFMA") for op in body) >= 2 * 32 + 64
+        else:
+            assert sum(op.startswith("VOTE.ANY") for op in body) == 1  # O's rescale, vote-skipped
+        two_pow_minus_7 = sum(op.startswith("FMUL") and op.endswith(", 0.0078125") for op in body)
+        assert two_pow_minus_7 == (1 if kernel in UNSCALED else 16 if compensate else 0), body
+        bars = [op for op in body if op.startswith("BAR.")]
+        if kernel in PINGPONG:  # its turn right before the QK issue, the other's turn right after (and on a skip)
+            syncs = [i for i, op in enumerate(body) if op.startswith("BAR.SYNC.DEFER_BLOCKING R")]
+            arrives = [i for i, op in enumerate(body) if op.startswith("BAR.ARV R")]
+            assert all(op.endswith(", 0x100") for op in bars) and len(bars) == len(syncs) + len(arrives), bars
+            assert len(syncs) == len(arrives) in (1, 2), bars  # 2 in the masked loop: the skipped tile's turn
+            first_qk = next(i for i, op in enumerate(body) if op.startswith("QGMMA"))
+            last_qk = max(i for i, op in enumerate(body) if op.startswith("QGMMA.64x64x32"))
+            first_wait = next(i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR"))
+            assert syncs[0] < first_qk and last_qk < arrives[0] < first_wait, bars
+        else:
+            assert not bars, "a consumer tile needs no CTA or named barrier"
         assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in body) == 1  # wait full[s]
         assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in body) == 1  # arrive empty[s]
         assert not any(op.startswith(("LDSM", "STSM", "LDGSTS")) for op in body), "the producer's work"
@@ -77,6 +132,8 @@ def test_v6_prefill_compiles_for_sm90a(v6_cubins, cuobjdump, config, compensate,
         assert sum(op.startswith("LDSM.16.MT88.4") for op in body) == 4  # the whole V transpose: 4 per thread
         assert sum(op.startswith("STSM.16.M88.4") for op in body) == 4
         assert sum(op.startswith("DEPBAR.LE SB0, 0x6") for op in body) == 1  # 6 tiles of copies in flight
+        # K: 2 chunks x 16 registers x the block scale (+ 2 x 2 for the block scales' 2**-e); v6 also x 2**14
+        assert sum(op.startswith("HMUL2") for op in body) == 2 * (16 + 2) + (0 if kernel in LUT_K else 2 * 16)
 
 
 def test_v6_is_opt_in(monkeypatch: pytest.MonkeyPatch):
@@ -122,3 +179,84 @@ def test_bench_backend_pins_v6():
     from mpfa.profiles.registry import adapter_for
 
     assert adapter_for("mpfa-v6").prefill_kernel == "v6"
+
+
+# --- v6c / v6d's K expansion on the CPU: the table look-up gives v4's FP16 values, so v4's e4m3 operand bytes ---------
+
+def _prmt(a: int, b: int, selector: int) -> int:
+    """PTX ``prmt.b32`` (default mode) on ints: byte i is byte ``selector`` nibble i (low 3 bits) of {b, a}, or
+    its sign replicated where the nibble's bit 3 is set; only the low 16 bits of ``selector`` count."""
+    pool = (a | (b << 32)).to_bytes(8, "little")
+    out = []
+    for i in range(4):
+        nibble = (selector >> (4 * i)) & 0xF
+        byte = pool[nibble & 7]
+        out.append((0xFF if byte & 0x80 else 0) if nibble & 8 else byte)
+    return int.from_bytes(bytes(out), "little")
+
+
+def _f16_bits_times(bits: int, factor: float) -> int:
+    """One half of an FP16 multiply (``mul.rn.f16x2``): the product of two FP16 is exact in FP32, then one rounding."""
+    import numpy as np
+
+    value = np.array([bits], dtype=np.uint16).view(np.float16).astype(np.float32) * np.float32(factor)
+    return int(value.astype(np.float16).view(np.uint16)[0])
+
+
+def _lut_regs(word: int) -> list[int]:
+    from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
+
+    return list(e2m1_word_f16x2_lut(word, lookup=_prmt, permute=_prmt))
+
+
+def test_lut_decode_gives_the_shift_decodes_fp16_bits():
+    """For every code pair (j, j + 4) of a word in every register j, among random other codes: the table look-up
+    (`e2m1_word_f16x2_lut`) gives exactly the bits of v4's `e2m1_word_to_f16x2` x 2**14 (-0 for code 8 included),
+    the FP16 of the code's value."""
+    import random
+
+    from mpfa.kernels.sm90 import decode_layout as lay
+
+    rng = random.Random(5)
+    for j in range(4):
+        for low in range(16):
+            for high in range(16):
+                others = rng.getrandbits(32) & ~((0xF << (4 * j)) | (0xF << (4 * j + 16)))
+                word = others | (low << (4 * j)) | (high << (4 * j + 16))
+                got = _lut_regs(word)[j]
+                shifted = lay.e2m1_word_to_f16x2(word, j)
+                expected = [_f16_bits_times((shifted >> (16 * h)) & 0xFFFF, 2.0**14) for h in range(2)]
+                assert got == expected[0] | (expected[1] << 16), (j, low, high, hex(word))
+                for half, code in enumerate((low, high)):
+                    value = (-1.0 if code & 8 else 1.0) * formats.E2M1_GRID[code & 7]
+                    bits = int(torch.tensor([value]).half().view(torch.int16)[0]) & 0xFFFF
+                    assert (got >> (16 * half)) & 0xFFFF == bits
+
+
+def test_lut_expansion_is_fake_quant_fp8():
+    """The whole v6c K element path, modelled bit by bit: every e2m1 code x every positive e4m3 block scale x every
+    tile exponent that block can meet (the tile's largest block scale from the block's own up to 448): the looked-up
+    FP16 value times the block scale times 2**-e in FP16 (`factor_exponents`' two exact steps), to e4m3 (round to
+    nearest even, saturating) -- equal to `formats.fake_quant_fp8` of the exact value with the scale 2**e."""
+    import numpy as np
+
+    from mpfa.kernels.sm90.prefill_wgmma_fp8qk import exponent_from_scale, factor_exponents
+
+    scales = torch.arange(1, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    codes = list(range(16))
+    words = [sum(code << (4 * n) for n in range(8)) for code in codes]  # every position holds the code
+    f16_of_code = np.array([_lut_regs(w)[0] & 0xFFFF for w in words], dtype=np.uint16).view(np.float16)
+    values = torch.tensor(f16_of_code.astype(np.float32))  # the kernel's FP16 of each code
+    grid = torch.tensor([(-1.0 if code & 8 else 1.0) * formats.E2M1_GRID[code & 7] for code in codes])
+    checked = 0
+    for top in scales.tolist():
+        e = exponent_from_scale(top)
+        a, b = factor_exponents(e)
+        blocks = scales[scales <= top]
+        factors = ((blocks.half() * torch.tensor(2.0**a).half()).half() * torch.tensor(2.0**b).half()).half()
+        product = (values.half()[:, None] * factors[None, :]).half()  # HMUL2: exact product, one rounding
+        got = product.float().to(torch.float8_e4m3fn).float() * 2.0**e
+        exact = grid[:, None] * blocks[None, :]
+        assert torch.equal(got, formats.fake_quant_fp8(exact, 2.0**e)), top
+        checked += got.numel()
+    assert checked == 16 * 126 * 127 // 2

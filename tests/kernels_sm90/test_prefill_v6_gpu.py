@@ -12,6 +12,19 @@ a longer causal batch whose CTAs walk ~70 tiles (the 8-stage ring and both opera
 SM holds one CTA) against v5w8 only. A hang in any of them is a deadlock (see the module docstring of
 `prefill_wgmma_ws`: mbarrier phases and arrival counts).
 
+The variants (`prefill_launch.WS_KERNELS`, profiles/NOTES.md "Prefill v6 variants") on v3's cases and the long
+batch, each against the oracle bounds and against v6:
+
+* v6a (one ``m64n128k32`` PV wgmma) and v6c (table look-up K expansion): v6's output bit for bit. v6c writes the
+  same K bytes (proved on the CPU, `test_prefill_v6_compile.py`); v6a assumes the FP8 wgmma forms an output
+  element the same way whatever the instruction's N -- a difference in v6a alone says it does not (then v6a is
+  still right if it meets the oracle bounds), a difference in v6c is a bug.
+* v6b (O = O alpha + P V in one FFMA) rounds O alpha once instead of twice on tiles where a row's maximum moved:
+  within 4e-6 rms of v6 (FP32 output), not bit for bit; v6d = v6b bit for bit (only the producer differs).
+* v6e (scores and Delta_S unscaled, lam 2**-7): v6d bit for bit (the softmax sees the same real numbers).
+* v6f (v6e with the consumers' QK ping-pong, named barriers 4 / 5): v6e bit for bit; a hang is a deadlock of the
+  ping-pong protocol (`prefill_wgmma_ws.PrefillSm90WgmmaWsPingPong`), so run it under a timeout.
+
     pytest -q -m gpu tests/kernels_sm90/test_prefill_v6_gpu.py -x
 """
 
@@ -80,3 +93,51 @@ def test_v6_refuses_other_groups(gen):
     problem = v1_tests._problem(gen, [40], [40], 40, 8, 128)
     with pytest.raises(ValueError, match="group 4 only"):
         v1_tests._run(problem, True, kernel="v6")
+
+
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f")
+SAME_AS = {"v6a": "v6", "v6c": "v6", "v6d": "v6b", "v6e": "v6d", "v6f": "v6e"}  # bit for bit; v6b: close to v6
+FOLD_RMS = 4e-6  # v6b from v6: O alpha rounded once instead of twice on the rescaled tiles (FP32 output)
+
+
+def _check_variant(problem, causal: bool, kernel: str, out: torch.Tensor) -> None:
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    v6 = v1_tests._run(problem, causal, kernel="v6")
+    if SAME_AS.get(kernel) == "v6":
+        assert torch.equal(out, v6), f"{kernel} differs from v6 (max |diff| {v3_tests._max_diff(out, v6)})"
+    else:
+        assert v1_tests._rms_ratio(out, v6) <= FOLD_RMS, f"{kernel}: {v1_tests._rms_ratio(out, v6):.3g} rms from v6"
+        if kernel in SAME_AS:
+            reference = v1_tests._run(problem, causal, kernel=SAME_AS[kernel])
+            assert torch.equal(out, reference), f"{kernel} differs from {SAME_AS[kernel]}"
+
+
+@pytest.mark.parametrize("kernel", VARIANTS)
+@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", CASES, ids=IDS)
+def test_v6_variant_matches_oracle_and_v6(gen, kernel, q_lens, kv_lens, page_size, causal):
+    problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
+    out = v1_tests._run(problem, causal, kernel=kernel)
+    expected = v4_tests._oracle(problem, causal)
+    _, exact = v1_tests._expected(problem, causal)
+    v1_tests._check(out, expected, exact, rms=RMS, max_fraction=MAX)
+    _check_variant(problem, causal, kernel, out)
+
+
+@pytest.mark.parametrize("kernel", VARIANTS)
+def test_v6_variant_long_causal_batch(gen, kernel):
+    """The long batch (rings wrapping many times): against v6 as above."""
+    problem = v1_tests._problem(gen, [4500, 3001, 64], [4500, 3300, 4000], 32, 8, 128)
+    _check_variant(problem, True, kernel, v1_tests._run(problem, True, kernel=kernel))
+
+
+@pytest.mark.parametrize("kernel", VARIANTS)
+def test_v6_variant_direct_builds(gen, kernel):
+    """``compensate=False``: the same relation to v6's direct build."""
+    problem = v1_tests._problem(gen, [300, 64], [300, 200], 32, 8, 128)
+    out = v1_tests._run(problem, True, kernel=kernel, compensate=False)
+    v6 = v1_tests._run(problem, True, kernel="v6", compensate=False)
+    assert bool(torch.isfinite(out).all())
+    if SAME_AS.get(kernel) == "v6":
+        assert torch.equal(out, v6)
+    else:
+        assert v1_tests._rms_ratio(out, v6) <= FOLD_RMS
