@@ -41,14 +41,22 @@ def _oracle(problem, causal: bool, variant: str = VARIANT, sm_scale: float | Non
                               block_n=TILE_KEYS, sm_scale=sm_scale)
 
 
+def run_against_oracle(problem, causal: bool, kernel: str, rms: float, max_fraction: float) -> tuple:
+    """(``kernel``'s output on ``problem``, the ``mpfa-qk8tile`` oracle's), the output checked against the oracle
+    (``rms``, ``max_fraction`` of max |O|) and float64 (`v1_tests._check`): the common part of the FP8 kernels'
+    (v4, v5, v6) tests."""
+    out = v1_tests._run(problem, causal, kernel=kernel)
+    expected = _oracle(problem, causal)
+    _, exact = v1_tests._expected(problem, causal)
+    v1_tests._check(out, expected, exact, rms=rms, max_fraction=max_fraction)
+    return out, expected
+
+
 @pytest.mark.parametrize("kernel", KERNELS)
 @pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", CASES, ids=IDS)
 def test_v4_matches_oracle_and_v3(gen, kernel, q_lens, kv_lens, page_size, causal):
     problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
-    out = v1_tests._run(problem, causal, kernel=kernel)
-    expected = _oracle(problem, causal)
-    _, exact = v1_tests._expected(problem, causal)
-    v1_tests._check(out, expected, exact, rms=FP8_RMS, max_fraction=FP8_MAX)
+    out, expected = run_against_oracle(problem, causal, kernel, FP8_RMS, FP8_MAX)
 
     v3 = v1_tests._run(problem, causal, kernel="v3")
     requant = _oracle(problem, causal, "mpfa")  # v3's oracle: what the requantization alone changes

@@ -51,10 +51,7 @@ def _same(out: torch.Tensor, reference: torch.Tensor, name: str) -> None:
 @pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", CASES, ids=IDS)
 def test_v6_matches_oracle_and_v5w8(gen, q_lens, kv_lens, page_size, causal):
     problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
-    out = v1_tests._run(problem, causal, kernel="v6")
-    expected = v4_tests._oracle(problem, causal)
-    _, exact = v1_tests._expected(problem, causal)
-    v1_tests._check(out, expected, exact, rms=RMS, max_fraction=MAX)
+    out, _ = v4_tests.run_against_oracle(problem, causal, "v6", RMS, MAX)
     _same(out, v1_tests._run(problem, causal, kernel="v5w8"), "v5w8")
     _same(v1_tests._run(problem, causal, kernel="v6", max_seqlen_q=max(q_lens)), out, "itself (a second launch)")
 
@@ -116,10 +113,7 @@ def _check_variant(problem, causal: bool, kernel: str, out: torch.Tensor) -> Non
 @pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", CASES, ids=IDS)
 def test_v6_variant_matches_oracle_and_v6(gen, kernel, q_lens, kv_lens, page_size, causal):
     problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
-    out = v1_tests._run(problem, causal, kernel=kernel)
-    expected = v4_tests._oracle(problem, causal)
-    _, exact = v1_tests._expected(problem, causal)
-    v1_tests._check(out, expected, exact, rms=RMS, max_fraction=MAX)
+    out, _ = v4_tests.run_against_oracle(problem, causal, kernel, RMS, MAX)
     _check_variant(problem, causal, kernel, out)
 
 
