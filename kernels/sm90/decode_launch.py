@@ -26,15 +26,17 @@ MAX_PARTITION = 8192
 # (65,536 / (168 x 32)); v2's 15 KB of shared memory per warp keeps 12 too (180 of 227 KB); v3's 22.5 KB (3 stages)
 # leave room for 9. Every warp is a serial chain, so the grid should fill all slots in one wave (profiles/NOTES.md).
 WARPS_PER_SM_TARGET = 12
-WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9}
+WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9, "v4": WARPS_PER_SM_TARGET}
 STAGES = {"v2": 2, "v3": 3}  # cp.async stages of the pipelined split kernel (`decode_pipelined`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async double buffer), "v3" (3 stages) or "v1" (no ring)
+KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async double buffer), "v3" (3 stages), "v4" (v2 with
+# fewer instructions per tile, `decode_lean`) or "v1" (no ring)
 
 
 def decode_kernel(kernel: str | None = None) -> str:
-    """The split kernel `mpfa_decode` runs: ``kernel`` ("v1", "v2" or "v3"), else ``MPFA_DECODE_KERNEL``, else v2."""
-    return kernel_version(KERNEL_ENV, kernel, variants=("v3",))
+    """The split kernel `mpfa_decode` runs: ``kernel`` ("v1", "v2", "v3" or "v4"), else ``MPFA_DECODE_KERNEL``,
+    else v2."""
+    return kernel_version(KERNEL_ENV, kernel, variants=("v3", "v4"))
 
 
 def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
@@ -105,7 +107,8 @@ class DecodeWorkspace:
 def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16",
                            kernel: str | None = None, compensate: bool = True) -> tuple:
     """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI.
-    ``kernel``: the split kernel, "v1", "v2" (cp.async double buffer, `decode_pipelined`) or "v3" (3 stages);
+    ``kernel``: the split kernel, "v1", "v2" (cp.async double buffer, `decode_pipelined`), "v3" (3 stages) or "v4"
+    (v2 with fewer instructions per tile, `decode_lean`);
     None: `decode_kernel`. ``compensate`` False: the direct build (no Delta_S read, `SplitKVDecodeSm90`)."""
     kernel = decode_kernel(kernel)
     target_sm90a()
@@ -114,6 +117,7 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
 
     from mpfa.kernels.sm90.decode import SplitKVDecodeSm90
     from mpfa.kernels.sm90.decode_merge import DecodeMergeSm90
+    from mpfa.kernels.sm90.decode_lean import SplitKVDecodeSm90Lean
     from mpfa.kernels.sm90.decode_pipelined import SplitKVDecodeSm90Pipelined
 
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
@@ -122,7 +126,8 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
                 fake_tensor(f32, (None, hq, None, d)))
     seq_lens = fake_tensor(Int32, (None,), align=4)
     split = compile_kernel(
-        (SplitKVDecodeSm90Pipelined(num_kv_heads, group, page_size, STAGES[kernel], compensate) if kernel in STAGES
+        (SplitKVDecodeSm90Lean(num_kv_heads, group, page_size, compensate) if kernel == "v4"
+         else SplitKVDecodeSm90Pipelined(num_kv_heads, group, page_size, STAGES[kernel], compensate) if kernel in STAGES
          else SplitKVDecodeSm90(num_kv_heads, group, page_size, compensate)),
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16)),
