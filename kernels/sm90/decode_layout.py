@@ -157,3 +157,9 @@ def scale_pair_selector(c):
     """prmt selector of a lane's two K block scales (bytes 2 (c % 2), + 1 of its aligned scale word) -> bytes
     (s_a, s_a, s_b, s_b): the low half converts to both halves of block 2c's scale, the high half block 2c + 1's."""
     return 0x1100 + 0x2222 * (c % 2)
+
+
+def delta_s_selector(g):
+    """prmt selector (with a zero second operand) moving head g's BF16 Delta_S (low half of its aligned word for
+    even g, high half for odd g) into the high half, zeros below: the FP32 of the BF16."""
+    return 0x1044 + 0x2200 * (g % 2)

@@ -93,7 +93,7 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
         smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
         lane_chunk = smem + lane * 16
         lane_word = smem + WORDS_OFFSET + lane * 4
-        selectors = (Uint32(lay.scale_pair_selector(c)), Uint32(cutlass.select_((g & 1) == 0, 0x1044, 0x3244)))
+        selectors = (Uint32(lay.scale_pair_selector(c)), Uint32(lay.delta_s_selector(g)))
 
         num_tiles = (cutlass.max(end - start, 0) + lay.TILE_KEYS - 1) // lay.TILE_KEYS
         last_tile = start + (num_tiles - 1) * lay.TILE_KEYS
