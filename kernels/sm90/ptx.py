@@ -419,3 +419,11 @@ def f32x2_to_e4m3x2_f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uin
         "{\n .reg .b16 h;\n cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;\n cvt.rn.f16x2.e4m3x2 $0, h;\n}", "=r,f,f",
     )
     return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def movmatrix_trans(a: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Transpose an 8x8 matrix of 16-bit elements across the warp: lane (g, c) gives (row g, columns 2c, 2c + 1)
+    and gets (row g, columns 2c, 2c + 1) of the transpose (``movmatrix.sync.aligned.m8n8.trans.b16``)."""
+    value, struct = _asm([T.i32()], [_u32(a, loc, ip)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+    return _unpack(value, struct, 1, T.i32(), Uint32)

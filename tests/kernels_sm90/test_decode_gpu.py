@@ -162,17 +162,18 @@ def test_direct_build_equals_a_zero_side_cache(gen, kernel):
 
 @pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,partition_size", CASES,
                          ids=["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16"])
-def test_v4_scores_equal_v2(gen, lengths, num_q_heads, num_kv_heads, page_size, partition_size):
-    """Decode v4 (`decode_lean`) feeds the QK^T MMA v2's operands times exactly 2**-7 (K's 2**7 left out) and takes
-    lambda's and m's 2**7 back, so m and l are v2's bit for bit; O adds each tile's products inside the MMA instead
-    of after it (FP32 summation order only)."""
+def test_v4_partials_match_v2(gen, lengths, num_q_heads, num_kv_heads, page_size, partition_size):
+    """Decode v4 (`decode_lean`) multiplies the same exact operands as v2 (K times exactly 2**-7, taken back in
+    lambda and m) with the keys in the MMA's M instead of N, sums l per lane and across lanes at the end, and adds
+    each tile's PV products to O inside the MMA: m and l agree to FP32 rounding, O to a rare e4m3 flip of P."""
     problem = _problem(gen, lengths, num_q_heads, num_kv_heads, page_size)
     v2, v4 = (_run(problem, partition_size, kernel=kernel)[0] for kernel in ("v2", "v4"))
-    assert torch.equal(v4.m.nan_to_num(7.0), v2.m.nan_to_num(7.0))
-    assert torch.equal(v4.l.nan_to_num(7.0), v2.l.nan_to_num(7.0))
     parts = torch.tensor([-(-n // partition_size) for n in lengths])
-    valid = (torch.arange(v2.m.shape[-1])[None, None, :] < parts[:, None, None]).expand_as(v2.m.cpu())
-    assert _rms_ratio(v4.o.cpu()[valid], v2.o.cpu()[valid]) <= 1e-5
+    valid = (torch.arange(v2.m.shape[-1])[None, None, :] < parts[:, None, None]).expand(v2.m.shape)
+    m2, m4 = v2.m.cpu()[valid], v4.m.cpu()[valid]
+    torch.testing.assert_close(m4, m2, rtol=1e-6, atol=1e-6 * float(m2.abs().max()))
+    torch.testing.assert_close(v4.l.cpu()[valid], v2.l.cpu()[valid], rtol=1e-5, atol=0.0)
+    assert _rms_ratio(v4.o.cpu()[valid], v2.o.cpu()[valid]) <= 1e-4
 
 
 def test_partitions_sized_by_each_request_length(gen):

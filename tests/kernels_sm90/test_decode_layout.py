@@ -375,3 +375,71 @@ def test_v4_pv_on_fp16_mmas_computes_fp8_p_times_v():
                     if head < group:
                         out[head, lay.o_dim(m_tile, g, i // 2)] = d[lane, i]
         np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def _movmatrix_trans(x: list[int]) -> list[int]:
+    """movmatrix.m8n8.trans.b16: lane (g, c) gives (row g, columns 2c, 2c + 1) and gets those of the transpose."""
+    m = np.zeros((8, 8), dtype=np.int64)
+    for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+        m[g, 2 * c], m[g, 2 * c + 1] = x[lane] & 0xFFFF, x[lane] >> 16
+    return [int(m[2 * c, g]) | int(m[2 * c + 1, g]) << 16 for g, c in zip(G_OF_LANE, C_OF_LANE)]
+
+
+def test_v4_keys_in_m_compute_scores_and_hand_p_to_pv():
+    """v4's S^T = K Q^T (keys qk_key(2i, g), qk_key(2i + 1, g) in rows g, g + 8 of m-tile i; heads 2c, 2c + 1 in
+    the lane's columns; K * 2**-14 operands, Delta_S words of heads 2c, 2c + 1) gives S * 2**-14 + Delta_S, and the
+    transpose of a lane's (key, head pair) values is v2's P^T fragment: head g, keys score_key(n, c, 0 / 1)."""
+    gen = torch.Generator().manual_seed(14)
+    for group in (4, 5, 8):
+        q = quantize_nvfp4(torch.randn(group, HEAD_DIM, generator=gen) * 3)
+        k = quantize_nvfp4(torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 5)
+        ds = torch.randn(lay.TILE_KEYS, group, generator=gen).bfloat16().double().numpy()
+        expected = (dequantize_nvfp4(q).double() @ dequantize_nvfp4(k).double().T).numpy() + ds.T
+        q_codes, q_scales = q.codes.numpy(), q.scales.view(torch.uint8).numpy()
+        k_codes, k_scales = k.codes.numpy(), k.scales.view(torch.uint8).numpy()
+        q_regs, k_regs = [], []
+        for g, c in zip(G_OF_LANE, C_OF_LANE):
+            words = _words(q_codes[g, 16 * c:16 * c + 16]) if g < group else [0] * 4
+            scale_pair = _e4m3(q_scales[g, 2 * c:2 * c + 2]) if g < group else np.zeros(2)
+            regs = []
+            for reg in range(lay.QK_REGS):
+                word, j = divmod(reg, 4)
+                exact = _mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), lay.F16X2_TWO_POW_14)
+                scale = np.array([scale_pair[word // 2]] * 2, dtype=np.float16).view(np.uint16)
+                regs.append(_mul_f16x2(exact, int(scale[0]) | int(scale[1]) << 16))
+            q_regs.append(regs)
+            lane_keys = []
+            for n in range(lay.N_TILES):
+                key = lay.qk_key(n, g)
+                words = _words(k_codes[key, 16 * c:16 * c + 16])
+                scales = _e4m3(k_scales[key, 2 * c:2 * c + 2])  # no 2**7: K * 2**-14
+                regs = []
+                for reg in range(lay.QK_REGS):
+                    word, j = divmod(reg, 4)
+                    scale = np.array([scales[word // 2]] * 2, dtype=np.float16).view(np.uint16)
+                    regs.append(_mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), int(scale[0]) | int(scale[1]) << 16))
+                lane_keys.append(regs)
+            k_regs.append(lane_keys)
+        scores = np.full((group, lay.TILE_KEYS), np.nan)
+        for m_tile in range(2):
+            lo, hi = 2 * m_tile, 2 * m_tile + 1
+            acc = np.array([[ds[lay.qk_key(n, g), 2 * c + h] * 2.0**-14 if 2 * c + h < group else 0.0
+                             for n in (lo, hi) for h in range(2)] for g, c in zip(G_OF_LANE, C_OF_LANE)])
+            for step in range(lay.K_STEPS_QK):
+                r0, r1 = lay.qk_step_regs(step)
+                acc = _mma_f16([[k_regs[lane][lo][r0], k_regs[lane][hi][r0], k_regs[lane][lo][r1], k_regs[lane][hi][r1]]
+                                for lane in LANES], [[q_regs[lane][r0], q_regs[lane][r1]] for lane in LANES], acc)
+            for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+                for i in range(4):
+                    head = 2 * c + i % 2
+                    if head < group:
+                        scores[head, lay.qk_key(lo + i // 2, g)] = acc[lane, i]
+        np.testing.assert_allclose(scores * 2.0**14, expected, rtol=1e-12, atol=1e-12)
+
+        # P^T: a lane's (key qk_key(n, g); heads 2c, 2c + 1) 16-bit values, transposed -> (head g; keys 8n + 2c + h)
+        tag = lambda key, head: key * 16 + head  # noqa: E731
+        for n in range(lay.N_TILES):
+            x = [tag(lay.qk_key(n, g), 2 * c) | tag(lay.qk_key(n, g), 2 * c + 1) << 16 for g, c in zip(G_OF_LANE, C_OF_LANE)]
+            y = _movmatrix_trans(x)
+            for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+                assert y[lane] == tag(lay.score_key(n, c, 0), g) | tag(lay.score_key(n, c, 1), g) << 16
