@@ -443,3 +443,13 @@ def test_v4_keys_in_m_compute_scores_and_hand_p_to_pv():
             y = _movmatrix_trans(x)
             for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
                 assert y[lane] == tag(lay.score_key(n, c, 0), g) | tag(lay.score_key(n, c, 1), g) << 16
+
+
+def test_v4_k_operand_is_exact_without_the_2_pow_7():
+    """v4 multiplies e2m1 * 2**-14 by the raw e4m3 block scale (v2 by scale * 2**7): every product is exact in
+    FP16 (a multiple of 2**-24 below 2**-14, at most 8 significant bits above), for every code and finite scale."""
+    codes = np.array(E2M1_GRID, dtype=np.float64) * 2.0**-14
+    scales = _e4m3(np.arange(0, 127, dtype=np.uint8))
+    for code in codes:
+        products = np.float16(code) * scales.astype(np.float16)  # FP16 multiply, round to nearest
+        np.testing.assert_array_equal(products.astype(np.float64), code * scales)
