@@ -24,7 +24,8 @@ MIN_PARTITION = 128
 MAX_PARTITION = 8192
 # Decode warps per SM to aim for: the split kernels take <= 168 registers, so 12 one-warp CTAs fit an SM
 # (65,536 / (168 x 32)); v2's 15 KB of shared memory per warp keeps 12 too (180 of 227 KB); v3's 22.5 KB (3 stages)
-# leave room for 9. Every warp is a serial chain, so the grid should fill all slots in one wave (profiles/NOTES.md).
+# leave room for 9; v4 (`decode_lean`) keeps v2's ring and takes 128-154 registers. Every warp is a serial chain,
+# so the grid should fill all slots in one wave (profiles/NOTES.md).
 WARPS_PER_SM_TARGET = 12
 WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9, "v4": WARPS_PER_SM_TARGET}
 STAGES = {"v2": 2, "v3": 3}  # cp.async stages of the pipelined split kernel (`decode_pipelined`)
