@@ -15,7 +15,7 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     MpfaAdapter("v5"), MpfaAdapter("v5w8"),  # v4 with PV on FP8 too (mpfa-qk8tile numerics)
                     MpfaAdapter("v6"),  # v5w8 warp-specialized: a producer warpgroup, two consumers
                     MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
-                    MpfaAdapter(decode_kernel="v4"),  # decode v2 with fewer instructions per tile (decode_lean)
+                    MpfaAdapter(decode_kernel="v4"), MpfaAdapter(decode_kernel="v4w14"),  # decode_lean (12 / 14 warps)
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")

@@ -126,6 +126,18 @@ V4_TILE_SASS = {(8, 4, 128): 646, (8, 4, 1): 730, (8, 5, 16): 741, (1, 5, 16): 7
 V4_SAVES = {(8, 4, 128): 280, (8, 4, 1): 230, (8, 5, 16): 230, (1, 5, 16): 230}
 
 
+def test_decode_v4w14_fits_14_warps_per_sm(decode_cubins):
+    """``v4w14`` is v4 with its workspace partitioned for 14 warps per SM: at pages of >= 32 keys v4 takes <= 144
+    registers and 15 KB of shared memory per warp, so 14 one-warp CTAs fit an SM (shared memory allows no 15th)."""
+    from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM
+    from mpfa.kernels.sm90.sass import ctas_per_sm
+
+    cubin = next(c for c in decode_cubins[(8, 4, 128), "v4"] if SPLIT_CLASS["v4"] in c.name)
+    usage = _cuobjdump("--dump-resource-usage", str(cubin))
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert WARPS_PER_SM["v4w14"] == 14 == ctas_per_sm(registers, 32, 2 * 7680), f"{registers} registers"
+
+
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}".format(*c))
 def test_decode_v4_issues_fewer_instructions_per_tile(decode_cubins, config):
     """Decode v4 (`decode_lean`) is v2 with fewer instructions per tile: the split kernel is issue-bound

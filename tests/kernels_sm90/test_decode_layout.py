@@ -241,6 +241,8 @@ def test_partitions_fill_one_wave_of_decode_warps():
     assert choose_partition_size(1, 8, 131072, 132) == 672
     assert choose_partition_size(8, 8, 131072, 132) == 5472
     assert choose_partition_size(1, 8, 131072, 132, "v3") == 896  # 9 warps per SM: 147 partitions
+    assert choose_partition_size(1, 8, 131072, 132, "v4") == 672
+    assert choose_partition_size(1, 8, 131072, 132, "v4w14") == 576  # 14 warps per SM: 228 partitions
 
 
 def test_partitions_spread_each_request_over_the_grid():
@@ -271,8 +273,9 @@ def test_decode_kernel_switch(monkeypatch):
     assert decode_kernel() == "v1" and decode_kernel("v3") == "v3"
     monkeypatch.setenv(KERNEL_ENV, "v4")
     assert decode_kernel() == "v4"
+    assert decode_kernel("V4W14") == "v4w14"
     monkeypatch.setenv(KERNEL_ENV, "v5")
-    with pytest.raises(ValueError, match="v1, v2, v3 or v4"):
+    with pytest.raises(ValueError, match="v1, v2, v3, v4 or v4w14"):
         decode_kernel()
 
 
@@ -453,3 +456,12 @@ def test_v4_k_operand_is_exact_without_the_2_pow_7():
     for code in codes:
         products = np.float16(code) * scales.astype(np.float16)  # FP16 multiply, round to nearest
         np.testing.assert_array_equal(products.astype(np.float64), code * scales)
+
+
+def test_v4w14_needs_pages_of_32_keys():
+    import pytest
+
+    from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
+
+    with pytest.raises(ValueError, match="v4w14 needs pages of >= 32 keys"):
+        compile_decode_kernels(8, 4, 16, kernel="v4w14")
