@@ -16,6 +16,7 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     MpfaAdapter("v6"),  # v5w8 warp-specialized: a producer warpgroup, two consumers
                     *(MpfaAdapter(v) for v in ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f")),  # variants (WS_KERNELS)
                     MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
+                    MpfaAdapter(decode_kernel="v4"), MpfaAdapter(decode_kernel="v4w14"),  # decode_lean (12 / 14 warps)
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")

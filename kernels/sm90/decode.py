@@ -62,6 +62,8 @@ class SplitKVDecodeSm90:
     # One page-table read per tile when pages hold >= 32 keys (`_fetch_slots`); v1 keeps one per key: its loads go
     # straight to registers, and the uniform-page form keeps 12 addresses live (196 registers: < 12 warps per SM).
     tile_page_reads = False
+    # The QK MMA yields S * 2**-score_scale_log2 (v4, `decode_lean`, runs 14: its K operand leaves out the 2**7)
+    score_scale_log2 = lay.SCORE_SCALE_LOG2
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, compensate: bool = True) -> None:
         """``compensate`` False: the `direct` build, which reads no Delta_S (every score starts at 0, as if the
@@ -244,6 +246,12 @@ class SplitKVDecodeSm90:
     @cute.jit
     def _online_softmax(self, scores, state: cute.Tensor, row_valid, lam_scaled: Float32):
         """Update (m, l) of head g with the tile; -> (P^T fragments b0, b1 in e4m3 x 448, alpha of head g)."""
+        probs, alpha = self._softmax_probs(scores, state, row_valid, lam_scaled)
+        return p_fragment([p_pair(probs[2 * n_tile], probs[2 * n_tile + 1]) for n_tile in range(lay.N_TILES)]), alpha
+
+    @cute.jit
+    def _softmax_probs(self, scores, state: cute.Tensor, row_valid, lam_scaled: Float32):
+        """Update (m, l) of head g with the tile; -> (P of the lane's keys [2 n-tile + half] in FP32, alpha)."""
         tile_max = scores[0][0]
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
             for half in cutlass.range_constexpr(2):
@@ -271,7 +279,7 @@ class SplitKVDecodeSm90:
         alpha = probs[lay.N_TILES * 2]
         state[0] = m_new
         state[1] = alpha * state[1] + row_sum
-        return p_fragment([p_pair(probs[2 * n_tile], probs[2 * n_tile + 1]) for n_tile in range(lay.N_TILES)]), alpha
+        return [probs[i] for i in range(lay.N_TILES * 2)], alpha
 
     @cute.jit
     def _pv_tile(self, p_regs, alpha, acc: cute.Tensor, v_rows, c):
@@ -293,7 +301,7 @@ class SplitKVDecodeSm90:
         num_q_heads = self.num_kv_heads * self.group
         if (g < self.group) & (c == 0):
             head = kv_head * self.group + g
-            m_part[batch_idx, head, part] = state[0] * Float32(2.0 ** lay.SCORE_SCALE_LOG2)
+            m_part[batch_idx, head, part] = state[0] * Float32(2.0 ** self.score_scale_log2)
             l_part[batch_idx, head, part] = state[1]
         o_base = o_part.iterator.toint()
         for which in cutlass.range_constexpr(2):

@@ -24,17 +24,23 @@ MIN_PARTITION = 128
 MAX_PARTITION = 8192
 # Decode warps per SM to aim for: the split kernels take <= 168 registers, so 12 one-warp CTAs fit an SM
 # (65,536 / (168 x 32)); v2's 15 KB of shared memory per warp keeps 12 too (180 of 227 KB); v3's 22.5 KB (3 stages)
-# leave room for 9. Every warp is a serial chain, so the grid should fill all slots in one wave (profiles/NOTES.md).
+# leave room for 9; v4 (`decode_lean`) keeps v2's ring and takes 128-154 registers. Every warp is a serial chain,
+# so the grid should fill all slots in one wave (profiles/NOTES.md).
 WARPS_PER_SM_TARGET = 12
-WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9}
+WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9, "v4": WARPS_PER_SM_TARGET,
+                "v4w14": 14}  # v4 sized for 14 warps per SM: pages of >= 32 keys only (128 registers there)
+LEAN_KERNELS = ("v4", "v4w14")  # `decode_lean`
+LEAN_MIN_PAGE_W14 = 32
 STAGES = {"v2": 2, "v3": 3}  # cp.async stages of the pipelined split kernel (`decode_pipelined`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async double buffer), "v3" (3 stages) or "v1" (no ring)
+KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async double buffer), "v3" (3 stages), "v4" (v2 with
+# fewer instructions per tile, `decode_lean`), "v4w14" (v4 with partitions for 14 warps per SM) or "v1" (no ring)
 
 
 def decode_kernel(kernel: str | None = None) -> str:
-    """The split kernel `mpfa_decode` runs: ``kernel`` ("v1", "v2" or "v3"), else ``MPFA_DECODE_KERNEL``, else v2."""
-    return kernel_version(KERNEL_ENV, kernel, variants=("v3",))
+    """The split kernel `mpfa_decode` runs: ``kernel`` ("v1", "v2", "v3", "v4" or "v4w14"), else
+    ``MPFA_DECODE_KERNEL``, else v2."""
+    return kernel_version(KERNEL_ENV, kernel, variants=("v3", "v4", "v4w14"))
 
 
 def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
@@ -105,15 +111,21 @@ class DecodeWorkspace:
 def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16",
                            kernel: str | None = None, compensate: bool = True) -> tuple:
     """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI.
-    ``kernel``: the split kernel, "v1", "v2" (cp.async double buffer, `decode_pipelined`) or "v3" (3 stages);
+    ``kernel``: the split kernel, "v1", "v2" (cp.async double buffer, `decode_pipelined`), "v3" (3 stages), "v4"
+    (v2 with fewer instructions per tile, `decode_lean`) or "v4w14" (the same kernel, its workspace partitioned for
+    14 warps per SM: pages of >= 32 keys only, where it takes 128 registers);
     None: `decode_kernel`. ``compensate`` False: the direct build (no Delta_S read, `SplitKVDecodeSm90`)."""
     kernel = decode_kernel(kernel)
+    if kernel == "v4w14" and page_size < LEAN_MIN_PAGE_W14:
+        raise ValueError(f"decode v4w14 needs pages of >= {LEAN_MIN_PAGE_W14} keys (with pages of {page_size} v4 takes "
+                         "148-154 registers: 12 warps per SM, not 14); use v4")
     target_sm90a()
     import cutlass
     from cutlass import Float32, Int32
 
     from mpfa.kernels.sm90.decode import SplitKVDecodeSm90
     from mpfa.kernels.sm90.decode_merge import DecodeMergeSm90
+    from mpfa.kernels.sm90.decode_lean import SplitKVDecodeSm90Lean
     from mpfa.kernels.sm90.decode_pipelined import SplitKVDecodeSm90Pipelined
 
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
@@ -122,7 +134,8 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
                 fake_tensor(f32, (None, hq, None, d)))
     seq_lens = fake_tensor(Int32, (None,), align=4)
     split = compile_kernel(
-        (SplitKVDecodeSm90Pipelined(num_kv_heads, group, page_size, STAGES[kernel], compensate) if kernel in STAGES
+        (SplitKVDecodeSm90Lean(num_kv_heads, group, page_size, compensate) if kernel in LEAN_KERNELS
+         else SplitKVDecodeSm90Pipelined(num_kv_heads, group, page_size, STAGES[kernel], compensate) if kernel in STAGES
          else SplitKVDecodeSm90(num_kv_heads, group, page_size, compensate)),
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16)),

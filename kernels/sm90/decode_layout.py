@@ -125,3 +125,41 @@ def transpose_selectors():
 def pv_a_regs(m_tile):
     """Indices into the transposed V bytes (4 x word + byte) feeding a0/a1 (first key half) and a2/a3 (second)."""
     return 2 * m_tile, 2 * m_tile + 1
+
+
+# --- decode v4 (`decode_lean`): the same f16x2 registers from 4 bytes at a time ------------------------------------
+# An FP16 high byte (s 0 0 0 e1 e0 m 0) holds an e2m1 code as value * 2**-14 with a zero low byte: the register of
+# codes j, j + 4 of a word (`e2m1_word_to_f16x2`) is two such bytes, so a word's 8 codes become two words of high
+# bytes (codes 0, 2, 4, 6 and 1, 3, 5, 7) and each register is one byte pick of those (`e2m1_pick`).
+E2M1_SIGN_BYTES = 0x80808080
+E2M1_MAGNITUDE_BYTES = 0x0E0E0E0E
+PICK_EVEN_BYTES = 0x2404  # prmt(t, 0, .): bytes 0 and 2 of t into the high bytes of the two halves
+PICK_ODD_BYTES = 0xFF00FF00  # t & .: bytes 1 and 3 of t, already in place
+
+
+def e2m1_high_bytes(word, low_nibbles: bool):
+    """FP16 high bytes of the word's 4 low-nibble codes (0, 2, 4, 6; ``low_nibbles``) or high-nibble codes (1, 3,
+    5, 7), byte k for the code of byte k."""
+    if low_nibbles:
+        return ((word << 4) & E2M1_SIGN_BYTES) | ((word << 1) & E2M1_MAGNITUDE_BYTES)
+    return (word & E2M1_SIGN_BYTES) | ((word >> 3) & E2M1_MAGNITUDE_BYTES)
+
+
+def e2m1_pick(high_bytes, j):
+    """`e2m1_word_to_f16x2(word, j)` from ``e2m1_high_bytes(word, j % 2 == 0)``: codes j, j + 4 are bytes j // 2 and
+    j // 2 + 2 (the kernel does the j < 2 shift with one prmt, `PICK_EVEN_BYTES`)."""
+    if j < 2:
+        return (high_bytes << 8) & PICK_ODD_BYTES
+    return high_bytes & PICK_ODD_BYTES
+
+
+def scale_pair_selector(c):
+    """prmt selector of a lane's two K block scales (bytes 2 (c % 2), + 1 of its aligned scale word) -> bytes
+    (s_a, s_a, s_b, s_b): the low half converts to both halves of block 2c's scale, the high half block 2c + 1's."""
+    return 0x1100 + 0x2222 * (c % 2)
+
+
+def delta_s_selector(g):
+    """prmt selector (with a zero second operand) moving head g's BF16 Delta_S (low half of its aligned word for
+    even g, high half for odd g) into the high half, zeros below: the FP32 of the BF16."""
+    return 0x1044 + 0x2200 * (g % 2)

@@ -363,3 +363,79 @@ def f32x4_to_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None,
         " mov.b32 $0, {lo, hi};\n}", "=r,f,f,f,f",
     )
     return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+# --- decode v4 (`decode_lean`): copies with immediate offsets and one predicate, operand conversions ------------------
+
+@dsl_user_op
+def cp_async_16_at(smem_address: Int32, smem_offset: int, address: Int64, offset: int, valid: Uint32, *, loc=None,
+                   ip=None) -> None:
+    """`cp_async_16` of [address + offset] to [smem_address + smem_offset] (compile-time byte offsets, folded into
+    the instruction); zeros, and nothing read, when ``valid`` is 0 (cp.async's ignore-src predicate)."""
+    _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip),
+                      _u32(valid, loc, ip)],
+                     "{\n .reg .pred p;\n setp.eq.u32 p, $2, 0;\n"
+                     f" cp.async.cg.shared.global [$0+{smem_offset}], [$1+{offset}], 16, p;\n}}", "r,l,r")
+
+
+@dsl_user_op
+def cp_async_4_at(smem_address: Int32, smem_offset: int, address: Int64, offset: int, valid: Uint32, *, loc=None,
+                  ip=None) -> None:
+    """`cp_async_4` with compile-time offsets and an ignore-src predicate (see `cp_async_16_at`)."""
+    _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip),
+                      _u32(valid, loc, ip)],
+                     "{\n .reg .pred p;\n setp.eq.u32 p, $2, 0;\n"
+                     f" cp.async.ca.shared.global [$0+{smem_offset}], [$1+{offset}], 4, p;\n}}", "r,l,r")
+
+
+@dsl_user_op
+def load_shared_v4_u32_at(smem_address: Int32, offset: int, *, loc=None, ip=None) -> list:
+    """`load_shared_v4_u32` of [smem_address + offset] (a compile-time offset)."""
+    value, struct = _asm([T.i32()] * 4, [Int32(smem_address).ir_value(loc=loc, ip=ip)],
+                         f"ld.shared.v4.u32 {{$0, $1, $2, $3}}, [$4+{offset}];", "=r,=r,=r,=r,r", pinned=True)
+    return _unpack(value, struct, 4, T.i32(), Uint32)
+
+
+@dsl_user_op
+def load_shared_u32_at(smem_address: Int32, offset: int, *, loc=None, ip=None) -> Uint32:
+    """`load_shared_u32` of [smem_address + offset] (a compile-time offset)."""
+    value, struct = _asm([T.i32()], [Int32(smem_address).ir_value(loc=loc, ip=ip)],
+                         f"ld.shared.u32 $0, [$1+{offset}];", "=r,r", pinned=True)
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def prmt_var(a: Uint32, b: Uint32, selector: Uint32, *, loc=None, ip=None) -> Uint32:
+    """`prmt` with a selector held in a register (e.g. one that depends on the lane)."""
+    value, struct = _asm([T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip), _u32(selector, loc, ip)],
+                         "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def e4m3x2_hi_to_f16x2(pair: Uint32, *, loc=None, ip=None) -> Uint32:
+    """The two e4m3 bytes in the high 16 bits of ``pair`` -> f16x2 (byte 2 to the low half); exact."""
+    value, struct = _asm(
+        [T.i32()], [_u32(pair, loc, ip)],
+        "{\n .reg .b16 l, h;\n mov.b32 {l, h}, $1;\n cvt.rn.f16x2.e4m3x2 $0, h;\n}", "=r,r",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def f32x2_to_e4m3x2_f16x2(lo: Float32, hi: Float32, *, loc=None, ip=None) -> Uint32:
+    """Two FP32 rounded to e4m3 (nearest even, saturating), returned as the f16x2 of those e4m3 values (exact):
+    ``lo`` in the low half. The FP16 MMA then computes what the e4m3 MMA would."""
+    value, struct = _asm(
+        [T.i32()], [_f32(lo, loc, ip), _f32(hi, loc, ip)],
+        "{\n .reg .b16 h;\n cvt.rn.satfinite.e4m3x2.f32 h, $2, $1;\n cvt.rn.f16x2.e4m3x2 $0, h;\n}", "=r,f,f",
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def movmatrix_trans(a: Uint32, *, loc=None, ip=None) -> Uint32:
+    """Transpose an 8x8 matrix of 16-bit elements across the warp: lane (g, c) gives (row g, columns 2c, 2c + 1)
+    and gets (row g, columns 2c, 2c + 1) of the transpose (``movmatrix.sync.aligned.m8n8.trans.b16``)."""
+    value, struct = _asm([T.i32()], [_u32(a, loc, ip)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
+    return _unpack(value, struct, 1, T.i32(), Uint32)

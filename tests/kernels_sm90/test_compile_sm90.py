@@ -39,7 +39,7 @@ def decode_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[tuple[
     -> the cubins of each (config, version); v2 and v3 are one class, so each version gets its own dump."""
     found = {}
     for config in CONFIGS:
-        for kernel in ("v1", "v2", "v3", "v2-direct") if config == CONFIGS[0] else ("v1", "v2", "v3"):
+        for kernel in ("v1", "v2", "v3", "v4", "v2-direct", "v4-direct") if config == CONFIGS[0] else ("v1", "v2", "v3", "v4"):
             dump = tmp_path_factory.mktemp("hkv{}-g{}-page{}-".format(*config) + kernel)
             dtypes = ("BFloat16", "Float32") if kernel == "v2" else ("BFloat16",)
             _python(f"""
@@ -59,44 +59,98 @@ def _cuobjdump(*args: str) -> str:
     return subprocess.run([str(tool), *args], check=True, capture_output=True, text=True).stdout
 
 
-@pytest.mark.parametrize("kernel", ["v3", "v2", "v1"])
+SPLIT_CLASS = {"v1": "SplitKVDecodeSm90_", "v2": "SplitKVDecodeSm90Pipelined", "v3": "SplitKVDecodeSm90Pipelined",
+               "v4": "SplitKVDecodeSm90Lean"}
+
+
+@pytest.mark.parametrize("kernel", ["v4", "v3", "v2", "v1"])
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}".format(*c))
 def test_decode_kernels_compile_for_sm90a(decode_cubins, config, kernel):
     from mpfa.kernels.sm90.decode_launch import STAGES, WARPS_PER_SM
 
     cubins = decode_cubins[config, kernel]
-    split = [c for c in cubins if "SplitKVDecode" in c.name and ("Pipelined" in c.name) == (kernel in STAGES)]
+    split = [c for c in cubins if SPLIT_CLASS[kernel] in c.name]
     assert split and any("DecodeMerge" in c.name for c in cubins), f"missing cubins: {[c.name for c in cubins]}"
     sass = _cuobjdump("--dump-sass", str(split[0]))
-    # 8 k-steps x 4 n-tiles of QK^T, and 8 m-tiles of PV (an e4m3 m16n8k32 is two FP16 MMAs on sm_90).
-    assert sass.count("HMMA.16816.F32") == 48, "QK^T and PV must run on the tensor cores"
+    # 8 k-steps x 4 n-tiles of QK^T, and 8 m-tiles of PV (an e4m3 m16n8k32 is two FP16 MMAs on sm_90; v4 issues
+    # the two FP16 MMAs itself). v4 puts the keys in M (8 k-steps x 2 m-tiles of QK^T) and peels its first tile off
+    # the loop: 32 MMAs in the loop, 64 in all.
+    tile_copies = 3 if kernel == "v4" else STAGES.get(kernel, 0)
+    per_tile = 32 if kernel == "v4" else 48
+    assert sass.count("HMMA.16816.F32") == per_tile * (2 if kernel == "v4" else 1), "MMAs must run on the tensor cores"
+    assert [sum(op.startswith("HMMA.16816.F32") for op in loop) for loop in _tile_loops(sass)] == [per_tile]
     usage = _cuobjdump("--dump-resource-usage", str(split[0]))
     assert re.search(r"LOCAL:0\b", usage), f"the decode kernel spills: {usage}"
     # WARPS_PER_SM one-warp CTAs per SM (12 for v1 / v2, 9 for v3) need <= 65,536 / (32 x warps) registers.
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     assert registers <= 65536 // (32 * WARPS_PER_SM[kernel]) // 8 * 8, f"{registers} registers: too few warps fit"
-    if kernel in STAGES:
-        # Prologue (stages - 1 tiles) + loop: 12 16-byte and 12 4-byte cp.async per tile copy, one commit each,
-        # one wait in the loop that leaves stages - 1 tiles in flight.
-        copies = 12 * STAGES[kernel]
-        assert sass.count("LDGSTS.E.BYPASS.LTC128B.128") == copies and sass.count("LDGSTS.E.LTC128B ") == copies, \
+    if tile_copies:
+        # Prologue (stages - 1 tiles; v4 also its peeled tile) + loop: 12 16-byte and 12 4-byte cp.async per tile
+        # copy (v4: 8 4-byte, one Delta_S word per key of its lane, two heads each), one commit each, one wait in
+        # the loop that leaves stages - 1 tiles in flight.
+        words = 8 if kernel == "v4" else 12
+        assert (sass.count("LDGSTS.E.BYPASS.LTC128B.128") == 12 * tile_copies
+                and sass.count("LDGSTS.E.LTC128B ") == words * tile_copies), \
             "the pipelined kernels must copy each tile global -> shared with cp.async"
-        assert sass.count("LDGDEPBAR") == STAGES[kernel], "one commit per tile copy"
-        in_flight = STAGES[kernel] - 1
+        assert sass.count("LDGDEPBAR") == tile_copies, "one commit per tile copy"
+        in_flight = STAGES.get(kernel, 2) - 1
         assert f"DEPBAR.LE SB0, 0x{in_flight}" in sass, f"{kernel} must keep {in_flight} tiles in flight"
 
 
-def test_direct_decode_reads_no_delta_s(decode_cubins):
-    """The direct build (``compensate=False``) drops the 8 Delta_S word copies (one per score key) of each of v2's
-    two tile copies (prologue and loop), nothing else."""
+@pytest.mark.parametrize("kernel,tile_copies,ds_words", [("v2", 2, 8), ("v4", 3, 4)])
+def test_direct_decode_reads_no_delta_s(decode_cubins, kernel, tile_copies, ds_words):
+    """The direct build (``compensate=False``) drops the Delta_S word copies (v2: 8, one per score key; v4: 4, one
+    per key of the lane's S^T rows) of each tile copy (v2: prologue and loop; v4: prologue, peeled tile and loop),
+    nothing else."""
     def split_sass(kernel: str) -> str:
         cubin = next(c for c in decode_cubins[CONFIGS[0], kernel] if "SplitKVDecode" in c.name)
         return _cuobjdump("--dump-sass", str(cubin))
 
-    compensated, direct = split_sass("v2"), split_sass("v2-direct")
-    assert direct.count("LDGSTS.E.BYPASS.LTC128B.128") == compensated.count("LDGSTS.E.BYPASS.LTC128B.128") == 24
-    assert compensated.count("LDGSTS.E.LTC128B ") - direct.count("LDGSTS.E.LTC128B ") == 2 * 8
-    assert direct.count("HMMA.16816.F32") == 48
+    compensated, direct = split_sass(kernel), split_sass(kernel + "-direct")
+    assert (direct.count("LDGSTS.E.BYPASS.LTC128B.128") == compensated.count("LDGSTS.E.BYPASS.LTC128B.128")
+            == 12 * tile_copies)
+    assert compensated.count("LDGSTS.E.LTC128B ") - direct.count("LDGSTS.E.LTC128B ") == tile_copies * ds_words
+    assert direct.count("HMMA.16816.F32") == compensated.count("HMMA.16816.F32")
+
+
+def _tile_loops(sass: str) -> list[list[str]]:
+    from mpfa.kernels.sm90.sass import mma_loops
+
+    return mma_loops(sass, ("HMMA",))
+
+
+# SASS instructions per lane in the tile loop (one 32-key tile; the loop body between backward branches, the
+# predicated-off rescale included), measured with nvidia-cutlass-dsl 4.5.2 / ptxas of CUDA 12.9: v4 at most this
+# (+2% slack), and at least V4_SAVES fewer than v2 at the same config.
+V4_TILE_SASS = {(8, 4, 128): 646, (8, 4, 1): 730, (8, 5, 16): 741, (1, 5, 16): 741}
+V4_SAVES = {(8, 4, 128): 280, (8, 4, 1): 230, (8, 5, 16): 230, (1, 5, 16): 230}
+
+
+def test_decode_v4w14_fits_14_warps_per_sm(decode_cubins):
+    """``v4w14`` is v4 with its workspace partitioned for 14 warps per SM: at pages of >= 32 keys v4 takes <= 144
+    registers and 15 KB of shared memory per warp, so 14 one-warp CTAs fit an SM (shared memory allows no 15th)."""
+    from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM
+    from mpfa.kernels.sm90.sass import ctas_per_sm
+
+    cubin = next(c for c in decode_cubins[(8, 4, 128), "v4"] if SPLIT_CLASS["v4"] in c.name)
+    usage = _cuobjdump("--dump-resource-usage", str(cubin))
+    registers = int(re.search(r"REG:(\d+)", usage).group(1))
+    assert WARPS_PER_SM["v4w14"] == 14 == ctas_per_sm(registers, 32, 2 * 7680), f"{registers} registers"
+
+
+@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}".format(*c))
+def test_decode_v4_issues_fewer_instructions_per_tile(decode_cubins, config):
+    """Decode v4 (`decode_lean`) is v2 with fewer instructions per tile: the split kernel is issue-bound
+    (profiles/NOTES.md, "Decode v3"), so the per-tile count is its figure of merit."""
+    def tile_loop(kernel: str) -> list[str]:
+        cubin = next(c for c in decode_cubins[config, kernel] if SPLIT_CLASS[kernel] in c.name)
+        [loop] = _tile_loops(_cuobjdump("--dump-sass", str(cubin)))
+        return loop
+
+    v2, v4 = tile_loop("v2"), tile_loop("v4")
+    assert len(v4) <= V4_TILE_SASS[config] * 1.02, f"v4's tile loop grew: {len(v4)} instructions"
+    assert len(v2) - len(v4) >= V4_SAVES[config], f"v2 {len(v2)} vs v4 {len(v4)} instructions per tile"
+    assert not any(op.startswith(("LDL", "STL")) for op in v4), "v4 spills in its tile loop"
 
 
 def test_triton_kernels_compile_for_sm90():

@@ -1,4 +1,4 @@
-"""The sm90 split-KV decode (CuTe DSL, v1 and v2) against the reference `mpfa` decode, on the GPU.
+"""The sm90 split-KV decode (CuTe DSL, v1 to v4) against the reference `mpfa` decode, on the GPU.
 
 The cache is written by the Triton KV-write kernel (bit-exact, tested in test_quantize_cache), so the kernel and
 the oracle see the same NVFP4/FP8 operands; the oracle runs with the kernel's tiling (partitions of
@@ -112,7 +112,7 @@ CASES = [  # (lengths, Hq, Hkv, page size, partition size)
 ]
 
 
-@pytest.mark.parametrize("kernel", ["v3", "v2", "v1"])
+@pytest.mark.parametrize("kernel", ["v4", "v3", "v2", "v1"])
 @pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,partition_size", CASES,
                          ids=["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16"])
 def test_decode_matches_reference(gen, monkeypatch, kernel, lengths, num_q_heads, num_kv_heads, page_size,
@@ -144,7 +144,7 @@ def test_decode_matches_reference(gen, monkeypatch, kernel, lengths, num_q_heads
     assert _rms_ratio(got, exact) <= 1.01 * _rms_ratio(expected, exact)
 
 
-@pytest.mark.parametrize("kernel", ["v3", "v2", "v1"])
+@pytest.mark.parametrize("kernel", ["v4", "v3", "v2", "v1"])
 def test_direct_build_equals_a_zero_side_cache(gen, kernel):
     """The direct build (``compensate=False``, no Delta_S read) computes bit for bit what the compensated build
     computes once the side cache holds zeros: what separates their timings is the compensation alone."""
@@ -158,6 +158,22 @@ def test_direct_build_equals_a_zero_side_cache(gen, kernel):
     outputs = [[ws.m, ws.l, ws.o, out] for ws, out in (direct, zero_side_cache)]
     for got, expected in zip(*outputs):  # partitions a request does not use stay NaN in both
         assert torch.equal(got.nan_to_num(7.0), expected.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,partition_size", CASES,
+                         ids=["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16"])
+def test_v4_partials_match_v2(gen, lengths, num_q_heads, num_kv_heads, page_size, partition_size):
+    """Decode v4 (`decode_lean`) multiplies the same exact operands as v2 (K times exactly 2**-7, taken back in
+    lambda and m) with the keys in the MMA's M instead of N, sums l per lane and across lanes at the end, and adds
+    each tile's PV products to O inside the MMA: m and l agree to FP32 rounding, O to a rare e4m3 flip of P."""
+    problem = _problem(gen, lengths, num_q_heads, num_kv_heads, page_size)
+    v2, v4 = (_run(problem, partition_size, kernel=kernel)[0] for kernel in ("v2", "v4"))
+    parts = torch.tensor([-(-n // partition_size) for n in lengths])
+    valid = (torch.arange(v2.m.shape[-1])[None, None, :] < parts[:, None, None]).expand(v2.m.shape)
+    m2, m4 = v2.m.cpu()[valid], v4.m.cpu()[valid]
+    torch.testing.assert_close(m4, m2, rtol=1e-6, atol=1e-6 * float(m2.abs().max()))
+    torch.testing.assert_close(v4.l.cpu()[valid], v2.l.cpu()[valid], rtol=1e-5, atol=0.0)
+    assert _rms_ratio(v4.o.cpu()[valid], v2.o.cpu()[valid]) <= 1e-4
 
 
 def test_partitions_sized_by_each_request_length(gen):
@@ -196,8 +212,10 @@ def test_bf16_output_and_default_partitions(gen):
     assert _rms_ratio(out.float().cpu(), merge_partials(expected)) <= 4e-3  # + BF16 output rounding (2**-9)
 
 
-def test_cuda_graph_replay_equals_eager(gen):
-    problem = _problem(gen, [900, 300, 64], 8, 2, 1)
+@pytest.mark.parametrize("kernel,page_size", [("v2", 1), ("v4", 1), ("v4", 128)])
+def test_cuda_graph_replay_equals_eager(gen, monkeypatch, kernel, page_size):
+    monkeypatch.setenv(KERNEL_ENV, kernel)
+    problem = _problem(gen, [900, 300, 64], 8, 2, page_size)
     batch, heads = problem.query.codes.shape[:2]
     workspace = DecodeWorkspace.allocate(batch, heads, 2, 1024, "cuda", 128)
     out = torch.empty((batch, heads, HEAD_DIM), dtype=torch.bfloat16, device="cuda")

@@ -221,6 +221,10 @@ def test_pipelined_shared_memory_keeps_the_warps_per_sm():
         assert WARPS_PER_SM[kernel] == 12 or (WARPS_PER_SM[kernel] + 1) * smem > 227 * 1024
     with pytest.raises(ValueError, match="2 or 3 stages"):
         v2.SplitKVDecodeSm90Pipelined(8, 4, 1, 4)
+    from mpfa.kernels.sm90.decode_lean import SplitKVDecodeSm90Lean
+
+    assert SplitKVDecodeSm90Lean(8, 4, 128).smem_bytes == v2.SplitKVDecodeSm90Pipelined(8, 4, 1, 2).smem_bytes
+    assert WARPS_PER_SM["v4"] == 12
 
 
 def test_partitions_fill_one_wave_of_decode_warps():
@@ -237,6 +241,8 @@ def test_partitions_fill_one_wave_of_decode_warps():
     assert choose_partition_size(1, 8, 131072, 132) == 672
     assert choose_partition_size(8, 8, 131072, 132) == 5472
     assert choose_partition_size(1, 8, 131072, 132, "v3") == 896  # 9 warps per SM: 147 partitions
+    assert choose_partition_size(1, 8, 131072, 132, "v4") == 672
+    assert choose_partition_size(1, 8, 131072, 132, "v4w14") == 576  # 14 warps per SM: 228 partitions
 
 
 def test_partitions_spread_each_request_over_the_grid():
@@ -266,7 +272,10 @@ def test_decode_kernel_switch(monkeypatch):
     monkeypatch.setenv(KERNEL_ENV, "V1")
     assert decode_kernel() == "v1" and decode_kernel("v3") == "v3"
     monkeypatch.setenv(KERNEL_ENV, "v4")
-    with pytest.raises(ValueError, match="v1, v2 or v3"):
+    assert decode_kernel() == "v4"
+    assert decode_kernel("V4W14") == "v4w14"
+    monkeypatch.setenv(KERNEL_ENV, "v5")
+    with pytest.raises(ValueError, match="v1, v2, v3, v4 or v4w14"):
         decode_kernel()
 
 
@@ -296,3 +305,163 @@ def test_one_page_read_per_tile_gives_every_keys_slot():
                         assert slot == lay.key_slot(page_of, tile, key, end, page_shift)
                     else:
                         assert pages[0] * page_size <= slot < (pages[0] + 1) * page_size
+
+
+# --- v4 (decode_lean): the cheaper K expansion and scale / Delta_S picks, and PV on FP16 MMAs ----------------------
+
+def test_v4_k_expansion_gives_v2s_registers():
+    """Two words of FP16 high bytes per K word and one byte pick per register give `e2m1_word_to_f16x2`'s
+    registers (so v4's QK^T operands are v2's), for every code in every position and random words; the kernel's
+    pick of bytes 0 and 2 is one prmt with a zero second operand."""
+    rng = np.random.default_rng(4)
+    words = [sum(code << (4 * n) for n in range(8)) for code in range(16)]
+    words += [int(w) for w in rng.integers(0, 1 << 32, size=2000, dtype=np.uint64)]
+    for word in words:
+        for j in range(4):
+            high_bytes = lay.e2m1_high_bytes(word, low_nibbles=j % 2 == 0) & 0xFFFFFFFF
+            assert lay.e2m1_pick(high_bytes, j) & 0xFFFFFFFF == lay.e2m1_word_to_f16x2(word, j) & 0xFFFFFFFF
+            if j < 2:
+                assert _prmt(high_bytes, 0, lay.PICK_EVEN_BYTES) == lay.e2m1_pick(high_bytes, j) & 0xFFFFFFFF
+
+
+def test_v4_scale_and_delta_s_picks():
+    """The lane's K block scales as (s_a, s_a, s_b, s_b) bytes from its aligned scale word, and head g's BF16
+    Delta_S moved into the high half (the FP32 of the BF16) from its aligned word."""
+    rng = np.random.default_rng(5)
+    for word in (int(w) for w in rng.integers(0, 1 << 32, size=200, dtype=np.uint64)):
+        data = word.to_bytes(4, "little")
+        for c in range(4):
+            s_a, s_b = data[2 * (c % 2)], data[2 * (c % 2) + 1]
+            assert _prmt(word, word, lay.scale_pair_selector(c)).to_bytes(4, "little") == bytes([s_a, s_a, s_b, s_b])
+        for g in range(8):
+            assert _prmt(word, 0, lay.delta_s_selector(g)) == ((word >> (16 * (g % 2))) & 0xFFFF) << 16
+
+
+def _e4m3x2_to_f16x2(pair: int) -> int:
+    halves = np.array(_e4m3(np.frombuffer((pair & 0xFFFF).to_bytes(2, "little"), np.uint8)), dtype=np.float16)
+    bits = halves.view(np.uint16)
+    return int(bits[0]) | int(bits[1]) << 16
+
+
+def test_v4_pv_on_fp16_mmas_computes_fp8_p_times_v():
+    """v4's PV: per m-tile two m16n8k16 over the 2x2-byte-transposed V pairs (keys j0, j1 / j2, j3 of both 16-key
+    halves) unpacked to f16x2, with P's e4m3 pairs unpacked to f16x2, equals e4m3(448 P) V (as v2's e4m3 MMA)."""
+    gen = torch.Generator().manual_seed(13)
+    sel_lo, sel_hi = lay.transpose_selectors()[:2]
+    for group in (4, 5, 8):
+        p = torch.rand(group, lay.TILE_KEYS, generator=gen)
+        p_bytes = (p * 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+        v = (torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 4).to(torch.float8_e4m3fn)
+        v_bytes = v.view(torch.uint8).numpy()
+        expected = _e4m3(p_bytes) @ v.double().numpy()  # [group, d]
+
+        b_regs, pairs = [], []
+        for g, c in zip(G_OF_LANE, C_OF_LANE):
+            pf = [_e4m3x2_to_f16x2(int(p_bytes[g, lay.score_key(n, c, 0)]) | int(p_bytes[g, lay.score_key(n, c, 1)]) << 8)
+                  if g < group else 0 for n in range(lay.N_TILES)]
+            b_regs.append(([pf[0], pf[2]], [pf[1], pf[3]]))
+            rows = [_words(v_bytes[lay.score_key(n, c, half), 16 * g:16 * g + 16])
+                    for n in range(lay.N_TILES) for half in range(2)]  # v_rows[2 n + half]
+            pairs.append([[[[_prmt(rows[4 * k_half + 2 * jj][w], rows[4 * k_half + 2 * jj + 1][w], sel)
+                             for sel in (sel_lo, sel_hi)] for w in range(4)] for jj in range(2)] for k_half in range(2)])
+        out = np.full((group, HEAD_DIM), np.nan)
+        for m_tile in range(lay.M_TILES):
+            word, which = divmod(m_tile, 2)
+            d = np.zeros((32, 4))
+            for jj in range(2):
+                a = [[f(lane_pairs[k_half][jj][word][which]) for k_half in range(2)
+                      for f in (_e4m3x2_to_f16x2, lambda x: _e4m3x2_to_f16x2(x >> 16))] for lane_pairs in pairs]
+                d = _mma_f16(a, [b[jj] for b in b_regs], d)
+            for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+                for i in range(4):
+                    head = 2 * c + i % 2
+                    if head < group:
+                        out[head, lay.o_dim(m_tile, g, i // 2)] = d[lane, i]
+        np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
+
+
+def _movmatrix_trans(x: list[int]) -> list[int]:
+    """movmatrix.m8n8.trans.b16: lane (g, c) gives (row g, columns 2c, 2c + 1) and gets those of the transpose."""
+    m = np.zeros((8, 8), dtype=np.int64)
+    for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+        m[g, 2 * c], m[g, 2 * c + 1] = x[lane] & 0xFFFF, x[lane] >> 16
+    return [int(m[2 * c, g]) | int(m[2 * c + 1, g]) << 16 for g, c in zip(G_OF_LANE, C_OF_LANE)]
+
+
+def test_v4_keys_in_m_compute_scores_and_hand_p_to_pv():
+    """v4's S^T = K Q^T (keys qk_key(2i, g), qk_key(2i + 1, g) in rows g, g + 8 of m-tile i; heads 2c, 2c + 1 in
+    the lane's columns; K * 2**-14 operands, Delta_S words of heads 2c, 2c + 1) gives S * 2**-14 + Delta_S, and the
+    transpose of a lane's (key, head pair) values is v2's P^T fragment: head g, keys score_key(n, c, 0 / 1)."""
+    gen = torch.Generator().manual_seed(14)
+    for group in (4, 5, 8):
+        q = quantize_nvfp4(torch.randn(group, HEAD_DIM, generator=gen) * 3)
+        k = quantize_nvfp4(torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 5)
+        ds = torch.randn(lay.TILE_KEYS, group, generator=gen).bfloat16().double().numpy()
+        expected = (dequantize_nvfp4(q).double() @ dequantize_nvfp4(k).double().T).numpy() + ds.T
+        q_codes, q_scales = q.codes.numpy(), q.scales.view(torch.uint8).numpy()
+        k_codes, k_scales = k.codes.numpy(), k.scales.view(torch.uint8).numpy()
+        q_regs, k_regs = [], []
+        for g, c in zip(G_OF_LANE, C_OF_LANE):
+            words = _words(q_codes[g, 16 * c:16 * c + 16]) if g < group else [0] * 4
+            scale_pair = _e4m3(q_scales[g, 2 * c:2 * c + 2]) if g < group else np.zeros(2)
+            regs = []
+            for reg in range(lay.QK_REGS):
+                word, j = divmod(reg, 4)
+                exact = _mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), lay.F16X2_TWO_POW_14)
+                scale = np.array([scale_pair[word // 2]] * 2, dtype=np.float16).view(np.uint16)
+                regs.append(_mul_f16x2(exact, int(scale[0]) | int(scale[1]) << 16))
+            q_regs.append(regs)
+            lane_keys = []
+            for n in range(lay.N_TILES):
+                key = lay.qk_key(n, g)
+                words = _words(k_codes[key, 16 * c:16 * c + 16])
+                scales = _e4m3(k_scales[key, 2 * c:2 * c + 2])  # no 2**7: K * 2**-14
+                regs = []
+                for reg in range(lay.QK_REGS):
+                    word, j = divmod(reg, 4)
+                    scale = np.array([scales[word // 2]] * 2, dtype=np.float16).view(np.uint16)
+                    regs.append(_mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), int(scale[0]) | int(scale[1]) << 16))
+                lane_keys.append(regs)
+            k_regs.append(lane_keys)
+        scores = np.full((group, lay.TILE_KEYS), np.nan)
+        for m_tile in range(2):
+            lo, hi = 2 * m_tile, 2 * m_tile + 1
+            acc = np.array([[ds[lay.qk_key(n, g), 2 * c + h] * 2.0**-14 if 2 * c + h < group else 0.0
+                             for n in (lo, hi) for h in range(2)] for g, c in zip(G_OF_LANE, C_OF_LANE)])
+            for step in range(lay.K_STEPS_QK):
+                r0, r1 = lay.qk_step_regs(step)
+                acc = _mma_f16([[k_regs[lane][lo][r0], k_regs[lane][hi][r0], k_regs[lane][lo][r1], k_regs[lane][hi][r1]]
+                                for lane in LANES], [[q_regs[lane][r0], q_regs[lane][r1]] for lane in LANES], acc)
+            for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+                for i in range(4):
+                    head = 2 * c + i % 2
+                    if head < group:
+                        scores[head, lay.qk_key(lo + i // 2, g)] = acc[lane, i]
+        np.testing.assert_allclose(scores * 2.0**14, expected, rtol=1e-12, atol=1e-12)
+
+        # P^T: a lane's (key qk_key(n, g); heads 2c, 2c + 1) 16-bit values, transposed -> (head g; keys 8n + 2c + h)
+        tag = lambda key, head: key * 16 + head  # noqa: E731
+        for n in range(lay.N_TILES):
+            x = [tag(lay.qk_key(n, g), 2 * c) | tag(lay.qk_key(n, g), 2 * c + 1) << 16 for g, c in zip(G_OF_LANE, C_OF_LANE)]
+            y = _movmatrix_trans(x)
+            for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+                assert y[lane] == tag(lay.score_key(n, c, 0), g) | tag(lay.score_key(n, c, 1), g) << 16
+
+
+def test_v4_k_operand_is_exact_without_the_2_pow_7():
+    """v4 multiplies e2m1 * 2**-14 by the raw e4m3 block scale (v2 by scale * 2**7): every product is exact in
+    FP16 (a multiple of 2**-24 below 2**-14, at most 8 significant bits above), for every code and finite scale."""
+    codes = np.array(E2M1_GRID, dtype=np.float64) * 2.0**-14
+    scales = _e4m3(np.arange(0, 127, dtype=np.uint8))
+    for code in codes:
+        products = np.float16(code) * scales.astype(np.float16)  # FP16 multiply, round to nearest
+        np.testing.assert_array_equal(products.astype(np.float64), code * scales)
+
+
+def test_v4w14_needs_pages_of_32_keys():
+    import pytest
+
+    from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
+
+    with pytest.raises(ValueError, match="v4w14 needs pages of >= 32 keys"):
+        compile_decode_kernels(8, 4, 16, kernel="v4w14")
