@@ -81,22 +81,26 @@ def test_e2m1_word_decodes_every_code_in_every_position():
             assert np.signbit(lo) == bool(code & 8)
 
 
+def _q_lane_regs(q_codes: np.ndarray, q_scales: np.ndarray, group: int, g: int, c: int) -> list:
+    """Lane (g, c)'s QK A-operand registers: head g's dims 32c .. 32c + 31 as f16x2 (e2m1 x 2**14 x block scale),
+    zeros for rows past the group."""
+    words = _words(q_codes[g, 16 * c:16 * c + 16]) if g < group else [0] * 4
+    scale_pair = _e4m3(q_scales[g, 2 * c:2 * c + 2]) if g < group else np.zeros(2)
+    regs = []
+    for reg in range(lay.QK_REGS):
+        word, j = divmod(reg, 4)
+        exact = _mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), lay.F16X2_TWO_POW_14)
+        scale = np.array([scale_pair[word // 2]] * 2, dtype=np.float16).view(np.uint16)
+        regs.append(_mul_f16x2(exact, int(scale[0]) | int(scale[1]) << 16))
+    return regs
+
+
 def _qk_tile_model(q: NVFP4Tensor, k: NVFP4Tensor, ds: np.ndarray, group: int) -> np.ndarray:
     """S * 2**-7 [group, 32] as the warp computes it (q: [group, d], k: [32, d] NVFP4; ds [32, group])."""
     q_codes, q_scales = q.codes.numpy(), q.scales.view(torch.uint8).numpy()
     k_codes, k_scales = k.codes.numpy(), k.scales.view(torch.uint8).numpy()
     scores = np.full((group, lay.TILE_KEYS), np.nan)
-    q_regs = []
-    for g, c in zip(G_OF_LANE, C_OF_LANE):
-        words = _words(q_codes[g, 16 * c:16 * c + 16]) if g < group else [0] * 4
-        scale_pair = _e4m3(q_scales[g, 2 * c:2 * c + 2]) if g < group else np.zeros(2)
-        regs = []
-        for reg in range(lay.QK_REGS):
-            word, j = divmod(reg, 4)
-            exact = _mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), lay.F16X2_TWO_POW_14)
-            scale = np.array([scale_pair[word // 2]] * 2, dtype=np.float16).view(np.uint16)
-            regs.append(_mul_f16x2(exact, int(scale[0]) | int(scale[1]) << 16))
-        q_regs.append(regs)
+    q_regs = [_q_lane_regs(q_codes, q_scales, group, g, c) for g, c in zip(G_OF_LANE, C_OF_LANE)]
     for n_tile in range(lay.N_TILES):
         a_steps, b_steps = [], []
         init = np.zeros((32, 4))
@@ -135,15 +139,28 @@ def test_qk_fragments_compute_scores_plus_delta_s():
                                    rtol=1e-12, atol=1e-12)
 
 
+def _scatter_o(out: np.ndarray, d: np.ndarray, m_tile: int, group: int) -> None:
+    """PV m-tile ``m_tile``'s accumulator ``d`` [lane, 4] into O [group, d] (lane (g, c): heads 2c, 2c + 1)."""
+    for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
+        for i in range(4):
+            head = 2 * c + i % 2
+            if head < group:
+                out[head, lay.o_dim(m_tile, g, i // 2)] = d[lane, i]
+
+
+def _pv_problem(gen: torch.Generator, group: int) -> tuple:
+    """(P e4m3 bytes [group, 32] = e4m3(448 P) of random P, V e4m3 bytes [32, d], e4m3(448 P) V [group, d])."""
+    p = torch.rand(group, lay.TILE_KEYS, generator=gen)
+    p_bytes = (p * 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
+    v = (torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 4).to(torch.float8_e4m3fn)
+    return p_bytes, v.view(torch.uint8).numpy(), _e4m3(p_bytes) @ v.double().numpy()
+
+
 def test_pv_fragments_compute_fp8_p_times_v():
     gen = torch.Generator().manual_seed(12)
     sel_lo, sel_hi, sel_even, sel_odd = lay.transpose_selectors()
     for group in (4, 5, 8):
-        p = torch.rand(group, lay.TILE_KEYS, generator=gen)
-        p_bytes = (p * 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        v = (torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 4).to(torch.float8_e4m3fn)
-        v_bytes = v.view(torch.uint8).numpy()
-        expected = _e4m3(p_bytes) @ v.double().numpy()  # [group, d]
+        p_bytes, v_bytes, expected = _pv_problem(gen, group)
 
         a_regs, b_regs = [], []
         for g, c in zip(G_OF_LANE, C_OF_LANE):
@@ -165,11 +182,7 @@ def test_pv_fragments_compute_fp8_p_times_v():
         for m_tile in range(lay.M_TILES):
             lower, upper = lay.pv_a_regs(m_tile)
             d = _mma_e4m3([[t[0][lower], t[0][upper], t[1][lower], t[1][upper]] for t in a_regs], b_regs)
-            for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
-                for i in range(4):
-                    head = 2 * c + i % 2
-                    if head < group:
-                        out[head, lay.o_dim(m_tile, g, i // 2)] = d[lane, i]
+            _scatter_o(out, d, m_tile, group)
         np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -349,11 +362,7 @@ def test_v4_pv_on_fp16_mmas_computes_fp8_p_times_v():
     gen = torch.Generator().manual_seed(13)
     sel_lo, sel_hi = lay.transpose_selectors()[:2]
     for group in (4, 5, 8):
-        p = torch.rand(group, lay.TILE_KEYS, generator=gen)
-        p_bytes = (p * 448).to(torch.float8_e4m3fn).view(torch.uint8).numpy()
-        v = (torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 4).to(torch.float8_e4m3fn)
-        v_bytes = v.view(torch.uint8).numpy()
-        expected = _e4m3(p_bytes) @ v.double().numpy()  # [group, d]
+        p_bytes, v_bytes, expected = _pv_problem(gen, group)
 
         b_regs, pairs = [], []
         for g, c in zip(G_OF_LANE, C_OF_LANE):
@@ -372,11 +381,7 @@ def test_v4_pv_on_fp16_mmas_computes_fp8_p_times_v():
                 a = [[f(lane_pairs[k_half][jj][word][which]) for k_half in range(2)
                       for f in (_e4m3x2_to_f16x2, lambda x: _e4m3x2_to_f16x2(x >> 16))] for lane_pairs in pairs]
                 d = _mma_f16(a, [b[jj] for b in b_regs], d)
-            for lane, (g, c) in enumerate(zip(G_OF_LANE, C_OF_LANE)):
-                for i in range(4):
-                    head = 2 * c + i % 2
-                    if head < group:
-                        out[head, lay.o_dim(m_tile, g, i // 2)] = d[lane, i]
+            _scatter_o(out, d, m_tile, group)
         np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
 
 
@@ -402,15 +407,7 @@ def test_v4_keys_in_m_compute_scores_and_hand_p_to_pv():
         k_codes, k_scales = k.codes.numpy(), k.scales.view(torch.uint8).numpy()
         q_regs, k_regs = [], []
         for g, c in zip(G_OF_LANE, C_OF_LANE):
-            words = _words(q_codes[g, 16 * c:16 * c + 16]) if g < group else [0] * 4
-            scale_pair = _e4m3(q_scales[g, 2 * c:2 * c + 2]) if g < group else np.zeros(2)
-            regs = []
-            for reg in range(lay.QK_REGS):
-                word, j = divmod(reg, 4)
-                exact = _mul_f16x2(lay.e2m1_word_to_f16x2(words[word], j), lay.F16X2_TWO_POW_14)
-                scale = np.array([scale_pair[word // 2]] * 2, dtype=np.float16).view(np.uint16)
-                regs.append(_mul_f16x2(exact, int(scale[0]) | int(scale[1]) << 16))
-            q_regs.append(regs)
+            q_regs.append(_q_lane_regs(q_codes, q_scales, group, g, c))
             lane_keys = []
             for n in range(lay.N_TILES):
                 key = lay.qk_key(n, g)
