@@ -128,13 +128,18 @@ def _qk_tile_model(q: NVFP4Tensor, k: NVFP4Tensor, ds: np.ndarray, group: int) -
     return scores
 
 
+def _qk_problem(gen: torch.Generator, group: int) -> tuple:
+    """(q [group, d], k [32, d] NVFP4, Delta_S [32, group] BF16-exact, S + Delta_S^T [group, 32] in float64)."""
+    q = quantize_nvfp4(torch.randn(group, HEAD_DIM, generator=gen) * 3)
+    k = quantize_nvfp4(torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 5)
+    ds = torch.randn(lay.TILE_KEYS, group, generator=gen).bfloat16().double().numpy()
+    return q, k, ds, (dequantize_nvfp4(q).double() @ dequantize_nvfp4(k).double().T).numpy() + ds.T
+
+
 def test_qk_fragments_compute_scores_plus_delta_s():
     gen = torch.Generator().manual_seed(11)
     for group in (4, 5, 8):
-        q = quantize_nvfp4(torch.randn(group, HEAD_DIM, generator=gen) * 3)
-        k = quantize_nvfp4(torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 5)
-        ds = torch.randn(lay.TILE_KEYS, group, generator=gen).bfloat16().double().numpy()
-        expected = (dequantize_nvfp4(q).double() @ dequantize_nvfp4(k).double().T).numpy() + ds.T
+        q, k, ds, expected = _qk_problem(gen, group)
         np.testing.assert_allclose(_qk_tile_model(q, k, ds, group) * 2.0**lay.SCORE_SCALE_LOG2, expected,
                                    rtol=1e-12, atol=1e-12)
 
@@ -399,10 +404,7 @@ def test_v4_keys_in_m_compute_scores_and_hand_p_to_pv():
     transpose of a lane's (key, head pair) values is v2's P^T fragment: head g, keys score_key(n, c, 0 / 1)."""
     gen = torch.Generator().manual_seed(14)
     for group in (4, 5, 8):
-        q = quantize_nvfp4(torch.randn(group, HEAD_DIM, generator=gen) * 3)
-        k = quantize_nvfp4(torch.randn(lay.TILE_KEYS, HEAD_DIM, generator=gen) * 5)
-        ds = torch.randn(lay.TILE_KEYS, group, generator=gen).bfloat16().double().numpy()
-        expected = (dequantize_nvfp4(q).double() @ dequantize_nvfp4(k).double().T).numpy() + ds.T
+        q, k, ds, expected = _qk_problem(gen, group)
         q_codes, q_scales = q.codes.numpy(), q.scales.view(torch.uint8).numpy()
         k_codes, k_scales = k.codes.numpy(), k.scales.view(torch.uint8).numpy()
         q_regs, k_regs = [], []
