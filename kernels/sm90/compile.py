@@ -11,6 +11,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from mpfa.kernels.sm90 import sass
+
 ARCH = "sm_90a"
 KERNEL_VERSIONS = ("v1", "v2")
 
@@ -39,9 +41,6 @@ def fake_tensor(dtype: Any, shape: tuple, *, align: int = 16) -> Any:
     return cute.runtime.make_fake_compact_tensor(dtype, dims, stride_order=order, assumed_align=align)
 
 
-SMEM_PER_SM = 228 * 1024  # sm_90 (H100 and H200)
-
-
 def compile_kernel(launcher: Any, *args: Any) -> Any:
     """``cute.compile`` with a fake stream taken from the caller's current stream at call time (TVM-FFI). A launch
     with ``min_blocks_per_mp`` > 1 (``.minnctapersm``: ptxas then bounds the registers so that many CTAs fit an SM)
@@ -59,7 +58,7 @@ def compile_kernel(launcher: Any, *args: Any) -> Any:
         except Exception:
             if attribute != helpers.cuda.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_MULTIPROCESSOR:
                 raise
-            return SMEM_PER_SM
+            return sass.SMEM_PER_SM
 
     stream = cute.runtime.make_fake_stream(use_tvm_ffi_env_stream=True)
     helpers.get_device_attribute = attribute_or_sm90

@@ -47,8 +47,8 @@ from mpfa.kernels.sm90.ptx import (
     e4m3x2_to_f16x2,
     exp2_approx,
     f32x2_to_e4m3x2_f16x2,
-    load_shared_u32_at,
-    load_shared_v4_u32_at,
+    load_shared_u32,
+    load_shared_v4_u32,
     load_u32,
     mma_f16_m16n8k16,
     movmatrix_trans,
@@ -218,18 +218,18 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
         word = lane_word + stage
         k_words, k_scale_words, ds, v_rows = [], [], [], []
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
-            k_words.append(load_shared_v4_u32_at(chunk, n_tile * 512))
-            k_scale_words.append(load_shared_u32_at(word, n_tile * 128))
+            k_words.append(load_shared_v4_u32(chunk, n_tile * 512))
+            k_scale_words.append(load_shared_u32(word, n_tile * 128))
             if cutlass.const_expr(self.compensate):
                 # the BF16 pair of heads 2c, 2c + 1 -> each into a high half: their FP32
-                bf16_pair = load_shared_u32_at(word, (lay.N_TILES + n_tile) * 128)
+                bf16_pair = load_shared_u32(word, (lay.N_TILES + n_tile) * 128)
                 for h in cutlass.range_constexpr(2):
                     bits = prmt_var(bf16_pair, Uint32(0), ds_selectors[h])
                     ds.append(bits_to_f32(bits) * Float32(2.0 ** -SCORE_SCALE_LOG2))
             else:
                 ds += [Float32(0.0), Float32(0.0)]
         for unit in cutlass.range_constexpr(lay.N_TILES, 3 * lay.N_TILES):
-            v_rows.append(load_shared_v4_u32_at(chunk, unit * 512))
+            v_rows.append(load_shared_v4_u32(chunk, unit * 512))
         return k_words, k_scale_words, ds, v_rows
 
     @cute.jit

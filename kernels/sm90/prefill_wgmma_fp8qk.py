@@ -77,7 +77,7 @@ from mpfa.kernels.sm90.ptx import (
     max_u16x2,
     mul_f16x2,
     prmt,
-    prmt_lut,
+    prmt_var,
     shuffle_xor_u32,
 )
 
@@ -184,13 +184,13 @@ def e2m1_lut_selectors(j: int) -> int:
     return 0x8 | (j << 4) | (0x8 << 8) | ((4 + j) << 12)
 
 
-def e2m1_word_f16x2_lut(word: Uint32, lookup=prmt_lut, permute=prmt):
+def e2m1_word_f16x2_lut(word: Uint32, lookup=prmt_var, permute=prmt):
     """`e2m1_word_f16x2_shift` by table look-up, without the 2**14 multiply: the FP16 of every e2m1 magnitude has
     only its high byte set, so one byte permute with the codes' magnitudes (3 bits each) as selectors looks up the
     high bytes of 4 codes in the 8-byte table `E2M1_F16_HIGH` (two for the word), one permute per register spreads
     codes j and j + 4 into an f16x2, and the sign bits are ORed in as in `decode_layout.e2m1_word_to_f16x2`.
     Per word 15 integer operations where v3's take 15 and 4 HMUL2. The same FP16 bits (-0 for code 8), so
-    bit-exact with it (a generator as that one); ``lookup`` / ``permute``: the byte permutes (`ptx.prmt_lut`,
+    bit-exact with it (a generator as that one); ``lookup`` / ``permute``: the byte permutes (`ptx.prmt_var`,
     `ptx.prmt`, or the CPU tests' model)."""
     magnitudes = word & E2M1_MAGNITUDES  # (plain ints: the same function models the kernel on the CPU)
     low = lookup(*E2M1_F16_HIGH, magnitudes)  # high bytes of codes 0 .. 3

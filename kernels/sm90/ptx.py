@@ -154,18 +154,6 @@ def prmt(a: Uint32, b: Uint32, selector: int, *, loc=None, ip=None) -> Uint32:
 
 
 @dsl_user_op
-def prmt_lut(a: Uint32, b: Uint32, selectors: Uint32, *, loc=None, ip=None) -> Uint32:
-    """`prmt` with the selector in a register: byte i of the result is byte ``selectors`` nibble i (its low 3 bits)
-    of {b, a}, or that byte's sign replicated where the nibble's bit 3 is set; only the low 16 bits of
-    ``selectors`` count. With a table of 8 bytes in {b, a}: 4 table look-ups by 3-bit index at once."""
-    value, struct = _asm(
-        [T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip), _u32(selectors, loc, ip)], "prmt.b32 $0, $1, $2, $3;",
-        "=r,r,r,r",
-    )
-    return _unpack(value, struct, 1, T.i32(), Uint32)
-
-
-@dsl_user_op
 def mul_f16x2(a: Uint32, b: Uint32, *, loc=None, ip=None) -> Uint32:
     """Lane-wise FP16 product of two f16x2 registers, round to nearest (subnormals kept)."""
     value, struct = _asm([T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip)], "mul.rn.f16x2 $0, $1, $2;", "=r,r,r")
@@ -315,19 +303,26 @@ def cp_async_wait(pending: int, *, loc=None, ip=None) -> None:
     _side_effect_asm([], f"cp.async.wait_group {pending};", "")
 
 
+def _plus(offset: int) -> str:
+    """A compile-time byte offset in a PTX address, folded into the instruction ("" for none)."""
+    return f"+{offset}" if offset else ""
+
+
 @dsl_user_op
-def load_shared_v4_u32(smem_address: Int32, *, loc=None, ip=None) -> list:
-    """16 bytes from shared memory as 4 x u32 (ordered after the preceding cp.async wait)."""
+def load_shared_v4_u32(smem_address: Int32, offset: int = 0, *, loc=None, ip=None) -> list:
+    """16 bytes from shared memory at ``smem_address + offset`` (a compile-time offset) as 4 x u32 (ordered after
+    the preceding cp.async wait)."""
     value, struct = _asm([T.i32()] * 4, [Int32(smem_address).ir_value(loc=loc, ip=ip)],
-                         "ld.shared.v4.u32 {$0, $1, $2, $3}, [$4];", "=r,=r,=r,=r,r", pinned=True)
+                         f"ld.shared.v4.u32 {{$0, $1, $2, $3}}, [$4{_plus(offset)}];", "=r,=r,=r,=r,r", pinned=True)
     return _unpack(value, struct, 4, T.i32(), Uint32)
 
 
 @dsl_user_op
-def load_shared_u32(smem_address: Int32, *, loc=None, ip=None) -> Uint32:
-    """4 bytes from shared memory (ordered after the preceding cp.async wait)."""
-    value, struct = _asm([T.i32()], [Int32(smem_address).ir_value(loc=loc, ip=ip)], "ld.shared.u32 $0, [$1];",
-                         "=r,r", pinned=True)
+def load_shared_u32(smem_address: Int32, offset: int = 0, *, loc=None, ip=None) -> Uint32:
+    """4 bytes from shared memory at ``smem_address + offset`` (a compile-time offset; ordered after the preceding
+    cp.async wait)."""
+    value, struct = _asm([T.i32()], [Int32(smem_address).ir_value(loc=loc, ip=ip)],
+                         f"ld.shared.u32 $0, [$1{_plus(offset)}];", "=r,r", pinned=True)
     return _unpack(value, struct, 1, T.i32(), Uint32)
 
 
@@ -389,24 +384,11 @@ def cp_async_4_at(smem_address: Int32, smem_offset: int, address: Int64, offset:
 
 
 @dsl_user_op
-def load_shared_v4_u32_at(smem_address: Int32, offset: int, *, loc=None, ip=None) -> list:
-    """`load_shared_v4_u32` of [smem_address + offset] (a compile-time offset)."""
-    value, struct = _asm([T.i32()] * 4, [Int32(smem_address).ir_value(loc=loc, ip=ip)],
-                         f"ld.shared.v4.u32 {{$0, $1, $2, $3}}, [$4+{offset}];", "=r,=r,=r,=r,r", pinned=True)
-    return _unpack(value, struct, 4, T.i32(), Uint32)
-
-
-@dsl_user_op
-def load_shared_u32_at(smem_address: Int32, offset: int, *, loc=None, ip=None) -> Uint32:
-    """`load_shared_u32` of [smem_address + offset] (a compile-time offset)."""
-    value, struct = _asm([T.i32()], [Int32(smem_address).ir_value(loc=loc, ip=ip)],
-                         f"ld.shared.u32 $0, [$1+{offset}];", "=r,r", pinned=True)
-    return _unpack(value, struct, 1, T.i32(), Uint32)
-
-
-@dsl_user_op
 def prmt_var(a: Uint32, b: Uint32, selector: Uint32, *, loc=None, ip=None) -> Uint32:
-    """`prmt` with a selector held in a register (e.g. one that depends on the lane)."""
+    """`prmt` with the selector held in a register (one that depends on the lane, or data): byte i of the result is
+    byte ``selector`` nibble i (its low 3 bits) of {b, a}, or that byte's sign replicated where the nibble's bit 3
+    is set; only the low 16 bits of ``selector`` count. With a table of 8 bytes in {b, a}: 4 look-ups by 3-bit
+    index at once (prefill v6c's e2m1 decode)."""
     value, struct = _asm([T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip), _u32(selector, loc, ip)],
                          "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
     return _unpack(value, struct, 1, T.i32(), Uint32)
