@@ -53,6 +53,15 @@ MAX_GROUP = 8
 LANE_KEYS = lay.N_TILES * 3  # keys a lane touches per tile: one QK key and two score/V keys per n-tile
 
 
+@cute.jit
+def rescale_heads(acc: cute.Tensor, alphas: tuple) -> None:
+    """O^T *= alpha of each accumulator's head (register i: ``alphas[i % 2]``, heads 2c, 2c + 1 of the lane),
+    skipped when every alpha of the warp is exactly 1 (the head's maximum stayed: `_softmax_probs`)."""
+    if cute.arch.vote_any_sync((alphas[0] != Float32(1.0)) | (alphas[1] != Float32(1.0))):
+        for i in cutlass.range_constexpr(lay.M_TILES * 4):
+            acc[i] = acc[i] * alphas[i % 2]
+
+
 class SplitKVDecodeSm90:
     """Compile-time shape of one decode kernel: ``num_kv_heads``, the GQA ``group`` (<= 8) and ``page_size``.
     v2 (`decode_pipelined`) reuses the launch, the kernel's prologue and epilogue, and replaces only the tile loop,
@@ -284,10 +293,7 @@ class SplitKVDecodeSm90:
     @cute.jit
     def _pv_tile(self, p_regs, alpha, acc: cute.Tensor, v_rows, c):
         """acc = alpha * acc + e4m3(448 P) V over the tile (V rows of the lane's score keys, chunk g)."""
-        alpha_heads = (shuffle_idx(alpha, Uint32(8 * c)), shuffle_idx(alpha, Uint32(8 * c + 4)))
-        if cute.arch.vote_any_sync((alpha_heads[0] != Float32(1.0)) | (alpha_heads[1] != Float32(1.0))):
-            for i in cutlass.range_constexpr(lay.M_TILES * 4):
-                acc[i] = acc[i] * alpha_heads[i % 2]
+        rescale_heads(acc, (shuffle_idx(alpha, Uint32(8 * c)), shuffle_idx(alpha, Uint32(8 * c + 4))))
         transposed = transpose_v(v_rows)  # keys pv_key(k_half, c, j) = score keys 4 k_half + j
         for m_tile in cutlass.range_constexpr(lay.M_TILES):
             c_regs = pv_mtile(transposed, p_regs, m_tile, [acc[4 * m_tile + i] for i in range(4)])

@@ -35,7 +35,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from mpfa.kernels.sm90 import decode_layout as lay
-from mpfa.kernels.sm90.decode import HEAD_DIM, K_ROW_BYTES, LANE_KEYS, SCALE_ROW_BYTES
+from mpfa.kernels.sm90.decode import HEAD_DIM, K_ROW_BYTES, LANE_KEYS, SCALE_ROW_BYTES, rescale_heads
 from mpfa.kernels.sm90.decode_pipelined import STAGE_BYTES, WORDS_OFFSET, SplitKVDecodeSm90Pipelined
 from mpfa.kernels.sm90.ptx import (
     bits_to_f32,
@@ -301,9 +301,7 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
         lane's P pairs (keys qk_key(n, g), heads 2c, 2c + 1 -> head g, keys score_key(n, c, 0 / 1)); per m-tile two
         m16n8k16 over keys (j0, j1) and (j2, j3) of both 16-key halves (the k-order ptxas gives the e4m3 m16n8k32
         it replaces)."""
-        if cute.arch.vote_any_sync((alphas[0] != Float32(1.0)) | (alphas[1] != Float32(1.0))):
-            for i in cutlass.range_constexpr(lay.M_TILES * 4):
-                acc[i] = acc[i] * alphas[i % 2]
+        rescale_heads(acc, alphas)
         p = [movmatrix_trans(f32x2_to_e4m3x2_f16x2(probs[n][0] * Float32(P_SCALE), probs[n][1] * Float32(P_SCALE)))
              for n in range(lay.N_TILES)]
         b_regs = ([p[0], p[2]], [p[1], p[3]])  # keys j0, j1 / j2, j3 of both halves (n-tiles 0, 2 / 1, 3)
