@@ -1,6 +1,8 @@
 """Backend name -> kernel adapter, and the reference backend each profile kind compares against."""
 from __future__ import annotations
 
+from mpfa.kernels.sm90.decode_launch import LEAN_KERNELS
+from mpfa.kernels.sm90.prefill_launch import WS_KERNELS
 from mpfa.profiles.kernel_adapter import KernelAdapter
 from mpfa.profiles.kernels_fa4 import Fa4Bf16
 from mpfa.profiles.kernels_flashinfer import FlashInferPaged
@@ -13,10 +15,10 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     MpfaAdapter("v3"), MpfaAdapter("v3w8"),  # mpfa-<v>: the prefill kernel pinned
                     MpfaAdapter("v4"), MpfaAdapter("v4w8"),  # v3 with QK^T on FP8 (mpfa-qk8tile numerics)
                     MpfaAdapter("v5"), MpfaAdapter("v5w8"),  # v4 with PV on FP8 too (mpfa-qk8tile numerics)
-                    MpfaAdapter("v6"),  # v5w8 warp-specialized: a producer warpgroup, two consumers
-                    *(MpfaAdapter(v) for v in ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f")),  # variants (WS_KERNELS)
+                    # v6 (v5w8 warp-specialized: a producer warpgroup, two consumers) and its variants
+                    *(MpfaAdapter(v) for v in WS_KERNELS),
                     MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
-                    MpfaAdapter(decode_kernel="v4"), MpfaAdapter(decode_kernel="v4w14"),  # decode_lean (12 / 14 warps)
+                    *(MpfaAdapter(decode_kernel=v) for v in LEAN_KERNELS),  # decode_lean (12 / 14 warps per SM)
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")
