@@ -130,12 +130,13 @@ def test_decode_v4w14_fits_14_warps_per_sm(decode_cubins):
     """``v4w14`` is v4 with its workspace partitioned for 14 warps per SM: at pages of >= 32 keys v4 takes <= 144
     registers and 15 KB of shared memory per warp, so 14 one-warp CTAs fit an SM (shared memory allows no 15th)."""
     from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM
+    from mpfa.kernels.sm90.decode_pipelined import SMEM_BYTES
     from mpfa.kernels.sm90.sass import ctas_per_sm
 
     cubin = next(c for c in decode_cubins[(8, 4, 128), "v4"] if SPLIT_CLASS["v4"] in c.name)
     usage = _cuobjdump("--dump-resource-usage", str(cubin))
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    assert WARPS_PER_SM["v4w14"] == 14 == ctas_per_sm(registers, 32, 2 * 7680), f"{registers} registers"
+    assert WARPS_PER_SM["v4w14"] == 14 == ctas_per_sm(registers, 32, SMEM_BYTES), f"{registers} registers"
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}".format(*c))
