@@ -192,9 +192,9 @@ def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config, compensate,
     assert pv and {re.sub(r"\s", "", x) for x in pv} == {"1,1,1"}  # A from registers: scale-a, scale-b, tnsp-b
 
 
-def test_v3_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
+def test_v3w8_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert prefill_kernel(32, 8, 128) == prefill_kernel(32, 8, 64) == "v3" and kernel_block_m(4, "v3") == 16
+    assert prefill_kernel(32, 8, 128) == prefill_kernel(32, 8, 64) == "v3w8" and kernel_block_m(4, "v3") == 16
     assert prefill_kernel(32, 8, 32) == prefill_kernel(40, 8, 128) == "v2"  # pages < 64, group 5: v2
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v2")
     assert prefill_kernel(32, 8, 128) == "v2" and prefill_kernel(32, 8, 128, "V3") == "v3"
@@ -202,11 +202,11 @@ def test_v3_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
     assert prefill_kernel(40, 8, 128) == "v3"
 
 
-def test_v3w8_is_opt_in(monkeypatch: pytest.MonkeyPatch):
-    """v3w8 only when named (``kernel=`` or ``MPFA_PREFILL_KERNEL``), also for an odd number of query heads (then
-    refused at compile time, as v3); 32 query rows per CTA."""
+def test_v3_and_v3w8_when_named(monkeypatch: pytest.MonkeyPatch):
+    """Named (``kernel=`` or ``MPFA_PREFILL_KERNEL``), v3 / v3w8 apply also to an odd number of query heads (then
+    refused at compile time); v3w8 runs 32 query rows per CTA."""
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert prefill_kernel(32, 8, 128) == "v3" and prefill_kernel(32, 8, 128, "V3W8") == "v3w8"
+    assert prefill_kernel(32, 8, 128, "V3") == "v3" and prefill_kernel(32, 8, 128, "V3W8") == "v3w8"
     assert kernel_block_m(4, "v3w8") == 32 == 2 * kernel_block_m(4, "v3")
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v3w8")
     assert prefill_kernel(32, 8, 128) == prefill_kernel(40, 8, 128) == prefill_kernel(35, 7, 128) == "v3w8"
