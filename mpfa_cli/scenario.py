@@ -226,8 +226,7 @@ def _validate(s: Scenario, path: Path) -> None:
 
 def model_dir(model: str) -> Path:
     """A bundled config name (dummy weights) or a directory holding a HuggingFace config.json."""
-    bundled = MODEL_DIR / model
-    path = bundled if bundled.is_dir() else Path(model)
+    path = MODEL_DIR / model if is_bundled_model(model) else Path(model)
     if not path.is_dir():
         names = ", ".join(sorted(p.name for p in MODEL_DIR.iterdir() if p.is_dir()))
         raise UserError(f"model '{model}' is neither a bundled config ({names}) nor a directory")
@@ -237,7 +236,9 @@ def model_dir(model: str) -> Path:
 
 
 def is_bundled_model(model: str) -> bool:
-    return (MODEL_DIR / model).is_dir()
+    """A bundled config's bare name. Not a path: `MODEL_DIR / "/abs/dir"` is "/abs/dir", and a directory given as a
+    path holds real weights (served without `--load-format dummy`)."""
+    return Path(model).name == model and model not in ("", ".", "..") and (MODEL_DIR / model).is_dir()
 
 
 def without_bundled_model_paths(info: dict[str, Any], model: str) -> dict[str, Any]:

@@ -127,3 +127,16 @@ def test_server_info_names_bundled_models_without_their_path() -> None:
     assert kept == {"model_path": "llama-3.1-8b", "states": [{"tokenizer_path": "llama-3.1-8b"}], "port": 30000,
                     "other": "/elsewhere/x"}
     assert without_bundled_model_paths(info, "/some/own/model") is info
+
+
+def test_a_model_directory_is_served_with_its_own_weights(tmp_path: Path) -> None:
+    """Only a bundled config's bare name gets SGLang's dummy weights; a directory (here an absolute path, which
+    `MODEL_DIR / path` would return unchanged) is loaded from its checkpoint."""
+    from mpfa.backends.specs import BACKENDS
+    from mpfa.cli.engines import sglang_launch
+
+    (tmp_path / "config.json").write_text("{}")
+    given_dir = sglang_launch(BACKENDS["fa4-bf16"], 30000, str(tmp_path), 4096, 1, 1, []).command
+    bundled = sglang_launch(BACKENDS["fa4-bf16"], 30000, "llama-3.1-8b", 4096, 1, 1, []).command
+    assert "--load-format" not in given_dir and given_dir[given_dir.index("--model-path") + 1] == str(tmp_path)
+    assert bundled[bundled.index("--load-format") + 1] == "dummy"
