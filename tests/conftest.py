@@ -2,15 +2,24 @@
 
 Without CUDA the Triton kernels (KV write, sequence means) run in Triton's CPU interpreter, so their bit-exactness
 is checked on every machine; the variable is set here, before any test module imports a kernel module.
+
+`python -m pytest` puts the repository root on sys.path, where the `kernels/` folder (installed as `mpfa.kernels`)
+would shadow the PyPI `kernels` package that transformers 5 imports; the root is taken off again here (the project
+is imported through its installed `mpfa` namespace, never from the root).
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import zlib
+from pathlib import Path
 
 import pytest
 import torch
+
+_ROOT = Path(__file__).resolve().parent.parent
+sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
