@@ -26,6 +26,7 @@ class BackendSpec:
     plugin: str | None = None  # module that registers this backend with SGLang, if not built in
     caveat: str | None = None  # one sentence: which of its measured numbers are not the backend's own, if any
     caveat_when: Mapping[str, str] = field(default_factory=dict)  # server environment the caveat applies to ({}: always)
+    numerics: str | None = None  # the `mpfa.kernels.reference` variant whose attention numerics it computes
 
     def caveat_for(self, environ: Mapping[str, str]) -> str | None:
         """The caveat of a server started with `environ` (its own `env` applied on top), or None."""
@@ -63,6 +64,7 @@ BACKENDS: dict[str, BackendSpec] = {
     for spec in [
         BackendSpec(
             name="fa4-bf16",
+            numerics="bf16",
             description="FlashAttention-4 (CuTe DSL), BF16 KV cache",
             sglang_args=("--attention-backend", "fa4", "--page-size", "128"),
             expect={"attention_backend": "fa4"},
@@ -70,6 +72,7 @@ BACKENDS: dict[str, BackendSpec] = {
         ),
         BackendSpec(
             name="flashinfer-fp8",
+            numerics="fp8",
             description="FlashInfer with an FP8 (e4m3) KV cache",
             sglang_args=("--attention-backend", "flashinfer", "--kv-cache-dtype", "fp8_e4m3"),
             expect={"attention_backend": "flashinfer", "kv_cache_dtype": "fp8_e4m3"},
@@ -77,6 +80,7 @@ BACKENDS: dict[str, BackendSpec] = {
         ),
         BackendSpec(
             name="triton-bf16",
+            numerics="bf16",
             description="SGLang's Triton attention, BF16 KV cache",
             sglang_args=("--attention-backend", "triton"),
             expect={"attention_backend": "triton"},
@@ -84,6 +88,7 @@ BACKENDS: dict[str, BackendSpec] = {
         ),
         BackendSpec(
             name="mpfa",
+            numerics="mpfa",
             description="MpFA: NVFP4 QK, FP8 PV, NVFP4-K/FP8-V cache, centering + rank-one compensation",
             sglang_args=("--attention-backend", "mpfa", "--page-size", "128"),
             expect={"attention_backend": "mpfa"},
@@ -94,6 +99,7 @@ BACKENDS: dict[str, BackendSpec] = {
         ),
         BackendSpec(
             name="mpfa-direct",
+            numerics="qk4-pv8-direct",
             description="MpFA numerics without centering (direct NVFP4 QK, FP8 PV)",
             sglang_args=("--attention-backend", "mpfa-direct", "--page-size", "128"),
             expect={"attention_backend": "mpfa-direct"},

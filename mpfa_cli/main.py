@@ -445,6 +445,8 @@ def logits(
     engine: Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")] = "auto",
     url: Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")] = None,
     max_mean_abs_dlogprob: Annotated[Optional[float], typer.Option("--max-mean-abs-dlogprob", help="Exit 1 when a backend's prefill or decode mean |Δ logprob| exceeds this.")] = None,
+    predicted: Annotated[Optional[Path], typer.Option("--predicted", help="CPU prediction (python -m mpfa.profiles.logits_prediction --json): exit 1 when a backend's prompt mean |Δ logprob| is not within --predicted-factor of it.")] = None,
+    predicted_factor: Annotated[float, typer.Option("--predicted-factor", help="Allowed ratio, either way, of measured to predicted.")] = 1.5,
     port: Annotated[Optional[int], typer.Option(help="Preferred server port.")] = None,
     time_scale: Annotated[float, typer.Option(help="Simulator only: multiply modelled times by this.")] = 1.0,
     ready_timeout: Annotated[Optional[float], typer.Option(help="Seconds to wait for each server to get ready.")] = None,
@@ -456,12 +458,16 @@ def logits(
     from mpfa.cli.bench import BenchOptions
     from mpfa.cli.engines import gpu_names, resolve_backends, resolve_engine
     from mpfa.cli.logits import render, run_logits, workload_params
+    from mpfa.cli.logits_check import check_against_prediction, load_prediction, render_checks
 
     lengths = _number_list(input_len, "--input-len")
     if any(n < 2 for n in lengths):
         raise UserError("--input-len: every length must be >= 2 (position 0 has no logprob)")
     if prompts < 1 or output_len < 1:
         raise UserError("--prompts and --output-len must be >= 1")
+    if predicted_factor <= 1:
+        raise UserError(f"--predicted-factor must be > 1, got {predicted_factor}")
+    prediction = load_prediction(predicted) if predicted is not None else None  # a bad file fails before any server
     urls = [u.strip() for u in url.split(",")] if url else None
     chosen_engine = resolve_engine(engine, urls[0] if urls else None)
     names = [n.strip() for n in backend.split(",") if n.strip()]
@@ -489,6 +495,9 @@ def logits(
             console.print("[yellow]engine: sim — every number below is SIMULATED (hash values, not a model)[/]")
         result = run_logits(specs, ref, lengths, prompts, output_len, seed, model, options_for, console)
         render(result, console)
+        if predicted is not None:
+            checks = check_against_prediction(result, prediction, {s.name: s.numerics for s in specs})
+            render_checks(checks, predicted_factor, console)
         gpu = "simulated" if result.simulated else (gpu_names() or ["unknown"])[0]
         params = {**workload_params(seed, prompts, lengths, output_len), "backends": [s.name for s in specs],
                   "ref": ref, "model": model, "engine": chosen_engine, "server_args": extra}
@@ -500,6 +509,11 @@ def logits(
     if max_mean_abs_dlogprob is not None and (over := result.over_threshold(max_mean_abs_dlogprob)):
         names_over = ", ".join(f"{r.backend}@{r.input_len}" for r in over)
         raise UserError(f"mean |Δ logprob| above {max_mean_abs_dlogprob}: {names_over}", exit_code=1)
+    if predicted is not None:
+        off = [c for c in checks if not c.within(predicted_factor)]
+        if off:
+            raise UserError(f"measured vs predicted |Δ logprob| outside {predicted_factor}x: "
+                            + ", ".join(f"{c.backend}@{c.input_len} ({c.ratio():.2f})" for c in off), exit_code=1)
 
 
 accuracy_app = typer.Typer(help="Accuracy of the attention variants (NVFP4/FP8 numerics) on real model data.",
