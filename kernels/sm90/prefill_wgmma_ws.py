@@ -67,14 +67,12 @@ from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, l
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
 
 CONSUMERS = 2  # consumer warpgroups (v5w8's two warpgroups)
-WARPGROUPS = 1 + CONSUMERS  # + the producer
-PRODUCER_THREADS = THREADS  # arrivals expected on ``full[s]``: every producer thread
+REGISTER_FILE = 65536  # 32-bit registers per SM (and per CTA)
 CONSUMER_THREADS = CONSUMERS * THREADS  # arrivals expected on ``empty[s]``: every consumer thread
 OPERAND_STAGES = 2
 RING_STAGES = 8  # raw 64-key tiles; the producer copies RING_STAGES - 2 tiles ahead
 PRODUCER_REGS = 56  # setmaxnreg of the producer warpgroup
 CONSUMER_REGS = 224  # setmaxnreg of each consumer warpgroup: 56 + 2 x 224 = 504 = 3 x 168
-LAUNCH_REGS = 168  # ptxas' cap for 384 threads per CTA (65536 / 384, in multiples of 8)
 PRODUCER_BARRIER = 1  # named barrier of the producer's 128 threads (0 is the CTA's)
 CONSUMER_BARRIER = 2  # consumer w's named barrier: 2 + w
 
@@ -97,6 +95,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
     ``warpgroups`` is the consumers' count (2, v5w8's rows per CTA); the CTA has one warpgroup more."""
 
     ring_stages = RING_STAGES
+    producer_warpgroups = 1  # v6g: 2
     producer_regs = PRODUCER_REGS
     consumer_regs = CONSUMER_REGS
 
@@ -105,8 +104,10 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         if warpgroups != CONSUMERS:
             raise ValueError(f"the v6 prefill has {CONSUMERS} consumer warpgroups, got {warpgroups}")
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups=warpgroups)
-        assert self.producer_regs + CONSUMERS * self.consumer_regs <= WARPGROUPS * LAUNCH_REGS
-        self.threads = WARPGROUPS * THREADS  # the launch's block
+        self.threads = (self.producer_warpgroups + CONSUMERS) * THREADS  # the launch's block
+        launch_regs = REGISTER_FILE // self.threads // 8 * 8  # ptxas' cap under ``.reqntid``: 168 for 384 threads
+        assert (self.producer_warpgroups * self.producer_regs + CONSUMERS * self.consumer_regs
+                <= self.threads // THREADS * launch_regs)
         self.stages = self.ring_stages
         q_bytes = CONSUMERS * self.qk_bytes
         self.operand_stage_bytes = self.qk_bytes + self.v_bytes  # K (e4m3) + V^T (e4m3)
@@ -123,12 +124,17 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         return 1
 
     @property
+    def producer_threads(self) -> int:
+        """Arrivals expected on ``full[s]`` and the producers' named barrier: every producer thread."""
+        return self.producer_warpgroups * THREADS
+
+    @property
     def fill_warpgroups(self) -> int:
-        return 1  # the producer copies both halves of a tile and expands all its K
+        return self.producer_warpgroups  # the producers copy both halves of a tile and expand all its K
 
     @property
     def fill_threads(self) -> int:
-        return PRODUCER_THREADS  # and transposes all its V
+        return self.producer_threads  # and transpose all its V
 
     @cute.kernel
     def kernel(
@@ -147,7 +153,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
     ):
         tid, _, _ = cute.arch.thread_idx()
         warp, lane = self._warp_lane(tid)
-        role = warp >> 2  # 0: producer, 1 / 2: consumers (warpgroup-uniform)
+        role = warp >> 2  # producers first, then the 2 consumers (warpgroup-uniform)
         block_head, m_block, batch = prefill_grid.cta(self.cta_order, cute.arch.block_idx(), cute.arch.grid_dim())
         q_start = cu_seqlens_q[batch]
         q_len = cu_seqlens_q[batch + 1] - q_start
@@ -162,19 +168,20 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         bars = cute.recast_ptr(smem_ptr + self.barrier_offset, dtype=cutlass.Int64)
         if tid == 0:
             for s in cutlass.range_constexpr(OPERAND_STAGES):
-                cute.arch.mbarrier_init(bars + s, PRODUCER_THREADS)  # full[s]
+                cute.arch.mbarrier_init(bars + s, self.producer_threads)  # full[s]
                 cute.arch.mbarrier_init(bars + OPERAND_STAGES + s, CONSUMER_THREADS)  # empty[s]
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()  # the only CTA-wide barrier: the mbarriers are initialised before any role uses them
 
-        if role == 0:
+        if role < self.producer_warpgroups:
             cute.arch.setmaxregister_decrease(self.producer_regs)
             self._produce(walk, (k_codes, k_scales, v, delta_s), page_table, batch, block_head, kv_len, tid, warp,
                           smem_ptr, bars)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
             self._consume(walk, q_codes, q_scales, (k_scales, delta_s), out, lam_scaled, block_head, batch, q_start,
-                          q_len, kv_len, cta_row0, role - 1, tid & (THREADS - 1), warp & 3, lane, smem_ptr, bars)
+                          q_len, kv_len, cta_row0, role - self.producer_warpgroups, tid & (THREADS - 1), warp & 3, lane,
+                          smem_ptr, bars)
 
     # --- the producer warpgroup -------------------------------------------------------------------------------------
 
@@ -192,7 +199,9 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
             (k_scales.iterator.toint(), head_slot),
             (delta_s.iterator.toint() + 4 * sl.ds_first_word(group_first), head_slot),
         )
-        threads = (tid, 0, tid, warp)  # (tid, warpgroup, thread and warp in it): the producer is warpgroup 0
+        threads = (tid, 0, tid, warp)  # (tid, warpgroup, thread and warp in it): one producer, warpgroup 0
+        if cutlass.const_expr(self.producer_warpgroups > 1):
+            threads = (tid, warp >> 2, tid & (THREADS - 1), warp & 3)
         table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
         smem = smem_ptr.toint()
         ring = smem + self.offsets[3]
@@ -229,7 +238,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         cp_async_commit()
         self._fetch_page(page, table_row, HALVES * ws_ring_copy(step + 1, cta_tiles, self.stages)[0])
         cp_async_wait(self.stages - 2)  # this thread's copies of this step's tile have landed
-        cute.arch.barrier(barrier_id=PRODUCER_BARRIER, number_of_threads=PRODUCER_THREADS)  # everyone's have
+        cute.arch.barrier(barrier_id=PRODUCER_BARRIER, number_of_threads=self.producer_threads)  # everyone's have
         _, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
         stage = ring + compute_stage * self.tile_bytes
         operands = smem + s * self.operand_stage_bytes  # + offsets[1] / [2]: K / V^T of stage s
@@ -238,7 +247,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         if threads[0] == 0:  # 2**e_k as FP32 bits for the consumers (`_qk_scores`' tile scale)
             store_shared_u32(smem + self.exponent_offset + 4 * s, (e + Uint32(127)) << 23)
         cute.arch.fence_proxy("async.shared", space="cta")  # this thread's operand stores, visible to wgmma
-        cute.arch.mbarrier_arrive(bars + s)  # full[s]: one of 128 arrivals
+        cute.arch.mbarrier_arrive(bars + s)  # full[s]: one of `producer_threads` arrivals
 
     # --- the consumer warpgroups ------------------------------------------------------------------------------------
 
@@ -452,3 +461,20 @@ class PrefillSm90WgmmaWsPingPong(PrefillSm90WgmmaWsUnscaled):
     def _pingpong_end(self, wg):
         if wg == 0:
             cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+
+TWO_PRODUCERS_CONSUMER_REGS = 200  # v6g: 2 x 56 + 2 x 200 = 512 = 4 warpgroups x the 128 of ``.reqntid 512``
+
+
+class PrefillSm90WgmmaWsTwoProducers(PrefillSm90WgmmaWsUnscaled):
+    """v6g: v6e with **two producer warpgroups** (CTA = 4 warpgroups, 512 threads). The session-16 bench of the
+    variants says v6's producer binds: v6c (producer -4% instructions) took 2.8% off v6, v6a / v6b (consumers -2 /
+    -5%) nothing, and v6f's ping-pong was slower than v6e (profiles/NOTES.md "Session 16, CPU: v6g"). One producer
+    warp per scheduler issues ~430 mostly dependent instructions per tile-step. Here the producers split the tile
+    as v3w8's two warpgroups do (`fill_warpgroups` 2: warpgroup w copies and expands half w of the K chunks, the V
+    transpose is spread over their 256 threads): each producer warp issues about half as much. ``full[s]`` expects
+    256 arrivals and the producers' named barrier 256 threads; the consumers are v6e's at 200 registers (v6e names
+    up to R190). Same values stored in the operand stages, so **v6e's output bit for bit**."""
+
+    producer_warpgroups = 2
+    consumer_regs = TWO_PRODUCERS_CONSUMER_REGS

@@ -3,7 +3,8 @@ launcher (`compile_prefill_kernel(..., kernel="v6")`) as 3 warpgroups (384 threa
 with ``setmaxnreg`` giving the producer ``PRODUCER_REGS`` and each consumer ``CONSUMER_REGS`` (within the launch's
 registers), no local memory anywhere; the consumers' tile loops hold both GEMMs on e4m3 wgmma (v5's 4 + 2 x 2
 QGMMA) and no barrier but one mbarrier wait and one arrive, the producer's tile loops the copies, the K expansion
-and all of the V transpose (4 LDSM.T + 4 STSM per thread), its named barrier and one arrive, and no MMA."""
+and all of the V transpose (4 LDSM.T + 4 STSM per thread; v6g's two producers 2 each, 512 threads, 128 registers),
+its named barrier and one arrive, and no MMA."""
 
 from __future__ import annotations
 
@@ -26,17 +27,18 @@ CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV h
 BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True, "v6")]
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
 # the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f, which has every change, non-causal FP32 too
-VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f")
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g")
 VARIANT_BUILDS = [(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f")]
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}"
                for config, _, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f")  # PV as one m64n128k32 into a fresh accumulator
-FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f")  # O = O alpha + P V in one FFMA, no vote
-LUT_K = ("v6c", "v6d", "v6e", "v6f")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e", "v6f")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once per tile instead
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g")  # PV as one m64n128k32 into a fresh accumulator
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g")  # O = O alpha + P V in one FFMA, no vote
+LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f", "v6g")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once per tile instead
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
+TWO_PRODUCERS = ("v6g",)  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
 TILE_LOOPS = 2  # masked tiles, then whole tiles: in the producer and in each consumer
-PRODUCER_LOOP = "BAR.SYNC.DEFER_BLOCKING 0x1, 0x80"  # the producer's named barrier (its 128 threads)
+PRODUCER_LOOP = "BAR.SYNC.DEFER_BLOCKING 0x1, {:#x}"  # the producers' named barrier (all their threads)
 
 
 @pytest.fixture(scope="module")
@@ -73,15 +75,18 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     usage = cuobjdump("--dump-resource-usage", cubin)
     assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the v6 prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
-    threads = ws.WARPGROUPS * WARPGROUP
-    assert launcher.threads == threads == 384 and launcher.block_m == kernel_block_m(4, kernel) == 32
+    producers = 2 if kernel in TWO_PRODUCERS else 1
+    threads = (producers + ws.CONSUMERS) * WARPGROUP
+    assert launcher.producer_warpgroups == producers and launcher.producer_threads == producers * WARPGROUP
+    assert launcher.threads == threads and launcher.block_m == kernel_block_m(4, kernel) == 32
     smem = launcher.smem_bytes + int(re.search(r"SHARED:(\d+)", usage).group(1))
     assert smem <= SMEM_PER_CTA and ctas_per_sm(registers, threads, smem) == 1, (registers, smem)
-    # setmaxnreg moves registers within the CTA's launch allocation: 128 (p + 2c) <= 384 x launch registers
-    assert registers == ws.LAUNCH_REGS
-    assert launcher.producer_regs + ws.CONSUMERS * launcher.consumer_regs <= ws.WARPGROUPS * registers
+    # setmaxnreg moves registers within the CTA's launch allocation: 128 (producers p + 2c) <= threads x launch
+    # registers, ptxas' cap under .reqntid (168 for 384 threads, 128 for 512)
+    assert registers == {384: 168, 512: 128}[threads]
+    assert producers * launcher.producer_regs + ws.CONSUMERS * launcher.consumer_regs <= threads // WARPGROUP * registers
     ptx = Path(cubin).with_suffix(".ptx").read_text()
-    assert re.search(r"\.reqntid\s+384, 1, 1", ptx) and re.search(r"\.minnctapersm\s+1\b", ptx)
+    assert re.search(rf"\.reqntid\s+{threads}, 1, 1", ptx) and re.search(r"\.minnctapersm\s+1\b", ptx)
 
     sass = cuobjdump("--dump-sass", cubin)
     assert f"USETMAXREG.DEALLOC.CTAPOOL {launcher.producer_regs:#x}" in sass
@@ -122,18 +127,21 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
         assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in body) == 1  # arrive empty[s]
         assert not any(op.startswith(("LDSM", "STSM", "LDGSTS")) for op in body), "the producer's work"
         assert sum("F2FP.SATFINITE.E4M3.F32" in op for op in body) == 16  # P: 2 cvt per 4 keys, 32 per thread
-    producer_loops = loops_issuing(sass, (PRODUCER_LOOP,))
+    producer_loop = PRODUCER_LOOP.format(launcher.producer_threads)
+    producer_loops = loops_issuing(sass, (producer_loop,))
     assert len(producer_loops) == TILE_LOOPS, [len(body) for body in producer_loops]
+    chunks = 2 // producers  # K chunks per producer thread and tile (v6g: the two producers share them)
     for body in producer_loops:
         assert not any("GMMA" in op for op in body)
-        assert sum(op.startswith(PRODUCER_LOOP) for op in body) == 1
+        assert sum(op.startswith(producer_loop) for op in body) == 1
         assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in body) == 1  # wait empty[s]
         assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in body) == 1  # arrive full[s]
-        assert sum(op.startswith("LDSM.16.MT88.4") for op in body) == 4  # the whole V transpose: 4 per thread
-        assert sum(op.startswith("STSM.16.M88.4") for op in body) == 4
+        assert sum(op.startswith("LDSM.16.MT88.4") for op in body) == 2 * chunks  # the V transpose: 4 per thread of
+        assert sum(op.startswith("STSM.16.M88.4") for op in body) == 2 * chunks  # one producer, 2 of two
         assert sum(op.startswith("DEPBAR.LE SB0, 0x6") for op in body) == 1  # 6 tiles of copies in flight
-        # K: 2 chunks x 16 registers x the block scale (+ 2 x 2 for the block scales' 2**-e); v6 also x 2**14
-        assert sum(op.startswith("HMUL2") for op in body) == 2 * (16 + 2) + (0 if kernel in LUT_K else 2 * 16)
+        # K: 2 chunks (v6g 1) x 16 registers x the block scale (+ 2 per chunk for the block scales' 2**-e); v6 also
+        # x 2**14
+        assert sum(op.startswith("HMUL2") for op in body) == chunks * (16 + 2) + (0 if kernel in LUT_K else chunks * 16)
 
 
 def test_v6_is_opt_in(monkeypatch: pytest.MonkeyPatch):
