@@ -26,6 +26,8 @@ Synchronisation (the deadlock-prone part; every wait below has a matching arrive
   thread arrives once per step after its PV wgmma has been waited for (``wgmma.wait_group 0``) and its Delta_S
   loads from the ring stage are done, on **every** step of the CTA's walk, also on the steps whose tile it skips
   (the earlier consumer's leading tiles in a causal CTA): both consumers walk the same ``cta_tiles`` steps.
+* (With n operand stages, v6h's 3, read p mod n, p // n and p - n for p & 1, p >> 1 and p - 2 below, and
+  ``RING_STAGES - n`` tiles ahead for 6; `stage_parity`, `ws_ring_copy`.)
 * Step p of the walk uses operand stage s = p & 1 in its (p >> 1)-th phase: consumers wait ``full[s]`` for parity
   (p >> 1) & 1. The producer waits ``empty[s]`` for parity ((p >> 1) & 1) ^ 1 before refilling stage s: on the first
   pass (p = 0, 1) that is parity 1 of a fresh mbarrier, whose "preceding phase" counts as complete, so the wait
@@ -77,17 +79,20 @@ PRODUCER_BARRIER = 1  # named barrier of the producer's 128 threads (0 is the CT
 CONSUMER_BARRIER = 2  # consumer w's named barrier: 2 + w
 
 
-def ws_ring_copy(step, tiles, stages: int):
-    """(tile index, ring stage) of the copy the producer issues at ``step``: walk step ``step + stages - 2`` into
-    the stage of walk step ``step - 2`` (no copy when the tile index is negative). The prologue copies walk steps
-    0 .. stages - 3 (`prefill_staged_layout.ring_prologue`)."""
-    ahead = step + stages - 2
+def ws_ring_copy(step, tiles, stages: int, operand_stages: int = OPERAND_STAGES):
+    """(tile index, ring stage) of the copy the producer issues at ``step``: walk step ``step + stages - n`` into
+    the ring stage of walk step ``step - n``, the last step whose release (``empty``) the producer has waited for
+    (n = ``operand_stages``; no copy when the tile index is negative). The prologue copies walk steps
+    0 .. stages - n - 1 (`prefill_staged_layout.ring_prologue`)."""
+    ahead = step + stages - operand_stages
     return tiles - 1 - ahead, ahead & (stages - 1)
 
 
-def stage_parity(step):
-    """(operand stage, phase parity) of walk step ``step``: stage step & 1 in its (step >> 1)-th use."""
-    return step & 1, (step >> 1) & 1
+def stage_parity(step, operand_stages: int = OPERAND_STAGES):
+    """(operand stage, phase parity) of walk step ``step``: stage step mod n in its (step // n)-th use."""
+    if operand_stages & (operand_stages - 1) == 0:  # a power of two: masks and shifts
+        return step & (operand_stages - 1), (step >> (operand_stages.bit_length() - 1)) & 1
+    return step % operand_stages, (step // operand_stages) & 1
 
 
 class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
@@ -95,6 +100,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
     ``warpgroups`` is the consumers' count (2, v5w8's rows per CTA); the CTA has one warpgroup more."""
 
     ring_stages = RING_STAGES
+    operand_stages = OPERAND_STAGES  # v6h: 3
     producer_warpgroups = 1  # v6g: 2
     producer_regs = PRODUCER_REGS
     consumer_regs = CONSUMER_REGS
@@ -111,12 +117,12 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         self.stages = self.ring_stages
         q_bytes = CONSUMERS * self.qk_bytes
         self.operand_stage_bytes = self.qk_bytes + self.v_bytes  # K (e4m3) + V^T (e4m3)
-        ring = q_bytes + OPERAND_STAGES * self.operand_stage_bytes
+        ring = q_bytes + self.operand_stages * self.operand_stage_bytes
         # (Q tile of consumer 0, K and V^T of operand stage 0 (stage s: + s operand_stage_bytes), ring)
         self.offsets = (0, q_bytes, q_bytes + self.qk_bytes, ring)
         self.barrier_offset = ring + self.stages * self.tile_bytes  # full[0..1], empty[0..1]: 8 bytes each
-        self.exponent_offset = self.barrier_offset + 8 * 2 * OPERAND_STAGES  # the tile's K exponent per stage
-        self.smem_bytes = self.exponent_offset + 4 * OPERAND_STAGES
+        self.exponent_offset = self.barrier_offset + 8 * 2 * self.operand_stages  # the tile's K exponent per stage
+        self.smem_bytes = self.exponent_offset + 4 * self.operand_stages
 
     @property
     def min_ctas_per_sm(self) -> int:
@@ -167,9 +173,9 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
         bars = cute.recast_ptr(smem_ptr + self.barrier_offset, dtype=cutlass.Int64)
         if tid == 0:
-            for s in cutlass.range_constexpr(OPERAND_STAGES):
+            for s in cutlass.range_constexpr(self.operand_stages):
                 cute.arch.mbarrier_init(bars + s, self.producer_threads)  # full[s]
-                cute.arch.mbarrier_init(bars + OPERAND_STAGES + s, CONSUMER_THREADS)  # empty[s]
+                cute.arch.mbarrier_init(bars + self.operand_stages + s, CONSUMER_THREADS)  # empty[s]
         cute.arch.mbarrier_init_fence()
         cute.arch.barrier()  # the only CTA-wide barrier: the mbarriers are initialised before any role uses them
 
@@ -206,13 +212,14 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         smem = smem_ptr.toint()
         ring = smem + self.offsets[3]
         page = cute.make_rmem_tensor((1,), Int32)
-        for index in cutlass.range_constexpr(self.stages - 2):  # walk steps 0 .. stages - 3 in flight
+        lead = self.stages - self.operand_stages  # tiles copied ahead of the step being filled
+        for index in cutlass.range_constexpr(lead):  # walk steps 0 .. lead - 1 in flight
             tile_index, stage = sl.ring_prologue(index, cta_tiles)
             if tile_index >= 0:
                 self._copy_wgmma_tile(tile_index, Int32(load_u32(self._page_entry(table_row, HALVES * tile_index))),
                                       ring + stage * self.tile_bytes, kv_len, threads, sources, True)
             cp_async_commit()
-        self._fetch_page(page, table_row, HALVES * ws_ring_copy(0, cta_tiles, self.stages)[0])
+        self._fetch_page(page, table_row, HALVES * ws_ring_copy(0, cta_tiles, self.stages, self.operand_stages)[0])
         full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
         masked_tiles = cta_tiles - full_tiles
         for step in cutlass.range(masked_tiles, unroll=1):
@@ -227,17 +234,18 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
                       threads, sources, smem, bars):
         """Walk step ``step``: wait for operand stage s to be free, issue the copy ``RING_STAGES - 2`` steps ahead,
         wait for this step's tile, expand K and transpose V into stage s, arrive on ``full[s]``."""
-        s, parity = stage_parity(step)
-        # Both consumers are done with step - 2 (stage s, its ring stage); the first pass returns at once (parity 1
+        s, parity = stage_parity(step, self.operand_stages)
+        # Both consumers are done with step - n (stage s, its ring stage); the first pass returns at once (parity 1
         # of a fresh mbarrier: the phase before its first is complete).
-        cute.arch.mbarrier_wait(bars + OPERAND_STAGES + s, parity ^ 1)
-        copy_index, copy_stage = ws_ring_copy(step, cta_tiles, self.stages)
+        cute.arch.mbarrier_wait(bars + self.operand_stages + s, parity ^ 1)
+        copy_index, copy_stage = ws_ring_copy(step, cta_tiles, self.stages, self.operand_stages)
         if copy_index >= 0:
             self._copy_wgmma_tile(copy_index, page[0], ring + copy_stage * self.tile_bytes, kv_len, threads, sources,
                                   masked)
         cp_async_commit()
-        self._fetch_page(page, table_row, HALVES * ws_ring_copy(step + 1, cta_tiles, self.stages)[0])
-        cp_async_wait(self.stages - 2)  # this thread's copies of this step's tile have landed
+        self._fetch_page(page, table_row,
+                         HALVES * ws_ring_copy(step + 1, cta_tiles, self.stages, self.operand_stages)[0])
+        cp_async_wait(self.stages - self.operand_stages)  # this thread's copies of this step's tile have landed
         cute.arch.barrier(barrier_id=PRODUCER_BARRIER, number_of_threads=self.producer_threads)  # everyone's have
         _, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
         stage = ring + compute_stage * self.tile_bytes
@@ -313,7 +321,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         """Walk step ``step`` of one consumer: wait for ``full[s]``, v5's tile body on operand stage s (skipped by
         the earlier consumer on a leading tile none of its rows sees), arrive on ``empty[s]`` -- on every step."""
         mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
-        s, parity = stage_parity(step)
+        s, parity = stage_parity(step, self.operand_stages)
         cute.arch.mbarrier_wait(bars + s, parity)  # full[s]: the producer filled stage s for this step
         tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
         stage = ring + compute_stage * self.tile_bytes  # Delta_S of the tile stays in the raw ring stage
@@ -335,7 +343,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         else:
             self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
         # Both wgmmas of the tile were waited for (`_gemm`) and its Delta_S read: release stage s and its ring stage.
-        cute.arch.mbarrier_arrive(bars + OPERAND_STAGES + s)  # empty[s]: one of 256 arrivals
+        cute.arch.mbarrier_arrive(bars + self.operand_stages + s)  # empty[s]: one of 256 arrivals
 
 
 # --- opt-in variants (kernels v6a .. v6d; profiles/NOTES.md, "Prefill v6 variants") -----------------------------------
@@ -478,3 +486,13 @@ class PrefillSm90WgmmaWsTwoProducers(PrefillSm90WgmmaWsUnscaled):
 
     producer_warpgroups = 2
     consumer_regs = TWO_PRODUCERS_CONSUMER_REGS
+
+
+class PrefillSm90WgmmaWsThreeStages(PrefillSm90WgmmaWsTwoProducers):
+    """v6h: v6g with **3 operand stages** (+16 KB: ~168 KB compensated, still 1 CTA per SM): the producers may fill
+    step p once both consumers released step p - 3 (v6g: p - 2), so a consumer that falls behind by a step no
+    longer stalls the producers, and the raw ring runs 5 tiles ahead instead of 6 (its stage of step p - 3 is the
+    one freed; `ws_ring_copy`). For the case where v6g is bound by the producer / consumer handshake rather than by
+    either side's instructions. Same values: **v6e's output bit for bit**."""
+
+    operand_stages = 3

@@ -27,16 +27,17 @@ CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV h
 BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True, "v6")]
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
 # the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f, which has every change, non-causal FP32 too
-VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g")
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h")
 VARIANT_BUILDS = [(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f")]
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}"
                for config, _, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g")  # PV as one m64n128k32 into a fresh accumulator
-FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g")  # O = O alpha + P V in one FFMA, no vote
-LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e", "v6f", "v6g")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once per tile instead
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h")  # PV as one m64n128k32 into a fresh accumulator
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h")  # O = O alpha + P V in one FFMA, no vote
+LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f", "v6g", "v6h")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once
+# per tile instead
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
-TWO_PRODUCERS = ("v6g",)  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
+TWO_PRODUCERS = ("v6g", "v6h")  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
 TILE_LOOPS = 2  # masked tiles, then whole tiles: in the producer and in each consumer
 PRODUCER_LOOP = "BAR.SYNC.DEFER_BLOCKING 0x1, {:#x}"  # the producers' named barrier (all their threads)
 
@@ -84,7 +85,8 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     # setmaxnreg moves registers within the CTA's launch allocation: 128 (producers p + 2c) <= threads x launch
     # registers, ptxas' cap under .reqntid (168 for 384 threads, 128 for 512)
     assert registers == {384: 168, 512: 128}[threads]
-    assert producers * launcher.producer_regs + ws.CONSUMERS * launcher.consumer_regs <= threads // WARPGROUP * registers
+    assert (producers * launcher.producer_regs + ws.CONSUMERS * launcher.consumer_regs
+            <= threads // WARPGROUP * registers)
     ptx = Path(cubin).with_suffix(".ptx").read_text()
     assert re.search(rf"\.reqntid\s+{threads}, 1, 1", ptx) and re.search(r"\.minnctapersm\s+1\b", ptx)
 
@@ -138,7 +140,8 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
         assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in body) == 1  # arrive full[s]
         assert sum(op.startswith("LDSM.16.MT88.4") for op in body) == 2 * chunks  # the V transpose: 4 per thread of
         assert sum(op.startswith("STSM.16.M88.4") for op in body) == 2 * chunks  # one producer, 2 of two
-        assert sum(op.startswith("DEPBAR.LE SB0, 0x6") for op in body) == 1  # 6 tiles of copies in flight
+        lead = ws.RING_STAGES - launcher.operand_stages  # tiles of copies in flight: 6 (v6h: 5)
+        assert sum(op.startswith(f"DEPBAR.LE SB0, {lead:#x}") for op in body) == 1
         # K: 2 chunks (v6g 1) x 16 registers x the block scale (+ 2 per chunk for the block scales' 2**-e); v6 also
         # x 2**14
         assert sum(op.startswith("HMUL2") for op in body) == chunks * (16 + 2) + (0 if kernel in LUT_K else chunks * 16)
@@ -158,28 +161,33 @@ def test_v6_limits_are_clear_errors():
         compile_prefill_kernel(8, 4, 32, True, "BFloat16", kernel="v6")
 
 
-def test_v6_ring_schedule():
+@pytest.mark.parametrize("operand_stages", [2, 3])
+def test_v6_ring_schedule(operand_stages: int):
     """The producer's ring on the CPU: every walk step copied exactly once, into a stage no step in flight or
-    still readable by the consumers (steps p - 1 .. p + 5 at step p) holds; operand stages and parities alternate."""
+    still readable by the consumers (steps p - n + 1 .. p + 7 - n at step p, n operand stages: v6 2, v6h 3)
+    holds; operand stages cycle and each one's parity flips on every use."""
     from mpfa.kernels.sm90 import prefill_staged_layout as sl
     from mpfa.kernels.sm90.prefill_wgmma_ws import RING_STAGES, stage_parity, ws_ring_copy
 
+    n = operand_stages
     for tiles in (1, 2, 3, 7, 8, 9, 40):
         stage_of = {}
-        for index in range(RING_STAGES - 2):
+        for index in range(RING_STAGES - n):
             tile_index, stage = sl.ring_prologue(index, tiles)
             if tile_index >= 0:
                 stage_of[tiles - 1 - tile_index] = stage
         for step in range(tiles):
-            tile_index, stage = ws_ring_copy(step, tiles, RING_STAGES)
+            tile_index, stage = ws_ring_copy(step, tiles, RING_STAGES, n)
             if tile_index >= 0:
                 walk_step = tiles - 1 - tile_index
-                assert walk_step == step + RING_STAGES - 2 and walk_step not in stage_of
-                live = {stage_of[p] for p in range(step - 1, walk_step) if p in stage_of}
+                assert walk_step == step + RING_STAGES - n and walk_step not in stage_of
+                live = {stage_of[p] for p in range(step - n + 1, walk_step) if p in stage_of}
                 assert stage not in live, (tiles, step)
                 stage_of[walk_step] = stage
             assert sl.ring_compute(step, tiles, RING_STAGES)[1] == stage_of[step]
         assert sorted(stage_of) == list(range(tiles))
+    uses = [stage_parity(p, n) for p in range(4 * n)]
+    assert uses == [(p % n, (p // n) % 2) for p in range(4 * n)]
     assert [stage_parity(p) for p in range(5)] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 0)]
 
 
