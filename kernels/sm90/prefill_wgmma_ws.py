@@ -20,7 +20,7 @@ Synchronisation (the deadlock-prone part; every wait below has a matching arrive
 
 * ``full[s]`` / ``empty[s]``, s = 0, 1: one mbarrier pair per operand stage, initialised by thread 0, made visible
   by ``fence.mbarrier_init`` and the one CTA-wide ``bar.sync 0`` of the kernel (before any role starts).
-  ``full[s]`` expects ``PRODUCER_THREADS`` (128) arrivals: every producer thread arrives after its own operand
+  ``full[s]`` expects ``producer_threads`` (128; v6g 256) arrivals: every producer thread arrives after its own operand
   stores and its own ``fence.proxy.async`` (each thread's generic stores made visible to the async proxy, i.e. to
   wgmma, before its release-arrive). ``empty[s]`` expects ``CONSUMER_THREADS`` (256) arrivals: every consumer
   thread arrives once per step after its PV wgmma has been waited for (``wgmma.wait_group 0``) and its Delta_S
