@@ -318,9 +318,10 @@ def render(result: LogitsResult, console) -> None:
             continue
         divergences = ",".join("–" if d is None else str(d) for d in row.first_divergence)
         table.add_row(
-            row.backend + ref_mark, str(row.input_len), str(row.prompts), _num(row.prefill_mean_abs),
-            _num(row.prefill_p99_abs), _num(row.prefill_max_abs), _pct(row.prefill_top1_agree),
-            _pct(row.decode_identical), divergences, _num(row.decode_mean_abs), "[green]ok[/]",
+            row.backend + ref_mark, str(row.input_len), str(row.prompts), format_number(row.prefill_mean_abs),
+            format_number(row.prefill_p99_abs), format_number(row.prefill_max_abs),
+            format_share(row.prefill_top1_agree), format_share(row.decode_identical), divergences,
+            format_number(row.decode_mean_abs), "[green]ok[/]",
         )
     console.print(table)
     for input_len, stats in result.reference.items():
@@ -336,11 +337,11 @@ def render(result: LogitsResult, console) -> None:
                   "reference's (– identical); decode |Δlp| is over the positions before it.", highlight=False)
 
 
-def _num(value: float | None) -> str:
+def format_number(value: float | None) -> str:
     return "–" if value is None else f"{value:.3g}"
 
 
-def _pct(value: float | None) -> str:
+def format_share(value: float | None) -> str:
     return "–" if value is None else f"{100 * value:.1f}%"
 
 

@@ -44,7 +44,8 @@ def load_prediction(path: Path) -> dict[str, Any]:
     return prediction
 
 
-def check_against_prediction(result, prediction: dict[str, Any], numerics: dict[str, str | None]) -> list[PredictionCheck]:
+def check_against_prediction(result, prediction: dict[str, Any],
+                             numerics: dict[str, str | None]) -> list[PredictionCheck]:
     """One check per measured row (other than the reference's) with a prediction for its variant and length.
     `numerics`: backend name -> its reference variant. The prediction's reference must be the reference backend's."""
     ref_variant = numerics.get(result.ref)

@@ -33,7 +33,8 @@ from typing import Any, Callable
 import torch
 
 from mpfa.cli.errors import UserError
-from mpfa.cli.logits import NEAR_UNIFORM_STD, Row, Sample, _num, _pct, compare, prompts_for, reference_stats
+from mpfa.cli.logits import (NEAR_UNIFORM_STD, Row, Sample, compare, format_number, format_share, prompts_for,
+                             reference_stats)
 from mpfa.kernels.reference import VARIANTS
 from mpfa.kernels.tasks.attention_swap import VariantAttention, install
 
@@ -145,8 +146,9 @@ def render(prediction: Prediction, console) -> None:
         table.add_column(column, justify="left" if column == "variant" else "right")
     for index, row in enumerate(prediction.rows):
         mark = " (ref)" if index < len(prediction.reference) else ""  # the first rows: the reference vs itself
-        table.add_row(row.backend + mark, str(row.input_len), str(row.prompts), _num(row.prefill_mean_abs),
-                      _num(row.prefill_p99_abs), _num(row.prefill_max_abs), _pct(row.prefill_top1_agree),
+        table.add_row(row.backend + mark, str(row.input_len), str(row.prompts), format_number(row.prefill_mean_abs),
+                      format_number(row.prefill_p99_abs), format_number(row.prefill_max_abs),
+                      format_share(row.prefill_top1_agree),
                       f"{prediction.seconds_per_prompt[row.backend][row.input_len]:.1f}")
     console.print(table)
     for n, stats in prediction.reference.items():
