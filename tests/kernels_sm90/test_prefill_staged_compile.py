@@ -178,7 +178,7 @@ def test_direct_build_copies_no_delta_s(staged_cubins, cuobjdump):
 
 def test_kernel_switch(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    # the default: v3 where it applies (group 4, pages >= 64), else v2, v1 for an odd Hq
+    # the default: v3w8 where it applies (group 4, pages >= 64), else v2, v1 for an odd Hq
     assert prefill_kernel(32, 8, 128) == "v3w8" and prefill_kernel(32, 8, 16) == "v2"
     assert prefill_kernel(40, 8, 128) == "v2" and prefill_kernel(5, 1, 128) == "v1"
     assert [prefill_kernel(32, 8, 128, k) for k in ("v1", "v2", "V2W8")] == ["v1", "v2", "v2w8"]
@@ -186,7 +186,8 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "V2w8")
     assert prefill_kernel(32, 8, 128) == "v2w8" and prefill_kernel(40, 8, 128, "v1") == "v1"
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v7")
-    with pytest.raises(ValueError, match="must be v1, v2, v2w8, v3, v3w8, v4, v4w8, v5, v5w8, v6, v6a, v6b, v6c, v6d, v6e or v6f"):
+    names = "v1, v2, v2w8, v3, v3w8, v4, v4w8, v5, v5w8, v6, v6a, v6b, v6c, v6d, v6e, v6f, v6g or v6h"
+    with pytest.raises(ValueError, match=f"must be {names}"):
         prefill_kernel(32, 8, 128)
     assert kernel_block_m(4, "v2") == 16 and kernel_block_m(4, "v2w8") == 32 and kernel_block_m(4, "v1") == 64
     assert kernel_block_m(5, "v2") == kernel_block_m(5, "v2w8") == 64  # 40:8 keeps the 4-warp shape
