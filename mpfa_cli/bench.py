@@ -35,7 +35,7 @@ from mpfa.cli.environment import collect_environment
 from mpfa.cli.errors import UserError
 from mpfa.cli.records import RequestRecord, RunRecord
 from mpfa.cli.report import CAVEAT_MARK
-from mpfa.cli.scenario import LoadPoint, Scenario, without_bundled_model_paths
+from mpfa.cli.scenario import LoadPoint, Scenario, is_bundled_model, without_bundled_model_paths
 from mpfa.cli.server import ServerError, ServerProcess, pick_port
 from mpfa.cli.store import ResultStore
 
@@ -92,6 +92,17 @@ def verify_server(info: dict[str, Any], spec: BackendSpec) -> None:
             raise UserError(f"server reports {key}={got}, but backend '{spec.name}' asks for {want}", exit_code=1)
 
 
+def verify_weights(info: dict[str, Any], model: str) -> None:
+    """Refuse a server whose weights are not the ones `model` means: SGLang's dummy weights for a bundled config
+    name, the checkpoint's own for a directory (a dummy-weight server would make a logits check vacuous)."""
+    got = _find_key(info, "load_format")
+    if got is None:
+        return
+    if is_bundled_model(model) != (str(got) == "dummy"):
+        want = "dummy weights" if is_bundled_model(model) else f"the weights in {model}"
+        raise UserError(f"server reports load_format={got}, but model '{model}' means {want}", exit_code=1)
+
+
 @contextmanager
 def served(
     spec: BackendSpec, model: str, context_len: int, opts: BenchOptions, progress: Progress
@@ -115,6 +126,8 @@ def served(
         progress.update(task, description=f"{spec.name}: ready after {took:.0f} s", total=1, completed=1)
         info = _get_json(f"{url}/get_server_info")
         verify_server(info, spec)
+        if opts.engine != "sim":  # the simulator loads no weights
+            verify_weights(info, model)
         yield url, info, server
 
 

@@ -140,3 +140,16 @@ def test_a_model_directory_is_served_with_its_own_weights(tmp_path: Path) -> Non
     bundled = sglang_launch(BACKENDS["fa4-bf16"], 30000, "llama-3.1-8b", 4096, 1, 1, []).command
     assert "--load-format" not in given_dir and given_dir[given_dir.index("--model-path") + 1] == str(tmp_path)
     assert bundled[bundled.index("--load-format") + 1] == "dummy"
+
+
+def test_a_server_with_the_wrong_weights_is_refused(tmp_path: Path) -> None:
+    """SGLang reports its load format: dummy weights for a directory (or real ones for a bundled name) stop the run."""
+    from mpfa.cli.bench import verify_weights
+
+    verify_weights({"load_format": "dummy"}, "llama-3.1-8b")
+    verify_weights({"server_args": {"load_format": "auto"}}, str(tmp_path))
+    verify_weights({}, str(tmp_path))  # a server that does not say (another engine): nothing to check
+    with pytest.raises(UserError, match="load_format=dummy, but model .* means the weights in"):
+        verify_weights({"load_format": "dummy"}, str(tmp_path))
+    with pytest.raises(UserError, match="load_format=auto, but model 'llama-3.1-8b' means dummy weights"):
+        verify_weights({"load_format": "auto"}, "llama-3.1-8b")
