@@ -98,8 +98,9 @@ def verify_weights(info: dict[str, Any], model: str) -> None:
     got = _find_key(info, "load_format")
     if got is None:
         return
-    if is_bundled_model(model) != (str(got) == "dummy"):
-        want = "dummy weights" if is_bundled_model(model) else f"the weights in {model}"
+    bundled = is_bundled_model(model)
+    if bundled != (str(got) == "dummy"):
+        want = "dummy weights" if bundled else f"the weights in {model}"
         raise UserError(f"server reports load_format={got}, but model '{model}' means {want}", exit_code=1)
 
 

@@ -16,8 +16,6 @@ from typing import Any
 
 from mpfa.cli.errors import UserError
 
-DEFAULT_FACTOR = 1.5
-
 
 @dataclass(frozen=True)
 class PredictionCheck:

@@ -16,8 +16,8 @@ to FP32 summation order (its 64-key tiles), not bit for bit; on the H200 it pass
 faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows
 per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical
 to v3). The default is v3w8 where it applies (measured on the H200 in session 16: 1.39x v3 at 64K, as fast as v4w8
-with v3's exact numerics; profiles/NOTES.md "Session 16 sitting"), else v2 (v1 for an odd number of query heads: v2 copies Delta_S as
-aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v4|v4w8|v5|v5w8|v6|v6a..v6h`` or the ``kernel=``
+with v3's exact numerics; profiles/NOTES.md "Session 16 sitting"), else v2 (v1 for an odd number of query heads: v2
+copies Delta_S as aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v4|v4w8|v5|v5w8|v6|v6a..v6h`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (v3 / v3w8 / v4 / v4w8 then refuse other shapes with a clear error). v4 / v4w8
 (`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K requantized to e4m3 with
 power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 /
@@ -79,8 +79,8 @@ WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
     """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8", "v3" or "v3w8"), else ``MPFA_PREFILL_KERNEL``,
-    else `WGMMA_KERNEL` (v3w8) for GQA group 4 with pages of >= 64 keys and v2 otherwise; v1 with an odd number of query heads unless
-    v3 / v3w8 is named (v2 copies Delta_S as aligned 4-byte words)."""
+    else `WGMMA_KERNEL` (v3w8) for GQA group 4 with pages of >= 64 keys and v2 otherwise; v1 with an odd number of
+    query heads unless v3 / v3w8 is named (v2 copies Delta_S as aligned 4-byte words)."""
     fits_v3 = num_q_heads == WGMMA_GROUP * num_kv_heads and page_size >= WGMMA_MIN_PAGE
     if kernel is None and not os.environ.get(KERNEL_ENV) and fits_v3:
         return WGMMA_KERNEL

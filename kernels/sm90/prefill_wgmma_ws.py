@@ -72,10 +72,10 @@ CONSUMERS = 2  # consumer warpgroups (v5w8's two warpgroups)
 REGISTER_FILE = 65536  # 32-bit registers per SM (and per CTA)
 CONSUMER_THREADS = CONSUMERS * THREADS  # arrivals expected on ``empty[s]``: every consumer thread
 OPERAND_STAGES = 2
-RING_STAGES = 8  # raw 64-key tiles; the producer copies RING_STAGES - 2 tiles ahead
+RING_STAGES = 8  # raw 64-key tiles; the producer copies RING_STAGES - operand stages tiles ahead
 PRODUCER_REGS = 56  # setmaxnreg of the producer warpgroup
 CONSUMER_REGS = 224  # setmaxnreg of each consumer warpgroup: 56 + 2 x 224 = 504 = 3 x 168
-PRODUCER_BARRIER = 1  # named barrier of the producer's 128 threads (0 is the CTA's)
+PRODUCER_BARRIER = 1  # named barrier of the producers' threads (0 is the CTA's)
 CONSUMER_BARRIER = 2  # consumer w's named barrier: 2 + w
 
 
@@ -120,13 +120,14 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         ring = q_bytes + self.operand_stages * self.operand_stage_bytes
         # (Q tile of consumer 0, K and V^T of operand stage 0 (stage s: + s operand_stage_bytes), ring)
         self.offsets = (0, q_bytes, q_bytes + self.qk_bytes, ring)
-        self.barrier_offset = ring + self.stages * self.tile_bytes  # full[0..1], empty[0..1]: 8 bytes each
+        self.barrier_offset = ring + self.stages * self.tile_bytes  # full[0..n-1], empty[0..n-1]: 8 bytes each
         self.exponent_offset = self.barrier_offset + 8 * 2 * self.operand_stages  # the tile's K exponent per stage
         self.smem_bytes = self.exponent_offset + 4 * self.operand_stages
 
     @property
     def min_ctas_per_sm(self) -> int:
-        """1 CTA of 384 threads per SM (``.minnctapersm 1``; ``.reqntid 384`` caps the launch at 168 registers)."""
+        """1 CTA per SM (``.minnctapersm 1``; ``.reqntid`` caps the launch at 168 registers for 384 threads, 128
+        for v6g's 512)."""
         return 1
 
     @property
@@ -232,7 +233,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
     @cute.jit
     def _produce_step(self, masked: cutlass.Constexpr, step, cta_tiles, page: cute.Tensor, table_row, ring, kv_len,
                       threads, sources, smem, bars):
-        """Walk step ``step``: wait for operand stage s to be free, issue the copy ``RING_STAGES - 2`` steps ahead,
+        """Walk step ``step``: wait for operand stage s to be free, issue the copy ``RING_STAGES - n`` steps ahead,
         wait for this step's tile, expand K and transpose V into stage s, arrive on ``full[s]``."""
         s, parity = stage_parity(step, self.operand_stages)
         # Both consumers are done with step - n (stage s, its ring stage); the first pass returns at once (parity 1
