@@ -17,7 +17,7 @@ faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one w
 per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical
 to v3). The default is v3w8 where it applies (measured on the H200 in session 16: 1.39x v3 at 64K, as fast as v4w8
 with v3's exact numerics; profiles/NOTES.md "Session 16 sitting"), else v2 (v1 for an odd number of query heads: v2
-copies Delta_S as aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v4|v4w8|v5|v5w8|v6|v6a..v6h`` or the ``kernel=``
+copies Delta_S as aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v4|v4w8|v5|v5w8|v6|v6a..v6i`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (v3 / v3w8 / v4 / v4w8 then refuse other shapes with a clear error). v4 / v4w8
 (`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K requantized to e4m3 with
 power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 /
@@ -25,10 +25,10 @@ v5w8 (`prefill_wgmma_fp8pv`, opt-in only) are v4 / v4w8 with PV on FP8 wgmma too
 shared memory, P e4m3 in registers, each tile's P V added to O in FP32): the same reference variant. v6
 (`prefill_wgmma_ws`, opt-in only) is v5w8 warp-specialized (a producer warpgroup copies, expands K and transposes V
 into double-buffered operand stages; two consumer warpgroups run v5w8's tile body): v5w8's output bit for bit.
-v6a .. v6h (opt-in, `WS_KERNELS`) are v6 variants that cut instructions per tile (one PV wgmma, O's rescale folded
-into FFMA, a table look-up K expansion, unscaled scores) or schedule the consumers (ping-pong); profiles/NOTES.md
-"Prefill v6 variants": v6a / v6c give v6's output, v6b / v6d / v6e / v6f / v6g / v6h differ from it by O's rescale
-rounding once instead of twice.
+v6a .. v6i (opt-in, `WS_KERNELS`) are v6 variants that cut instructions per tile (one PV wgmma, O's rescale folded
+into FFMA, a table look-up K expansion, unscaled scores), add producers or stages (v6g, v6h) or schedule the
+consumers (v6f's ping-pong, v6i's intra-warpgroup overlap); profiles/NOTES.md "Prefill v6 variants": v6a / v6c give
+v6's output, v6b / v6d / v6e / v6f / v6g / v6h / v6i differ from it by O's rescale rounding once instead of twice.
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -53,7 +53,7 @@ BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host sid
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8", "v3", "v3w8",
-# "v4", "v4w8", "v5", "v5w8", "v6" or a v6 variant ("v6a" .. "v6h", `WS_KERNELS`)
+# "v4", "v4w8", "v5", "v5w8", "v6" or a v6 variant ("v6a" .. "v6i", `WS_KERNELS`)
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
 WGMMA_KERNEL = "v3w8"  # `prefill_wgmma`: the default where its shape limits allow
 WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer warpgroup, 2 consumers) -> its class
@@ -66,6 +66,7 @@ WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer 
     "v6f": "PrefillSm90WgmmaWsPingPong",  # v6e with the consumers taking turns at QK (FA3's ping-pong; v6e's output)
     "v6g": "PrefillSm90WgmmaWsTwoProducers",  # v6e with two producer warpgroups (512 threads; v6e's output)
     "v6h": "PrefillSm90WgmmaWsThreeStages",  # v6g with 3 operand stages (v6e's output)
+    "v6i": "PrefillSm90WgmmaWsOverlap",  # v6e with FA3's intra-warpgroup overlap, 3 operand stages (v6e's output)
 }
 WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v4": 1, "v4w8": 2, "v5": 1, "v5w8": 2,
                     **{name: 2 for name in WS_KERNELS}}  # the wgmma kernel's variants: warpgroups per CTA computing

@@ -475,11 +475,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         ``stage``): S = Delta_S + Q K^T (-inf where masked), online softmax, O = alpha O + e4m3(448 P) V, both
         wgmmas waited for."""
         scores = self._qk_scores(masked, tile, stage, mmas, state, ds_lane, limits, c)
-        probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
-                                                                 lam_scaled, exact_alpha=True)
-        for r in cutlass.range_constexpr(2):
-            state[r] = m_rows[r]
-            state[2 + r] = l_rows[r]
+        probs, alphas = softmax_update(scores, state, lam_scaled)
         self._pv(mmas, probs, alphas)
 
     @cute.jit
@@ -538,6 +534,17 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                         store_v2_f32(address, lo, hi)
                     else:
                         store_u32(address, f32x2_to_bf16x2(lo, hi))
+
+
+def softmax_update(scores: list, state: cute.Tensor, lam_scaled) -> tuple:
+    """The online softmax of one tile's scores (exact alpha), rows' maxima and sums updated in ``state[0:4]``
+    -> (P in the scores' layout, alphas)."""
+    probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
+                                                             lam_scaled, exact_alpha=True)
+    for r in range(2):
+        state[r] = m_rows[r]
+        state[2 + r] = l_rows[r]
+    return probs, alphas
 
 
 @cute.jit

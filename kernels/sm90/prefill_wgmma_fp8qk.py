@@ -280,6 +280,12 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         (or -inf), then one FFMA per score. Delta_S is not the accumulator's initial value as in v3: the FP8 wgmma
         accumulates with fewer bits than FP32, and a large initial value costs the products precision (measured:
         2.4-3.8e-3 rms from the oracle with Delta_S as the initial value, 1.5-2.3e-3 added after; NOTES)."""
+        self._qk_issue(masked, tile, mmas, limits, c)
+        warpgroup.wait_group(0)
+        return self._qk_finish(stage, mmas, state, ds_lane)
+
+    def _qk_issue(self, masked: bool, tile, mmas, limits, c) -> None:
+        """S's accumulator set to 0 (-inf where masked), the QK wgmma issued and committed, not waited for."""
         mma_qk, acc_s = mmas[0], mmas[3]
         t_q, t_k = mmas[2][0], mmas[2][1]
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
@@ -290,7 +296,11 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         self._qk_turn()
         _gemm(mma_qk, acc_s, t_q, t_k, wait=False)
         self._qk_issued()
-        warpgroup.wait_group(0)
+
+    def _qk_finish(self, stage, mmas, state: cute.Tensor, ds_lane) -> list:
+        """The scores from the QK wgmma's accumulator (waited for by the caller): times the row and tile scales,
+        plus Delta_S from ring stage ``stage``."""
+        acc_s = mmas[3]
         ds_bits = self._ds_bits(stage, ds_lane)  # read after the MMA: no registers held across it
         scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]  # 2**(e_q + e_k - 7)
         if cutlass.const_expr(ds_bits is None):

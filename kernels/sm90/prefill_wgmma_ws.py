@@ -62,7 +62,8 @@ from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
-from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm, rescale
+from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm, rescale,
+                                             softmax_update)
 from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
 from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_u32
@@ -299,6 +300,15 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         ds_lane = sl.ds_lane_base(self.heads, first_head - kv_head * self.group, head_in_cta, c)
         ring = smem + self.offsets[3]
         fixed = (mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o)
+        self._consume_walk(walk, num_tiles, ring, fixed, state, lam_scaled, ds_lane, limits, c, smem_ptr, bars)
+        self._pingpong_end(wg)
+        self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+
+    @cute.jit
+    def _consume_walk(self, walk, num_tiles, ring, fixed, state: cute.Tensor, lam_scaled, ds_lane, limits, c,
+                      smem_ptr, bars):
+        """The consumer's steps of the CTA's walk: the masked tiles, then the whole ones, one `_consume_step` each."""
+        cta_tiles, cta_common = walk
         full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
         masked_tiles = cta_tiles - full_tiles
         for step in cutlass.range(masked_tiles, unroll=1):
@@ -307,8 +317,6 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         for step in cutlass.range(full_tiles, unroll=1):
             self._consume_step(False, masked_tiles + step, cta_tiles, num_tiles, ring, fixed, state, lam_scaled,
                                ds_lane, limits, c, smem_ptr, bars)
-        self._pingpong_end(wg)
-        self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
 
     def _pingpong_start(self, wg):
         """Before consumer ``wg``'s walk: nothing here (v6f: consumer 1 gives consumer 0 the first QK turn)."""
@@ -378,8 +386,14 @@ class PrefillSm90WgmmaWsPv(PrefillSm90WgmmaWs):
                 acc_o[i] = acc_o[i] + acc_pv[i]
         else:
             warpgroup.wait_group(0)
-            for i in cutlass.range_constexpr(cute.size(acc_o)):
-                acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1] + acc_pv[i]  # one FFMA: O + P V exactly when alpha is 1
+            fold_pv(acc_o, acc_pv, alphas)
+
+
+@cute.jit
+def fold_pv(acc_o: cute.Tensor, acc_pv: cute.Tensor, alphas) -> None:
+    """O = O alpha + P V, one FFMA per register (O + P V exactly where alpha is 1)."""
+    for i in cutlass.range_constexpr(cute.size(acc_o)):
+        acc_o[i] = acc_o[i] * alphas[(i >> 1) & 1] + acc_pv[i]
 
 
 class PrefillSm90WgmmaWsPvFold(PrefillSm90WgmmaWsPv):
@@ -497,3 +511,103 @@ class PrefillSm90WgmmaWsThreeStages(PrefillSm90WgmmaWsTwoProducers):
     either side's instructions. Same values: **v6e's output bit for bit**."""
 
     operand_stages = 3
+
+
+class PrefillSm90WgmmaWsOverlap(PrefillSm90WgmmaWsUnscaled):
+    """v6i: v6e with FA3's **intra-warpgroup overlap** and 3 operand stages. v6g / v6h ran at v6e's speed although
+    they halved the producer's instructions or added a stage (profiles/NOTES.md "Session 17 sitting"), which
+    leaves each consumer's serial chain per tile: QK issued, waited for, softmax, PV issued, waited for, O updated.
+    Here a consumer at step p issues QK of step p and then PV of step p - 1 (its P packed in registers at the end
+    of step p - 1, V^T still in its operand stage), waits for QK only (``wait_group 1``), computes step p's scores
+    while PV p - 1 runs, waits for PV p - 1, folds it into O (O = O alpha_(p-1) + P_(p-1) V_(p-1), v6e's FFMA),
+    releases step p - 1, and packs P_p. One wgmma round trip per tile instead of two. (ptxas places the PV wait
+    after the scores and the row maxima, before the exponentials, wherever the PTX puts it: read from the SASS,
+    checked by the compile test.) A consumer's first tile issues no PV; the walk ends with the last PV
+    (`_overlap_drain`). The leading steps a consumer skips (causal: tiles none of its rows sees) are released at
+    once, as in v6e.
+
+    Release moves one step later (step p - 1 is released during step p), so with v6e's 2 operand stages the
+    producer could fill step p + 1 only after the consumers' scores of step p: 3 operand stages (v6h's) give it a
+    step of slack. One producer warpgroup (v6e's; v6g's second gained nothing) leaves the consumers 224 registers
+    for the accumulator of PV p - 1 (64) held across step p's scores. Same operations on the same values: **v6e's
+    output bit for bit**."""
+
+    operand_stages = 3
+
+    @cute.jit
+    def _consume_walk(self, walk, num_tiles, ring, fixed, state: cute.Tensor, lam_scaled, ds_lane, limits, c,
+                      smem_ptr, bars):
+        """Skipped leading steps released; then the first tile (QK, softmax, P), the overlapped steps (masked,
+        then whole), the last PV."""
+        cta_tiles, cta_common = walk
+        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
+        masked_tiles = cta_tiles - full_tiles
+        lam = lam_scaled * Float32(2.0 ** -SCORE_SCALE_LOG2)  # v6e's unscaled scores
+        acc_pv = cute.make_rmem_tensor(fixed[3].partition_shape_C((64, HEAD_DIM)), Float32)
+        alphas = cute.make_rmem_tensor((2,), Float32)  # the pending PV's rows' alphas
+        pipe = (ring, fixed, acc_pv, alphas, state, lam, ds_lane, limits, c, smem_ptr, bars)
+        first = cta_tiles - cutlass.min(num_tiles, cta_tiles)  # the consumer's first step
+        for step in cutlass.range(first, unroll=1):
+            s, parity = stage_parity(step, self.operand_stages)
+            cute.arch.mbarrier_wait(bars + s, parity)  # full[s]
+            cute.arch.mbarrier_arrive(bars + self.operand_stages + s)  # empty[s]: nothing of it is read
+        if first < cta_tiles:
+            if first < masked_tiles:
+                self._overlap_step(True, False, first, cta_tiles, pipe)
+            else:
+                self._overlap_step(False, False, first, cta_tiles, pipe)
+            for step in cutlass.range(first + 1, masked_tiles, unroll=1):
+                self._overlap_step(True, True, step, cta_tiles, pipe)
+            for step in cutlass.range(cutlass.max(first + 1, masked_tiles), cta_tiles, unroll=1):
+                self._overlap_step(False, True, step, cta_tiles, pipe)
+            self._overlap_drain(cta_tiles - 1, pipe)
+
+    @cute.jit
+    def _overlap_step(self, masked: cutlass.Constexpr, pending: cutlass.Constexpr, step, cta_tiles, pipe):
+        """Step ``step``: wait for ``full[s]``, issue QK (and, ``pending``, PV of step - 1), the scores and softmax,
+        fold PV step - 1 into O and release its stage, pack this step's P; its alphas kept for the next."""
+        ring, fixed, acc_pv, alphas, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe
+        mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
+        s, parity = stage_parity(step, self.operand_stages)
+        cute.arch.mbarrier_wait(bars + s, parity)  # full[s]
+        tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
+        stage = ring + compute_stage * self.tile_bytes  # Delta_S of the tile stays in the raw ring stage
+        state[self._TILE_SCALE] = bits_to_f32(load_shared_u32(smem_ptr.toint() + self.exponent_offset + 4 * s))
+        k_offset = cute.assume(self.offsets[1] + s * self.operand_stage_bytes, divby=self.operand_stage_bytes)
+        _, _, s_k = self._qk_operands(smem_ptr, self.offsets[0], k_offset)
+        mmas = (mma_qk, mma_pv, (frag_q, thr_qk.make_fragment_B(thr_qk.partition_B(s_k))), acc_s, acc_o)
+        self._qk_issue(masked, tile_index * TILE_KEYS, mmas, limits, c)
+        if cutlass.const_expr(pending):
+            previous = stage_parity(step - 1, self.operand_stages)[0]
+            self._pv_issue(previous, pipe)
+            warpgroup.wait_group(1)  # QK of this step; PV of the previous one may still run
+        else:
+            warpgroup.wait_group(0)
+        probs, new_alphas = softmax_update(self._qk_finish(stage, mmas, state, ds_lane), state, lam)
+        if cutlass.const_expr(pending):
+            warpgroup.wait_group(0)  # PV of the previous step: its P registers and V^T stage are free
+            fold_pv(acc_o, acc_pv, alphas)
+            cute.arch.mbarrier_arrive(bars + self.operand_stages + previous)  # empty: one of 256 arrivals
+        self._p_operand(probs, cute.recast_tensor(frag_p, Uint32))
+        for r in cutlass.range_constexpr(2):
+            alphas[r] = new_alphas[r]
+
+    @cute.jit
+    def _pv_issue(self, s, pipe):
+        """The PV wgmma (P in its A registers, V^T of operand stage ``s``) into the fresh accumulator, issued and
+        committed, not waited for."""
+        _, fixed, acc_pv, _, _, _, _, _, _, smem_ptr, _ = pipe
+        mma_pv, thr_pv, frag_p = fixed[1], fixed[3], fixed[5]
+        v_offset = cute.assume(self.offsets[2] + s * self.operand_stage_bytes, divby=self.qk_bytes)
+        _, s_vts = self._pv_operands(smem_ptr, v_offset)
+        _gemm(mma_pv, acc_pv, frag_p, thr_pv.make_fragment_B(thr_pv.partition_B(s_vts[0])), fresh=True, wait=False)
+
+    @cute.jit
+    def _overlap_drain(self, step, pipe):
+        """The walk's last PV (step ``step``), folded into O; its stage released."""
+        acc_pv, alphas, bars, acc_o = pipe[2], pipe[3], pipe[10], pipe[1][7]
+        s = stage_parity(step, self.operand_stages)[0]
+        self._pv_issue(s, pipe)
+        warpgroup.wait_group(0)
+        fold_pv(acc_o, acc_pv, alphas)
+        cute.arch.mbarrier_arrive(bars + self.operand_stages + s)  # empty[s]

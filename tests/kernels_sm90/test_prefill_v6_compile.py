@@ -26,18 +26,21 @@ from mpfa.kernels.sm90.sass import SMEM_PER_CTA, WARPGROUP, ctas_per_sm, loops_i
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
 BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True, "v6")]
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
-# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f, which has every change, non-causal FP32 too
-VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h")
-VARIANT_BUILDS = [(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f")]
-VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}"
-               for config, _, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h")  # PV as one m64n128k32 into a fresh accumulator
-FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h")  # O = O alpha + P V in one FFMA, no vote
-LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e", "v6f", "v6g", "v6h")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once
+# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f (every change) and v6i (its own walk) non-causal
+# FP32 too, v6i's direct build
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")
+VARIANT_BUILDS = ([(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f"), (CONFIGS[1], True, "v6i"),
+                                                                (CONFIGS[0], False, "v6i")])
+VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}{'' if comp else '-direct'}"
+               for config, comp, kernel in VARIANT_BUILDS]
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")  # PV as one m64n128k32 into a fresh accumulator
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")  # O = O alpha + P V in one FFMA, no vote
+LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once
 # per tile instead
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
 TWO_PRODUCERS = ("v6g", "v6h")  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
+OVERLAP = ("v6i",)  # QK of tile p and PV of tile p - 1 issued together; one wait for QK, one for PV, then release
 TILE_LOOPS = 2  # masked tiles, then whole tiles: in the producer and in each consumer
 PRODUCER_LOOP = "BAR.SYNC.DEFER_BLOCKING 0x1, {:#x}"  # the producers' named barrier (all their threads)
 
@@ -105,10 +108,14 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
         assert len(pv) == (2 if kernel in ONE_PV_WGMMA else 4), body  # 2 k-steps each, A (P) from registers
         assert sum(op.startswith("QGMMA") for op in body) == len(qk) + len(pv)
         waits = sum(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for op in body)
-        assert waits == (2 if kernel in ONE_PV_WGMMA else 3), body  # one wgmma wait per GEMM (v6: per PV half)
-        if kernel in FOLDED_RESCALE:  # O = O alpha + P V: 64 FFMA, no vote, no FMUL by alpha
+        if kernel in OVERLAP:
+            _check_overlap(body)
+        else:
+            assert waits == (2 if kernel in ONE_PV_WGMMA else 3), body  # one wgmma wait per GEMM (v6: per PV half)
+        if kernel in FOLDED_RESCALE:  # O = O alpha + P V: 64 FFMA, no vote, no FMUL by alpha (+ 32 FFMA for P, and
+            # 32 for the scores where Delta_S is added)
             assert not any(op.startswith("VOTE") for op in body)
-            assert sum(op.startswith("FFMA") for op in body) >= 2 * 32 + 64
+            assert sum(op.startswith("FFMA") for op in body) >= (2 if compensate else 1) * 32 + 64
         else:
             assert sum(op.startswith("VOTE.ANY") for op in body) == 1  # O's rescale, vote-skipped
         two_pow_minus_7 = sum(op.startswith("FMUL") and op.endswith(", 0.0078125") for op in body)
@@ -276,3 +283,19 @@ def test_lut_expansion_is_fake_quant_fp8():
         assert torch.equal(got, formats.fake_quant_fp8(exact, 2.0**e)), top
         checked += got.numel()
     assert checked == 16 * 126 * 127 // 2
+
+
+def _check_overlap(body: list[str]) -> None:
+    """v6i's tile loop: QK (4 QGMMA) then the previous tile's PV (2) issued before any wait; ``wait_group 1`` (QK
+    done) and then ``wait_group 0`` (PV done) with the scores between them (at least their 32 FFMA, FMUL in the
+    direct build: the overlap),
+    and the release of the previous tile's stage after the PV wait."""
+    first = {name: next(i for i, op in enumerate(body) if op.startswith(prefix)) for name, prefix in (
+        ("qk", "QGMMA.64x64x32"), ("pv", "QGMMA.64x128x32"), ("wait_qk", "WARPGROUP.DEPBAR.LE gsb0, 0x1"),
+        ("wait_pv", "WARPGROUP.DEPBAR.LE gsb0, 0x0"), ("release", "SYNCS.ARRIVE.TRANS64"))}
+    last_mma = max(i for i, op in enumerate(body) if op.startswith("QGMMA"))
+    assert first["qk"] < first["pv"] and last_mma < first["wait_qk"] < first["wait_pv"] < first["release"], first
+    assert sum(op.startswith("WARPGROUP.DEPBAR") for op in body) == 2, "one wait per GEMM"
+    scores = [op for op in body[first["wait_qk"]:first["wait_pv"]] if op.startswith(("FFMA", "FMUL"))]
+    assert len(scores) >= 32, f"the PV wait should come after the scores, {len(scores)} FFMA / FMUL before it"
+

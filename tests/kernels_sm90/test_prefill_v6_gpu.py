@@ -24,6 +24,8 @@ batch, each against the oracle bounds and against v6:
 * v6e (scores and Delta_S unscaled, lam 2**-7): v6d bit for bit (the softmax sees the same real numbers).
 * v6g (v6e with two producer warpgroups sharing each tile's copies and expansion) and v6h (v6g with 3 operand
   stages): v6e bit for bit.
+* v6i (v6e with FA3's intra-warpgroup overlap: QK of tile p and PV of tile p - 1 in flight together; 3 operand
+  stages, a stage released one step later): v6e bit for bit; a hang is a deadlock of the later release.
 * v6f (v6e with the consumers' QK ping-pong, named barriers 4 / 5): v6e bit for bit; a hang is a deadlock of the
   ping-pong protocol (`prefill_wgmma_ws.PrefillSm90WgmmaWsPingPong`), so run it under a timeout.
 
@@ -94,9 +96,9 @@ def test_v6_refuses_other_groups(gen):
         v1_tests._run(problem, True, kernel="v6")
 
 
-VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h")
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")
 SAME_AS = {"v6a": "v6", "v6c": "v6", "v6d": "v6b", "v6e": "v6d", "v6f": "v6e", "v6g": "v6e",
-           "v6h": "v6e"}  # bit for bit; v6b: close to v6
+           "v6h": "v6e", "v6i": "v6e"}  # bit for bit; v6b: close to v6
 FOLD_RMS = 4e-6  # v6b from v6: O alpha rounded once instead of twice on the rescaled tiles (FP32 output)
 
 
