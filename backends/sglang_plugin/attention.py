@@ -42,7 +42,7 @@ def prefill_path() -> str:
 class ExtendBatch:
     """An extend step: ``slots`` [T] of the new tokens, ``req_pool_indices`` [B], ``token_request`` [T] (each
     token's request row), ``cu_seqlens_q`` int32 [B + 1] on the device, ``starting`` bool [B] (empty prefix: new
-    means), ``kv_slots`` the slots of every request's whole sequence in order, host ``cu_q`` / ``cu_k``, and for
+    means) and on the host ``any_starting`` (False for a batch of later chunks only: no means to take), ``kv_slots`` the slots of every request's whole sequence in order, host ``cu_q`` / ``cu_k``, and for
     the prefill kernel ``page_table`` int32 [B, pages] (None unless ``build`` got a page size) and ``seq_lens_k``
     int32 [B]."""
 
@@ -51,6 +51,7 @@ class ExtendBatch:
     token_request: torch.Tensor
     cu_seqlens_q: torch.Tensor
     starting: torch.Tensor
+    any_starting: bool
     kv_slots: torch.Tensor
     cu_q: list[int]
     cu_k: list[int]
@@ -77,6 +78,7 @@ class ExtendBatch:
             token_request=torch.repeat_interleave(rows, extend, output_size=cu_q[-1]),
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
             starting=requests_starting(torch.tensor(prefix_lens, device=device)),
+            any_starting=any(p == 0 for p in prefix_lens),
             kv_slots=req_to_token[rows[seq], position],
             cu_q=cu_q,
             cu_k=cu_k,
@@ -115,7 +117,7 @@ class MpfaAttention:
         """Prefill / chunked-prefill step -> [T, Hq, d] in q's dtype (the prefill kernel, or the SLOW REFERENCE
         PATH; see the module docstring)."""
         q3 = q.view(-1, self.num_q_heads, self.head_dim)
-        if self.variant.smoothing:
+        if self.variant.smoothing and batch.any_starting:
             freeze_means(self.store, layer, q3, k, batch.cu_seqlens_q, batch.req_pool_indices, batch.starting)
         query = self.write(layer, q3, k, v, batch.slots, batch.token_request)
         cache = self.store.layer(layer)

@@ -98,6 +98,22 @@ def test_chunked_prefill_freezes_means_from_the_first_chunk(device, paged):
     _check(out, *_reference(p, [(48, 80), (0, 30)], "mpfa", means))
 
 
+def test_later_chunks_take_no_means(device, paged, monkeypatch):
+    """A batch of later chunks only (no request starts): the means stay frozen and none are computed."""
+    from mpfa.kernels.sm90 import sequence_means as kernel_module
+
+    p, store, core = _setup(paged, [80], "mpfa", device)
+    _extend(core, p, [(0, 48)], device)
+    frozen = (store.q_mean.clone(), store.k_mean.clone())
+    monkeypatch.setattr(kernel_module, "sequence_means", lambda *_: pytest.fail("means computed for a later chunk"))
+    out, batch = _extend(core, p, [(48, 80)], device)
+    assert not batch.any_starting and batch.starting.tolist() == [False]
+    assert torch.equal(store.q_mean, frozen[0]) and torch.equal(store.k_mean, frozen[1])
+    rows = torch.tensor(p.rows)
+    _check(out, *_reference(p, [(48, 80)], "mpfa", SmoothingMeans(store.q_mean[1][rows].cpu(),
+                                                                 store.k_mean[1][rows].cpu())))
+
+
 def test_direct_variant_has_no_means(device, paged):
     lengths = [40, 21]
     p, store, core = _setup(paged, lengths, "mpfa-direct", device)
@@ -115,7 +131,7 @@ def test_extend_batch_layout(device, paged):
     assert batch.cu_q == [0, 3, 6] and batch.cu_k == [0, 5, 8]
     assert batch.token_request.tolist() == [p.rows[0]] * 3 + [p.rows[1]] * 3
     assert batch.kv_slots.tolist() == p.req_to_token[p.rows[0], :5].tolist() + p.req_to_token[p.rows[1], :3].tolist()
-    assert batch.starting.tolist() == [False, True]
+    assert batch.starting.tolist() == [False, True] and batch.any_starting
 
 
 def _only(p, index):

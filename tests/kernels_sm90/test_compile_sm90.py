@@ -172,7 +172,7 @@ def test_triton_kernels_compile_for_sm90():
             "quantize_cache": (_quantize_cache_kernel, quantize,
                                dict(NUM_KV_HEADS=8, GROUP=5, GROUP_POW2=8, DS_ROW=8, HEAD_DIM=128)),
             "sequence_means": (_sequence_means_kernel, dict(x_ptr="*bf16", cu_ptr="*i32", out_ptr="*fp32",
-                               x_stride="i32"), dict(NUM_HEADS=8, HEAD_DIM=128, TOKENS=32)),
+                               x_stride="i32"), dict(NUM_HEADS=8, HEAD_DIM=128, TOKENS=32, SPLITS=16)),
         }
         ptx = {}
         for name, (kernel, signature, constants) in kernels.items():

@@ -125,7 +125,7 @@ def test_cache_write_rounding_edges(device):
 
 
 def test_sequence_means_match_float64(device, gen):
-    lengths = [40, 0, 3, 70]
+    lengths = [40, 0, 3, 70, 1000]  # 1000: 16 slices of 64 tokens, the last one partial
     x = _random_rows(gen, sum(lengths), 3, 2.0, 20.0)
     cu = _cumulative(lengths)
     means = sequence_means(x.to(device), cu.to(device, torch.int32)).cpu()
