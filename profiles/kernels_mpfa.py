@@ -6,10 +6,11 @@ FlashInfer serves with page 1; the decode benchmark used page 1 for MpFA too bef
 split-KV decode + merge. Prefill: the CuTe prefill (causal, every token of each sequence a query), the queries'
 centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 
-Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v3 for 32:8); ``mpfa-v1``,
+Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v3w8 for 32:8); ``mpfa-v1``,
 ``mpfa-v2``, ``mpfa-v2w8``, ``mpfa-v3`` and ``mpfa-v3w8`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs, v3
 (`prefill_wgmma`) or v3 with 2-warpgroup CTAs, so one run can time them side by side (decode is the same kernel
-in all of them); ``mpfa-v4`` / ``mpfa-v4w8`` pin v3 / v3w8 with QK^T on FP8 (`prefill_wgmma_fp8qk`: Q and K
+in all of them); ``mpfa-v3c`` / ``mpfa-v3w8c`` v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`);
+``mpfa-v4`` / ``mpfa-v4w8`` pin v3 / v3w8 with QK^T on FP8 (`prefill_wgmma_fp8qk`: Q and K
 requantized to e4m3, the reference's ``mpfa-qk8tile`` numerics), ``mpfa-v5`` / ``mpfa-v5w8`` v4 / v4w8 with PV on
 FP8 too (`prefill_wgmma_fp8pv`, the same numerics), ``mpfa-v6`` v5w8 warp-specialized (`prefill_wgmma_ws`: a
 producer warpgroup, two consumers; v5w8's output), ``mpfa-v6a`` .. ``mpfa-v6i`` v6's variants
@@ -68,7 +69,7 @@ class MpfaAdapter:
 
     def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
                  compensate: bool = True):
-        """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v4", "v4w8", "v5", "v5w8", "v6" or "v6a" .. "v6i" pins the prefill kernel (backend
+        """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or "v6a" .. "v6i" pins the prefill kernel (backend
         ``mpfa-v1`` / ``mpfa-v2`` / ``mpfa-v2w8`` / ``mpfa-v3`` / ``mpfa-v3w8`` / ``mpfa-v4`` / ``mpfa-v4w8`` / ``mpfa-v5`` / ``mpfa-v5w8`` / ``mpfa-v6`` / ``mpfa-v6a`` ..); ``decode_kernel``: "v1", "v2", "v3", "v4" or "v4w14" the
         decode split kernel (``mpfa-dv1`` ...); None follows ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct
         builds (backend ``mpfa-direct``)."""
@@ -168,8 +169,8 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.prefill_launch import (FP8_QK_KERNELS, STAGED_WARPS, WGMMA_WARPGROUPS, mpfa_prefill,
-                                                  prefill_kernel)
+    from mpfa.kernels.sm90.prefill_launch import (DS_COLUMN_KERNELS, FP8_QK_KERNELS, STAGED_WARPS, WGMMA_WARPGROUPS,
+                                                  mpfa_prefill, prefill_kernel)
 
     tokens = w.batch * w.seq
     page_table, slots_of_token, num_pages = paged_layout(w, device)
@@ -201,6 +202,7 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
         version += f", {WGMMA_WARPGROUPS[name]}-warpgroup CTAs"
     mma = "wgmma" if name in WGMMA_WARPGROUPS else "mma.sync"
     mma += ", FP8 QK^T from e4m3-requantized Q / K" if name in FP8_QK_KERNELS else ""
+    mma += ", Delta_S as an extra K column" if name in DS_COLUMN_KERNELS and compensate else ""
     version += "" if compensate else ", direct build"
 
     return PreparedKernel(run, _dense_inputs, num_sets,

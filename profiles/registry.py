@@ -13,6 +13,7 @@ ADAPTERS: dict[str, KernelAdapter] = {
     for adapter in (Fa4Bf16(), FlashInferPaged(kv_fp8=True), FlashInferPaged(kv_fp8=False), MpfaAdapter(),
                     MpfaAdapter("v1"), MpfaAdapter("v2"), MpfaAdapter("v2w8"),
                     MpfaAdapter("v3"), MpfaAdapter("v3w8"),  # mpfa-<v>: the prefill kernel pinned
+                    MpfaAdapter("v3c"), MpfaAdapter("v3w8c"),  # v3 with Delta_S as an extra K column
                     MpfaAdapter("v4"), MpfaAdapter("v4w8"),  # v3 with QK^T on FP8 (mpfa-qk8tile numerics)
                     MpfaAdapter("v5"), MpfaAdapter("v5w8"),  # v4 with PV on FP8 too (mpfa-qk8tile numerics)
                     # v6 (v5w8 warp-specialized: a producer warpgroup, two consumers) and its variants

@@ -17,8 +17,10 @@ faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one w
 per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical
 to v3). The default is v3w8 where it applies (measured on the H200 in session 16: 1.39x v3 at 64K, as fast as v4w8
 with v3's exact numerics; profiles/NOTES.md "Session 16 sitting"), else v2 (v1 for an odd number of query heads: v2
-copies Delta_S as aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v4|v4w8|v5|v5w8|v6|v6a..v6i`` or the ``kernel=``
-argument of `mpfa_prefill` pins one (v3 / v3w8 / v4 / v4w8 then refuse other shapes with a clear error). v4 / v4w8
+copies Delta_S as aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6i`` or the ``kernel=``
+argument of `mpfa_prefill` pins one (v3 / v3w8 / v4 / v4w8 then refuse other shapes with a clear error). v3c /
+v3w8c (`prefill_wgmma_dscol`, opt-in only) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
+instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
 (`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K requantized to e4m3 with
 power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 /
 v5w8 (`prefill_wgmma_fp8pv`, opt-in only) are v4 / v4w8 with PV on FP8 wgmma too (V transposed to e4m3 V^T in
@@ -53,7 +55,7 @@ BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host sid
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8", "v3", "v3w8",
-# "v4", "v4w8", "v5", "v5w8", "v6" or a v6 variant ("v6a" .. "v6i", `WS_KERNELS`)
+# "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or a v6 variant ("v6a" .. "v6i", `WS_KERNELS`)
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
 WGMMA_KERNEL = "v3w8"  # `prefill_wgmma`: the default where its shape limits allow
 WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer warpgroup, 2 consumers) -> its class
@@ -68,7 +70,8 @@ WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer 
     "v6h": "PrefillSm90WgmmaWsThreeStages",  # v6g with 3 operand stages (v6e's output)
     "v6i": "PrefillSm90WgmmaWsOverlap",  # v6e with FA3's intra-warpgroup overlap, 3 operand stages (v6e's output)
 }
-WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v4": 1, "v4w8": 2, "v5": 1, "v5w8": 2,
+DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # opt-in: v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
+WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v3c": 1, "v3w8c": 2, "v4": 1, "v4w8": 2, "v5": 1, "v5w8": 2,
                     **{name: 2 for name in WS_KERNELS}}  # the wgmma kernel's variants: warpgroups per CTA computing
 # rows (v6*: its consumers; the CTA has one producer warpgroup more, v6g two)
 FP8_QK_KERNELS = ("v4", "v4w8")  # opt-in: v3 with QK on FP8 wgmma (`prefill_wgmma_fp8qk`, "mpfa-qk8tile" numerics)
@@ -130,8 +133,8 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     import cutlass
     from cutlass import Float32, Int32
 
-    from mpfa.kernels.sm90 import (prefill, prefill_staged, prefill_wgmma, prefill_wgmma_fp8pv, prefill_wgmma_fp8qk,
-                                   prefill_wgmma_ws)
+    from mpfa.kernels.sm90 import (prefill, prefill_staged, prefill_wgmma, prefill_wgmma_dscol, prefill_wgmma_fp8pv,
+                                   prefill_wgmma_fp8qk, prefill_wgmma_ws)
     from mpfa.kernels.sm90.ablation import FULL
 
     assert (prefill.BLOCK_M, prefill.TILE_KEYS, prefill_staged.TILE_KEYS) == (BLOCK_M, TILE_KEYS, TILE_KEYS)
@@ -141,6 +144,7 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
         cls = (getattr(prefill_wgmma_ws, WS_KERNELS[kernel]) if kernel in WS_KERNELS
                else prefill_wgmma_fp8pv.PrefillSm90WgmmaFp8Pv if kernel in FP8_PV_KERNELS
                else prefill_wgmma_fp8qk.PrefillSm90WgmmaFp8Qk if kernel in FP8_QK_KERNELS
+               else prefill_wgmma_dscol.PrefillSm90WgmmaDsColumn if kernel in DS_COLUMN_KERNELS
                else prefill_wgmma.PrefillSm90Wgmma)
         launcher = cls(num_kv_heads, group, page_size, causal, out_dtype, compensate,
                        warpgroups=WGMMA_WARPGROUPS[kernel])

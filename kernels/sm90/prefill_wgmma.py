@@ -503,14 +503,22 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         [column block][4] (rows g, g + 8 x keys 8 j + 2c, + 1)."""
         mma_qk, acc_s = mmas[0], mmas[3]
         t_q, t_k = mmas[2][0], mmas[2][1]
-        ds_bits = self._ds_bits(stage, ds_lane)
+        ds_bits = self._ds_init_bits(stage, ds_lane)
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
         for block in range(N_BLOCKS):
             init = tile_math.score_init(ds_bits, seen, block)
             for i in range(4):
                 acc_s[4 * block + i] = init[i]
-        _gemm(mma_qk, acc_s, t_q, t_k)
+        _gemm(mma_qk, acc_s, t_q, t_k, extra=self._qk_extra_operands(mma_qk))
         return [[acc_s[4 * block + i] for i in range(4)] for block in range(N_BLOCKS)]
+
+    def _ds_init_bits(self, stage, ds_lane):
+        """Delta_S as the QK accumulator's initial value (`_ds_bits`); v3c puts it on the tensor cores instead."""
+        return self._ds_bits(stage, ds_lane)
+
+    def _qk_extra_operands(self, mma_qk):
+        """(A, B) fragment pairs QK's wgmma group also runs after Q K^T: none; v3c's Delta_S k-step."""
+        return None
 
     # --- epilogue ---------------------------------------------------------------------------------------------------
 
@@ -558,15 +566,20 @@ def rescale(acc_o: cute.Tensor, alphas: list) -> None:
 
 @cute.jit
 def _gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b: cute.Tensor,
-          fresh: cutlass.Constexpr = False, wait: cutlass.Constexpr = True) -> None:
+          fresh: cutlass.Constexpr = False, wait: cutlass.Constexpr = True, extra=None) -> None:
     """acc += A B over the k-steps on wgmma (accumulating onto acc's current value; ``fresh``: acc = A B, the
-    first k-step ignoring acc), waited for (``wait`` False: committed only; the caller waits with
-    ``warpgroup.wait_group(0)`` before reading acc)."""
+    first k-step ignoring acc), then ``extra``'s (A, B) fragment pairs' k-steps in the same group, waited for
+    (``wait`` False: committed only; the caller waits with ``warpgroup.wait_group(0)`` before reading acc)."""
     warpgroup.fence()
     atom = cute.make_mma_atom(tiled_mma.op)
     for k in cutlass.range_constexpr(cute.size(frag_a.shape[2])):
         atom.set(warpgroup.Field.ACCUMULATE, not (fresh and k == 0))
         cute.gemm(atom, acc, frag_a[None, None, k], frag_b[None, None, k], acc)
+    if cutlass.const_expr(extra is not None):
+        atom.set(warpgroup.Field.ACCUMULATE, True)
+        for extra_a, extra_b in extra:
+            for k in cutlass.range_constexpr(cute.size(extra_a.shape[2])):
+                cute.gemm(atom, acc, extra_a[None, None, k], extra_b[None, None, k], acc)
     warpgroup.commit_group()
     if cutlass.const_expr(wait):
         warpgroup.wait_group(0)

@@ -1,0 +1,123 @@
+"""MpFA prefill v3c / v3w8c: v3 / v3w8 with Delta_S on the tensor cores as an extra K column.
+
+In v3 the compensation enters as the QK accumulator's initial value: every thread loads its 16 keys' Delta_S from
+the ring, widens them to FP32 and scales them by 2**-7 before each tile's QK, ~77 of v3w8's 697 instructions per
+tile in an issue-bound kernel (profiles/NOTES.md, "The compensation's cost inside prefill v3w8"). Here Delta_S is
+one more k-step of the same wgmma group, the issue's "fold Delta_S into an extra K column":
+
+* an extra [64 rows][16] FP16 A tile per warpgroup, written once: row ``16 h + i`` (head h of the group) holds
+  2**-7 in column h and 0 elsewhere;
+* an extra [64 keys][16] FP16 B tile, shared by the CTA: key j holds its 4 heads' Delta_S in columns 0-3 (copied
+  from the ring stage at each tile's expansion, one value per thread), zeros in columns 4-15 (written once);
+* QK = Q K^T 2**-7 (v3's 8 k-steps, the accumulator starting at 0, or -inf where masked) + one m64n64k16 k-step:
+  S 2**-7 = Q K^T 2**-7 + Delta_S 2**-7.
+
+The product 2**-7 Delta_S is exact in FP32, and BF16 Delta_S is exact in FP16 for |Delta_S| in [2**-14, 65504]
+(8 significant bits in 11); smaller values round to FP16's subnormal grid (an absolute error below 2**-25 on a
+score), larger ones are clamped to 65504 (a score that size already decides its row's softmax alone). So v3's
+numerics up to the FP32 summation order (Delta_S is added last instead of first), within v3's oracle bounds, not
+bit for bit. The direct build (``compensate=False``) has no Delta_S and is v3's direct build.
+
+Shared memory: v3's plus 2 KB per warpgroup and 2 KB for the CTA (v3w8c: 96 KB, still 2 CTAs per SM).
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+import cutlass.utils.hopper_helpers as sm90_utils
+from cutlass import Float16, Float32
+from cutlass.cute.nvgpu import warpgroup
+from cutlass.utils import LayoutEnum
+
+from mpfa.kernels.sm90 import prefill_staged_layout as sl
+from mpfa.kernels.sm90.prefill_wgmma import GROUP, OPERAND_ALIGN, THREADS, TILE_KEYS, PrefillSm90Wgmma
+from mpfa.kernels.sm90.ptx import bits_to_f32
+from mpfa.kernels.sm90.smem_pipeline import load_shared_u16
+
+DS_COLUMNS = 16  # the extra k-step: FP16 wgmma's K
+EXTRA_BYTES = TILE_KEYS * DS_COLUMNS * 2  # one [64][16] FP16 tile
+ONE_HOT = 2.0 ** -7  # Q's extra column: the scale of v3's scores (S 2**-7)
+FP16_MAX = 65504.0
+
+
+def extra_layout():
+    """CuTe's layout of a [64][16] FP16 wgmma operand tile, the 16 elements contiguous (K-major, 32-byte swizzle)."""
+    atom = warpgroup.make_smem_layout_atom(
+        sm90_utils.get_smem_layout_atom(LayoutEnum.ROW_MAJOR, cutlass.Float16, DS_COLUMNS), cutlass.Float16)
+    return cute.tile_to_shape(atom, (TILE_KEYS, DS_COLUMNS), order=(0, 1))
+
+
+class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
+    """v3c (``warpgroups`` 1) / v3w8c (2): `PrefillSm90Wgmma` with Delta_S as an extra k-step of QK (module
+    docstring)."""
+
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
+                 compensate: bool = True, warpgroups: int = 1):
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups)
+        assert self.heads == GROUP <= DS_COLUMNS
+        # (the warpgroups' one-hot Q tiles, then the CTA's Delta_S K tile), after v3's ring
+        self.extra_offset = -(-self.smem_bytes // OPERAND_ALIGN) * OPERAND_ALIGN
+        if self.compensate:
+            self.smem_bytes = self.extra_offset + (warpgroups + 1) * EXTRA_BYTES
+
+    def _extra_tile(self, smem_ptr, index):
+        """Extra tile ``index`` (warpgroup w's one-hot Q tile: w; the Delta_S K tile: ``warpgroups``)."""
+        layout = extra_layout()
+        offset = self.extra_offset + index * EXTRA_BYTES
+        if not isinstance(index, int):
+            offset = cute.assume(offset, divby=EXTRA_BYTES)
+        return cute.make_tensor(cute.recast_ptr(smem_ptr + offset, layout.inner, dtype=Float16), layout.outer)
+
+    @cute.jit
+    def _expand_q(self, q_codes: cute.Tensor, q_scales: cute.Tensor, q_start, q_len, row0, first_head, wg_tid,
+                  q_tile):
+        """v3's Q tile, then (compensated) the warpgroup's one-hot tile and, by warpgroup 0, the Delta_S tile's
+        zeros (its columns 4-15 stay 0; 0-3 are rewritten every tile)."""
+        PrefillSm90Wgmma._expand_q(self, q_codes, q_scales, q_start, q_len, row0, first_head, wg_tid, q_tile)
+        if cutlass.const_expr(self.compensate):
+            smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
+            wg = cute.arch.thread_idx()[0] // THREADS
+            one_hot = self._extra_tile(smem_ptr, wg)
+            for r in cutlass.range_constexpr(TILE_KEYS * DS_COLUMNS // THREADS):
+                unit = wg_tid + THREADS * r
+                row, column = unit // DS_COLUMNS, unit % DS_COLUMNS
+                one_hot[row, column] = Float16(cutlass.select_(column == row // 16, Float32(ONE_HOT), Float32(0.0)))
+            if wg == 0:
+                ds_tile = self._extra_tile(smem_ptr, self.warpgroups)
+                for r in cutlass.range_constexpr(TILE_KEYS * DS_COLUMNS // THREADS):
+                    unit = wg_tid + THREADS * r
+                    ds_tile[unit // DS_COLUMNS, unit % DS_COLUMNS] = Float16(0.0)
+
+    @cute.jit
+    def _expand_kv(self, stage, threads, smem, state: cute.Tensor):
+        """v3's K and V expansion, then (compensated) the tile's Delta_S into columns 0-3 of the Delta_S tile: one
+        BF16 of the ring stage per (key, head), widened exactly (clamped to FP16's range) to FP16."""
+        PrefillSm90Wgmma._expand_kv(self, stage, threads, smem, state)
+        if cutlass.const_expr(self.compensate):
+            ds_tile = self._extra_tile(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN), self.warpgroups)
+            for r in cutlass.range_constexpr(TILE_KEYS * GROUP // self.threads):
+                unit = threads[0] + self.threads * r
+                key, head = unit // GROUP, unit % GROUP
+                half, in_half = key // sl.TILE_KEYS, key % sl.TILE_KEYS
+                # the ring's Delta_S row of a key: the group's 4 heads' BF16 (`prefill_staged_layout.ds_copy`)
+                bits = load_shared_u16(stage + half * self.stage_bytes + sl.DS_OFFSET + 4 * sl.ds_words(self.heads)
+                                       * in_half + 2 * head)
+                value = cutlass.max(cutlass.min(bits_to_f32(bits << 16), Float32(FP16_MAX)), Float32(-FP16_MAX))
+                ds_tile[key, head] = Float16(value)
+
+    def _ds_init_bits(self, stage, ds_lane):
+        """No Delta_S in the accumulator: it is the extra k-step's."""
+        return None
+
+    def _qk_extra_operands(self, mma_qk):
+        """The extra k-step of QK (compensated): (warpgroup's one-hot tile, the Delta_S tile)."""
+        if not self.compensate:
+            return None
+        smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
+        tid = cute.arch.thread_idx()[0]
+        thr_qk = mma_qk.get_slice(tid % THREADS)
+        one_hot = self._extra_tile(smem_ptr, tid // THREADS)
+        ds_tile = self._extra_tile(smem_ptr, self.warpgroups)
+        return ((thr_qk.make_fragment_A(thr_qk.partition_A(one_hot)),
+                 thr_qk.make_fragment_B(thr_qk.partition_B(ds_tile))),)
