@@ -42,8 +42,9 @@ def prefill_path() -> str:
 class ExtendBatch:
     """An extend step: ``slots`` [T] of the new tokens, ``req_pool_indices`` [B], ``token_request`` [T] (each
     token's request row), ``cu_seqlens_q`` int32 [B + 1] on the device, ``starting`` bool [B] (empty prefix: new
-    means) and on the host ``any_starting`` (False for a batch of later chunks only: no means to take), ``kv_slots`` the slots of every request's whole sequence in order, host ``cu_q`` / ``cu_k``, and for
-    the prefill kernel ``page_table`` int32 [B, pages] (None unless ``build`` got a page size) and ``seq_lens_k``
+    means) and on the host ``any_starting`` (False for a batch of later chunks only: no means to take),
+    ``kv_slots`` the slots of every request's whole sequence in order, host ``cu_q`` / ``cu_k``, and for the
+    prefill kernel ``page_table`` int32 [B, pages] (None unless ``build`` got a page size) and ``seq_lens_k``
     int32 [B]."""
 
     slots: torch.Tensor

@@ -17,9 +17,10 @@ faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one w
 per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical
 to v3). The default is v3w8 where it applies (measured on the H200 in session 16: 1.39x v3 at 64K, as fast as v4w8
 with v3's exact numerics; profiles/NOTES.md "Session 16 sitting"), else v2 (v1 for an odd number of query heads: v2
-copies Delta_S as aligned 4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6i`` or the ``kernel=``
-argument of `mpfa_prefill` pins one (v3 / v3w8 / v4 / v4w8 then refuse other shapes with a clear error). v3c /
-v3w8c (`prefill_wgmma_dscol`, opt-in only) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
+copies Delta_S as aligned 4-byte words).
+``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6i`` or the ``kernel=`` argument of
+`mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
+(`prefill_wgmma_dscol`, opt-in only) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
 instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
 (`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K requantized to e4m3 with
 power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 /
@@ -104,7 +105,8 @@ def check_wgmma_shape(group: int, page_size: int) -> None:
     """v3's (and v3w8's) limits, as a clear error before compiling."""
     _require(group == WGMMA_GROUP, f"the v3 (wgmma) prefill supports GQA group {WGMMA_GROUP} only (e.g. 32:8), got "
                                    f"group {group}: use kernel v1 or v2")
-    _require(page_size >= WGMMA_MIN_PAGE, f"the v3 (wgmma) prefill needs page_size >= {WGMMA_MIN_PAGE}, got {page_size}")
+    _require(page_size >= WGMMA_MIN_PAGE,
+             f"the v3 (wgmma) prefill needs page_size >= {WGMMA_MIN_PAGE}, got {page_size}")
 
 
 def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool,
@@ -222,11 +224,11 @@ def mpfa_prefill(
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
-    ``kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v4", "v4w8", "v5", "v5w8" or "v6" (None: `prefill_kernel`'s choice); all
-    but v4 / v5 give the same output (v3 / v3w8 up to FP32 summation order); v4 / v4w8 (opt-in) compute QK^T on FP8
-    from Q and K requantized to e4m3 (the reference's "mpfa-qk8tile"), v5 / v5w8 (opt-in) PV on FP8 too (the
-    same variant; v6 (opt-in) v5w8's output). ``compensate=False``: the direct build, for timing only (no
-    Delta_S: the output of an all-zero Delta_S)."""
+    ``kernel``: a `prefill_kernel` name, "v1" .. "v6i" (None: `prefill_kernel`'s choice); v1 .. v3w8c give the
+    same output (the wgmma ones up to FP32 summation order); v4 / v4w8 (opt-in) compute QK^T on FP8 from Q and K
+    requantized to e4m3 (the reference's "mpfa-qk8tile"), v5 / v5w8 (opt-in) PV on FP8 too (the same variant; v6
+    and its variants (opt-in) v5w8's output up to O's rescale rounding). ``compensate=False``: the direct build, for
+    timing only (no Delta_S: the output of an all-zero Delta_S)."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
                     causal=causal, sm_scale=sm_scale, out=out, kernel=kernel, compensate=compensate)
 

@@ -6,7 +6,8 @@ The baseline is written (profiles/NOTES.md, "Serving comparison (regenerable)") 
     mpfa import profiles/results/h200-long32k-c1.json profiles/results/h200-session11-mpfa-serving.json \
         profiles/results/h200-sitting-{fa4,fi,fa4-64k-c1}.json \
         profiles/results/h200-sitting-s14-{fa4,fi,mpfa-direct-32k-c8}.json \
-        profiles/results/h200-sitting-s15-{fa4,fi}.json profiles/results/h200-sitting-s17-{mpfa,mpfa-direct}.json --db DB
+        profiles/results/h200-sitting-s15-{fa4,fi}.json \
+        profiles/results/h200-sitting-s17-{mpfa,mpfa-direct}.json --db DB
     mpfa gate --write-baseline --baseline profiles/baselines/h200.json --db DB
 """
 from __future__ import annotations
