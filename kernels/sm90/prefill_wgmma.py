@@ -503,7 +503,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         [column block][4] (rows g, g + 8 x keys 8 j + 2c, + 1)."""
         mma_qk, acc_s = mmas[0], mmas[3]
         t_q, t_k = mmas[2][0], mmas[2][1]
-        ds_bits = self._ds_init_bits(stage, ds_lane)
+        ds_bits = self._ds_bits(stage, ds_lane)
         seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
         for block in range(N_BLOCKS):
             init = tile_math.score_init(ds_bits, seen, block)
@@ -511,10 +511,6 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                 acc_s[4 * block + i] = init[i]
         _gemm(mma_qk, acc_s, t_q, t_k, extra=self._qk_extra_operands(mma_qk))
         return [[acc_s[4 * block + i] for i in range(4)] for block in range(N_BLOCKS)]
-
-    def _ds_init_bits(self, stage, ds_lane):
-        """Delta_S as the QK accumulator's initial value (`_ds_bits`); v3c puts it on the tensor cores instead."""
-        return self._ds_bits(stage, ds_lane)
 
     def _qk_extra_operands(self, mma_qk):
         """(A, B) fragment pairs QK's wgmma group also runs after Q K^T: none; v3c's Delta_S k-step."""

@@ -106,8 +106,8 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
                 value = cutlass.max(cutlass.min(bits_to_f32(bits << 16), Float32(FP16_MAX)), Float32(-FP16_MAX))
                 ds_tile[key, head] = Float16(value)
 
-    def _ds_init_bits(self, stage, ds_lane):
-        """No Delta_S in the accumulator: it is the extra k-step's."""
+    def _ds_bits(self, stage, ds_lane):
+        """No Delta_S for the accumulator's initial value (as the direct build): it is the extra k-step's."""
         return None
 
     def _qk_extra_operands(self, mma_qk):

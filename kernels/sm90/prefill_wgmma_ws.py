@@ -330,18 +330,8 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         """Walk step ``step`` of one consumer: wait for ``full[s]``, v5's tile body on operand stage s (skipped by
         the earlier consumer on a leading tile none of its rows sees), arrive on ``empty[s]`` -- on every step."""
         mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
-        s, parity = stage_parity(step, self.operand_stages)
-        cute.arch.mbarrier_wait(bars + s, parity)  # full[s]: the producer filled stage s for this step
-        tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
-        stage = ring + compute_stage * self.tile_bytes  # Delta_S of the tile stays in the raw ring stage
-        smem = smem_ptr.toint()
-        state[self._TILE_SCALE] = bits_to_f32(load_shared_u32(smem + self.exponent_offset + 4 * s))
-        k_offset = cute.assume(self.offsets[1] + s * self.operand_stage_bytes, divby=self.operand_stage_bytes)
-        v_offset = cute.assume(self.offsets[2] + s * self.operand_stage_bytes, divby=self.qk_bytes)
-        _, _, s_k = self._qk_operands(smem_ptr, self.offsets[0], k_offset)
-        _, s_vts = self._pv_operands(smem_ptr, v_offset)
-        operands = (frag_q, thr_qk.make_fragment_B(thr_qk.partition_B(s_k)), frag_p,
-                    tuple(thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)) for s_vt in s_vts))
+        s, tile_index, stage = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
+        operands = (frag_q, self._k_fragment(thr_qk, smem_ptr, s), frag_p, self._vt_fragments(thr_pv, smem_ptr, s))
         mmas = (mma_qk, mma_pv, operands, acc_s, acc_o)
         if cutlass.const_expr(masked):
             if tile_index < num_tiles:  # v5w8's skip (warpgroup-uniform; only the earlier consumer, at the start)
@@ -353,6 +343,28 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
             self._wgmma_tile(masked, tile_index * TILE_KEYS, stage, mmas, state, lam_scaled, ds_lane, limits, c)
         # Both wgmmas of the tile were waited for (`_gemm`) and its Delta_S read: release stage s and its ring stage.
         cute.arch.mbarrier_arrive(bars + self.operand_stages + s)  # empty[s]: one of 256 arrivals
+
+    @cute.jit
+    def _await_step(self, step, cta_tiles, ring, state: cute.Tensor, smem_ptr, bars):
+        """Wait for ``full[s]`` of walk step ``step``; the tile's K exponent into ``state`` -> (operand stage s,
+        tile index, address of the tile's raw ring stage, where its Delta_S stays)."""
+        s, parity = stage_parity(step, self.operand_stages)
+        cute.arch.mbarrier_wait(bars + s, parity)  # full[s]: the producer filled stage s for this step
+        tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
+        state[self._TILE_SCALE] = bits_to_f32(load_shared_u32(smem_ptr.toint() + self.exponent_offset + 4 * s))
+        return s, tile_index, ring + compute_stage * self.tile_bytes
+
+    def _k_fragment(self, thr_qk, smem_ptr, s):
+        """QK's B operand: the e4m3 K tile of operand stage ``s``."""
+        k_offset = cute.assume(self.offsets[1] + s * self.operand_stage_bytes, divby=self.operand_stage_bytes)
+        _, _, s_k = self._qk_operands(smem_ptr, self.offsets[0], k_offset)
+        return thr_qk.make_fragment_B(thr_qk.partition_B(s_k))
+
+    def _vt_fragments(self, thr_pv, smem_ptr, s):
+        """PV's B operands: the V^T tile of operand stage ``s``, one per PV N tile."""
+        v_offset = cute.assume(self.offsets[2] + s * self.operand_stage_bytes, divby=self.qk_bytes)
+        _, s_vts = self._pv_operands(smem_ptr, v_offset)
+        return tuple(thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)) for s_vt in s_vts)
 
 
 # --- opt-in variants (kernels v6a .. v6d; profiles/NOTES.md, "Prefill v6 variants") -----------------------------------
@@ -421,6 +433,11 @@ class PrefillSm90WgmmaWsPvFoldLut(PrefillSm90WgmmaWsPvFold):
     _k_decode = staticmethod(e2m1_word_f16x2_lut)
 
 
+def unscaled_lam(lam_scaled):
+    """The launch's lam (for scores S 2**-7) for the unscaled scores S of v6e and its variants."""
+    return lam_scaled * Float32(2.0 ** -SCORE_SCALE_LOG2)
+
+
 class PrefillSm90WgmmaWsUnscaled(PrefillSm90WgmmaWsPvFoldLut):
     """v6e: v6d with the scores unscaled (``score_scale_log2`` 0): S = q8 k8 2**(e_q + e_k) + Delta_S instead of
     S 2**-7 = q8 k8 2**(e_q + e_k - 7) + Delta_S 2**-7, and lam 2**-7 in place of the launch's lam 2**7 (one
@@ -433,8 +450,9 @@ class PrefillSm90WgmmaWsUnscaled(PrefillSm90WgmmaWsPvFoldLut):
     @cute.jit
     def _wgmma_tile(self, masked: cutlass.Constexpr, tile, stage, mmas, state: cute.Tensor, lam_scaled, ds_lane,
                     limits, c):
-        PrefillSm90WgmmaWsPvFoldLut._wgmma_tile(self, masked, tile, stage, mmas, state,
-                                                lam_scaled * Float32(2.0 ** -SCORE_SCALE_LOG2), ds_lane, limits, c)
+        PrefillSm90WgmmaWsPvFoldLut._wgmma_tile(self, masked, tile, stage, mmas, state, unscaled_lam(lam_scaled),
+                                                ds_lane, limits, c)
+
 
 
 PINGPONG_BARRIER = 4  # v6f: consumer w's QK turn is named barrier 4 + w (both consumers: 256 threads)
@@ -542,7 +560,7 @@ class PrefillSm90WgmmaWsOverlap(PrefillSm90WgmmaWsUnscaled):
         cta_tiles, cta_common = walk
         full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
         masked_tiles = cta_tiles - full_tiles
-        lam = lam_scaled * Float32(2.0 ** -SCORE_SCALE_LOG2)  # v6e's unscaled scores
+        lam = unscaled_lam(lam_scaled)
         acc_pv = cute.make_rmem_tensor(fixed[3].partition_shape_C((64, HEAD_DIM)), Float32)
         alphas = cute.make_rmem_tensor((2,), Float32)  # the pending PV's rows' alphas
         pipe = (ring, fixed, acc_pv, alphas, state, lam, ds_lane, limits, c, smem_ptr, bars)
@@ -568,14 +586,8 @@ class PrefillSm90WgmmaWsOverlap(PrefillSm90WgmmaWsUnscaled):
         fold PV step - 1 into O and release its stage, pack this step's P; its alphas kept for the next."""
         ring, fixed, acc_pv, alphas, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe
         mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
-        s, parity = stage_parity(step, self.operand_stages)
-        cute.arch.mbarrier_wait(bars + s, parity)  # full[s]
-        tile_index, compute_stage, _ = sl.ring_compute(step, cta_tiles, self.stages)
-        stage = ring + compute_stage * self.tile_bytes  # Delta_S of the tile stays in the raw ring stage
-        state[self._TILE_SCALE] = bits_to_f32(load_shared_u32(smem_ptr.toint() + self.exponent_offset + 4 * s))
-        k_offset = cute.assume(self.offsets[1] + s * self.operand_stage_bytes, divby=self.operand_stage_bytes)
-        _, _, s_k = self._qk_operands(smem_ptr, self.offsets[0], k_offset)
-        mmas = (mma_qk, mma_pv, (frag_q, thr_qk.make_fragment_B(thr_qk.partition_B(s_k))), acc_s, acc_o)
+        s, tile_index, stage = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
+        mmas = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s)), acc_s, acc_o)
         self._qk_issue(masked, tile_index * TILE_KEYS, mmas, limits, c)
         if cutlass.const_expr(pending):
             previous = stage_parity(step - 1, self.operand_stages)[0]
@@ -585,9 +597,7 @@ class PrefillSm90WgmmaWsOverlap(PrefillSm90WgmmaWsUnscaled):
             warpgroup.wait_group(0)
         probs, new_alphas = softmax_update(self._qk_finish(stage, mmas, state, ds_lane), state, lam)
         if cutlass.const_expr(pending):
-            warpgroup.wait_group(0)  # PV of the previous step: its P registers and V^T stage are free
-            fold_pv(acc_o, acc_pv, alphas)
-            cute.arch.mbarrier_arrive(bars + self.operand_stages + previous)  # empty: one of 256 arrivals
+            self._retire_pv(previous, pipe)
         self._p_operand(probs, cute.recast_tensor(frag_p, Uint32))
         for r in cutlass.range_constexpr(2):
             alphas[r] = new_alphas[r]
@@ -598,16 +608,20 @@ class PrefillSm90WgmmaWsOverlap(PrefillSm90WgmmaWsUnscaled):
         committed, not waited for."""
         _, fixed, acc_pv, _, _, _, _, _, _, smem_ptr, _ = pipe
         mma_pv, thr_pv, frag_p = fixed[1], fixed[3], fixed[5]
-        v_offset = cute.assume(self.offsets[2] + s * self.operand_stage_bytes, divby=self.qk_bytes)
-        _, s_vts = self._pv_operands(smem_ptr, v_offset)
-        _gemm(mma_pv, acc_pv, frag_p, thr_pv.make_fragment_B(thr_pv.partition_B(s_vts[0])), fresh=True, wait=False)
+        (frag_vt,) = self._vt_fragments(thr_pv, smem_ptr, s)
+        _gemm(mma_pv, acc_pv, frag_p, frag_vt, fresh=True, wait=False)
+
+    @cute.jit
+    def _retire_pv(self, s, pipe):
+        """Wait for the pending PV (operand stage ``s``), fold it into O with its alphas, release stage s."""
+        acc_pv, alphas, bars, acc_o = pipe[2], pipe[3], pipe[10], pipe[1][7]
+        warpgroup.wait_group(0)  # its P registers and V^T stage are free
+        fold_pv(acc_o, acc_pv, alphas)
+        cute.arch.mbarrier_arrive(bars + self.operand_stages + s)  # empty[s]: one of 256 arrivals
 
     @cute.jit
     def _overlap_drain(self, step, pipe):
         """The walk's last PV (step ``step``), folded into O; its stage released."""
-        acc_pv, alphas, bars, acc_o = pipe[2], pipe[3], pipe[10], pipe[1][7]
         s = stage_parity(step, self.operand_stages)[0]
         self._pv_issue(s, pipe)
-        warpgroup.wait_group(0)
-        fold_pv(acc_o, acc_pv, alphas)
-        cute.arch.mbarrier_arrive(bars + self.operand_stages + s)  # empty[s]
+        self._retire_pv(s, pipe)
