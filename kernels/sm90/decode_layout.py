@@ -45,6 +45,22 @@ def partition_keys(seq_len, num_parts, min_partition, maximum=max):
     return maximum(TILE_KEYS * ((seq_len + span - 1) // span), min_partition)
 
 
+def k_stage_offset(g, c):
+    """Byte offset, within a 512-byte K unit of a shared-memory stage, of lane (g, c)'s 16-byte K chunk (chunk c of
+    key ``qk_key(n, g)``): the lane's own index x 16, so key g's 64-byte row lies contiguous, as in global memory."""
+    return 16 * (4 * g + c)
+
+
+def v_stage_offset(g, c):
+    """Byte offset, within a 512-byte V unit of a shared-memory stage, of lane (g, c)'s 16-byte V chunk (chunk g of
+    key ``score_key(n, c, half)``): key-major, so the 8 lanes of one key fill one 128-byte row, as its bytes lie in
+    global memory, with the chunks swizzled (g XOR 2c) so that the 8 lanes of each quarter-warp also hit distinct
+    banks when they read their chunks back. At the lane-major offset (`k_stage_offset`) a key's chunks landed 64
+    bytes apart: ncu counted ~32 shared-store wavefronts per V cp.async instead of 4, and the L2 one ~1-sector
+    request per lane (profiles/NOTES.md, "Session 18 sitting: the profiles")."""
+    return 16 * (8 * c + (g ^ (2 * c)))
+
+
 def clamped_token(tile, key, end, maximum=max, minimum=min):
     """Token of ``key`` in the tile starting at token ``tile``, clamped to [0, end - 1] (keys past the end read the
     last key's slot; their loads are predicated off)."""

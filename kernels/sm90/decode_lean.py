@@ -95,7 +95,7 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
             bases = (bases[0] + Int64(g * (self.num_kv_heads * K_ROW_BYTES)), bases[1] + g * SCALE_ROW_BYTES,
                      bases[2] + g * (self.ds_row * 2), bases[3] + Int64(2 * c * (self.num_kv_heads * HEAD_DIM)))
         smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
-        lane_chunk = smem + lane * 16
+        chunks = (smem + lay.k_stage_offset(g, c), smem + lay.v_stage_offset(g, c))  # the lane's K and V chunks
         lane_word = smem + WORDS_OFFSET + lane * 4
         selectors = (Uint32(lay.scale_pair_selector(c)), Uint32(lay.delta_s_selector(0)),
                      Uint32(cutlass.select_(heads[1], lay.delta_s_selector(1), 0x4444)))
@@ -109,17 +109,17 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
         last_tile = start + (num_tiles - 1) * lay.TILE_KEYS
         slots = cute.make_rmem_tensor((LANE_KEYS,), Int32)
         self._fetch_slots(slots, page_table, batch_idx, last_tile, end, g, c)
-        self._copy(slots, last_tile, end, num_tiles > 0, True, heads[0], g, c, bases, Int32(0), lane_chunk,
+        self._copy(slots, last_tile, end, num_tiles > 0, True, heads[0], g, c, bases, Int32(0), chunks,
                    lane_word)
         cp_async_commit()
         self._fetch_slots(slots, page_table, batch_idx, last_tile - lay.TILE_KEYS, end, g, c)
         if num_tiles > 0:
             self._step(Int32(0), num_tiles, last_tile, Int32(0), True, slots, page_table, batch_idx, q_regs, pair,
-                       acc, lam, heads, end, g, c, bases, lane_chunk, lane_word, selectors)
+                       acc, lam, heads, end, g, c, bases, chunks, lane_word, selectors)
         stage = Int32(STAGE_BYTES)  # the stage of tile ``step``
         for step in cutlass.range(1, num_tiles, unroll=1):
             self._step(step, num_tiles, last_tile - step * lay.TILE_KEYS, stage, False, slots, page_table, batch_idx,
-                       q_regs, pair, acc, lam, heads, end, g, c, bases, lane_chunk, lane_word, selectors)
+                       q_regs, pair, acc, lam, heads, end, g, c, bases, chunks, lane_word, selectors)
             stage = stage ^ Int32(STAGE_BYTES)
         cp_async_wait(0)
         # l of heads 2c, 2c + 1 over the 8 lanes c holding their keys; then (m, l) of head g as v2 keeps them
@@ -148,14 +148,14 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
 
     @cute.jit
     def _step(self, step, num_tiles, tile, stage, masked: cutlass.Constexpr, slots, page_table, batch_idx, q_regs,
-              pair, acc, lam, heads, end, g, c, bases, lane_chunk, lane_word, selectors):
+              pair, acc, lam, heads, end, g, c, bases, chunks, lane_word, selectors):
         """One tile: copy tile ``step + 1`` into the other stage, then compute tile ``step`` from ``stage``."""
         self._copy(slots, tile - lay.TILE_KEYS, end, step + 1 < num_tiles, False, heads[0], g, c, bases,
-                   stage ^ Int32(STAGE_BYTES), lane_chunk, lane_word)
+                   stage ^ Int32(STAGE_BYTES), chunks, lane_word)
         cp_async_commit()
         self._fetch_slots(slots, page_table, batch_idx, tile - 2 * lay.TILE_KEYS, end, g, c)
         cp_async_wait(1)
-        k_words, k_scale_words, ds, v_rows = self._read(stage, lane_chunk, lane_word, selectors[1:])
+        k_words, k_scale_words, ds, v_rows = self._read(stage, chunks, lane_word, selectors[1:])
         if cutlass.const_expr(masked):  # keys past the end: S = -inf (their K and V copied as zeros)
             for n_tile in cutlass.range_constexpr(lay.N_TILES):
                 valid = tile + lay.qk_key(n_tile, g) < end
@@ -166,7 +166,7 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
         self._pv(probs, alphas, acc, v_rows)
 
     @cute.jit
-    def _copy(self, slots, tile, end, active, partial: cutlass.Constexpr, ds_lane, g, c, bases, stage, lane_chunk,
+    def _copy(self, slots, tile, end, active, partial: cutlass.Constexpr, ds_lane, g, c, bases, stage, chunks,
               lane_word):
         """cp.async the lane's bytes of ``tile`` into ``stage`` (nothing when ``active`` is false): K chunk, scale
         word and Delta_S word (``ds_lane``: the lane's heads are real) of keys ``qk_key(n, g)``, V chunk g of keys
@@ -179,7 +179,7 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
             slot = Int64(slots[0])  # the tile's first slot; key k is slot + k
             k_base, ks_base = k_base + slot * k_stride, ks_base + slot * SCALE_ROW_BYTES
             ds_base, v_base = ds_base + slot * ds_stride, v_base + slot * v_stride
-        chunk = lane_chunk + stage
+        k_chunk, v_chunk = chunks[0] + stage, chunks[1] + stage
         word = lane_word + stage
         present = Uint32(active)
         ds_present = Uint32(active & ds_lane)
@@ -194,7 +194,7 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
                 slot = Int64(slots[n_tile])
                 rows = [k_base + slot * k_stride, ks_base + slot * SCALE_ROW_BYTES, ds_base + slot * ds_stride]
                 key = 0
-            cp_async_16_at(chunk, n_tile * 512, rows[0], key * k_stride, valid)
+            cp_async_16_at(k_chunk, n_tile * 512, rows[0], key * k_stride, valid)
             cp_async_4_at(word, n_tile * 128, rows[1], key * SCALE_ROW_BYTES, valid)
             if cutlass.const_expr(self.compensate):
                 cp_async_4_at(word, (lay.N_TILES + n_tile) * 128, rows[2], key * ds_stride, ds_valid)
@@ -207,18 +207,18 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
                 row, key = v_base, 8 * n_tile + half  # + 2c in the page base
                 if cutlass.const_expr(not self.page_copies):
                     row, key = v_base + Int64(slots[unit]) * v_stride, 0
-                cp_async_16_at(chunk, unit * 512, row, key * v_stride, valid)
+                cp_async_16_at(v_chunk, unit * 512, row, key * v_stride, valid)
 
     @cute.jit
-    def _read(self, stage, lane_chunk, lane_word, ds_selectors):
+    def _read(self, stage, chunks, lane_word, ds_selectors):
         """The tile's operands from shared memory: K chunks and scale words of keys ``qk_key(n, g)``, their
         Delta_S * 2**-14 for heads 2c, 2c + 1 in FP32 ([2 n + h]; 0 for the direct build, for padding heads and
         missing keys), V chunks of keys ``score_key(n, c, half)``."""
-        chunk = lane_chunk + stage
+        k_chunk, v_chunk = chunks[0] + stage, chunks[1] + stage
         word = lane_word + stage
         k_words, k_scale_words, ds, v_rows = [], [], [], []
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
-            k_words.append(load_shared_v4_u32(chunk, n_tile * 512))
+            k_words.append(load_shared_v4_u32(k_chunk, n_tile * 512))
             k_scale_words.append(load_shared_u32(word, n_tile * 128))
             if cutlass.const_expr(self.compensate):
                 # the BF16 pair of heads 2c, 2c + 1 -> each into a high half: their FP32
@@ -229,7 +229,7 @@ class SplitKVDecodeSm90Lean(SplitKVDecodeSm90Pipelined):
             else:
                 ds += [Float32(0.0), Float32(0.0)]
         for unit in cutlass.range_constexpr(lay.N_TILES, 3 * lay.N_TILES):
-            v_rows.append(load_shared_v4_u32(chunk, unit * 512))
+            v_rows.append(load_shared_v4_u32(v_chunk, unit * 512))
         return k_words, k_scale_words, ds, v_rows
 
     @cute.jit

@@ -87,7 +87,7 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
             v.iterator.toint() + kv_head * HEAD_DIM + 16 * g,
         )
         smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint()
-        lane_chunk = smem + lane * 16
+        chunks = (smem + lay.k_stage_offset(g, c), smem + lay.v_stage_offset(g, c))  # the lane's K and V chunks
         lane_word = smem + WORDS_OFFSET + lane * 4
         scale_shift = Uint32(16 * (c & 1))
         ds_shift = Uint32(16 * (g & 1))
@@ -101,7 +101,7 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
             self._fetch_slots(slots, page_table, batch_idx, last_tile - i * lay.TILE_KEYS, end, g, c)
             tile_slots = [slots[j] for j in range(LANE_KEYS)]
             self._copy_tile(tile_slots, last_tile - i * lay.TILE_KEYS, end, num_tiles > i, row_valid, g, c, bases,
-                            Int32(i * STAGE_BYTES), lane_chunk, lane_word)
+                            Int32(i * STAGE_BYTES), chunks, lane_word)
             cp_async_commit()
         self._fetch_slots(slots, page_table, batch_idx, last_tile - ahead * lay.TILE_KEYS, end, g, c)
         stage = Int32(0)  # the stage of tile ``step``
@@ -111,12 +111,12 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
             # tile step + ahead goes to the stage tile step - 1 used (read back into registers last iteration)
             ahead_stage = cutlass.select_(stage == 0, Int32(ahead * STAGE_BYTES), stage - STAGE_BYTES)
             self._copy_tile(ahead_slots, tile - ahead * lay.TILE_KEYS, end, step + ahead < num_tiles, row_valid, g,
-                            c, bases, ahead_stage, lane_chunk, lane_word)
+                            c, bases, ahead_stage, chunks, lane_word)
             cp_async_commit()
             self._fetch_slots(slots, page_table, batch_idx, tile - (ahead + 1) * lay.TILE_KEYS, end, g, c)
             cp_async_wait(ahead)  # this tile's group has landed (the later tiles' may still be in flight)
             k_words, k_scales_raw, ds_bits, v_rows = self._read_tile(
-                tile, end, row_valid, g, c, stage, lane_chunk, lane_word, scale_shift, ds_shift)
+                tile, end, row_valid, g, c, stage, chunks, lane_word, scale_shift, ds_shift)
             scores = self._qk_tile(q_regs, k_words, k_scales_raw, ds_bits)
             p_regs, alpha = self._online_softmax(scores, state, row_valid, lam_scaled)
             self._pv_tile(p_regs, alpha, acc, v_rows, c)
@@ -124,14 +124,14 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
         cp_async_wait(0)
 
     @cute.jit
-    def _copy_tile(self, tile_slots, tile, end, active, row_valid, g, c, bases, stage, lane_chunk, lane_word):
+    def _copy_tile(self, tile_slots, tile, end, active, row_valid, g, c, bases, stage, chunks, lane_word):
         """cp.async the lane's bytes of ``tile`` into ``stage``; 0 bytes (zero fill) for keys past the end, and for
         everything when ``active`` is false (no tile left)."""
         k_base, ks_base, ds_base, v_base = bases
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
             valid = active & (tile + lay.qk_key(n_tile, g) < end)
             slot = Int64(tile_slots[n_tile])
-            cp_async_16(lane_chunk + stage + n_tile * 512, k_base + slot * (self.num_kv_heads * K_ROW_BYTES),
+            cp_async_16(chunks[0] + stage + n_tile * 512, k_base + slot * (self.num_kv_heads * K_ROW_BYTES),
                         Uint32(cutlass.select_(valid, 16, 0)))
             cp_async_4(lane_word + stage + n_tile * 128, ks_base + slot * SCALE_ROW_BYTES,
                        Uint32(cutlass.select_(valid, 4, 0)))
@@ -140,18 +140,18 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
                 unit = lay.N_TILES + 2 * n_tile + half
                 valid = active & (tile + lay.score_key(n_tile, c, half) < end)
                 slot = Int64(tile_slots[unit])
-                cp_async_16(lane_chunk + stage + unit * 512, v_base + slot * (self.num_kv_heads * HEAD_DIM),
+                cp_async_16(chunks[1] + stage + unit * 512, v_base + slot * (self.num_kv_heads * HEAD_DIM),
                             Uint32(cutlass.select_(valid, 16, 0)))
                 if cutlass.const_expr(self.compensate):
                     cp_async_4(lane_word + stage + unit * 128, ds_base + slot * (self.ds_row * 2),
                                Uint32(cutlass.select_(valid & row_valid, 4, 0)))
 
     @cute.jit
-    def _read_tile(self, tile, end, row_valid, g, c, stage, lane_chunk, lane_word, scale_shift, ds_shift):
+    def _read_tile(self, tile, end, row_valid, g, c, stage, chunks, lane_word, scale_shift, ds_shift):
         """The tile's operands from shared memory, in v1's `_load_tile` form (Delta_S = -inf past the end)."""
         k_words, k_scales_raw, ds_bits, v_rows = [], [], [], []
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
-            k_words.append(load_shared_v4_u32(lane_chunk + stage + n_tile * 512))
+            k_words.append(load_shared_v4_u32(chunks[0] + stage + n_tile * 512))
             word = load_shared_u32(lane_word + stage + n_tile * 128)
             k_scales_raw.append((word >> scale_shift) & Uint32(0xFFFF))
         for n_tile in cutlass.range_constexpr(lay.N_TILES):
@@ -162,5 +162,5 @@ class SplitKVDecodeSm90Pipelined(SplitKVDecodeSm90):
                 if cutlass.const_expr(self.compensate):
                     bits = (load_shared_u32(lane_word + stage + unit * 128) >> ds_shift) & Uint32(0xFFFF)
                 ds_bits.append(Uint32(cutlass.select_(valid, bits, Uint32(BF16_MINUS_INF))))
-                v_rows.append(load_shared_v4_u32(lane_chunk + stage + unit * 512))
+                v_rows.append(load_shared_v4_u32(chunks[1] + stage + unit * 512))
         return k_words, k_scales_raw, ds_bits, v_rows

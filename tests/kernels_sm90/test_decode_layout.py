@@ -223,6 +223,27 @@ def test_v2_word_staging_picks_the_lanes_16_bit_values():
                     assert (word >> (16 * (g & 1))) & 0xFFFF == ds[kv_head, slot, g]
 
 
+def _bank_groups(offsets: np.ndarray) -> np.ndarray:
+    """The 16-byte bank group (4 banks of 4 bytes, 8 groups per 128 bytes) of each 16-byte shared access."""
+    return (offsets // 16) % 8
+
+
+def test_stage_chunks_lie_like_their_global_rows_and_are_bank_conflict_free():
+    k_offsets, v_offsets = lay.k_stage_offset(G_OF_LANE, C_OF_LANE), lay.v_stage_offset(G_OF_LANE, C_OF_LANE)
+    for offsets in (k_offsets, v_offsets):  # one 16-byte chunk per lane, the 512-byte unit exactly covered
+        assert sorted(offsets.tolist()) == list(range(0, 512, 16))
+    for g in range(8):  # key g's K row: chunks c = 0..3 in order, 64 contiguous bytes (as in global memory)
+        assert k_offsets[G_OF_LANE == g].tolist() == [64 * g + 16 * c for c in range(4)]
+    for c in range(4):  # the V row of key 2c (+ half): its 8 chunks fill one 128-byte row (one L2 line)
+        assert sorted(v_offsets[C_OF_LANE == c].tolist()) == list(range(128 * c, 128 * c + 128, 16))
+    for quarter in range(4):  # 16-byte accesses go 8 lanes at a time: distinct bank groups, no conflict
+        lanes = slice(8 * quarter, 8 * quarter + 8)
+        for offsets in (k_offsets, v_offsets):
+            assert len(set(_bank_groups(offsets[lanes]).tolist())) == 8
+    # the lane-major V offset this replaced (the K one) spread a key's 8 chunks 64 bytes apart over 512 bytes
+    assert np.diff(np.sort(k_offsets[C_OF_LANE == 0])).tolist() == [64] * 7
+
+
 def test_pipelined_shared_memory_keeps_the_warps_per_sm():
     import pytest
 
