@@ -350,7 +350,7 @@ def profile(
     head_dim: Annotated[int, typer.Option("--head-dim")] = 128,
     backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends (serving: one).")] = "fa4-bf16,flashinfer-fp8,mpfa",
     ncu: Annotated[bool, typer.Option("--ncu", help="Also profile each kernel with Nsight Compute.")] = False,
-    ncu_full: Annotated[bool, typer.Option("--ncu-full", help="Also run Nsight Compute's full set per kernel: what bounds it (issue, occupancy, bank conflicts).")] = False,
+    ncu_full: Annotated[bool, typer.Option("--ncu-full", help="Also run Nsight Compute's full set per kernel: what bounds it (issue, occupancy, bank conflicts) and where its warps wait (stall samples per hot loop).")] = False,
     nsys: Annotated[bool, typer.Option("--nsys", help="Also trace (Nsight Systems, else the PyTorch profiler).")] = False,
     steps: Annotated[int, typer.Option(help="serving: scheduler steps in each profile window.")] = 8,
     url: Annotated[Optional[str], typer.Option(help="serving: profile a server someone else started.")] = None,

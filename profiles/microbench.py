@@ -2,8 +2,8 @@
 
 For every backend: build its inputs (several rotated sets), call once (JIT compile), time with CUDA events and
 report the median next to the copy/GEMM peaks measured in the same run. Optionally re-run each kernel under
-Nsight Compute (`ncu=True`: a short metric list; `ncu_full=True`: `--set full`, summarised as what bounds it) and
-trace it with Nsight Systems, falling back to torch.profiler (`nsys=True`).
+Nsight Compute (`ncu=True`: a short metric list; `ncu_full=True`: `--set full`, summarised as what bounds it
+and where its warps wait) and trace it with Nsight Systems, falling back to torch.profiler (`nsys=True`).
 One backend failing (import error, JIT failure) becomes an error row; the others still run.
 
     python -m mpfa.profiles.microbench prefill --seq 16384 --backend fa4-bf16,flashinfer-fp8,mpfa --out OUT
@@ -190,7 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--backend", default=",".join(DEFAULT_BACKENDS), help="comma-separated backends")
     parser.add_argument("--ncu", action="store_true", help="also profile each kernel with Nsight Compute")
     parser.add_argument("--ncu-full", action="store_true",
-                        help="also profile each kernel with Nsight Compute's full set: what bounds it")
+                        help="also profile each kernel with Nsight Compute's full set: what bounds it, "
+                             "where its warps wait")
     parser.add_argument("--nsys", action="store_true", help="also trace with Nsight Systems (or torch.profiler)")
     parser.add_argument("--out", type=Path, default=Path("mpfa-profile"), help="directory for the raw results")
     args = parser.parse_args(argv)

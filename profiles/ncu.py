@@ -3,7 +3,9 @@
 ncu runs `launch_one` for the backend in a child process, skips the warm-up launches of the kernels matching
 the backend's name regex (`--launch-skip` counts matching launches only) and profiles the next one.
 `--csv --page raw --print-units base` prints a header row, a units row, then one row per profiled kernel.
-`mpfa profile --ncu-full` runs the same launch with `--set full --page details` (read by profiles/ncu_details.py).
+`mpfa profile --ncu-full` profiles the same launch once with `--set full`, exported to a report
+(`export_command`), then prints two pages of that report (`import_page`): `--page details` (read by
+profiles/ncu_details.py) and `--page source --print-source sass` (read by profiles/ncu_source.py).
 """
 from __future__ import annotations
 
@@ -39,6 +41,9 @@ CORE_METRICS = (
 TENSOR_METRICS = ("sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active",)
 WARMUP_LAUNCHES = 3
 TIMEOUT_S = 540.0
+REPORT_SUFFIX = ".ncu-rep"  # ncu appends it to an `--export` name without one
+DETAILS_PAGE = ("--page", "details", "--print-units", "base")
+SOURCE_PAGE = ("--page", "source", "--print-source", "sass")
 
 Parsed = TypeVar("Parsed")
 
@@ -52,15 +57,30 @@ _TO_BASE = {
 }
 
 
-def ncu_command(ncu: str, kernel_regex: str, launch_skip: int, metrics: tuple[str, ...] | None,
+def _one_launch(kernel_regex: str, launch_skip: int) -> list[str]:
+    """ncu options selecting one launch of the kernels matching `kernel_regex`, at the clocks it runs at."""
+    return ["--clock-control", "none", "--target-processes", "all", "--kernel-name", f"regex:{kernel_regex}",
+            "--launch-skip", str(launch_skip), "--launch-count", "1"]
+
+
+def ncu_command(ncu: str, kernel_regex: str, launch_skip: int, metrics: tuple[str, ...],
                 target: list[str]) -> list[str]:
-    """ncu profiling one launch of `target`'s kernels matching `kernel_regex`: the raw page of `metrics`, or with
-    `metrics` None the details page of every section in `--set full`."""
-    page = (["--set", "full", "--page", "details"] if metrics is None
-            else ["--page", "raw", "--metrics", ",".join(metrics)])
-    return [ncu, "--clock-control", "none", "--target-processes", "all",
-            "--kernel-name", f"regex:{kernel_regex}", "--launch-skip", str(launch_skip), "--launch-count", "1",
-            "--csv", "--print-units", "base", *page, *target]
+    """ncu profiling one launch of `target`'s kernels matching `kernel_regex` and printing the raw page of
+    `metrics`."""
+    return [ncu, *_one_launch(kernel_regex, launch_skip), "--csv", "--print-units", "base",
+            "--page", "raw", "--metrics", ",".join(metrics), *target]
+
+
+def export_command(ncu: str, kernel_regex: str, launch_skip: int, report: Path, target: list[str]) -> list[str]:
+    """ncu profiling one launch of `target`'s kernels matching `kernel_regex` with every section of `--set full`,
+    into the report `report` + REPORT_SUFFIX (any old one overwritten)."""
+    return [ncu, *_one_launch(kernel_regex, launch_skip), "--set", "full", "--import-source", "no",
+            "--export", str(report), "--force-overwrite", *target]
+
+
+def import_command(ncu: str, report: Path, page: tuple[str, ...]) -> list[str]:
+    """ncu printing one page of a saved report as CSV (`page`: DETAILS_PAGE or SOURCE_PAGE)."""
+    return [ncu, "--import", str(report), "--csv", *page]
 
 
 def csv_table(text: str) -> tuple[list[str], list[list[str]]]:
@@ -136,16 +156,21 @@ def profile_with_ncu(adapter: KernelAdapter, workload: AttentionWorkload, out_di
     return result
 
 
-def run_ncu(adapter: KernelAdapter, workload: AttentionWorkload, metrics: tuple[str, ...] | None, csv_path: Path,
-            parse: Callable[[str], Parsed], result: NcuResult | NcuFullResult) -> Parsed:
-    """Run `launch_one` for `adapter` under ncu (see `ncu_command` for `metrics`) and `parse` its CSV.
+def _launch_target(adapter: KernelAdapter, workload: AttentionWorkload) -> list[str]:
+    """The child process ncu profiles: `launch_one` for `adapter`, warm-up launches first."""
+    return [sys.executable, *launch_arguments(workload, adapter.name, warmup=WARMUP_LAUNCHES, launches=1,
+                                              profiler_range=False)]
+
+
+def run_ncu(adapter: KernelAdapter, workload: AttentionWorkload, metrics: tuple[str, ...], csv_path: Path,
+            parse: Callable[[str], Parsed], result: NcuResult) -> Parsed:
+    """Run `launch_one` for `adapter` under ncu, reading the raw page of `metrics`, and `parse` its CSV.
 
     The command goes into `result.command` before it runs, so a failed run still says what ran; ncu's stdout is
     kept as `csv_path`. Every failure is a one-line ToolError.
     """
-    target = [sys.executable, *launch_arguments(workload, adapter.name, warmup=WARMUP_LAUNCHES, launches=1,
-                                                profiler_range=False)]
-    result.command = ncu_command(find_tool("ncu"), adapter.kernel_regex, WARMUP_LAUNCHES, metrics, target)
+    result.command = ncu_command(find_tool("ncu"), adapter.kernel_regex, WARMUP_LAUNCHES, metrics,
+                                 _launch_target(adapter, workload))
     process = run_tool(result.command, TIMEOUT_S)
     csv_path.write_text(process.stdout)
     check_output(process.stdout, process.stderr, adapter.kernel_regex)
@@ -153,3 +178,32 @@ def run_ncu(adapter: KernelAdapter, workload: AttentionWorkload, metrics: tuple[
         return parse(process.stdout)
     except ToolError:
         raise ToolError(f"ncu produced no report: {output_tail(process)}") from None
+
+
+def export_report(adapter: KernelAdapter, workload: AttentionWorkload, report: Path,
+                  result: NcuFullResult) -> Path:
+    """Profile `launch_one` for `adapter` under ncu's `--set full` into a report; its path (`report` +
+    REPORT_SUFFIX). The command goes into `result.command` before it runs; every failure is a one-line ToolError.
+    """
+    path = report.with_name(report.name + REPORT_SUFFIX)
+    path.unlink(missing_ok=True)  # a failed run must not leave an older report to read
+    result.command = export_command(find_tool("ncu"), adapter.kernel_regex, WARMUP_LAUNCHES, report,
+                                    _launch_target(adapter, workload))
+    process = run_tool(result.command, TIMEOUT_S)
+    check_output(process.stdout, process.stderr, adapter.kernel_regex)
+    if not path.is_file():
+        raise ToolError(f"ncu produced no report: {output_tail(process)}")
+    return path
+
+
+def import_page(report: Path, page: tuple[str, ...], csv_path: Path, parse: Callable[[str], Parsed]) -> Parsed:
+    """Print one page of a saved report as CSV (kept as `csv_path`) and `parse` it; failures are one-line
+    ToolErrors."""
+    process = run_tool(import_command(find_tool("ncu"), report, page), TIMEOUT_S)
+    csv_path.write_text(process.stdout)
+    if process.returncode != 0:
+        raise ToolError(f"ncu could not print the {page[1]} page of {report.name}: {output_tail(process)}")
+    try:
+        return parse(process.stdout)
+    except ToolError as exc:
+        raise ToolError(f"the {page[1]} page of {report.name}: {exc}") from None

@@ -3,8 +3,9 @@
     python -m mpfa.profiles.ncu_details FILE [FILE ...]
 
 The details page has one row per (kernel ID, section, metric) and one per rule result (a row with an empty Metric
-Name). `mpfa profile --ncu-full` captures and summarises this page per backend (`profile_full_with_ncu`);
-`mpfa profile --ncu` reads the raw page instead (profiles/ncu.py).
+Name). `mpfa profile --ncu-full` profiles each backend's kernel once with `--set full` into a report, then prints
+and summarises this page and the source page of it (`profile_full_with_ncu`; the source page is read by
+profiles/ncu_source.py); `mpfa profile --ncu` reads the raw page instead (profiles/ncu.py).
 """
 from __future__ import annotations
 
@@ -16,7 +17,8 @@ from pathlib import Path
 
 from mpfa.profiles.errors import ToolError
 from mpfa.profiles.kernel_adapter import KernelAdapter
-from mpfa.profiles.ncu import csv_table, run_ncu, to_base
+from mpfa.profiles.ncu import DETAILS_PAGE, SOURCE_PAGE, csv_table, export_report, import_page, to_base
+from mpfa.profiles.ncu_source import hot_loops, parse_source_csv
 from mpfa.profiles.report import LOG_WIDTH, Section, render_sections, short_name
 from mpfa.profiles.results import NcuBoundSummary, NcuFullResult
 from mpfa.profiles.tools import parse_number
@@ -194,15 +196,26 @@ def _excess_wavefronts(rules: list[NcuRule]) -> str:
 
 
 def profile_full_with_ncu(adapter: KernelAdapter, workload: AttentionWorkload, out_dir: Path) -> NcuFullResult:
-    """What bounds one warm launch of `adapter`'s kernel, from ncu's `--set full` details page; failures are
-    returned in `NcuFullResult.error`. The CSV is kept as `out_dir/ncu-full-<backend>.csv`."""
+    """What bounds one warm launch of `adapter`'s kernel (details page) and where its warps wait (source page),
+    from one ncu `--set full` run.
+
+    Kept in `out_dir`: the report `ncu-full-<backend>.ncu-rep`, its details page `ncu-full-<backend>.csv` and its
+    source page `ncu-source-<backend>.csv`. Failures are returned in `NcuFullResult.error`, or in `loops_error`
+    when only the source page failed (the bound summary is kept).
+    """
     result = NcuFullResult(adapter.name, [])
     try:
-        details = run_ncu(adapter, workload, None, out_dir / f"ncu-full-{adapter.name}.csv", parse_details, result)
+        report = export_report(adapter, workload, out_dir / f"ncu-full-{adapter.name}", result)
+        details = import_page(report, DETAILS_PAGE, out_dir / f"ncu-full-{adapter.name}.csv", parse_details)
     except ToolError as exc:
         result.error = str(exc)
         return result
     result.kernels = [NcuBoundSummary(kernel.kernel, bound_summary(kernel)) for kernel in details]
+    try:
+        pages = import_page(report, SOURCE_PAGE, out_dir / f"ncu-source-{adapter.name}.csv", parse_source_csv)
+        result.loops = [hot_loops(page) for page in pages]
+    except ToolError as exc:
+        result.loops_error = str(exc)
     return result
 
 

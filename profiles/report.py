@@ -3,13 +3,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpfa.profiles.results import NOT_BUILT, OK, BackendResult, NcuFullResult, NcuKernel, ProfileResult
+from mpfa.profiles.results import NOT_BUILT, OK, BackendResult, NcuFullResult, NcuKernel, NcuLoop, ProfileResult
 
 _DASH = "-"
 _NAME_WIDTH = 80  # keeps e.g. FA4's '...flash_fwd_sm90FlashAttentionForwardSm90' visible
 LOG_WIDTH = 200  # rich's 80-column default would fold the tables when stdout is a log file
 _TRACE_TOP = 5  # kernels shown per backend in the trace section
-_TEXT_COLUMNS = {"kernel", "kernel / note", "source", "category"}  # left-aligned like the first column
+_STALL_TOP = 4  # stall reasons shown per loop
+_TEXT_COLUMNS = {"kernel", "kernel / note", "source", "category", "loop", "top stall reasons",
+                 "hottest instructions"}  # left-aligned like the first column
 
 
 @dataclass(frozen=True)
@@ -111,6 +113,34 @@ def _ncu_full_columns(ncu: NcuFullResult) -> list[tuple[str, str, dict[str, str]
     return [(ncu.backend, short_name(summary.kernel), dict(summary.rows)) for summary in ncu.kernels]
 
 
+def ncu_source_section(results: list[NcuFullResult]) -> Section:
+    """The `--ncu-full` source-page summaries: a row per hot loop of each backend's kernel, then the rest."""
+    headers = ["backend", "loop", "instructions", "executions", "% of samples", "top stall reasons",
+               "hottest instructions"]
+    rows, notes = [], []
+    for ncu in results:
+        if error := ncu.error or ncu.loops_error:
+            rows.append([ncu.backend, f"error: {error}"] + [_DASH] * (len(headers) - 2))
+        for index, kernel in enumerate(ncu.loops, 1):
+            label = ncu.backend if len(ncu.loops) == 1 else f"{ncu.backend} #{index}"
+            notes.append(f"{label}: {short_name(kernel.kernel)}, {kernel.samples:,} warp samples")
+            rows += [_loop_row(label, loop) for loop in [*kernel.loops, kernel.rest]]
+    notes.append("loop: rows of the source page (from 0) and offsets from the kernel's first instruction; "
+                 "% of samples: of the kernel's; stall reasons and hottest instructions: % of the loop's samples "
+                 "(unattributed: samples ncu names no reason for)")
+    return Section("Nsight Compute source counters: where each kernel's warps wait", headers, rows, notes)
+
+
+def _loop_row(label: str, loop: NcuLoop) -> list[str]:
+    where = ("rest" if loop.rows is None or loop.offsets is None else
+             f"rows {loop.rows[0]}-{loop.rows[1]} (+{loop.offsets[0]:#x}..+{loop.offsets[1]:#x})")
+    reasons = ", ".join(f"{reason} {share:.0f}%" for reason, share in loop.stalls[:_STALL_TOP])
+    hottest = "; ".join(f"{hot.sass} ({hot.share:.1f}% {hot.reason})" for hot in loop.hottest)
+    executions = _DASH if loop.executions is None else f"{loop.executions:,}"
+    return [label, where, f"{loop.instructions:,}", executions, num_cell(loop.share), reasons or _DASH,
+            hottest or _DASH]
+
+
 def trace_section(result: ProfileResult) -> Section:
     headers = ["backend", "source", "kernel", "calls", "total us", "avg us", "us per op"]
     rows, notes = [], []
@@ -133,7 +163,7 @@ def sections(result: ProfileResult) -> list[Section]:
     if result.traces:
         found.append(trace_section(result))
     if result.ncu_full:
-        found.append(ncu_full_section(result))
+        found += [ncu_full_section(result), ncu_source_section(result.ncu_full)]
     return found
 
 

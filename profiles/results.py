@@ -96,13 +96,47 @@ class NcuBoundSummary:
 
 
 @dataclass
+class NcuHotInstruction:
+    sass: str  # shortened
+    share: float  # % of its loop's samples
+    reason: str  # its most sampled stall reason
+
+
+@dataclass
+class NcuLoop:
+    """One hot loop of a kernel's SASS, or (`rows` None) the rest of the kernel: `ncu_source.hot_loops`."""
+
+    rows: tuple[int, int] | None  # first and last instruction: rows of the source page, from 0
+    offsets: tuple[int, int] | None  # their addresses less the kernel's first instruction's
+    instructions: int
+    executions: int | None  # warp-level executions of the loop's first instruction: once per iteration
+    share: float  # % of the kernel's warp samples
+    stalls: list[tuple[str, float]]  # (reason, % of this loop's samples), most sampled first
+    hottest: list[NcuHotInstruction]
+
+
+@dataclass
+class NcuKernelLoops:
+    """Where one kernel's warps wait: its hot loops and the rest, from ncu's source page."""
+
+    kernel: str
+    samples: int  # warp samples in the whole kernel
+    loops: list[NcuLoop]
+    rest: NcuLoop
+
+
+@dataclass
 class NcuFullResult:
-    """`--ncu-full`: one warm launch of a backend's kernel under ncu's `--set full`, summarised."""
+    """`--ncu-full`: one warm launch of a backend's kernel under ncu's `--set full`, summarised from its details
+    page (`kernels`) and its source page (`loops`). `error`: the run or the details page failed;
+    `loops_error`: only the source page did."""
 
     backend: str
     command: list[str]
     kernels: list[NcuBoundSummary] = field(default_factory=list)
     error: str | None = None
+    loops: list[NcuKernelLoops] = field(default_factory=list)
+    loops_error: str | None = None
 
 
 @dataclass
