@@ -8,8 +8,9 @@ import asyncio
 import gzip
 import json
 import random
+import subprocess
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -17,10 +18,15 @@ from typing import Any
 import pytest
 from aiohttp import web
 
+from mpfa.profiles import ncu
 from mpfa.profiles.kernel_categories import ATTENTION, COMMUNICATION, GEMM, OTHER
 from mpfa.profiles.ncu import parse_raw_csv
 
 FIXTURES = Path(__file__).parent / "fixtures"
+# Real H200 captures of session 18 (`--set full`, then its details and source pages): v6e prefill at 16K.
+SESSION18 = Path(__file__).parents[1] / "fixtures"
+V6E_DETAILS = SESSION18 / "ncu-details-prefill-16k-mpfa-v6e-session18-h200.csv"
+V6E_SOURCE = SESSION18 / "ncu-source-prefill-16k-mpfa-v6e-session18-h200.csv.gz"
 
 
 def _captured_name(fixture: str) -> str:
@@ -183,6 +189,53 @@ def serve(app: web.Application) -> Iterator[str]:
         loop.call_soon_threadsafe(loop.stop)
         thread.join(timeout=10)
         loop.close()
+
+
+def _backend_of(command: list[str]) -> str:
+    """The backend an ncu command is about: the profiled launch's `--backend`, or the report an import reads."""
+    if "--import" in command:
+        report = Path(command[command.index("--import") + 1]).name
+        return report.removeprefix("ncu-full-").removesuffix(ncu.REPORT_SUFFIX)
+    return command[command.index("--backend") + 1]
+
+
+def install_fake_ncu_full(monkeypatch: pytest.MonkeyPatch,
+                          answers: dict[str, dict[str, str]]) -> list[list[str]]:
+    """Make ncu 'found' and answer `--ncu-full`'s runs per backend from answers[backend]: "export" is what the
+    profiling run prints (it writes the report unless that holds "==ERROR=="), "details" and "source" what
+    printing that page of the report prints; a page left out fails with exit status 1. Returns the commands run."""
+    calls: list[list[str]] = []
+    monkeypatch.setattr(ncu, "find_tool", lambda name: f"/fake/{name}")
+
+    def run(command: list[str], timeout_s: float) -> subprocess.CompletedProcess[str]:
+        calls.append(command)
+        answer = answers[_backend_of(command)]
+        if "--export" in command:
+            stdout = answer["export"]
+            if "==ERROR==" in stdout:
+                return subprocess.CompletedProcess(command, 1, stdout, "")
+            Path(command[command.index("--export") + 1] + ncu.REPORT_SUFFIX).write_bytes(b"fake report")
+            return subprocess.CompletedProcess(command, 0, stdout, "")
+        page = command[command.index("--page") + 1]
+        if page not in answer:
+            return subprocess.CompletedProcess(command, 1, "", f"==ERROR== the fake report has no {page} page")
+        return subprocess.CompletedProcess(command, 0, answer[page], "")
+
+    monkeypatch.setattr(ncu, "run_tool", run)
+    return calls
+
+
+@pytest.fixture
+def fake_ncu_full(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, dict[str, str]]], list[list[str]]]:
+    """`fake_ncu_full(answers)`: see install_fake_ncu_full."""
+    return lambda answers: install_fake_ncu_full(monkeypatch, answers)
+
+
+@pytest.fixture
+def v6e_pages() -> dict[str, str]:
+    """The details and source pages of one v6e prefill launch (H200, session 18), as fake_ncu_full answers."""
+    with gzip.open(V6E_SOURCE, "rt") as stream:
+        return {"details": V6E_DETAILS.read_text(), "source": stream.read()}
 
 
 @pytest.fixture

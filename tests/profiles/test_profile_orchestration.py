@@ -2,7 +2,6 @@
 becomes an error row, an unbuilt one a "not built" row, and the raw JSON is written; `ncu_full` with ncu faked."""
 import io
 import json
-import subprocess
 import time
 from pathlib import Path
 
@@ -10,7 +9,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from mpfa.profiles import microbench, ncu, registry
+from mpfa.profiles import microbench, registry
 from mpfa.profiles.errors import KernelNotBuilt
 from mpfa.profiles.kernel_adapter import PreparedKernel
 from mpfa.profiles.report import LOG_WIDTH, render_profile
@@ -105,27 +104,31 @@ def test_every_backend_gets_a_row_and_failures_do_not_stop_the_others(fake_cuda,
     assert any("flashinfer-fp8: ImportError" in message for message in messages)
 
 
-def test_ncu_full_profiles_each_timed_backend_and_keeps_a_failure_in_its_column(fake_cuda, monkeypatch, tmp_path):
-    """fa4-bf16's ncu may not read the counters, mpfa's answers with a real H200 details capture."""
+def test_ncu_full_profiles_each_timed_backend_and_keeps_a_failure_in_its_column(fake_cuda, fake_ncu_full, v6e_pages,
+                                                                                tmp_path):
+    """fa4-bf16's ncu may not read the counters, mpfa's answers with a real H200 capture (details and source)."""
     fake_cuda["mpfa"] = _SleepyMpfa()
-    details = (Path(__file__).parent / "fixtures" / "ncu-details-prefill-v3-16k-h200.csv").read_text()
-    answers = {"fa4-bf16": "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission", "mpfa": details}
-    monkeypatch.setattr(ncu, "find_tool", lambda name: f"/fake/{name}")
-    monkeypatch.setattr(ncu, "run_tool", lambda command, timeout_s: subprocess.CompletedProcess(
-        command, 0, answers[command[command.index("--backend") + 1]], ""))
+    fake_ncu_full({"fa4-bf16": {"export": "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission"},
+                   "mpfa": {"export": "", **v6e_pages}})
     messages = []
     result = microbench.run_profile("prefill", 4096, 1, (32, 8), 128, ["fa4-bf16", "flashinfer-fp8", "mpfa"],
                                     ncu=False, nsys=False, out_dir=tmp_path, progress=messages.append,
                                     ncu_full=True)
     assert result.ncu == [] and [full.backend for full in result.ncu_full] == ["fa4-bf16", "mpfa"]
     assert any(message.startswith("mpfa: Nsight Compute --set full") for message in messages)
-    assert (tmp_path / "ncu-full-mpfa.csv").read_text() == details
+    assert (tmp_path / "ncu-full-mpfa.csv").read_text() == v6e_pages["details"]
+    assert (tmp_path / "ncu-source-mpfa.csv").read_text() == v6e_pages["source"]
     stored = json.loads(Path(result.json_path).read_text())["ncu_full"]
-    assert "ERR_NVGPUCTRPERM" in stored[0]["error"] and stored[0]["kernels"] == []
-    assert stored[1]["error"] is None and ["issue slots busy", "45.45%"] in stored[1]["kernels"][0]["rows"]
+    assert "ERR_NVGPUCTRPERM" in stored[0]["error"] and stored[0]["kernels"] == stored[0]["loops"] == []
+    assert stored[1]["error"] is None and ["issue slots busy", "58.77%"] in stored[1]["kernels"][0]["rows"]
+    [kernel] = stored[1]["loops"]
+    assert [loop["rows"] for loop in kernel["loops"]] == [[1439, 1872], [2955, 3366]]
+    assert kernel["rest"]["rows"] is None and kernel["samples"] == 552_379
 
     console = Console(record=True, width=LOG_WIDTH, file=io.StringIO())
     render_profile(result, console)
     text = console.export_text()
     assert text.index("Nsight Compute --set full") > text.index("prefill")  # after the timing table
-    assert "ERR_NVGPUCTRPERM" in text and "10.2-way" in text and "shared memory: 2 blocks per SM" in text
+    assert "ERR_NVGPUCTRPERM" in text and "14.4-way" in text and "registers and shared memory: 1 blocks" in text
+    assert text.index("where each kernel's warps wait") > text.index("Nsight Compute --set full")
+    assert "rows 2955-3366" in text
