@@ -1,0 +1,204 @@
+"""Read Nsight Compute's source page (`--csv --page source --print-source sass`) and say where the warps wait.
+
+    python -m mpfa.profiles.ncu_source FILE [FILE ...]      (plain or .gz)
+
+Per profiled kernel the page has a `"Kernel Name","<name>"` row, a header row, then one row per SASS instruction:
+its absolute address, its text, its warp-level executions and its warp-state samples, in all and per stall reason.
+
+A loop runs from a backward branch's target to the branch (`BRA`, predicated or not, to a lower or equal address);
+nested and overlapping loops merge into the outermost one, and the outermost loops holding at least HOT_SHARE % of
+the kernel's samples are reported, the rest of the kernel as one line. A warp-specialised kernel thus shows each
+role's loop apart, with the spin loops where a role waits on an mbarrier inside it. On the session-18 H200
+captures this partition is the one read by hand from runs of equal `Instructions Executed`: v6e's producer loop
+(rows 1439-1872) and consumer loop (2955-3366), dv4's split-KV loop (1044-1689).
+
+ncu gives some samples no stall-reason column (on the H200, part of those on QGMMA instructions); they count as
+UNATTRIBUTED, so an instruction's reasons add up to its samples.
+"""
+from __future__ import annotations
+
+import argparse
+import csv
+import gzip
+import re
+import sys
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+from mpfa.profiles.errors import ToolError
+from mpfa.profiles.report import LOG_WIDTH, ncu_source_section, render_sections, short_name
+from mpfa.profiles.results import NcuFullResult, NcuHotInstruction, NcuKernelLoops, NcuLoop
+from mpfa.profiles.tools import parse_number
+
+MODULE = "mpfa.profiles.ncu_source"
+KERNEL_ROW = "Kernel Name"
+ADDRESS, SASS, EXECUTED, SAMPLES = "Address", "Source", "Instructions Executed", "Warp Stall Sampling (All Samples)"
+STALL_PREFIX, NOT_ISSUED = "stall_", " (Not Issued)"
+UNATTRIBUTED = "unattributed"
+HOT_SHARE = 5.0  # % of the kernel's samples a loop needs to be reported
+HOTTEST = 3  # instructions shown per loop
+SASS_WIDTH = 40
+
+# `BRA 0x7f08577ccb60`, `@!P0  BRA 0x...`, `BRA.U !UP0, 0x...`: the target is the last operand.
+_BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:[^,]+,\s*)*(0x[0-9a-f]+)\s*;?", re.IGNORECASE)
+
+
+@dataclass(frozen=True)
+class SourceInstruction:
+    address: int
+    sass: str
+    executed: int  # warp-level executions
+    samples: int  # warp-state samples taken at this instruction
+    stalls: dict[str, int]  # reason (no `stall_` prefix) -> samples; zeros left out; adds up to `samples`
+
+
+@dataclass(frozen=True)
+class SourcePage:
+    kernel: str
+    instructions: list[SourceInstruction]
+
+
+def parse_source_csv(text: str) -> list[SourcePage]:
+    """One page per `"Kernel Name"` row; lines that are not CSV rows (==PROF==, ==WARNING==) are ignored."""
+    pages: list[SourcePage] = []
+    header: list[str] | None = None
+    for row in csv.reader(line for line in text.splitlines() if line.startswith('"')):
+        if row[0] == KERNEL_ROW:
+            pages.append(SourcePage(row[1] if len(row) > 1 else "", []))
+            header = None
+        elif not pages:
+            raise ToolError(f'not an ncu source page: it does not start with a "{KERNEL_ROW}" row')
+        elif header is None:
+            header = _checked_header(row)
+        else:
+            pages[-1].instructions.append(_instruction(dict(zip(header, row)), len(pages[-1].instructions)))
+    if not pages:
+        raise ToolError(f'not an ncu source page: no "{KERNEL_ROW}" row')
+    for page in pages:
+        if not page.instructions:
+            raise ToolError(f"kernel {short_name(page.kernel)} has no instruction rows")
+    return pages
+
+
+def _checked_header(header: list[str]) -> list[str]:
+    missing = [column for column in (ADDRESS, SASS, EXECUTED, SAMPLES) if column not in header]
+    if not any(_is_reason(column) for column in header):
+        missing.append(f"{STALL_PREFIX}* reasons")
+    if missing:
+        raise ToolError(f"not an ncu source page: the CSV header lacks {', '.join(map(repr, missing))}")
+    return header
+
+
+def _is_reason(column: str) -> bool:
+    return column.startswith(STALL_PREFIX) and not column.endswith(NOT_ISSUED)
+
+
+def _instruction(record: dict[str, str], row: int) -> SourceInstruction:
+    try:
+        address = int(record.get(ADDRESS, ""), 16)
+    except ValueError:
+        raise ToolError(f"instruction row {row}: address {record.get(ADDRESS)!r} is not hexadecimal") from None
+    samples = _count(record.get(SAMPLES, ""))
+    stalls = {column.removeprefix(STALL_PREFIX): count for column, text in record.items()
+              if _is_reason(column) and (count := _count(text))}
+    if (unattributed := samples - sum(stalls.values())) > 0:
+        stalls[UNATTRIBUTED] = unattributed
+    return SourceInstruction(address, " ".join(record.get(SASS, "").split()), _count(record.get(EXECUTED, "")),
+                             samples, stalls)
+
+
+def _count(text: str) -> int:
+    """'1,536' -> 1536; '', '-' -> 0."""
+    return int(parse_number(text) or 0)
+
+
+def loop_spans(page: SourcePage) -> list[tuple[int, int]]:
+    """(first row, last row) of each outermost loop, in address order."""
+    rows = {instruction.address: row for row, instruction in enumerate(page.instructions)}
+    spans = []
+    for row, instruction in enumerate(page.instructions):
+        if (branch := _BRANCH.fullmatch(instruction.sass)) and (target := int(branch[1], 16)) <= instruction.address:
+            if target not in rows:
+                raise ToolError(f"{short_name(page.kernel)}: {instruction.sass!r} at row {row} branches to "
+                                f"{target:#x}, which is no instruction of the page")
+            spans.append((rows[target], row))
+    outermost: list[tuple[int, int]] = []
+    for first, last in sorted(spans):
+        if outermost and first <= outermost[-1][1]:
+            outermost[-1] = (outermost[-1][0], max(outermost[-1][1], last))
+        else:
+            outermost.append((first, last))
+    return outermost
+
+
+def hot_loops(page: SourcePage) -> NcuKernelLoops:
+    """The outermost loops holding at least HOT_SHARE % of the kernel's samples, and the rest of the kernel."""
+    instructions = page.instructions
+    total = sum(instruction.samples for instruction in instructions)
+    hot = [(first, last) for first, last in loop_spans(page)
+           if _percent(sum(i.samples for i in instructions[first:last + 1]), total) >= HOT_SHARE]
+    in_loops = {row for first, last in hot for row in range(first, last + 1)}
+    rest = [instruction for row, instruction in enumerate(instructions) if row not in in_loops]
+    base = instructions[0].address
+    loops = [_summary(instructions[first:last + 1], total, (first, last),
+                      (instructions[first].address - base, instructions[last].address - base))
+             for first, last in hot]
+    return NcuKernelLoops(page.kernel, total, loops, _summary(rest, total, None, None))
+
+
+def _summary(instructions: list[SourceInstruction], total: int, rows: tuple[int, int] | None,
+             offsets: tuple[int, int] | None) -> NcuLoop:
+    """A loop (`rows` given: executions are its first instruction's) or the rest of the kernel."""
+    samples = sum(instruction.samples for instruction in instructions)
+    stalls: Counter[str] = Counter()
+    for instruction in instructions:
+        stalls.update(instruction.stalls)
+    hottest = sorted((i for i in instructions if i.samples), key=lambda i: i.samples, reverse=True)[:HOTTEST]
+    return NcuLoop(rows, offsets, len(instructions), None if rows is None else instructions[0].executed,
+                   _percent(samples, total),
+                   [(reason, _percent(count, samples)) for reason, count in stalls.most_common()],
+                   [NcuHotInstruction(_short_sass(i.sass), _percent(i.samples, samples),
+                                      max(i.stalls, key=i.stalls.__getitem__)) for i in hottest])
+
+
+def _percent(part: int, whole: int) -> float:
+    return 100 * part / whole if whole else 0.0
+
+
+def _short_sass(sass: str) -> str:
+    return sass if len(sass) <= SASS_WIDTH else sass[:SASS_WIDTH - 3] + "..."
+
+
+def read_text(path: Path) -> str:
+    """A file's text, gunzipped if its name ends in .gz."""
+    if path.suffix == ".gz":
+        with gzip.open(path, "rt", errors="replace") as stream:
+            return stream.read()
+    return path.read_text(errors="replace")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
+    parser.add_argument("files", nargs="+", type=Path, metavar="FILE",
+                        help="ncu --csv --page source --print-source sass output (plain or .gz)")
+    args = parser.parse_args(argv)
+    results = []
+    for path in args.files:
+        try:
+            pages = parse_source_csv(read_text(path))
+            results.append(NcuFullResult(path.name, [], loops=[hot_loops(page) for page in pages]))
+        except (OSError, EOFError) as exc:  # EOFError: a truncated .gz
+            print(f"error: cannot read {path}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
+            return 2
+        except ToolError as exc:
+            print(f"error: {path}: {exc}", file=sys.stderr)
+            return 2
+    from rich.console import Console
+
+    render_sections([ncu_source_section(results)], Console(width=None if sys.stdout.isatty() else LOG_WIDTH))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

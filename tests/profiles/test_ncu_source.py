@@ -1,0 +1,183 @@
+"""ncu's `--csv --page source --print-source sass` output: parsing real H200 captures, the hot-loop partition of a
+warp-specialised prefill and a split-KV decode, synthetic pages (nesting, several kernels, malformed input), and
+`python -m mpfa.profiles.ncu_source`."""
+import gzip
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mpfa.profiles.errors import ToolError
+from mpfa.profiles.ncu_source import UNATTRIBUTED, hot_loops, loop_spans, parse_source_csv, read_text
+
+FIXTURES = Path(__file__).parents[1] / "fixtures"
+# Session 18, H200: `--set full`, then `--import R --csv --page source --print-source sass`.
+V6E = FIXTURES / "ncu-source-prefill-16k-mpfa-v6e-session18-h200.csv.gz"  # producer loop + consumer loop
+DV4 = FIXTURES / "ncu-source-decode-128k-b8-mpfa-dv4-session18-h200.csv.gz"  # one warp per CTA
+REASONS = ("barrier", "long_sb", "selected", "short_sb", "wait")
+HEADER = ",".join(f'"{column}"' for column in (
+    "Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
+    "# Samples", "Instructions Executed", *(f"stall_{reason}" for reason in REASONS),
+    *(f"stall_{reason} (Not Issued)" for reason in REASONS)))
+
+
+def _row(address: int, sass: str, executed: int, **stalls: int) -> str:
+    """One instruction row; its samples are the sum of `stalls`."""
+    samples = sum(stalls.values())
+    counts = [stalls.get(reason, 0) for reason in REASONS]
+    return ",".join(f'"{cell}"' for cell in (
+        f"{0x7f0000000000 + address:#x}", f"      {sass}", samples, 0, samples, executed, *counts, *[0] * len(REASONS)))
+
+
+def _page(kernel: str, *rows: str) -> str:
+    return "\n".join([f'"Kernel Name","{kernel}",', HEADER, *rows])
+
+
+def _shares(loop) -> list[tuple[str, int]]:
+    return [(reason, round(share)) for reason, share in loop.stalls[:4]]
+
+
+def test_parse_the_v6e_capture():
+    [page] = parse_source_csv(read_text(V6E))
+    assert "prefill_wgmma_wsPrefillSm90WgmmaWsUnscaled" in page.kernel
+    assert len(page.instructions) == 3712
+    first = page.instructions[0]
+    assert (first.address, first.sass, first.executed, first.samples) == (
+        0x7f08577c1200, "LDC R1, c[0x0][0x28]", 49152, 147)
+    assert first.stalls == {"no_inst": 146, "not_selected": 1}
+    assert sum(instruction.samples for instruction in page.instructions) == 552_379
+    assert all(sum(instruction.stalls.values()) == instruction.samples for instruction in page.instructions)
+    # ncu's reason columns miss some samples only on the wgmma instructions.
+    unattributed = [instruction for instruction in page.instructions if UNATTRIBUTED in instruction.stalls]
+    assert len(unattributed) == 4 and all(instruction.sass.startswith("QGMMA.") for instruction in unattributed)
+    assert sum(instruction.stalls[UNATTRIBUTED] for instruction in unattributed) == 8_776
+
+
+def test_v6e_hot_loops_are_the_producer_and_the_consumer_loop():
+    [page] = parse_source_csv(read_text(V6E))
+    assert loop_spans(page) == [(944, 1390), (1439, 1872), (1876, 1879), (2456, 2948), (2955, 3366), (3699, 3699)]
+    kernel = hot_loops(page)
+    assert kernel.samples == 552_379
+    producer, consumer = kernel.loops
+    assert (producer.rows, producer.instructions, producer.executions) == ((1439, 1872), 434, 2_088_960)
+    assert producer.share == pytest.approx(100 * 177_896 / 552_379)
+    assert _shares(producer) == [("short_sb", 32), ("selected", 20), ("wait", 18), ("not_selected", 11)]
+
+    assert (consumer.rows, consumer.instructions, consumer.executions) == ((2955, 3366), 412, 4_177_920)
+    assert consumer.offsets == (0x7f08577ccab0 - 0x7f08577c1200, 0x7f08577ce460 - 0x7f08577c1200)
+    assert consumer.share == pytest.approx(100 * 351_128 / 552_379)
+    assert _shares(consumer) == [("selected", 20), ("barrier", 16), ("not_selected", 15), ("wait", 15)]
+    # the two wgmma waits, then the consumers' spin on the producer's barrier (the 5-instruction inner loop)
+    depbar, depbar_again, spin = consumer.hottest
+    assert depbar.sass == depbar_again.sass == "WARPGROUP.DEPBAR.LE gsb0, 0x0"
+    assert (depbar.reason, round(depbar.share, 1), round(depbar_again.share, 1)) == ("barrier", 8.2, 7.7)
+    assert (spin.sass, spin.reason) == ("@!P0 NANOSLEEP.SYNCS 0x989680", "long_sb")
+
+    rest = kernel.rest
+    assert (rest.rows, rest.executions, rest.instructions) == (None, None, 3712 - 434 - 412)
+    assert producer.share + consumer.share + rest.share == pytest.approx(100)
+    for loop in (producer, consumer, rest):
+        assert sum(share for _, share in loop.stalls) == pytest.approx(100)
+        assert len(loop.hottest) == 3
+
+
+def test_dv4_hot_loop_is_the_split_kv_loop():
+    [page] = parse_source_csv(read_text(DV4))
+    assert "SplitKVDecodeSm90Lean" in page.kernel and len(page.instructions) == 1936
+    assert all(UNATTRIBUTED not in instruction.stalls for instruction in page.instructions)
+    kernel = hot_loops(page)
+    [loop] = kernel.loops
+    assert (loop.rows, loop.instructions, loop.executions, round(loop.share, 1)) == ((1044, 1689), 646, 260_608, 98.0)
+    assert _shares(loop) == [("short_sb", 23), ("long_sb", 18), ("mio", 16), ("wait", 14)]
+    assert loop.hottest[0].sass == "LDS.128 R80, [R50+UR6+0x1400]"
+    assert kernel.rest.instructions == 1936 - 646 and round(kernel.rest.share, 1) == 2.0
+
+
+def test_nested_and_overlapping_loops_merge_and_cold_loops_fold_into_the_rest():
+    text = _page("k",
+                 _row(0x00, "MOV R1, R2", 1, selected=2),
+                 _row(0x10, "IADD R1, R1, 1", 4, wait=10),                     # outer loop 1..5
+                 _row(0x20, "@!P0 NANOSLEEP.SYNCS 0x989680", 40, long_sb=30),  # inner spin 2..3
+                 _row(0x30, "@!P0  BRA 0x7f0000000020", 40, long_sb=20),
+                 _row(0x40, "BRA.U !UP0, 0x7f0000000060", 4, wait=1),           # forward: no loop
+                 _row(0x50, "@P0   BRA 0x7f0000000010", 4, selected=5),
+                 _row(0x60, "ISETP.GE P0, R1, R2", 2, short_sb=4),              # 6..8 overlaps 7..9: one loop
+                 _row(0x70, "MOV R3, R4", 2, barrier=3),
+                 _row(0x80, "BRA 0x7f0000000060", 2, selected=1),
+                 _row(0x90, "BRA.DIV UR4, 0x7f0000000070", 1, selected=1),
+                 _row(0xa0, "EXIT", 1, selected=1),
+                 _row(0xb0, "BRA 0x7f00000000b0", 0))                          # the trap: a cold loop
+    [page] = parse_source_csv(text)
+    assert loop_spans(page) == [(1, 5), (6, 9), (11, 11)]
+    kernel = hot_loops(page)
+    assert kernel.samples == 78
+    outer, second = kernel.loops
+    assert (outer.rows, outer.instructions, outer.executions) == ((1, 5), 5, 4)
+    assert outer.share == pytest.approx(100 * 66 / 78)
+    assert outer.stalls[0] == ("long_sb", pytest.approx(100 * 50 / 66))
+    assert [(hot.sass, hot.reason) for hot in outer.hottest] == [
+        ("@!P0 NANOSLEEP.SYNCS 0x989680", "long_sb"), ("@!P0 BRA 0x7f0000000020", "long_sb"),
+        ("IADD R1, R1, 1", "wait")]
+    assert (second.rows, second.instructions) == ((6, 9), 4)
+    assert (kernel.rest.instructions, kernel.rest.share) == (3, pytest.approx(100 * 3 / 78))
+    assert [hot.sass for hot in kernel.rest.hottest] == ["MOV R1, R2", "EXIT"]  # the unsampled trap is left out
+
+
+def test_a_second_kernel_name_row_starts_a_new_kernel():
+    text = "\n".join(["==PROF== Connected to process 7",
+                      _page("first", _row(0x00, "NOP", 1, selected=1)),
+                      _page("second", _row(0x00, "NOP", 1, wait=2), _row(0x10, "EXIT", 1, selected=1))])
+    first, second = parse_source_csv(text)
+    assert (first.kernel, len(first.instructions)) == ("first", 1)
+    assert (second.kernel, [instruction.samples for instruction in second.instructions]) == ("second", [2, 1])
+    assert second.instructions[0].stalls == {"wait": 2}
+
+
+@pytest.mark.parametrize("text, message", [
+    ("", 'not an ncu source page: no "Kernel Name" row'),
+    (HEADER + "\n" + _row(0, "NOP", 1), 'not an ncu source page: it does not start with a "Kernel Name" row'),
+    ('"Kernel Name","k"\n"Address","Source","Instructions Executed"\n',
+     "not an ncu source page: the CSV header lacks 'Warp Stall Sampling (All Samples)', 'stall_* reasons'"),
+    (_page("k"), "kernel k has no instruction rows"),
+    (_page("k", _row(0, "NOP", 1)).replace('"0x7f0000000000"', '"here"'),
+     "instruction row 0: address 'here' is not hexadecimal"),
+    (_page("k", _row(0x00, "NOP", 1), _row(0x10, "BRA 0x7f0000000008", 1)),
+     "k: 'BRA 0x7f0000000008' at row 1 branches to 0x7f0000000008, which is no instruction of the page"),
+])
+def test_malformed_input_is_a_one_line_tool_error(text, message):
+    with pytest.raises(ToolError) as error:
+        hot_loops(parse_source_csv(text)[0])
+    assert str(error.value) == message
+
+
+def _run(*files: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "mpfa.profiles.ncu_source", *files], capture_output=True,
+                          text=True, timeout=120, check=False)
+
+
+def test_cli_prints_the_loops_of_plain_and_gzipped_pages(tmp_path):
+    plain = tmp_path / "dv4-source.csv"
+    plain.write_text(gzip.decompress(DV4.read_bytes()).decode())
+    done = _run(str(V6E), str(plain))
+    assert done.returncode == 0, done.stderr
+    assert "where each kernel's warps wait" in done.stdout
+    for text in ("rows 1439-1872", "rows 2955-3366", "4,177,920", "rows 1044-1689", "260,608", "552,379 warp samples",
+                 "61,365 warp samples"):
+        assert text in done.stdout
+
+
+def test_cli_fails_in_one_line(tmp_path):
+    missing = _run(str(V6E), str(tmp_path / "absent.csv"))
+    assert missing.returncode == 2 and missing.stdout == ""
+    assert missing.stderr == f"error: cannot read {tmp_path / 'absent.csv'}: No such file or directory\n"
+    truncated = tmp_path / "cut.csv.gz"
+    truncated.write_bytes(V6E.read_bytes()[:1000])
+    cut = _run(str(truncated))
+    assert cut.returncode == 2 and cut.stderr.startswith(f"error: cannot read {truncated}: ")
+    assert cut.stderr.count("\n") == 1
+    details = FIXTURES / "ncu-details-prefill-16k-mpfa-v6e-session18-h200.csv"
+    malformed = _run(str(details))
+    assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
+    assert malformed.stderr == (f'error: {details}: not an ncu source page: it does not start with a "Kernel Name" '
+                                f"row\n")
