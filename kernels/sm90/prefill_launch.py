@@ -15,12 +15,12 @@ v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA group 4 and page
 to FP32 summation order (its 64-key tiles), not bit for bit; on the H200 it passed the GPU tests and ran 1.62x
 faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows
 per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical
-to v3). The default is v3w8 where it applies (measured on the H200 in session 16: 1.39x v3 at 64K, as fast as v4w8
-with v3's exact numerics; profiles/NOTES.md "Session 16 sitting"), else v2 (v1 for an odd number of query heads: v2
+to v3). The default is v3w8c (below) where it applies (session 18 on the H200: 0.964x v3w8's time at 64K, v3w8 itself
+1.39x v3 in session 16; profiles/NOTES.md "Session 18 sitting"), else v2 (v1 for an odd number of query heads: v2
 copies Delta_S as aligned 4-byte words).
 ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6i`` or the ``kernel=`` argument of
 `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
-(`prefill_wgmma_dscol`, opt-in only) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
+(`prefill_wgmma_dscol`; v3w8c the default) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
 instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
 (`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K requantized to e4m3 with
 power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 /
@@ -58,7 +58,7 @@ _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8", "v3", "v3w8",
 # "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or a v6 variant ("v6a" .. "v6i", `WS_KERNELS`)
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
-WGMMA_KERNEL = "v3w8"  # `prefill_wgmma`: the default where its shape limits allow
+WGMMA_KERNEL = "v3w8c"  # `prefill_wgmma_dscol`: the default where its shape limits allow
 WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer warpgroup, 2 consumers) -> its class
     "v6": "PrefillSm90WgmmaWs",
     "v6a": "PrefillSm90WgmmaWsPv",  # PV in one m64n128k32 fresh accumulator, O rescaled under it (v6's output)
@@ -71,7 +71,7 @@ WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer 
     "v6h": "PrefillSm90WgmmaWsThreeStages",  # v6g with 3 operand stages (v6e's output)
     "v6i": "PrefillSm90WgmmaWsOverlap",  # v6e with FA3's intra-warpgroup overlap, 3 operand stages (v6e's output)
 }
-DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # opt-in: v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
+DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
 WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v3c": 1, "v3w8c": 2, "v4": 1, "v4w8": 2, "v5": 1, "v5w8": 2,
                     **{name: 2 for name in WS_KERNELS}}  # the wgmma kernel's variants: warpgroups per CTA computing
 # rows (v6*: its consumers; the CTA has one producer warpgroup more, v6g two)
@@ -84,7 +84,7 @@ WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
     """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8", "v3" or "v3w8"), else ``MPFA_PREFILL_KERNEL``,
-    else `WGMMA_KERNEL` (v3w8) for GQA group 4 with pages of >= 64 keys and v2 otherwise; v1 with an odd number of
+    else `WGMMA_KERNEL` (v3w8c) for GQA group 4 with pages of >= 64 keys and v2 otherwise; v1 with an odd number of
     query heads unless v3 / v3w8 is named (v2 copies Delta_S as aligned 4-byte words)."""
     fits_v3 = num_q_heads == WGMMA_GROUP * num_kv_heads and page_size >= WGMMA_MIN_PAGE
     if kernel is None and not os.environ.get(KERNEL_ENV) and fits_v3:

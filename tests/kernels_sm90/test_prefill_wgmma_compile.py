@@ -192,9 +192,9 @@ def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config, compensate,
     assert pv and {re.sub(r"\s", "", x) for x in pv} == {"1,1,1"}  # A from registers: scale-a, scale-b, tnsp-b
 
 
-def test_v3w8_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
+def test_v3w8c_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert prefill_kernel(32, 8, 128) == prefill_kernel(32, 8, 64) == "v3w8" and kernel_block_m(4, "v3") == 16
+    assert prefill_kernel(32, 8, 128) == prefill_kernel(32, 8, 64) == "v3w8c" and kernel_block_m(4, "v3") == 16
     assert prefill_kernel(32, 8, 32) == prefill_kernel(40, 8, 128) == "v2"  # pages < 64, group 5: v2
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v2")
     assert prefill_kernel(32, 8, 128) == "v2" and prefill_kernel(32, 8, 128, "V3") == "v3"

@@ -94,6 +94,21 @@ def test_dv4_hot_loop_is_the_split_kv_loop():
     assert kernel.rest.instructions == 1936 - 646 and round(kernel.rest.share, 1) == 2.0
 
 
+def test_dv4_after_the_v_staging_fix_and_v3w8c():
+    """Session 18's later captures: dv4 with V staged key-major (the same loop, now waiting on memory: long
+    scoreboard first) and the default prefill v3w8c (one loop of 671 instructions, led by its two wgmma waits)."""
+    [page] = parse_source_csv(read_text(FIXTURES / "ncu-source-decode-128k-b8-mpfa-dv4-vkeymajor-session18-h200.csv.gz"))
+    [loop] = hot_loops(page).loops
+    assert loop.executions == 260_608 and loop.share > 95
+    assert loop.stalls[0][0] == "long_sb" and loop.stalls[0][1] > 30
+    [page] = parse_source_csv(read_text(FIXTURES / "ncu-source-prefill-16k-mpfa-v3w8c-session18-h200.csv.gz"))
+    assert "PrefillSm90WgmmaDsCol" in page.kernel
+    [loop] = hot_loops(page).loops
+    assert (loop.instructions, loop.executions) == (671, 4_177_920) and loop.share > 95
+    assert loop.stalls[0][0] == "barrier"
+    assert [hot.sass for hot in loop.hottest[:2]] == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2
+
+
 def test_nested_and_overlapping_loops_merge_and_cold_loops_fold_into_the_rest():
     text = _page("k",
                  _row(0x00, "MOV R1, R2", 1, selected=2),
