@@ -109,6 +109,17 @@ def test_dv4_after_the_v_staging_fix_and_v3w8c():
     assert [hot.sass for hot in loop.hottest[:2]] == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2
 
 
+def test_a_capture_of_two_kernels_gives_a_page_each():
+    """Decode at 32K x 1, the split kernel and the merge in one report: the merge's loop waits on its loads."""
+    split, merge = parse_source_csv(read_text(
+        FIXTURES / "ncu-source-decode-32k-b1-mpfa-dv4-split-and-merge-session18-h200.csv.gz"))
+    assert "SplitKVDecodeSm90Lean" in split.kernel and "DecodeMergeSm90" in merge.kernel
+    [split_loop] = hot_loops(split).loops
+    assert split_loop.instructions == 647 and split_loop.stalls[0][0] == "long_sb"
+    [merge_loop] = hot_loops(merge).loops
+    assert merge_loop.instructions == 71 and merge_loop.stalls[0][0] == "long_sb" and merge_loop.stalls[0][1] > 80
+
+
 def test_nested_and_overlapping_loops_merge_and_cold_loops_fold_into_the_rest():
     text = _page("k",
                  _row(0x00, "MOV R1, R2", 1, selected=2),
