@@ -1,11 +1,13 @@
 """Log-sum-exp merge of the split-KV decode partials, CuTe DSL.
 
-One CTA per (query head, request), ``WARPS`` warps: warp w folds partitions w, w + WARPS, ... into its own
-running (m, l, O) (lane = 4 head dimensions), then the warps combine through shared memory. Only the request's
-non-empty partitions, ``ceil(seq_len / partition_size)`` with the split kernel's per-request size
-(`decode_layout.partition_keys`), are read; a request without keys gets 0. The result
-equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding (the reference weights every partition
-against the global max at once, the kernel rescales as it goes).
+One CTA per (query head, request), ``warps`` warps (`WARPS` by default): warp w folds partitions w, w + warps, ...
+into its own running (m, l, O) (lane = 4 head dimensions), then the warps combine through shared memory. Each warp's
+fold is a chain of dependent loads, so with few requests (32 CTAs at batch 1) the merge waits on load latency:
+`WIDE_WARPS` (512 threads, 2x the loads in flight) is decode version v4m's (profiles/NOTES.md, "Session 18,
+fourth sitting"). Only the request's non-empty partitions, ``ceil(seq_len / partition_size)`` with the split
+kernel's per-request size (`decode_layout.partition_keys`), are read; a request without keys gets 0. The result
+equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding (the reference weights every partition against
+the global max at once, the kernel rescales as it goes).
 """
 
 from __future__ import annotations
@@ -21,15 +23,19 @@ from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, load_v4_u32
 
 HEAD_DIM = 128
 WARPS = 8
+WIDE_WARPS = 16  # 512 threads (at 32, 1,024 threads, ptxas caps the merge at 64 registers and it spills)
 
 
 class DecodeMergeSm90:
-    """Compile-time choice: the output dtype (``cutlass.BFloat16`` or ``cutlass.Float32``)."""
+    """Compile-time choices: the output dtype (``cutlass.BFloat16`` or ``cutlass.Float32``) and warps per CTA."""
 
-    def __init__(self, out_dtype) -> None:
+    def __init__(self, out_dtype, warps: int = WARPS) -> None:
         if out_dtype not in (cutlass.BFloat16, cutlass.Float32):
             raise ValueError(f"decode output must be BFloat16 or Float32, got {out_dtype}")
+        if warps not in (WARPS, WIDE_WARPS):
+            raise ValueError(f"the decode merge runs {WARPS} or {WIDE_WARPS} warps per CTA, got {warps}")
         self.out_dtype = out_dtype
+        self.warps = warps
 
     @cute.jit
     def __call__(
@@ -44,7 +50,7 @@ class DecodeMergeSm90:
         stream,
     ):
         self.kernel(m_part, l_part, o_part, seq_lens, out, lam, min_partition).launch(
-            grid=(m_part.shape[1], m_part.shape[0], 1), block=(32 * WARPS, 1, 1), stream=stream
+            grid=(m_part.shape[1], m_part.shape[0], 1), block=(32 * self.warps, 1, 1), stream=stream
         )
 
     @cute.kernel
@@ -65,7 +71,7 @@ class DecodeMergeSm90:
         running[0] = -math.inf
         for i in cutlass.range_constexpr(1, 6):
             running[i] = Float32(0.0)
-        for part in cutlass.range(warp, valid_parts, WARPS, unroll=2):
+        for part in cutlass.range(warp, valid_parts, self.warps, unroll=2):
             m_p = m_part[batch_idx, head, part]
             l_p = l_part[batch_idx, head, part]
             words = load_v4_u32(o_base + ((row + part) * HEAD_DIM + 4 * lane) * 4, Uint32(1))
@@ -78,8 +84,8 @@ class DecodeMergeSm90:
                 running[2 + i] = running[2 + i] * keep + weight * bits_to_f32(words[i])
 
         smem = cutlass.utils.SmemAllocator()
-        s_ml = smem.allocate_tensor(Float32, cute.make_layout((2, WARPS)), 16)
-        s_o = smem.allocate_tensor(Float32, cute.make_layout((HEAD_DIM, WARPS)), 16)
+        s_ml = smem.allocate_tensor(Float32, cute.make_layout((2, self.warps)), 16)
+        s_o = smem.allocate_tensor(Float32, cute.make_layout((HEAD_DIM, self.warps)), 16)
         if lane == 0:
             s_ml[0, warp] = running[0]
             s_ml[1, warp] = running[1]
@@ -89,12 +95,12 @@ class DecodeMergeSm90:
 
         if tid < HEAD_DIM:
             m_all = s_ml[0, 0]
-            for w in cutlass.range_constexpr(1, WARPS):
+            for w in cutlass.range_constexpr(1, self.warps):
                 m_all = cute.arch.fmax(m_all, s_ml[0, w])
             m_ref = Float32(cutlass.select_(m_all == -math.inf, Float32(0.0), m_all))
             total = Float32(0.0)
             value = Float32(0.0)
-            for w in cutlass.range_constexpr(WARPS):
+            for w in cutlass.range_constexpr(self.warps):
                 factor = exp2_approx(s_ml[0, w] * lam - m_ref * lam)
                 total = total + s_ml[1, w] * factor
                 value = value + s_o[tid, w] * factor
