@@ -10,6 +10,7 @@ the servers run the rest of the model in BF16, the prediction in float32.
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -30,6 +31,20 @@ class PredictionCheck:
 
     def within(self, factor: float) -> bool:
         return 1 / factor <= self.ratio() <= factor
+
+
+def served_numerics(specs) -> dict[str, str | None]:
+    """Backend name -> the reference variant its server computes: `BackendSpec.numerics`, except that MpFA's
+    prompt (prefill) runs the FP8-QK numerics when ``MPFA_PREFILL_KERNEL`` (passed on to the servers) pins such a
+    kernel."""
+    from mpfa.kernels.sm90.prefill_launch import KERNEL_ENV, prefill_kernel, prefill_numerics
+
+    pinned = os.environ.get(KERNEL_ENV)
+    try:
+        fp8_qk = bool(pinned) and prefill_numerics(prefill_kernel(32, 8, 128, pinned)) != "mpfa"
+    except ValueError as exc:
+        raise UserError(f"{KERNEL_ENV}: {exc}") from None
+    return {s.name: "mpfa-qk8tile" if fp8_qk and s.numerics == "mpfa" else s.numerics for s in specs}
 
 
 def load_prediction(path: Path) -> dict[str, Any]:

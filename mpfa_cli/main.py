@@ -458,7 +458,7 @@ def logits(
     from mpfa.cli.bench import BenchOptions
     from mpfa.cli.engines import gpu_names, resolve_backends, resolve_engine
     from mpfa.cli.logits import render, run_logits, workload_params
-    from mpfa.cli.logits_check import check_against_prediction, load_prediction, render_checks
+    from mpfa.cli.logits_check import check_against_prediction, load_prediction, render_checks, served_numerics
 
     lengths = _number_list(input_len, "--input-len")
     if any(n < 2 for n in lengths):
@@ -496,7 +496,7 @@ def logits(
         result = run_logits(specs, ref, lengths, prompts, output_len, seed, model, options_for, console)
         render(result, console)
         if predicted is not None:
-            checks = check_against_prediction(result, prediction, {s.name: s.numerics for s in specs})
+            checks = check_against_prediction(result, prediction, served_numerics(specs))
             render_checks(checks, predicted_factor, console)
         gpu = "simulated" if result.simulated else (gpu_names() or ["unknown"])[0]
         params = {**workload_params(seed, prompts, lengths, output_len), "backends": [s.name for s in specs],

@@ -93,6 +93,12 @@ def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: 
     return name if name in WGMMA_WARPGROUPS or num_q_heads % 2 == 0 else "v1"
 
 
+def prefill_numerics(kernel: str) -> str:
+    """The reference variant (`mpfa.kernels.attention`) a prefill kernel computes: "mpfa-qk8tile" for the kernels
+    with QK on FP8 (v4 .. v6i: Q and K requantized to e4m3), else "mpfa" (the paper's NVFP4 QK, v1 .. v3w8c)."""
+    return "mpfa-qk8tile" if kernel in FP8_QK_KERNELS + FP8_PV_KERNELS + tuple(WS_KERNELS) else "mpfa"
+
+
 def kernel_block_m(group: int, kernel: str) -> int:
     """Query rows per CTA of ``kernel`` (a `prefill_kernel` name; the grid's row blocks: ``ceil(max_seqlen_q /
     block_m)``)."""

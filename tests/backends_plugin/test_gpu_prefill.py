@@ -3,7 +3,11 @@ the same SGLang-shaped paged inputs: one chunk, then a second chunk on top of th
 and key lengths from `ExtendBatch.build(..., page_size)`), for mpfa and mpfa-direct. Both paths read the same cache
 contents; they differ only in key tiling (32 vs 128 keys), which moves outputs by a few 1e-3 RMS, so the kernel is
 held to the reference path within 1e-2 and to float64 truth no further than the reference path is (+2e-3 for its
-BF16 output). The cache and outputs are NaN-poisoned first; NaN never passes."""
+BF16 output). A kernel with QK on FP8 (``MPFA_PREFILL_KERNEL`` = v4 .. v6i, the "mpfa-qk8tile" numerics) computes
+other numerics than the reference path: it is held to float64 truth only, within 1.15x the reference path's
+distance (FP8 QK measured 6-7% further from float64 than the paper's numerics in session 13, plus the tiling's
+share). A GQA-4 kernel pinned by ``MPFA_PREFILL_KERNEL`` skips the 40:8 case, which it refuses by design. The cache
+and outputs are NaN-poisoned first; NaN never passes."""
 
 from __future__ import annotations
 
@@ -22,6 +26,8 @@ from mpfa.backends.sglang_plugin.capacity import PoolGeometry  # noqa: E402
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
 from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402
 from mpfa.kernels import attention_float64  # noqa: E402
+from mpfa.kernels.sm90.prefill_launch import (WGMMA_GROUP, WGMMA_WARPGROUPS, prefill_kernel,  # noqa: E402
+                                              prefill_numerics)
 
 D, LAYER = 128, 1
 
@@ -62,6 +68,10 @@ def _rms(a, b):
     ([513, 64], 32, 8, 128, "mpfa-direct"),
 ])
 def test_kernel_extend_matches_the_reference_path(paged, lengths, hq, hkv, page_size, backend):
+    kernel = prefill_kernel(hq, hkv, page_size)
+    if kernel in WGMMA_WARPGROUPS and hq != WGMMA_GROUP * hkv:
+        pytest.skip(f"MPFA_PREFILL_KERNEL pins {kernel}, a GQA-{WGMMA_GROUP} kernel: {hq}:{hkv} is refused by design")
+    fp8_qk = prefill_numerics(kernel) != "mpfa"
     p = paged(lengths, hq, hkv, page_size, "cuda")
     kernel, reference = _core(p, hq, hkv, backend, "kernel"), _core(p, hq, hkv, backend, "reference")
     first = [(0, n // 2) for n in lengths]  # chunk 1 freezes the means; chunk 2 attends over its prefix too
@@ -70,6 +80,9 @@ def test_kernel_extend_matches_the_reference_path(paged, lengths, hq, hkv, page_
         got, ref = _extend(kernel, p, spans, hq), _extend(reference, p, spans, hq)
         exact = _exact(p, spans)
         assert bool(torch.isfinite(got).all()), "NaN/Inf in the kernel's output"
-        assert _rms(got, ref) <= 1e-2
-        assert _rms(got, exact) <= 1.01 * _rms(ref, exact) + 2e-3
+        if fp8_qk:
+            assert _rms(got, exact) <= 1.15 * _rms(ref, exact) + 2e-3
+        else:
+            assert _rms(got, ref) <= 1e-2
+            assert _rms(got, exact) <= 1.01 * _rms(ref, exact) + 2e-3
 

@@ -9,7 +9,7 @@ import pytest
 from mpfa.backends.specs import BACKENDS
 from mpfa.cli.errors import UserError
 from mpfa.cli.logits import LogitsResult, Row
-from mpfa.cli.logits_check import check_against_prediction
+from mpfa.cli.logits_check import check_against_prediction, served_numerics
 
 NUMERICS = {name: spec.numerics for name, spec in BACKENDS.items()}
 FAST = ["--time-scale", "0.02"]
@@ -34,6 +34,21 @@ def test_each_backend_is_checked_against_its_own_variant():
     assert set(by_backend) == {"mpfa", "mpfa-direct"}
     assert by_backend["mpfa"].variant == "mpfa" and by_backend["mpfa"].within(1.5)
     assert by_backend["mpfa-direct"].variant == "qk4-pv8-direct" and not by_backend["mpfa-direct"].within(1.5)
+
+
+def test_a_pinned_fp8_qk_prefill_is_checked_against_the_fp8_qk_variant(monkeypatch):
+    specs = [BACKENDS[name] for name in ("fa4-bf16", "mpfa", "mpfa-direct")]
+    monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
+    assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa", "mpfa-direct": "qk4-pv8-direct"}
+    for paper in ("v3w8", "V3W8C", "v2"):
+        monkeypatch.setenv("MPFA_PREFILL_KERNEL", paper)
+        assert served_numerics(specs)["mpfa"] == "mpfa"
+    for fp8_qk in ("v4w8", "v5w8", "v6e"):
+        monkeypatch.setenv("MPFA_PREFILL_KERNEL", fp8_qk)
+        assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile", "mpfa-direct": "qk4-pv8-direct"}
+    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v9")
+    with pytest.raises(UserError, match="MPFA_PREFILL_KERNEL"):
+        served_numerics(specs)
 
 
 def test_too_small_a_delta_fails_too():

@@ -202,6 +202,15 @@ def test_v3w8c_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
     assert prefill_kernel(40, 8, 128) == "v3"
 
 
+def test_each_prefill_kernel_says_which_numerics_it_computes():
+    from mpfa.kernels.sm90.prefill_launch import WGMMA_WARPGROUPS, prefill_numerics
+
+    paper = ["v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c"]
+    assert {prefill_numerics(k) for k in paper} == {"mpfa"} and prefill_numerics(prefill_launch.WGMMA_KERNEL) == "mpfa"
+    fp8_qk = [k for k in WGMMA_WARPGROUPS if k not in paper]
+    assert "v4" in fp8_qk and "v6i" in fp8_qk and {prefill_numerics(k) for k in fp8_qk} == {"mpfa-qk8tile"}
+
+
 def test_v3_and_v3w8_when_named(monkeypatch: pytest.MonkeyPatch):
     """Named (``kernel=`` or ``MPFA_PREFILL_KERNEL``), v3 / v3w8 apply also to an odd number of query heads (then
     refused at compile time); v3w8 runs 32 query rows per CTA."""
