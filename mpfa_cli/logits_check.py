@@ -10,7 +10,6 @@ the servers run the rest of the model in BF16, the prediction in float32.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,12 +35,12 @@ class PredictionCheck:
 def served_numerics(specs) -> dict[str, str | None]:
     """Backend name -> the reference variant its server computes: `BackendSpec.numerics`, except that MpFA's
     prompt (prefill) runs the FP8-QK numerics when ``MPFA_PREFILL_KERNEL`` (passed on to the servers) pins such a
-    kernel."""
+    kernel. `prefill_kernel` reads and checks that variable; unpinned, the default it names for any shape is the
+    paper's numerics."""
     from mpfa.kernels.sm90.prefill_launch import KERNEL_ENV, prefill_kernel, prefill_numerics
 
-    pinned = os.environ.get(KERNEL_ENV)
     try:
-        fp8_qk = bool(pinned) and prefill_numerics(prefill_kernel(32, 8, 128, pinned)) != "mpfa"
+        fp8_qk = prefill_numerics(prefill_kernel(32, 8, 128)) != "mpfa"
     except ValueError as exc:
         raise UserError(f"{KERNEL_ENV}: {exc}") from None
     return {s.name: "mpfa-qk8tile" if fp8_qk and s.numerics == "mpfa" else s.numerics for s in specs}
