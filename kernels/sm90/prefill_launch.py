@@ -49,7 +49,7 @@ import torch
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
 from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, kernel_version, target_sm90a
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
-from mpfa.kernels.sm90.prefill_staged_layout import WARP_ROWS, cta_shape
+from mpfa.kernels.sm90.prefill_staged_layout import WARP_ROWS, cta_shape, warpgroup_rows
 
 HEAD_DIM = 128
 BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host side imports no CuTe DSL)
@@ -77,16 +77,18 @@ WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v3c": 1, "v3w8c": 2, "v4": 1, "v4w8": 2
 # rows (v6*: its consumers; the CTA has one producer warpgroup more, v6g two)
 FP8_QK_KERNELS = ("v4", "v4w8")  # opt-in: v3 with QK on FP8 wgmma (`prefill_wgmma_fp8qk`, "mpfa-qk8tile" numerics)
 FP8_PV_KERNELS = ("v5", "v5w8")  # opt-in: v4 with PV on FP8 wgmma too (`prefill_wgmma_fp8pv`, "mpfa-qk8tile")
-WGMMA_GROUP = 4  # the only GQA group v3 supports (4 heads x 16 rows = one 64-row warpgroup tile)
-WGMMA_BLOCK_M = 16  # query rows per v3 warpgroup
+WGMMA_GROUPS = (4, 5)  # GQA groups of the v3 family (v3, v3w8, v3c, v3w8c; 32:8, 40:8): a warpgroup's 64 rows
+# are 4 heads x 16 rows or 1 head x 64 rows (`prefill_staged_layout.warpgroup_rows`)
+ANY_GROUP_KERNELS = ("v3", "v3w8", *DS_COLUMN_KERNELS)  # the others (FP8 QK / PV, v6): group 4 only
 WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
     """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8", "v3" or "v3w8"), else ``MPFA_PREFILL_KERNEL``,
-    else `WGMMA_KERNEL` (v3w8c) for GQA group 4 with pages of >= 64 keys and v2 otherwise; v1 with an odd number of
-    query heads unless v3 / v3w8 is named (v2 copies Delta_S as aligned 4-byte words)."""
-    fits_v3 = num_q_heads == WGMMA_GROUP * num_kv_heads and page_size >= WGMMA_MIN_PAGE
+    else `WGMMA_KERNEL` (v3w8c) for the GQA groups `WGMMA_GROUPS` with pages of >= 64 keys and v2 otherwise; v1 with
+    an odd number of query heads unless a wgmma kernel is named (v2 copies Delta_S as aligned 4-byte words)."""
+    fits_v3 = (num_q_heads % 2 == 0 and num_q_heads % num_kv_heads == 0
+               and num_q_heads // num_kv_heads in WGMMA_GROUPS and page_size >= WGMMA_MIN_PAGE)
     if kernel is None and not os.environ.get(KERNEL_ENV) and fits_v3:
         return WGMMA_KERNEL
     name = kernel_version(KERNEL_ENV, kernel, variants=("v2w8", *WGMMA_WARPGROUPS))
@@ -103,14 +105,20 @@ def kernel_block_m(group: int, kernel: str) -> int:
     """Query rows per CTA of ``kernel`` (a `prefill_kernel` name; the grid's row blocks: ``ceil(max_seqlen_q /
     block_m)``)."""
     if kernel in WGMMA_WARPGROUPS:
-        return WGMMA_BLOCK_M * WGMMA_WARPGROUPS[kernel]
+        return warpgroup_rows(group) * WGMMA_WARPGROUPS[kernel]
     return WARP_ROWS * cta_shape(group, STAGED_WARPS[kernel])[1] if kernel in STAGED_WARPS else BLOCK_M
 
 
-def check_wgmma_shape(group: int, page_size: int) -> None:
-    """v3's (and v3w8's) limits, as a clear error before compiling."""
-    _require(group == WGMMA_GROUP, f"the v3 (wgmma) prefill supports GQA group {WGMMA_GROUP} only (e.g. 32:8), got "
-                                   f"group {group}: use kernel v1 or v2")
+def wgmma_groups(kernel: str) -> tuple:
+    """The GQA groups the wgmma kernel ``kernel`` runs: `WGMMA_GROUPS` for the v3 family, (4,) for the others."""
+    return WGMMA_GROUPS if kernel in ANY_GROUP_KERNELS else (4,)
+
+
+def check_wgmma_shape(group: int, page_size: int, kernel: str) -> None:
+    """The wgmma kernels' limits, as a clear error before compiling."""
+    groups = wgmma_groups(kernel)
+    _require(group in groups, f"the {kernel} (wgmma) prefill supports GQA group {' or '.join(map(str, groups))} only "
+                              f"(e.g. 32:8{', 40:8' if 5 in groups else ''}), got group {group}: use kernel v1 or v2")
     _require(page_size >= WGMMA_MIN_PAGE,
              f"the v3 (wgmma) prefill needs page_size >= {WGMMA_MIN_PAGE}, got {page_size}")
 
@@ -121,15 +129,14 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
     only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
-    (``MPFA_PREFILL_KERNEL``); "v3", "v3w8", "v4", "v4w8", "v5", "v5w8" and "v6" only for GQA group 4 and pages of
-    >= 64 keys. ``compensate``
-    False: the direct build (no Delta_S, for timing the compensation)."""
+    (``MPFA_PREFILL_KERNEL``); the wgmma kernels ("v3" .. "v6i") only for pages of >= 64 keys and the GQA groups
+    `wgmma_groups` gives. ``compensate`` False: the direct build (no Delta_S, for timing the compensation)."""
     name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size,
                           "v1" if kernel is None and ablation is not None else kernel)
     if name != "v1" and ablation is not None:
         raise ValueError("the compile-time ablations exist for the v1 prefill kernel only")
     if name in WGMMA_WARPGROUPS:
-        check_wgmma_shape(group, page_size)
+        check_wgmma_shape(group, page_size, name)
     return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, name,
                                    bool(compensate))
 

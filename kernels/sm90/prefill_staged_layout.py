@@ -69,6 +69,12 @@ def cta_shape(group: int, warps: int = CTA_WARPS) -> tuple[int, int]:
     return heads, (row_blocks * warps // CTA_WARPS) if heads == CTA_WARPS else row_blocks
 
 
+def warpgroup_rows(group: int) -> int:
+    """Query rows per head of a 64-row wgmma tile (the wgmma prefill's warpgroup): the 4-warp CTA's rows,
+    `cta_shape` (group 4 -> 16 rows of each of the 4 heads; group 5 -> 64 rows of 1 head)."""
+    return WARP_ROWS * cta_shape(group)[1]
+
+
 def ds_words(heads: int) -> int:
     """4-byte words per key that cover the CTA's BF16 Delta_S, wherever its first head starts (an odd number of
     heads may start 2 bytes into a word; an even number starts at an even head, word-aligned)."""

@@ -44,7 +44,10 @@ scores), so the output is v3's bit for bit. v3w8 runs 16 warps per SM, what made
 (2 Q tiles + K + V + 2 stages = 90 KB) and ``.minnctapersm 2`` (`min_ctas_per_sm`: ptxas bounds the registers to
 128; unbounded it gives 129) let 2 CTAs of 8 warps share an SM; with 4 stages (116 KB) it held 1.
 
-Only GQA group 4 (32:8); the launcher refuses other groups. Shared memory (v3): Q, K, V operand tiles (16 KB each)
+Other GQA groups (session 19): the warpgroup's 64 rows are v2's 4-warp CTA (`prefill_staged_layout.cta_shape`,
+`tile_row_query`): group 5 (40:8) -> one head x 64 rows, warp w rows 16 w .. + 15, each warp masking with its own
+rows' limits; the walk and the warpgroup-uniform skips follow the warpgroup's 64 rows. The launcher takes groups 4
+and 5 (`prefill_launch.WGMMA_GROUPS`), the kernels run on GPU tests for both. Shared memory (v3): Q, K, V operand tiles (16 KB each)
 and a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM.
 """
 
@@ -82,7 +85,7 @@ HEAD_DIM = sl.HEAD_DIM
 TILE_KEYS = 64  # keys per wgmma tile: two of v2's 32-key ring stages
 HALVES = TILE_KEYS // sl.TILE_KEYS
 N_BLOCKS = TILE_KEYS // 8  # 8-key column blocks of the S accumulator (v1's n-tiles)
-GROUP = 4  # query heads per KV head v3 supports: 4 heads x 16 rows = one 64-row warpgroup tile
+GROUP = 4  # heads of a 64-row warpgroup tile "4 heads x 16 rows" (the FP8 and v6 kernels' only shape)
 ROWS = sl.WARP_ROWS  # query rows per warpgroup (per head)
 THREADS = 128  # one warpgroup
 WARPGROUPS = (1, 2)  # warpgroups per CTA: v3, v3w8
@@ -138,6 +141,14 @@ def v_expand_unit(tid, r: int, threads: int) -> tuple:
     return keys // sl.TILE_KEYS, key + keys % sl.TILE_KEYS, piece
 
 
+def tile_row_query(row, heads: int) -> tuple:
+    """(query row from the warpgroup's first, head of the CTA) of row ``row`` of a 64-row wgmma tile: warp
+    ``row // 16`` is head ``warp % heads``, rows ``16 (warp // heads)`` .. + 15 (`prefill_staged.PrefillSm90Staged`'s
+    warps; 4 heads: row 16 h + i is head h, query i; 1 head: row i is query i)."""
+    warp = row >> 4
+    return ((warp // heads) << 4) + (row & (ROWS - 1)), warp % heads
+
+
 def operand_offset(row, chunk):
     """Byte offset in an FP16 operand tile [64 rows][128] of the 16-byte chunk ``chunk`` (elements 8 chunk ..
     8 chunk + 7) of row ``row``: the K-major 128-byte-swizzle layout (`operand_layout`): 64-element column halves of
@@ -165,10 +176,10 @@ def p_operand(probs: list, words: cute.Tensor) -> None:
 
 
 class PrefillSm90Wgmma(PrefillSm90Staged):
-    """Compile-time shape of the v3 prefill: `prefill.PrefillSm90`'s arguments (GQA ``group`` must be 4; no
-    ablations; ``compensate`` False: the direct build) and ``warpgroups`` per CTA (1: v3, 2: v3w8; warpgroup w
-    computes the CTA's query rows 16 w .. 16 w + 15 of each head). v2's launch, CTA order, heads and ring copies;
-    the kernel body is replaced."""
+    """Compile-time shape of the v3 prefill: `prefill.PrefillSm90`'s arguments (no ablations; ``compensate``
+    False: the direct build) and ``warpgroups`` per CTA (1: v3, 2: v3w8; warpgroup w computes the CTA's query rows
+    ``wg_rows`` w .. + ``wg_rows`` - 1 of each of its heads: 16 rows of 4 heads for group 4, 64 of 1 for group 5).
+    v2's launch, CTA order, heads and ring copies; the kernel body is replaced."""
 
     tile_keys = TILE_KEYS  # the CTA's walk (`_walk`) in 64-key tiles
     qk_dtype = cutlass.Float16  # QK's operand type (`_qk_operands`)
@@ -180,22 +191,26 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     state_size = 4  # per-thread softmax state: running max of rows g, g + 8, lane-partial sums
     w8_stages = W8_STAGES  # ring stages with 2 warpgroups per CTA
     w8_min_ctas = 2  # ``.minnctapersm`` with 2 warpgroups per CTA (0: ptxas unbounded)
+    any_group = True  # any GQA group (`prefill_staged_layout.cta_shape`); False: 4 heads x 16 rows only
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 1):
-        if group != GROUP:
-            raise ValueError(f"the v3 (wgmma) prefill supports GQA group {GROUP} only (4 heads x 16 rows = one "
-                             f"64-row warpgroup tile), got {group}; use v1 or v2")
         if page_size < TILE_KEYS:
             raise ValueError(f"the v3 (wgmma) prefill needs page_size >= {TILE_KEYS}, got {page_size}")
         if warpgroups not in WARPGROUPS:
             raise ValueError(f"warpgroups per CTA must be one of {WARPGROUPS}, got {warpgroups}")
-        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, warps=4 * warpgroups,
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, warps=4,
                          stages=self.w8_stages if warpgroups == 2 else STAGES,
                          shared_dequant=False, compensate=compensate)
+        if self.heads != GROUP and not self.any_group:
+            raise ValueError(f"{type(self).__name__} supports GQA group {GROUP} only (4 heads x 16 rows = one 64-row "
+                             f"warpgroup tile), got {group}")
         self.warpgroups = warpgroups
-        assert (self.heads, self.row_blocks, self.threads, self.block_m) == (GROUP, warpgroups, THREADS * warpgroups,
-                                                                             ROWS * warpgroups)
+        self.wg_rows = sl.warpgroup_rows(group)  # a warpgroup's query rows of each of its heads
+        assert self.wg_rows == ROWS * self.row_blocks
+        self.row_blocks *= warpgroups
+        self.block_m = ROWS * self.row_blocks
+        self.threads = THREADS * warpgroups
         self.tile_bytes = HALVES * self.stage_bytes  # one 64-key ring stage
         self.offsets = smem_offsets(warpgroups, self.qk_bytes, self.v_bytes)
         self.smem_bytes = self.offsets[3] + self.stages * self.tile_bytes
@@ -232,9 +247,14 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         q_len = cu_seqlens_q[batch + 1] - q_start
         kv_len = seq_lens_k[batch]
         cta_row0 = m_block * self.block_m
-        row0 = cta_row0 + ROWS * wg  # the warpgroup's rows (every warp has them, for another head)
+        row0 = cta_row0 + self.wg_rows * wg  # the warpgroup's first row (of each of its heads)
         num_tiles, limits, common = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal,
-                                                        tile_keys=TILE_KEYS, warp_rows=ROWS)
+                                                        tile_keys=TILE_KEYS, warp_rows=self.wg_rows)
+        warp_row0 = row0
+        if cutlass.const_expr(self.wg_rows > ROWS):  # fewer heads than warps: the warp's own 16 rows
+            warp_row0 = row0 + self._warp_row(wg_warp)
+            _, limits, _ = tile_math.warp_plan(warp_row0, q_len, kv_len, g, causal=self.causal, tile_keys=TILE_KEYS,
+                                               warp_rows=ROWS)
         # the CTA walks the tiles its last row sees (v2w8's walk): with 2 warpgroups, the tiles of the later one
         walk = self._walk(Int32(num_tiles), common, cta_row0, q_len, kv_len, g)
 
@@ -262,13 +282,13 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         state[1] = -math.inf
         state[2] = Float32(0.0)
         state[3] = Float32(0.0)
-        self._row_exponents(state, q_scales, q_start, q_len, row0, head, g)
+        self._row_exponents(state, q_scales, q_start, q_len, warp_row0, head, g)
 
         self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], wg_tid, smem + q_offset)
         mmas = (mma_qk, mma_pv, operands, acc_s, acc_o)
         self._run_wgmma_tiles(walk, mmas, state, lam_scaled, (k_codes, k_scales, v, delta_s), page_table, batch,
                               kv_head, cta_heads, kv_len, limits, (tid, wg, wg_tid, wg_warp), c, smem)
-        self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+        self._store_rows(state, acc_o, out, q_start, q_len, warp_row0, head, g, c)
 
     def _qk_operands(self, smem_ptr, q_offset, k_offset):
         """(QK's tiled MMA, Q and K operand tiles in shared memory) in ``qk_dtype`` (v3: FP16 ``m64n64k16`` in
@@ -323,13 +343,13 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                   q_tile):
         """Q of the warpgroup's 64 rows exactly to FP16 in its Q operand tile ``q_tile``: thread ``wg_tid`` of the
         warpgroup expands the 16-byte chunks ``wg_tid`` and ``wg_tid + 128`` (row ``unit >> 2``, chunk
-        ``unit & 3``); rows past the sequence are zeros."""
+        ``unit & 3``; `tile_row_query`); rows past the sequence are zeros."""
         for r in cutlass.range_constexpr(2):
             unit = wg_tid + THREADS * r
             row, chunk = unit >> 2, unit & 3
-            query = row & (ROWS - 1)
+            query, head = tile_row_query(row, self.heads)
             valid = Uint32(row0 + query < q_len)
-            q_row = Int64(q_start + row0 + query) * self.num_q_heads + first_head + (row >> 4)
+            q_row = Int64(q_start + row0 + query) * self.num_q_heads + first_head + head
             words = load_v4_u32(q_codes.iterator.toint() + q_row * sl.K_ROW_BYTES + 16 * chunk, valid)
             scales = load_u16(q_scales.iterator.toint() + q_row * sl.SCALE_ROW_BYTES + 2 * chunk, valid, Uint32(0))
             self._expand_q_chunk(q_tile, row, chunk, words, scales)

@@ -5,10 +5,13 @@ the ring, widens them to FP32 and scales them by 2**-7 before each tile's QK, ~7
 tile in an issue-bound kernel (profiles/NOTES.md, "The compensation's cost inside prefill v3w8"). Here Delta_S is
 one more k-step of the same wgmma group, the issue's "fold Delta_S into an extra K column":
 
-* an extra [64 rows][16] FP16 A tile per warpgroup, written once: row ``16 h + i`` (head h of the group) holds
-  2**-7 in column h and 0 elsewhere;
-* an extra [64 keys][16] FP16 B tile, shared by the CTA: key j holds its 4 heads' Delta_S in columns 0-3 (copied
-  from the ring stage at each tile's expansion, one value per thread), zeros in columns 4-15 (written once);
+* an extra [64 keys][16] FP16 B tile, shared by the CTA: key j holds the BF16 Delta_S words the ring stage holds
+  (`prefill_staged_layout.ds_words`: the CTA's heads, 4 for group 4; for group 5's one head, the 2-head word it
+  lies in) in columns 0-3 (0-1), copied at each tile's expansion, one value per thread, zeros in the other columns
+  (written once);
+* an extra [64 rows][16] FP16 A tile per warpgroup, written once: a row (head h of the CTA, `tile_row_query`)
+  holds 2**-7 in the column of its head's Delta_S (h, + 1 where the CTA's first head is the word's second) and 0
+  elsewhere;
 * QK = Q K^T 2**-7 (v3's 8 k-steps, the accumulator starting at 0, or -inf where masked) + one m64n64k16 k-step:
   S 2**-7 = Q K^T 2**-7 + Delta_S 2**-7.
 
@@ -31,7 +34,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90.prefill_wgmma import GROUP, OPERAND_ALIGN, THREADS, TILE_KEYS, PrefillSm90Wgmma
+from mpfa.kernels.sm90.prefill_wgmma import OPERAND_ALIGN, THREADS, TILE_KEYS, PrefillSm90Wgmma, tile_row_query
 from mpfa.kernels.sm90.ptx import bits_to_f32
 from mpfa.kernels.sm90.smem_pipeline import load_shared_u16
 
@@ -55,7 +58,8 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 1):
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups)
-        assert self.heads == GROUP <= DS_COLUMNS
+        self.ds_columns = 2 * sl.ds_words(self.heads)  # BF16 Delta_S per key in the ring stage
+        assert self.ds_columns <= DS_COLUMNS
         # (the warpgroups' one-hot Q tiles, then the CTA's Delta_S K tile), after v3's ring
         self.extra_offset = -(-self.smem_bytes // OPERAND_ALIGN) * OPERAND_ALIGN
         if self.compensate:
@@ -73,16 +77,20 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
     def _expand_q(self, q_codes: cute.Tensor, q_scales: cute.Tensor, q_start, q_len, row0, first_head, wg_tid,
                   q_tile):
         """v3's Q tile, then (compensated) the warpgroup's one-hot tile and, by warpgroup 0, the Delta_S tile's
-        zeros (its columns 4-15 stay 0; 0-3 are rewritten every tile)."""
+        zeros (its columns past ``ds_columns`` stay 0; the others are rewritten every tile)."""
         PrefillSm90Wgmma._expand_q(self, q_codes, q_scales, q_start, q_len, row0, first_head, wg_tid, q_tile)
         if cutlass.const_expr(self.compensate):
             smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
             wg = cute.arch.thread_idx()[0] // THREADS
             one_hot = self._extra_tile(smem_ptr, wg)
+            lead = 0  # the column of the CTA's first head: 1 where it is the second BF16 of its Delta_S word
+            if cutlass.const_expr(self.heads % 2):
+                lead = (first_head % self.group) & 1
             for r in cutlass.range_constexpr(TILE_KEYS * DS_COLUMNS // THREADS):
                 unit = wg_tid + THREADS * r
                 row, column = unit // DS_COLUMNS, unit % DS_COLUMNS
-                one_hot[row, column] = Float16(cutlass.select_(column == row // 16, Float32(ONE_HOT), Float32(0.0)))
+                hot = lead + tile_row_query(row, self.heads)[1]
+                one_hot[row, column] = Float16(cutlass.select_(column == hot, Float32(ONE_HOT), Float32(0.0)))
             if wg == 0:
                 ds_tile = self._extra_tile(smem_ptr, self.warpgroups)
                 for r in cutlass.range_constexpr(TILE_KEYS * DS_COLUMNS // THREADS):
@@ -91,20 +99,31 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
 
     @cute.jit
     def _expand_kv(self, stage, threads, smem, state: cute.Tensor):
-        """v3's K and V expansion, then (compensated) the tile's Delta_S into columns 0-3 of the Delta_S tile: one
-        BF16 of the ring stage per (key, head), widened exactly (clamped to FP16's range) to FP16."""
+        """v3's K and V expansion, then (compensated) the tile's Delta_S into columns 0 .. ``ds_columns`` - 1 of
+        the Delta_S tile: one BF16 of the ring stage per (key, column), widened exactly (clamped to FP16's range) to
+        FP16."""
         PrefillSm90Wgmma._expand_kv(self, stage, threads, smem, state)
         if cutlass.const_expr(self.compensate):
             ds_tile = self._extra_tile(cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN), self.warpgroups)
-            for r in cutlass.range_constexpr(TILE_KEYS * GROUP // self.threads):
+            units = TILE_KEYS * self.ds_columns
+            for r in cutlass.range_constexpr(-(-units // self.threads)):
                 unit = threads[0] + self.threads * r
-                key, head = unit // GROUP, unit % GROUP
-                half, in_half = key // sl.TILE_KEYS, key % sl.TILE_KEYS
-                # the ring's Delta_S row of a key: the group's 4 heads' BF16 (`prefill_staged_layout.ds_copy`)
-                bits = load_shared_u16(stage + half * self.stage_bytes + sl.DS_OFFSET + 4 * sl.ds_words(self.heads)
-                                       * in_half + 2 * head)
-                value = cutlass.max(cutlass.min(bits_to_f32(bits << 16), Float32(FP16_MAX)), Float32(-FP16_MAX))
-                ds_tile[key, head] = Float16(value)
+                if cutlass.const_expr(units % self.threads == 0):
+                    self._widen_ds(stage, ds_tile, unit)
+                else:
+                    if unit < units:  # a part-round (one head: 128 values for 256 threads)
+                        self._widen_ds(stage, ds_tile, unit)
+
+    @cute.jit
+    def _widen_ds(self, stage, ds_tile, unit):
+        """Delta_S ``unit`` (key ``unit // ds_columns``, column ``unit % ds_columns``) of the ring stage -> FP16."""
+        key, column = unit // self.ds_columns, unit % self.ds_columns
+        half, in_half = key // sl.TILE_KEYS, key % sl.TILE_KEYS
+        # the ring's Delta_S row of a key: its ds_words 4-byte words (`prefill_staged_layout.ds_copy`)
+        bits = load_shared_u16(stage + half * self.stage_bytes + sl.DS_OFFSET + 4 * sl.ds_words(self.heads) * in_half
+                               + 2 * column)
+        value = cutlass.max(cutlass.min(bits_to_f32(bits << 16), Float32(FP16_MAX)), Float32(-FP16_MAX))
+        ds_tile[key, column] = Float16(value)
 
     def _ds_bits(self, stage, ds_lane):
         """No Delta_S for the accumulator's initial value (as the direct build): it is the extra k-step's."""

@@ -229,6 +229,7 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     _k_decode = staticmethod(e2m1_word_f16x2_shift)  # e2m1 -> exact f16x2 in the K expansion (`fp8_chunk_words`)
     w8_stages = STAGES  # v4w8: 4 stages (92 KB) and 128 registers unbounded, as measured
     w8_min_ctas = 0
+    any_group = False  # run and tested for group 4 only (as v5 and v6, which build on it)
 
     def _qk_layout(self):
         return fp8_operand_layout()

@@ -26,7 +26,7 @@ from mpfa.backends.sglang_plugin.capacity import PoolGeometry  # noqa: E402
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
 from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402
 from mpfa.kernels import attention_float64  # noqa: E402
-from mpfa.kernels.sm90.prefill_launch import (WGMMA_GROUP, WGMMA_WARPGROUPS, prefill_kernel,  # noqa: E402
+from mpfa.kernels.sm90.prefill_launch import (WGMMA_WARPGROUPS, prefill_kernel, wgmma_groups,  # noqa: E402
                                               prefill_numerics)
 
 D, LAYER = 128, 1
@@ -69,8 +69,8 @@ def _rms(a, b):
 ])
 def test_kernel_extend_matches_the_reference_path(paged, lengths, hq, hkv, page_size, backend):
     kernel = prefill_kernel(hq, hkv, page_size)
-    if kernel in WGMMA_WARPGROUPS and hq != WGMMA_GROUP * hkv:
-        pytest.skip(f"MPFA_PREFILL_KERNEL pins {kernel}, a GQA-{WGMMA_GROUP} kernel: {hq}:{hkv} is refused by design")
+    if kernel in WGMMA_WARPGROUPS and hq // hkv not in wgmma_groups(kernel):
+        pytest.skip(f"MPFA_PREFILL_KERNEL pins {kernel}, which refuses GQA {hq}:{hkv} by design")
     fp8_qk = prefill_numerics(kernel) != "mpfa"
     p = paged(lengths, hq, hkv, page_size, "cuda")
     kernel, reference = _core(p, hq, hkv, backend, "kernel"), _core(p, hq, hkv, backend, "reference")

@@ -17,13 +17,17 @@ pytest.importorskip("triton", reason="triton is not installed (pip install '.[ke
 
 from mpfa.kernels.sm90.sass import WARPGROUP, ctas_per_sm, mma_loops  # noqa: E402
 
-CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
-BUILDS = [(CONFIGS[0], True, "v3w8c"), (CONFIGS[1], True, "v3c"), (CONFIGS[0], False, "v3w8c")]
-IDS = ["v3w8c-causal-bf16-page128", "v3c-noncausal-f32-page64", "v3w8c-causal-bf16-page128-direct"]
+CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32"),  # (KV heads, group, page, causal, out)
+           (8, 5, 128, True, "BFloat16"), (8, 5, 64, False, "Float32")]
+BUILDS = [(CONFIGS[0], True, "v3w8c"), (CONFIGS[1], True, "v3c"), (CONFIGS[0], False, "v3w8c"),
+          (CONFIGS[2], True, "v3w8c"), (CONFIGS[3], True, "v3c")]
+IDS = ["v3w8c-causal-bf16-page128", "v3c-noncausal-f32-page64", "v3w8c-causal-bf16-page128-direct",
+       "v3w8c-40:8-causal-bf16-page128", "v3c-40:8-noncausal-f32-page64"]
 BASELINE = [(CONFIGS[0], True, "v3w8")]
 WARPGROUPS = {"v3c": 1, "v3w8c": 2}
 TILE_LOOPS = 2  # masked tiles, then whole tiles
-DS_VALUES = 64 * 4  # (key, head) pairs of a tile's Delta_S
+DS_VALUES = {4: 64 * 4, 5: 64 * 2}  # BF16 Delta_S a tile's expansion widens, by group: (key, head) pairs; group
+# 5 (one head per CTA): the 4-byte word holding the head, 2 per key
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def test_ds_column_prefill_compiles_for_sm90a(cubins, cuobjdump, config, compens
         assert not any(op.startswith("FMUL") and op.endswith(", 0.0078125") for op in body), \
             "Delta_S should not be scaled into the accumulator"
         stores = sum(op.startswith("STS.U16") for op in body)
-        assert stores == (DS_VALUES // launcher.threads if compensate else 0), body
+        assert stores == (-(-DS_VALUES[config[1]] // launcher.threads) if compensate else 0), body
 
 
 def test_ds_column_shortens_the_tile_loop(cubins, cuobjdump):

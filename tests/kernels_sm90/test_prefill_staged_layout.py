@@ -143,6 +143,7 @@ def test_cta_shapes():
     assert sl.stage_bytes(4) == 6656 and sl.stage_bytes(1) == 6528
     assert sl.stage_bytes(4, compensate=False) == sl.stage_bytes(1, compensate=False) == sl.DS_OFFSET == 6400
     assert all(heads * rows == sl.CTA_WARPS for heads, rows in map(sl.cta_shape, range(1, 9)))
+    assert sl.warpgroup_rows(4) == 16 and sl.warpgroup_rows(5) == 64 and sl.warpgroup_rows(2) == 32
     # 8 warps: twice the rows where a 4-warp CTA holds 4 heads (GQA 32:8), the 4-warp shape elsewhere (40:8)
     assert sl.cta_shape(4, 8) == (4, 2) and sl.cta_shape(8, 8) == (4, 2)
     assert all(sl.cta_shape(group, 8) == sl.cta_shape(group) for group in (1, 2, 3, 5, 6, 7))

@@ -140,6 +140,21 @@ def test_direct_build_copies_and_reads_no_delta_s(wgmma_cubins, cuobjdump, kerne
     assert direct["lds16"] == k_scales * direct["pv"] // 4, counts
 
 
+@pytest.mark.parametrize("group", [4, 5, 2])
+def test_tile_rows_are_the_staged_ctas_warps(group):
+    """A 64-row wgmma tile's rows (`tile_row_query`) cover each (query row, head) of the warpgroup once, and row
+    16 w + i is warp w's row i in v2's CTA (head ``w % heads``, rows from ``16 (w // heads)``)."""
+    from mpfa.kernels.sm90.prefill_staged_layout import cta_shape, warpgroup_rows
+    from mpfa.kernels.sm90.prefill_wgmma import tile_row_query
+
+    heads = cta_shape(group)[0]
+    coords = [tile_row_query(row, heads) for row in range(64)]
+    assert sorted(coords) == [(q, h) for q in range(warpgroup_rows(group)) for h in range(heads)]
+    for row, (query, head) in enumerate(coords):
+        warp = row // 16
+        assert (head, query - row % 16) == (warp % heads, 16 * (warp // heads))
+
+
 def test_operand_offset_is_cutes_layout():
     """`operand_offset` (where the expansion stores a 16-byte chunk) is CuTe's swizzled wgmma layout of the tile:
     the layout's element offset, in bytes, with the 128-byte swizzle (bits 4-6 ^= bits 7-9) applied."""
@@ -195,7 +210,10 @@ def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config, compensate,
 def test_v3w8c_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
     assert prefill_kernel(32, 8, 128) == prefill_kernel(32, 8, 64) == "v3w8c" and kernel_block_m(4, "v3") == 16
-    assert prefill_kernel(32, 8, 32) == prefill_kernel(40, 8, 128) == "v2"  # pages < 64, group 5: v2
+    assert prefill_kernel(40, 8, 128) == prefill_kernel(40, 8, 64) == "v3w8c" and kernel_block_m(5, "v3") == 64
+    assert kernel_block_m(5, "v3w8c") == 128  # group 5: a warpgroup is 1 head x 64 rows
+    assert prefill_kernel(32, 8, 32) == prefill_kernel(40, 8, 32) == "v2"  # pages < 64: v2
+    assert prefill_kernel(24, 8, 128) == prefill_kernel(64, 8, 128) == "v2"  # groups 3, 8: v2
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v2")
     assert prefill_kernel(32, 8, 128) == "v2" and prefill_kernel(32, 8, 128, "V3") == "v3"
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v3")  # pinned: other shapes fail clearly when compiled
@@ -224,8 +242,8 @@ def test_v3_and_v3w8_when_named(monkeypatch: pytest.MonkeyPatch):
 
 @pytest.mark.parametrize("kernel", WARPGROUPS)
 def test_v3_limits_are_clear_errors(kernel):
-    with pytest.raises(ValueError, match="group 4 only"):
-        compile_prefill_kernel(8, 5, 128, True, "BFloat16", kernel=kernel)
+    with pytest.raises(ValueError, match=f"the {kernel} .*group 4 or 5 only .*got group 3"):
+        compile_prefill_kernel(8, 3, 128, True, "BFloat16", kernel=kernel)
     with pytest.raises(ValueError, match="page_size >= 64"):
         compile_prefill_kernel(8, 4, 32, True, "BFloat16", kernel=kernel)
 

@@ -17,11 +17,11 @@ than equality). The checks, per case:
   threads copy and expand K / V differs).
 
 Inputs are test_prefill_gpu's (loaded from that file): fresh random non-zero BF16 Q/K/V through the Triton KV
-write into a NaN-poisoned paged cache behind a shuffled page table, NaN-poisoned outputs. GQA 32:8 only (v3's one
-group); causal and non-causal, chunked prefill (q_len < kv_len), ragged lengths (not multiples of 64 or 16),
-pages of 64 and 128, a single-token sequence, and a long case where the ring wraps many times; for v3w8, CTAs
+write into a NaN-poisoned paged cache behind a shuffled page table, NaN-poisoned outputs. GQA 32:8; causal and
+non-causal, chunked prefill (q_len < kv_len), ragged lengths (not multiples of 64 or 16), pages of 64 and 128, a single-token sequence, and a long case where the ring wraps many times; for v3w8, CTAs
 whose later warpgroup lies past the sequence's queries (q_len % 32 in 1..16) and CTAs whose first causal tile
-only the later warpgroup sees (offset kv_len - q_len % 32 in 1..16: the earlier one skips it).
+only the later warpgroup sees (offset kv_len - q_len % 32 in 1..16: the earlier one skips it). Every case also at
+GQA 40:8 (a warpgroup: 1 head x 64 rows), plus the same two v3w8 situations at its 128-row CTA.
 
     pytest -q -m gpu tests/kernels_sm90/test_prefill_wgmma_gpu.py -x
 """
@@ -51,6 +51,11 @@ CASES = [  # (q_lens, kv_lens, page size, causal), GQA 32:8
 ]
 IDS = ["causal-chunked", "noncausal-chunked", "long-chunked", "page64-noncausal", "page64-short-chunked",
        "noncausal-ragged", "page64-tile-edges", "page64-warpgroup-skips"]
+# GQA 40:8 (a warpgroup = 1 head x 64 rows, a v3w8 CTA 128 rows): CTAs whose later warpgroup lies past the queries
+# (q_len % 128 in 1..64: 100, 150) and whose last causal tile only the later warpgroup sees (offsets 40, 60)
+GROUP5_SKIPS = ([100, 150, 200], [140, 150, 260], 64, True)
+SHAPES = ([(32, *case) for case in CASES] + [(40, *case) for case in CASES] + [(40, *GROUP5_SKIPS)])
+SHAPE_IDS = [f"32:8-{name}" for name in IDS] + [f"40:8-{name}" for name in IDS] + ["40:8-page64-warpgroup-skips-128"]
 KERNELS = ["v3", "v3w8"]
 
 
@@ -64,9 +69,9 @@ def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("kernel", KERNELS)
-@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", CASES, ids=IDS)
-def test_wgmma_matches_oracle_and_v1(gen, kernel, q_lens, kv_lens, page_size, causal):
-    problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
+@pytest.mark.parametrize("hq,q_lens,kv_lens,page_size,causal", SHAPES, ids=SHAPE_IDS)
+def test_wgmma_matches_oracle_and_v1(gen, kernel, hq, q_lens, kv_lens, page_size, causal):
+    problem = v1_tests._problem(gen, q_lens, kv_lens, hq, 8, page_size)
     out = v1_tests._run(problem, causal, kernel=kernel)
     expected = _oracle(problem, causal, V3_TILE_KEYS)
     _, exact = v1_tests._expected(problem, causal)
@@ -102,6 +107,6 @@ def test_wgmma_bf16_output_through_the_switch(gen, monkeypatch, kernel):
 
 @pytest.mark.parametrize("kernel", KERNELS)
 def test_wgmma_refuses_other_groups(gen, kernel):
-    problem = v1_tests._problem(gen, [40], [40], 40, 8, 128)
-    with pytest.raises(ValueError, match="group 4 only"):
+    problem = v1_tests._problem(gen, [40], [40], 48, 8, 128)
+    with pytest.raises(ValueError, match="group 4 or 5 only"):
         v1_tests._run(problem, True, kernel=kernel)
