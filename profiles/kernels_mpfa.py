@@ -73,7 +73,7 @@ class MpfaAdapter:
                  compensate: bool = True):
         """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or
         "v6a" .. "v6i" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` .. ``mpfa-v6i``);
-        ``decode_kernel``: "v1", "v2", "v3", "v4", "v4w14" or "v4m" the decode version (``mpfa-dv1`` ...); None follows
+        ``decode_kernel``: "v1", "v2", "v3", "v4" or "v4w14" the decode version (``mpfa-dv1`` ...); None follows
         ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct builds (backend
         ``mpfa-direct``)."""
         self.prefill_kernel = prefill_kernel

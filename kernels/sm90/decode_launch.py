@@ -28,22 +28,19 @@ MAX_PARTITION = 8192
 # so the grid should fill all slots in one wave (profiles/NOTES.md).
 WARPS_PER_SM_TARGET = 12
 WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9, "v4": WARPS_PER_SM_TARGET,
-                "v4w14": 14,  # v4 sized for 14 warps per SM: pages of >= 32 keys only (128 registers there)
-                "v4m": WARPS_PER_SM_TARGET}
-LEAN_KERNELS = ("v4", "v4w14", "v4m")  # `decode_lean`
-WIDE_MERGE_KERNELS = ("v4m",)  # v4 with the merge at `decode_merge.WIDE_WARPS` warps per CTA
+                "v4w14": 14}  # v4 sized for 14 warps per SM: pages of >= 32 keys only (128 registers there)
+LEAN_KERNELS = ("v4", "v4w14")  # `decode_lean`
 LEAN_MIN_PAGE_W14 = 32
 STAGES = {"v2": 2, "v3": 3}  # cp.async stages of the pipelined split kernel (`decode_pipelined`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async double buffer), "v3" (3 stages), "v4" (v2 with
-# fewer instructions per tile, `decode_lean`), "v4w14" (v4 with partitions for 14 warps per SM), "v4m" (v4 with a
-# 16-warp merge) or "v1" (no ring)
+# fewer instructions per tile, `decode_lean`), "v4w14" (v4 with partitions for 14 warps per SM) or "v1" (no ring)
 
 
 def decode_kernel(kernel: str | None = None) -> str:
-    """The decode version `mpfa_decode` runs: ``kernel`` ("v1", "v2", "v3", "v4", "v4w14" or "v4m"), else
+    """The decode version `mpfa_decode` runs: ``kernel`` ("v1", "v2", "v3", "v4" or "v4w14"), else
     ``MPFA_DECODE_KERNEL``, else v2."""
-    return kernel_version(KERNEL_ENV, kernel, variants=("v3", "v4", "v4w14", "v4m"))
+    return kernel_version(KERNEL_ENV, kernel, variants=("v3", "v4", "v4w14"))
 
 
 def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
@@ -116,8 +113,8 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
     """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI.
     ``kernel``: the split kernel, "v1", "v2" (cp.async double buffer, `decode_pipelined`), "v3" (3 stages), "v4"
     (v2 with fewer instructions per tile, `decode_lean`), "v4w14" (the same kernel, its workspace partitioned for
-    14 warps per SM: pages of >= 32 keys only, where it takes 128 registers) or "v4m" (v4 with a 16-warp merge);
-    None: `decode_kernel`. ``compensate`` False: the direct build (no Delta_S read, `SplitKVDecodeSm90`)."""
+    14 warps per SM: pages of >= 32 keys only, where it takes 128 registers); None: `decode_kernel`. The merge
+    (`decode_merge`) is the same for all. ``compensate`` False: the direct build (no Delta_S read, `SplitKVDecodeSm90`)."""
     kernel = decode_kernel(kernel)
     if kernel == "v4w14" and page_size < LEAN_MIN_PAGE_W14:
         raise ValueError(f"decode v4w14 needs pages of >= {LEAN_MIN_PAGE_W14} keys (with pages of {page_size} v4 takes "
@@ -127,7 +124,7 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
     from cutlass import Float32, Int32
 
     from mpfa.kernels.sm90.decode import SplitKVDecodeSm90
-    from mpfa.kernels.sm90.decode_merge import WARPS as MERGE_WARPS, WIDE_WARPS, DecodeMergeSm90
+    from mpfa.kernels.sm90.decode_merge import DecodeMergeSm90
     from mpfa.kernels.sm90.decode_lean import SplitKVDecodeSm90Lean
     from mpfa.kernels.sm90.decode_pipelined import SplitKVDecodeSm90Pipelined
 
@@ -146,7 +143,7 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
         fake_tensor(Int32, (None, None), align=4), seq_lens, *partials, Float32(1.0), Int32(TILE_KEYS),
     )
     merge = compile_kernel(
-        DecodeMergeSm90(getattr(cutlass, out_dtype), WIDE_WARPS if kernel in WIDE_MERGE_KERNELS else MERGE_WARPS),
+        DecodeMergeSm90(getattr(cutlass, out_dtype)),
         *partials, seq_lens,
         fake_tensor(getattr(cutlass, out_dtype), (None, hq, d)), Float32(1.0), Int32(TILE_KEYS),
     )

@@ -1,10 +1,11 @@
 """Log-sum-exp merge of the split-KV decode partials, CuTe DSL.
 
-One CTA per (query head, request), ``warps`` warps (`WARPS` by default): warp w folds partitions w, w + warps, ...
-into its own running (m, l, O) (lane = 4 head dimensions), then the warps combine through shared memory. Each warp's
-fold is a chain of dependent loads, so with few requests (32 CTAs at batch 1) the merge waits on load latency:
-`WIDE_WARPS` (512 threads, 2x the loads in flight) is decode version v4m's (profiles/NOTES.md, "Session 18,
-fourth sitting"). Only the request's non-empty partitions, ``ceil(seq_len / partition_size)`` with the split
+One CTA per (query head, request), `WARPS` warps: warp w folds partitions w, w + WARPS, ... into its own running
+(m, l, O) (lane = 4 head dimensions), then the warps combine through shared memory. Each warp's fold is a chain of
+dependent loads, so with few requests (32 CTAs at batch 1) the merge waits on load latency (profiles/NOTES.md,
+"Session 18, fourth sitting"): 16 warps (512 threads) keep twice the loads of 8 in flight, which took 32K x 1 from
+31.4 to 28.2 us and 128K x 1 from 71.3 to 68.1 with batch 8 unchanged (session 19; at 32 warps ptxas caps the
+merge at 64 registers and it spills). Only the request's non-empty partitions, ``ceil(seq_len / partition_size)`` with the split
 kernel's per-request size (`decode_layout.partition_keys`), are read; a request without keys gets 0. The result
 equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding (the reference weights every partition against
 the global max at once, the kernel rescales as it goes).
@@ -22,20 +23,17 @@ from mpfa.kernels.sm90.decode_layout import partition_keys
 from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, load_v4_u32
 
 HEAD_DIM = 128
-WARPS = 8
-WIDE_WARPS = 16  # 512 threads (at 32, 1,024 threads, ptxas caps the merge at 64 registers and it spills)
+WARPS = 16  # 512 threads per CTA
 
 
 class DecodeMergeSm90:
-    """Compile-time choices: the output dtype (``cutlass.BFloat16`` or ``cutlass.Float32``) and warps per CTA."""
+    """Compile-time choice: the output dtype (``cutlass.BFloat16`` or ``cutlass.Float32``)."""
 
-    def __init__(self, out_dtype, warps: int = WARPS) -> None:
+    def __init__(self, out_dtype) -> None:
         if out_dtype not in (cutlass.BFloat16, cutlass.Float32):
             raise ValueError(f"decode output must be BFloat16 or Float32, got {out_dtype}")
-        if warps not in (WARPS, WIDE_WARPS):
-            raise ValueError(f"the decode merge runs {WARPS} or {WIDE_WARPS} warps per CTA, got {warps}")
         self.out_dtype = out_dtype
-        self.warps = warps
+        self.warps = WARPS
 
     @cute.jit
     def __call__(

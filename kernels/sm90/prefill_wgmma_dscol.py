@@ -5,13 +5,18 @@ the ring, widens them to FP32 and scales them by 2**-7 before each tile's QK, ~7
 tile in an issue-bound kernel (profiles/NOTES.md, "The compensation's cost inside prefill v3w8"). Here Delta_S is
 one more k-step of the same wgmma group, the issue's "fold Delta_S into an extra K column":
 
-* an extra [64 keys][16] FP16 B tile, shared by the CTA: key j holds the BF16 Delta_S words the ring stage holds
-  (`prefill_staged_layout.ds_words`: the CTA's heads, 4 for group 4; for group 5's one head, the 2-head word it
-  lies in) in columns 0-3 (0-1), copied at each tile's expansion, one value per thread, zeros in the other columns
-  (written once);
+* an extra [64 keys][16] FP16 B tile, shared by the CTA: key j holds the BF16 of the Delta_S words the ring stage
+  holds (`prefill_staged_layout.ds_words`): columns 0-3, the group's 4 heads, for group 4; columns 0-1 for group
+  5's one head, the 2-head word it lies in. Copied at each tile's expansion, one value per thread; zeros in the
+  other columns (written once);
 * an extra [64 rows][16] FP16 A tile per warpgroup, written once: a row (head h of the CTA, `tile_row_query`)
-  holds 2**-7 in the column of its head's Delta_S (h, + 1 where the CTA's first head is the word's second) and 0
-  elsewhere;
+  holds 2**-7 in its head's column (h, + 1 where a one-head CTA's head is its word's second half, `_ds_lead`) and
+  0 elsewhere.
+
+The other half of a one-head CTA's word is a neighbour head or an unwritten padding entry of the Delta_S row
+(`cache_layout.delta_s_row`), which may hold anything, NaN included: the widening clamps with the non-propagating
+min / max (``FMNMX``, not ``FMNMX.NAN``), so it is finite and its 0 in the one-hot column cancels it (0 x NaN would
+be NaN in the MMA: the first 40:8 GPU run failed on exactly that).
 * QK = Q K^T 2**-7 (v3's 8 k-steps, the accumulator starting at 0, or -inf where masked) + one m64n64k16 k-step:
   S 2**-7 = Q K^T 2**-7 + Delta_S 2**-7.
 
@@ -33,6 +38,7 @@ from cutlass import Float16, Float32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
+from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90.prefill_wgmma import OPERAND_ALIGN, THREADS, TILE_KEYS, PrefillSm90Wgmma, tile_row_query
 from mpfa.kernels.sm90.ptx import bits_to_f32
@@ -83,9 +89,7 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
             smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
             wg = cute.arch.thread_idx()[0] // THREADS
             one_hot = self._extra_tile(smem_ptr, wg)
-            lead = 0  # the column of the CTA's first head: 1 where it is the second BF16 of its Delta_S word
-            if cutlass.const_expr(self.heads % 2):
-                lead = (first_head % self.group) & 1
+            lead = self._ds_lead()
             for r in cutlass.range_constexpr(TILE_KEYS * DS_COLUMNS // THREADS):
                 unit = wg_tid + THREADS * r
                 row, column = unit // DS_COLUMNS, unit % DS_COLUMNS
@@ -114,15 +118,26 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
                     if unit < units:  # a part-round (one head: 128 values for 256 threads)
                         self._widen_ds(stage, ds_tile, unit)
 
+    def _ds_lead(self):
+        """The Delta_S tile's column of the CTA's first head: 1 where it is the second BF16 of its 4-byte word (an
+        odd head of the group in a one-head CTA), else 0 (an even number of heads starts word-aligned)."""
+        if self.heads % 2 == 0:
+            return 0
+        block_head = prefill_grid.cta(self.cta_order, cute.arch.block_idx(), cute.arch.grid_dim())[0]
+        return (block_head * self.heads % self.group) & 1
+
     @cute.jit
     def _widen_ds(self, stage, ds_tile, unit):
-        """Delta_S ``unit`` (key ``unit // ds_columns``, column ``unit % ds_columns``) of the ring stage -> FP16."""
+        """Delta_S ``unit`` (key ``unit // ds_columns``, column ``unit % ds_columns``) of the ring stage -> FP16,
+        clamped with the non-propagating min / max (a NaN becomes finite; module docstring)."""
         key, column = unit // self.ds_columns, unit % self.ds_columns
         half, in_half = key // sl.TILE_KEYS, key % sl.TILE_KEYS
         # the ring's Delta_S row of a key: its ds_words 4-byte words (`prefill_staged_layout.ds_copy`)
         bits = load_shared_u16(stage + half * self.stage_bytes + sl.DS_OFFSET + 4 * sl.ds_words(self.heads) * in_half
                                + 2 * column)
-        value = cutlass.max(cutlass.min(bits_to_f32(bits << 16), Float32(FP16_MAX)), Float32(-FP16_MAX))
+        # max(min(x, M), -M) on the non-propagating max alone: min(x, M) = -max(-x, -M)
+        below = -cute.arch.fmax(-bits_to_f32(bits << 16), Float32(-FP16_MAX))
+        value = cute.arch.fmax(below, Float32(-FP16_MAX))
         ds_tile[key, column] = Float16(value)
 
     def _ds_bits(self, stage, ds_lane):

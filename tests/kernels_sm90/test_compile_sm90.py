@@ -139,18 +139,18 @@ def test_decode_v4w14_fits_14_warps_per_sm(decode_cubins):
     assert WARPS_PER_SM["v4w14"] == 14 == ctas_per_sm(registers, 32, SMEM_BYTES), f"{registers} registers"
 
 
-def test_decode_v4m_merge_fits_its_threads_without_spilling(tmp_path):
-    """v4m's merge runs `WIDE_WARPS` warps per CTA: its registers must fit that many threads, with no local memory
+def test_decode_merge_fits_its_threads_without_spilling(tmp_path):
+    """The merge runs `WARPS` (16) warps per CTA: its registers must fit that many threads, with no local memory
     (at 32 warps ptxas capped it at 64 registers and it spilled)."""
-    from mpfa.kernels.sm90.decode_merge import WIDE_WARPS
+    from mpfa.kernels.sm90.decode_merge import WARPS
 
     _python("""
         from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
-        compile_decode_kernels(8, 4, 128, "BFloat16", kernel="v4m")
+        compile_decode_kernels(8, 4, 128, "BFloat16")
         """, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(tmp_path))
     [merge] = [c for c in tmp_path.glob("*.cubin") if "DecodeMerge" in c.name]
     registers = int(re.search(r"REG:(\d+)", _cuobjdump("--dump-resource-usage", str(merge))).group(1))
-    assert registers <= 65536 // (32 * WIDE_WARPS), f"{registers} registers"
+    assert registers <= 65536 // (32 * WARPS), f"{registers} registers"
     assert not re.search(r"\b(LDL|STL)\b", _cuobjdump("--dump-sass", str(merge))), "the merge spills"
 
 

@@ -112,7 +112,7 @@ CASES = [  # (lengths, Hq, Hkv, page size, partition size)
 ]
 
 
-@pytest.mark.parametrize("kernel", ["v4m", "v4", "v3", "v2", "v1"])
+@pytest.mark.parametrize("kernel", ["v4", "v3", "v2", "v1"])
 @pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,partition_size", CASES,
                          ids=["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16"])
 def test_decode_matches_reference(gen, monkeypatch, kernel, lengths, num_q_heads, num_kv_heads, page_size,
