@@ -1,14 +1,17 @@
 """Log-sum-exp merge of the split-KV decode partials, CuTe DSL.
 
-One CTA per (query head, request), `WARPS` warps: warp w folds partitions w, w + WARPS, ... into its own running
-(m, l, O) (lane = 4 head dimensions), then the warps combine through shared memory. Each warp's fold is a chain of
-dependent loads, so with few requests (32 CTAs at batch 1) the merge waits on load latency (profiles/NOTES.md,
-"Session 18, fourth sitting"): 16 warps (512 threads) keep twice the loads of 8 in flight, which took 32K x 1 from
-31.4 to 28.2 us and 128K x 1 from 71.3 to 68.1 with batch 8 unchanged (session 19; at 32 warps ptxas caps the
-merge at 64 registers and it spills). Only the request's non-empty partitions, ``ceil(seq_len / partition_size)`` with the split
-kernel's per-request size (`decode_layout.partition_keys`), are read; a request without keys gets 0. The result
-equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding (the reference weights every partition against
-the global max at once, the kernel rescales as it goes).
+One CTA per (query head, request), `WARPS` warps, in two passes: the CTA's threads load the partitions' maxima
+(one each per pass) and reduce them to the head's maximum M; then warp w sums partitions w, w + WARPS, ... weighted
+by l_p 2**(lam (m_p - M)) (lane = 4 head dimensions), and the warps add up through shared memory: O = sum / sum of
+weights, as the reference (`merge_partials`) computes it. With few requests (32 CTAs at batch 1) the merge waits on
+load latency (profiles/NOTES.md, "Session 18, fourth sitting"): session 18's merge folded a running (m, l, O), each
+partition's loads after the previous one's rescale, in 8 warps; 16 warps took 32K x 1 from 31.4 to 28.2 us
+(session 19). Against one maximum nothing carries between partitions: each warp loads `UNROLL` partitions before
+it sums them (ptxas still sinks some of those loads to their first use), and 32 warps (34 registers, no local
+memory; the running fold spilled at 32) leave each warp a quarter of the partitions of 8. Only the request's
+non-empty partitions, ``ceil(seq_len / partition_size)`` with the split kernel's per-request size
+(`decode_layout.partition_keys`), are read; a request without keys gets 0. The result equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding
+and summation order.
 """
 
 from __future__ import annotations
@@ -20,10 +23,11 @@ import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
 from mpfa.kernels.sm90.decode_layout import partition_keys
-from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, load_v4_u32
+from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, load_u32_group
 
 HEAD_DIM = 128
-WARPS = 16  # 512 threads per CTA
+WARPS = 32  # 1,024 threads per CTA (the most: ptxas then caps the registers at 64)
+UNROLL = 4  # partitions a warp has in flight
 
 
 class DecodeMergeSm90:
@@ -64,43 +68,57 @@ class DecodeMergeSm90:
         valid_parts = cutlass.min((seq_len + partition_size - 1) // partition_size, num_parts)
         row = Int64(batch_idx * num_heads + head) * num_parts
         o_base = o_part.iterator.toint()
-
-        running = cute.make_rmem_tensor((6,), Float32)  # m, l, then O over the lane's 4 dimensions
-        running[0] = -math.inf
-        for i in cutlass.range_constexpr(1, 6):
-            running[i] = Float32(0.0)
-        for part in cutlass.range(warp, valid_parts, self.warps, unroll=2):
-            m_p = m_part[batch_idx, head, part]
-            l_p = l_part[batch_idx, head, part]
-            words = load_v4_u32(o_base + ((row + part) * HEAD_DIM + 4 * lane) * 4, Uint32(1))
-            m_new = cute.arch.fmax(running[0], m_p)
-            keep = exp2_approx(running[0] * lam - m_new * lam)
-            weight = l_p * exp2_approx(m_p * lam - m_new * lam)
-            running[0] = m_new
-            running[1] = running[1] * keep + weight
-            for i in cutlass.range_constexpr(4):
-                running[2 + i] = running[2 + i] * keep + weight * bits_to_f32(words[i])
+        m_base, l_base = m_part.iterator.toint(), l_part.iterator.toint()  # compact [B, Hq, P], as o_part
 
         smem = cutlass.utils.SmemAllocator()
-        s_ml = smem.allocate_tensor(Float32, cute.make_layout((2, self.warps)), 16)
+        s_max = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
+        s_l = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
         s_o = smem.allocate_tensor(Float32, cute.make_layout((HEAD_DIM, self.warps)), 16)
+
+        # 1. the maximum over the partitions (one m per thread and pass: independent loads)
+        m_max = -math.inf
+        for part in cutlass.range(tid, valid_parts, 32 * self.warps, unroll=1):
+            m_max = cute.arch.fmax(m_max, m_part[batch_idx, head, part])
+        m_max = cute.arch.warp_reduction_max(Float32(m_max))
         if lane == 0:
-            s_ml[0, warp] = running[0]
-            s_ml[1, warp] = running[1]
+            s_max[warp] = m_max
+        cute.arch.sync_threads()
+        m_all = s_max[0]
+        for w in cutlass.range_constexpr(1, self.warps):
+            m_all = cute.arch.fmax(m_all, s_max[w])
+        m_lam = Float32(cutlass.select_(m_all == -math.inf, Float32(0.0), m_all)) * lam
+
+        # 2. each warp sums its partitions' l and O weighted against it: no running rescale, so nothing carries
+        # from one partition's loads to the next (unrolled, several loads in flight)
+        running = cute.make_rmem_tensor((5,), Float32)  # l, then O over the lane's 4 dimensions
+        for i in cutlass.range_constexpr(5):
+            running[i] = Float32(0.0)
+        for first in cutlass.range(warp, valid_parts, self.warps * UNROLL, unroll=1):
+            # every load of the UNROLL partitions first, in one block (a partition past the last reads the last:
+            # weight 0)
+            offsets = [row + cutlass.min(first + self.warps * u, valid_parts - 1) for u in range(UNROLL)]
+            ml = load_u32_group([m_base + 4 * o for o in offsets] + [l_base + 4 * o for o in offsets])
+            vectors = load_u32_group([o_base + (o * HEAD_DIM + 4 * lane) * 4 for o in offsets], vector=4)
+            loads = [(ml[u][0], ml[UNROLL + u][0], vectors[u]) for u in range(UNROLL)]
+            for u in cutlass.range_constexpr(UNROLL):
+                m_p, l_p, words = loads[u]
+                weight = Float32(cutlass.select_(first + self.warps * u < valid_parts,
+                                                 bits_to_f32(l_p) * exp2_approx(bits_to_f32(m_p) * lam - m_lam),
+                                                 Float32(0.0)))
+                running[0] = running[0] + weight
+                for i in cutlass.range_constexpr(4):
+                    running[1 + i] = running[1 + i] + weight * bits_to_f32(words[i])
+        if lane == 0:
+            s_l[warp] = running[0]
         for i in cutlass.range_constexpr(4):
-            s_o[4 * lane + i, warp] = running[2 + i]
+            s_o[4 * lane + i, warp] = running[1 + i]
         cute.arch.sync_threads()
 
         if tid < HEAD_DIM:
-            m_all = s_ml[0, 0]
-            for w in cutlass.range_constexpr(1, self.warps):
-                m_all = cute.arch.fmax(m_all, s_ml[0, w])
-            m_ref = Float32(cutlass.select_(m_all == -math.inf, Float32(0.0), m_all))
             total = Float32(0.0)
             value = Float32(0.0)
             for w in cutlass.range_constexpr(self.warps):
-                factor = exp2_approx(s_ml[0, w] * lam - m_ref * lam)
-                total = total + s_ml[1, w] * factor
-                value = value + s_o[tid, w] * factor
+                total = total + s_l[w]
+                value = value + s_o[tid, w]
             result = Float32(cutlass.select_(total > Float32(0.0), value / total, Float32(0.0)))
             out[batch_idx, head, tid] = result.to(self.out_dtype)

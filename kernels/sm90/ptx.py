@@ -58,6 +58,23 @@ def load_v4_u32(address: Int64, predicate: Uint32, *, loc=None, ip=None) -> list
 
 
 @dsl_user_op
+def load_u32_group(addresses: list, vector: int = 1, *, loc=None, ip=None) -> list:
+    """``vector`` (1 or 4) x u32 from each global address (read-only path), the loads in one asm block, issued
+    back to back where the kernel places them (ptxas otherwise interleaves them with the arithmetic that waits
+    for the previous one) -> one list of ``vector`` words per address."""
+    n = len(addresses)
+    lines = []
+    for i in range(n):
+        outs = ", ".join(f"${vector * i + j}" for j in range(vector))
+        lines.append(f"ld.global.nc.v4.u32 {{{outs}}}, [${vector * n + i}];" if vector == 4
+                     else f"ld.global.nc.u32 {outs}, [${vector * n + i}];")
+    value, struct = _asm([T.i32()] * (vector * n), [Int64(a).ir_value(loc=loc, ip=ip) for a in addresses],
+                         "\n".join(lines), ",".join(["=r"] * (vector * n) + ["l"] * n), pinned=True)
+    words = _unpack(value, struct, vector * n, T.i32(), Uint32)
+    return [words[vector * i:vector * (i + 1)] for i in range(n)]
+
+
+@dsl_user_op
 def load_u16(address: Int64, predicate: Uint32, default: Uint32, *, loc=None, ip=None) -> Uint32:
     """A 16-bit global load, zero-extended; ``default`` when ``predicate`` is 0 (nothing is read)."""
     value, struct = _asm(

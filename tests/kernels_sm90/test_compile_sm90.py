@@ -140,8 +140,8 @@ def test_decode_v4w14_fits_14_warps_per_sm(decode_cubins):
 
 
 def test_decode_merge_fits_its_threads_without_spilling(tmp_path):
-    """The merge runs `WARPS` (16) warps per CTA: its registers must fit that many threads, with no local memory
-    (at 32 warps ptxas capped it at 64 registers and it spilled)."""
+    """The merge runs `WARPS` (32) warps per CTA: its registers must fit that many threads (64), with no local
+    memory (session 18's running fold spilled at 32 warps)."""
     from mpfa.kernels.sm90.decode_merge import WARPS
 
     _python("""
