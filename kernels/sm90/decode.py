@@ -129,6 +129,8 @@ class SplitKVDecodeSm90:
         lam_scaled: Float32,
         min_partition: Int32,
     ):
+        # the merge (launched with PDL) may be scheduled from now on; it waits for this grid to complete
+        cute.arch.griddepcontrol_launch_dependents()
         group = self.group
         num_kv_heads = self.num_kv_heads
         num_q_heads = num_kv_heads * group

@@ -52,7 +52,7 @@ class DecodeMergeSm90:
         stream,
     ):
         self.kernel(m_part, l_part, o_part, seq_lens, out, lam, min_partition).launch(
-            grid=(m_part.shape[1], m_part.shape[0], 1), block=(32 * self.warps, 1, 1), stream=stream
+            grid=(m_part.shape[1], m_part.shape[0], 1), block=(32 * self.warps, 1, 1), stream=stream, use_pdl=True
         )
 
     @cute.kernel
@@ -75,6 +75,9 @@ class DecodeMergeSm90:
         s_l = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
         s_o = smem.allocate_tensor(Float32, cute.make_layout((HEAD_DIM, self.warps)), 16)
 
+        # launched as a programmatic dependent of the split kernel (PDL): its CTAs may start while the split kernel
+        # still runs; the partials are read only once it has completed and its writes are visible
+        cute.arch.griddepcontrol_wait()
         # 1. the maximum over the partitions (one m per thread and pass: independent loads)
         m_max = -math.inf
         for part in cutlass.range(tid, valid_parts, 32 * self.warps, unroll=1):
