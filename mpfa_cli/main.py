@@ -148,9 +148,16 @@ def _number_list(text: str | None, flag: str, kind: type = int) -> list | None:
 def _selected_runs(store, run_ids: list[int] | None, scenario: str | None, backend: str | None) -> list:
     """The runs named, else the newest successful run of each configuration (optionally filtered)."""
     runs = store.get_runs(run_ids) if run_ids else store.latest_runs(scenario=scenario, backend=backend)
-    if not runs:
-        raise UserError(f"no runs in {store.path}; run `mpfa bench` first")
-    return runs
+    if runs:
+        return runs
+    matching = "".join(f" {flag} {value}" for flag, value in (("--scenario", scenario), ("--backend", backend))
+                       if value)
+    unfinished = [] if run_ids else store.list_runs(scenario=scenario, backend=backend)
+    if unfinished:  # interrupted or failed runs only: they are kept, but only named ids select them
+        statuses = ", ".join(f"{run.id} ({run.status})" for run in unfinished[:5])
+        raise UserError(f"no run{matching} finished ok in {store.path}; runs that did not: {statuses}; name them "
+                        f"by id, e.g. `mpfa export {unfinished[0].id}` (their completed requests are kept)")
+    raise UserError(f"no runs{matching} in {store.path}; run `mpfa bench` first")
 
 
 RunIds = Annotated[Optional[list[int]], typer.Argument(help="Run ids (default: the newest run of each configuration).")]

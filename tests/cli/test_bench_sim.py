@@ -141,6 +141,12 @@ def test_ctrl_c_saves_partial_results_and_kills_server(mpfa, scenario_file) -> N
     assert run["status"] == "interrupted"
     assert 3 <= len(_requests(mpfa.db, run["id"])) < 200
     assert not _sim_servers(mpfa.db)
+    # the default selection (runs that finished ok) is empty: the error names the partial run and how to export it
+    result = mpfa("export", "--backend", "fa4-bf16", "--requests")
+    assert result.returncode != 0 and f"{run['id']} (interrupted)" in result.stderr, result.stderr
+    assert f"mpfa export {run['id']}" in result.stderr and "Traceback" not in result.stderr
+    exported = json.loads(mpfa("export", str(run["id"]), "--requests").stdout)["runs"]
+    assert exported[0]["status"] == "interrupted" and len(exported[0]["requests"]) >= 3
 
 
 def test_unwritable_database_is_a_clear_error(mpfa, tmp_path) -> None:
