@@ -172,8 +172,8 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.prefill_launch import (DS_COLUMN_KERNELS, FP8_QK_KERNELS, STAGED_WARPS, WGMMA_WARPGROUPS,
-                                                  mpfa_prefill, prefill_kernel)
+    from mpfa.kernels.sm90.prefill_launch import (DS_COLUMN_KERNELS, STAGED_WARPS, WGMMA_WARPGROUPS, mpfa_prefill,
+                                                  prefill_kernel, prefill_numerics)
 
     tokens = w.batch * w.seq
     page_table, slots_of_token, num_pages = paged_layout(w, device)
@@ -204,7 +204,7 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     if WGMMA_WARPGROUPS.get(name, 1) > 1:
         version += f", {WGMMA_WARPGROUPS[name]}-warpgroup CTAs"
     mma = "wgmma" if name in WGMMA_WARPGROUPS else "mma.sync"
-    mma += ", FP8 QK^T from e4m3-requantized Q / K" if name in FP8_QK_KERNELS else ""
+    mma += ", FP8 QK^T from e4m3-requantized Q / K" if prefill_numerics(name) == "mpfa-qk8tile" else ""
     mma += ", Delta_S as an extra K column" if name in DS_COLUMN_KERNELS and compensate else ""
     version += "" if compensate else ", direct build"
 
