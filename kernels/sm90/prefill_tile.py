@@ -94,14 +94,16 @@ def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int,
 
 
 def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32, exp2=None,
-                   exact_alpha: bool = False) -> tuple:
+                   exact_alpha: bool = False, p_scale_log2: float = 0.0) -> tuple:
     """Rows g, g + 8: m_new = max(m, rowmax S), P = exp2(lam S - lam m_new), alpha = exp2(lam m - lam m_new),
     l = alpha l + (this lane's part of) rowsum P. A row that has seen no key keeps m = -inf and gets P = 0 and
     alpha = 0 (the reference's m_ref = 0). ``exact_alpha``: alpha is exactly 1 where the row's maximum stays (as
     in the reference; the compiler otherwise fuses lam m - lam m_new into an FFMA that leaves a rounding residue),
     and 1 for a row that has seen no key (its O and l are 0): what lets a warp skip rescaling O (v3; v1's kernel
     has no registers left for the select). -> (P in the scores' layout, alphas, new m rows, new l rows).
-    ``exp2``: replaces `exp2_approx` (only for the timing ablations of `ablation`)."""
+    ``exp2``: replaces `exp2_approx` (only for the timing ablations of `ablation`). ``p_scale_log2``: P and l come
+    out times 2**p_scale_log2 (one subtraction per row from the exponent's bias, instead of a multiply per P: the
+    kernels' e4m3(448 P) with log2(448)); alpha is unchanged."""
     exp2 = exp2_approx if exp2 is None else exp2
     probs = [[None] * 4 for _ in scores]
     alphas, m_new_rows, l_new_rows = [], [], []
@@ -113,10 +115,11 @@ def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32
         tile_max = quad_max(tile_max)
         m_new = fmax(m_rows[r], tile_max)
         m_lam = Float32(select_(m_new == -math.inf, Float32(0.0), m_new * lam_scaled))
+        p_bias = m_lam - Float32(p_scale_log2) if p_scale_log2 else m_lam
         row_sum = Float32(0.0)
         for n_tile in range(len(scores)):
             for half in range(2):
-                p = exp2(scores[n_tile][2 * r + half] * lam_scaled - m_lam)
+                p = exp2(scores[n_tile][2 * r + half] * lam_scaled - p_bias)
                 probs[n_tile][2 * r + half] = p
                 row_sum = row_sum + p
         alpha = exp2(m_rows[r] * lam_scaled - m_lam)

@@ -192,6 +192,8 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     w8_stages = W8_STAGES  # ring stages with 2 warpgroups per CTA
     w8_min_ctas = 2  # ``.minnctapersm`` with 2 warpgroups per CTA (0: ptxas unbounded)
     any_group = True  # any GQA group (`prefill_staged_layout.cta_shape`); False: 4 heads x 16 rows only
+    p_scale_log2 = 0.0  # the softmax's P and l times 2**this (v6k: log2(448), P_SCALE folded into the exponent)
+    l_scale = P_SCALE  # the output's O / (l_scale l): the factor P carries that l does not
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 1):
@@ -495,7 +497,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         ``stage``): S = Delta_S + Q K^T (-inf where masked), online softmax, O = alpha O + e4m3(448 P) V, both
         wgmmas waited for."""
         scores = self._qk_scores(masked, tile, stage, mmas, state, ds_lane, limits, c)
-        probs, alphas = softmax_update(scores, state, lam_scaled)
+        probs, alphas = softmax_update(scores, state, lam_scaled, self.p_scale_log2)
         self._pv(mmas, probs, alphas)
 
     @cute.jit
@@ -546,7 +548,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         elem_bytes = 4 if self.out_f32 else 2
         for r in cutlass.range_constexpr(2):
             l_row = quad_sum(state[2 + r])
-            inv = Float32(cutlass.select_(l_row > Float32(0.0), Float32(1.0) / (l_row * Float32(P_SCALE)),
+            inv = Float32(cutlass.select_(l_row > Float32(0.0), Float32(1.0) / (l_row * Float32(self.l_scale)),
                                           Float32(0.0)))
             row = row0 + g + 8 * r
             if row < q_len:
@@ -560,11 +562,11 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                         store_u32(address, f32x2_to_bf16x2(lo, hi))
 
 
-def softmax_update(scores: list, state: cute.Tensor, lam_scaled) -> tuple:
+def softmax_update(scores: list, state: cute.Tensor, lam_scaled, p_scale_log2: float = 0.0) -> tuple:
     """The online softmax of one tile's scores (exact alpha), rows' maxima and sums updated in ``state[0:4]``
-    -> (P in the scores' layout, alphas)."""
+    -> (P in the scores' layout, alphas); P and the sums times 2**``p_scale_log2``."""
     probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
-                                                             lam_scaled, exact_alpha=True)
+                                                             lam_scaled, exact_alpha=True, p_scale_log2=p_scale_log2)
     for r in range(2):
         state[r] = m_rows[r]
         state[2 + r] = l_rows[r]

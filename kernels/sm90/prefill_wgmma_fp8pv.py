@@ -111,15 +111,16 @@ def v_store_lane(tid, r: int, threads: int) -> tuple:
     return piece * BLOCK + ((tid & 7) << 1) + (matrix & 1), group
 
 
-def p_operand_fp8(probs: list, words) -> None:
+def p_operand_fp8(probs: list, words, scale: float = P_SCALE) -> None:
     """P of the tile -> the e4m3 A fragment of the PV wgmma (``words``: 8 registers of 4 e4m3): word
     ``v1 + 2 v2 + 4 k`` holds row g + 8 v1 at k positions 32 k + 16 v2 + 4c .. + 3 = keys (`pv_key`) 2c, 2c + 1 of
-    S column block 4 k + 2 v2 and of the next block."""
+    S column block 4 k + 2 v2 and of the next block; e4m3(``scale`` P) (1: P already carries the 448)."""
     for k in range(N_BLOCKS // 4):
         for v2 in range(2):
             for v1 in range(2):
                 lo, hi = probs[4 * k + 2 * v2], probs[4 * k + 2 * v2 + 1]
-                scaled = [x * Float32(P_SCALE) for x in (lo[2 * v1], lo[2 * v1 + 1], hi[2 * v1], hi[2 * v1 + 1])]
+                scaled = [x * Float32(scale) if scale != 1 else x
+                          for x in (lo[2 * v1], lo[2 * v1 + 1], hi[2 * v1], hi[2 * v1 + 1])]
                 words[v1 + 2 * v2 + 4 * k] = f32x4_to_e4m3x4(*scaled)
 
 

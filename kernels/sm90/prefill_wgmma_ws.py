@@ -64,10 +64,11 @@ from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm, rescale,
                                              softmax_update)
-from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv
+from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv, p_operand_fp8
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
 from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_u32
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
+from mpfa.kernels.sm90.warp_mma import P_SCALE
 
 CONSUMERS = 2  # consumer warpgroups (v5w8's two warpgroups)
 REGISTER_FILE = 65536  # 32-bit registers per SM (and per CTA)
@@ -625,3 +626,64 @@ class PrefillSm90WgmmaWsOverlap(PrefillSm90WgmmaWsUnscaled):
         s = stage_parity(step, self.operand_stages)[0]
         self._pv_issue(s, pipe)
         self._retire_pv(s, pipe)
+
+
+class PrefillSm90WgmmaWsPairFold(PrefillSm90WgmmaWsUnscaled):
+    """v6j: v6e with the PV fold every second tile. v6e adds each tile's P V (a fresh FP8 wgmma accumulator: Hopper's
+    FP8 wgmma does not sum in FP32) to O with 64 FFMA per consumer thread and tile, 32 of the ~412 instructions of
+    its issue-bound tile body (profiles/NOTES.md, "Session 18 sitting: the profiles"). Here a pair of tiles shares
+    the accumulator: the first tile's PV starts it, the second's accumulates onto it (4 k-steps of 32 keys, the
+    promotion interval DeepSeek-V3 uses for FP8 GEMMs), and only then O = O alpha_1 alpha_2 + acc. Where the second
+    tile raises a row's maximum, the pending accumulator is rescaled by its alpha first (vote-skipped, as O's rescale
+    in v6: walking the keys last to first that is rare). A walk with an odd number of tiles folds its last one after
+    the walk. Not v6e's bits: each pair's P V is summed by the FP8 wgmma across 128 keys instead of 64 (and O alpha
+    is rounded once per pair); the GPU test bounds it against v6e by v5's allowance for PV on FP8."""
+
+    @cute.jit
+    def _consume_walk(self, walk, num_tiles, ring, fixed, state: cute.Tensor, lam_scaled, ds_lane, limits, c,
+                      smem_ptr, bars):
+        """v6e's walk with the pair's accumulator and its state (pending tile, the pair's alphas so far), then the
+        fold of a pending last tile."""
+        acc_pv = cute.make_rmem_tensor(fixed[3].partition_shape_C((64, HEAD_DIM)), Float32)
+        pair = cute.make_rmem_tensor((3,), Float32)  # 1 while a tile's P V waits in acc_pv; its rows' alphas
+        pair[0] = Float32(0.0)
+        self._pair_state = (acc_pv, pair)  # read by `_pv` in the steps traced below
+        PrefillSm90WgmmaWsUnscaled._consume_walk(self, walk, num_tiles, ring, fixed, state, lam_scaled, ds_lane,
+                                                 limits, c, smem_ptr, bars)
+        if pair[0] != Float32(0.0):
+            fold_pv(fixed[7], acc_pv, [pair[1], pair[2]])
+
+    @cute.jit
+    def _pv(self, mmas, probs: list, alphas: list):
+        """The tile's P V onto the pair's accumulator (fresh on a pair's first tile), waited for; on the second
+        tile O = O alpha_1 alpha_2 + acc."""
+        mma_pv, operands, acc_o = mmas[1], mmas[2], mmas[4]
+        acc_pv, pair = self._pair_state
+        self._p_operand(probs, cute.recast_tensor(operands[2], Uint32))
+        if pair[0] != Float32(0.0):
+            rescale(acc_pv, alphas)  # the first tile's P V, to this tile's maxima (vote-skipped)
+            _gemm(mma_pv, acc_pv, operands[2], operands[3][0])
+            fold_pv(acc_o, acc_pv, [pair[1] * alphas[0], pair[2] * alphas[1]])
+            pair[0] = Float32(0.0)
+        else:
+            _gemm(mma_pv, acc_pv, operands[2], operands[3][0], fresh=True)
+            pair[0] = Float32(1.0)
+            pair[1] = alphas[0]
+            pair[2] = alphas[1]
+
+
+def p_operand_prescaled(probs: list, words) -> None:
+    """v6k's P -> the PV wgmma's e4m3 A fragment: P already carries the 448 (`p_operand_fp8` without its multiply)."""
+    p_operand_fp8(probs, words, scale=1.0)
+
+
+class PrefillSm90WgmmaWsPairFoldExp(PrefillSm90WgmmaWsPairFold):
+    """v6k: v6j with e4m3(448 P)'s 448 folded into the exponent: P' = 2**(lam S - (lam m - log2 448)) = 448 P from
+    the same MUFU, one subtraction per row instead of a multiply per P (32 FMUL per consumer thread and tile), the
+    row sums l' = 448 l, and O / l' at the end. log2(448) rounded to FP32 makes P' = 448.00016 P: O = sum P' V /
+    sum P' cancels the factor; only an e4m3 rounding of P' that sits within ~4e-7 of a rounding boundary can come
+    out one step apart from v6j's."""
+
+    p_scale_log2 = math.log2(P_SCALE)
+    l_scale = 1.0
+    _p_operand = staticmethod(p_operand_prescaled)

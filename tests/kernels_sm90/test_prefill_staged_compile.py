@@ -178,15 +178,17 @@ def test_direct_build_copies_no_delta_s(staged_cubins, cuobjdump):
 
 def test_kernel_switch(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    # the default: v3w8c where it applies (group 4, pages >= 64), else v2, v1 for an odd Hq
+    # the default: v3w8c where it applies (groups 4 and 5, pages >= 64, an even Hq), else v2, v1 for an odd Hq
     assert prefill_kernel(32, 8, 128) == "v3w8c" and prefill_kernel(32, 8, 16) == "v2"
-    assert prefill_kernel(40, 8, 128) == "v2" and prefill_kernel(5, 1, 128) == "v1"
+    assert prefill_kernel(40, 8, 128) == "v3w8c" and prefill_kernel(40, 8, 16) == "v2"
+    assert prefill_kernel(5, 1, 128) == "v1" and prefill_kernel(48, 8, 128) == "v2"
     assert [prefill_kernel(32, 8, 128, k) for k in ("v1", "v2", "V2W8")] == ["v1", "v2", "v2w8"]
     assert prefill_kernel(35, 7, 128, "v2") == prefill_kernel(35, 7, 128, "v2w8") == "v1"  # v2: even Hq only
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "V2w8")
     assert prefill_kernel(32, 8, 128) == "v2w8" and prefill_kernel(40, 8, 128, "v1") == "v1"
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v7")
-    names = "v1, v2, v2w8, v3, v3w8, v3c, v3w8c, v4, v4w8, v5, v5w8, v6, v6a, v6b, v6c, v6d, v6e, v6f, v6g, v6h or v6i"
+    names = ("v1, v2, v2w8, v3, v3w8, v3c, v3w8c, v4, v4w8, v5, v5w8, v6, v6a, v6b, v6c, v6d, v6e, v6f, v6g, v6h, v6i, "
+             "v6j or v6k")
     with pytest.raises(ValueError, match=f"must be {names}"):
         prefill_kernel(32, 8, 128)
     assert kernel_block_m(4, "v2") == 16 and kernel_block_m(4, "v2w8") == 32 and kernel_block_m(4, "v1") == 64

@@ -28,16 +28,20 @@ BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
 # the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f (every change) and v6i (its own walk) non-causal
 # FP32 too, v6i's direct build
-VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k")
 VARIANT_BUILDS = ([(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f"), (CONFIGS[1], True, "v6i"),
                                                                 (CONFIGS[0], False, "v6i")])
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}{'' if comp else '-direct'}"
                for config, comp, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")  # PV as one m64n128k32 into a fresh accumulator
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k")  # PV as one m64n128k32 into
+# a fresh accumulator (v6j / v6k: onto the pair's accumulator on a pair's second tile)
 FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")  # O = O alpha + P V in one FFMA, no vote
-LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once
-# per tile instead
+PAIR_FOLD = ("v6j", "v6k")  # O = O alpha_1 alpha_2 + the pair's P V, on a pair's second tile only: the loop has a
+# branch per position in the pair (2 PV wgmmas each), one fold and the pending accumulator's vote-skipped rescale
+LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile);
+# lam 2**-7 once per tile instead
+P_IN_EXPONENT = ("v6k",)  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
 TWO_PRODUCERS = ("v6g", "v6h")  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
 OVERLAP = ("v6i",)  # QK of tile p and PV of tile p - 1 issued together; one wait for QK, one for PV, then release
@@ -105,14 +109,19 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
         assert len(qk) == 4, body  # QK: 4 k-steps, smem x smem
         pv_shape = "64x128x32" if kernel in ONE_PV_WGMMA else "64x64x32"  # v6: 2 halves of the dims
         pv = [op for op in body if re.match(rf"QGMMA.{pv_shape}.F32.E4M3.E4M3 R\d+, R\d+, gdesc", op)]
-        assert len(pv) == (2 if kernel in ONE_PV_WGMMA else 4), body  # 2 k-steps each, A (P) from registers
+        # 2 k-steps each, A (P) from registers (v6j / v6k: in each of the two branches)
+        assert len(pv) == (4 if kernel in PAIR_FOLD or kernel not in ONE_PV_WGMMA else 2), body
         assert sum(op.startswith("QGMMA") for op in body) == len(qk) + len(pv)
         waits = sum(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for op in body)
         if kernel in OVERLAP:
             _check_overlap(body)
-        else:
-            assert waits == (2 if kernel in ONE_PV_WGMMA else 3), body  # one wgmma wait per GEMM (v6: per PV half)
-        if kernel in FOLDED_RESCALE:  # O = O alpha + P V: 64 FFMA, no vote, no FMUL by alpha (+ 32 FFMA for P, and
+        else:  # one wgmma wait per GEMM (v6: per PV half; v6j / v6k: per branch)
+            assert waits == (2 if kernel in ONE_PV_WGMMA and kernel not in PAIR_FOLD else 3), body
+        assert (kernel in P_IN_EXPONENT) == (not any(op.startswith("FMUL") and op.endswith(", 448") for op in body))
+        if kernel in PAIR_FOLD:  # the fold once (64 FFMA), the pending accumulator's rescale vote-skipped
+            assert sum(op.startswith("VOTE.ANY") for op in body) == 1
+            assert sum(op.startswith("FFMA") for op in body) >= (2 if compensate else 1) * 32 + 64
+        elif kernel in FOLDED_RESCALE:  # O = O alpha + P V: 64 FFMA, no vote, no FMUL by alpha (+ 32 FFMA for P, and
             # 32 for the scores where Delta_S is added)
             assert not any(op.startswith("VOTE") for op in body)
             assert sum(op.startswith("FFMA") for op in body) >= (2 if compensate else 1) * 32 + 64
