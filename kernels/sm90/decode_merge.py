@@ -11,10 +11,9 @@ it sums them (ptxas still sinks some of those loads to their first use), and 32 
 memory; the running fold spilled at 32) leave each warp a quarter of the partitions of 8. It is launched as a
 programmatic dependent of the split kernel (PDL, ``griddepcontrol.wait`` before the partials are read), so its
 launch overlaps the split kernel's tail. Measured (session 19): 32K x 1 29.2 -> 27.0 us, 128K x 1 69.0 -> 66.6 us,
-batch 8 unchanged. Only the request's
-non-empty partitions, ``ceil(seq_len / partition_size)`` with the split kernel's per-request size
-(`decode_layout.partition_keys`), are read; a request without keys gets 0. The result equals
-`mpfa.kernels.reference.merge_partials` up to FP32 rounding and summation order.
+batch 8 unchanged. Only the request's non-empty partitions, ``ceil(seq_len / partition_size)`` with the split
+kernel's per-request size (`decode_layout.partition_keys`), are read; a request without keys gets 0. The result
+equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding and summation order.
 """
 
 from __future__ import annotations

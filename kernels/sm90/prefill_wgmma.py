@@ -47,8 +47,8 @@ scores), so the output is v3's bit for bit. v3w8 runs 16 warps per SM, what made
 Other GQA groups (session 19): the warpgroup's 64 rows are v2's 4-warp CTA (`prefill_staged_layout.cta_shape`,
 `tile_row_query`): group 5 (40:8) -> one head x 64 rows, warp w rows 16 w .. + 15, each warp masking with its own
 rows' limits; the walk and the warpgroup-uniform skips follow the warpgroup's 64 rows. The launcher takes groups 4
-and 5 (`prefill_launch.WGMMA_GROUPS`), the kernels run on GPU tests for both. Shared memory (v3): Q, K, V operand tiles (16 KB each)
-and a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM.
+and 5 (`prefill_launch.WGMMA_GROUPS`); both pass the GPU tests. Shared memory (v3): Q, K, V operand tiles (16 KB
+each) and a 4-stage ring of 13 KB stages: 100 KB per CTA, 2 CTAs per SM.
 """
 
 from __future__ import annotations
