@@ -274,6 +274,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             thr_qk.make_fragment_B(thr_qk.partition_B(s_k)),
             thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))),
             tuple(thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)) for s_vt in s_vts),
+            self._qk_extra_operands(mma_qk, smem_ptr, wg, wg_tid),  # built once, before the tile loop
         )
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32)
         acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
@@ -531,11 +532,12 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
             init = tile_math.score_init(ds_bits, seen, block)
             for i in range(4):
                 acc_s[4 * block + i] = init[i]
-        _gemm(mma_qk, acc_s, t_q, t_k, extra=self._qk_extra_operands(mma_qk))
+        _gemm(mma_qk, acc_s, t_q, t_k, extra=mmas[2][4])
         return [[acc_s[4 * block + i] for i in range(4)] for block in range(N_BLOCKS)]
 
-    def _qk_extra_operands(self, mma_qk):
-        """(A, B) fragment pairs QK's wgmma group also runs after Q K^T: none; v3c's Delta_S k-step."""
+    def _qk_extra_operands(self, mma_qk, smem_ptr, wg, wg_tid):
+        """(A, B) fragment pairs QK's wgmma group also runs after Q K^T, built once before the tile loop (built in
+        the loop, their descriptors cost ~12 instructions on every tile of v3w8c): none; v3c's Delta_S k-step."""
         return None
 
     # --- epilogue ---------------------------------------------------------------------------------------------------

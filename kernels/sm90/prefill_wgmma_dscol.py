@@ -144,14 +144,10 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
         """No Delta_S for the accumulator's initial value (as the direct build): it is the extra k-step's."""
         return None
 
-    def _qk_extra_operands(self, mma_qk):
+    def _qk_extra_operands(self, mma_qk, smem_ptr, wg, wg_tid):
         """The extra k-step of QK (compensated): (warpgroup's one-hot tile, the Delta_S tile)."""
         if not self.compensate:
             return None
-        smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
-        tid = cute.arch.thread_idx()[0]
-        thr_qk = mma_qk.get_slice(tid % THREADS)
-        one_hot = self._extra_tile(smem_ptr, tid // THREADS)
-        ds_tile = self._extra_tile(smem_ptr, self.warpgroups)
-        return ((thr_qk.make_fragment_A(thr_qk.partition_A(one_hot)),
-                 thr_qk.make_fragment_B(thr_qk.partition_B(ds_tile))),)
+        thr_qk = mma_qk.get_slice(wg_tid)
+        return ((thr_qk.make_fragment_A(thr_qk.partition_A(self._extra_tile(smem_ptr, wg))),
+                 thr_qk.make_fragment_B(thr_qk.partition_B(self._extra_tile(smem_ptr, self.warpgroups)))),)
