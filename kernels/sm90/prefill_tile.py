@@ -115,7 +115,10 @@ def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32
         tile_max = quad_max(tile_max)
         m_new = fmax(m_rows[r], tile_max)
         m_lam = Float32(select_(m_new == -math.inf, Float32(0.0), m_new * lam_scaled))
-        p_bias = m_lam - Float32(p_scale_log2) if p_scale_log2 else m_lam
+        p_bias = m_lam
+        if p_scale_log2:
+            p_bias = Float32(select_(m_new == -math.inf, Float32(-p_scale_log2),
+                                     m_new * lam_scaled - Float32(p_scale_log2)))
         row_sum = Float32(0.0)
         for n_tile in range(len(scores)):
             for half in range(2):

@@ -20,11 +20,14 @@ its cp.async ring and its order, and replaces the tile's arithmetic with two wgm
   Delta_S * 2**-7, or -inf for a masked score (`prefill_tile.score_init`): the compensation enters through the MMA
   as in v1 (the direct build, ``compensate=False``, copies no Delta_S and starts at 0). The FP16 products are
   exact; only the FP32 summation order differs from v1's mma.sync chain.
-* Online softmax on the accumulator (exp2, lambda folded, as v1), P quantized to e4m3(448 P) as v1
-  (`warp_mma.p_pair`) and widened exactly to FP16: the register A operand of the PV wgmma (``m64n128k16``,
-  4 k-steps; `p_operand`); O in FP32 registers, rescaled by alpha before the MMA (skipped by a warp whose rows
-  all keep their maximum: alpha is then exactly 1); O / (448 l) in BF16 (or FP32)
-  at the end, as v1. e4m3 x e4m3 products are exact in FP32, so PV differs from v1's only by summation order.
+* Online softmax on the accumulator (exp2, lambda folded, as v1), P quantized to e4m3(448 P) as v1 and widened
+  exactly to FP16: the register A operand of the PV wgmma (``m64n128k16``, 4 k-steps; `p_operand`); O in FP32
+  registers, rescaled by alpha before the MMA (skipped by a warp whose rows all keep their maximum: alpha is then
+  exactly 1); O / (448 l) in BF16 (or FP32) at the end, as v1. e4m3 x e4m3 products are exact in FP32, so PV
+  differs from v1's only by summation order. Since session 19 the 448 rides in the exponent (``p_scale_log2``:
+  the exp2 gives 448 P and the row sums 448 l, one subtraction per row instead of a multiply per P; v3w8c's tile
+  loop 659 -> 631 SASS instructions), which moves an e4m3 rounding of 448 P only where it sits within ~4e-7 of a
+  tie.
 * Synchronisation per tile: wait for the tile's copies + barrier, issue the copies of a later tile, expand K / V,
   ``fence.proxy.async`` (generic-proxy stores must be visible to wgmma) + barrier, QK, softmax, PV (each wgmma
   waited for before the next barrier, so the next expansion may overwrite the operand tiles).
@@ -71,6 +74,7 @@ from mpfa.kernels.sm90.ptx import (
     cp_async_wait,
     e4m3x2_to_f16x2,
     f32x2_to_bf16x2,
+    f32x2_to_e4m3x2,
     load_shared_v4_u32,
     load_u16,
     load_u32,
@@ -164,15 +168,22 @@ def operand_layout():
     return cute.tile_to_shape(atom, (TILE_KEYS, HEAD_DIM), order=(0, 1))
 
 
-def p_operand(probs: list, words: cute.Tensor) -> None:
-    """P of the tile -> the PV A operand (``words``: the A fragment as 16 f16x2 words): e4m3(448 P), exactly in FP16.
-    Word ``v1 + 2 v2 + 4 k`` of k-step k holds row g + 8 v1 at keys 16 k + 8 v2 + 2c, + 1: S column block
-    2 k + v2 (the wgmma accumulator and A-fragment layouts)."""
+def p_operand(probs: list, words: cute.Tensor, scale: float = P_SCALE) -> None:
+    """P of the tile -> the PV A operand (``words``: the A fragment as 16 f16x2 words): e4m3(``scale`` P), exactly
+    in FP16 (``scale`` 1: P already carries the 448, `p_operand_prescaled`). Word ``v1 + 2 v2 + 4 k`` of k-step k
+    holds row g + 8 v1 at keys 16 k + 8 v2 + 2c, + 1: S column block 2 k + v2 (the wgmma accumulator and
+    A-fragment layouts)."""
     for k in range(N_BLOCKS // 2):
         for v2 in range(2):
             for v1 in range(2):
-                block = probs[2 * k + v2]
-                words[v1 + 2 * v2 + 4 * k] = e4m3x2_to_f16x2(p_pair(block[2 * v1], block[2 * v1 + 1]))
+                lo, hi = probs[2 * k + v2][2 * v1], probs[2 * k + v2][2 * v1 + 1]
+                pair = p_pair(lo, hi) if scale == P_SCALE else f32x2_to_e4m3x2(lo, hi)
+                words[v1 + 2 * v2 + 4 * k] = e4m3x2_to_f16x2(pair)
+
+
+def p_operand_prescaled(probs: list, words: cute.Tensor) -> None:
+    """`p_operand` of a P that already carries the 448 (the softmax's ``p_scale_log2``): no multiply."""
+    p_operand(probs, words, scale=1.0)
 
 
 class PrefillSm90Wgmma(PrefillSm90Staged):
@@ -185,15 +196,19 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
     qk_dtype = cutlass.Float16  # QK's operand type (`_qk_operands`)
     _unit_offset = staticmethod(operand_offset)  # 16-byte unit of a Q / K operand tile row (`_store_chunk`)
     _k_unit = staticmethod(k_expand_unit)  # the K chunks a thread expands
-    _p_operand = staticmethod(p_operand)  # P -> the PV wgmma's register A fragment
+    _p_operand = staticmethod(p_operand_prescaled)  # P -> the PV wgmma's register A fragment
     qk_bytes = OPERAND_BYTES  # one Q / K operand tile
     v_bytes = OPERAND_BYTES  # the V operand tile
     state_size = 4  # per-thread softmax state: running max of rows g, g + 8, lane-partial sums
     w8_stages = W8_STAGES  # ring stages with 2 warpgroups per CTA
     w8_min_ctas = 2  # ``.minnctapersm`` with 2 warpgroups per CTA (0: ptxas unbounded)
     any_group = True  # any GQA group (`prefill_staged_layout.cta_shape`); False: 4 heads x 16 rows only
-    p_scale_log2 = 0.0  # the softmax's P and l times 2**this (v6k: log2(448), P_SCALE folded into the exponent)
-    l_scale = P_SCALE  # the output's O / (l_scale l): the factor P carries that l does not
+    # e4m3(448 P)'s 448 folded into the exponent (session 19): P' = 2**(lam S - (lam m - log2 448)) = 448 P from the
+    # same exp2, one subtraction per row instead of a multiply per P; l' = 448 l, O / l' at the end. log2(448) in
+    # FP32 makes P' = 448.00016 P, which O = sum P' V / sum P' cancels; an e4m3 rounding of P' within ~4e-7 of a
+    # tie can come out one step apart from e4m3(448 P)'s.
+    p_scale_log2 = math.log2(P_SCALE)  # the softmax's P and l times 2**this
+    l_scale = 1.0  # the output's O / (l_scale l): the factor P carries that l does not
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 1):

@@ -65,6 +65,7 @@ from mpfa.kernels.sm90.prefill_wgmma import (
     TILE_KEYS,
     PrefillSm90Wgmma,
     _gemm,
+    p_operand,
     warpgroup_half,
 )
 from mpfa.kernels.sm90.ptx import (
@@ -80,6 +81,7 @@ from mpfa.kernels.sm90.ptx import (
     prmt_var,
     shuffle_xor_u32,
 )
+from mpfa.kernels.sm90.warp_mma import P_SCALE
 
 FP8_OPERAND_BYTES = TILE_KEYS * HEAD_DIM  # one e4m3 operand tile [64][128]
 FP8_ROW_UNITS = HEAD_DIM // 16  # 16-byte units of an e4m3 operand row (128 bytes)
@@ -230,6 +232,9 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
     w8_stages = STAGES  # v4w8: 4 stages (92 KB) and 128 registers unbounded, as measured
     w8_min_ctas = 0
     any_group = False  # run and tested for group 4 only (as v5 and v6, which build on it)
+    _p_operand = staticmethod(p_operand)  # P x 448 per value, as measured (v6k folds the 448 into the exponent)
+    p_scale_log2 = 0.0
+    l_scale = P_SCALE
 
     def _qk_layout(self):
         return fp8_operand_layout()

@@ -278,3 +278,29 @@ def test_direct_scores_are_the_scores_of_a_zero_delta_s(numpy_warp, masked):
                                   _f32(compensated[n_tile][reg]).view(np.uint32))
     values = np.stack([_f32(x) for n_tile in direct for x in n_tile])
     assert np.isinf(values).any() == masked and not np.isnan(values).any()
+
+
+@pytest.mark.parametrize("exact_alpha", [False, True])
+def test_p_scale_in_the_exponent(numpy_warp, exact_alpha):
+    """``p_scale_log2`` (the wgmma kernels' e4m3(448 P) with the 448 in the exponent's bias): P and the row sums
+    come out 448 x those of the plain softmax (to FP32 rounding of log2(448) and of the exponent's argument), the
+    maxima and the alphas are the same values; a row that has seen no key still gets P = 0 and l = 0."""
+    gen = np.random.default_rng(19)
+    scores = [[_f32(gen.normal(0.0, 3.0, 32)) for _ in range(4)] for _ in range(8)]
+    for half in range(2):  # row g = 0 of every lane quad sees no key of this tile
+        for n_tile in range(8):
+            scores[n_tile][half] = np.where(G == 0, -np.inf, scores[n_tile][half]).astype(np.float32)
+    m_rows = [np.where(G == 0, -np.inf, _f32(1.5)).astype(np.float32), _f32(-0.5)]
+    l_rows = [np.where(G == 0, 0.0, _f32(2.0)).astype(np.float32), _f32(3.0)]
+    lam = _f32(math.log2(math.e) / math.sqrt(HEAD_DIM))
+    plain = tile_math.online_softmax(scores, m_rows, l_rows, lam, exact_alpha=exact_alpha)
+    scaled = tile_math.online_softmax(scores, m_rows, [x * np.float32(448) for x in l_rows], lam,
+                                      exact_alpha=exact_alpha, p_scale_log2=math.log2(448))
+    for n_tile in range(8):
+        for i in range(4):
+            np.testing.assert_allclose(scaled[0][n_tile][i], 448 * plain[0][n_tile][i], rtol=2e-6, atol=0)
+    for r in range(2):
+        np.testing.assert_array_equal(scaled[1][r], plain[1][r])  # alphas
+        np.testing.assert_array_equal(scaled[2][r], plain[2][r])  # maxima
+        np.testing.assert_allclose(scaled[3][r], 448 * plain[3][r], rtol=2e-6, atol=0)  # sums
+    assert (plain[3][0][G == 0] == 0).all() and (scaled[3][0][G == 0] == 0).all()

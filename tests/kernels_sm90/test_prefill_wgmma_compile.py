@@ -39,9 +39,9 @@ IDS = ["causal-bf16-page128", "noncausal-f32-page64", "causal-bf16-page128-direc
 WARPGROUPS = {"v3": 1, "v3w8": 2}
 # CTAs per SM: v3 2 (8 warps), v3w8 2 (16 warps: a 2-stage ring, 90 KB, and ptxas bounded to 128 registers)
 CTAS_PER_SM = {"v3": 2, "v3w8": 2}
-# bytes of stack allowed: v3w8's direct build, bounded to 128 registers, parks 8 B before the tile loops (never
-# touched inside them: checked below)
-STACK_BYTES = {"v3": 0, "v3w8": 8}
+# bytes of stack allowed: v3w8, bounded to 128 registers, parks up to 16 B before the tile loops (never touched
+# inside them: checked below; 8 before P's 448 moved into the exponent, session 19)
+STACK_BYTES = {"v3": 0, "v3w8": 16}
 TILE_LOOPS = 2  # masked tiles, then whole tiles
 
 
