@@ -114,7 +114,8 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
     ``kernel``: the split kernel, "v1", "v2" (cp.async double buffer, `decode_pipelined`), "v3" (3 stages), "v4"
     (v2 with fewer instructions per tile, `decode_lean`), "v4w14" (the same kernel, its workspace partitioned for
     14 warps per SM: pages of >= 32 keys only, where it takes 128 registers); None: `decode_kernel`. The merge
-    (`decode_merge`) is the same for all. ``compensate`` False: the direct build (no Delta_S read, `SplitKVDecodeSm90`)."""
+    (`decode_merge`) is the same for all. ``compensate`` False: the direct build (no Delta_S read,
+    `SplitKVDecodeSm90`)."""
     kernel = decode_kernel(kernel)
     if kernel == "v4w14" and page_size < LEAN_MIN_PAGE_W14:
         raise ValueError(f"decode v4w14 needs pages of >= {LEAN_MIN_PAGE_W14} keys (with pages of {page_size} v4 takes "
@@ -143,8 +144,7 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
         fake_tensor(Int32, (None, None), align=4), seq_lens, *partials, Float32(1.0), Int32(TILE_KEYS),
     )
     merge = compile_kernel(
-        DecodeMergeSm90(getattr(cutlass, out_dtype)),
-        *partials, seq_lens,
+        DecodeMergeSm90(getattr(cutlass, out_dtype)), *partials, seq_lens,
         fake_tensor(getattr(cutlass, out_dtype), (None, hq, d)), Float32(1.0), Int32(TILE_KEYS),
     )
     return split, merge

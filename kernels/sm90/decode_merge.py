@@ -39,7 +39,6 @@ class DecodeMergeSm90:
         if out_dtype not in (cutlass.BFloat16, cutlass.Float32):
             raise ValueError(f"decode output must be BFloat16 or Float32, got {out_dtype}")
         self.out_dtype = out_dtype
-        self.warps = WARPS
 
     @cute.jit
     def __call__(
@@ -54,7 +53,7 @@ class DecodeMergeSm90:
         stream,
     ):
         self.kernel(m_part, l_part, o_part, seq_lens, out, lam, min_partition).launch(
-            grid=(m_part.shape[1], m_part.shape[0], 1), block=(32 * self.warps, 1, 1), stream=stream, use_pdl=True
+            grid=(m_part.shape[1], m_part.shape[0], 1), block=(32 * WARPS, 1, 1), stream=stream, use_pdl=True
         )
 
     @cute.kernel
@@ -73,23 +72,23 @@ class DecodeMergeSm90:
         m_base, l_base = m_part.iterator.toint(), l_part.iterator.toint()  # compact [B, Hq, P], as o_part
 
         smem = cutlass.utils.SmemAllocator()
-        s_max = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
-        s_l = smem.allocate_tensor(Float32, cute.make_layout((self.warps,)), 16)
-        s_o = smem.allocate_tensor(Float32, cute.make_layout((HEAD_DIM, self.warps)), 16)
+        s_max = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
+        s_l = smem.allocate_tensor(Float32, cute.make_layout((WARPS,)), 16)
+        s_o = smem.allocate_tensor(Float32, cute.make_layout((HEAD_DIM, WARPS)), 16)
 
         # launched as a programmatic dependent of the split kernel (PDL): its CTAs may start while the split kernel
         # still runs; the partials are read only once it has completed and its writes are visible
         cute.arch.griddepcontrol_wait()
         # 1. the maximum over the partitions (one m per thread and pass: independent loads)
         m_max = -math.inf
-        for part in cutlass.range(tid, valid_parts, 32 * self.warps, unroll=1):
+        for part in cutlass.range(tid, valid_parts, 32 * WARPS, unroll=1):
             m_max = cute.arch.fmax(m_max, m_part[batch_idx, head, part])
         m_max = cute.arch.warp_reduction_max(Float32(m_max))
         if lane == 0:
             s_max[warp] = m_max
         cute.arch.sync_threads()
         m_all = s_max[0]
-        for w in cutlass.range_constexpr(1, self.warps):
+        for w in cutlass.range_constexpr(1, WARPS):
             m_all = cute.arch.fmax(m_all, s_max[w])
         m_lam = Float32(cutlass.select_(m_all == -math.inf, Float32(0.0), m_all)) * lam
 
@@ -98,16 +97,16 @@ class DecodeMergeSm90:
         running = cute.make_rmem_tensor((5,), Float32)  # l, then O over the lane's 4 dimensions
         for i in cutlass.range_constexpr(5):
             running[i] = Float32(0.0)
-        for first in cutlass.range(warp, valid_parts, self.warps * UNROLL, unroll=1):
+        for first in cutlass.range(warp, valid_parts, WARPS * UNROLL, unroll=1):
             # every load of the UNROLL partitions first, in one block (a partition past the last reads the last:
             # weight 0)
-            offsets = [row + cutlass.min(first + self.warps * u, valid_parts - 1) for u in range(UNROLL)]
+            offsets = [row + cutlass.min(first + WARPS * u, valid_parts - 1) for u in range(UNROLL)]
             ml = load_u32_group([m_base + 4 * o for o in offsets] + [l_base + 4 * o for o in offsets])
             vectors = load_u32_group([o_base + (o * HEAD_DIM + 4 * lane) * 4 for o in offsets], vector=4)
             loads = [(ml[u][0], ml[UNROLL + u][0], vectors[u]) for u in range(UNROLL)]
             for u in cutlass.range_constexpr(UNROLL):
                 m_p, l_p, words = loads[u]
-                weight = Float32(cutlass.select_(first + self.warps * u < valid_parts,
+                weight = Float32(cutlass.select_(first + WARPS * u < valid_parts,
                                                  bits_to_f32(l_p) * exp2_approx(bits_to_f32(m_p) * lam - m_lam),
                                                  Float32(0.0)))
                 running[0] = running[0] + weight
@@ -122,7 +121,7 @@ class DecodeMergeSm90:
         if tid < HEAD_DIM:
             total = Float32(0.0)
             value = Float32(0.0)
-            for w in cutlass.range_constexpr(self.warps):
+            for w in cutlass.range_constexpr(WARPS):
                 total = total + s_l[w]
                 value = value + s_o[tid, w]
             result = Float32(cutlass.select_(total > Float32(0.0), value / total, Float32(0.0)))

@@ -11,7 +11,7 @@ device-to-host copy.
 Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm90`, per-warp global loads) and v2
 (`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs), v2 in two
 CTA sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1 CTA per SM instead of 2).
-v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA group 4 and pages of >= 64 keys only) matches v1 up
+v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA groups 4 and 5, pages of >= 64 keys) matches v1 up
 to FP32 summation order (its 64-key tiles), not bit for bit; on the H200 it passed the GPU tests and ran 1.62x
 faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows
 per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical

@@ -10,15 +10,15 @@ one more k-step of the same wgmma group, the issue's "fold Delta_S into an extra
   5's one head, the 2-head word it lies in. Copied at each tile's expansion, one value per thread; zeros in the
   other columns (written once);
 * an extra [64 rows][16] FP16 A tile per warpgroup, written once: a row (head h of the CTA, `tile_row_query`)
-  holds 2**-7 in its head's column (h, + 1 where a one-head CTA's head is its word's second half, `_ds_lead`) and
-  0 elsewhere.
+  holds 2**-7 in its head's column (h, + 1 where a one-head CTA's head is its word's second half,
+  `prefill_staged_layout.ds_lead`) and 0 elsewhere;
+* QK = Q K^T 2**-7 (v3's 8 k-steps, the accumulator starting at 0, or -inf where masked) + one m64n64k16 k-step:
+  S 2**-7 = Q K^T 2**-7 + Delta_S 2**-7.
 
 The other half of a one-head CTA's word is a neighbour head or an unwritten padding entry of the Delta_S row
 (`cache_layout.delta_s_row`), which may hold anything, NaN included: the widening clamps with the non-propagating
 min / max (``FMNMX``, not ``FMNMX.NAN``), so it is finite and its 0 in the one-hot column cancels it (0 x NaN would
 be NaN in the MMA: the first 40:8 GPU run failed on exactly that).
-* QK = Q K^T 2**-7 (v3's 8 k-steps, the accumulator starting at 0, or -inf where masked) + one m64n64k16 k-step:
-  S 2**-7 = Q K^T 2**-7 + Delta_S 2**-7.
 
 The product 2**-7 Delta_S is exact in FP32, and BF16 Delta_S is exact in FP16 for |Delta_S| in [2**-14, 65504]
 (8 significant bits in 11); smaller values round to FP16's subnormal grid (an absolute error below 2**-25 on a
@@ -38,7 +38,6 @@ from cutlass import Float16, Float32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90.prefill_wgmma import OPERAND_ALIGN, THREADS, TILE_KEYS, PrefillSm90Wgmma, tile_row_query
 from mpfa.kernels.sm90.ptx import bits_to_f32
@@ -89,7 +88,9 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
             smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
             wg = cute.arch.thread_idx()[0] // THREADS
             one_hot = self._extra_tile(smem_ptr, wg)
-            lead = self._ds_lead()
+            # the column of the CTA's first head: 1 where it is the second BF16 of its Delta_S word (an even number
+            # of heads starts word-aligned)
+            lead = 0 if self.heads % 2 == 0 else sl.ds_lead(first_head % self.group) >> 1
             for r in cutlass.range_constexpr(TILE_KEYS * DS_COLUMNS // THREADS):
                 unit = wg_tid + THREADS * r
                 row, column = unit // DS_COLUMNS, unit % DS_COLUMNS
@@ -117,14 +118,6 @@ class PrefillSm90WgmmaDsColumn(PrefillSm90Wgmma):
                 else:
                     if unit < units:  # a part-round (one head: 128 values for 256 threads)
                         self._widen_ds(stage, ds_tile, unit)
-
-    def _ds_lead(self):
-        """The Delta_S tile's column of the CTA's first head: 1 where it is the second BF16 of its 4-byte word (an
-        odd head of the group in a one-head CTA), else 0 (an even number of heads starts word-aligned)."""
-        if self.heads % 2 == 0:
-            return 0
-        block_head = prefill_grid.cta(self.cta_order, cute.arch.block_idx(), cute.arch.grid_dim())[0]
-        return (block_head * self.heads % self.group) & 1
 
     @cute.jit
     def _widen_ds(self, stage, ds_tile, unit):

@@ -124,6 +124,11 @@ def p_operand_fp8(probs: list, words, scale: float = P_SCALE) -> None:
                 words[v1 + 2 * v2 + 4 * k] = f32x4_to_e4m3x4(*scaled)
 
 
+def p_operand_fp8_prescaled(probs: list, words) -> None:
+    """`p_operand_fp8` of a P that already carries the 448 (the softmax's ``p_scale_log2``): no multiply."""
+    p_operand_fp8(probs, words, scale=1.0)
+
+
 class PrefillSm90WgmmaFp8Pv(PrefillSm90WgmmaFp8Qk):
     """v5: `PrefillSm90WgmmaFp8Qk` (v4) with PV on e4m3 wgmma (two ``m64n64k32`` halves of the dims), P from
     registers and V transposed into an e4m3 V^T tile (``warpgroups`` 2: v5w8). Class attributes for comparison

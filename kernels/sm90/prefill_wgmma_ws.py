@@ -64,7 +64,7 @@ from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm, rescale,
                                              softmax_update)
-from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv, p_operand_fp8
+from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv, p_operand_fp8_prescaled
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
 from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_u32
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
@@ -455,7 +455,6 @@ class PrefillSm90WgmmaWsUnscaled(PrefillSm90WgmmaWsPvFoldLut):
                                                 ds_lane, limits, c)
 
 
-
 PINGPONG_BARRIER = 4  # v6f: consumer w's QK turn is named barrier 4 + w (both consumers: 256 threads)
 
 
@@ -672,11 +671,6 @@ class PrefillSm90WgmmaWsPairFold(PrefillSm90WgmmaWsUnscaled):
             pair[2] = alphas[1]
 
 
-def p_operand_prescaled(probs: list, words) -> None:
-    """v6k's P -> the PV wgmma's e4m3 A fragment: P already carries the 448 (`p_operand_fp8` without its multiply)."""
-    p_operand_fp8(probs, words, scale=1.0)
-
-
 class PrefillSm90WgmmaWsPairFoldExp(PrefillSm90WgmmaWsPairFold):
     """v6k: v6j with e4m3(448 P)'s 448 folded into the exponent: P' = 2**(lam S - (lam m - log2 448)) = 448 P from
     the same MUFU, one subtraction per row instead of a multiply per P (32 FMUL per consumer thread and tile), the
@@ -686,4 +680,4 @@ class PrefillSm90WgmmaWsPairFoldExp(PrefillSm90WgmmaWsPairFold):
 
     p_scale_log2 = math.log2(P_SCALE)
     l_scale = 1.0
-    _p_operand = staticmethod(p_operand_prescaled)
+    _p_operand = staticmethod(p_operand_fp8_prescaled)

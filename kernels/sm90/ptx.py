@@ -59,9 +59,9 @@ def load_v4_u32(address: Int64, predicate: Uint32, *, loc=None, ip=None) -> list
 
 @dsl_user_op
 def load_u32_group(addresses: list, vector: int = 1, *, loc=None, ip=None) -> list:
-    """``vector`` (1 or 4) x u32 from each global address (read-only path), the loads in one asm block, issued
-    back to back where the kernel places them (ptxas otherwise interleaves them with the arithmetic that waits
-    for the previous one) -> one list of ``vector`` words per address."""
+    """``vector`` (1 or 4) x u32 from each global address (read-only path), the loads in one asm block, back to back
+    in the PTX where the kernel places them (LLVM cannot sink them to their uses; ptxas may still schedule some of
+    them next to their first use) -> one list of ``vector`` words per address."""
     n = len(addresses)
     lines = []
     for i in range(n):
