@@ -291,16 +291,18 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         return self._qk_finish(stage, mmas, state, ds_lane)
 
     def _qk_issue(self, masked: bool, tile, mmas, limits, c) -> None:
-        """S's accumulator set to 0 (-inf where masked), the QK wgmma issued and committed, not waited for."""
+        """The QK wgmma into a fresh accumulator (masked: onto 0, -inf where masked), issued and committed, not
+        waited for. (Set to 0 by moves, a second accumulator of v6l's step was zeroed by 32 of them per tile.)"""
         mma_qk, acc_s = mmas[0], mmas[3]
         t_q, t_k = mmas[2][0], mmas[2][1]
-        seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c) if masked else None
-        for block in range(N_BLOCKS):
-            init = tile_math.score_init(None, seen, block)  # 0, or -inf where masked
-            for i in range(4):
-                acc_s[4 * block + i] = init[i]
+        if cutlass.const_expr(masked):
+            seen = (limits[0] - tile - 2 * c, limits[1] - tile - 2 * c)
+            for block in range(N_BLOCKS):
+                init = tile_math.score_init(None, seen, block)  # 0, or -inf where masked
+                for i in range(4):
+                    acc_s[4 * block + i] = init[i]
         self._qk_turn()
-        _gemm(mma_qk, acc_s, t_q, t_k, wait=False)
+        _gemm(mma_qk, acc_s, t_q, t_k, fresh=not masked, wait=False)
         self._qk_issued()
 
     def _qk_finish(self, stage, mmas, state: cute.Tensor, ds_lane) -> list:

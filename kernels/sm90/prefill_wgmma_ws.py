@@ -62,8 +62,8 @@ from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
-from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm, rescale,
-                                             softmax_update)
+from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm,
+                                             rescale, softmax_update)
 from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv, p_operand_fp8_prescaled
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
 from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_u32
@@ -671,13 +671,106 @@ class PrefillSm90WgmmaWsPairFold(PrefillSm90WgmmaWsUnscaled):
             pair[2] = alphas[1]
 
 
-class PrefillSm90WgmmaWsPairFoldExp(PrefillSm90WgmmaWsPairFold):
-    """v6k: v6j with e4m3(448 P)'s 448 folded into the exponent: P' = 2**(lam S - (lam m - log2 448)) = 448 P from
-    the same MUFU, one subtraction per row instead of a multiply per P (32 FMUL per consumer thread and tile), the
-    row sums l' = 448 l, and O / l' at the end. log2(448) rounded to FP32 makes P' = 448.00016 P: O = sum P' V /
-    sum P' cancels the factor; only an e4m3 rounding of P' that sits within ~4e-7 of a rounding boundary can come
-    out one step apart from v6j's."""
+class PScaleInExponent:
+    """e4m3(448 P)'s 448 folded into the exponent (v6k, v6l): P' = 2**(lam S - (lam m - log2 448)) = 448 P from the
+    same MUFU, one subtraction per row instead of a multiply per P (32 FMUL per consumer thread and 64 keys), the row
+    sums l' = 448 l, and O / l' at the end. log2(448) rounded to FP32 makes P' = 448.00016 P: O = sum P' V / sum P'
+    cancels the factor; only an e4m3 rounding of P' that sits within ~4e-7 of a rounding boundary can come out one
+    step apart from e4m3(448 P)."""
 
     p_scale_log2 = math.log2(P_SCALE)
     l_scale = 1.0
     _p_operand = staticmethod(p_operand_fp8_prescaled)
+
+
+class PrefillSm90WgmmaWsPairFoldExp(PScaleInExponent, PrefillSm90WgmmaWsPairFold):
+    """v6k: v6j with e4m3(448 P)'s 448 folded into the exponent (`PScaleInExponent`)."""
+
+
+def wide_walk(cta_tiles, masked_tiles) -> tuple:
+    """v6l's walk in 128-key steps -> (pairs holding a masked tile, pairs): pair k is walk steps 2k and 2k + 1 (the
+    masked tiles come first in the walk), an odd walk's last step goes alone."""
+    pairs = cta_tiles >> 1
+    return cutlass.min((masked_tiles + 1) >> 1, pairs), pairs
+
+
+WIDE_OPERAND_STAGES = 4  # v6l: two 64-key steps per consumer step, and two more the producer fills meanwhile
+
+
+class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
+    """v6l: v6k's numerics on **128-key consumer steps**. The producer still fills 64-key operand stages (4 of them:
+    while the consumers work on steps p, p + 1 it fills p + 2, p + 3); a consumer takes two at a time: both QK
+    wgmmas issued into two 32-register accumulators (the second after its own ``full`` wait, so the first runs
+    meanwhile), one wait, one online-softmax update over the 128 keys (one row maximum, one alpha, one exp2 of it,
+    per 128 keys instead of 64), both tiles' P packed, both PV wgmmas into one fresh accumulator (4 k-steps of 32
+    keys, v6j's promotion interval), one fold O = O alpha + P V, both stages released. So per 128 keys: one
+    fence / commit / wait per GEMM, one vote-free fold, no pending-accumulator rescale (v6j's), half the per-row
+    softmax work. An odd walk's last step runs v6e's 64-key body (`_consume_step`). The leading tiles a consumer's
+    rows do not see (causal, the earlier consumer) go through the masked body (all -inf, P = 0) instead of being
+    skipped: a pair's second tile may be seen.
+
+    Not v6k's bits: P is taken against the maximum over 128 keys (v6k: 64, the pair's first tile rescaled later),
+    so the e4m3 roundings of P differ where the two maxima do; the GPU test bounds it against v6k by v5's allowance
+    for PV on FP8."""
+
+    operand_stages = WIDE_OPERAND_STAGES
+
+    @cute.jit
+    def _consume_walk(self, walk, num_tiles, ring, fixed, state: cute.Tensor, lam_scaled, ds_lane, limits, c,
+                      smem_ptr, bars):
+        """Pairs of steps (those with a masked tile first, then the whole ones), then an odd walk's last step."""
+        cta_tiles, cta_common = walk
+        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
+        masked_tiles = cta_tiles - full_tiles
+        masked_pairs, pairs = wide_walk(cta_tiles, masked_tiles)
+        thr_qk, thr_pv = fixed[2], fixed[3]
+        second = (cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32),  # its S, its P
+                  thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))))
+        acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
+        pipe = (ring, fixed, second, acc_pv, state, unscaled_lam(lam_scaled), ds_lane, limits, c, smem_ptr, bars)
+        for pair in cutlass.range(masked_pairs, unroll=1):
+            self._wide_step(True, 2 * pair, cta_tiles, pipe)
+        for pair in cutlass.range(masked_pairs, pairs, unroll=1):
+            self._wide_step(False, 2 * pair, cta_tiles, pipe)
+        if cta_tiles & 1:
+            if cta_tiles - 1 < masked_tiles:
+                self._wide_step(True, cta_tiles - 1, cta_tiles, pipe, single=True)
+            else:
+                self._wide_step(False, cta_tiles - 1, cta_tiles, pipe, single=True)
+
+    @cute.jit
+    def _wide_step(self, masked: cutlass.Constexpr, step, cta_tiles, pipe, single: cutlass.Constexpr = False):
+        """Walk steps ``step`` and ``step + 1`` as one 128-key tile (class docstring), both stages released;
+        ``single``: step ``step`` alone (an odd walk's last)."""
+        ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe
+        mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
+        acc_s1, frag_p1 = second
+        s0, tile0, stage0 = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
+        mmas0 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s0)), acc_s, acc_o)
+        self._qk_issue(masked, tile0 * TILE_KEYS, mmas0, limits, c)
+        if cutlass.const_expr(single):
+            warpgroup.wait_group(0)
+            scores = self._qk_finish(stage0, mmas0, state, ds_lane)
+        else:
+            tile_scale0 = state[self._TILE_SCALE]
+            s1, tile1, stage1 = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
+            mmas1 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s1)), acc_s1, acc_o)
+            self._qk_issue(masked, tile1 * TILE_KEYS, mmas1, limits, c)
+            warpgroup.wait_group(0)
+            scores1 = self._qk_finish(stage1, mmas1, state, ds_lane)  # with step + 1's tile scale
+            state[self._TILE_SCALE] = tile_scale0
+            scores = self._qk_finish(stage0, mmas0, state, ds_lane) + scores1
+        probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2)
+        self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
+        (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, s0)
+        if cutlass.const_expr(single):
+            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True)
+        else:
+            self._p_operand(probs[N_BLOCKS:], cute.recast_tensor(frag_p1, Uint32))
+            (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, s1)
+            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False)
+            _gemm(mma_pv, acc_pv, frag_p1, frag_vt1)
+        fold_pv(acc_o, acc_pv, alphas)
+        cute.arch.mbarrier_arrive(bars + self.operand_stages + s0)  # empty[s0] (and empty[s1]): one of 256 arrivals
+        if cutlass.const_expr(not single):
+            cute.arch.mbarrier_arrive(bars + self.operand_stages + s1)

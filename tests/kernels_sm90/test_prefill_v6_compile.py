@@ -26,22 +26,25 @@ from mpfa.kernels.sm90.sass import SMEM_PER_CTA, WARPGROUP, ctas_per_sm, loops_i
 CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
 BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True, "v6")]
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
-# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f (every change) and v6i (its own walk) non-causal
-# FP32 too, v6i's direct build
-VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k")
+# the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f (every change), v6i and v6l (their own walks)
+# non-causal FP32 too, v6i's and v6l's direct builds
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")
 VARIANT_BUILDS = ([(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f"), (CONFIGS[1], True, "v6i"),
-                                                                (CONFIGS[0], False, "v6i")])
+                                                                (CONFIGS[0], False, "v6i"), (CONFIGS[1], True, "v6l"),
+                                                                (CONFIGS[0], False, "v6l")])
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}{'' if comp else '-direct'}"
                for config, comp, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k")  # PV as one m64n128k32 into
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")  # PV as one m64n128k32 into
 # a fresh accumulator (v6j / v6k: onto the pair's accumulator on a pair's second tile)
-FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i")  # O = O alpha + P V in one FFMA, no vote
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6l")  # O = O alpha + P V in one FFMA, no vote
 PAIR_FOLD = ("v6j", "v6k")  # O = O alpha_1 alpha_2 + the pair's P V, on a pair's second tile only: the loop has a
 # branch per position in the pair (2 PV wgmmas each), one fold and the pending accumulator's vote-skipped rescale
-LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile);
+LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile);
 # lam 2**-7 once per tile instead
-P_IN_EXPONENT = ("v6k",)  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
+P_IN_EXPONENT = ("v6k", "v6l")  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
+WIDE = ("v6l",)  # 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold,
+# 2 full waits and 2 empty arrivals, 64 keys' P (32 cvt); 3 words of the epilogue's rows spilled across the walk
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
 TWO_PRODUCERS = ("v6g", "v6h")  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
 OVERLAP = ("v6i",)  # QK of tile p and PV of tile p - 1 issued together; one wait for QK, one for PV, then release
@@ -81,7 +84,8 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
 
     launcher = getattr(ws, prefill_launch.WS_KERNELS[kernel])(*config, compensate=compensate)
     usage = cuobjdump("--dump-resource-usage", cubin)
-    assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), f"the v6 prefill spills: {usage}"
+    stack = 16 if kernel in WIDE else 0
+    assert re.search(r"LOCAL:0\b", usage) and re.search(rf"STACK:{stack}\b", usage), f"the v6 prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     producers = 2 if kernel in TWO_PRODUCERS else 1
     threads = (producers + ws.CONSUMERS) * WARPGROUP
@@ -101,10 +105,15 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     assert f"USETMAXREG.DEALLOC.CTAPOOL {launcher.producer_regs:#x}" in sass
     assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {launcher.consumer_regs:#x}" in sass
     assert "HGMMA" not in sass and "HMMA" not in sass, "every MMA should be an e4m3 wgmma"
-    assert not re.search(r"\b(STL|LDL)\b", sass), "local memory traffic"
+    spills = len(re.findall(r"\bSTL\b", sass))
+    assert spills == (3 if kernel in WIDE else 0), "local memory traffic"
     consumer_loops = mma_loops(sass)
     assert len(consumer_loops) == TILE_LOOPS, [len(body) for body in consumer_loops]
-    for body in consumer_loops:
+    for whole, body in enumerate(consumer_loops):
+        assert not any(op.startswith(("STL", "LDL")) for op in body), "local memory traffic in the tile loop"
+        if kernel in WIDE:
+            _check_wide(body, compensate, bool(whole))
+            continue
         qk = [op for op in body if re.match(r"QGMMA.64x64x32.F32.E4M3.E4M3 R\d+, gdesc", op)]
         assert len(qk) == 4, body  # QK: 4 k-steps, smem x smem
         pv_shape = "64x128x32" if kernel in ONE_PV_WGMMA else "64x64x32"  # v6: 2 halves of the dims
@@ -163,6 +172,30 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
         assert sum(op.startswith("HMUL2") for op in body) == chunks * (16 + 2) + (0 if kernel in LUT_K else chunks * 16)
 
 
+def _check_wide(body: list[str], compensate: bool, whole: bool) -> None:
+    """v6l's consumer loop: one 128-key step (`prefill_wgmma_ws.PrefillSm90WgmmaWsWideTile`). In the whole tiles'
+    loop both stages' QK are in flight together; in the masked loop ptxas may wait for the first before setting the
+    second's accumulator to its mask (seen in the non-causal build, whose masked loop runs once per CTA at most)."""
+    qk = [op for op in body if re.match(r"QGMMA.64x64x32.F32.E4M3.E4M3 R\d+, gdesc", op)]
+    pv = [op for op in body if re.match(r"QGMMA.64x128x32.F32.E4M3.E4M3 R\d+, R\d+, gdesc", op)]
+    assert len(qk) == 8 and len(pv) == 4 and sum(op.startswith("QGMMA") for op in body) == 12, body
+    waits = sum(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for op in body)
+    assert waits == 2 if whole else waits in (2, 3), body  # QK's, PV's
+    if whole:
+        last_qk = max(i for i, op in enumerate(body) if op in qk)
+        first_wait = next(i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR"))
+        assert last_qk < first_wait, "both stages' QK issued before the first wait"
+    assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in body) == 2  # wait full[s0], full[s1]
+    assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in body) == 2  # arrive empty[s0], empty[s1]
+    assert not any(op.startswith(("BAR.", "VOTE", "LDSM", "STSM", "LDGSTS")) for op in body)
+    assert not any(op.startswith("FMUL") and op.endswith(", 448") for op in body)
+    assert sum(op.startswith("FMUL") and op.endswith(", 0.0078125") for op in body) == 1  # lam 2**-7
+    assert sum("F2FP.SATFINITE.E4M3.F32" in op for op in body) == 32  # P of 128 keys
+    # the scores' scale (and Delta_S), the exponent, the fold O = O alpha + P V
+    assert sum(op.startswith("FFMA") for op in body) >= (2 if compensate else 1) * 64 + 64
+    assert sum(op.startswith("MUFU.EX2") for op in body) == 64 + 2  # P, and one alpha per row
+
+
 def test_v6_is_opt_in(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
     assert prefill_kernel(32, 8, 128) == "v3w8c" and prefill_kernel(32, 8, 128, "V6") == "v6"
@@ -177,10 +210,10 @@ def test_v6_limits_are_clear_errors():
         compile_prefill_kernel(8, 4, 32, True, "BFloat16", kernel="v6")
 
 
-@pytest.mark.parametrize("operand_stages", [2, 3])
+@pytest.mark.parametrize("operand_stages", [2, 3, 4])
 def test_v6_ring_schedule(operand_stages: int):
     """The producer's ring on the CPU: every walk step copied exactly once, into a stage no step in flight or
-    still readable by the consumers (steps p - n + 1 .. p + 7 - n at step p, n operand stages: v6 2, v6h 3)
+    still readable by the consumers (steps p - n + 1 .. p + 7 - n at step p, n operand stages: v6 2, v6h 3, v6l 4)
     holds; operand stages cycle and each one's parity flips on every use."""
     from mpfa.kernels.sm90 import prefill_staged_layout as sl
     from mpfa.kernels.sm90.prefill_wgmma_ws import RING_STAGES, stage_parity, ws_ring_copy
@@ -205,6 +238,22 @@ def test_v6_ring_schedule(operand_stages: int):
     uses = [stage_parity(p, n) for p in range(4 * n)]
     assert uses == [(p % n, (p // n) % 2) for p in range(4 * n)]
     assert [stage_parity(p) for p in range(5)] == [(0, 0), (1, 0), (0, 1), (1, 1), (0, 0)]
+
+
+@pytest.mark.parametrize("tiles", range(12))
+def test_wide_walk(tiles: int):
+    """v6l's 128-key steps on the CPU: every walk step in exactly one consumer step, every masked tile in a step taken
+    by the masked body, at most one whole tile there (the partner of an odd count of masked tiles)."""
+    from mpfa.kernels.sm90.prefill_wgmma_ws import wide_walk
+
+    for masked in range(tiles + 1):
+        masked_pairs, pairs = wide_walk(tiles, masked)
+        steps = [(2 * pair + i, pair < masked_pairs) for pair in range(pairs) for i in range(2)]
+        if tiles & 1:
+            steps.append((tiles - 1, tiles - 1 < masked))
+        assert sorted(step for step, _ in steps) == list(range(tiles)), (tiles, masked)
+        assert all(masked_body for step, masked_body in steps if step < masked), (tiles, masked)
+        assert sum(masked_body for step, masked_body in steps if step >= masked) <= 1, (tiles, masked)
 
 
 def test_bench_backend_pins_v6():
