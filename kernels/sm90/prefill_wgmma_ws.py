@@ -66,8 +66,9 @@ from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND
                                              rescale, softmax_update)
 from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv, p_operand_fp8_prescaled
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
-from mpfa.kernels.sm90.ptx import bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_u32
-from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
+from mpfa.kernels.sm90.ptx import (bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_shared_v4_u32,
+                                   load_u32)
+from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_u32, store_shared_v2_u32
 from mpfa.kernels.sm90.warp_mma import P_SCALE
 
 CONSUMERS = 2  # consumer warpgroups (v5w8's two warpgroups)
@@ -103,6 +104,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
 
     ring_stages = RING_STAGES
     operand_stages = OPERAND_STAGES  # v6h: 3
+    staged_ds_bytes = 0  # v6l: the tile's Delta_S as FP32 in each operand stage, after K and V^T
     producer_warpgroups = 1  # v6g: 2
     producer_regs = PRODUCER_REGS
     consumer_regs = CONSUMER_REGS
@@ -118,7 +120,8 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
                 <= self.threads // THREADS * launch_regs)
         self.stages = self.ring_stages
         q_bytes = CONSUMERS * self.qk_bytes
-        self.operand_stage_bytes = self.qk_bytes + self.v_bytes  # K (e4m3) + V^T (e4m3)
+        # K (e4m3) + V^T (e4m3) (+ v6l's FP32 Delta_S)
+        self.operand_stage_bytes = self.qk_bytes + self.v_bytes + (self.staged_ds_bytes if compensate else 0)
         ring = q_bytes + self.operand_stages * self.operand_stage_bytes
         # (Q tile of consumer 0, K and V^T of operand stage 0 (stage s: + s operand_stage_bytes), ring)
         self.offsets = (0, q_bytes, q_bytes + self.qk_bytes, ring)
@@ -255,10 +258,15 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         operands = smem + s * self.operand_stage_bytes  # + offsets[1] / [2]: K / V^T of stage s
         e = self._expand_k_e4m3(stage, threads, operands)
         self._expand_v(stage, threads, operands)
+        self._stage_delta_s(stage, threads, operands)
         if threads[0] == 0:  # 2**e_k as FP32 bits for the consumers (`_qk_scores`' tile scale)
             store_shared_u32(smem + self.exponent_offset + 4 * s, (e + Uint32(127)) << 23)
         cute.arch.fence_proxy("async.shared", space="cta")  # this thread's operand stores, visible to wgmma
         cute.arch.mbarrier_arrive(bars + s)  # full[s]: one of `producer_threads` arrivals
+
+    def _stage_delta_s(self, stage, threads, operands):
+        """The producer's copy of the tile's Delta_S into the operand stage: none here (v6l's FP32 copy); the
+        consumers read the ring stage's BF16."""
 
     # --- the consumer warpgroups ------------------------------------------------------------------------------------
 
@@ -298,12 +306,16 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         self._pingpong_start(wg)
 
         first_head, head_in_cta = cta_heads
-        ds_lane = sl.ds_lane_base(self.heads, first_head - kv_head * self.group, head_in_cta, c)
+        ds_lane = self._ds_lane(first_head - kv_head * self.group, head_in_cta, c)
         ring = smem + self.offsets[3]
         fixed = (mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o)
         self._consume_walk(walk, num_tiles, ring, fixed, state, lam_scaled, ds_lane, limits, c, smem_ptr, bars)
         self._pingpong_end(wg)
         self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+
+    def _ds_lane(self, group_first, head_in_cta, c):
+        """The lane's Delta_S offset in a ring stage (`prefill_staged_layout.ds_lane_base`)."""
+        return sl.ds_lane_base(self.heads, group_first, head_in_cta, c)
 
     @cute.jit
     def _consume_walk(self, walk, num_tiles, ring, fixed, state: cute.Tensor, lam_scaled, ds_lane, limits, c,
@@ -694,6 +706,19 @@ def wide_walk(cta_tiles, masked_tiles) -> tuple:
     return cutlass.min((masked_tiles + 1) >> 1, pairs), pairs
 
 
+def ds_staged_offset(head, key):
+    """Byte offset of (head, key)'s FP32 Delta_S in v6l's staged tile: one 16-byte word per (head, 16 keys, lane
+    c) holding keys 16 i + 2c, + 1, 16 i + 8 + 2c, + 1 (the lane's scores of column blocks 2i, 2i + 1)."""
+    return ((((head * (TILE_KEYS // 16) + (key >> 4)) * 4 + ((key >> 1) & 3)) * 16) + ((key >> 3) & 1) * 8
+            + (key & 1) * 4)
+
+
+def ds_staged_read(head, c, i: int):
+    """Offset of the 16-byte word of lane ``c`` of head ``head``'s warp for column blocks 2i, 2i + 1 (key
+    16 i + 8 b + 2c + half at word slot 2b + half)."""
+    return ds_staged_offset(head, 16 * i + 2 * c)
+
+
 WIDE_OPERAND_STAGES = 4  # v6l: two 64-key steps per consumer step, and two more the producer fills meanwhile
 
 
@@ -714,6 +739,40 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     for PV on FP8."""
 
     operand_stages = WIDE_OPERAND_STAGES
+    staged_ds_bytes = 4 * 4 * TILE_KEYS  # FP32 Delta_S of the CTA's 4 heads x 64 keys (`ds_staged_offset`)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        assert self.heads == self.producer_threads // 32, "one producer warp per head stages Delta_S"
+
+    @cute.jit
+    def _stage_delta_s(self, stage, threads, operands):
+        """The tile's BF16 Delta_S (ring stage ``stage``, [key][head] per 32-key half) -> FP32 bits in the operand
+        stage, in the consumers' order (`ds_staged_offset`): producer warp w copies head w, lane l keys 2l, 2l + 1
+        (2 loads, 2 shifts, one 8-byte store), so each consumer lane reads 4 keys' Delta_S with one 16-byte load,
+        already FP32 (v6k: 2 loads of 2 bytes and 2 shifts per 4 keys in the consumer's serial tile body)."""
+        if cutlass.const_expr(self.compensate):
+            head = threads[0] >> 5
+            key = (threads[0] & 31) << 1
+            words = sl.ds_words(self.heads)
+            source = stage + (key >> 5) * self.stage_bytes + sl.DS_OFFSET + 4 * words * (key & 31) + 2 * head
+            store_shared_v2_u32(operands + self.offsets[2] + self.v_bytes + ds_staged_offset(head, key),
+                                load_shared_u16(source) << 16, load_shared_u16(source + 4 * words) << 16)
+
+    def _ds_lane(self, group_first, head_in_cta, c):
+        """The lane's offset in the staged FP32 Delta_S tile."""
+        return ds_staged_read(head_in_cta, c, 0)
+
+    def _staged_scores(self, s, acc_s: cute.Tensor, state: cute.Tensor, ds_lane, smem) -> list:
+        """The scores of operand stage ``s``'s tile from its QK accumulator (waited for): times the row and tile
+        scales, plus the staged FP32 Delta_S (one 16-byte load per 2 column blocks)."""
+        scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]
+        if cutlass.const_expr(not self.compensate):
+            return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
+        base = smem + self.offsets[2] + self.v_bytes + s * self.operand_stage_bytes + ds_lane
+        words = [load_shared_v4_u32(base, ds_staged_read(0, 0, i)) for i in range(N_BLOCKS // 2)]
+        return [[acc_s[4 * block + i] * scale[i >> 1] + bits_to_f32(words[block >> 1][2 * (block & 1) + (i & 1)])
+                 for i in range(4)] for block in range(N_BLOCKS)]
 
     @cute.jit
     def _consume_walk(self, walk, num_tiles, ring, fixed, state: cute.Tensor, lam_scaled, ds_lane, limits, c,
@@ -750,16 +809,16 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         self._qk_issue(masked, tile0 * TILE_KEYS, mmas0, limits, c)
         if cutlass.const_expr(single):
             warpgroup.wait_group(0)
-            scores = self._qk_finish(stage0, mmas0, state, ds_lane)
+            scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
         else:
             tile_scale0 = state[self._TILE_SCALE]
             s1, tile1, stage1 = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
             mmas1 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s1)), acc_s1, acc_o)
             self._qk_issue(masked, tile1 * TILE_KEYS, mmas1, limits, c)
             warpgroup.wait_group(0)
-            scores1 = self._qk_finish(stage1, mmas1, state, ds_lane)  # with step + 1's tile scale
+            scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())  # step + 1's tile scale
             state[self._TILE_SCALE] = tile_scale0
-            scores = self._qk_finish(stage0, mmas0, state, ds_lane) + scores1
+            scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint()) + scores1
         probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2)
         self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
         (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, s0)

@@ -53,6 +53,13 @@ def store_shared_v4_u32(smem_address: Int32, a: Uint32, b: Uint32, c: Uint32, d:
 
 
 @dsl_user_op
+def store_shared_v2_u32(smem_address: Int32, a: Uint32, b: Uint32, *, loc=None, ip=None) -> None:
+    """8 bytes to shared memory."""
+    _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), _u32(a, loc, ip), _u32(b, loc, ip)],
+                     "st.shared.v2.b32 [$0], {$1, $2};", "r,r,r")
+
+
+@dsl_user_op
 def store_shared_u32(smem_address: Int32, a: Uint32, *, loc=None, ip=None) -> None:
     """4 bytes to shared memory."""
     _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), _u32(a, loc, ip)], "st.shared.u32 [$0], $1;",

@@ -44,7 +44,8 @@ UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")  # Delta_S n
 # lam 2**-7 once per tile instead
 P_IN_EXPONENT = ("v6k", "v6l")  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
 WIDE = ("v6l",)  # 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold,
-# 2 full waits and 2 empty arrivals, 64 keys' P (32 cvt); 3 words of the epilogue's rows spilled across the walk
+# 2 full waits and 2 empty arrivals, 64 keys' P (32 cvt), Delta_S as 8 16-byte loads of the producer's FP32 copy;
+# up to 3 words of the epilogue's rows spilled across the walk (stored once before it, loaded once after)
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
 TWO_PRODUCERS = ("v6g", "v6h")  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
 OVERLAP = ("v6i",)  # QK of tile p and PV of tile p - 1 issued together; one wait for QK, one for PV, then release
@@ -84,8 +85,8 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
 
     launcher = getattr(ws, prefill_launch.WS_KERNELS[kernel])(*config, compensate=compensate)
     usage = cuobjdump("--dump-resource-usage", cubin)
-    stack = 16 if kernel in WIDE else 0
-    assert re.search(r"LOCAL:0\b", usage) and re.search(rf"STACK:{stack}\b", usage), f"the v6 prefill spills: {usage}"
+    stack = int(re.search(r"STACK:(\d+)", usage).group(1))
+    assert re.search(r"LOCAL:0\b", usage) and stack <= (16 if kernel in WIDE else 0), f"the v6 prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     producers = 2 if kernel in TWO_PRODUCERS else 1
     threads = (producers + ws.CONSUMERS) * WARPGROUP
@@ -106,7 +107,7 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {launcher.consumer_regs:#x}" in sass
     assert "HGMMA" not in sass and "HMMA" not in sass, "every MMA should be an e4m3 wgmma"
     spills = len(re.findall(r"\bSTL\b", sass))
-    assert spills == (3 if kernel in WIDE else 0), "local memory traffic"
+    assert spills <= (3 if kernel in WIDE else 0), "local memory traffic"
     consumer_loops = mma_loops(sass)
     assert len(consumer_loops) == TILE_LOOPS, [len(body) for body in consumer_loops]
     for whole, body in enumerate(consumer_loops):
@@ -194,6 +195,8 @@ def _check_wide(body: list[str], compensate: bool, whole: bool) -> None:
     # the scores' scale (and Delta_S), the exponent, the fold O = O alpha + P V
     assert sum(op.startswith("FFMA") for op in body) >= (2 if compensate else 1) * 64 + 64
     assert sum(op.startswith("MUFU.EX2") for op in body) == 64 + 2  # P, and one alpha per row
+    loads = [op for op in body if op.startswith("LDS")]  # Delta_S (FP32, 4 keys a load), the 2 tiles' K exponents
+    assert len(loads) == (8 if compensate else 0) + 2 and sum(op.startswith("LDS.128") for op in loads) == len(loads) - 2
 
 
 def test_v6_is_opt_in(monkeypatch: pytest.MonkeyPatch):
@@ -254,6 +257,28 @@ def test_wide_walk(tiles: int):
         assert sorted(step for step, _ in steps) == list(range(tiles)), (tiles, masked)
         assert all(masked_body for step, masked_body in steps if step < masked), (tiles, masked)
         assert sum(masked_body for step, masked_body in steps if step >= masked) <= 1, (tiles, masked)
+
+
+def test_staged_delta_s_layout():
+    """v6l's FP32 Delta_S tile on the CPU: the producer's (head, key) slots fill the 1 KB tile once each, and consumer
+    lane c of head h finds key 16 i + 8 b + 2c + half at slot 2b + half of its i-th 16-byte word."""
+    from mpfa.kernels.sm90.prefill_wgmma import TILE_KEYS
+    from mpfa.kernels.sm90.prefill_wgmma_ws import PrefillSm90WgmmaWsWideTile, ds_staged_offset, ds_staged_read
+
+    heads, keys = 4, TILE_KEYS
+    offsets = {ds_staged_offset(h, k): (h, k) for h in range(heads) for k in range(keys)}
+    assert sorted(offsets) == list(range(0, PrefillSm90WgmmaWsWideTile.staged_ds_bytes, 4))
+    assert PrefillSm90WgmmaWsWideTile.staged_ds_bytes == 4 * heads * keys
+    for h in range(heads):
+        for c in range(4):
+            for i in range(keys // 16):
+                word = ds_staged_read(h, c, i)
+                assert word % 16 == 0
+                for b in range(2):
+                    for half in range(2):
+                        assert offsets[word + 4 * (2 * b + half)] == (h, 16 * i + 8 * b + 2 * c + half)
+    for k in range(0, keys, 2):  # a producer lane's two keys: one 8-byte store
+        assert ds_staged_offset(0, k + 1) == ds_staged_offset(0, k) + 4 and ds_staged_offset(0, k) % 8 == 0
 
 
 def test_bench_backend_pins_v6():
