@@ -165,8 +165,7 @@ class PrefillSm90Staged(PrefillSm90):
                 self._expand_k(smem, first_stage, first_buffer, warp, lane)
 
         # Tiles reaching past the sequence end or some row's diagonal (masked scores), then whole tiles (as v1).
-        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
-        masked_tiles = cta_tiles - full_tiles
+        masked_tiles, full_tiles = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
         for step in cutlass.range(masked_tiles, unroll=1):
             self._step(True, step, cta_tiles, num_tiles, page, table_row, smem, kv_len, tid, sources, a_steps, state,
                        acc, lam_scaled, lane_bases, limits, warp, lane, c)

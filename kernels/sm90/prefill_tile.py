@@ -56,6 +56,13 @@ def warp_plan(row0, q_len, kv_len, g, *, causal: bool, tile_keys: int, warp_rows
     return select_(row0 < q_len, tiles, 0 * tiles), limits, common
 
 
+def masked_and_whole(tiles, common, tile_keys: int) -> tuple:
+    """(tiles holding a masked score, whole tiles) of a walk of ``tiles`` key tiles, last tile first, whose leading
+    ``common`` keys every row sees: the masked tiles come first in the walk."""
+    whole = imin(common // tile_keys, tiles)
+    return tiles - whole, whole
+
+
 def qk_a_steps(q_lo: list, q_hi: list) -> list:
     """A registers of the 8 QK k-steps from the f16x2 chunks of rows g (a0, a2) and g + 8 (a1, a3)."""
     return [[q_lo[r0], q_hi[r0], q_lo[r1], q_hi[r1]]

@@ -457,8 +457,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
                                       ring + stage * self.tile_bytes, kv_len, threads, sources, True)
             cp_async_commit()
         self._fetch_page(page, table_row, HALVES * sl.ring_copy(0, cta_tiles, self.stages)[0])
-        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
-        masked_tiles = cta_tiles - full_tiles
+        masked_tiles, full_tiles = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
         for step in cutlass.range(masked_tiles, unroll=1):
             self._wgmma_step(True, step, cta_tiles, num_tiles, page, table_row, ring, kv_len, threads, sources,
                              mmas, state, lam_scaled, ds_lane, limits, c, smem)

@@ -226,8 +226,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
                                       ring + stage * self.tile_bytes, kv_len, threads, sources, True)
             cp_async_commit()
         self._fetch_page(page, table_row, HALVES * ws_ring_copy(0, cta_tiles, self.stages, self.operand_stages)[0])
-        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
-        masked_tiles = cta_tiles - full_tiles
+        masked_tiles, full_tiles = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
         for step in cutlass.range(masked_tiles, unroll=1):
             self._produce_step(True, step, cta_tiles, page, table_row, ring, kv_len, threads, sources, smem, bars)
         for step in cutlass.range(full_tiles, unroll=1):
@@ -322,8 +321,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
                       smem_ptr, bars):
         """The consumer's steps of the CTA's walk: the masked tiles, then the whole ones, one `_consume_step` each."""
         cta_tiles, cta_common = walk
-        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
-        masked_tiles = cta_tiles - full_tiles
+        masked_tiles, full_tiles = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
         for step in cutlass.range(masked_tiles, unroll=1):
             self._consume_step(True, step, cta_tiles, num_tiles, ring, fixed, state, lam_scaled, ds_lane, limits, c,
                                smem_ptr, bars)
@@ -570,8 +568,7 @@ class PrefillSm90WgmmaWsOverlap(PrefillSm90WgmmaWsUnscaled):
         """Skipped leading steps released; then the first tile (QK, softmax, P), the overlapped steps (masked,
         then whole), the last PV."""
         cta_tiles, cta_common = walk
-        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
-        masked_tiles = cta_tiles - full_tiles
+        masked_tiles, _ = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
         lam = unscaled_lam(lam_scaled)
         acc_pv = cute.make_rmem_tensor(fixed[3].partition_shape_C((64, HEAD_DIM)), Float32)
         alphas = cute.make_rmem_tensor((2,), Float32)  # the pending PV's rows' alphas
@@ -779,8 +776,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
                       smem_ptr, bars):
         """Pairs of steps (those with a masked tile first, then the whole ones), then an odd walk's last step."""
         cta_tiles, cta_common = walk
-        full_tiles = cutlass.min(cta_common // TILE_KEYS, cta_tiles)
-        masked_tiles = cta_tiles - full_tiles
+        masked_tiles, _ = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
         masked_pairs, pairs = wide_walk(cta_tiles, masked_tiles)
         thr_qk, thr_pv = fixed[2], fixed[3]
         second = (cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32),  # its S, its P
