@@ -740,21 +740,27 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        assert self.heads == self.producer_threads // 32, "one producer warp per head stages Delta_S"
+        assert self.heads * TILE_KEYS // self.producer_threads in (1, 2), "Delta_S staged 1 or 2 keys per thread"
 
     @cute.jit
     def _stage_delta_s(self, stage, threads, operands):
         """The tile's BF16 Delta_S (ring stage ``stage``, [key][head] per 32-key half) -> FP32 bits in the operand
-        stage, in the consumers' order (`ds_staged_offset`): producer warp w copies head w, lane l keys 2l, 2l + 1
-        (2 loads, 2 shifts, one 8-byte store), so each consumer lane reads 4 keys' Delta_S with one 16-byte load,
-        already FP32 (v6k: 2 loads of 2 bytes and 2 shifts per 4 keys in the consumer's serial tile body)."""
+        stage, in the consumers' order (`ds_staged_offset`): each producer thread copies ``n`` consecutive keys of
+        one head (one producer warpgroup: n = 2, warp w head w, lane l keys 2l, 2l + 1, one 8-byte store; two: n =
+        1), so each consumer lane reads 4 keys' Delta_S with one 16-byte load, already FP32 (v6k: 2 loads of 2 bytes
+        and 2 shifts per 4 keys in the consumer's serial tile body)."""
         if cutlass.const_expr(self.compensate):
-            head = threads[0] >> 5
-            key = (threads[0] & 31) << 1
+            n = self.heads * TILE_KEYS // self.producer_threads
+            per_head = TILE_KEYS // n  # threads per head
+            head = threads[0] >> (per_head.bit_length() - 1)
+            key = (threads[0] & (per_head - 1)) * n
             words = sl.ds_words(self.heads)
             source = stage + (key >> 5) * self.stage_bytes + sl.DS_OFFSET + 4 * words * (key & 31) + 2 * head
-            store_shared_v2_u32(operands + self.offsets[2] + self.v_bytes + ds_staged_offset(head, key),
-                                load_shared_u16(source) << 16, load_shared_u16(source + 4 * words) << 16)
+            target = operands + self.offsets[2] + self.v_bytes + ds_staged_offset(head, key)
+            if cutlass.const_expr(n == 2):
+                store_shared_v2_u32(target, load_shared_u16(source) << 16, load_shared_u16(source + 4 * words) << 16)
+            else:
+                store_shared_u32(target, load_shared_u16(source) << 16)
 
     def _ds_lane(self, group_first, head_in_cta, c):
         """The lane's offset in the staged FP32 Delta_S tile."""
@@ -829,3 +835,17 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         cute.arch.mbarrier_arrive(bars + self.operand_stages + s0)  # empty[s0] (and empty[s1]): one of 256 arrivals
         if cutlass.const_expr(not single):
             cute.arch.mbarrier_arrive(bars + self.operand_stages + s1)
+
+
+WIDE_TWO_PRODUCERS_REGS = (40, 216)  # v6m's setmaxnreg: 2 x 40 + 2 x 216 = 512 = 4 warpgroups x 128 (.reqntid 512)
+
+
+class PrefillSm90WgmmaWsWideTileTwoProducers(PrefillSm90WgmmaWsWideTile):
+    """v6m: v6l with v6g's **two producer warpgroups** (512 threads), for the case where v6l's one producer warp per
+    scheduler binds: its tile loop issues 445 instructions per 64 keys against a consumer's 293.5 (v6e: 434 against
+    412). Each producer warp here issues ~280 per tile (~560 for the pair: more issue in all, a shorter chain each).
+    The producers stage Delta_S one key per thread. Same values in the operand stages: **v6l's output bit for bit**.
+    Registers: producers 40, consumers 216 (v6l names ~R221 of 224; here no loop spills, 4 words across the walk)."""
+
+    producer_warpgroups = 2
+    producer_regs, consumer_regs = WIDE_TWO_PRODUCERS_REGS

@@ -28,26 +28,26 @@ BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
 # the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f (every change), v6i and v6l (their own walks)
 # non-causal FP32 too, v6i's and v6l's direct builds
-VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m")
 VARIANT_BUILDS = ([(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f"), (CONFIGS[1], True, "v6i"),
                                                                 (CONFIGS[0], False, "v6i"), (CONFIGS[1], True, "v6l"),
                                                                 (CONFIGS[0], False, "v6l")])
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}{'' if comp else '-direct'}"
                for config, comp, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")  # PV as one m64n128k32 into
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m")  # PV as one m64n128k32 into
 # a fresh accumulator (v6j / v6k: onto the pair's accumulator on a pair's second tile)
-FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6l")  # O = O alpha + P V in one FFMA, no vote
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6l", "v6m")  # O = O alpha + P V in one FFMA, no vote
 PAIR_FOLD = ("v6j", "v6k")  # O = O alpha_1 alpha_2 + the pair's P V, on a pair's second tile only: the loop has a
 # branch per position in the pair (2 PV wgmmas each), one fold and the pending accumulator's vote-skipped rescale
-LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile);
+LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile);
 # lam 2**-7 once per tile instead
-P_IN_EXPONENT = ("v6k", "v6l")  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
-WIDE = ("v6l",)  # 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold,
+P_IN_EXPONENT = ("v6k", "v6l", "v6m")  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
+WIDE = ("v6l", "v6m")  # 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold,
 # 2 full waits and 2 empty arrivals, 64 keys' P (32 cvt), Delta_S as 8 16-byte loads of the producer's FP32 copy;
-# up to 3 words of the epilogue's rows spilled across the walk (stored once before it, loaded once after)
+# up to 4 words of the epilogue's rows spilled across the walk (stored once before it, loaded once after)
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
-TWO_PRODUCERS = ("v6g", "v6h")  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
+TWO_PRODUCERS = ("v6g", "v6h", "v6m")  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
 OVERLAP = ("v6i",)  # QK of tile p and PV of tile p - 1 issued together; one wait for QK, one for PV, then release
 TILE_LOOPS = 2  # masked tiles, then whole tiles: in the producer and in each consumer
 PRODUCER_LOOP = "BAR.SYNC.DEFER_BLOCKING 0x1, {:#x}"  # the producers' named barrier (all their threads)
@@ -107,7 +107,7 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {launcher.consumer_regs:#x}" in sass
     assert "HGMMA" not in sass and "HMMA" not in sass, "every MMA should be an e4m3 wgmma"
     spills = len(re.findall(r"\bSTL\b", sass))
-    assert spills <= (3 if kernel in WIDE else 0), "local memory traffic"
+    assert spills <= (4 if kernel in WIDE else 0), "local memory traffic"
     consumer_loops = mma_loops(sass)
     assert len(consumer_loops) == TILE_LOOPS, [len(body) for body in consumer_loops]
     for whole, body in enumerate(consumer_loops):
