@@ -26,7 +26,8 @@ from the sequence start) and NVFP4 P along the keys of its tile. ``mpfa-qk8row``
 NVFP4 Q/K to e4m3 with power-of-two scales for an FP8 QK^T MMA, per row (Q; K of ``qk8row``) or per KV tile (K of
 ``qk8tile``, at tile time; see `VariantSpec`). FP8 K/V use scale 1.0 (FlashInfer's default; V takes
 an optional per-KV-head ``v_scale``), FP8 P the analytic scale 448. The ``fp8`` variant mirrors FlashInfer with an FP8
-KV cache: Q stays BF16, K/V are upcast exactly to BF16, P is BF16 for the PV GEMM. l always sums the FP32 P.
+KV cache: Q stays BF16, K/V are upcast exactly to BF16, P is BF16 for the PV GEMM. l sums the FP32 P, except in
+``mpfa-qk8tile-psum`` (the sums of the FP8 P the PV GEMM consumes: a kernel that adds a row of ones to V^T).
 Smoothing variants center Q and K with per-request means (computed from the inputs during prefill, passed in
 explicitly for decode) and add Delta_S in BF16. Outputs are FP32 (float64 for ``float64``). On CUDA keep TF32 off for
 FP32 matmuls (PyTorch's default): the FP8 P_hat / 448 is not TF32-exact.
@@ -76,6 +77,7 @@ class VariantSpec:
     v: str
     smoothing: bool
     description: str
+    l_sums_p_operand: bool = False  # l sums P in its operand format (as the PV GEMM sees it), not the FP32 P
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -96,6 +98,8 @@ VARIANTS: dict[str, VariantSpec] = {
                     "mpfa with Q/K requantized to e4m3 per row (power-of-two scales) for an FP8 QK^T MMA"),
         VariantSpec("mpfa-qk8tile", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", True,
                     "mpfa-qk8row with K requantized per KV tile (block_n keys of a KV head) instead of per key"),
+        VariantSpec("mpfa-qk8tile-psum", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", True,
+                    "mpfa-qk8tile with l summing the FP8 P (row sums on the PV MMA)", l_sums_p_operand=True),
     )
 }
 
@@ -337,8 +341,9 @@ def _kv_tiles(
         m_ref = torch.where(torch.isinf(m_new), torch.zeros_like(m_new), m_new)  # all-masked row: exp2(-inf) = 0
         p = torch.exp2(s * lam - (m_ref * lam)[..., None])
         alpha = torch.exp2(m * lam - m_ref * lam)
-        l = alpha * l + p.sum(-1)
-        pv = _p_operand(p, spec.p).reshape(num_kv_heads, group * rows, keys.numel()) @ v[:, keys]
+        p_op = _p_operand(p, spec.p)
+        l = alpha * l + (p_op if spec.l_sums_p_operand else p).sum(-1)
+        pv = p_op.reshape(num_kv_heads, group * rows, keys.numel()) @ v[:, keys]
         acc = alpha[..., None] * acc + pv.view(num_q_heads, rows, head_dim)
         m = m_new
     return m, l, acc
@@ -650,10 +655,11 @@ def attend_prepared_batch(
     exp2 = lambda x: torch.exp2(x.to(wide)).to(x.dtype)  # noqa: E731
     p = exp2(s * lam - (m_ref * lam)[..., None])
     weight = torch.where(seen, exp2(m_ref * lam - (m_ref[..., :1] * lam)), torch.zeros_like(m))
-    l = (p.to(wide).sum(-1) * weight.to(wide)).sum(-1)
     v_tiles = torch.nn.functional.pad(v_op.permute(0, 2, 1, 3).to(wide), (0, 0, 0, pad))
     v_tiles = v_tiles.view(batch, num_kv_heads, tiles, block_n, head_dim)
     p_op = _p_operand(p, spec.p).to(wide).view(batch, num_kv_heads, group, len_q, tiles, block_n)
+    summed = p_op.view(p.shape) if spec.l_sums_p_operand else p.to(wide)
+    l = (summed.sum(-1) * weight.to(wide)).sum(-1)
     pv = torch.einsum("bhgqtk,bhtkd->bhgqtd", p_op, v_tiles).reshape(batch, num_q_heads, len_q, tiles, head_dim)
     acc = (pv * weight.to(wide)[..., None]).sum(-2)
     return _normalize(acc, l).to(q_op.dtype).transpose(1, 2)

@@ -40,10 +40,10 @@ def served_numerics(specs) -> dict[str, str | None]:
     from mpfa.kernels.sm90.prefill_launch import KERNEL_ENV, prefill_kernel, prefill_numerics
 
     try:
-        fp8_qk = prefill_numerics(prefill_kernel(32, 8, 128)) != "mpfa"
+        prompt = prefill_numerics(prefill_kernel(32, 8, 128))
     except ValueError as exc:
         raise UserError(f"{KERNEL_ENV}: {exc}") from None
-    return {s.name: "mpfa-qk8tile" if fp8_qk and s.numerics == "mpfa" else s.numerics for s in specs}
+    return {s.name: prompt if s.numerics == "mpfa" else s.numerics for s in specs}
 
 
 def load_prediction(path: Path) -> dict[str, Any]:

@@ -13,7 +13,7 @@ in all of them); ``mpfa-v3c`` / ``mpfa-v3w8c`` v3 / v3w8 with Delta_S as an extr
 ``mpfa-v4`` / ``mpfa-v4w8`` pin v3 / v3w8 with QK^T on FP8 (`prefill_wgmma_fp8qk`: Q and K
 requantized to e4m3, the reference's ``mpfa-qk8tile`` numerics), ``mpfa-v5`` / ``mpfa-v5w8`` v4 / v4w8 with PV on
 FP8 too (`prefill_wgmma_fp8pv`, the same numerics), ``mpfa-v6`` v5w8 warp-specialized (`prefill_wgmma_ws`: a
-producer warpgroup, two consumers; v5w8's output), ``mpfa-v6a`` .. ``mpfa-v6m`` v6's variants
+producer warpgroup, two consumers; v5w8's output), ``mpfa-v6a`` .. ``mpfa-v6n`` v6's variants
 (`prefill_launch.WS_KERNELS`). ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` / ``mpfa-dv4w14`` pin decode v1 (no
 ring), v3 (3-stage ring), v4 (v2 with fewer instructions per tile, `decode_lean`) or v4 partitioned for 14 warps per
 SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2 by default). ``mpfa-direct`` runs the direct builds
@@ -72,7 +72,7 @@ class MpfaAdapter:
     def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
                  compensate: bool = True):
         """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or
-        "v6a" .. "v6m" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` .. ``mpfa-v6m``);
+        "v6a" .. "v6n" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` .. ``mpfa-v6n``);
         ``decode_kernel``: "v1", "v2", "v3", "v4" or "v4w14" the decode version (``mpfa-dv1`` ...); None follows
         ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct builds (backend
         ``mpfa-direct``)."""
@@ -204,7 +204,8 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     if WGMMA_WARPGROUPS.get(name, 1) > 1:
         version += f", {WGMMA_WARPGROUPS[name]}-warpgroup CTAs"
     mma = "wgmma" if name in WGMMA_WARPGROUPS else "mma.sync"
-    mma += ", FP8 QK^T from e4m3-requantized Q / K" if prefill_numerics(name) == "mpfa-qk8tile" else ""
+    mma += ", FP8 QK^T from e4m3-requantized Q / K" if prefill_numerics(name) != "mpfa" else ""
+    mma += ", row sums on the PV wgmma" if prefill_numerics(name) == "mpfa-qk8tile-psum" else ""
     mma += ", Delta_S as an extra K column" if name in DS_COLUMN_KERNELS and compensate else ""
     version += "" if compensate else ", direct build"
 

@@ -18,7 +18,7 @@ per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies an
 to v3). The default is v3w8c (below) where it applies (session 18 on the H200: 0.964x v3w8's time at 64K, v3w8 itself
 1.39x v3 in session 16; profiles/NOTES.md "Session 18 sitting"), else v2 (v1 for an odd number of query heads: v2
 copies Delta_S as aligned 4-byte words).
-``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6m`` or the ``kernel=`` argument of
+``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n`` or the ``kernel=`` argument of
 `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
 (`prefill_wgmma_dscol`; v3w8c the default) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
 instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
@@ -28,13 +28,13 @@ v5w8 (`prefill_wgmma_fp8pv`, opt-in only) are v4 / v4w8 with PV on FP8 wgmma too
 shared memory, P e4m3 in registers, each tile's P V added to O in FP32): the same reference variant. v6
 (`prefill_wgmma_ws`, opt-in only) is v5w8 warp-specialized (a producer warpgroup copies, expands K and transposes V
 into double-buffered operand stages; two consumer warpgroups run v5w8's tile body): v5w8's output bit for bit.
-v6a .. v6m (opt-in, `WS_KERNELS`) are v6 variants that cut instructions per tile (one PV wgmma, O's rescale folded
+v6a .. v6n (opt-in, `WS_KERNELS`) are v6 variants that cut instructions per tile (one PV wgmma, O's rescale folded
 into FFMA, a table look-up K expansion, unscaled scores, PV folded every second tile (v6j), P's 448 in the
-exponent (v6k), 128-key consumer steps (v6l)), add producers or stages (v6g, v6h, v6m) or schedule the consumers
+exponent (v6k), 128-key consumer steps (v6l), the row sums on the PV wgmma (v6n)), add producers or stages (v6g, v6h, v6m) or schedule the consumers
 (v6f's ping-pong, v6i's intra-warpgroup overlap); profiles/NOTES.md "Prefill v6 variants": v6a / v6c give v6's
 output, v6b / v6d / v6e / v6f / v6g / v6h / v6i differ from it by O's rescale rounding once instead of twice, v6j /
 v6k / v6l / v6m by the FP8 wgmma's sums over a pair of tiles (v6l / v6m: and P's e4m3 rounding against the pair's
-maximum).
+maximum); v6n computes "mpfa-qk8tile-psum" (l sums the e4m3 P).
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -59,7 +59,7 @@ BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host sid
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8", "v3", "v3w8",
-# "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or a v6 variant ("v6a" .. "v6m", `WS_KERNELS`)
+# "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or a v6 variant ("v6a" .. "v6n", `WS_KERNELS`)
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
 WGMMA_KERNEL = "v3w8c"  # `prefill_wgmma_dscol`: the default where its shape limits allow
 WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer warpgroup, 2 consumers) -> its class
@@ -77,6 +77,7 @@ WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer 
     "v6k": "PrefillSm90WgmmaWsPairFoldExp",  # v6j with P's 448 folded into the exponent (v6j's up to rare e4m3 ties)
     "v6l": "PrefillSm90WgmmaWsWideTile",  # v6k's numerics on 128-key consumer steps (one softmax per 128 keys)
     "v6m": "PrefillSm90WgmmaWsWideTileTwoProducers",  # v6l with two producer warpgroups (v6l's output)
+    "v6n": "PrefillSm90WgmmaWsWideTileMmaSum",  # v6l with the row sums on the tensor cores ("mpfa-qk8tile-psum")
 }
 DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
 WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v3c": 1, "v3w8c": 2, "v4": 1, "v4w8": 2, "v5": 1, "v5w8": 2,
@@ -102,9 +103,15 @@ def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: 
     return name if name in WGMMA_WARPGROUPS or num_q_heads % 2 == 0 else "v1"
 
 
+ROW_SUM_MMA_KERNELS = ("v6n",)  # the softmax's row sums on the PV wgmma: l sums the e4m3 P ("mpfa-qk8tile-psum")
+
+
 def prefill_numerics(kernel: str) -> str:
     """The reference variant (`mpfa.kernels.attention`) a prefill kernel computes: "mpfa-qk8tile" for the kernels
-    with QK on FP8 (v4 .. v6m: Q and K requantized to e4m3), else "mpfa" (the paper's NVFP4 QK, v1 .. v3w8c)."""
+    with QK on FP8 (v4 .. v6m: Q and K requantized to e4m3), "mpfa-qk8tile-psum" for v6n (l sums the e4m3 P), else
+    "mpfa" (the paper's NVFP4 QK, v1 .. v3w8c)."""
+    if kernel in ROW_SUM_MMA_KERNELS:
+        return "mpfa-qk8tile-psum"
     return "mpfa-qk8tile" if kernel in FP8_QK_KERNELS + FP8_PV_KERNELS + tuple(WS_KERNELS) else "mpfa"
 
 
@@ -136,7 +143,7 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
     only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
-    (``MPFA_PREFILL_KERNEL``); the wgmma kernels ("v3" .. "v6m") only for pages of >= 64 keys and the GQA groups
+    (``MPFA_PREFILL_KERNEL``); the wgmma kernels ("v3" .. "v6n") only for pages of >= 64 keys and the GQA groups
     `wgmma_groups` gives. ``compensate`` False: the direct build (no Delta_S, for timing the compensation)."""
     name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size,
                           "v1" if kernel is None and ablation is not None else kernel)
@@ -244,7 +251,7 @@ def mpfa_prefill(
     (>= its query count; the queries are its last tokens) through ``page_table`` [B, max_pages] -> attention
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
-    ``kernel``: a `prefill_kernel` name, "v1" .. "v6m" (None: `prefill_kernel`'s choice); v1 .. v3w8c give the
+    ``kernel``: a `prefill_kernel` name, "v1" .. "v6n" (None: `prefill_kernel`'s choice); v1 .. v3w8c give the
     same output (the wgmma ones up to FP32 summation order); v4 / v4w8 (opt-in) compute QK^T on FP8 from Q and K
     requantized to e4m3 (the reference's "mpfa-qk8tile"), v5 / v5w8 (opt-in) PV on FP8 too (the same variant; v6
     and its variants (opt-in) v5w8's output up to O's rescale rounding). ``compensate=False``: the direct build, for

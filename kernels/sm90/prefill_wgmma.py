@@ -556,6 +556,10 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
 
     # --- epilogue ---------------------------------------------------------------------------------------------------
 
+    def _row_sum(self, state: cute.Tensor, acc_o: cute.Tensor, r: int):
+        """Row g + 8 r's softmax denominator: the quad's sum of the lanes' partial sums in ``state``."""
+        return quad_sum(state[2 + r])
+
     @cute.jit
     def _store_rows(self, state: cute.Tensor, acc_o: cute.Tensor, out: cute.Tensor, q_start, q_len, row0, head, g,
                     c):
@@ -563,7 +567,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         column block j; rows past the sequence are not written."""
         elem_bytes = 4 if self.out_f32 else 2
         for r in cutlass.range_constexpr(2):
-            l_row = quad_sum(state[2 + r])
+            l_row = self._row_sum(state, acc_o, r)
             inv = Float32(cutlass.select_(l_row > Float32(0.0), Float32(1.0) / (l_row * Float32(self.l_scale)),
                                           Float32(0.0)))
             row = row0 + g + 8 * r

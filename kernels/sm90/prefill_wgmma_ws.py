@@ -67,8 +67,8 @@ from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND
 from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv, p_operand_fp8_prescaled
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
 from mpfa.kernels.sm90.ptx import (bits_to_f32, cp_async_commit, cp_async_wait, load_shared_u32, load_shared_v4_u32,
-                                   load_u32)
-from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_u32, store_shared_v2_u32
+                                   load_u32, shuffle_idx)
+from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_u32, store_shared_v2_u32, store_shared_v4_u32
 from mpfa.kernels.sm90.warp_mma import P_SCALE
 
 CONSUMERS = 2  # consumer warpgroups (v5w8's two warpgroups)
@@ -120,8 +120,9 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
                 <= self.threads // THREADS * launch_regs)
         self.stages = self.ring_stages
         q_bytes = CONSUMERS * self.qk_bytes
-        # K (e4m3) + V^T (e4m3) (+ v6l's FP32 Delta_S)
-        self.operand_stage_bytes = self.qk_bytes + self.v_bytes + (self.staged_ds_bytes if compensate else 0)
+        # K (e4m3) + V^T (e4m3) (+ v6l's FP32 Delta_S), 1 KB-aligned (K's 128-byte swizzle)
+        stage_bytes = self.qk_bytes + self.v_bytes + (self.staged_ds_bytes if compensate else 0)
+        self.operand_stage_bytes = -(-stage_bytes // OPERAND_ALIGN) * OPERAND_ALIGN
         ring = q_bytes + self.operand_stages * self.operand_stage_bytes
         # (Q tile of consumer 0, K and V^T of operand stage 0 (stage s: + s operand_stage_bytes), ring)
         self.offsets = (0, q_bytes, q_bytes + self.qk_bytes, ring)
@@ -183,6 +184,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
                 cute.arch.mbarrier_init(bars + s, self.producer_threads)  # full[s]
                 cute.arch.mbarrier_init(bars + self.operand_stages + s, CONSUMER_THREADS)  # empty[s]
         cute.arch.mbarrier_init_fence()
+        self._init_operand_stages(tid, smem_ptr.toint())
         cute.arch.barrier()  # the only CTA-wide barrier: the mbarriers are initialised before any role uses them
 
         if role < self.producer_warpgroups:
@@ -263,6 +265,9 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         cute.arch.fence_proxy("async.shared", space="cta")  # this thread's operand stores, visible to wgmma
         cute.arch.mbarrier_arrive(bars + s)  # full[s]: one of `producer_threads` arrivals
 
+    def _init_operand_stages(self, tid, smem):
+        """Before the CTA's barrier: nothing here (v6n: the ones row of each operand stage's V^T)."""
+
     def _stage_delta_s(self, stage, threads, operands):
         """The producer's copy of the tile's Delta_S into the operand stage: none here (v6l's FP32 copy); the
         consumers read the ring stage's BF16."""
@@ -290,7 +295,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         frag_q = thr_qk.make_fragment_A(thr_qk.partition_A(s_q))
         frag_p = thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS)))
         acc_s = cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32)
-        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
+        acc_o = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, self.pv_n)), Float32)  # (v6n: + the row sums)
         for i in cutlass.range_constexpr(cute.size(acc_o)):
             acc_o[i] = Float32(0.0)
         state = cute.make_rmem_tensor((self.state_size,), Float32)
@@ -787,7 +792,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         thr_qk, thr_pv = fixed[2], fixed[3]
         second = (cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32),  # its S, its P
                   thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))))
-        acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, HEAD_DIM)), Float32)
+        acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, self.pv_n)), Float32)
         pipe = (ring, fixed, second, acc_pv, state, unscaled_lam(lam_scaled), ds_lane, limits, c, smem_ptr, bars)
         for pair in cutlass.range(masked_pairs, unroll=1):
             self._wide_step(True, 2 * pair, cta_tiles, pipe)
@@ -849,3 +854,40 @@ class PrefillSm90WgmmaWsWideTileTwoProducers(PrefillSm90WgmmaWsWideTile):
 
     producer_warpgroups = 2
     producer_regs, consumer_regs = WIDE_TWO_PRODUCERS_REGS
+
+
+ROW_SUM_COLUMNS = 8  # v6n: V^T rows 128 .. 135 (the wgmma's N grows by 8): a row of ones, then zeros
+E4M3_ONES = 0x38383838  # four e4m3 1.0
+
+
+class PrefillSm90WgmmaWsWideTileMmaSum(PrefillSm90WgmmaWsWideTile):
+    """v6n: v6l with the softmax's row sums on the tensor cores. V^T gets 8 more rows (PV's wgmma m64n136k32): row
+    128 all e4m3 1.0, rows 129 .. 135 zeros, written once per operand stage before the CTA's barrier (the producer's
+    V transpose writes rows 0 .. 127 only). Column 128 of the PV accumulator is then the row's sum of the e4m3 P'
+    the MMA consumed, folded into O's column 128 with O (O = O alpha + P V): l = l alpha + sum e4m3(P'), with no
+    FADD per score (64 per 128 keys and consumer thread, 587 -> 523 SASS instructions per 128 keys) and no quad sum
+    at the end (lane 4g holds rows g, g + 8's l in registers 64 and 66). O and l grow to 68 registers each.
+
+    Numerics (the reference's "mpfa-qk8tile-psum"): the denominator sums the P that V is weighted by (e4m3(448 P))
+    instead of the FP32 P, so O is exactly a weighted mean of V's rows; against FP32 sums the output moves by
+    ~1e-3 rms on Gaussian scores and up to ~4e-3 on peaked ones (CPU model, profiles/NOTES.md "Prefill v6n"),
+    the same size as the e4m3 P's own error, of either sign."""
+
+    pv_n = HEAD_DIM + ROW_SUM_COLUMNS
+    v_bytes = (HEAD_DIM + ROW_SUM_COLUMNS) * TILE_KEYS
+
+    @cute.jit
+    def _init_operand_stages(self, tid, smem):
+        """V^T rows 128 .. 135 of every operand stage (512 B each: 32 16-byte units, 4 per row) by the first
+        32 x stages threads, fenced for wgmma before the CTA's barrier."""
+        units = ROW_SUM_COLUMNS * TILE_KEYS // 16
+        if tid < units * self.operand_stages:
+            unit = tid % units
+            row_block = smem + self.offsets[2] + (tid // units) * self.operand_stage_bytes + HEAD_DIM * TILE_KEYS
+            word = Uint32(cutlass.select_(unit < TILE_KEYS // 16, Uint32(E4M3_ONES), Uint32(0)))
+            store_shared_v4_u32(row_block + 16 * unit, word, word, word, word)
+            cute.arch.fence_proxy("async.shared", space="cta")
+
+    def _row_sum(self, state: cute.Tensor, acc_o: cute.Tensor, r: int):
+        """Row g + 8 r's l: PV's column 128, held by lane 4g (register 64 + 2r)."""
+        return shuffle_idx(acc_o[HEAD_DIM // 2 + 2 * r], Uint32(cute.arch.lane_idx() & ~3))

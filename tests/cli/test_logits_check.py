@@ -46,6 +46,8 @@ def test_a_pinned_fp8_qk_prefill_is_checked_against_the_fp8_qk_variant(monkeypat
     for fp8_qk in ("v4w8", "v5w8", "v6e"):
         monkeypatch.setenv("MPFA_PREFILL_KERNEL", fp8_qk)
         assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile", "mpfa-direct": "qk4-pv8-direct"}
+    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v6n")  # l sums the e4m3 P
+    assert served_numerics(specs)["mpfa"] == "mpfa-qk8tile-psum"
     monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v9")
     with pytest.raises(UserError, match="MPFA_PREFILL_KERNEL"):
         served_numerics(specs)

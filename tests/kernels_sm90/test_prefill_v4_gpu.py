@@ -23,6 +23,8 @@ import pytest
 import torch
 from siblings import load
 
+from mpfa.kernels.sm90.prefill_launch import prefill_numerics
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
 
@@ -42,11 +44,11 @@ def _oracle(problem, causal: bool, variant: str = VARIANT, sm_scale: float | Non
 
 
 def run_against_oracle(problem, causal: bool, kernel: str, rms: float, max_fraction: float) -> tuple:
-    """(``kernel``'s output on ``problem``, the ``mpfa-qk8tile`` oracle's), the output checked against the oracle
-    (``rms``, ``max_fraction`` of max |O|) and float64 (`v1_tests._check`): the common part of the FP8 kernels'
-    (v4, v5, v6) tests."""
+    """(``kernel``'s output on ``problem``, the oracle's: the reference variant the kernel computes, ``mpfa-qk8tile``
+    or v6n's ``mpfa-qk8tile-psum``), the output checked against the oracle (``rms``, ``max_fraction`` of max |O|)
+    and float64 (`v1_tests._check`): the common part of the FP8 kernels' (v4, v5, v6) tests."""
     out = v1_tests._run(problem, causal, kernel=kernel)
-    expected = _oracle(problem, causal)
+    expected = _oracle(problem, causal, prefill_numerics(kernel))
     _, exact = v1_tests._expected(problem, causal)
     v1_tests._check(out, expected, exact, rms=rms, max_fraction=max_fraction)
     return out, expected

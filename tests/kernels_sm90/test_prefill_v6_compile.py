@@ -28,22 +28,23 @@ BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
 # the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f (every change), v6i and v6l (their own walks)
 # non-causal FP32 too, v6i's and v6l's direct builds
-VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m")
+VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")
 VARIANT_BUILDS = ([(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f"), (CONFIGS[1], True, "v6i"),
                                                                 (CONFIGS[0], False, "v6i"), (CONFIGS[1], True, "v6l"),
                                                                 (CONFIGS[0], False, "v6l")])
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}{'' if comp else '-direct'}"
                for config, comp, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m")  # PV as one m64n128k32 into
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")  # PV as one m64n128k32 into
 # a fresh accumulator (v6j / v6k: onto the pair's accumulator on a pair's second tile)
-FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6l", "v6m")  # O = O alpha + P V in one FFMA, no vote
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6l", "v6m", "v6n")  # O = O alpha + P V in one FFMA, no vote
 PAIR_FOLD = ("v6j", "v6k")  # O = O alpha_1 alpha_2 + the pair's P V, on a pair's second tile only: the loop has a
 # branch per position in the pair (2 PV wgmmas each), one fold and the pending accumulator's vote-skipped rescale
-LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile);
+LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")  # the K expansion's e2m1 by table look-up
+UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile);
 # lam 2**-7 once per tile instead
-P_IN_EXPONENT = ("v6k", "v6l", "v6m")  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
-WIDE = ("v6l", "v6m")  # 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold,
+P_IN_EXPONENT = ("v6k", "v6l", "v6m", "v6n")  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
+WIDE = ("v6l", "v6m", "v6n")
+ROW_SUMS_ON_MMA = ("v6n",)  # PV m64n136k32 (V^T's row of ones): no FADD per score  # 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold,
 # 2 full waits and 2 empty arrivals, 64 keys' P (32 cvt), Delta_S as 8 16-byte loads of the producer's FP32 copy;
 # up to 4 words of the epilogue's rows spilled across the walk (stored once before it, loaded once after)
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
@@ -113,7 +114,7 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     for whole, body in enumerate(consumer_loops):
         assert not any(op.startswith(("STL", "LDL")) for op in body), "local memory traffic in the tile loop"
         if kernel in WIDE:
-            _check_wide(body, compensate, bool(whole))
+            _check_wide(body, compensate, bool(whole), kernel in ROW_SUMS_ON_MMA)
             continue
         qk = [op for op in body if re.match(r"QGMMA.64x64x32.F32.E4M3.E4M3 R\d+, gdesc", op)]
         assert len(qk) == 4, body  # QK: 4 k-steps, smem x smem
@@ -173,12 +174,13 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
         assert sum(op.startswith("HMUL2") for op in body) == chunks * (16 + 2) + (0 if kernel in LUT_K else chunks * 16)
 
 
-def _check_wide(body: list[str], compensate: bool, whole: bool) -> None:
+def _check_wide(body: list[str], compensate: bool, whole: bool, row_sums_on_mma: bool) -> None:
     """v6l's consumer loop: one 128-key step (`prefill_wgmma_ws.PrefillSm90WgmmaWsWideTile`). In the whole tiles'
     loop both stages' QK are in flight together; in the masked loop ptxas may wait for the first before setting the
     second's accumulator to its mask (seen in the non-causal build, whose masked loop runs once per CTA at most)."""
     qk = [op for op in body if re.match(r"QGMMA.64x64x32.F32.E4M3.E4M3 R\d+, gdesc", op)]
-    pv = [op for op in body if re.match(r"QGMMA.64x128x32.F32.E4M3.E4M3 R\d+, R\d+, gdesc", op)]
+    pv_n = 136 if row_sums_on_mma else 128
+    pv = [op for op in body if re.match(rf"QGMMA.64x{pv_n}x32.F32.E4M3.E4M3 R\d+, R\d+, gdesc", op)]
     assert len(qk) == 8 and len(pv) == 4 and sum(op.startswith("QGMMA") for op in body) == 12, body
     waits = sum(op.startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0") for op in body)
     assert waits == 2 if whole else waits in (2, 3), body  # QK's, PV's
@@ -195,6 +197,8 @@ def _check_wide(body: list[str], compensate: bool, whole: bool) -> None:
     # the scores' scale (and Delta_S), the exponent, the fold O = O alpha + P V
     assert sum(op.startswith("FFMA") for op in body) >= (2 if compensate else 1) * 64 + 64
     assert sum(op.startswith("MUFU.EX2") for op in body) == 64 + 2  # P, and one alpha per row
+    row_sum_adds = sum(op.startswith("FADD") for op in body)  # the row sums' 64, or none but 2 (alpha's argument)
+    assert row_sum_adds == 2 if row_sums_on_mma else row_sum_adds >= 64
     loads = [op for op in body if op.startswith("LDS")]  # Delta_S (FP32, 4 keys a load), the 2 tiles' K exponents
     assert len(loads) == (8 if compensate else 0) + 2 and sum(op.startswith("LDS.128") for op in loads) == len(loads) - 2
 

@@ -1,5 +1,6 @@
 """`mpfa-qk8row` / `mpfa-qk8tile`: NVFP4 Q/K requantized to e4m3 with power-of-two scales (an FP8 QK^T MMA) per row,
-or for K per KV tile, through every form of the reference (tiled, all tiles at once, padded batch, split-KV decode)."""
+or for K per KV tile, through every form of the reference (tiled, all tiles at once, padded batch, split-KV decode);
+`mpfa-qk8tile-psum`: l sums the FP8 P (a kernel's row sums on its PV MMA)."""
 
 from __future__ import annotations
 
@@ -75,15 +76,34 @@ def test_k_tile_scales_follow_the_tiles(make_batch) -> None:
     assert torch.equal(differs, expected)
 
 
+@pytest.mark.parametrize("variant", ["mpfa-qk8tile", "mpfa-qk8tile-psum"])
 @pytest.mark.parametrize("block_n", [32, 64])
-def test_all_tiles_at_once_agree_with_the_tiled_loop(make_batch, block_n: int) -> None:
-    """The all-tiles-at-once form tiles K like the loop (the outlier's tile differs from per-row scaling)."""
+def test_all_tiles_at_once_agree_with_the_tiled_loop(make_batch, block_n: int, variant: str) -> None:
+    """The all-tiles-at-once form tiles K like the loop (the outlier's tile differs from per-row scaling) and sums l
+    as the variant says."""
     b = make_batch([150], [150], 8, 2, 128, q_offset=3.0, k_offset=6.0)
     q, k = with_outlier_key(b.q, b.k)
-    tiled = attention(q, k, b.v, variant="mpfa-qk8tile", causal=True, block_n=block_n)
-    fast = attention_one_sequence(q, k, b.v, variant="mpfa-qk8tile", block_n=block_n)
+    tiled = attention(q, k, b.v, variant=variant, causal=True, block_n=block_n)
+    fast = attention_one_sequence(q, k, b.v, variant=variant, block_n=block_n)
     assert float((fast - tiled).abs().max()) <= 2.0**-18 * float(tiled.abs().max())
     assert not torch.equal(fast, attention_one_sequence(q, k, b.v, variant="mpfa-qk8row", block_n=block_n))
+
+
+def test_psum_output_is_a_weighted_mean_of_v(make_batch) -> None:
+    """With l summing the FP8 P that weights V, every row's output on V = 1 is 1 (to FP32 rounding) in the tiled and
+    the batched forms and in split-KV decode; with l summing the FP32 P (mpfa-qk8tile) it is sum e4m3(P) / sum P,
+    off by the FP8 roundings of P (~1e-3)."""
+    b = make_batch([60, 1], [200, 90], 8, 2, 64)
+    ones = torch.ones_like(b.v)
+    for form in (lambda v: attention(b.q, b.k, ones, variant=v, causal=True, block_n=64, **b.varlen),
+                 lambda v: attention_one_sequence(b.q[:60], b.k[:200], ones[:200], variant=v, block_n=64)):
+        psum, fp32_sums = form("mpfa-qk8tile-psum"), form("mpfa-qk8tile")
+        assert float((psum - 1).abs().max()) < 1e-6
+        assert float((fp32_sums - 1).abs().max()) > 1e-4
+    means = SmoothingMeans(torch.zeros(2, 8, 64), torch.zeros(2, 2, 64))
+    parts = decode_partials(b.q[[59, 60]], b.k, ones, variant="mpfa-qk8tile-psum", cu_seqlens_k=b.cu_k, means=means,
+                            partition_size=64, block_n=32)
+    assert float((merge_partials(parts) - 1).abs().max()) < 1e-6
 
 
 def test_padding_keys_stay_out_of_the_tile_scales(make_batch) -> None:

@@ -126,7 +126,9 @@ def test_registry_matches_the_spec() -> None:
         "qk4-pv4": ("nvfp4", "nvfp4", "nvfp4", "nvfp4", True),
         "mpfa-qk8row": ("nvfp4>e4m3-row", "nvfp4>e4m3-row", "fp8", "fp8", True),
         "mpfa-qk8tile": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
+        "mpfa-qk8tile-psum": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
     }
+    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == ["mpfa-qk8tile-psum"]
 
 
 def test_fp8_variant_quantizes_only_k_and_v(make_batch) -> None:
@@ -177,8 +179,9 @@ def emulate_one_tile(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     lam = math.log2(math.e) / math.sqrt(head_dim)
     p = torch.exp2(s * lam - s.amax(-1, keepdim=True) * lam)
     p_formats = {"bf16": lambda x: x.bfloat16().float(), "fp8": fake_quant_p_fp8, "nvfp4": _nvfp4_padded}
-    out = torch.einsum("hij,jhd->ihd", p_formats[spec.p](p), v_op.repeat_interleave(group, 1))
-    return out / p.sum(-1).T[..., None]  # l sums the FP32 P
+    p_op = p_formats[spec.p](p)
+    out = torch.einsum("hij,jhd->ihd", p_op, v_op.repeat_interleave(group, 1))
+    return out / (p_op if spec.l_sums_p_operand else p).sum(-1).T[..., None]  # l sums the FP32 P (psum: P_op)
 
 
 @pytest.mark.parametrize("causal", [False, True])
