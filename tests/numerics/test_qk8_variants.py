@@ -106,6 +106,31 @@ def test_psum_output_is_a_weighted_mean_of_v(make_batch) -> None:
     assert float((merge_partials(parts) - 1).abs().max()) < 1e-6
 
 
+@pytest.mark.parametrize("q_lens,kv_lens,causal", [([1, 77, 300], [1, 77, 420], True),
+                                                   ([95, 33, 47], [130, 33, 47], False)])
+def test_psum_moves_o_by_the_fp8_roundings_of_p(q_lens, kv_lens, causal) -> None:
+    """On the inputs of the prefill kernels' GPU tests (Gaussian rows with channel offsets), l summing the e4m3 P
+    moves O by 3e-3 to 7e-3 rms and under 2.5% of max |O| from l summing the FP32 P: the scale of v6n's tolerance
+    against v6l there (`test_prefill_v6_gpu.PSUM_FROM_FP32_SUMS`)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(tokens: int, heads: int, scale: float, offset_std: float) -> torch.Tensor:
+        offsets = torch.zeros(128)
+        offsets[torch.randperm(128, generator=gen)[:8]] = torch.randn(8, generator=gen) * offset_std
+        return (torch.randn(tokens, heads, 128, generator=gen) * scale + offsets).bfloat16()
+
+    tokens = sum(kv_lens)
+    q, k, v = rows(tokens, 32, 1.0, 4.0), rows(tokens, 8, 1.5, 8.0), rows(tokens, 8, 1.0, 0.5)
+    cu_k, cu_q = torch.tensor([0, *kv_lens]).cumsum(0), torch.tensor([0, *q_lens]).cumsum(0)
+    queries = torch.cat([torch.arange(end - n, end) for end, n in zip(cu_k[1:].tolist(), q_lens)])
+    run = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, block_n=64)
+    fp32_sums = attention(q[queries], k, v, variant="mpfa-qk8tile", **run)
+    psum = attention(q[queries], k, v, variant="mpfa-qk8tile-psum", **run)
+    rms = float(((psum - fp32_sums).double().pow(2).mean() / fp32_sums.double().pow(2).mean()).sqrt())
+    assert 3e-3 < rms < 7e-3
+    assert float((psum - fp32_sums).abs().max()) < 0.025 * float(fp32_sums.abs().max())
+
+
 def test_padding_keys_stay_out_of_the_tile_scales(make_batch) -> None:
     """A padded row's keys past its length (here prepared operands of 6 * 448, as the compacted slots of a batch
     may hold) do not enter its last tile's scales: small keys (2**-4 of the usual) would become e4m3 subnormals."""
