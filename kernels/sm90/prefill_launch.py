@@ -9,32 +9,32 @@ runs on a CPU-only machine). The grid needs the longest query length: pass ``max
 device-to-host copy.
 
 Two kernels with the same numerics and launch signature: v1 (`prefill.PrefillSm90`, per-warp global loads) and v2
-(`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs), v2 in two
-CTA sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1 CTA per SM instead of 2).
-v3 (`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA groups 4 and 5, pages of >= 64 keys) matches v1 up
-to FP32 summation order (its 64-key tiles), not bit for bit; on the H200 it passed the GPU tests and ran 1.62x
-faster than v2 at 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows
-per head) and two (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical
-to v3). The default is v3w8c (below) where it applies (session 18 on the H200: 0.964x v3w8's time at 64K, v3w8 itself
-1.39x v3 in session 16; profiles/NOTES.md "Session 18 sitting"), else v2 (v1 for an odd number of query heads: v2
-copies Delta_S as aligned 4-byte words).
-``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n`` or the ``kernel=`` argument of
-`mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
+(`prefill_staged.PrefillSm90Staged`, a CTA-wide cp.async ring in shared memory; bit-identical outputs), v2 in two CTA
+sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1 CTA per SM instead of 2). v3
+(`prefill_wgmma.PrefillSm90Wgmma`, wgmma for both GEMMs, GQA groups 4 and 5, pages of >= 64 keys) matches v1 up to FP32
+summation order (its 64-key tiles), not bit for bit; on the H200 it passed the GPU tests and ran 1.62x faster than v2 at
+64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows per head) and two
+(``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical to v3). The default is
+v3w8c (below) where it applies (session 18 on the H200: 0.964x v3w8's time at 64K, v3w8 itself 1.39x v3 in session 16;
+profiles/NOTES.md "Session 18 sitting"), else v2 (v1 for an odd number of query heads: v2 copies Delta_S as aligned
+4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n`` or the ``kernel=``
+argument of `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
 (`prefill_wgmma_dscol`; v3w8c the default) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
 instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
 (`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K requantized to e4m3 with
-power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 /
-v5w8 (`prefill_wgmma_fp8pv`, opt-in only) are v4 / v4w8 with PV on FP8 wgmma too (V transposed to e4m3 V^T in
-shared memory, P e4m3 in registers, each tile's P V added to O in FP32): the same reference variant. v6
-(`prefill_wgmma_ws`, opt-in only) is v5w8 warp-specialized (a producer warpgroup copies, expands K and transposes V
-into double-buffered operand stages; two consumer warpgroups run v5w8's tile body): v5w8's output bit for bit.
-v6a .. v6n (opt-in, `WS_KERNELS`) are v6 variants that cut instructions per tile (one PV wgmma, O's rescale folded
-into FFMA, a table look-up K expansion, unscaled scores, PV folded every second tile (v6j), P's 448 in the
-exponent (v6k), 128-key consumer steps (v6l), the row sums on the PV wgmma (v6n)), add producers or stages (v6g, v6h, v6m) or schedule the consumers
-(v6f's ping-pong, v6i's intra-warpgroup overlap); profiles/NOTES.md "Prefill v6 variants": v6a / v6c give v6's
-output, v6b / v6d / v6e / v6f / v6g / v6h / v6i differ from it by O's rescale rounding once instead of twice, v6j /
-v6k / v6l / v6m by the FP8 wgmma's sums over a pair of tiles (v6l / v6m: and P's e4m3 rounding against the pair's
-maximum); v6n computes "mpfa-qk8tile-psum" (l sums the e4m3 P).
+power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 / v5w8
+(`prefill_wgmma_fp8pv`, opt-in only) are v4 / v4w8 with PV on FP8 wgmma too (V transposed to e4m3 V^T in shared memory,
+P e4m3 in registers, each tile's P V added to O in FP32): the same reference variant. v6 (`prefill_wgmma_ws`, opt-in
+only) is v5w8 warp-specialized (a producer warpgroup copies, expands K and transposes V into double-buffered operand
+stages; two consumer warpgroups run v5w8's tile body): v5w8's output bit for bit. v6a .. v6n (opt-in, `WS_KERNELS`) are
+v6 variants that cut instructions per tile (one PV wgmma, O's rescale folded into FFMA, a table look-up K expansion,
+unscaled scores, PV folded every second tile (v6j), P's 448 in the exponent (v6k), 128-key consumer steps (v6l), the row
+sums on the PV wgmma (v6n)), add producers or stages (v6g, v6h, v6m) or schedule the consumers (v6f's ping-pong, v6i's
+intra-warpgroup overlap); profiles/NOTES.md "Prefill v6 variants": v6a / v6c give v6's output, v6b / v6d / v6e / v6f /
+v6g / v6h / v6i differ from it by O's rescale rounding once instead of twice, v6j / v6k / v6l / v6m by the FP8 wgmma's
+sums over a pair of tiles (v6l / v6m: and P's e4m3 rounding against the pair's maximum); v6n computes
+"mpfa-qk8tile-psum" (l sums the e4m3 P). v6l .. v6n (`WIDE_KERNELS`) take GQA groups 4 and 5, the other FP8 kernels
+group 4 only.
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -85,9 +85,10 @@ WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v3c": 1, "v3w8c": 2, "v4": 1, "v4w8": 2
 # rows (v6*: its consumers; the CTA has one producer warpgroup more, v6g two)
 FP8_QK_KERNELS = ("v4", "v4w8")  # opt-in: v3 with QK on FP8 wgmma (`prefill_wgmma_fp8qk`, "mpfa-qk8tile" numerics)
 FP8_PV_KERNELS = ("v5", "v5w8")  # opt-in: v4 with PV on FP8 wgmma too (`prefill_wgmma_fp8pv`, "mpfa-qk8tile")
-WGMMA_GROUPS = (4, 5)  # GQA groups of the v3 family (v3, v3w8, v3c, v3w8c; 32:8, 40:8): a warpgroup's 64 rows
-# are 4 heads x 16 rows or 1 head x 64 rows (`prefill_staged_layout.warpgroup_rows`)
-ANY_GROUP_KERNELS = ("v3", "v3w8", *DS_COLUMN_KERNELS)  # the others (FP8 QK / PV, v6): group 4 only
+WGMMA_GROUPS = (4, 5)  # GQA groups of the v3 family (v3, v3w8, v3c, v3w8c; 32:8, 40:8) and of v6l .. v6n: a
+# warpgroup's 64 rows are 4 heads x 16 rows or 1 head x 64 rows (`prefill_staged_layout.warpgroup_rows`)
+WIDE_KERNELS = ("v6l", "v6m", "v6n")  # v6's 128-key consumer steps (`PrefillSm90WgmmaWsWideTile`), groups 4 and 5
+ANY_GROUP_KERNELS = ("v3", "v3w8", *DS_COLUMN_KERNELS, *WIDE_KERNELS)  # the others (FP8 QK / PV, v6 .. v6k): group 4
 WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 
 

@@ -264,14 +264,7 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         q_len = cu_seqlens_q[batch + 1] - q_start
         kv_len = seq_lens_k[batch]
         cta_row0 = m_block * self.block_m
-        row0 = cta_row0 + self.wg_rows * wg  # the warpgroup's first row (of each of its heads)
-        num_tiles, limits, common = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal,
-                                                        tile_keys=TILE_KEYS, warp_rows=self.wg_rows)
-        warp_row0 = row0
-        if cutlass.const_expr(self.wg_rows > ROWS):  # fewer heads than warps: the warp's own 16 rows
-            warp_row0 = row0 + self._warp_row(wg_warp)
-            _, limits, _ = tile_math.warp_plan(warp_row0, q_len, kv_len, g, causal=self.causal, tile_keys=TILE_KEYS,
-                                               warp_rows=ROWS)
+        row0, warp_row0, num_tiles, limits, common = self._warpgroup_plan(cta_row0, wg, wg_warp, q_len, kv_len, g)
         # the CTA walks the tiles its last row sees (v2w8's walk): with 2 warpgroups, the tiles of the later one
         walk = self._walk(Int32(num_tiles), common, cta_row0, q_len, kv_len, g)
 
@@ -307,6 +300,20 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
         self._run_wgmma_tiles(walk, mmas, state, lam_scaled, (k_codes, k_scales, v, delta_s), page_table, batch,
                               kv_head, cta_heads, kv_len, limits, (tid, wg, wg_tid, wg_warp), c, smem)
         self._store_rows(state, acc_o, out, q_start, q_len, warp_row0, head, g, c)
+
+    def _warpgroup_plan(self, cta_row0, wg, wg_warp, q_len, kv_len, g) -> tuple:
+        """(the warpgroup's first row (of each of its heads), the warp's first row, the tiles the warpgroup's rows
+        see, (last key row g sees, row g + 8's) of the warp's rows, leading keys all the warpgroup's rows see):
+        with fewer heads than warps (group 5: one head x 64 rows) each warp masks with its own 16 rows' limits."""
+        row0 = cta_row0 + self.wg_rows * wg
+        num_tiles, limits, common = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal,
+                                                        tile_keys=TILE_KEYS, warp_rows=self.wg_rows)
+        warp_row0 = row0
+        if self.wg_rows > ROWS:
+            warp_row0 = row0 + self._warp_row(wg_warp)
+            _, limits, _ = tile_math.warp_plan(warp_row0, q_len, kv_len, g, causal=self.causal, tile_keys=TILE_KEYS,
+                                               warp_rows=ROWS)
+        return row0, warp_row0, num_tiles, limits, common
 
     def _qk_operands(self, smem_ptr, q_offset, k_offset):
         """(QK's tiled MMA, Q and K operand tiles in shared memory) in ``qk_dtype`` (v3: FP16 ``m64n64k16`` in

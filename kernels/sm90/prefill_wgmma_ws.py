@@ -104,7 +104,6 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
 
     ring_stages = RING_STAGES
     operand_stages = OPERAND_STAGES  # v6h: 3
-    staged_ds_bytes = 0  # v6l: the tile's Delta_S as FP32 in each operand stage, after K and V^T
     producer_warpgroups = 1  # v6g: 2
     producer_regs = PRODUCER_REGS
     consumer_regs = CONSUMER_REGS
@@ -121,7 +120,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         self.stages = self.ring_stages
         q_bytes = CONSUMERS * self.qk_bytes
         # K (e4m3) + V^T (e4m3) (+ v6l's FP32 Delta_S), 1 KB-aligned (K's 128-byte swizzle)
-        stage_bytes = self.qk_bytes + self.v_bytes + (self.staged_ds_bytes if compensate else 0)
+        stage_bytes = self.qk_bytes + self.v_bytes + (self.staged_ds_bytes() if compensate else 0)
         self.operand_stage_bytes = -(-stage_bytes // OPERAND_ALIGN) * OPERAND_ALIGN
         ring = q_bytes + self.operand_stages * self.operand_stage_bytes
         # (Q tile of consumer 0, K and V^T of operand stage 0 (stage s: + s operand_stage_bytes), ring)
@@ -129,6 +128,10 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         self.barrier_offset = ring + self.stages * self.tile_bytes  # full[0..n-1], empty[0..n-1]: 8 bytes each
         self.exponent_offset = self.barrier_offset + 8 * 2 * self.operand_stages  # the tile's K exponent per stage
         self.smem_bytes = self.exponent_offset + 4 * self.operand_stages
+
+    def staged_ds_bytes(self) -> int:
+        """Bytes of the operand stage's FP32 copy of the tile's Delta_S: none here (v6l: 4 per head and key)."""
+        return 0
 
     @property
     def min_ctas_per_sm(self) -> int:
@@ -213,6 +216,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
             (k_scales.iterator.toint(), head_slot),
             (delta_s.iterator.toint() + 4 * sl.ds_first_word(group_first), head_slot),
         )
+        ds_lead = 0 if self.heads % 2 == 0 else sl.ds_lead(group_first)  # bytes to the first head in its word
         threads = (tid, 0, tid, warp)  # (tid, warpgroup, thread and warp in it): one producer, warpgroup 0
         if cutlass.const_expr(self.producer_warpgroups > 1):
             threads = (tid, warp >> 2, tid & (THREADS - 1), warp & 3)
@@ -230,15 +234,16 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         self._fetch_page(page, table_row, HALVES * ws_ring_copy(0, cta_tiles, self.stages, self.operand_stages)[0])
         masked_tiles, full_tiles = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
         for step in cutlass.range(masked_tiles, unroll=1):
-            self._produce_step(True, step, cta_tiles, page, table_row, ring, kv_len, threads, sources, smem, bars)
+            self._produce_step(True, step, cta_tiles, page, table_row, ring, kv_len, threads, sources, smem, bars,
+                               ds_lead)
         for step in cutlass.range(full_tiles, unroll=1):
             self._produce_step(False, masked_tiles + step, cta_tiles, page, table_row, ring, kv_len, threads, sources,
-                               smem, bars)
+                               smem, bars, ds_lead)
         cp_async_wait(0)  # only empty groups can be pending here
 
     @cute.jit
     def _produce_step(self, masked: cutlass.Constexpr, step, cta_tiles, page: cute.Tensor, table_row, ring, kv_len,
-                      threads, sources, smem, bars):
+                      threads, sources, smem, bars, ds_lead):
         """Walk step ``step``: wait for operand stage s to be free, issue the copy ``RING_STAGES - n`` steps ahead,
         wait for this step's tile, expand K and transpose V into stage s, arrive on ``full[s]``."""
         s, parity = stage_parity(step, self.operand_stages)
@@ -259,7 +264,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         operands = smem + s * self.operand_stage_bytes  # + offsets[1] / [2]: K / V^T of stage s
         e = self._expand_k_e4m3(stage, threads, operands)
         self._expand_v(stage, threads, operands)
-        self._stage_delta_s(stage, threads, operands)
+        self._stage_delta_s(stage, threads, operands, ds_lead)
         if threads[0] == 0:  # 2**e_k as FP32 bits for the consumers (`_qk_scores`' tile scale)
             store_shared_u32(smem + self.exponent_offset + 4 * s, (e + Uint32(127)) << 23)
         cute.arch.fence_proxy("async.shared", space="cta")  # this thread's operand stores, visible to wgmma
@@ -268,7 +273,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
     def _init_operand_stages(self, tid, smem):
         """Before the CTA's barrier: nothing here (v6n: the ones row of each operand stage's V^T)."""
 
-    def _stage_delta_s(self, stage, threads, operands):
+    def _stage_delta_s(self, stage, threads, operands, ds_lead):
         """The producer's copy of the tile's Delta_S into the operand stage: none here (v6l's FP32 copy); the
         consumers read the ring stage's BF16."""
 
@@ -283,9 +288,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         c = lane & 3
         g = lane >> 2
         head, kv_head, cta_heads = self._heads(block_head, wg_warp)
-        row0 = cta_row0 + ROWS * wg
-        num_tiles, limits, _ = tile_math.warp_plan(row0, q_len, kv_len, g, causal=self.causal, tile_keys=TILE_KEYS,
-                                                   warp_rows=ROWS)
+        row0, warp_row0, num_tiles, limits, _ = self._warpgroup_plan(cta_row0, wg, wg_warp, q_len, kv_len, g)
         smem = smem_ptr.toint()
         q_offset = cute.assume(self.offsets[0] + wg * self.qk_bytes, divby=self.qk_bytes)
         mma_qk, s_q, _ = self._qk_operands(smem_ptr, q_offset, self.offsets[1])
@@ -303,7 +306,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         state[1] = -math.inf
         state[2] = Float32(0.0)
         state[3] = Float32(0.0)
-        self._row_exponents(state, q_scales, q_start, q_len, row0, head, g)
+        self._row_exponents(state, q_scales, q_start, q_len, warp_row0, head, g)
         self._expand_q(q_codes, q_scales, q_start, q_len, row0, cta_heads[0], wg_tid, smem + q_offset)
         cute.arch.fence_proxy("async.shared", space="cta")  # the Q stores, visible to wgmma
         cute.arch.barrier(barrier_id=CONSUMER_BARRIER + wg, number_of_threads=THREADS)  # the warpgroup's Q tile
@@ -315,7 +318,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         fixed = (mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o)
         self._consume_walk(walk, num_tiles, ring, fixed, state, lam_scaled, ds_lane, limits, c, smem_ptr, bars)
         self._pingpong_end(wg)
-        self._store_rows(state, acc_o, out, q_start, q_len, row0, head, g, c)
+        self._store_rows(state, acc_o, out, q_start, q_len, warp_row0, head, g, c)
 
     def _ds_lane(self, group_first, head_in_cta, c):
         """The lane's Delta_S offset in a ring stage (`prefill_staged_layout.ds_lane_base`)."""
@@ -741,31 +744,41 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     for PV on FP8."""
 
     operand_stages = WIDE_OPERAND_STAGES
-    staged_ds_bytes = 4 * 4 * TILE_KEYS  # FP32 Delta_S of the CTA's 4 heads x 64 keys (`ds_staged_offset`)
+    any_group = True  # 4 heads x 16 rows or (group 5) 1 head x 64 rows per consumer warpgroup
 
-    def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
-        assert self.heads * TILE_KEYS // self.producer_threads in (1, 2), "Delta_S staged 1 or 2 keys per thread"
+    def staged_ds_bytes(self) -> int:
+        """FP32 Delta_S of the CTA's heads x 64 keys (`ds_staged_offset`)."""
+        return 4 * self.heads * TILE_KEYS
 
     @cute.jit
-    def _stage_delta_s(self, stage, threads, operands):
-        """The tile's BF16 Delta_S (ring stage ``stage``, [key][head] per 32-key half) -> FP32 bits in the operand
-        stage, in the consumers' order (`ds_staged_offset`): each producer thread copies ``n`` consecutive keys of
-        one head (one producer warpgroup: n = 2, warp w head w, lane l keys 2l, 2l + 1, one 8-byte store; two: n =
-        1), so each consumer lane reads 4 keys' Delta_S with one 16-byte load, already FP32 (v6k: 2 loads of 2 bytes
-        and 2 shifts per 4 keys in the consumer's serial tile body)."""
+    def _stage_delta_s(self, stage, threads, operands, ds_lead):
+        """The tile's BF16 Delta_S (ring stage ``stage``, [key][head] per 32-key half, the CTA's first head
+        ``ds_lead`` bytes into the key's first word) -> FP32 bits in the operand stage, in the consumers' order
+        (`ds_staged_offset`): each producer thread copies ``n`` consecutive keys of one head (4 heads: n = 2 with
+        one producer warpgroup, warp w head w, lane l keys 2l, 2l + 1, one 8-byte store; n = 1 with two; one head:
+        the first 64 threads, n = 1), so each consumer lane reads 4 keys' Delta_S with one 16-byte load, already
+        FP32 (v6k: 2 loads of 2 bytes and 2 shifts per 4 keys in the consumer's serial tile body)."""
         if cutlass.const_expr(self.compensate):
-            n = self.heads * TILE_KEYS // self.producer_threads
-            per_head = TILE_KEYS // n  # threads per head
-            head = threads[0] >> (per_head.bit_length() - 1)
-            key = (threads[0] & (per_head - 1)) * n
-            words = sl.ds_words(self.heads)
-            source = stage + (key >> 5) * self.stage_bytes + sl.DS_OFFSET + 4 * words * (key & 31) + 2 * head
-            target = operands + self.offsets[2] + self.v_bytes + ds_staged_offset(head, key)
-            if cutlass.const_expr(n == 2):
-                store_shared_v2_u32(target, load_shared_u16(source) << 16, load_shared_u16(source + 4 * words) << 16)
+            n = max(1, self.heads * TILE_KEYS // self.producer_threads)
+            active = TILE_KEYS // n * self.heads  # threads with keys to copy
+            if cutlass.const_expr(active < self.producer_threads):
+                if threads[0] < active:
+                    self._stage_keys(stage, threads[0], operands, ds_lead, n)
             else:
-                store_shared_u32(target, load_shared_u16(source) << 16)
+                self._stage_keys(stage, threads[0], operands, ds_lead, n)
+
+    def _stage_keys(self, stage, tid, operands, ds_lead, n: int):
+        """Producer thread ``tid``'s ``n`` keys of one head (`_stage_delta_s`)."""
+        per_head = TILE_KEYS // n  # threads per head
+        head = tid >> (per_head.bit_length() - 1)
+        key = (tid & (per_head - 1)) * n
+        words = sl.ds_words(self.heads)
+        source = stage + (key >> 5) * self.stage_bytes + sl.DS_OFFSET + 4 * words * (key & 31) + ds_lead + 2 * head
+        target = operands + self.offsets[2] + self.v_bytes + ds_staged_offset(head, key)
+        if n == 2:
+            store_shared_v2_u32(target, load_shared_u16(source) << 16, load_shared_u16(source + 4 * words) << 16)
+        else:
+            store_shared_u32(target, load_shared_u16(source) << 16)
 
     def _ds_lane(self, group_first, head_in_cta, c):
         """The lane's offset in the staged FP32 Delta_S tile."""

@@ -23,7 +23,8 @@ from mpfa.kernels.sm90 import prefill_launch  # noqa: E402
 from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m, prefill_kernel  # noqa: E402
 from mpfa.kernels.sm90.sass import SMEM_PER_CTA, WARPGROUP, ctas_per_sm, loops_issuing, mma_loops  # noqa: E402
 
-CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32")]  # (KV heads, group, page, causal, out)
+CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32"),  # (KV heads, group, page, causal, out)
+           (8, 5, 128, True, "BFloat16")]  # GQA 40:8: v6l .. v6n only (a consumer warpgroup = one head x 64 rows)
 BUILDS = [(CONFIGS[0], True, "v6"), (CONFIGS[0], False, "v6"), (CONFIGS[1], True, "v6")]
 IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-f32-page64"]
 # the variants (`prefill_launch.WS_KERNELS`): each causal BF16; v6f (every change), v6i and v6l (their own walks)
@@ -31,9 +32,10 @@ IDS = ["v6-causal-bf16-page128", "v6-causal-bf16-page128-direct", "v6-noncausal-
 VARIANTS = ("v6a", "v6b", "v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")
 VARIANT_BUILDS = ([(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True, "v6f"), (CONFIGS[1], True, "v6i"),
                                                                 (CONFIGS[0], False, "v6i"), (CONFIGS[1], True, "v6l"),
-                                                                (CONFIGS[0], False, "v6l")])
+                                                                (CONFIGS[0], False, "v6l"), (CONFIGS[2], True, "v6l"),
+                                                                (CONFIGS[2], True, "v6n")])
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}{'' if comp else '-direct'}"
-               for config, comp, kernel in VARIANT_BUILDS]
+               f"{'-40:8' if config[1] == 5 else ''}" for config, comp, kernel in VARIANT_BUILDS]
 ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")  # PV as one m64n128k32 into
 # a fresh accumulator (v6j / v6k: onto the pair's accumulator on a pair's second tile)
 FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6l", "v6m", "v6n")  # O = O alpha + P V in one FFMA, no vote
@@ -92,7 +94,8 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     producers = 2 if kernel in TWO_PRODUCERS else 1
     threads = (producers + ws.CONSUMERS) * WARPGROUP
     assert launcher.producer_warpgroups == producers and launcher.producer_threads == producers * WARPGROUP
-    assert launcher.threads == threads and launcher.block_m == kernel_block_m(4, kernel) == 32
+    block_m = {4: 32, 5: 128}[config[1]]  # 2 consumer warpgroups of 4 heads x 16 rows or of 1 head x 64 rows
+    assert launcher.threads == threads and launcher.block_m == kernel_block_m(config[1], kernel) == block_m
     smem = launcher.smem_bytes + int(re.search(r"SHARED:(\d+)", usage).group(1))
     assert smem <= SMEM_PER_CTA and ctas_per_sm(registers, threads, smem) == 1, (registers, smem)
     # setmaxnreg moves registers within the CTA's launch allocation: 128 (producers p + 2c) <= threads x launch
@@ -213,6 +216,8 @@ def test_v6_is_opt_in(monkeypatch: pytest.MonkeyPatch):
 def test_v6_limits_are_clear_errors():
     with pytest.raises(ValueError, match="group 4 only"):
         compile_prefill_kernel(8, 5, 128, True, "BFloat16", kernel="v6")
+    with pytest.raises(ValueError, match="group 4 or 5 only"):  # the 128-key kernels take 40:8 too
+        compile_prefill_kernel(8, 6, 128, True, "BFloat16", kernel="v6l")
     with pytest.raises(ValueError, match="page_size >= 64"):
         compile_prefill_kernel(8, 4, 32, True, "BFloat16", kernel="v6")
 
@@ -271,8 +276,9 @@ def test_staged_delta_s_layout():
 
     heads, keys = 4, TILE_KEYS
     offsets = {ds_staged_offset(h, k): (h, k) for h in range(heads) for k in range(keys)}
-    assert sorted(offsets) == list(range(0, PrefillSm90WgmmaWsWideTile.staged_ds_bytes, 4))
-    assert PrefillSm90WgmmaWsWideTile.staged_ds_bytes == 4 * heads * keys
+    assert sorted(offsets) == list(range(0, 4 * heads * keys, 4))
+    assert PrefillSm90WgmmaWsWideTile(8, 4, 128, True).staged_ds_bytes() == 4 * heads * keys
+    assert PrefillSm90WgmmaWsWideTile(8, 5, 128, True).staged_ds_bytes() == 4 * keys  # one head per CTA
     for h in range(heads):
         for c in range(4):
             for i in range(keys // 16):

@@ -184,3 +184,22 @@ def test_v6_variant_direct_builds(gen, kernel):
         assert torch.equal(out, v6)
     else:
         assert v1_tests._rms_ratio(out, v6) <= FOLD_RMS
+
+
+WIDE = ("v6l", "v6m", "v6n")  # GQA groups 4 and 5
+GROUP5_CASES = [case[1:] for case in v3_tests.SHAPES if case[0] == 40]
+GROUP5_IDS = [name for name in v3_tests.SHAPE_IDS if name.startswith("40:8")]
+
+
+@pytest.mark.parametrize("kernel", WIDE)
+@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", GROUP5_CASES, ids=GROUP5_IDS)
+def test_wide_kernels_at_gqa_40_8(gen, kernel, q_lens, kv_lens, page_size, causal):
+    """v6l .. v6n at 40:8 (a consumer warpgroup is one head x 64 rows, a CTA 128 rows; each warp masks with its own
+    rows; the producer stages one head's Delta_S from wherever it starts in its 4-byte word): the oracle's bounds
+    with their 32:8 slack, and v6m = v6l bit for bit."""
+    problem = v1_tests._problem(gen, q_lens, kv_lens, 40, 8, page_size)
+    slack_rms, slack_max = ORACLE_SLACK[kernel]
+    out, _ = v4_tests.run_against_oracle(problem, causal, kernel, RMS + slack_rms, MAX + slack_max)
+    assert bool(torch.isfinite(out).all())
+    if kernel == "v6m":
+        assert torch.equal(out, v1_tests._run(problem, causal, kernel="v6l")), "v6m differs from v6l at 40:8"
