@@ -167,6 +167,14 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         out: cute.Tensor,
         lam_scaled: Float32,
     ):
+        self._roles(q_codes, q_scales, cu_seqlens_q, seq_lens_k, out, lam_scaled,
+                    ((k_codes, k_scales, v, delta_s), page_table))
+
+    @cute.jit
+    def _roles(self, q_codes: cute.Tensor, q_scales: cute.Tensor, cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor,
+               out: cute.Tensor, lam_scaled: Float32, inputs):
+        """The CTA: its walk, the mbarriers, then the producer warpgroups' `_produce` (from ``inputs``: the cache
+        and page table here, v7's expanded operand images) and the consumers' `_consume`."""
         tid, _, _ = cute.arch.thread_idx()
         warp, lane = self._warp_lane(tid)
         role = warp >> 2  # producers first, then the 2 consumers (warpgroup-uniform)
@@ -192,21 +200,21 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
 
         if role < self.producer_warpgroups:
             cute.arch.setmaxregister_decrease(self.producer_regs)
-            self._produce(walk, (k_codes, k_scales, v, delta_s), page_table, batch, block_head, kv_len, tid, warp,
-                          smem_ptr, bars)
+            self._produce(walk, inputs, batch, block_head, kv_len, tid, warp, smem_ptr, bars)
         else:
             cute.arch.setmaxregister_increase(self.consumer_regs)
-            self._consume(walk, q_codes, q_scales, (k_scales, delta_s), out, lam_scaled, block_head, batch, q_start,
+            self._consume(walk, q_codes, q_scales, out, lam_scaled, block_head, batch, q_start,
                           q_len, kv_len, cta_row0, role - self.producer_warpgroups, tid & (THREADS - 1), warp & 3, lane,
                           smem_ptr, bars)
 
     # --- the producer warpgroup -------------------------------------------------------------------------------------
 
     @cute.jit
-    def _produce(self, walk, cache, page_table: cute.Tensor, batch, block_head, kv_len, tid, warp, smem_ptr, bars):
-        """The CTA's tiles into the operand stages: the ring prologue, then one `_produce_step` per walk step."""
+    def _produce(self, walk, inputs, batch, block_head, kv_len, tid, warp, smem_ptr, bars):
+        """The CTA's tiles into the operand stages (``inputs``: the cache's tensors and the page table): the ring
+        prologue, then one `_produce_step` per walk step."""
         cta_tiles, cta_common = walk
-        k_codes, k_scales, v, delta_s = cache
+        (k_codes, k_scales, v, delta_s), page_table = inputs
         _, kv_head, (first_head, _) = self._heads(block_head, warp)
         group_first = first_head - kv_head * self.group
         head_slot = kv_head * k_scales.shape[1]
@@ -280,11 +288,9 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
     # --- the consumer warpgroups ------------------------------------------------------------------------------------
 
     @cute.jit
-    def _consume(self, walk, q_codes: cute.Tensor, q_scales: cute.Tensor, cache, out: cute.Tensor, lam_scaled,
+    def _consume(self, walk, q_codes: cute.Tensor, q_scales: cute.Tensor, out: cute.Tensor, lam_scaled,
                  block_head, batch, q_start, q_len, kv_len, cta_row0, wg, wg_tid, wg_warp, lane, smem_ptr, bars):
         """Consumer ``wg``: v5w8's warpgroup ``wg`` (its Q tile, rows, softmax state, O) on the operand stages."""
-        cta_tiles, cta_common = walk
-        k_scales, delta_s = cache
         c = lane & 3
         g = lane >> 2
         head, kv_head, cta_heads = self._heads(block_head, wg_warp)
