@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from mpfa.kernels.sm90.decode_launch import LEAN_KERNELS
-from mpfa.kernels.sm90.prefill_launch import WS_KERNELS
+from mpfa.kernels.sm90.prefill_launch import PRE_KERNELS, WS_KERNELS
 from mpfa.profiles.kernel_adapter import KernelAdapter
 from mpfa.profiles.kernels_fa4 import Fa4Bf16
 from mpfa.profiles.kernels_flashinfer import FlashInferPaged
@@ -18,6 +18,7 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     MpfaAdapter("v5"), MpfaAdapter("v5w8"),  # v4 with PV on FP8 too (mpfa-qk8tile numerics)
                     # v6 (v5w8 warp-specialized: a producer warpgroup, two consumers) and its variants
                     *(MpfaAdapter(v) for v in WS_KERNELS),
+                    *(MpfaAdapter(v) for v in PRE_KERNELS),  # v7: v6n on operand images (timed with their pass)
                     MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
                     *(MpfaAdapter(decode_kernel=v) for v in LEAN_KERNELS),  # decode_lean (12 / 14 warps per SM)
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S

@@ -17,7 +17,7 @@ summation order (its 64-key tiles), not bit for bit; on the H200 it passed the G
 (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical to v3). The default is
 v3w8c (below) where it applies (session 18 on the H200: 0.964x v3w8's time at 64K, v3w8 itself 1.39x v3 in session 16;
 profiles/NOTES.md "Session 18 sitting"), else v2 (v1 for an odd number of query heads: v2 copies Delta_S as aligned
-4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n`` or the ``kernel=``
+4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
 (`prefill_wgmma_dscol`; v3w8c the default) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
 instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
@@ -34,7 +34,8 @@ intra-warpgroup overlap); profiles/NOTES.md "Prefill v6 variants": v6a / v6c giv
 v6g / v6h / v6i differ from it by O's rescale rounding once instead of twice, v6j / v6k / v6l / v6m by the FP8 wgmma's
 sums over a pair of tiles (v6l / v6m: and P's e4m3 rounding against the pair's maximum); v6n computes
 "mpfa-qk8tile-psum" (l sums the e4m3 P). v6l .. v6n (`WIDE_KERNELS`) take GQA groups 4 and 5, the other FP8 kernels
-group 4 only.
+group 4 only. v7 (`prefill_wgmma_pre`, opt-in, group 4) runs v6n's consumers on operand images an operand pass
+expands once per prefill (v6n's producer work, byte for byte): v6n's output.
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -79,10 +80,12 @@ WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer 
     "v6m": "PrefillSm90WgmmaWsWideTileTwoProducers",  # v6l with two producer warpgroups (v6l's output)
     "v6n": "PrefillSm90WgmmaWsWideTileMmaSum",  # v6l with the row sums on the tensor cores ("mpfa-qk8tile-psum")
 }
+PRE_KERNELS = ("v7",)  # v6n's consumers on operand images expanded once per prefill (`prefill_wgmma_pre`; group 4)
 DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
+# the wgmma kernel's variants: warpgroups per CTA computing rows (v6*, v7: its consumers; the CTA has one producer
+# warpgroup more, v6g / v6h / v6m two)
 WGMMA_WARPGROUPS = {"v3": 1, "v3w8": 2, "v3c": 1, "v3w8c": 2, "v4": 1, "v4w8": 2, "v5": 1, "v5w8": 2,
-                    **{name: 2 for name in WS_KERNELS}}  # the wgmma kernel's variants: warpgroups per CTA computing
-# rows (v6*: its consumers; the CTA has one producer warpgroup more, v6g two)
+                    **{name: 2 for name in (*WS_KERNELS, *PRE_KERNELS)}}
 FP8_QK_KERNELS = ("v4", "v4w8")  # opt-in: v3 with QK on FP8 wgmma (`prefill_wgmma_fp8qk`, "mpfa-qk8tile" numerics)
 FP8_PV_KERNELS = ("v5", "v5w8")  # opt-in: v4 with PV on FP8 wgmma too (`prefill_wgmma_fp8pv`, "mpfa-qk8tile")
 WGMMA_GROUPS = (4, 5)  # GQA groups of the v3 family (v3, v3w8, v3c, v3w8c; 32:8, 40:8) and of v6l .. v6n: a
@@ -90,6 +93,7 @@ WGMMA_GROUPS = (4, 5)  # GQA groups of the v3 family (v3, v3w8, v3c, v3w8c; 32:8
 WIDE_KERNELS = ("v6l", "v6m", "v6n")  # v6's 128-key consumer steps (`PrefillSm90WgmmaWsWideTile`), groups 4 and 5
 ANY_GROUP_KERNELS = ("v3", "v3w8", *DS_COLUMN_KERNELS, *WIDE_KERNELS)  # the others (FP8 QK / PV, v6 .. v6k): group 4
 WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
+TILE_KEYS_WGMMA = 64  # keys per wgmma tile (v3 .. v7)
 
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
@@ -104,16 +108,16 @@ def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: 
     return name if name in WGMMA_WARPGROUPS or num_q_heads % 2 == 0 else "v1"
 
 
-ROW_SUM_MMA_KERNELS = ("v6n",)  # the softmax's row sums on the PV wgmma: l sums the e4m3 P ("mpfa-qk8tile-psum")
+ROW_SUM_MMA_KERNELS = ("v6n", "v7")  # the softmax's row sums on the PV wgmma: l sums the e4m3 P ("mpfa-qk8tile-psum")
 
 
 def prefill_numerics(kernel: str) -> str:
     """The reference variant (`mpfa.kernels.attention`) a prefill kernel computes: "mpfa-qk8tile" for the kernels
-    with QK on FP8 (v4 .. v6m: Q and K requantized to e4m3), "mpfa-qk8tile-psum" for v6n (l sums the e4m3 P), else
-    "mpfa" (the paper's NVFP4 QK, v1 .. v3w8c)."""
+    with QK on FP8 (v4 .. v6m: Q and K requantized to e4m3), "mpfa-qk8tile-psum" for v6n and v7 (l sums the e4m3
+    P), else "mpfa" (the paper's NVFP4 QK, v1 .. v3w8c)."""
     if kernel in ROW_SUM_MMA_KERNELS:
         return "mpfa-qk8tile-psum"
-    return "mpfa-qk8tile" if kernel in FP8_QK_KERNELS + FP8_PV_KERNELS + tuple(WS_KERNELS) else "mpfa"
+    return "mpfa-qk8tile" if kernel in FP8_QK_KERNELS + FP8_PV_KERNELS + tuple(WS_KERNELS) + PRE_KERNELS else "mpfa"
 
 
 def kernel_block_m(group: int, kernel: str) -> int:
@@ -170,6 +174,21 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     assert (prefill.BLOCK_M, prefill.TILE_KEYS, prefill_staged.TILE_KEYS) == (BLOCK_M, TILE_KEYS, TILE_KEYS)
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8 = cutlass.Uint8
+    query = fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8)
+    cache = (fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16), align=8),
+             fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group)), align=8),
+             fake_tensor(Int32, (None, None), align=4))  # (+ the page table)
+    lengths = fake_tensor(Int32, (None,), align=4), fake_tensor(Int32, (None,), align=4)  # cu_seqlens_q, seq_lens_k
+    out = fake_tensor(getattr(cutlass, out_dtype), (None, hq, d))
+    if kernel in PRE_KERNELS:
+        from mpfa.kernels.sm90 import prefill_wgmma_pre as pre
+
+        images = fake_tensor(u8, (None, pre.IMAGE_BYTES))
+        operand_pass = pre.OperandPass(num_kv_heads, group, page_size, causal, out_dtype, compensate)
+        attention = pre.PrefillSm90WgmmaPre(num_kv_heads, group, page_size, causal, out_dtype, compensate)
+        assert attention.block_m == kernel_block_m(group, kernel)
+        return (compile_kernel(operand_pass, *cache, lengths[1], images, Int32(1)),
+                compile_kernel(attention, *query, images, Int32(1), *lengths, out, Float32(1.0), Int32(1)))
     if kernel in WGMMA_WARPGROUPS:
         cls = (getattr(prefill_wgmma_ws, WS_KERNELS[kernel]) if kernel in WS_KERNELS
                else prefill_wgmma_fp8pv.PrefillSm90WgmmaFp8Pv if kernel in FP8_PV_KERNELS
@@ -186,15 +205,7 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     else:
         launcher = prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype,
                                        FULL if ablation is None else ablation, compensate)
-    return compile_kernel(
-        launcher,
-        fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
-        fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16), align=8),
-        fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group)), align=8),
-        fake_tensor(Int32, (None, None), align=4), fake_tensor(Int32, (None,), align=4),
-        fake_tensor(Int32, (None,), align=4), fake_tensor(getattr(cutlass, out_dtype), (None, hq, d)),
-        Float32(1.0), Int32(1),
-    )
+    return compile_kernel(launcher, *query, *cache, *lengths, out, Float32(1.0), Int32(1))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -292,7 +303,28 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
     compiled = compile_prefill_kernel(*config, ablation, name, compensate)
     lam = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))
     u8 = torch.uint8
+    num_m_blocks = -(-max_seqlen_q // kernel_block_m(group, name))
+    if name in PRE_KERNELS:
+        _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out,
+                           lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks)
+        return out
     compiled(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
-             cache.delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam * 2.0**SCORE_SCALE_LOG2,
-             -(-max_seqlen_q // kernel_block_m(group, name)))
+             cache.delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks)
     return out
+
+
+def _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled: float,
+                       num_m_blocks: int) -> None:
+    """v7: the operand pass into a fresh images buffer (`prefill_wgmma_pre`: batch x KV heads x the page table's
+    tiles, 18 KB each; the longest sequence is not read back from the device), then the attention on it."""
+    from mpfa.kernels.sm90.prefill_wgmma_pre import IMAGE_BYTES
+
+    operand_pass, attention = compiled
+    max_tiles = page_table.shape[1] * cache.page_size // TILE_KEYS_WGMMA
+    images = torch.empty((seq_lens_k.shape[0] * cache.num_kv_heads * max_tiles, IMAGE_BYTES), dtype=torch.uint8,
+                         device=out.device)
+    u8 = torch.uint8
+    operand_pass(cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8), cache.delta_s, page_table, seq_lens_k,
+                 images, max_tiles)
+    attention(query.codes, query.scales.view(u8), images, max_tiles, cu_seqlens_q, seq_lens_k, out, lam_scaled,
+              num_m_blocks)

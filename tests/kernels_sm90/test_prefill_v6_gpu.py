@@ -203,3 +203,18 @@ def test_wide_kernels_at_gqa_40_8(gen, kernel, q_lens, kv_lens, page_size, causa
     assert bool(torch.isfinite(out).all())
     if kernel == "v6m":
         assert torch.equal(out, v1_tests._run(problem, causal, kernel="v6l")), "v6m differs from v6l at 40:8"
+
+
+LONG_CAUSAL_BATCH = ([4500, 3001, 64], [4500, 3300, 4000], 128, True)  # rings wrapping many times
+
+
+@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", [*CASES, LONG_CAUSAL_BATCH], ids=[*IDS, "long-causal-batch"])
+def test_v7_is_v6n_on_its_operand_images(gen, q_lens, kv_lens, page_size, causal):
+    """v7 (`prefill_wgmma_pre`: v6n's consumers on operand images the operand pass expanded once per prefill, v6n's
+    producer work byte for byte): v6n's output bit for bit; the images of tiles past a sequence's end are never
+    read (pages of 64 and 128, ragged batches)."""
+    problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, page_size)
+    out = v1_tests._run(problem, causal, kernel="v7")
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    v6n = v1_tests._run(problem, causal, kernel="v6n")
+    assert torch.equal(out, v6n), f"v7 differs from v6n (max |diff| {v3_tests._max_diff(out, v6n)})"

@@ -1,0 +1,185 @@
+"""MpFA prefill v7: v6n's consumers on operand images expanded once per prefill.
+
+In v6 .. v6n every CTA expands each K tile it walks (NVFP4 -> e4m3 with the tile's power-of-two scale), transposes
+its V and stages its Delta_S: the producer warpgroup's ~445 instructions per 64-key tile (v6l), more than a
+consumer's 293.5, repeated by every CTA that walks the tile (~1000 per tile at 64K; profiles/NOTES.md "Prefill v7").
+Here one pass (`OperandPass`, one 128-thread CTA per (tile, KV head, sequence)) runs that producer work once per
+tile into an **operand image** in global memory, byte for byte what v6n's producer leaves in an operand stage:
+e4m3 K [64 keys][128] in the QK wgmma's layout, e4m3 V^T [136 rows][64 keys] (rows 128 .. 135: v6n's row of ones and
+zeros), the tile's FP32 Delta_S in the consumers' order, the tile's K exponent as FP32 bits (`EXPONENT_OFFSET`).
+v7's producer warpgroup then only copies images into its operand stages (cp.async, 9 x 16 bytes per thread and
+tile); its consumers are v6n's. Same operand bytes, same consumer code: **v6n's output bit for bit**. GQA group 4.
+
+The images: uint8 [batch x KV heads x ``max_tiles``, `IMAGE_BYTES`] (`image_row`); ``max_tiles`` covers the longest
+sequence (the launcher sizes it from the page table's width, without reading the lengths). A tile past a
+sequence's end is not written and never read.
+"""
+
+from __future__ import annotations
+
+import cutlass
+import cutlass.cute as cute
+from cutlass import Float32, Int32, Int64, Uint32
+
+from mpfa.kernels.sm90 import prefill_staged_layout as sl
+from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, THREADS, TILE_KEYS
+from mpfa.kernels.sm90.prefill_wgmma_ws import (E4M3_ONES, ROW_SUM_COLUMNS, PrefillSm90WgmmaWsWideTileMmaSum,
+                                                stage_parity)
+from mpfa.kernels.sm90.ptx import (bits_to_f32, cp_async_16, cp_async_commit, cp_async_wait, load_shared_u32,
+                                   load_shared_v4_u32, load_u32, store_v4_u32)
+from mpfa.kernels.sm90.smem_pipeline import store_shared_u32, store_shared_v4_u32
+
+PRE_OPERAND_STAGES = 8  # v7: no raw ring, so twice v6n's operand stages (8 x 18 KB) for the copies in flight
+UNITS_PER_THREAD = 9  # 16-byte units of an image per producer thread: 18432 / 16 / 128
+
+
+def image_bytes() -> int:
+    """Bytes of one operand image: v6n's compensated operand stage (K, V^T with the ones rows, Delta_S, 1 KB-aligned)."""
+    stage = TILE_KEYS * HEAD_DIM + (HEAD_DIM + ROW_SUM_COLUMNS) * TILE_KEYS + 4 * 4 * TILE_KEYS
+    return -(-stage // OPERAND_ALIGN) * OPERAND_ALIGN
+
+
+IMAGE_BYTES = image_bytes()  # 18432
+EXPONENT_OFFSET = IMAGE_BYTES - 16  # the tile's 2**e_k as FP32 bits, in the image's padding
+
+
+def image_row(batch, kv_head, tile, num_kv_heads: int, max_tiles):
+    """Row of the images tensor holding sequence ``batch``'s tile ``tile`` of KV head ``kv_head``."""
+    return (Int64(batch) * num_kv_heads + kv_head) * max_tiles + tile
+
+
+class OperandPass(PrefillSm90WgmmaWsWideTileMmaSum):
+    """The once-per-prefill expansion: v6n's producer steps for one tile per CTA (128 threads: the producer
+    warpgroup's copy of the raw tile into a ring stage, the K expansion, the V transpose, the Delta_S staging), the
+    ones rows and the exponent, then the image stored to global memory. Shared memory: the image, one ring stage."""
+
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool = True,
+                 out_dtype: str = "BFloat16", compensate: bool = True):
+        if group != 4 or not compensate:
+            raise ValueError("the v7 prefill's operand pass supports GQA group 4 and the compensated build only")
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate)
+        assert self.operand_stage_bytes == IMAGE_BYTES and self.producer_threads == THREADS
+        # (image's K at 0, image's V^T, the ring stage after the image)
+        self.offsets = (0, 0, self.qk_bytes, IMAGE_BYTES)
+        self.pass_smem_bytes = IMAGE_BYTES + self.tile_bytes
+
+    @cute.jit
+    def __call__(self, k_codes: cute.Tensor, k_scales: cute.Tensor, v: cute.Tensor, delta_s: cute.Tensor,
+                 page_table: cute.Tensor, seq_lens_k: cute.Tensor, images: cute.Tensor, max_tiles: Int32, stream):
+        self.pass_kernel(k_codes, k_scales, v, delta_s, page_table, seq_lens_k, images, max_tiles).launch(
+            grid=(max_tiles, self.num_kv_heads, seq_lens_k.shape[0]), block=(THREADS, 1, 1),
+            smem=self.pass_smem_bytes, stream=stream)
+
+    @cute.kernel
+    def pass_kernel(self, k_codes: cute.Tensor, k_scales: cute.Tensor, v: cute.Tensor, delta_s: cute.Tensor,
+                    page_table: cute.Tensor, seq_lens_k: cute.Tensor, images: cute.Tensor, max_tiles: Int32):
+        tid, _, _ = cute.arch.thread_idx()
+        tile_index, kv_head, batch = cute.arch.block_idx()
+        kv_len = seq_lens_k[batch]
+        if tile_index * TILE_KEYS < kv_len:
+            warp = tid >> 5
+            threads = (tid, 0, tid, warp)
+            head_slot = kv_head * k_scales.shape[1]
+            sources = ((k_codes.iterator.toint() + kv_head * sl.K_ROW_BYTES, 0),
+                       (v.iterator.toint() + kv_head * HEAD_DIM, 0),
+                       (k_scales.iterator.toint(), head_slot),
+                       (delta_s.iterator.toint(), head_slot))
+            table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
+            smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN).toint()
+            ring = smem + self.offsets[3]
+            page = Int32(load_u32(self._page_entry(table_row, HALVES * tile_index)))
+            self._copy_wgmma_tile(tile_index, page, ring, kv_len, threads, sources, True)
+            cp_async_commit()
+            cp_async_wait(0)
+            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # every thread's copies landed
+            e = self._expand_k_e4m3(ring, threads, smem)
+            self._expand_v(ring, threads, smem)
+            self._stage_delta_s(ring, threads, smem, 0)
+            ones = smem + self.offsets[2] + HEAD_DIM * TILE_KEYS  # V^T rows 128 .. 135: 32 units of 16 bytes
+            if tid < ROW_SUM_COLUMNS * TILE_KEYS // 16:
+                word = Uint32(cutlass.select_(tid < TILE_KEYS // 16, Uint32(E4M3_ONES), Uint32(0)))
+                store_shared_v4_u32(ones + 16 * tid, word, word, word, word)
+            if tid == 0:
+                store_shared_u32(smem + EXPONENT_OFFSET, (e + Uint32(127)) << 23)
+            cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # the image is whole
+            row = images.iterator.toint() + image_row(batch, kv_head, tile_index, self.num_kv_heads,
+                                                      max_tiles) * IMAGE_BYTES
+            for r in cutlass.range_constexpr(UNITS_PER_THREAD):
+                unit = 16 * (tid + THREADS * r)
+                words = load_shared_v4_u32(smem + unit)
+                store_v4_u32(row + unit, words[0], words[1], words[2], words[3])
+
+
+class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
+    """v7: v6n's consumers; the producer warpgroup copies each step's operand image (`OperandPass`) into the step's
+    operand stage, one step behind its copies (``cp.async.wait_group 1``), and arrives on ``full[s]`` once its own
+    copies of that step have landed and been fenced for wgmma. No raw ring; `PRE_OPERAND_STAGES` operand stages."""
+
+    operand_stages = PRE_OPERAND_STAGES
+
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
+                 compensate: bool = True, warpgroups: int = 2):
+        if group != 4 or not compensate:
+            raise ValueError("the v7 prefill supports GQA group 4 and the compensated build only")
+        super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups)
+        assert self.operand_stage_bytes == IMAGE_BYTES and IMAGE_BYTES == 16 * THREADS * UNITS_PER_THREAD
+        self.barrier_offset = self.offsets[3]  # no ring after the operand stages
+        self.exponent_offset = self.barrier_offset + 8 * 2 * self.operand_stages  # unused: the images carry it
+        self.smem_bytes = self.exponent_offset
+
+    @cute.jit
+    def __call__(self, q_codes: cute.Tensor, q_scales: cute.Tensor, images: cute.Tensor, max_tiles: Int32,
+                 cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor, lam_scaled: Float32,
+                 num_m_blocks: Int32, stream):
+        from mpfa.kernels.sm90 import prefill_grid
+
+        self.pre_kernel(q_codes, q_scales, images, max_tiles, cu_seqlens_q, seq_lens_k, out, lam_scaled).launch(
+            grid=prefill_grid.grid(self.cta_order, self.num_q_heads // self.heads, num_m_blocks, seq_lens_k.shape[0]),
+            block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_ctas_per_sm)
+
+    @cute.kernel
+    def pre_kernel(self, q_codes: cute.Tensor, q_scales: cute.Tensor, images: cute.Tensor, max_tiles: Int32,
+                   cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor, lam_scaled: Float32):
+        self._roles(q_codes, q_scales, cu_seqlens_q, seq_lens_k, out, lam_scaled, (images, max_tiles))
+
+    def _init_operand_stages(self, tid, smem):
+        """Nothing: the images carry V^T's ones rows."""
+
+    @cute.jit
+    def _produce(self, walk, inputs, batch, block_head, kv_len, tid, warp, smem_ptr, bars):
+        """Walk step p: wait for ``empty[s]`` (s = p mod n), cp.async step p's image into stage s, then release
+        step p - 1 to the consumers (its copies waited for, fenced, ``full``); the last step after the walk."""
+        cta_tiles, _ = walk
+        images, max_tiles = inputs
+        _, kv_head, _ = self._heads(block_head, warp)
+        first = images.iterator.toint() + image_row(batch, kv_head, 0, self.num_kv_heads, max_tiles) * IMAGE_BYTES
+        smem = smem_ptr.toint()
+        for step in cutlass.range(cta_tiles, unroll=1):
+            s, parity = stage_parity(step, self.operand_stages)
+            cute.arch.mbarrier_wait(bars + self.operand_stages + s, parity ^ 1)  # both consumers done with step - n
+            source = first + Int64(cta_tiles - 1 - step) * IMAGE_BYTES
+            stage = smem + self.offsets[1] + s * self.operand_stage_bytes
+            for r in cutlass.range_constexpr(UNITS_PER_THREAD):
+                unit = 16 * (tid + THREADS * r)
+                cp_async_16(stage + unit, source + unit, Uint32(16))
+            cp_async_commit()
+            if step > 0:
+                self._release(step - 1, 1, bars)
+        if cta_tiles > 0:
+            self._release(cta_tiles - 1, 0, bars)
+
+    @cute.jit
+    def _release(self, step, pending: cutlass.Constexpr, bars):
+        """Step ``step``'s image landed (``pending`` later groups may still fly), fenced for wgmma: ``full[s]``."""
+        cp_async_wait(pending)
+        cute.arch.fence_proxy("async.shared", space="cta")
+        cute.arch.mbarrier_arrive(bars + stage_parity(step, self.operand_stages)[0])
+
+    @cute.jit
+    def _await_step(self, step, cta_tiles, ring, state: cute.Tensor, smem_ptr, bars):
+        """v6's wait for ``full[s]``, the tile's K exponent read from the stage's image."""
+        s, parity = stage_parity(step, self.operand_stages)
+        cute.arch.mbarrier_wait(bars + s, parity)
+        stage = smem_ptr.toint() + self.offsets[1] + s * self.operand_stage_bytes
+        state[self._TILE_SCALE] = bits_to_f32(load_shared_u32(stage + EXPONENT_OFFSET))
+        return s, cta_tiles - 1 - step, ring

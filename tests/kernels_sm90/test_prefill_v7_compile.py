@@ -1,0 +1,93 @@
+"""The prefill on operand images (v7, `prefill_wgmma_pre`) on a CPU-only machine: both kernels compile for sm_90a
+through the launcher (`compile_prefill_kernel(..., kernel="v7")`). The operand pass: one 128-thread CTA per tile,
+v6n's producer work once (the ring copy, the K expansion's HMUL2, the V transpose) and the image stored with 16-byte
+stores, no MMA, no local memory. The attention: v6l's consumer checks (`test_prefill_v6_compile._check_wide`, v6n's
+m64n136k32 PV without row-sum FADDs) and a producer loop that only copies (9 x 16-byte cp.async per thread and step,
+one ``empty`` wait, one ``full`` arrival after a one-group-behind wait and the proxy fence), with no K / V work."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+from siblings import load
+
+pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
+pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
+
+from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, prefill_numerics  # noqa: E402
+from mpfa.kernels.sm90.sass import loops_issuing, mma_loops  # noqa: E402
+
+v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
+CONFIG = (8, 4, 128, True, "BFloat16")
+
+
+@pytest.fixture(scope="module")
+def v7_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
+    dump = tmp_path_factory.mktemp("prefill_v7")
+    compile_sm90(f"""
+        from pathlib import Path
+        from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
+        dump = Path({str(dump)!r})
+        compile_prefill_kernel(*{CONFIG!r}, kernel="v7")
+        for name, class_name in (("pass", "OperandPass"), ("attention", "PrefillSm90WgmmaPre")):
+            (path,) = dump.glob(f"*{{class_name}}_*.cubin")
+            path.rename(dump / f"{{name}}.cubin")
+        """, dump)
+    return {name: dump / f"{name}.cubin" for name in ("pass", "attention")}
+
+
+def test_operand_pass_compiles_for_sm90a(v7_cubins, cuobjdump):
+    usage = cuobjdump("--dump-resource-usage", str(v7_cubins["pass"]))
+    assert re.search(r"LOCAL:0\b", usage) and re.search(r"STACK:0\b", usage), usage
+    sass = cuobjdump("--dump-sass", str(v7_cubins["pass"]))
+    ops = [op.strip() for op in re.findall(r"/\*[0-9a-f]{4,}\*/\s+([^;]*);", sass)]
+    assert not any("GMMA" in op or op.startswith(("STL", "LDL")) for op in ops)
+    assert sum(op.startswith("STG.E.128") for op in ops) == 9  # the 18 KB image, 16 bytes x 9 per thread
+    # v6l's producer: 2 K chunks per thread (ptxas issues half of them as HFMA2.MMA with a -0 addend: a * b + -0 is
+    # the product exactly, HMUL2's rounding)
+    assert sum(op.startswith(("HMUL2", "HFMA2.MMA")) for op in ops) == 2 * (16 + 2)
+    assert sum(op.startswith("LDSM.16.MT88.4") for op in ops) == 4  # the V transpose
+    assert sum(op.startswith("F2FP.SATFINITE.E4M3.F16") for op in ops) == 32  # K's 64 values per thread to e4m3
+
+
+def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
+    usage = cuobjdump("--dump-resource-usage", str(v7_cubins["attention"]))
+    assert re.search(r"REG:168\b", usage) and re.search(r"LOCAL:0\b", usage), usage
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 16
+    sass = cuobjdump("--dump-sass", str(v7_cubins["attention"]))
+    assert "USETMAXREG.DEALLOC.CTAPOOL 0x38" in sass and "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0" in sass
+    consumer_loops = mma_loops(sass)
+    assert len(consumer_loops) == 2, [len(body) for body in consumer_loops]
+    for whole, body in enumerate(consumer_loops):
+        assert not any(op.startswith(("STL", "LDL")) for op in body)
+        v6_tests._check_wide(body, True, bool(whole), True)
+    (producer,) = loops_issuing(sass, ("LDGSTS",))
+    assert sum(op.startswith("LDGSTS.E.BYPASS.128") for op in producer) == 9
+    assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in producer) == 1  # wait empty[s]
+    assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in producer) == 1  # arrive full[s - 1]
+    assert sum(op.startswith("DEPBAR.LE SB0, 0x1") for op in producer) == 1 and "FENCE.VIEW.ASYNC.S" in producer
+    assert not any(op.startswith(("HMUL2", "LDSM", "STSM", "LDS", "STS", "BAR.")) for op in producer)
+    assert len(producer) < 100
+
+
+def test_images_layout():
+    from mpfa.kernels.sm90 import prefill_wgmma_pre as pre
+    from mpfa.kernels.sm90.prefill_wgmma_ws import PrefillSm90WgmmaWsWideTileMmaSum
+
+    v6n = PrefillSm90WgmmaWsWideTileMmaSum(*CONFIG)
+    assert pre.IMAGE_BYTES == v6n.operand_stage_bytes == 18432 == 16 * 128 * pre.UNITS_PER_THREAD
+    delta_s_end = v6n.qk_bytes + v6n.v_bytes + v6n.staged_ds_bytes()
+    assert delta_s_end <= pre.EXPONENT_OFFSET < pre.IMAGE_BYTES  # the exponent in the image's padding
+    assert [pre.image_row(b, h, t, 8, 5) for b, h, t in ((0, 0, 0), (0, 0, 4), (0, 1, 0), (1, 0, 0))] == [0, 4, 5, 40]
+    v7 = pre.PrefillSm90WgmmaPre(*CONFIG)
+    assert v7.smem_bytes <= 227 * 1024 and v7.offsets[1] + 8 * pre.IMAGE_BYTES == v7.barrier_offset
+    assert prefill_numerics("v7") == "mpfa-qk8tile-psum"
+
+
+def test_v7_limits_are_clear_errors():
+    with pytest.raises(ValueError, match="group 4 only"):
+        compile_prefill_kernel(8, 5, 128, True, "BFloat16", kernel="v7")
+    with pytest.raises(ValueError, match="compensated build only"):
+        compile_prefill_kernel(8, 4, 128, True, "BFloat16", kernel="v7", compensate=False)
