@@ -34,8 +34,8 @@ intra-warpgroup overlap); profiles/NOTES.md "Prefill v6 variants": v6a / v6c giv
 v6g / v6h / v6i differ from it by O's rescale rounding once instead of twice, v6j / v6k / v6l / v6m by the FP8 wgmma's
 sums over a pair of tiles (v6l / v6m: and P's e4m3 rounding against the pair's maximum); v6n computes
 "mpfa-qk8tile-psum" (l sums the e4m3 P). v6l .. v6n (`WIDE_KERNELS`) take GQA groups 4 and 5, the other FP8 kernels
-group 4 only. v7 (`prefill_wgmma_pre`, opt-in, group 4) runs v6n's consumers on operand images an operand pass
-expands once per prefill (v6n's producer work, byte for byte): v6n's output.
+group 4 only. v7 (`prefill_wgmma_pre`, opt-in, groups 4 and 5) runs v6n's consumers on operand images an operand
+pass expands once per prefill (v6n's producer work, byte for byte): v6n's output.
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -80,7 +80,7 @@ WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer 
     "v6m": "PrefillSm90WgmmaWsWideTileTwoProducers",  # v6l with two producer warpgroups (v6l's output)
     "v6n": "PrefillSm90WgmmaWsWideTileMmaSum",  # v6l with the row sums on the tensor cores ("mpfa-qk8tile-psum")
 }
-PRE_KERNELS = ("v7",)  # v6n's consumers on operand images expanded once per prefill (`prefill_wgmma_pre`; group 4)
+PRE_KERNELS = ("v7",)  # v6n's consumers on operand images expanded once per prefill (`prefill_wgmma_pre`)
 DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
 # the wgmma kernel's variants: warpgroups per CTA computing rows (v6*, v7: its consumers; the CTA has one producer
 # warpgroup more, v6g / v6h / v6m two)
@@ -91,7 +91,7 @@ FP8_PV_KERNELS = ("v5", "v5w8")  # opt-in: v4 with PV on FP8 wgmma too (`prefill
 WGMMA_GROUPS = (4, 5)  # GQA groups of the v3 family (v3, v3w8, v3c, v3w8c; 32:8, 40:8) and of v6l .. v6n: a
 # warpgroup's 64 rows are 4 heads x 16 rows or 1 head x 64 rows (`prefill_staged_layout.warpgroup_rows`)
 WIDE_KERNELS = ("v6l", "v6m", "v6n")  # v6's 128-key consumer steps (`PrefillSm90WgmmaWsWideTile`), groups 4 and 5
-ANY_GROUP_KERNELS = ("v3", "v3w8", *DS_COLUMN_KERNELS, *WIDE_KERNELS)  # the others (FP8 QK / PV, v6 .. v6k): group 4
+ANY_GROUP_KERNELS = ("v3", "v3w8", *DS_COLUMN_KERNELS, *WIDE_KERNELS, *PRE_KERNELS)  # the others (v4 .. v6k): group 4
 WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 TILE_KEYS_WGMMA = 64  # keys per wgmma tile (v3 .. v7)
 

@@ -8,7 +8,9 @@ tile into an **operand image** in global memory, byte for byte what v6n's produc
 e4m3 K [64 keys][128] in the QK wgmma's layout, e4m3 V^T [136 rows][64 keys] (rows 128 .. 135: v6n's row of ones and
 zeros), the tile's FP32 Delta_S in the consumers' order, the tile's K exponent as FP32 bits (`EXPONENT_OFFSET`).
 v7's producer warpgroup then only copies images into its operand stages (cp.async, 9 x 16 bytes per thread and
-tile); its consumers are v6n's. Same operand bytes, same consumer code: **v6n's output bit for bit**. GQA group 4.
+tile); its consumers are v6n's. Same operand bytes, same consumer code: **v6n's output bit for bit**. GQA groups 4
+and 5: an image holds the Delta_S of every query head of its KV head (4 or 5), which the CTAs of those heads share
+(at 40:8 a CTA is one head x 128 rows and reads its head's part).
 
 The images: uint8 [batch x KV heads x ``max_tiles``, `IMAGE_BYTES`] (`image_row`); ``max_tiles`` covers the longest
 sequence (the launcher sizes it from the page table's width, without reading the lengths). A tile past a
@@ -24,7 +26,7 @@ from cutlass import Float32, Int32, Int64, Uint32
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, THREADS, TILE_KEYS
 from mpfa.kernels.sm90.prefill_wgmma_ws import (E4M3_ONES, ROW_SUM_COLUMNS, PrefillSm90WgmmaWsWideTileMmaSum,
-                                                stage_parity)
+                                                ds_staged_read, stage_parity)
 from mpfa.kernels.sm90.ptx import (bits_to_f32, cp_async_16, cp_async_commit, cp_async_wait, load_shared_u32,
                                    load_shared_v4_u32, load_u32, store_v4_u32)
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32, store_shared_v4_u32
@@ -33,13 +35,22 @@ PRE_OPERAND_STAGES = 8  # v7: no raw ring, so twice v6n's operand stages (8 x 18
 UNITS_PER_THREAD = 9  # 16-byte units of an image per producer thread: 18432 / 16 / 128
 
 
-def image_bytes() -> int:
-    """Bytes of one operand image: v6n's compensated operand stage (K, V^T with the ones rows, Delta_S, 1 KB-aligned)."""
-    stage = TILE_KEYS * HEAD_DIM + (HEAD_DIM + ROW_SUM_COLUMNS) * TILE_KEYS + 4 * 4 * TILE_KEYS
+GROUPS = (4, 5)  # GQA groups: one image size for both
+
+
+def image_ds_bytes(group: int) -> int:
+    """Bytes of an image's FP32 Delta_S: every query head of the KV head x 64 keys."""
+    return 4 * group * TILE_KEYS
+
+
+def image_bytes(group: int) -> int:
+    """Bytes of one operand image: K, V^T with v6n's ones rows, the group's Delta_S, 1 KB-aligned (K's swizzle)."""
+    stage = TILE_KEYS * HEAD_DIM + (HEAD_DIM + ROW_SUM_COLUMNS) * TILE_KEYS + image_ds_bytes(group)
     return -(-stage // OPERAND_ALIGN) * OPERAND_ALIGN
 
 
-IMAGE_BYTES = image_bytes()  # 18432
+IMAGE_BYTES = image_bytes(GROUPS[0])  # 18432
+assert all(image_bytes(group) == IMAGE_BYTES for group in GROUPS)
 EXPONENT_OFFSET = IMAGE_BYTES - 16  # the tile's 2**e_k as FP32 bits, in the image's padding
 
 
@@ -48,16 +59,28 @@ def image_row(batch, kv_head, tile, num_kv_heads: int, max_tiles):
     return (Int64(batch) * num_kv_heads + kv_head) * max_tiles + tile
 
 
+def check_shape(group: int, compensate: bool) -> None:
+    if group not in GROUPS or not compensate:
+        raise ValueError(f"the v7 prefill supports GQA group {' or '.join(map(str, GROUPS))} and the compensated "
+                         f"build only, got group {group}{'' if compensate else ' direct'}")
+
+
 class OperandPass(PrefillSm90WgmmaWsWideTileMmaSum):
     """The once-per-prefill expansion: v6n's producer steps for one tile per CTA (128 threads: the producer
-    warpgroup's copy of the raw tile into a ring stage, the K expansion, the V transpose, the Delta_S staging), the
-    ones rows and the exponent, then the image stored to global memory. Shared memory: the image, one ring stage."""
+    warpgroup's copy of the raw tile into a ring stage, the K expansion, the V transpose, the Delta_S staging) for
+    every query head of the KV head (``heads`` = the group), the ones rows and the exponent, then the image stored to
+    global memory. Shared memory: the image, one ring stage."""
+
+    def staged_ds_bytes(self) -> int:
+        return image_ds_bytes(self.group)
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool = True,
                  out_dtype: str = "BFloat16", compensate: bool = True):
-        if group != 4 or not compensate:
-            raise ValueError("the v7 prefill's operand pass supports GQA group 4 and the compensated build only")
+        check_shape(group, compensate)
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate)
+        self.heads = group  # the ring copies and stages the whole group's Delta_S
+        self.stage_bytes = sl.stage_bytes(self.heads, compensate)
+        self.tile_bytes = HALVES * self.stage_bytes
         assert self.operand_stage_bytes == IMAGE_BYTES and self.producer_threads == THREADS
         # (image's K at 0, image's V^T, the ring stage after the image)
         self.offsets = (0, 0, self.qk_bytes, IMAGE_BYTES)
@@ -119,8 +142,7 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 2):
-        if group != 4 or not compensate:
-            raise ValueError("the v7 prefill supports GQA group 4 and the compensated build only")
+        check_shape(group, compensate)
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups)
         assert self.operand_stage_bytes == IMAGE_BYTES and IMAGE_BYTES == 16 * THREADS * UNITS_PER_THREAD
         self.barrier_offset = self.offsets[3]  # no ring after the operand stages
@@ -141,6 +163,13 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
     def pre_kernel(self, q_codes: cute.Tensor, q_scales: cute.Tensor, images: cute.Tensor, max_tiles: Int32,
                    cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor, lam_scaled: Float32):
         self._roles(q_codes, q_scales, cu_seqlens_q, seq_lens_k, out, lam_scaled, (images, max_tiles))
+
+    def staged_ds_bytes(self) -> int:
+        return image_ds_bytes(self.group)
+
+    def _ds_lane(self, group_first, head_in_cta, c):
+        """The lane's offset in the image's Delta_S: its head among the KV head's query heads."""
+        return ds_staged_read(head_in_cta if self.heads == self.group else group_first + head_in_cta, c, 0)
 
     def _init_operand_stages(self, tid, smem):
         """Nothing: the images carry V^T's ones rows."""

@@ -62,7 +62,7 @@ from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
-from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, ROWS, THREADS, TILE_KEYS, _gemm,
+from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, _gemm,
                                              rescale, softmax_update)
 from mpfa.kernels.sm90.prefill_wgmma_fp8pv import PrefillSm90WgmmaFp8Pv, p_operand_fp8_prescaled
 from mpfa.kernels.sm90.prefill_wgmma_fp8qk import e2m1_word_f16x2_lut
@@ -760,31 +760,28 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     def _stage_delta_s(self, stage, threads, operands, ds_lead):
         """The tile's BF16 Delta_S (ring stage ``stage``, [key][head] per 32-key half, the CTA's first head
         ``ds_lead`` bytes into the key's first word) -> FP32 bits in the operand stage, in the consumers' order
-        (`ds_staged_offset`): each producer thread copies ``n`` consecutive keys of one head (4 heads: n = 2 with
-        one producer warpgroup, warp w head w, lane l keys 2l, 2l + 1, one 8-byte store; n = 1 with two; one head:
-        the first 64 threads, n = 1), so each consumer lane reads 4 keys' Delta_S with one 16-byte load, already
-        FP32 (v6k: 2 loads of 2 bytes and 2 shifts per 4 keys in the consumer's serial tile body)."""
+        (`ds_staged_offset`), in units of 2 keys of one head (unit u: head u / 32, keys 2 (u % 32), + 1; one 8-byte
+        store) taken by the producer threads in turn (4 heads and one producer warpgroup: warp w head w, lane l keys
+        2l, 2l + 1), so each consumer lane reads 4 keys' Delta_S with one 16-byte load, already FP32 (v6k: 2 loads
+        of 2 bytes and 2 shifts per 4 keys in the consumer's serial tile body)."""
         if cutlass.const_expr(self.compensate):
-            n = max(1, self.heads * TILE_KEYS // self.producer_threads)
-            active = TILE_KEYS // n * self.heads  # threads with keys to copy
-            if cutlass.const_expr(active < self.producer_threads):
-                if threads[0] < active:
-                    self._stage_keys(stage, threads[0], operands, ds_lead, n)
-            else:
-                self._stage_keys(stage, threads[0], operands, ds_lead, n)
+            units = self.heads * TILE_KEYS // 2
+            for r in cutlass.range_constexpr(-(-units // self.producer_threads)):
+                unit = threads[0] + self.producer_threads * r
+                if cutlass.const_expr(self.producer_threads * (r + 1) <= units):
+                    self._stage_keys(stage, unit, operands, ds_lead)
+                else:
+                    if unit < units:
+                        self._stage_keys(stage, unit, operands, ds_lead)
 
-    def _stage_keys(self, stage, tid, operands, ds_lead, n: int):
-        """Producer thread ``tid``'s ``n`` keys of one head (`_stage_delta_s`)."""
-        per_head = TILE_KEYS // n  # threads per head
-        head = tid >> (per_head.bit_length() - 1)
-        key = (tid & (per_head - 1)) * n
+    def _stage_keys(self, stage, unit, operands, ds_lead):
+        """Delta_S unit ``unit`` (`_stage_delta_s`)."""
+        head = unit >> 5
+        key = (unit & 31) << 1
         words = sl.ds_words(self.heads)
         source = stage + (key >> 5) * self.stage_bytes + sl.DS_OFFSET + 4 * words * (key & 31) + ds_lead + 2 * head
         target = operands + self.offsets[2] + self.v_bytes + ds_staged_offset(head, key)
-        if n == 2:
-            store_shared_v2_u32(target, load_shared_u16(source) << 16, load_shared_u16(source + 4 * words) << 16)
-        else:
-            store_shared_u32(target, load_shared_u16(source) << 16)
+        store_shared_v2_u32(target, load_shared_u16(source) << 16, load_shared_u16(source + 4 * words) << 16)
 
     def _ds_lane(self, group_first, head_in_cta, c):
         """The lane's offset in the staged FP32 Delta_S tile."""

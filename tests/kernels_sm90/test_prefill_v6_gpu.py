@@ -191,18 +191,19 @@ GROUP5_CASES = [case[1:] for case in v3_tests.SHAPES if case[0] == 40]
 GROUP5_IDS = [name for name in v3_tests.SHAPE_IDS if name.startswith("40:8")]
 
 
-@pytest.mark.parametrize("kernel", WIDE)
+@pytest.mark.parametrize("kernel", [*WIDE, "v7"])
 @pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", GROUP5_CASES, ids=GROUP5_IDS)
 def test_wide_kernels_at_gqa_40_8(gen, kernel, q_lens, kv_lens, page_size, causal):
-    """v6l .. v6n at 40:8 (a consumer warpgroup is one head x 64 rows, a CTA 128 rows; each warp masks with its own
-    rows; the producer stages one head's Delta_S from wherever it starts in its 4-byte word): the oracle's bounds
-    with their 32:8 slack, and v6m = v6l bit for bit."""
+    """v6l .. v6n and v7 at 40:8 (a consumer warpgroup is one head x 64 rows, a CTA 128 rows; each warp masks with
+    its own rows; v6l's producer stages one head's Delta_S from wherever it starts in its 4-byte word, v7's operand
+    pass all 5 heads'): the oracle's bounds with their 32:8 slack; v6m = v6l and v7 = v6n bit for bit."""
     problem = v1_tests._problem(gen, q_lens, kv_lens, 40, 8, page_size)
-    slack_rms, slack_max = ORACLE_SLACK[kernel]
+    slack_rms, slack_max = ORACLE_SLACK["v6n" if kernel == "v7" else kernel]
     out, _ = v4_tests.run_against_oracle(problem, causal, kernel, RMS + slack_rms, MAX + slack_max)
     assert bool(torch.isfinite(out).all())
-    if kernel == "v6m":
-        assert torch.equal(out, v1_tests._run(problem, causal, kernel="v6l")), "v6m differs from v6l at 40:8"
+    same_as = {"v6m": "v6l", "v7": "v6n"}.get(kernel)
+    if same_as:
+        assert torch.equal(out, v1_tests._run(problem, causal, kernel=same_as)), f"{kernel} differs from {same_as}"
 
 
 LONG_CAUSAL_BATCH = ([4500, 3001, 64], [4500, 3300, 4000], 128, True)  # rings wrapping many times

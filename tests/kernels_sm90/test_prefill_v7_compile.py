@@ -1,5 +1,5 @@
 """The prefill on operand images (v7, `prefill_wgmma_pre`) on a CPU-only machine: both kernels compile for sm_90a
-through the launcher (`compile_prefill_kernel(..., kernel="v7")`). The operand pass: one 128-thread CTA per tile,
+through the launcher (`compile_prefill_kernel(..., kernel="v7")`), at GQA 32:8 and 40:8. The operand pass: one 128-thread CTA per tile,
 v6n's producer work once (the ring copy, the K expansion's HMUL2, the V transpose) and the image stored with 16-byte
 stores, no MMA, no local memory. The attention: v6l's consumer checks (`test_prefill_v6_compile._check_wide`, v6n's
 m64n136k32 PV without row-sum FADDs) and a producer loop that only copies (9 x 16-byte cp.async per thread and step,
@@ -23,14 +23,16 @@ v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
 CONFIG = (8, 4, 128, True, "BFloat16")
 
 
-@pytest.fixture(scope="module")
-def v7_cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
+@pytest.fixture(scope="module", params=[4, 5], ids=["32:8", "40:8"])
+def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
+    """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one)."""
+    config = (CONFIG[0], request.param, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
     compile_sm90(f"""
         from pathlib import Path
         from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
         dump = Path({str(dump)!r})
-        compile_prefill_kernel(*{CONFIG!r}, kernel="v7")
+        compile_prefill_kernel(*{config!r}, kernel="v7")
         for name, class_name in (("pass", "OperandPass"), ("attention", "PrefillSm90WgmmaPre")):
             (path,) = dump.glob(f"*{{class_name}}_*.cubin")
             path.rename(dump / f"{{name}}.cubin")
@@ -78,8 +80,10 @@ def test_images_layout():
 
     v6n = PrefillSm90WgmmaWsWideTileMmaSum(*CONFIG)
     assert pre.IMAGE_BYTES == v6n.operand_stage_bytes == 18432 == 16 * 128 * pre.UNITS_PER_THREAD
-    delta_s_end = v6n.qk_bytes + v6n.v_bytes + v6n.staged_ds_bytes()
-    assert delta_s_end <= pre.EXPONENT_OFFSET < pre.IMAGE_BYTES  # the exponent in the image's padding
+    for group in (4, 5):  # the whole group's Delta_S before the exponent, in the image's padding
+        assert v6n.qk_bytes + v6n.v_bytes + pre.image_ds_bytes(group) <= pre.EXPONENT_OFFSET < pre.IMAGE_BYTES
+        assert pre.PrefillSm90WgmmaPre(8, group, 128, True).operand_stage_bytes == pre.IMAGE_BYTES
+        assert pre.OperandPass(8, group, 128).operand_stage_bytes == pre.IMAGE_BYTES
     assert [pre.image_row(b, h, t, 8, 5) for b, h, t in ((0, 0, 0), (0, 0, 4), (0, 1, 0), (1, 0, 0))] == [0, 4, 5, 40]
     v7 = pre.PrefillSm90WgmmaPre(*CONFIG)
     assert v7.smem_bytes <= 227 * 1024 and v7.offsets[1] + 8 * pre.IMAGE_BYTES == v7.barrier_offset
@@ -87,7 +91,7 @@ def test_images_layout():
 
 
 def test_v7_limits_are_clear_errors():
-    with pytest.raises(ValueError, match="group 4 only"):
-        compile_prefill_kernel(8, 5, 128, True, "BFloat16", kernel="v7")
+    with pytest.raises(ValueError, match="group 4 or 5 only"):
+        compile_prefill_kernel(8, 6, 128, True, "BFloat16", kernel="v7")
     with pytest.raises(ValueError, match="compensated build only"):
         compile_prefill_kernel(8, 4, 128, True, "BFloat16", kernel="v7", compensate=False)
