@@ -695,11 +695,11 @@ class PrefillSm90WgmmaWsPairFold(PrefillSm90WgmmaWsUnscaled):
 
 
 class PScaleInExponent:
-    """e4m3(448 P)'s 448 folded into the exponent (v6k, v6l): P' = 2**(lam S - (lam m - log2 448)) = 448 P from the
-    same MUFU, one subtraction per row instead of a multiply per P (32 FMUL per consumer thread and 64 keys), the row
-    sums l' = 448 l, and O / l' at the end. log2(448) rounded to FP32 makes P' = 448.00016 P: O = sum P' V / sum P'
-    cancels the factor; only an e4m3 rounding of P' that sits within ~4e-7 of a rounding boundary can come out one
-    step apart from e4m3(448 P)."""
+    """e4m3(448 P)'s 448 folded into the exponent (v6k, v6l .. v7): P' = 2**(lam S - (lam m - log2 448)) = 448 P
+    from the same MUFU, one subtraction per row instead of a multiply per P (32 FMUL per consumer thread and 64
+    keys), the row sums l' = 448 l, and O / l' at the end. log2(448) rounded to FP32 makes P' = 448.00016 P:
+    O = sum P' V / sum P' cancels the factor; only an e4m3 rounding of P' that sits within ~4e-7 of a rounding
+    boundary can come out one step apart from e4m3(448 P)."""
 
     p_scale_log2 = math.log2(P_SCALE)
     l_scale = 1.0
@@ -741,9 +741,9 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     per 128 keys instead of 64), both tiles' P packed, both PV wgmmas into one fresh accumulator (4 k-steps of 32
     keys, v6j's promotion interval), one fold O = O alpha + P V, both stages released. So per 128 keys: one
     fence / commit / wait per GEMM, one vote-free fold, no pending-accumulator rescale (v6j's), half the per-row
-    softmax work. An odd walk's last step runs v6e's 64-key body (`_consume_step`). The leading tiles a consumer's
-    rows do not see (causal, the earlier consumer) go through the masked body (all -inf, P = 0) instead of being
-    skipped: a pair's second tile may be seen.
+    softmax work. An odd walk's last step is a one-stage step of the same code (``single``). The leading tiles a
+    consumer's rows do not see (causal, the earlier consumer) go through the masked body (all -inf, P = 0) instead of
+    being skipped: a pair's second tile may be seen.
 
     Not v6k's bits: P is taken against the maximum over 128 keys (v6k: 64, the pair's first tile rescaled later),
     so the e4m3 roundings of P differ where the two maxima do; the GPU test bounds it against v6k by v5's allowance
@@ -827,7 +827,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe
         mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
         acc_s1, frag_p1 = second
-        s0, tile0, stage0 = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
+        s0, tile0, _ = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
         mmas0 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s0)), acc_s, acc_o)
         self._qk_issue(masked, tile0 * TILE_KEYS, mmas0, limits, c)
         if cutlass.const_expr(single):
@@ -835,7 +835,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
         else:
             tile_scale0 = state[self._TILE_SCALE]
-            s1, tile1, stage1 = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
+            s1, tile1, _ = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
             mmas1 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s1)), acc_s1, acc_o)
             self._qk_issue(masked, tile1 * TILE_KEYS, mmas1, limits, c)
             warpgroup.wait_group(0)

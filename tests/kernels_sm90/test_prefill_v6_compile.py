@@ -36,19 +36,22 @@ VARIANT_BUILDS = ([(CONFIGS[0], True, k) for k in VARIANTS] + [(CONFIGS[1], True
                                                                 (CONFIGS[2], True, "v6n")])
 VARIANT_IDS = [f"{kernel}-{'causal-bf16-page128' if config[3] else 'noncausal-f32-page64'}{'' if comp else '-direct'}"
                f"{'-40:8' if config[1] == 5 else ''}" for config, comp, kernel in VARIANT_BUILDS]
-ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")  # PV as one m64n128k32 into
-# a fresh accumulator (v6j / v6k: onto the pair's accumulator on a pair's second tile)
-FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6l", "v6m", "v6n")  # O = O alpha + P V in one FFMA, no vote
+# PV as one m64n128k32 into a fresh accumulator (v6j / v6k: onto the pair's accumulator on a pair's second tile)
+ONE_PV_WGMMA = ("v6a", "v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")
+# O = O alpha + P V in one FFMA, no vote
+FOLDED_RESCALE = ("v6b", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6l", "v6m", "v6n")
 PAIR_FOLD = ("v6j", "v6k")  # O = O alpha_1 alpha_2 + the pair's P V, on a pair's second tile only: the loop has a
 # branch per position in the pair (2 PV wgmmas each), one fold and the pending accumulator's vote-skipped rescale
-LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")  # the K expansion's e2m1 by table look-up
-UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")  # Delta_S not multiplied by 2**-7 (16 FMUL per tile);
-# lam 2**-7 once per tile instead
+# the K expansion's e2m1 by table look-up
+LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")
+# Delta_S not multiplied by 2**-7 (16 FMUL per tile); lam 2**-7 once per tile instead
+UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")
 P_IN_EXPONENT = ("v6k", "v6l", "v6m", "v6n")  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
+# 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold, 2 full waits and
+# 2 empty arrivals, 64 keys' P (32 cvt), Delta_S as 8 16-byte loads of the producer's FP32 copy; up to 4 words of the
+# epilogue's rows spilled across the walk (stored once before it, loaded once after)
 WIDE = ("v6l", "v6m", "v6n")
-ROW_SUMS_ON_MMA = ("v6n",)  # PV m64n136k32 (V^T's row of ones): no FADD per score  # 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold,
-# 2 full waits and 2 empty arrivals, 64 keys' P (32 cvt), Delta_S as 8 16-byte loads of the producer's FP32 copy;
-# up to 4 words of the epilogue's rows spilled across the walk (stored once before it, loaded once after)
+ROW_SUMS_ON_MMA = ("v6n",)  # PV m64n136k32 (V^T's row of ones): no FADD per score
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
 TWO_PRODUCERS = ("v6g", "v6h", "v6m")  # 2 producer warpgroups (512 threads): each copies and expands half of every tile
 OVERLAP = ("v6i",)  # QK of tile p and PV of tile p - 1 issued together; one wait for QK, one for PV, then release
@@ -203,7 +206,8 @@ def _check_wide(body: list[str], compensate: bool, whole: bool, row_sums_on_mma:
     row_sum_adds = sum(op.startswith("FADD") for op in body)  # the row sums' 64, or none but 2 (alpha's argument)
     assert row_sum_adds == 2 if row_sums_on_mma else row_sum_adds >= 64
     loads = [op for op in body if op.startswith("LDS")]  # Delta_S (FP32, 4 keys a load), the 2 tiles' K exponents
-    assert len(loads) == (8 if compensate else 0) + 2 and sum(op.startswith("LDS.128") for op in loads) == len(loads) - 2
+    assert len(loads) == (8 if compensate else 0) + 2
+    assert sum(op.startswith("LDS.128") for op in loads) == len(loads) - 2
 
 
 def test_v6_is_opt_in(monkeypatch: pytest.MonkeyPatch):

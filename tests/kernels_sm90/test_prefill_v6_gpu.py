@@ -209,7 +209,8 @@ def test_wide_kernels_at_gqa_40_8(gen, kernel, q_lens, kv_lens, page_size, causa
 LONG_CAUSAL_BATCH = ([4500, 3001, 64], [4500, 3300, 4000], 128, True)  # rings wrapping many times
 
 
-@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", [*CASES, LONG_CAUSAL_BATCH], ids=[*IDS, "long-causal-batch"])
+@pytest.mark.parametrize("q_lens,kv_lens,page_size,causal", [*CASES, LONG_CAUSAL_BATCH],
+                         ids=[*IDS, "long-causal-batch"])
 def test_v7_is_v6n_on_its_operand_images(gen, q_lens, kv_lens, page_size, causal):
     """v7 (`prefill_wgmma_pre`: v6n's consumers on operand images the operand pass expanded once per prefill, v6n's
     producer work byte for byte): v6n's output bit for bit; the images of tiles past a sequence's end are never

@@ -1,9 +1,10 @@
 """The prefill on operand images (v7, `prefill_wgmma_pre`) on a CPU-only machine: both kernels compile for sm_90a
-through the launcher (`compile_prefill_kernel(..., kernel="v7")`), at GQA 32:8 and 40:8. The operand pass: one 128-thread CTA per tile,
-v6n's producer work once (the ring copy, the K expansion's HMUL2, the V transpose) and the image stored with 16-byte
-stores, no MMA, no local memory. The attention: v6l's consumer checks (`test_prefill_v6_compile._check_wide`, v6n's
-m64n136k32 PV without row-sum FADDs) and a producer loop that only copies (9 x 16-byte cp.async per thread and step,
-one ``empty`` wait, one ``full`` arrival after a one-group-behind wait and the proxy fence), with no K / V work."""
+through the launcher (`compile_prefill_kernel(..., kernel="v7")`), at GQA 32:8 and 40:8. The operand pass: one
+128-thread CTA per tile, v6n's producer work once (the ring copy, the K expansion's HMUL2, the V transpose) and the
+image stored with 16-byte stores, no MMA, no local memory. The attention: v6l's consumer checks
+(`test_prefill_v6_compile._check_wide`, v6n's m64n136k32 PV without row-sum FADDs) and a producer loop that only
+copies (9 x 16-byte cp.async per thread and step, one ``empty`` wait, one ``full`` arrival after a one-group-behind
+wait and the proxy fence), with no K / V work."""
 
 from __future__ import annotations
 
