@@ -33,8 +33,6 @@ from mpfa.kernels.sm90.smem_pipeline import store_shared_u32, store_shared_v4_u3
 
 PRE_OPERAND_STAGES = 8  # v7: no raw ring, so twice v6n's operand stages (8 x 18 KB) for the copies in flight
 UNITS_PER_THREAD = 9  # 16-byte units of an image per producer thread: 18432 / 16 / 128
-
-
 GROUPS = (4, 5)  # GQA groups: one image size for both
 
 
