@@ -96,3 +96,40 @@ def test_v7_limits_are_clear_errors():
         compile_prefill_kernel(8, 6, 128, True, "BFloat16", kernel="v7")
     with pytest.raises(ValueError, match="compensated build only"):
         compile_prefill_kernel(8, 4, 128, True, "BFloat16", kernel="v7", compensate=False)
+
+
+def _pipeline_completes(tiles: int, stages: int, lag: int) -> bool:
+    """Whether the producer / consumers protocol of v6l (``lag`` 0: step p's ``full`` right after its fill) or v7
+    (``lag`` 1: step p's ``full`` after step p + 1's copy is issued, the last one after the walk) finishes a walk of
+    ``tiles`` steps with ``stages`` operand stages, both consumers taking 128-key pairs (an odd walk's last step
+    alone) and releasing a pair's stages together: step p can be filled once both consumers released step
+    p - stages. Runs each side as far as it can until neither moves."""
+    full, empty = [False] * tiles, [False] * tiles
+    units = [(2 * k, 2 * k + 1) for k in range(tiles // 2)] + ([(tiles - 1,)] if tiles & 1 else [])
+    produced, consumed = 0, 0  # the producer's next step, the consumers' next unit
+    while True:
+        moved = False
+        while produced < tiles and (produced < stages or empty[produced - stages]):
+            if lag and produced:
+                full[produced - 1] = True
+            if not lag:
+                full[produced] = True
+            produced, moved = produced + 1, True
+        if lag and produced == tiles and tiles:
+            full[tiles - 1] = True
+        while consumed < len(units) and all(full[p] for p in units[consumed]):
+            for p in units[consumed]:
+                empty[p] = True
+            consumed, moved = consumed + 1, True
+        if consumed == len(units):
+            return True
+        if not moved:
+            return False
+
+
+def test_image_pipeline_never_deadlocks():
+    """v7's producer (8 stages, one step behind) and v6l's (4 stages) finish every walk length; one stage (a pair
+    needs two) or, for v7, two stages (the step behind holds one back) would not."""
+    for tiles in range(0, 40):
+        assert _pipeline_completes(tiles, 8, lag=1) and _pipeline_completes(tiles, 4, lag=0), tiles
+    assert not _pipeline_completes(5, 1, lag=0) and not _pipeline_completes(5, 2, lag=1)
