@@ -8,7 +8,8 @@ tile into an **operand image** in global memory, byte for byte what v6n's produc
 e4m3 K [64 keys][128] in the QK wgmma's layout, e4m3 V^T [136 rows][64 keys] (rows 128 .. 135: v6n's row of ones and
 zeros), the tile's FP32 Delta_S in the consumers' order, the tile's K exponent as FP32 bits (`EXPONENT_OFFSET`).
 v7's producer warpgroup then only copies images into its operand stages (cp.async, 9 x 16 bytes per thread and
-tile); its consumers are v6n's. Same operand bytes, same consumer code: **v6n's output bit for bit**. GQA groups 4
+tile); its consumers are v6n's. Same operand bytes, same consumer code: **v6n's output bit for bit** (the direct
+build, ``compensate=False``: v6n's direct build, the images' Delta_S left unwritten and unread). GQA groups 4
 and 5: an image holds the Delta_S of every query head of its KV head (4 or 5), which the CTAs of those heads share
 (at 40:8 a CTA is one head x 128 rows and reads its head's part).
 
@@ -57,10 +58,9 @@ def image_row(batch, kv_head, tile, num_kv_heads: int, max_tiles):
     return (Int64(batch) * num_kv_heads + kv_head) * max_tiles + tile
 
 
-def check_shape(group: int, compensate: bool) -> None:
-    if group not in GROUPS or not compensate:
-        raise ValueError(f"the v7 prefill supports GQA group {' or '.join(map(str, GROUPS))} and the compensated "
-                         f"build only, got group {group}{'' if compensate else ' direct'}")
+def check_group(group: int) -> None:
+    if group not in GROUPS:
+        raise ValueError(f"the v7 prefill supports GQA group {' or '.join(map(str, GROUPS))} only, got {group}")
 
 
 class OperandPass(PrefillSm90WgmmaWsWideTileMmaSum):
@@ -70,11 +70,11 @@ class OperandPass(PrefillSm90WgmmaWsWideTileMmaSum):
     global memory. Shared memory: the image, one ring stage."""
 
     def staged_ds_bytes(self) -> int:
-        return image_ds_bytes(self.group)
+        return image_ds_bytes(self.group)  # the images' layout, whether or not Delta_S is staged (direct build)
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool = True,
                  out_dtype: str = "BFloat16", compensate: bool = True):
-        check_shape(group, compensate)
+        check_group(group)
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate)
         self.heads = group  # the ring copies and stages the whole group's Delta_S
         self.stage_bytes = sl.stage_bytes(self.heads, compensate)
@@ -140,7 +140,7 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True, warpgroups: int = 2):
-        check_shape(group, compensate)
+        check_group(group)
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups)
         assert self.operand_stage_bytes == IMAGE_BYTES and IMAGE_BYTES == 16 * THREADS * UNITS_PER_THREAD
         self.barrier_offset = self.offsets[3]  # no ring after the operand stages
@@ -163,7 +163,7 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
         self._roles(q_codes, q_scales, cu_seqlens_q, seq_lens_k, out, lam_scaled, (images, max_tiles))
 
     def staged_ds_bytes(self) -> int:
-        return image_ds_bytes(self.group)
+        return image_ds_bytes(self.group)  # the images' layout, whether or not Delta_S is staged (direct build)
 
     def _ds_lane(self, group_first, head_in_cta, c):
         """The lane's offset in the image's Delta_S: its head among the KV head's query heads."""

@@ -120,7 +120,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         self.stages = self.ring_stages
         q_bytes = CONSUMERS * self.qk_bytes
         # K (e4m3) + V^T (e4m3) (+ v6l's FP32 Delta_S), 1 KB-aligned (K's 128-byte swizzle)
-        stage_bytes = self.qk_bytes + self.v_bytes + (self.staged_ds_bytes() if compensate else 0)
+        stage_bytes = self.qk_bytes + self.v_bytes + self.staged_ds_bytes()
         self.operand_stage_bytes = -(-stage_bytes // OPERAND_ALIGN) * OPERAND_ALIGN
         ring = q_bytes + self.operand_stages * self.operand_stage_bytes
         # (Q tile of consumer 0, K and V^T of operand stage 0 (stage s: + s operand_stage_bytes), ring)
@@ -753,8 +753,8 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     any_group = True  # 4 heads x 16 rows or (group 5) 1 head x 64 rows per consumer warpgroup
 
     def staged_ds_bytes(self) -> int:
-        """FP32 Delta_S of the CTA's heads x 64 keys (`ds_staged_offset`)."""
-        return 4 * self.heads * TILE_KEYS
+        """FP32 Delta_S of the CTA's heads x 64 keys (`ds_staged_offset`; none in the direct build)."""
+        return 4 * self.heads * TILE_KEYS if self.compensate else 0
 
     @cute.jit
     def _stage_delta_s(self, stage, threads, operands, ds_lead):

@@ -220,3 +220,12 @@ def test_v7_is_v6n_on_its_operand_images(gen, q_lens, kv_lens, page_size, causal
     assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
     v6n = v1_tests._run(problem, causal, kernel="v6n")
     assert torch.equal(out, v6n), f"v7 differs from v6n (max |diff| {v3_tests._max_diff(out, v6n)})"
+
+
+def test_v7_direct_build_is_v6n_direct(gen):
+    """``compensate=False``: the operand pass copies and stages no Delta_S and the consumers read none: v6n's direct
+    build, bit for bit."""
+    problem = v1_tests._problem(gen, [300, 64], [300, 200], 32, 8, 128)
+    out = v1_tests._run(problem, True, kernel="v7", compensate=False)
+    assert bool(torch.isfinite(out).all())
+    assert torch.equal(out, v1_tests._run(problem, True, kernel="v6n", compensate=False))

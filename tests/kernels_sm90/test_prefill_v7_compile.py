@@ -24,21 +24,24 @@ v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
 CONFIG = (8, 4, 128, True, "BFloat16")
 
 
-@pytest.fixture(scope="module", params=[4, 5], ids=["32:8", "40:8"])
+@pytest.fixture(scope="module", params=[(4, True), (5, True), (4, False)], ids=["32:8", "40:8", "32:8-direct"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
-    """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one)."""
-    config = (CONFIG[0], request.param, *CONFIG[2:])
+    """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), and the
+    direct build (no Delta_S copied, staged or read)."""
+    group, compensate = request.param
+    config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
     compile_sm90(f"""
         from pathlib import Path
         from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
         dump = Path({str(dump)!r})
-        compile_prefill_kernel(*{config!r}, kernel="v7")
+        compile_prefill_kernel(*{config!r}, kernel="v7", compensate={compensate})
         for name, class_name in (("pass", "OperandPass"), ("attention", "PrefillSm90WgmmaPre")):
             (path,) = dump.glob(f"*{{class_name}}_*.cubin")
             path.rename(dump / f"{{name}}.cubin")
         """, dump)
-    return {name: dump / f"{name}.cubin" for name in ("pass", "attention")}
+    return {"group": group, "compensate": compensate,
+            **{name: dump / f"{name}.cubin" for name in ("pass", "attention")}}
 
 
 def test_operand_pass_compiles_for_sm90a(v7_cubins, cuobjdump):
@@ -53,6 +56,8 @@ def test_operand_pass_compiles_for_sm90a(v7_cubins, cuobjdump):
     assert sum(op.startswith(("HMUL2", "HFMA2.MMA")) for op in ops) == 2 * (16 + 2)
     assert sum(op.startswith("LDSM.16.MT88.4") for op in ops) == 4  # the V transpose
     assert sum(op.startswith("F2FP.SATFINITE.E4M3.F16") for op in ops) == 32  # K's 64 values per thread to e4m3
+    staged = sum(op.startswith("STS.64") for op in ops)  # Delta_S: 2 keys of a head per store, 4 or 5 heads' 128 / 160
+    assert staged == (0 if not v7_cubins["compensate"] else 1 if v7_cubins["group"] == 4 else 2)
 
 
 def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
@@ -65,7 +70,7 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
     assert len(consumer_loops) == 2, [len(body) for body in consumer_loops]
     for whole, body in enumerate(consumer_loops):
         assert not any(op.startswith(("STL", "LDL")) for op in body)
-        v6_tests._check_wide(body, True, bool(whole), True)
+        v6_tests._check_wide(body, v7_cubins["compensate"], bool(whole), True)
     (producer,) = loops_issuing(sass, ("LDGSTS",))
     assert sum(op.startswith("LDGSTS.E.BYPASS.128") for op in producer) == 9
     assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in producer) == 1  # wait empty[s]
@@ -94,8 +99,6 @@ def test_images_layout():
 def test_v7_limits_are_clear_errors():
     with pytest.raises(ValueError, match="group 4 or 5 only"):
         compile_prefill_kernel(8, 6, 128, True, "BFloat16", kernel="v7")
-    with pytest.raises(ValueError, match="compensated build only"):
-        compile_prefill_kernel(8, 4, 128, True, "BFloat16", kernel="v7", compensate=False)
 
 
 def _pipeline_completes(tiles: int, stages: int, lag: int) -> bool:
