@@ -111,6 +111,12 @@ def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: 
 ROW_SUM_MMA_KERNELS = ("v6n", "v7")  # the softmax's row sums on the PV wgmma: l sums the e4m3 P ("mpfa-qk8tile-psum")
 
 
+def softmax_keys(kernel: str) -> int:
+    """Keys per online-softmax update of a wgmma prefill kernel (the reference's ``block_n`` that rounds P as the
+    kernel does): 128 for v6l .. v7 (128-key consumer steps aligned to the sequence's 128-key tiles), else 64."""
+    return 2 * TILE_KEYS_WGMMA if kernel in WIDE_KERNELS + PRE_KERNELS else TILE_KEYS_WGMMA
+
+
 def prefill_numerics(kernel: str) -> str:
     """The reference variant (`mpfa.kernels.attention`) a prefill kernel computes: "mpfa-qk8tile" for the kernels
     with QK on FP8 (v4 .. v6m: Q and K requantized to e4m3), "mpfa-qk8tile-psum" for v6n and v7 (l sums the e4m3

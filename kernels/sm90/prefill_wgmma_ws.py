@@ -711,10 +711,13 @@ class PrefillSm90WgmmaWsPairFoldExp(PScaleInExponent, PrefillSm90WgmmaWsPairFold
 
 
 def wide_walk(cta_tiles, masked_tiles) -> tuple:
-    """v6l's walk in 128-key steps -> (pairs holding a masked tile, pairs): pair k is walk steps 2k and 2k + 1 (the
-    masked tiles come first in the walk), an odd walk's last step goes alone."""
-    pairs = cta_tiles >> 1
-    return cutlass.min((masked_tiles + 1) >> 1, pairs), pairs
+    """v6l's walk in 128-key steps, aligned to the sequence's 128-key tiles (64-key tiles 2j, 2j + 1: those of the
+    reference's ``block_n`` 128, so that P is rounded against the same maxima) -> (lead, pairs holding a masked tile,
+    pairs): an odd walk's first step (its last 64-key tile, index cta_tiles - 1, even) goes alone (``lead`` 1), pair
+    k is walk steps lead + 2k, lead + 2k + 1; the masked tiles come first in the walk."""
+    lead = cta_tiles & 1
+    pairs = (cta_tiles - lead) >> 1
+    return lead, cutlass.min(cutlass.max(masked_tiles - lead + 1, 0) >> 1, pairs), pairs
 
 
 def ds_staged_offset(head, key):
@@ -741,13 +744,14 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     per 128 keys instead of 64), both tiles' P packed, both PV wgmmas into one fresh accumulator (4 k-steps of 32
     keys, v6j's promotion interval), one fold O = O alpha + P V, both stages released. So per 128 keys: one
     fence / commit / wait per GEMM, one vote-free fold, no pending-accumulator rescale (v6j's), half the per-row
-    softmax work. An odd walk's last step is a one-stage step of the same code (``single``). The leading tiles a
-    consumer's rows do not see (causal, the earlier consumer) go through the masked body (all -inf, P = 0) instead of
-    being skipped: a pair's second tile may be seen.
+    softmax work. The pairs are the sequence's 128-key tiles (`wide_walk`): an odd walk's first step is a one-stage
+    step of the same code (``single``). The leading tiles a consumer's rows do not see (causal, the earlier consumer)
+    go through the masked body (all -inf, P = 0) instead of being skipped: a pair's second tile may be seen.
 
-    Not v6k's bits: P is taken against the maximum over 128 keys (v6k: 64, the pair's first tile rescaled later),
-    so the e4m3 roundings of P differ where the two maxima do; the GPU test bounds it against v6k by v5's allowance
-    for PV on FP8."""
+    Not v6k's bits: P is taken against the maximum over the 128-key tile (v6k: 64, the pair's first tile rescaled
+    later), so the e4m3 roundings of P differ where the two maxima do (a CPU model puts them ~1e-2 rms apart on
+    short random rows): the reference with ``block_n`` 128 rounds P as v6l does, and is its GPU tests' oracle
+    (its K scales per 128 keys instead of the kernel's 64 differ only where a value turns subnormal)."""
 
     operand_stages = WIDE_OPERAND_STAGES
     any_group = True  # 4 heads x 16 rows or (group 5) 1 head x 64 rows per consumer warpgroup
@@ -801,29 +805,30 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     @cute.jit
     def _consume_walk(self, walk, num_tiles, ring, fixed, state: cute.Tensor, lam_scaled, ds_lane, limits, c,
                       smem_ptr, bars):
-        """Pairs of steps (those with a masked tile first, then the whole ones), then an odd walk's last step."""
+        """An odd walk's first step alone, then pairs of steps (those with a masked tile first, then the whole ones):
+        `wide_walk`."""
         cta_tiles, cta_common = walk
         masked_tiles, _ = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
-        masked_pairs, pairs = wide_walk(cta_tiles, masked_tiles)
+        lead, masked_pairs, pairs = wide_walk(cta_tiles, masked_tiles)
         thr_qk, thr_pv = fixed[2], fixed[3]
         second = (cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32),  # its S, its P
                   thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))))
         acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, self.pv_n)), Float32)
         pipe = (ring, fixed, second, acc_pv, state, unscaled_lam(lam_scaled), ds_lane, limits, c, smem_ptr, bars)
-        for pair in cutlass.range(masked_pairs, unroll=1):
-            self._wide_step(True, 2 * pair, cta_tiles, pipe)
-        for pair in cutlass.range(masked_pairs, pairs, unroll=1):
-            self._wide_step(False, 2 * pair, cta_tiles, pipe)
-        if cta_tiles & 1:
-            if cta_tiles - 1 < masked_tiles:
-                self._wide_step(True, cta_tiles - 1, cta_tiles, pipe, single=True)
+        if lead:
+            if masked_tiles > 0:
+                self._wide_step(True, Int32(0), cta_tiles, pipe, single=True)
             else:
-                self._wide_step(False, cta_tiles - 1, cta_tiles, pipe, single=True)
+                self._wide_step(False, Int32(0), cta_tiles, pipe, single=True)
+        for pair in cutlass.range(masked_pairs, unroll=1):
+            self._wide_step(True, lead + 2 * pair, cta_tiles, pipe)
+        for pair in cutlass.range(masked_pairs, pairs, unroll=1):
+            self._wide_step(False, lead + 2 * pair, cta_tiles, pipe)
 
     @cute.jit
     def _wide_step(self, masked: cutlass.Constexpr, step, cta_tiles, pipe, single: cutlass.Constexpr = False):
         """Walk steps ``step`` and ``step + 1`` as one 128-key tile (class docstring), both stages released;
-        ``single``: step ``step`` alone (an odd walk's last)."""
+        ``single``: step ``step`` alone (an odd walk's first)."""
         ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe
         mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
         acc_s1, frag_p1 = second

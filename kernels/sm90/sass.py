@@ -25,12 +25,14 @@ def mma_loops(sass: str, mma_prefixes: tuple[str, ...] = ("HGMMA", "QGMMA")) -> 
 
 
 def loops_issuing(sass: str, prefixes: tuple[str, ...]) -> list[list[str]]:
-    """The instructions of each loop body (from a backward branch's target to the branch) with an instruction
-    starting with one of ``prefixes`` (e.g. v6's producer loops: its named barrier ``BAR.SYNC.DEFER_BLOCKING 0x1,``)."""
+    """The instructions of each loop body (from a conditional backward branch's target to the branch) with an
+    instruction starting with one of ``prefixes`` (e.g. v6's producer loops: its named barrier
+    ``BAR.SYNC.DEFER_BLOCKING 0x1,``). Unconditional backward branches are not loops' back edges: ptxas may place
+    an mbarrier wait's retry block after the loops and branch back from it into the middle of one."""
     ops = instructions(sass)
     loops = []
     for address, op in ops:
-        target = re.search(r"\bBRA 0x([0-9a-f]+)", op)
+        target = re.search(r"^@!?U?P\d+ BRA 0x([0-9a-f]+)", op)
         if target and int(target[1], 16) < address:
             body = [o for a, o in ops if int(target[1], 16) <= a <= address]
             if any(o.startswith(prefixes) for o in body):

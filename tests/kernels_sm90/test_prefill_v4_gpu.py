@@ -23,7 +23,7 @@ import pytest
 import torch
 from siblings import load
 
-from mpfa.kernels.sm90.prefill_launch import prefill_numerics
+from mpfa.kernels.sm90.prefill_launch import prefill_numerics, softmax_keys
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 
@@ -38,17 +38,19 @@ CASES, IDS = v3_tests.CASES, v3_tests.IDS
 KERNELS = ["v4", "v4w8"]
 
 
-def _oracle(problem, causal: bool, variant: str = VARIANT, sm_scale: float | None = None) -> torch.Tensor:
+def _oracle(problem, causal: bool, variant: str = VARIANT, sm_scale: float | None = None,
+            block_n: int = TILE_KEYS) -> torch.Tensor:
     return v1_tests.attention(**problem.reference_inputs, variant=variant, causal=causal, block_m=64,
-                              block_n=TILE_KEYS, sm_scale=sm_scale)
+                              block_n=block_n, sm_scale=sm_scale)
 
 
 def run_against_oracle(problem, causal: bool, kernel: str, rms: float, max_fraction: float) -> tuple:
     """(``kernel``'s output on ``problem``, the oracle's: the reference variant the kernel computes, ``mpfa-qk8tile``
-    or v6n's ``mpfa-qk8tile-psum``), the output checked against the oracle (``rms``, ``max_fraction`` of max |O|)
-    and float64 (`v1_tests._check`): the common part of the FP8 kernels' (v4, v5, v6) tests."""
+    or v6n's ``mpfa-qk8tile-psum``, with the kernel's softmax tiles: 64 keys, 128 for v6l .. v7), the output checked
+    against the oracle (``rms``, ``max_fraction`` of max |O|) and float64 (`v1_tests._check`): the common part of
+    the FP8 kernels' (v4, v5, v6, v7) tests."""
     out = v1_tests._run(problem, causal, kernel=kernel)
-    expected = _oracle(problem, causal, prefill_numerics(kernel))
+    expected = _oracle(problem, causal, prefill_numerics(kernel), block_n=softmax_keys(kernel))
     _, exact = v1_tests._expected(problem, causal)
     v1_tests._check(out, expected, exact, rms=rms, max_fraction=max_fraction)
     return out, expected

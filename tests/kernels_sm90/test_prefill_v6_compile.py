@@ -48,8 +48,9 @@ LUT_K = ("v6c", "v6d", "v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "
 UNSCALED = ("v6e", "v6f", "v6g", "v6h", "v6i", "v6j", "v6k", "v6l", "v6m", "v6n")
 P_IN_EXPONENT = ("v6k", "v6l", "v6m", "v6n")  # e4m3(448 P)'s 448 in the exponent's bias: no FMUL by 448
 # 128-key consumer steps: 2 stages' QK (8 k-steps, one wait), 2 stages' PV (4, one wait), one fold, 2 full waits and
-# 2 empty arrivals, 64 keys' P (32 cvt), Delta_S as 8 16-byte loads of the producer's FP32 copy; up to 4 words of the
-# epilogue's rows spilled across the walk (stored once before it, loaded once after)
+# 2 empty arrivals, 64 keys' P (32 cvt), Delta_S as 8 16-byte loads of the producer's FP32 copy; up to 8 words
+# spilled outside the loops (the epilogue's rows across the consumers' walk, a few of the producer's around its
+# loops: stored once, loaded once per CTA), none in any loop
 WIDE = ("v6l", "v6m", "v6n")
 ROW_SUMS_ON_MMA = ("v6n",)  # PV m64n136k32 (V^T's row of ones): no FADD per score
 PINGPONG = ("v6f",)  # the consumers take turns at QK: named barriers 4 / 5 of 256 threads
@@ -92,7 +93,7 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     launcher = getattr(ws, prefill_launch.WS_KERNELS[kernel])(*config, compensate=compensate)
     usage = cuobjdump("--dump-resource-usage", cubin)
     stack = int(re.search(r"STACK:(\d+)", usage).group(1))
-    assert re.search(r"LOCAL:0\b", usage) and stack <= (16 if kernel in WIDE else 0), f"the v6 prefill spills: {usage}"
+    assert re.search(r"LOCAL:0\b", usage) and stack <= (32 if kernel in WIDE else 0), f"the v6 prefill spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     producers = 2 if kernel in TWO_PRODUCERS else 1
     threads = (producers + ws.CONSUMERS) * WARPGROUP
@@ -114,7 +115,7 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, {launcher.consumer_regs:#x}" in sass
     assert "HGMMA" not in sass and "HMMA" not in sass, "every MMA should be an e4m3 wgmma"
     spills = len(re.findall(r"\bSTL\b", sass))
-    assert spills <= (4 if kernel in WIDE else 0), "local memory traffic"
+    assert spills <= (8 if kernel in WIDE else 0), "local memory traffic"
     consumer_loops = mma_loops(sass)
     assert len(consumer_loops) == TILE_LOOPS, [len(body) for body in consumer_loops]
     for whole, body in enumerate(consumer_loops):
@@ -167,7 +168,7 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
     assert len(producer_loops) == TILE_LOOPS, [len(body) for body in producer_loops]
     chunks = 2 // producers  # K chunks per producer thread and tile (v6g: the two producers share them)
     for body in producer_loops:
-        assert not any("GMMA" in op for op in body)
+        assert not any("GMMA" in op or op.startswith(("STL", "LDL")) for op in body)
         assert sum(op.startswith(producer_loop) for op in body) == 1
         assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in body) == 1  # wait empty[s]
         assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in body) == 1  # arrive full[s]
@@ -258,16 +259,18 @@ def test_v6_ring_schedule(operand_stages: int):
 
 @pytest.mark.parametrize("tiles", range(12))
 def test_wide_walk(tiles: int):
-    """v6l's 128-key steps on the CPU: every walk step in exactly one consumer step, every masked tile in a step taken
-    by the masked body, at most one whole tile there (the partner of an odd count of masked tiles)."""
+    """v6l's 128-key steps on the CPU: every walk step in exactly one consumer step, each step's 64-key tiles one of
+    the sequence's 128-key tiles (indices 2j, 2j + 1: the reference's ``block_n`` 128), every masked tile in a step
+    taken by the masked body, at most one whole tile there (the partner of a masked tile)."""
     from mpfa.kernels.sm90.prefill_wgmma_ws import wide_walk
 
     for masked in range(tiles + 1):
-        masked_pairs, pairs = wide_walk(tiles, masked)
-        steps = [(2 * pair + i, pair < masked_pairs) for pair in range(pairs) for i in range(2)]
-        if tiles & 1:
-            steps.append((tiles - 1, tiles - 1 < masked))
+        lead, masked_pairs, pairs = wide_walk(tiles, masked)
+        units = [((0,), masked > 0)] if lead else []
+        units += [((lead + 2 * pair, lead + 2 * pair + 1), pair < masked_pairs) for pair in range(pairs)]
+        steps = [(step, masked_body) for unit, masked_body in units for step in unit]
         assert sorted(step for step, _ in steps) == list(range(tiles)), (tiles, masked)
+        assert all(len({(tiles - 1 - step) // 2 for step in unit}) == 1 for unit, _ in units), (tiles, masked)
         assert all(masked_body for step, masked_body in steps if step < masked), (tiles, masked)
         assert sum(masked_body for step, masked_body in steps if step >= masked) <= 1, (tiles, masked)
 

@@ -32,8 +32,9 @@ batch, each against the oracle bounds and against v6:
   64): within v5's allowance for PV on FP8 (rms 1e-3, max 1% of max |O|) of v6e, and the oracle's bounds widened by
   the same allowance; v6k (v6j with P's 448 in the exponent: P' = 448.00016 P) within 1e-4 rms and 0.2% max of v6j
   (only an e4m3 rounding of P' within ~4e-7 of a tie can differ); v6l (v6k's numerics on 128-key consumer steps: P
-  against the maximum over 128 keys, rounded to e4m3 there) within v5's allowance of v6k. The cases' walks have odd
-  and even lengths (v6l's lone last step) and causal CTAs whose earlier consumer sees no key of a pair's first tile.
+  against the maximum over the sequence's 128-key tile, rounded to e4m3 there) against the oracle with block_n 128
+  (`softmax_keys`) and within `P_AT_128_KEYS` of v6k. The cases' walks have odd and even lengths (v6l's lone first
+  step) and causal CTAs whose earlier consumer sees no key of a pair's first tile.
   v6m (v6l with two producer warpgroups, each thread staging one key's Delta_S): v6l bit for bit. v6n (v6l with the
   row sums on the PV wgmma): against its own oracle (``mpfa-qk8tile-psum``, l summing the e4m3 P) with v6l's slack,
   and within `PSUM_FROM_FP32_SUMS` of v6l.
@@ -113,9 +114,12 @@ FOLD_RMS = 4e-6  # v6b from v6: O alpha rounded once instead of twice on the res
 # every case here, test_qk8_variants.test_psum_moves_o_by_the_fp8_roundings_of_p) are up to 5.4e-3 rms and 1.7% of
 # max |O| apart; plus v5's allowance for the FP8 wgmma's sums, about 1.5x that
 PSUM_FROM_FP32_SUMS = (1e-2, 0.04)
+# v6l from v6k: P rounded to e4m3 against the maximum over the 128-key tile instead of 64 keys (v6l's oracle, the
+# reference with block_n 128, rounds it as v6l does); a CPU model of the two puts them up to 1.4e-2 rms and 1.9% of
+# max |O| apart on short random rows (profiles/NOTES.md "Prefill v6l"): about 2x that
+P_AT_128_KEYS = (3e-2, 0.04)
 CLOSE_TO = {"v6j": ("v6e", v5_tests.PV8_RMS, v5_tests.PV8_MAX),  # (kernel, rms, max fraction of max |O|)
-            "v6k": ("v6j", 1e-4, 0.002), "v6l": ("v6k", v5_tests.PV8_RMS, v5_tests.PV8_MAX),
-            "v6n": ("v6l", *PSUM_FROM_FP32_SUMS)}
+            "v6k": ("v6j", 1e-4, 0.002), "v6l": ("v6k", *P_AT_128_KEYS), "v6n": ("v6l", *PSUM_FROM_FP32_SUMS)}
 ORACLE_SLACK = {kernel: (v5_tests.PV8_RMS, v5_tests.PV8_MAX) for kernel in ("v6j", "v6k", "v6l", "v6m", "v6n")}
 
 
