@@ -15,7 +15,13 @@ from mpfa.kernels import (
     merge_partials,
     sequence_means,
 )
-from mpfa.kernels.reference import attend_prepared, attend_prepared_batch, attention_one_sequence, prepare_one_sequence
+from mpfa.kernels.reference import (
+    _requantize_key_tiles,
+    attend_prepared,
+    attend_prepared_batch,
+    attention_one_sequence,
+    prepare_one_sequence,
+)
 
 QK8 = ("mpfa-qk8row", "mpfa-qk8tile")
 OUTLIER_KEY, OUTLIER_CHANNEL, OUTLIER = 40, 3, 2688.0  # 6 * 448: the largest NVFP4 value without a global scale
@@ -129,6 +135,33 @@ def test_psum_moves_o_by_the_fp8_roundings_of_p(q_lens, kv_lens, causal) -> None
     rms = float(((psum - fp32_sums).double().pow(2).mean() / fp32_sums.double().pow(2).mean()).sqrt())
     assert 3e-3 < rms < 7e-3
     assert float((psum - fp32_sums).abs().max()) < 0.025 * float(fp32_sums.abs().max())
+
+
+def test_128_key_softmax_tiles_with_64_key_k_scales() -> None:
+    """The prefill kernels v6l .. v7 requantize K per 64-key tile but update the softmax (P's maxima) per 128-key
+    tile; their GPU tests' oracle is the reference with block_n 128 (K per 128 keys too). On those tests' inputs the
+    two K requantizations give the same operands (K per 64 keys, then the attention with its K taken as prepared, is
+    the block_n-128 oracle to 1e-6), while P's maxima per 64 keys (block_n 64) move O by ~3-6e-3 rms: the oracle
+    must follow the softmax tiles, not the K scales."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(tokens: int, heads: int, scale: float, offset_std: float) -> torch.Tensor:
+        offsets = torch.zeros(128)
+        offsets[torch.randperm(128, generator=gen)[:8]] = torch.randn(8, generator=gen) * offset_std
+        return (torch.randn(tokens, heads, 128, generator=gen) * scale + offsets).bfloat16()
+
+    q, k, v = rows(420, 32, 1.0, 4.0), rows(420, 8, 1.5, 8.0), rows(420, 8, 1.0, 0.5)
+    ops = prepare_one_sequence(q[120:], k, v, variant="mpfa-qk8tile")
+    oracle = attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant="mpfa-qk8tile", block_n=128)
+    k_per_64 = _requantize_key_tiles(ops.k[None], 64, None)[0]
+    kernel = attend_prepared(ops.q, k_per_64, ops.v, ops.delta_s, variant="mpfa-qk8row", block_n=128)  # K as given
+    tiles_64 = attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant="mpfa-qk8tile", block_n=64)
+
+    def rms(a: torch.Tensor, b: torch.Tensor) -> float:
+        return float(((a - b).double().pow(2).mean() / b.double().pow(2).mean()).sqrt())
+
+    assert rms(kernel, oracle) < 1e-6
+    assert 2e-3 < rms(tiles_64, oracle) < 1e-2
 
 
 def test_padding_keys_stay_out_of_the_tile_scales(make_batch) -> None:
