@@ -26,11 +26,11 @@ from cutlass import Float32, Int32, Int64, Uint32
 
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, THREADS, TILE_KEYS
-from mpfa.kernels.sm90.prefill_wgmma_ws import (E4M3_ONES, ROW_SUM_COLUMNS, PrefillSm90WgmmaWsWideTileMmaSum,
+from mpfa.kernels.sm90.prefill_wgmma_ws import (ROW_SUM_COLUMNS, ROW_SUM_UNITS, PrefillSm90WgmmaWsWideTileMmaSum,
                                                 ds_staged_read, stage_parity)
 from mpfa.kernels.sm90.ptx import (bits_to_f32, cp_async_16, cp_async_commit, cp_async_wait, load_shared_u32,
                                    load_shared_v4_u32, load_u32, store_v4_u32)
-from mpfa.kernels.sm90.smem_pipeline import store_shared_u32, store_shared_v4_u32
+from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
 
 PRE_OPERAND_STAGES = 8  # v7: no raw ring, so twice v6n's operand stages (8 x 18 KB) for the copies in flight
 UNITS_PER_THREAD = 9  # 16-byte units of an image per producer thread: 18432 / 16 / 128
@@ -98,13 +98,8 @@ class OperandPass(PrefillSm90WgmmaWsWideTileMmaSum):
         tile_index, kv_head, batch = cute.arch.block_idx()
         kv_len = seq_lens_k[batch]
         if tile_index * TILE_KEYS < kv_len:
-            warp = tid >> 5
-            threads = (tid, 0, tid, warp)
-            head_slot = kv_head * k_scales.shape[1]
-            sources = ((k_codes.iterator.toint() + kv_head * sl.K_ROW_BYTES, 0),
-                       (v.iterator.toint() + kv_head * HEAD_DIM, 0),
-                       (k_scales.iterator.toint(), head_slot),
-                       (delta_s.iterator.toint(), head_slot))
+            threads = (tid, 0, tid, tid >> 5)
+            sources = self._cache_sources((k_codes, k_scales, v, delta_s), kv_head, 0)
             table_row = page_table.iterator.toint() + Int64(batch) * page_table.stride[0] * 4
             smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN).toint()
             ring = smem + self.offsets[3]
@@ -116,10 +111,8 @@ class OperandPass(PrefillSm90WgmmaWsWideTileMmaSum):
             e = self._expand_k_e4m3(ring, threads, smem)
             self._expand_v(ring, threads, smem)
             self._stage_delta_s(ring, threads, smem, 0)
-            ones = smem + self.offsets[2] + HEAD_DIM * TILE_KEYS  # V^T rows 128 .. 135: 32 units of 16 bytes
-            if tid < ROW_SUM_COLUMNS * TILE_KEYS // 16:
-                word = Uint32(cutlass.select_(tid < TILE_KEYS // 16, Uint32(E4M3_ONES), Uint32(0)))
-                store_shared_v4_u32(ones + 16 * tid, word, word, word, word)
+            if tid < ROW_SUM_UNITS:
+                self._store_row_sum_unit(smem, tid)
             if tid == 0:
                 store_shared_u32(smem + EXPONENT_OFFSET, (e + Uint32(127)) << 23)
             cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # the image is whole

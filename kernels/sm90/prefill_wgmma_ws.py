@@ -214,16 +214,10 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         """The CTA's tiles into the operand stages (``inputs``: the cache's tensors and the page table): the ring
         prologue, then one `_produce_step` per walk step."""
         cta_tiles, cta_common = walk
-        (k_codes, k_scales, v, delta_s), page_table = inputs
+        cache, page_table = inputs
         _, kv_head, (first_head, _) = self._heads(block_head, warp)
         group_first = first_head - kv_head * self.group
-        head_slot = kv_head * k_scales.shape[1]
-        sources = (
-            (k_codes.iterator.toint() + kv_head * sl.K_ROW_BYTES, 0),
-            (v.iterator.toint() + kv_head * HEAD_DIM, 0),
-            (k_scales.iterator.toint(), head_slot),
-            (delta_s.iterator.toint() + 4 * sl.ds_first_word(group_first), head_slot),
-        )
+        sources = self._cache_sources(cache, kv_head, group_first)
         ds_lead = 0 if self.heads % 2 == 0 else sl.ds_lead(group_first)  # bytes to the first head in its word
         threads = (tid, 0, tid, warp)  # (tid, warpgroup, thread and warp in it): one producer, warpgroup 0
         if cutlass.const_expr(self.producer_warpgroups > 1):
@@ -248,6 +242,16 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
             self._produce_step(False, masked_tiles + step, cta_tiles, page, table_row, ring, kv_len, threads, sources,
                                smem, bars, ds_lead)
         cp_async_wait(0)  # only empty groups can be pending here
+
+    def _cache_sources(self, cache, kv_head, group_first):
+        """(first byte, first slot) of KV head ``kv_head``'s rows of each cache array (`_copy_tile`'s ``sources``):
+        K codes, V, K scales, and the Delta_S words from the one holding query head ``group_first`` of the group."""
+        k_codes, k_scales, v, delta_s = cache
+        head_slot = kv_head * k_scales.shape[1]
+        return ((k_codes.iterator.toint() + kv_head * sl.K_ROW_BYTES, 0),
+                (v.iterator.toint() + kv_head * HEAD_DIM, 0),
+                (k_scales.iterator.toint(), head_slot),
+                (delta_s.iterator.toint() + 4 * sl.ds_first_word(group_first), head_slot))
 
     @cute.jit
     def _produce_step(self, masked: cutlass.Constexpr, step, cta_tiles, page: cute.Tensor, table_row, ring, kv_len,
@@ -879,6 +883,7 @@ class PrefillSm90WgmmaWsWideTileTwoProducers(PrefillSm90WgmmaWsWideTile):
 
 ROW_SUM_COLUMNS = 8  # v6n: V^T rows 128 .. 135 (the wgmma's N grows by 8): a row of ones, then zeros
 E4M3_ONES = 0x38383838  # four e4m3 1.0
+ROW_SUM_UNITS = ROW_SUM_COLUMNS * TILE_KEYS // 16  # 16-byte units of those rows
 
 
 class PrefillSm90WgmmaWsWideTileMmaSum(PrefillSm90WgmmaWsWideTile):
@@ -901,13 +906,15 @@ class PrefillSm90WgmmaWsWideTileMmaSum(PrefillSm90WgmmaWsWideTile):
     def _init_operand_stages(self, tid, smem):
         """V^T rows 128 .. 135 of every operand stage (512 B each: 32 16-byte units, 4 per row) by the first
         32 x stages threads, fenced for wgmma before the CTA's barrier."""
-        units = ROW_SUM_COLUMNS * TILE_KEYS // 16
-        if tid < units * self.operand_stages:
-            unit = tid % units
-            row_block = smem + self.offsets[2] + (tid // units) * self.operand_stage_bytes + HEAD_DIM * TILE_KEYS
-            word = Uint32(cutlass.select_(unit < TILE_KEYS // 16, Uint32(E4M3_ONES), Uint32(0)))
-            store_shared_v4_u32(row_block + 16 * unit, word, word, word, word)
+        if tid < ROW_SUM_UNITS * self.operand_stages:
+            self._store_row_sum_unit(smem + (tid // ROW_SUM_UNITS) * self.operand_stage_bytes, tid % ROW_SUM_UNITS)
             cute.arch.fence_proxy("async.shared", space="cta")
+
+    def _store_row_sum_unit(self, operands, unit):
+        """16-byte unit ``unit`` of V^T's rows 128 .. 135 in the operand stage at ``operands`` (4 units a row: row
+        128's are e4m3 ones, the others zeros)."""
+        word = Uint32(cutlass.select_(unit < TILE_KEYS // 16, Uint32(E4M3_ONES), Uint32(0)))
+        store_shared_v4_u32(operands + self.offsets[2] + HEAD_DIM * TILE_KEYS + 16 * unit, word, word, word, word)
 
     def _row_sum(self, state: cute.Tensor, acc_o: cute.Tensor, r: int):
         """Row g + 8 r's l: PV's column 128, held by lane 4g (register 64 + 2r)."""
