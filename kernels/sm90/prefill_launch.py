@@ -92,8 +92,8 @@ WGMMA_GROUPS = (4, 5)  # GQA groups of the v3 family (v3, v3w8, v3c, v3w8c; 32:8
 # warpgroup's 64 rows are 4 heads x 16 rows or 1 head x 64 rows (`prefill_staged_layout.warpgroup_rows`)
 WIDE_KERNELS = ("v6l", "v6m", "v6n")  # v6's 128-key consumer steps (`PrefillSm90WgmmaWsWideTile`), groups 4 and 5
 ANY_GROUP_KERNELS = ("v3", "v3w8", *DS_COLUMN_KERNELS, *WIDE_KERNELS, *PRE_KERNELS)  # the others (v4 .. v6k): group 4
-WGMMA_MIN_PAGE = 64  # v3's 64-key tiles never straddle pages
 TILE_KEYS_WGMMA = 64  # keys per wgmma tile (v3 .. v7)
+WGMMA_MIN_PAGE = TILE_KEYS_WGMMA  # v3's 64-key tiles never straddle pages
 
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
@@ -135,7 +135,8 @@ def kernel_block_m(group: int, kernel: str) -> int:
 
 
 def wgmma_groups(kernel: str) -> tuple:
-    """The GQA groups the wgmma kernel ``kernel`` runs: `WGMMA_GROUPS` for the v3 family, (4,) for the others."""
+    """The GQA groups the wgmma kernel ``kernel`` runs: `WGMMA_GROUPS` for the v3 family and v6l .. v7
+    (`ANY_GROUP_KERNELS`), (4,) for the others."""
     return WGMMA_GROUPS if kernel in ANY_GROUP_KERNELS else (4,)
 
 

@@ -872,10 +872,10 @@ WIDE_TWO_PRODUCERS_REGS = (40, 216)  # v6m's setmaxnreg: 2 x 40 + 2 x 216 = 512 
 
 class PrefillSm90WgmmaWsWideTileTwoProducers(PrefillSm90WgmmaWsWideTile):
     """v6m: v6l with v6g's **two producer warpgroups** (512 threads), for the case where v6l's one producer warp per
-    scheduler binds: its tile loop issues 445 instructions per 64 keys against a consumer's 293.5 (v6e: 434 against
-    412). Each producer warp here issues ~280 per tile (~560 for the pair: more issue in all, a shorter chain each).
-    The producers stage Delta_S one key per thread. Same values in the operand stages: **v6l's output bit for bit**.
-    Registers: producers 40, consumers 216 (v6l names ~R221 of 224; here no loop spills, 4 words across the walk)."""
+    scheduler binds: its tile loop issues 440 instructions per 64 keys against a consumer's 289.5 (v6e: 434 against
+    412). Each producer warp here issues 289 per tile (578 for the pair: more issue in all, a shorter chain each).
+    The Delta_S units go to the first 128 of the 256 producer threads. Same values in the operand stages: **v6l's
+    output bit for bit**. Registers: producers 40, consumers 216 (v6l names ~R221 of 224; no loop spills)."""
 
     producer_warpgroups = 2
     producer_regs, consumer_regs = WIDE_TWO_PRODUCERS_REGS
@@ -891,13 +891,13 @@ class PrefillSm90WgmmaWsWideTileMmaSum(PrefillSm90WgmmaWsWideTile):
     128 all e4m3 1.0, rows 129 .. 135 zeros, written once per operand stage before the CTA's barrier (the producer's
     V transpose writes rows 0 .. 127 only). Column 128 of the PV accumulator is then the row's sum of the e4m3 P'
     the MMA consumed, folded into O's column 128 with O (O = O alpha + P V): l = l alpha + sum e4m3(P'), with no
-    FADD per score (64 per 128 keys and consumer thread, 587 -> 523 SASS instructions per 128 keys) and no quad sum
+    FADD per score (64 per 128 keys and consumer thread, 579 -> 515 SASS instructions per 128 keys) and no quad sum
     at the end (lane 4g holds rows g, g + 8's l in registers 64 and 66). O and l grow to 68 registers each.
 
     Numerics (the reference's "mpfa-qk8tile-psum"): the denominator sums the P that V is weighted by (e4m3(448 P))
-    instead of the FP32 P, so O is exactly a weighted mean of V's rows; against FP32 sums the output moves by
-    ~1e-3 rms on Gaussian scores and up to ~4e-3 on peaked ones (CPU model, profiles/NOTES.md "Prefill v6n"),
-    the same size as the e4m3 P's own error, of either sign."""
+    instead of the FP32 P, so O is exactly a weighted mean of V's rows; against FP32 sums the reference's output
+    moves by 3-5.4e-3 rms on the GPU tests' inputs, both equally far from float64 (profiles/NOTES.md "Prefill
+    v6n"): a different rounding of the same size as the e4m3 P's own error, not a worse one."""
 
     pv_n = HEAD_DIM + ROW_SUM_COLUMNS
     v_bytes = (HEAD_DIM + ROW_SUM_COLUMNS) * TILE_KEYS
