@@ -112,28 +112,37 @@ def test_psum_output_is_a_weighted_mean_of_v(make_batch) -> None:
     assert float((merge_partials(parts) - 1).abs().max()) < 1e-6
 
 
+def _gpu_test_inputs(tokens: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q [tokens, 32, 128], k, v [tokens, 8, 128] as the prefill kernels' GPU tests draw them (seed 0): Gaussian rows
+    plus a fixed offset on 8 random channels per tensor (`test_prefill_gpu._rows`)."""
+    gen = torch.Generator().manual_seed(0)
+
+    def rows(heads: int, scale: float, offset_std: float) -> torch.Tensor:
+        offsets = torch.zeros(128)
+        offsets[torch.randperm(128, generator=gen)[:8]] = torch.randn(8, generator=gen) * offset_std
+        return (torch.randn(tokens, heads, 128, generator=gen) * scale + offsets).bfloat16()
+
+    return rows(32, 1.0, 4.0), rows(8, 1.5, 8.0), rows(8, 1.0, 0.5)
+
+
+def _rms(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative rms distance of ``a`` from ``b``."""
+    return float(((a - b).double().pow(2).mean() / b.double().pow(2).mean()).sqrt())
+
+
 @pytest.mark.parametrize("q_lens,kv_lens,causal", [([1, 77, 300], [1, 77, 420], True),
                                                    ([95, 33, 47], [130, 33, 47], False)])
 def test_psum_moves_o_by_the_fp8_roundings_of_p(q_lens, kv_lens, causal) -> None:
     """On the inputs of the prefill kernels' GPU tests (Gaussian rows with channel offsets), l summing the e4m3 P
     moves O by 3e-3 to 7e-3 rms and under 2.5% of max |O| from l summing the FP32 P: the scale of v6n's tolerance
     against v6l there (`test_prefill_v6_gpu.PSUM_FROM_FP32_SUMS`)."""
-    gen = torch.Generator().manual_seed(0)
-
-    def rows(tokens: int, heads: int, scale: float, offset_std: float) -> torch.Tensor:
-        offsets = torch.zeros(128)
-        offsets[torch.randperm(128, generator=gen)[:8]] = torch.randn(8, generator=gen) * offset_std
-        return (torch.randn(tokens, heads, 128, generator=gen) * scale + offsets).bfloat16()
-
-    tokens = sum(kv_lens)
-    q, k, v = rows(tokens, 32, 1.0, 4.0), rows(tokens, 8, 1.5, 8.0), rows(tokens, 8, 1.0, 0.5)
+    q, k, v = _gpu_test_inputs(sum(kv_lens))
     cu_k, cu_q = torch.tensor([0, *kv_lens]).cumsum(0), torch.tensor([0, *q_lens]).cumsum(0)
     queries = torch.cat([torch.arange(end - n, end) for end, n in zip(cu_k[1:].tolist(), q_lens)])
     run = dict(cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=causal, block_n=64)
     fp32_sums = attention(q[queries], k, v, variant="mpfa-qk8tile", **run)
     psum = attention(q[queries], k, v, variant="mpfa-qk8tile-psum", **run)
-    rms = float(((psum - fp32_sums).double().pow(2).mean() / fp32_sums.double().pow(2).mean()).sqrt())
-    assert 3e-3 < rms < 7e-3
+    assert 3e-3 < _rms(psum, fp32_sums) < 7e-3
     assert float((psum - fp32_sums).abs().max()) < 0.025 * float(fp32_sums.abs().max())
 
 
@@ -143,25 +152,14 @@ def test_128_key_softmax_tiles_with_64_key_k_scales() -> None:
     two K requantizations give the same operands (K per 64 keys, then the attention with its K taken as prepared, is
     the block_n-128 oracle to 1e-6), while P's maxima per 64 keys (block_n 64) move O by ~3-6e-3 rms: the oracle
     must follow the softmax tiles, not the K scales."""
-    gen = torch.Generator().manual_seed(0)
-
-    def rows(tokens: int, heads: int, scale: float, offset_std: float) -> torch.Tensor:
-        offsets = torch.zeros(128)
-        offsets[torch.randperm(128, generator=gen)[:8]] = torch.randn(8, generator=gen) * offset_std
-        return (torch.randn(tokens, heads, 128, generator=gen) * scale + offsets).bfloat16()
-
-    q, k, v = rows(420, 32, 1.0, 4.0), rows(420, 8, 1.5, 8.0), rows(420, 8, 1.0, 0.5)
+    q, k, v = _gpu_test_inputs(420)
     ops = prepare_one_sequence(q[120:], k, v, variant="mpfa-qk8tile")
     oracle = attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant="mpfa-qk8tile", block_n=128)
     k_per_64 = _requantize_key_tiles(ops.k[None], 64, None)[0]
     kernel = attend_prepared(ops.q, k_per_64, ops.v, ops.delta_s, variant="mpfa-qk8row", block_n=128)  # K as given
     tiles_64 = attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant="mpfa-qk8tile", block_n=64)
-
-    def rms(a: torch.Tensor, b: torch.Tensor) -> float:
-        return float(((a - b).double().pow(2).mean() / b.double().pow(2).mean()).sqrt())
-
-    assert rms(kernel, oracle) < 1e-6
-    assert 2e-3 < rms(tiles_64, oracle) < 1e-2
+    assert _rms(kernel, oracle) < 1e-6
+    assert 2e-3 < _rms(tiles_64, oracle) < 1e-2
 
 
 def test_padding_keys_stay_out_of_the_tile_scales(make_batch) -> None:
