@@ -100,8 +100,28 @@ def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int,
     return init
 
 
+MAX_CHAINS = 4  # a row's lane maximum as 4 interleaved chains: 32 scores take a chain of 8 + 2 FMNMX, not 31
+
+
+def lane_row_maxima(scores: list) -> list:
+    """Rows g, g + 8's maxima over this lane's ``scores``: `MAX_CHAINS` interleaved chains joined by a tree. The
+    maximum is exact in any order, so this is one chain's value with a shorter dependency chain on the softmax's
+    critical path (the exponents wait for it)."""
+    maxima = []
+    for r in range(2):
+        values = [scores[n_tile][2 * r + half] for n_tile in range(len(scores)) for half in range(2)]
+        chains = values[:MAX_CHAINS]
+        for i, value in enumerate(values[MAX_CHAINS:]):
+            chains[i % MAX_CHAINS] = fmax(chains[i % MAX_CHAINS], value)
+        while len(chains) > 1:
+            chains = [fmax(chains[i], chains[i + 1]) if i + 1 < len(chains) else chains[i]
+                      for i in range(0, len(chains), 2)]
+        maxima.append(chains[0])
+    return maxima
+
+
 def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32, exp2=None,
-                   exact_alpha: bool = False, p_scale_log2: float = 0.0) -> tuple:
+                   exact_alpha: bool = False, p_scale_log2: float = 0.0, lane_max: list | None = None) -> tuple:
     """Rows g, g + 8: m_new = max(m, rowmax S), P = exp2(lam S - lam m_new), alpha = exp2(lam m - lam m_new),
     l = alpha l + (this lane's part of) rowsum P. A row that has seen no key keeps m = -inf and gets P = 0 and
     alpha = 0 (the reference's m_ref = 0). ``exact_alpha``: alpha is exactly 1 where the row's maximum stays (as
@@ -110,16 +130,14 @@ def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32
     has no registers left for the select). -> (P in the scores' layout, alphas, new m rows, new l rows).
     ``exp2``: replaces `exp2_approx` (only for the timing ablations of `ablation`). ``p_scale_log2``: P and l come
     out times 2**p_scale_log2 (one subtraction per row from the exponent's bias, instead of a multiply per P: the
-    kernels' e4m3(448 P) with log2(448)); alpha is unchanged."""
+    kernels' e4m3(448 P) with log2(448)); alpha is unchanged. ``lane_max``: `lane_row_maxima` of ``scores``, where
+    the caller took them already (v6l's 128-key step takes its first tile's while the second's wgmma runs)."""
     exp2 = exp2_approx if exp2 is None else exp2
     probs = [[None] * 4 for _ in scores]
     alphas, m_new_rows, l_new_rows = [], [], []
+    lane_max = lane_row_maxima(scores) if lane_max is None else lane_max
     for r in range(2):
-        tile_max = scores[0][2 * r]
-        for n_tile in range(len(scores)):
-            for half in range(2):
-                tile_max = fmax(tile_max, scores[n_tile][2 * r + half])
-        tile_max = quad_max(tile_max)
+        tile_max = quad_max(lane_max[r])
         m_new = fmax(m_rows[r], tile_max)
         m_lam = Float32(select_(m_new == -math.inf, Float32(0.0), m_new * lam_scaled))
         p_bias = m_lam

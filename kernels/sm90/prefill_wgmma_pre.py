@@ -137,8 +137,8 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups)
         assert self.operand_stage_bytes == IMAGE_BYTES and IMAGE_BYTES == 16 * THREADS * UNITS_PER_THREAD
         self.barrier_offset = self.offsets[3]  # no ring after the operand stages
-        self.exponent_offset = self.barrier_offset + 8 * 2 * self.operand_stages  # unused: the images carry it
-        self.smem_bytes = self.exponent_offset
+        self.exponent_offset = None  # no per-stage slot: each image carries its tile's K exponent (`EXPONENT_OFFSET`)
+        self.smem_bytes = self.barrier_offset + 8 * 2 * self.operand_stages  # after the full / empty barriers
 
     @cute.jit
     def __call__(self, q_codes: cute.Tensor, q_scales: cute.Tensor, images: cute.Tensor, max_tiles: Int32,

@@ -840,6 +840,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         s0, tile0, _ = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
         mmas0 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s0)), acc_s, acc_o)
         self._qk_issue(masked, tile0 * TILE_KEYS, mmas0, limits, c)
+        lane_max = None
         if cutlass.const_expr(single):
             warpgroup.wait_group(0)
             scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
@@ -848,11 +849,17 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             s1, tile1, _ = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
             mmas1 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s1)), acc_s1, acc_o)
             self._qk_issue(masked, tile1 * TILE_KEYS, mmas1, limits, c)
-            warpgroup.wait_group(0)
-            scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())  # step + 1's tile scale
+            tile_scale1 = state[self._TILE_SCALE]
+            warpgroup.wait_group(1)  # the first tile's scores and lane maxima while the second tile's QK runs
             state[self._TILE_SCALE] = tile_scale0
-            scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint()) + scores1
-        probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2)
+            scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
+            lane_max = tile_math.lane_row_maxima(scores)
+            warpgroup.wait_group(0)
+            state[self._TILE_SCALE] = tile_scale1
+            scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())
+            lane_max = [tile_math.fmax(m, m1) for m, m1 in zip(lane_max, tile_math.lane_row_maxima(scores1))]
+            scores = scores + scores1
+        probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2, lane_max)
         self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
         (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, s0)
         if cutlass.const_expr(single):

@@ -304,3 +304,28 @@ def test_p_scale_in_the_exponent(numpy_warp, exact_alpha):
         np.testing.assert_array_equal(scaled[2][r], plain[2][r])  # maxima
         np.testing.assert_allclose(scaled[3][r], 448 * plain[3][r], rtol=2e-6, atol=0)  # sums
     assert (plain[3][0][G == 0] == 0).all() and (scaled[3][0][G == 0] == 0).all()
+
+
+@pytest.mark.parametrize("blocks", [1, 2, 8, 16])
+def test_lane_row_maxima_is_the_rows_maximum(numpy_warp, blocks):
+    """`lane_row_maxima` (4 chains joined by a tree) is each row's maximum over the lane's scores, -inf included,
+    for the tiles' widths (1 .. 16 blocks of 8 keys: 2 .. 32 scores per row); the maximum of two parts' maxima is
+    the whole's (v6l's step takes its two tiles' apart); `online_softmax` given them returns what it computes."""
+    gen = np.random.default_rng(blocks)
+    scores = [[_f32(gen.normal(0.0, 4.0, 32)) for _ in range(4)] for _ in range(blocks)]
+    scores[0][1] = np.where(G < 3, -np.inf, scores[0][1]).astype(np.float32)
+    maxima = tile_math.lane_row_maxima(scores)
+    for r in range(2):
+        expected = np.max([scores[n][2 * r + half] for n in range(blocks) for half in range(2)], axis=0)
+        np.testing.assert_array_equal(maxima[r], expected)
+    if blocks > 1:
+        split = blocks // 2
+        parts = [tile_math.lane_row_maxima(scores[:split]), tile_math.lane_row_maxima(scores[split:])]
+        for r in range(2):
+            np.testing.assert_array_equal(np.fmax(parts[0][r], parts[1][r]), maxima[r])
+    m_rows, l_rows, lam = [_f32(0.5), _f32(-1.0)], [_f32(1.0), _f32(2.0)], _f32(0.125)
+    given = tile_math.online_softmax(scores, m_rows, l_rows, lam, lane_max=maxima)
+    taken = tile_math.online_softmax(scores, m_rows, l_rows, lam)
+    for r in range(2):
+        np.testing.assert_array_equal(given[2][r], taken[2][r])
+        np.testing.assert_array_equal(given[3][r], taken[3][r])
