@@ -17,7 +17,7 @@ summation order (its 64-key tiles), not bit for bit; on the H200 it passed the G
 (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical to v3). The default is
 v3w8c (below) where it applies (session 18 on the H200: 0.964x v3w8's time at 64K, v3w8 itself 1.39x v3 in session 16;
 profiles/NOTES.md "Session 18 sitting"), else v2 (v1 for an odd number of query heads: v2 copies Delta_S as aligned
-4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7`` or the ``kernel=``
+4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7|v7b`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
 (`prefill_wgmma_dscol`; v3w8c the default) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
 instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
@@ -80,7 +80,10 @@ WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer 
     "v6m": "PrefillSm90WgmmaWsWideTileTwoProducers",  # v6l with two producer warpgroups (v6l's output)
     "v6n": "PrefillSm90WgmmaWsWideTileMmaSum",  # v6l with the row sums on the tensor cores ("mpfa-qk8tile-psum")
 }
-PRE_KERNELS = ("v7",)  # v6n's consumers on operand images expanded once per prefill (`prefill_wgmma_pre`)
+PRE_KERNELS = {  # v6n's consumers on operand images expanded once per prefill (`prefill_wgmma_pre`) -> its class
+    "v7": "PrefillSm90WgmmaPre",
+    "v7b": "PrefillSm90WgmmaPreDeferredFold",  # v7 with each step's fold under the next step's QK (v7's output)
+}
 DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
 # the wgmma kernel's variants: warpgroups per CTA computing rows (v6*, v7: its consumers; the CTA has one producer
 # warpgroup more, v6g / v6h / v6m two)
@@ -108,13 +111,13 @@ def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: 
     return name if name in WGMMA_WARPGROUPS or num_q_heads % 2 == 0 else "v1"
 
 
-ROW_SUM_MMA_KERNELS = ("v6n", "v7")  # the softmax's row sums on the PV wgmma: l sums the e4m3 P ("mpfa-qk8tile-psum")
+ROW_SUM_MMA_KERNELS = ("v6n", *PRE_KERNELS)  # row sums on the PV wgmma: l sums the e4m3 P ("mpfa-qk8tile-psum")
 
 
 def softmax_keys(kernel: str) -> int:
     """Keys per online-softmax update of a wgmma prefill kernel (the reference's ``block_n`` that rounds P as the
     kernel does): 128 for v6l .. v7 (128-key consumer steps aligned to the sequence's 128-key tiles), else 64."""
-    return 2 * TILE_KEYS_WGMMA if kernel in WIDE_KERNELS + PRE_KERNELS else TILE_KEYS_WGMMA
+    return 2 * TILE_KEYS_WGMMA if kernel in (*WIDE_KERNELS, *PRE_KERNELS) else TILE_KEYS_WGMMA
 
 
 def prefill_numerics(kernel: str) -> str:
@@ -123,7 +126,7 @@ def prefill_numerics(kernel: str) -> str:
     P), else "mpfa" (the paper's NVFP4 QK, v1 .. v3w8c)."""
     if kernel in ROW_SUM_MMA_KERNELS:
         return "mpfa-qk8tile-psum"
-    return "mpfa-qk8tile" if kernel in FP8_QK_KERNELS + FP8_PV_KERNELS + tuple(WS_KERNELS) + PRE_KERNELS else "mpfa"
+    return "mpfa-qk8tile" if kernel in (*FP8_QK_KERNELS, *FP8_PV_KERNELS, *WS_KERNELS) else "mpfa"
 
 
 def kernel_block_m(group: int, kernel: str) -> int:
@@ -192,7 +195,7 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
 
         images = fake_tensor(u8, (None, pre.IMAGE_BYTES))
         operand_pass = pre.OperandPass(num_kv_heads, group, page_size, causal, out_dtype, compensate)
-        attention = pre.PrefillSm90WgmmaPre(num_kv_heads, group, page_size, causal, out_dtype, compensate)
+        attention = getattr(pre, PRE_KERNELS[kernel])(num_kv_heads, group, page_size, causal, out_dtype, compensate)
         assert attention.block_m == kernel_block_m(group, kernel)
         return (compile_kernel(operand_pass, *cache, lengths[1], images, Int32(1)),
                 compile_kernel(attention, *query, images, Int32(1), *lengths, out, Float32(1.0), Int32(1)))

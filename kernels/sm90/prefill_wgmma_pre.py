@@ -203,3 +203,15 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
         stage = smem_ptr.toint() + self.offsets[1] + s * self.operand_stage_bytes
         state[self._TILE_SCALE] = bits_to_f32(load_shared_u32(stage + EXPONENT_OFFSET))
         return s, cta_tiles - 1 - step, ring
+
+
+class PrefillSm90WgmmaPreDeferredFold(PrefillSm90WgmmaPre):
+    """v7b: v7 with each 128-key step's fold O = O alpha + P V deferred to the next step, once that step's QK
+    wgmmas are issued (`PrefillSm90WgmmaWsWideTile.deferred_fold`; the last fold after the walk), so that the fold's
+    68 FFMA run under the wgmmas instead of ahead of them. The PV accumulator and its alphas wait in registers across
+    the loop's back edge; no wgmma is in flight there (a first build that issued the next step's QK before the fold,
+    in flight across the back edge, had ptxas serialize every wgmma of the loop). The same operations on the same
+    values, in the same order per register: v7's output bit for bit."""
+
+    deferred_fold = True
+    state_size = PrefillSm90WgmmaPre.state_size + 2  # the pending alphas (`_PENDING_ALPHA`)

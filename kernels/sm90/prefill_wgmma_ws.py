@@ -760,6 +760,8 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
 
     operand_stages = WIDE_OPERAND_STAGES
     any_group = True  # 4 heads x 16 rows or (group 5) 1 head x 64 rows per consumer warpgroup
+    deferred_fold = False  # v7b: a step's PV folded into O in the next step, under that step's QK wgmmas
+    _PENDING_ALPHA = 7  # (deferred_fold) the state's slots for the pending fold's alphas, rows g and g + 8
 
     def staged_ds_bytes(self) -> int:
         """FP32 Delta_S of the CTA's heads x 64 keys (`ds_staged_offset`; none in the direct build)."""
@@ -820,6 +822,11 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
                   thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))))
         acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, self.pv_n)), Float32)
         pipe = (ring, fixed, second, acc_pv, state, unscaled_lam(lam_scaled), ds_lane, limits, c, smem_ptr, bars)
+        if cutlass.const_expr(self.deferred_fold):  # nothing pending before the first step: O = O 1 + 0
+            for i in cutlass.range_constexpr(cute.size(acc_pv)):
+                acc_pv[i] = Float32(0.0)
+            for r in cutlass.range_constexpr(2):
+                state[self._PENDING_ALPHA + r] = Float32(1.0)
         if lead:
             if masked_tiles > 0:
                 self._wide_step(True, Int32(0), cta_tiles, pipe, single=True)
@@ -829,6 +836,12 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             self._wide_step(True, lead + 2 * pair, cta_tiles, pipe)
         for pair in cutlass.range(masked_pairs, pairs, unroll=1):
             self._wide_step(False, lead + 2 * pair, cta_tiles, pipe)
+        if cutlass.const_expr(self.deferred_fold):
+            self._fold_pending(fixed[7], acc_pv, state)  # the last step's
+
+    def _fold_pending(self, acc_o: cute.Tensor, acc_pv: cute.Tensor, state: cute.Tensor) -> None:
+        """(deferred_fold) The previous step's O = O alpha + P V."""
+        fold_pv(acc_o, acc_pv, [state[self._PENDING_ALPHA + r] for r in range(2)])
 
     @cute.jit
     def _wide_step(self, masked: cutlass.Constexpr, step, cta_tiles, pipe, single: cutlass.Constexpr = False):
@@ -842,6 +855,8 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         self._qk_issue(masked, tile0 * TILE_KEYS, mmas0, limits, c)
         lane_max = None
         if cutlass.const_expr(single):
+            if cutlass.const_expr(self.deferred_fold):  # the previous step's fold, under this QK
+                self._fold_pending(acc_o, acc_pv, state)
             warpgroup.wait_group(0)
             scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
         else:
@@ -849,6 +864,8 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             s1, tile1, _ = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
             mmas1 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s1)), acc_s1, acc_o)
             self._qk_issue(masked, tile1 * TILE_KEYS, mmas1, limits, c)
+            if cutlass.const_expr(self.deferred_fold):  # the previous step's fold, under both QKs (placed after
+                self._fold_pending(acc_o, acc_pv, state)  # the first, ptxas put it between its k-steps)
             tile_scale1 = state[self._TILE_SCALE]
             warpgroup.wait_group(1)  # the first tile's scores and lane maxima while the second tile's QK runs
             state[self._TILE_SCALE] = tile_scale0
@@ -869,7 +886,11 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, s1)
             _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False)
             _gemm(mma_pv, acc_pv, frag_p1, frag_vt1)
-        fold_pv(acc_o, acc_pv, alphas)
+        if cutlass.const_expr(self.deferred_fold):
+            for r in cutlass.range_constexpr(2):
+                state[self._PENDING_ALPHA + r] = alphas[r]
+        else:
+            fold_pv(acc_o, acc_pv, alphas)
         cute.arch.mbarrier_arrive(bars + self.operand_stages + s0)  # empty[s0] (and empty[s1]): one of 256 arrivals
         if cutlass.const_expr(not single):
             cute.arch.mbarrier_arrive(bars + self.operand_stages + s1)

@@ -17,30 +17,31 @@ from siblings import load
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
 
-from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, prefill_numerics  # noqa: E402
+from mpfa.kernels.sm90.prefill_launch import PRE_KERNELS, compile_prefill_kernel, prefill_numerics  # noqa: E402
 from mpfa.kernels.sm90.sass import loops_issuing, mma_loops  # noqa: E402
 
 v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
 CONFIG = (8, 4, 128, True, "BFloat16")
 
 
-@pytest.fixture(scope="module", params=[(4, True), (5, True), (4, False)], ids=["32:8", "40:8", "32:8-direct"])
+@pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b")],
+                ids=["32:8", "40:8", "32:8-direct", "v7b-32:8"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
-    """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), and the
-    direct build (no Delta_S copied, staged or read)."""
-    group, compensate = request.param
+    """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), the
+    direct build (no Delta_S copied, staged or read), and v7b's (v7 with the fold deferred)."""
+    group, compensate, kernel = request.param
     config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
     compile_sm90(f"""
         from pathlib import Path
         from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
         dump = Path({str(dump)!r})
-        compile_prefill_kernel(*{config!r}, kernel="v7", compensate={compensate})
-        for name, class_name in (("pass", "OperandPass"), ("attention", "PrefillSm90WgmmaPre")):
+        compile_prefill_kernel(*{config!r}, kernel={kernel!r}, compensate={compensate})
+        for name, class_name in (("pass", "OperandPass"), ("attention", {PRE_KERNELS[kernel]!r})):
             (path,) = dump.glob(f"*{{class_name}}_*.cubin")
             path.rename(dump / f"{{name}}.cubin")
         """, dump)
-    return {"group": group, "compensate": compensate,
+    return {"group": group, "compensate": compensate, "kernel": kernel,
             **{name: dump / f"{name}.cubin" for name in ("pass", "attention")}}
 
 
@@ -78,6 +79,20 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
     assert sum(op.startswith("DEPBAR.LE SB0, 0x1") for op in producer) == 1 and "FENCE.VIEW.ASYNC.S" in producer
     assert not any(op.startswith(("HMUL2", "LDSM", "STSM", "LDS", "STS", "BAR.")) for op in producer)
     assert len(producer) < 100
+    if v7_cubins["kernel"] == "v7b":
+        _check_deferred_fold(consumer_loops[1])
+
+
+def _check_deferred_fold(body: list[str]) -> None:
+    """v7b's whole-tile step: the previous step's fold (O = O alpha + P V, 68 FFMA) after the first QK's k-steps
+    are all issued and before the first wait (ptxas puts most of it between the second QK's first k-step and the
+    others), and no wgmma serialized (ptxas inserts a wait after every wgmma of a loop it cannot pipeline: still
+    v7's three waits)."""
+    qk = [i for i, op in enumerate(body) if op.startswith("QGMMA.64x64x32")]
+    first_wait = next(i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR"))
+    assert sum(op.startswith("WARPGROUP.DEPBAR") for op in body) == 3
+    fold = [op for op in body[qk[3]:first_wait] if op.startswith("FFMA")]
+    assert len(fold) >= 64, f"{len(fold)} FFMA between the first QK's last k-step and the first wait"
 
 
 def test_images_layout():
