@@ -100,7 +100,7 @@ def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int,
     return init
 
 
-MAX_CHAINS = 4  # a row's lane maximum as 4 interleaved chains: 32 scores take a chain of 8 + 2 FMNMX, not 31
+MAX_CHAINS = 4  # a row's lane maximum as 4 interleaved chains: 32 scores take a chain of 7 + 2 FMNMX, not 31
 
 
 def lane_row_maxima(scores: list) -> list:
