@@ -119,11 +119,12 @@ def test_v7_limits_are_clear_errors():
 def _pipeline_completes(tiles: int, stages: int, lag: int) -> bool:
     """Whether the producer / consumers protocol of v6l (``lag`` 0: step p's ``full`` right after its fill) or v7
     (``lag`` 1: step p's ``full`` after step p + 1's copy is issued, the last one after the walk) finishes a walk of
-    ``tiles`` steps with ``stages`` operand stages, both consumers taking 128-key pairs (an odd walk's last step
-    alone) and releasing a pair's stages together: step p can be filled once both consumers released step
-    p - stages. Runs each side as far as it can until neither moves."""
+    ``tiles`` steps with ``stages`` operand stages, both consumers taking 128-key pairs (`wide_walk`: an odd walk's
+    first step alone) and releasing a pair's stages together: step p can be filled once both consumers released
+    step p - stages. Runs each side as far as it can until neither moves."""
     full, empty = [False] * tiles, [False] * tiles
-    units = [(2 * k, 2 * k + 1) for k in range(tiles // 2)] + ([(tiles - 1,)] if tiles & 1 else [])
+    lead = tiles & 1
+    units = [(0,)] * lead + [(lead + 2 * k, lead + 2 * k + 1) for k in range(tiles // 2)]
     produced, consumed = 0, 0  # the producer's next step, the consumers' next unit
     while True:
         moved = False
