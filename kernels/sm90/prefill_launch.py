@@ -17,7 +17,8 @@ summation order (its 64-key tiles), not bit for bit; on the H200 it passed the G
 (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical to v3). The default is
 v3w8c (below) where it applies (session 18 on the H200: 0.964x v3w8's time at 64K, v3w8 itself 1.39x v3 in session 16;
 profiles/NOTES.md "Session 18 sitting"), else v2 (v1 for an odd number of query heads: v2 copies Delta_S as aligned
-4-byte words). ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7|v7b`` or the ``kernel=``
+4-byte words).
+``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7|v7b|v7c`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
 (`prefill_wgmma_dscol`; v3w8c the default) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
 instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
@@ -83,6 +84,7 @@ WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer 
 PRE_KERNELS = {  # v6n's consumers on operand images expanded once per prefill (`prefill_wgmma_pre`) -> its class
     "v7": "PrefillSm90WgmmaPre",
     "v7b": "PrefillSm90WgmmaPreDeferredFold",  # v7 with each step's fold under the next step's QK (v7's output)
+    "v7c": "PrefillSm90WgmmaPreBulk",  # v7b with each image one bulk copy, up to 8 in flight (v7b's output)
 }
 DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
 # the wgmma kernel's variants: warpgroups per CTA computing rows (v6*, v7: its consumers; the CTA has one producer

@@ -28,8 +28,8 @@ from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, THREADS, TILE_KEYS
 from mpfa.kernels.sm90.prefill_wgmma_ws import (ROW_SUM_COLUMNS, ROW_SUM_UNITS, PrefillSm90WgmmaWsWideTileMmaSum,
                                                 ds_staged_read, stage_parity)
-from mpfa.kernels.sm90.ptx import (bits_to_f32, cp_async_16, cp_async_commit, cp_async_wait, load_shared_u32,
-                                   load_shared_v4_u32, load_u32, store_v4_u32)
+from mpfa.kernels.sm90.ptx import (bits_to_f32, bulk_copy_g2s, cp_async_16, cp_async_commit, cp_async_wait,
+                                   load_shared_u32, load_shared_v4_u32, load_u32, store_v4_u32)
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
 
 PRE_OPERAND_STAGES = 8  # v7: no raw ring, so twice v6n's operand stages (8 x 18 KB) for the copies in flight
@@ -215,3 +215,35 @@ class PrefillSm90WgmmaPreDeferredFold(PrefillSm90WgmmaPre):
 
     deferred_fold = True
     state_size = PrefillSm90WgmmaPre.state_size + 2  # the pending alphas (`_PENDING_ALPHA`)
+
+
+class PrefillSm90WgmmaPreBulk(PrefillSm90WgmmaPreDeferredFold):
+    """v7c: v7b whose producer copies each step's image with one 18 KB bulk copy (the TMA's non-tensor form) from
+    one thread, completed on ``full[s]`` by its bytes (``full_arrivals`` 1: that thread's ``arrive.expect_tx``).
+    v7's 128 producer threads each wait for their own cp.async groups one step behind, so at most two steps' images
+    are in flight per CTA whatever the stages; here every free stage can be in flight (up to 8 x 18 KB), and the
+    bulk copy writes through the async proxy that the wgmma reads (no proxy fence). The same bytes in the same
+    stages: v7b's output bit for bit."""
+
+    @property
+    def full_arrivals(self) -> int:
+        return 1
+
+    @cute.jit
+    def _produce(self, walk, inputs, batch, block_head, kv_len, tid, warp, smem_ptr, bars):
+        """Producer thread 0, walk step p: wait for ``empty[s]`` (s = p mod n), arm ``full[s]`` with the image's
+        bytes, bulk-copy step p's image into stage s. The other producer threads have nothing to do."""
+        cta_tiles, _ = walk
+        images, max_tiles = inputs
+        _, kv_head, _ = self._heads(block_head, warp)
+        if tid == 0:
+            first = images.iterator.toint() + image_row(batch, kv_head, 0, self.num_kv_heads,
+                                                        max_tiles) * IMAGE_BYTES
+            smem = smem_ptr.toint()
+            for step in cutlass.range(cta_tiles, unroll=1):
+                s, parity = stage_parity(step, self.operand_stages)
+                cute.arch.mbarrier_wait(bars + self.operand_stages + s, parity ^ 1)  # both consumers done with step - n
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + s, IMAGE_BYTES)
+                bulk_copy_g2s(smem + self.offsets[1] + s * self.operand_stage_bytes,
+                              first + Int64(cta_tiles - 1 - step) * IMAGE_BYTES, IMAGE_BYTES,
+                              smem + self.barrier_offset + 8 * s)

@@ -140,6 +140,12 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         return 1
 
     @property
+    def full_arrivals(self) -> int:
+        """Arrivals that complete ``full[s]``: every producer thread's, after its own copies (v7c: one, with the
+        bulk copy's bytes)."""
+        return self.producer_threads
+
+    @property
     def producer_threads(self) -> int:
         """Arrivals expected on ``full[s]`` and the producers' named barrier: every producer thread."""
         return self.producer_warpgroups * THREADS
@@ -192,7 +198,7 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
         bars = cute.recast_ptr(smem_ptr + self.barrier_offset, dtype=cutlass.Int64)
         if tid == 0:
             for s in cutlass.range_constexpr(self.operand_stages):
-                cute.arch.mbarrier_init(bars + s, self.producer_threads)  # full[s]
+                cute.arch.mbarrier_init(bars + s, self.full_arrivals)  # full[s]
                 cute.arch.mbarrier_init(bars + self.operand_stages + s, CONSUMER_THREADS)  # empty[s]
         cute.arch.mbarrier_init_fence()
         self._init_operand_stages(tid, smem_ptr.toint())

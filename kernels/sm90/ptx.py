@@ -309,6 +309,18 @@ def cp_async_4(smem_address: Int32, address: Int64, src_bytes: Uint32, *, loc=No
 
 
 @dsl_user_op
+def bulk_copy_g2s(smem_address: Int32, address: Int64, size: int, mbar_address: Int32, *, loc=None,
+                  ip=None) -> None:
+    """Copy ``size`` bytes (a compile-time multiple of 16; both addresses 16-byte aligned) global -> shared with one
+    bulk copy (the TMA's non-tensor form, async proxy), completed as ``size`` transaction bytes on the mbarrier at
+    ``mbar_address`` (which the issuing thread has armed with ``mbarrier.arrive.expect_tx``)."""
+    _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip),
+                      Int32(mbar_address).ir_value(loc=loc, ip=ip)],
+                     f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {size}, [$2];",
+                     "r,l,r")
+
+
+@dsl_user_op
 def cp_async_commit(*, loc=None, ip=None) -> None:
     """Close the thread's current group of cp.async copies (an empty group is allowed)."""
     _side_effect_asm([], "cp.async.commit_group;", "")

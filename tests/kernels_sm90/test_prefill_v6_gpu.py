@@ -235,14 +235,16 @@ def test_v7_direct_build_is_v6n_direct(gen):
     assert torch.equal(out, v1_tests._run(problem, True, kernel="v6n", compensate=False))
 
 
+@pytest.mark.parametrize("kernel", ["v7b", "v7c"])
 @pytest.mark.parametrize("num_q_heads,q_lens,kv_lens,page_size,causal",
                          [(32, *LONG_CAUSAL_BATCH), *v3_tests.SHAPES],
                          ids=["32:8-long-causal-batch", *v3_tests.SHAPE_IDS])
-def test_v7b_is_v7(gen, num_q_heads, q_lens, kv_lens, page_size, causal):
-    """v7b (v7 with each step's fold deferred under the next step's QK wgmmas, the last after the walk): v7's
-    output bit for bit at 32:8 and 40:8, odd and even walks, masked and whole steps."""
+def test_v7b_and_v7c_are_v7(gen, kernel, num_q_heads, q_lens, kv_lens, page_size, causal):
+    """v7b (v7 with each step's fold deferred under the next step's QK wgmmas, the last after the walk) and v7c
+    (v7b with each image one bulk copy, completed on ``full`` by its bytes): v7's output bit for bit at 32:8 and
+    40:8, odd and even walks, masked and whole steps; a hang in v7c alone is its bulk copies' barrier."""
     problem = v1_tests._problem(gen, q_lens, kv_lens, num_q_heads, 8, page_size)
-    out = v1_tests._run(problem, causal, kernel="v7b")
+    out = v1_tests._run(problem, causal, kernel=kernel)
     assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
     v7 = v1_tests._run(problem, causal, kernel="v7")
-    assert torch.equal(out, v7), f"v7b differs from v7 (max |diff| {v3_tests._max_diff(out, v7)})"
+    assert torch.equal(out, v7), f"{kernel} differs from v7 (max |diff| {v3_tests._max_diff(out, v7)})"

@@ -18,17 +18,20 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
 
 from mpfa.kernels.sm90.prefill_launch import PRE_KERNELS, compile_prefill_kernel, prefill_numerics  # noqa: E402
-from mpfa.kernels.sm90.sass import loops_issuing, mma_loops  # noqa: E402
+from mpfa.kernels.sm90 import prefill_wgmma_pre as pre  # noqa: E402
+from mpfa.kernels.sm90.sass import instructions, loops_issuing, mma_loops  # noqa: E402
 
 v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
 CONFIG = (8, 4, 128, True, "BFloat16")
 
 
-@pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b")],
-                ids=["32:8", "40:8", "32:8-direct", "v7b-32:8"])
+@pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b"),
+                                        (5, True, "v7c")],
+                ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
     """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), the
-    direct build (no Delta_S copied, staged or read), and v7b's (v7 with the fold deferred)."""
+    direct build (no Delta_S copied, staged or read), v7b's (v7 with the fold deferred) and v7c's (v7b with bulk
+    copies)."""
     group, compensate, kernel = request.param
     config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
@@ -72,6 +75,10 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
     for whole, body in enumerate(consumer_loops):
         assert not any(op.startswith(("STL", "LDL")) for op in body)
         v6_tests._check_wide(body, v7_cubins["compensate"], bool(whole), True)
+    if v7_cubins["kernel"] == "v7c":
+        _check_bulk_producer(sass)
+        _check_deferred_fold(consumer_loops[1])
+        return
     (producer,) = loops_issuing(sass, ("LDGSTS",))
     assert sum(op.startswith("LDGSTS.E.BYPASS.128") for op in producer) == 9
     assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in producer) == 1  # wait empty[s]
@@ -81,6 +88,20 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
     assert len(producer) < 100
     if v7_cubins["kernel"] == "v7b":
         _check_deferred_fold(consumer_loops[1])
+
+
+def _check_bulk_producer(sass: str) -> None:
+    """v7c's producer: one thread's loop of an ``empty`` wait, the ``arrive.expect_tx`` on ``full`` and one bulk
+    copy of the 18 KB image (its size in 16-byte units); no cp.async, no proxy fence (the bulk copy writes through
+    the async proxy)."""
+    ops = [op for _, op in instructions(sass)]
+    (copy,) = [i for i, op in enumerate(ops) if op.startswith("UBLKCP.S.G")]
+    assert not any(op.startswith("LDGSTS") for op in ops)
+    loop = ops[copy - 30:copy + 1]  # the producer's step: back to its empty wait
+    assert not any(op.startswith("FENCE.VIEW.ASYNC.S") for op in loop)
+    assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in loop) == 1
+    assert sum(op.startswith("SYNCS.ARRIVE.TRANS64 RZ") for op in loop) == 1  # full[s]: arrive.expect_tx
+    assert any(op.startswith("UMOV") and op.endswith(f"0x{pre.IMAGE_BYTES // 16:x}") for op in loop)
 
 
 def _check_deferred_fold(body: list[str]) -> None:
@@ -96,7 +117,6 @@ def _check_deferred_fold(body: list[str]) -> None:
 
 
 def test_images_layout():
-    from mpfa.kernels.sm90 import prefill_wgmma_pre as pre
     from mpfa.kernels.sm90.prefill_wgmma_ws import PrefillSm90WgmmaWsWideTileMmaSum
 
     v6n = PrefillSm90WgmmaWsWideTileMmaSum(*CONFIG)
@@ -147,8 +167,10 @@ def _pipeline_completes(tiles: int, stages: int, lag: int) -> bool:
 
 
 def test_image_pipeline_never_deadlocks():
-    """v7's producer (8 stages, one step behind) and v6l's (4 stages) finish every walk length; one stage (a pair
-    needs two) or, for v7, two stages (the step behind holds one back) would not."""
+    """v7's producer (8 stages, one step behind), v7c's (8 stages, full when the bytes land) and v6l's (4 stages)
+    finish every walk length; one stage (a pair needs two) or, for v7, two stages (the step behind holds one back)
+    would not."""
     for tiles in range(0, 40):
         assert _pipeline_completes(tiles, 8, lag=1) and _pipeline_completes(tiles, 4, lag=0), tiles
+        assert _pipeline_completes(tiles, 8, lag=0), tiles
     assert not _pipeline_completes(5, 1, lag=0) and not _pipeline_completes(5, 2, lag=1)

@@ -221,11 +221,11 @@ def test_v3w8c_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
 
 
 def test_each_prefill_kernel_says_which_numerics_it_computes():
-    from mpfa.kernels.sm90.prefill_launch import WGMMA_WARPGROUPS, prefill_numerics
+    from mpfa.kernels.sm90.prefill_launch import PRE_KERNELS, WGMMA_WARPGROUPS, prefill_numerics
 
     paper = ["v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c"]
     assert {prefill_numerics(k) for k in paper} == {"mpfa"} and prefill_numerics(prefill_launch.WGMMA_KERNEL) == "mpfa"
-    psum = ["v6n", "v7", "v7b"]  # the row sums on the PV wgmma: l sums the e4m3 P
+    psum = ["v6n", *PRE_KERNELS]  # the row sums on the PV wgmma: l sums the e4m3 P
     fp8_qk = [k for k in WGMMA_WARPGROUPS if k not in paper + psum]
     assert "v4" in fp8_qk and "v6i" in fp8_qk and {prefill_numerics(k) for k in fp8_qk} == {"mpfa-qk8tile"}
     assert {prefill_numerics(k) for k in psum} == {"mpfa-qk8tile-psum"}
