@@ -391,13 +391,15 @@ class PrefillSm90WgmmaWs(PrefillSm90WgmmaFp8Pv):
 
     def _k_fragment(self, thr_qk, smem_ptr, s):
         """QK's B operand: the e4m3 K tile of operand stage ``s``."""
-        k_offset = cute.assume(self.offsets[1] + s * self.operand_stage_bytes, divby=self.operand_stage_bytes)
+        k_offset = cute.assume(self.offsets[1] + s * self.operand_stage_bytes,
+                               divby=math.gcd(self.offsets[1], self.operand_stage_bytes))
         _, _, s_k = self._qk_operands(smem_ptr, self.offsets[0], k_offset)
         return thr_qk.make_fragment_B(thr_qk.partition_B(s_k))
 
     def _vt_fragments(self, thr_pv, smem_ptr, s):
         """PV's B operands: the V^T tile of operand stage ``s``, one per PV N tile."""
-        v_offset = cute.assume(self.offsets[2] + s * self.operand_stage_bytes, divby=self.qk_bytes)
+        v_offset = cute.assume(self.offsets[2] + s * self.operand_stage_bytes,
+                               divby=math.gcd(self.offsets[2], self.operand_stage_bytes))
         _, s_vts = self._pv_operands(smem_ptr, v_offset)
         return tuple(thr_pv.make_fragment_B(thr_pv.partition_B(s_vt)) for s_vt in s_vts)
 
