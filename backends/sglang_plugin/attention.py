@@ -129,7 +129,8 @@ class MpfaAttention:
                 raise ValueError("the prefill kernel needs ExtendBatch.build(..., page_size=...)")
             max_q = max((b - a for a, b in zip(batch.cu_q, batch.cu_q[1:])), default=0)
             out = mpfa_prefill(query, cache, batch.page_table, batch.cu_seqlens_q, batch.seq_lens_k,
-                               max_seqlen_q=max_q, sm_scale=sm_scale, compensate=self.variant.smoothing)
+                               max_seqlen_q=max_q, sm_scale=sm_scale, compensate=self.variant.smoothing,
+                               seq_lens_k_host=[b - a for a, b in zip(batch.cu_k, batch.cu_k[1:])])
         else:
             out = reference_extend(query, cache, batch.kv_slots, batch.cu_q, batch.cu_k,
                                    variant=self.variant.reference_variant, sm_scale=sm_scale)

@@ -47,6 +47,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Sequence
 from functools import lru_cache
 
 import torch
@@ -195,12 +196,12 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     if kernel in PRE_KERNELS:
         from mpfa.kernels.sm90 import prefill_wgmma_pre as pre
 
-        images = fake_tensor(u8, (None, pre.IMAGE_BYTES))
+        images = fake_tensor(u8, (None, pre.IMAGE_BYTES)), fake_tensor(Int32, (None,), align=4)  # (+ image_starts)
         operand_pass = pre.OperandPass(num_kv_heads, group, page_size, causal, out_dtype, compensate)
         attention = getattr(pre, PRE_KERNELS[kernel])(num_kv_heads, group, page_size, causal, out_dtype, compensate)
         assert attention.block_m == kernel_block_m(group, kernel)
-        return (compile_kernel(operand_pass, *cache, lengths[1], images, Int32(1)),
-                compile_kernel(attention, *query, images, Int32(1), *lengths, out, Float32(1.0), Int32(1)))
+        return (compile_kernel(operand_pass, *cache, lengths[1], images[1], images[0], Int32(1), Int32(1)),
+                compile_kernel(attention, *query, *images, Int32(1), *lengths, out, Float32(1.0), Int32(1)))
     if kernel in WGMMA_WARPGROUPS:
         cls = (getattr(prefill_wgmma_ws, WS_KERNELS[kernel]) if kernel in WS_KERNELS
                else prefill_wgmma_fp8pv.PrefillSm90WgmmaFp8Pv if kernel in FP8_PV_KERNELS
@@ -269,6 +270,7 @@ def mpfa_prefill(
     out: torch.Tensor | None = None,
     kernel: str | None = None,
     compensate: bool = True,
+    seq_lens_k_host: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Prefill attention: ``query`` [total_q, Hq] centered NVFP4 (from `quantize_to_cache`, the tokens of each
     sequence in order), ``cu_seqlens_q`` int32 [B + 1], each sequence's key count ``seq_lens_k`` int32 [B]
@@ -279,9 +281,12 @@ def mpfa_prefill(
     same output (the wgmma ones up to FP32 summation order); v4 / v4w8 (opt-in) compute QK^T on FP8 from Q and K
     requantized to e4m3 (the reference's "mpfa-qk8tile"), v5 / v5w8 (opt-in) PV on FP8 too (the same variant; v6
     and its variants (opt-in) v5w8's output up to O's rescale rounding). ``compensate=False``: the direct build, for
-    timing only (no Delta_S: the output of an all-zero Delta_S)."""
+    timing only (no Delta_S: the output of an all-zero Delta_S). ``seq_lens_k_host``: the host's copy of
+    ``seq_lens_k``, where the caller has one (the v7 kernels then size their operand images from the lengths instead
+    of batch x the page table's width; it must equal ``seq_lens_k``)."""
     return _prefill(None, query, cache, page_table, cu_seqlens_q, seq_lens_k, max_seqlen_q=max_seqlen_q,
-                    causal=causal, sm_scale=sm_scale, out=out, kernel=kernel, compensate=compensate)
+                    causal=causal, sm_scale=sm_scale, out=out, kernel=kernel, compensate=compensate,
+                    seq_lens_k_host=seq_lens_k_host)
 
 
 def mpfa_prefill_ablated(ablation, query: CenteredQuery, cache: MpfaKVCache, page_table: torch.Tensor,
@@ -297,7 +302,7 @@ def mpfa_prefill_ablated(ablation, query: CenteredQuery, cache: MpfaKVCache, pag
 
 
 def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_q=None, causal=True,
-             sm_scale=None, out=None, kernel=None, compensate=True):
+             sm_scale=None, out=None, kernel=None, compensate=True, seq_lens_k_host=None):
     total_q, num_q_heads = query.codes.shape[:2]
     out = out if out is not None else torch.empty((total_q, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
                                                   device=query.codes.device)
@@ -317,26 +322,46 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
     u8 = torch.uint8
     num_m_blocks = -(-max_seqlen_q // kernel_block_m(group, name))
     if name in PRE_KERNELS:
+        layout = image_layout(seq_lens_k, page_table.shape[1] * cache.page_size // TILE_KEYS_WGMMA, seq_lens_k_host)
         _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out,
-                           lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks)
+                           lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks, layout)
         return out
     compiled(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
              cache.delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks)
     return out
 
 
+def image_layout(seq_lens_k: torch.Tensor, page_tiles: int,
+                 seq_lens_k_host: Sequence[int] | None = None) -> tuple:
+    """The v7 kernels' operand images (`prefill_wgmma_pre`) -> (``image_starts`` int32 [B + 1] on ``seq_lens_k``'s
+    device: each sequence's first row in a KV head's block, the 64-key tiles of the sequences before it; rows per KV
+    head; the operand pass's grid width in tiles). Without the host's lengths (``seq_lens_k_host``) the rows and
+    the width come from the page table's ``page_tiles`` (batch x ``page_tiles`` rows), so nothing is read back from
+    the device; with them, the exact sum and maximum."""
+    batch = seq_lens_k.shape[0]
+    _require(seq_lens_k_host is None or len(seq_lens_k_host) == batch,
+             f"seq_lens_k_host must give the {batch} sequences' lengths, got {seq_lens_k_host!r}")
+    starts = torch.zeros(batch + 1, dtype=torch.int32, device=seq_lens_k.device)
+    tiles_k = torch.div(seq_lens_k + (TILE_KEYS_WGMMA - 1), TILE_KEYS_WGMMA, rounding_mode="floor")
+    starts[1:] = torch.cumsum(tiles_k, 0)
+    if seq_lens_k_host is None:
+        return starts, batch * page_tiles, page_tiles
+    tiles = [-(-int(n) // TILE_KEYS_WGMMA) for n in seq_lens_k_host]
+    return starts, sum(tiles), max(tiles)
+
+
 def _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled: float,
-                       num_m_blocks: int) -> None:
-    """v7: the operand pass into a fresh images buffer (`prefill_wgmma_pre`: batch x KV heads x the page table's
-    tiles, 18 KB each; the longest sequence is not read back from the device), then the attention on it."""
+                       num_m_blocks: int, layout: tuple) -> None:
+    """v7: the operand pass into a fresh images buffer (`prefill_wgmma_pre`: KV heads x ``layout``'s rows per head,
+    18 KB each; `image_layout`), then the attention on it."""
     from mpfa.kernels.sm90.prefill_wgmma_pre import IMAGE_BYTES
 
     operand_pass, attention = compiled
-    max_tiles = page_table.shape[1] * cache.page_size // TILE_KEYS_WGMMA
-    images = torch.empty((seq_lens_k.shape[0] * cache.num_kv_heads * max_tiles, IMAGE_BYTES), dtype=torch.uint8,
+    image_starts, rows_per_head, grid_tiles = layout
+    images = torch.empty((max(1, cache.num_kv_heads * rows_per_head), IMAGE_BYTES), dtype=torch.uint8,
                          device=out.device)
     u8 = torch.uint8
     operand_pass(cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8), cache.delta_s, page_table, seq_lens_k,
-                 images, max_tiles)
-    attention(query.codes, query.scales.view(u8), images, max_tiles, cu_seqlens_q, seq_lens_k, out, lam_scaled,
-              num_m_blocks)
+                 image_starts, images, rows_per_head, grid_tiles)
+    attention(query.codes, query.scales.view(u8), images, image_starts, rows_per_head, cu_seqlens_q, seq_lens_k, out,
+              lam_scaled, num_m_blocks)

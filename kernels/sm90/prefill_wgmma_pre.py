@@ -13,9 +13,11 @@ build, ``compensate=False``: v6n's direct build, the images' Delta_S left unwrit
 and 5: an image holds the Delta_S of every query head of its KV head (4 or 5), which the CTAs of those heads share
 (at 40:8 a CTA is one head x 128 rows and reads its head's part).
 
-The images: uint8 [batch x KV heads x ``max_tiles``, `IMAGE_BYTES`] (`image_row`); ``max_tiles`` covers the longest
-sequence (the launcher sizes it from the page table's width, without reading the lengths). A tile past a
-sequence's end is not written and never read.
+The images: uint8 [KV heads x ``rows_per_head``, `IMAGE_BYTES`] (`image_row`): each KV head's block holds every
+sequence's tiles, sequence b's from row ``image_starts[b]`` = the tiles of the sequences before it (int32 [B + 1], on
+the device: `prefill_launch.image_layout`). ``rows_per_head`` >= ``image_starts[B]``: exact where the caller gives the
+host's lengths, else batch x the page table's tiles (without reading the lengths back). A tile past a sequence's
+end is not written and never read.
 """
 
 from __future__ import annotations
@@ -53,9 +55,10 @@ assert all(image_bytes(group) == IMAGE_BYTES for group in GROUPS)
 EXPONENT_OFFSET = IMAGE_BYTES - 16  # the tile's 2**e_k as FP32 bits, in the image's padding
 
 
-def image_row(batch, kv_head, tile, num_kv_heads: int, max_tiles):
-    """Row of the images tensor holding sequence ``batch``'s tile ``tile`` of KV head ``kv_head``."""
-    return (Int64(batch) * num_kv_heads + kv_head) * max_tiles + tile
+def image_row(start, kv_head, tile, rows_per_head):
+    """Row of the images tensor holding tile ``tile`` of KV head ``kv_head`` of the sequence whose tiles start at
+    row ``start`` of each KV head's block (its ``image_starts`` entry)."""
+    return Int64(kv_head) * rows_per_head + start + tile
 
 
 def check_group(group: int) -> None:
@@ -86,14 +89,17 @@ class OperandPass(PrefillSm90WgmmaWsWideTileMmaSum):
 
     @cute.jit
     def __call__(self, k_codes: cute.Tensor, k_scales: cute.Tensor, v: cute.Tensor, delta_s: cute.Tensor,
-                 page_table: cute.Tensor, seq_lens_k: cute.Tensor, images: cute.Tensor, max_tiles: Int32, stream):
-        self.pass_kernel(k_codes, k_scales, v, delta_s, page_table, seq_lens_k, images, max_tiles).launch(
-            grid=(max_tiles, self.num_kv_heads, seq_lens_k.shape[0]), block=(THREADS, 1, 1),
-            smem=self.pass_smem_bytes, stream=stream)
+                 page_table: cute.Tensor, seq_lens_k: cute.Tensor, image_starts: cute.Tensor, images: cute.Tensor,
+                 rows_per_head: Int32, max_tiles: Int32, stream):
+        """``max_tiles``: the grid's tiles per sequence (>= the longest's; the CTAs past a sequence's end exit)."""
+        self.pass_kernel(k_codes, k_scales, v, delta_s, page_table, seq_lens_k, image_starts, images,
+                         rows_per_head).launch(grid=(max_tiles, self.num_kv_heads, seq_lens_k.shape[0]),
+                                               block=(THREADS, 1, 1), smem=self.pass_smem_bytes, stream=stream)
 
     @cute.kernel
     def pass_kernel(self, k_codes: cute.Tensor, k_scales: cute.Tensor, v: cute.Tensor, delta_s: cute.Tensor,
-                    page_table: cute.Tensor, seq_lens_k: cute.Tensor, images: cute.Tensor, max_tiles: Int32):
+                    page_table: cute.Tensor, seq_lens_k: cute.Tensor, image_starts: cute.Tensor, images: cute.Tensor,
+                    rows_per_head: Int32):
         tid, _, _ = cute.arch.thread_idx()
         tile_index, kv_head, batch = cute.arch.block_idx()
         kv_len = seq_lens_k[batch]
@@ -116,8 +122,8 @@ class OperandPass(PrefillSm90WgmmaWsWideTileMmaSum):
             if tid == 0:
                 store_shared_u32(smem + EXPONENT_OFFSET, (e + Uint32(127)) << 23)
             cute.arch.barrier(barrier_id=1, number_of_threads=THREADS)  # the image is whole
-            row = images.iterator.toint() + image_row(batch, kv_head, tile_index, self.num_kv_heads,
-                                                      max_tiles) * IMAGE_BYTES
+            row = images.iterator.toint() + image_row(image_starts[batch], kv_head, tile_index,
+                                                      rows_per_head) * IMAGE_BYTES
             for r in cutlass.range_constexpr(UNITS_PER_THREAD):
                 unit = 16 * (tid + THREADS * r)
                 words = load_shared_v4_u32(smem + unit)
@@ -141,19 +147,21 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
         self.smem_bytes = self.barrier_offset + 8 * 2 * self.operand_stages  # after the full / empty barriers
 
     @cute.jit
-    def __call__(self, q_codes: cute.Tensor, q_scales: cute.Tensor, images: cute.Tensor, max_tiles: Int32,
-                 cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor, lam_scaled: Float32,
-                 num_m_blocks: Int32, stream):
+    def __call__(self, q_codes: cute.Tensor, q_scales: cute.Tensor, images: cute.Tensor, image_starts: cute.Tensor,
+                 rows_per_head: Int32, cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor,
+                 lam_scaled: Float32, num_m_blocks: Int32, stream):
         from mpfa.kernels.sm90 import prefill_grid
 
-        self.pre_kernel(q_codes, q_scales, images, max_tiles, cu_seqlens_q, seq_lens_k, out, lam_scaled).launch(
+        self.pre_kernel(q_codes, q_scales, images, image_starts, rows_per_head, cu_seqlens_q, seq_lens_k, out,
+                        lam_scaled).launch(
             grid=prefill_grid.grid(self.cta_order, self.num_q_heads // self.heads, num_m_blocks, seq_lens_k.shape[0]),
             block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream, min_blocks_per_mp=self.min_ctas_per_sm)
 
     @cute.kernel
-    def pre_kernel(self, q_codes: cute.Tensor, q_scales: cute.Tensor, images: cute.Tensor, max_tiles: Int32,
-                   cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor, lam_scaled: Float32):
-        self._roles(q_codes, q_scales, cu_seqlens_q, seq_lens_k, out, lam_scaled, (images, max_tiles))
+    def pre_kernel(self, q_codes: cute.Tensor, q_scales: cute.Tensor, images: cute.Tensor, image_starts: cute.Tensor,
+                   rows_per_head: Int32, cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor,
+                   lam_scaled: Float32):
+        self._roles(q_codes, q_scales, cu_seqlens_q, seq_lens_k, out, lam_scaled, (images, image_starts, rows_per_head))
 
     def staged_ds_bytes(self) -> int:
         return image_ds_bytes(self.group)  # the images' layout, whether or not Delta_S is staged (direct build)
@@ -170,9 +178,9 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
         """Walk step p: wait for ``empty[s]`` (s = p mod n), cp.async step p's image into stage s, then release
         step p - 1 to the consumers (its copies waited for, fenced, ``full``); the last step after the walk."""
         cta_tiles, _ = walk
-        images, max_tiles = inputs
+        images, image_starts, rows_per_head = inputs
         _, kv_head, _ = self._heads(block_head, warp)
-        first = images.iterator.toint() + image_row(batch, kv_head, 0, self.num_kv_heads, max_tiles) * IMAGE_BYTES
+        first = images.iterator.toint() + image_row(image_starts[batch], kv_head, 0, rows_per_head) * IMAGE_BYTES
         smem = smem_ptr.toint()
         for step in cutlass.range(cta_tiles, unroll=1):
             s, parity = stage_parity(step, self.operand_stages)
@@ -234,11 +242,10 @@ class PrefillSm90WgmmaPreBulk(PrefillSm90WgmmaPreDeferredFold):
         """Producer thread 0, walk step p: wait for ``empty[s]`` (s = p mod n), arm ``full[s]`` with the image's
         bytes, bulk-copy step p's image into stage s. The other producer threads have nothing to do."""
         cta_tiles, _ = walk
-        images, max_tiles = inputs
+        images, image_starts, rows_per_head = inputs
         _, kv_head, _ = self._heads(block_head, warp)
         if tid == 0:
-            first = images.iterator.toint() + image_row(batch, kv_head, 0, self.num_kv_heads,
-                                                        max_tiles) * IMAGE_BYTES
+            first = images.iterator.toint() + image_row(image_starts[batch], kv_head, 0, rows_per_head) * IMAGE_BYTES
             smem = smem_ptr.toint()
             for step in cutlass.range(cta_tiles, unroll=1):
                 s, parity = stage_parity(step, self.operand_stages)

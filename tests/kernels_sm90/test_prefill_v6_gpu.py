@@ -44,6 +44,8 @@ batch, each against the oracle bounds and against v6:
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 from siblings import load
@@ -224,6 +226,20 @@ def test_v7_is_v6n_on_its_operand_images(gen, q_lens, kv_lens, page_size, causal
     assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
     v6n = v1_tests._run(problem, causal, kernel="v6n")
     assert torch.equal(out, v6n), f"v7 differs from v6n (max |diff| {v3_tests._max_diff(out, v6n)})"
+
+
+@pytest.mark.parametrize("kernel", ["v7", "v7c"])
+def test_v7_images_sized_from_the_host_lengths(gen, kernel):
+    """With ``seq_lens_k_host`` the images hold exactly the sequences' tiles (no slack behind the last sequence's
+    last tile of the last KV head) and the pass's grid the longest sequence's: v6n's output bit for bit on a ragged
+    batch whose page table is wider than its longest sequence needs."""
+    q_lens, kv_lens = [300, 64, 1, 700], [300, 2000, 129, 700]
+    problem = v1_tests._problem(gen, q_lens, kv_lens, 32, 8, 128)
+    spare = torch.zeros((len(kv_lens), 16), dtype=torch.int32, device="cuda")  # 16 pages more than any needs
+    problem = dataclasses.replace(problem, page_table=torch.cat([problem.page_table, spare], dim=1))
+    out = v1_tests._run(problem, True, kernel=kernel, seq_lens_k_host=kv_lens)
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    assert torch.equal(out, v1_tests._run(problem, True, kernel="v6n"))
 
 
 def test_v7_direct_build_is_v6n_direct(gen):

@@ -125,10 +125,28 @@ def test_images_layout():
         assert v6n.qk_bytes + v6n.v_bytes + pre.image_ds_bytes(group) <= pre.EXPONENT_OFFSET < pre.IMAGE_BYTES
         assert pre.PrefillSm90WgmmaPre(8, group, 128, True).operand_stage_bytes == pre.IMAGE_BYTES
         assert pre.OperandPass(8, group, 128).operand_stage_bytes == pre.IMAGE_BYTES
-    assert [pre.image_row(b, h, t, 8, 5) for b, h, t in ((0, 0, 0), (0, 0, 4), (0, 1, 0), (1, 0, 0))] == [0, 4, 5, 40]
+    assert [pre.image_row(start, h, t, 10) for start, h, t in ((0, 0, 0), (3, 0, 4), (0, 1, 0), (5, 1, 2))] == [
+        0, 7, 10, 17]
     v7 = pre.PrefillSm90WgmmaPre(*CONFIG)
     assert v7.smem_bytes <= 227 * 1024 and v7.offsets[1] + 8 * pre.IMAGE_BYTES == v7.barrier_offset
     assert prefill_numerics("v7") == "mpfa-qk8tile-psum"
+
+
+def test_image_layout_packs_the_sequences_tiles():
+    """Each sequence's tiles start after the tiles (64 keys, rounded up) of the sequences before it; without the
+    host's lengths a KV head gets batch x the page table's tiles (no read-back), with them exactly the sum, and the
+    operand pass's grid the longest sequence's tiles."""
+    import torch
+
+    from mpfa.kernels.sm90.prefill_launch import image_layout
+
+    lengths = [130, 64, 1, 0, 4096]
+    starts, rows, grid = image_layout(torch.tensor(lengths, dtype=torch.int32), 80)
+    assert starts.tolist() == [0, 3, 4, 5, 5, 69] and (rows, grid) == (5 * 80, 80)
+    starts, rows, grid = image_layout(torch.tensor(lengths, dtype=torch.int32), 80, lengths)
+    assert starts.tolist() == [0, 3, 4, 5, 5, 69] and (rows, grid) == (69, 64)
+    with pytest.raises(ValueError, match="5 sequences' lengths"):
+        image_layout(torch.tensor(lengths, dtype=torch.int32), 80, lengths[:2])
 
 
 def test_v7_limits_are_clear_errors():
