@@ -333,7 +333,7 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
 
 def image_layout(seq_lens_k: torch.Tensor, page_tiles: int,
                  seq_lens_k_host: Sequence[int] | None = None) -> tuple:
-    """The v7 kernels' operand images (`prefill_wgmma_pre`) -> (``image_starts`` int32 [B + 1] on ``seq_lens_k``'s
+    """The v7 kernels' operand images (`prefill_wgmma_pre`) -> (``image_starts`` int32 [B] on ``seq_lens_k``'s
     device: each sequence's first row in a KV head's block, the 64-key tiles of the sequences before it; rows per KV
     head; the operand pass's grid width in tiles). Without the host's lengths (``seq_lens_k_host``) the rows and
     the width come from the page table's ``page_tiles`` (batch x ``page_tiles`` rows), so nothing is read back from
@@ -341,13 +341,14 @@ def image_layout(seq_lens_k: torch.Tensor, page_tiles: int,
     batch = seq_lens_k.shape[0]
     _require(seq_lens_k_host is None or len(seq_lens_k_host) == batch,
              f"seq_lens_k_host must give the {batch} sequences' lengths, got {seq_lens_k_host!r}")
-    starts = torch.zeros(batch + 1, dtype=torch.int32, device=seq_lens_k.device)
-    tiles_k = torch.div(seq_lens_k + (TILE_KEYS_WGMMA - 1), TILE_KEYS_WGMMA, rounding_mode="floor")
-    starts[1:] = torch.cumsum(tiles_k, 0)
+    starts = torch.zeros(batch, dtype=torch.int32, device=seq_lens_k.device)
+    if batch > 1:  # (one sequence starts at 0: no device work beyond the zeros)
+        tiles_k = torch.div(seq_lens_k[:-1] + (TILE_KEYS_WGMMA - 1), TILE_KEYS_WGMMA, rounding_mode="floor")
+        starts[1:] = torch.cumsum(tiles_k, 0)
     if seq_lens_k_host is None:
         return starts, batch * page_tiles, page_tiles
     tiles = [-(-int(n) // TILE_KEYS_WGMMA) for n in seq_lens_k_host]
-    return starts, sum(tiles), max(tiles)
+    return starts, sum(tiles), max(1, *tiles)  # (a grid of at least one tile: its CTAs exit on empty sequences)
 
 
 def _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled: float,

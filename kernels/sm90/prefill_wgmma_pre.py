@@ -14,10 +14,10 @@ and 5: an image holds the Delta_S of every query head of its KV head (4 or 5), w
 (at 40:8 a CTA is one head x 128 rows and reads its head's part).
 
 The images: uint8 [KV heads x ``rows_per_head``, `IMAGE_BYTES`] (`image_row`): each KV head's block holds every
-sequence's tiles, sequence b's from row ``image_starts[b]`` = the tiles of the sequences before it (int32 [B + 1], on
-the device: `prefill_launch.image_layout`). ``rows_per_head`` >= ``image_starts[B]``: exact where the caller gives the
-host's lengths, else batch x the page table's tiles (without reading the lengths back). A tile past a sequence's
-end is not written and never read.
+sequence's tiles, sequence b's from row ``image_starts[b]`` = the tiles of the sequences before it (int32 [B], on the
+device: `prefill_launch.image_layout`). ``rows_per_head`` >= all the sequences' tiles: exact where the caller gives
+the host's lengths, else batch x the page table's tiles (without reading the lengths back). A tile past a
+sequence's end is not written and never read.
 """
 
 from __future__ import annotations

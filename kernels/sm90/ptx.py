@@ -317,7 +317,7 @@ def bulk_copy_g2s(smem_address: Int32, address: Int64, size: int, mbar_address: 
     _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), Int64(address).ir_value(loc=loc, ip=ip),
                       Int32(mbar_address).ir_value(loc=loc, ip=ip)],
                      f"cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [$0], [$1], {size}, [$2];",
-                     "r,l,r")
+                     "r,l,r,~{memory}")
 
 
 @dsl_user_op

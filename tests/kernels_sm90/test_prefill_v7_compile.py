@@ -142,11 +142,15 @@ def test_image_layout_packs_the_sequences_tiles():
 
     lengths = [130, 64, 1, 0, 4096]
     starts, rows, grid = image_layout(torch.tensor(lengths, dtype=torch.int32), 80)
-    assert starts.tolist() == [0, 3, 4, 5, 5, 69] and (rows, grid) == (5 * 80, 80)
+    assert starts.tolist() == [0, 3, 4, 5, 5] and (rows, grid) == (5 * 80, 80)
     starts, rows, grid = image_layout(torch.tensor(lengths, dtype=torch.int32), 80, lengths)
-    assert starts.tolist() == [0, 3, 4, 5, 5, 69] and (rows, grid) == (69, 64)
+    assert starts.tolist() == [0, 3, 4, 5, 5] and (rows, grid) == (69, 64)
     with pytest.raises(ValueError, match="5 sequences' lengths"):
         image_layout(torch.tensor(lengths, dtype=torch.int32), 80, lengths[:2])
+    starts, rows, grid = image_layout(torch.tensor([0, 0], dtype=torch.int32), 80, [0, 0])
+    assert starts.tolist() == [0, 0] and (rows, grid) == (0, 1)  # no keys: one tile's grid, whose CTAs exit
+    starts, rows, grid = image_layout(torch.tensor([129], dtype=torch.int32), 80, [129])
+    assert starts.tolist() == [0] and (rows, grid) == (3, 3)
 
 
 def test_v7_limits_are_clear_errors():
