@@ -322,9 +322,8 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
     u8 = torch.uint8
     num_m_blocks = -(-max_seqlen_q // kernel_block_m(group, name))
     if name in PRE_KERNELS:
-        layout = image_layout(seq_lens_k, page_table.shape[1] * cache.page_size // TILE_KEYS_WGMMA, seq_lens_k_host)
         _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out,
-                           lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks, layout)
+                           lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks, seq_lens_k_host)
         return out
     compiled(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
              cache.delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks)
@@ -352,13 +351,14 @@ def image_layout(seq_lens_k: torch.Tensor, page_tiles: int,
 
 
 def _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled: float,
-                       num_m_blocks: int, layout: tuple) -> None:
-    """v7: the operand pass into a fresh images buffer (`prefill_wgmma_pre`: KV heads x ``layout``'s rows per head,
-    18 KB each; `image_layout`), then the attention on it."""
+                       num_m_blocks: int, seq_lens_k_host: Sequence[int] | None) -> None:
+    """v7: the operand pass into a fresh images buffer (`prefill_wgmma_pre`: KV heads x `image_layout`'s rows per
+    head, 18 KB each), then the attention on it."""
     from mpfa.kernels.sm90.prefill_wgmma_pre import IMAGE_BYTES
 
     operand_pass, attention = compiled
-    image_starts, rows_per_head, grid_tiles = layout
+    image_starts, rows_per_head, grid_tiles = image_layout(
+        seq_lens_k, page_table.shape[1] * cache.page_size // TILE_KEYS_WGMMA, seq_lens_k_host)
     images = torch.empty((max(1, cache.num_kv_heads * rows_per_head), IMAGE_BYTES), dtype=torch.uint8,
                          device=out.device)
     u8 = torch.uint8

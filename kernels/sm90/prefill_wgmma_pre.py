@@ -178,15 +178,13 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
         """Walk step p: wait for ``empty[s]`` (s = p mod n), cp.async step p's image into stage s, then release
         step p - 1 to the consumers (its copies waited for, fenced, ``full``); the last step after the walk."""
         cta_tiles, _ = walk
-        images, image_starts, rows_per_head = inputs
-        _, kv_head, _ = self._heads(block_head, warp)
-        first = images.iterator.toint() + image_row(image_starts[batch], kv_head, 0, rows_per_head) * IMAGE_BYTES
+        first = self._first_image(inputs, batch, block_head, warp)
         smem = smem_ptr.toint()
         for step in cutlass.range(cta_tiles, unroll=1):
             s, parity = stage_parity(step, self.operand_stages)
             cute.arch.mbarrier_wait(bars + self.operand_stages + s, parity ^ 1)  # both consumers done with step - n
             source = first + Int64(cta_tiles - 1 - step) * IMAGE_BYTES
-            stage = smem + self.offsets[1] + s * self.operand_stage_bytes
+            stage = self._stage_address(smem, s)
             for r in cutlass.range_constexpr(UNITS_PER_THREAD):
                 unit = 16 * (tid + THREADS * r)
                 cp_async_16(stage + unit, source + unit, Uint32(16))
@@ -195,6 +193,17 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
                 self._release(step - 1, 1, bars)
         if cta_tiles > 0:
             self._release(cta_tiles - 1, 0, bars)
+
+    def _first_image(self, inputs, batch, block_head, warp):
+        """Address of the CTA's KV head's first image of sequence ``batch`` (``inputs``: images, their starts, rows
+        per KV head); step p copies image ``cta_tiles - 1 - p`` after it."""
+        images, image_starts, rows_per_head = inputs
+        _, kv_head, _ = self._heads(block_head, warp)
+        return images.iterator.toint() + image_row(image_starts[batch], kv_head, 0, rows_per_head) * IMAGE_BYTES
+
+    def _stage_address(self, smem, s):
+        """Shared-memory address of operand stage ``s`` (its image's first byte)."""
+        return smem + self.offsets[1] + s * self.operand_stage_bytes
 
     @cute.jit
     def _release(self, step, pending: cutlass.Constexpr, bars):
@@ -208,7 +217,7 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
         """v6's wait for ``full[s]``, the tile's K exponent read from the stage's image."""
         s, parity = stage_parity(step, self.operand_stages)
         cute.arch.mbarrier_wait(bars + s, parity)
-        stage = smem_ptr.toint() + self.offsets[1] + s * self.operand_stage_bytes
+        stage = self._stage_address(smem_ptr.toint(), s)
         state[self._TILE_SCALE] = bits_to_f32(load_shared_u32(stage + EXPONENT_OFFSET))
         return s, cta_tiles - 1 - step, ring
 
@@ -242,15 +251,12 @@ class PrefillSm90WgmmaPreBulk(PrefillSm90WgmmaPreDeferredFold):
         """Producer thread 0, walk step p: wait for ``empty[s]`` (s = p mod n), arm ``full[s]`` with the image's
         bytes, bulk-copy step p's image into stage s. The other producer threads have nothing to do."""
         cta_tiles, _ = walk
-        images, image_starts, rows_per_head = inputs
-        _, kv_head, _ = self._heads(block_head, warp)
         if tid == 0:
-            first = images.iterator.toint() + image_row(image_starts[batch], kv_head, 0, rows_per_head) * IMAGE_BYTES
+            first = self._first_image(inputs, batch, block_head, warp)
             smem = smem_ptr.toint()
             for step in cutlass.range(cta_tiles, unroll=1):
                 s, parity = stage_parity(step, self.operand_stages)
                 cute.arch.mbarrier_wait(bars + self.operand_stages + s, parity ^ 1)  # both consumers done with step - n
                 cute.arch.mbarrier_arrive_and_expect_tx(bars + s, IMAGE_BYTES)
-                bulk_copy_g2s(smem + self.offsets[1] + s * self.operand_stage_bytes,
-                              first + Int64(cta_tiles - 1 - step) * IMAGE_BYTES, IMAGE_BYTES,
-                              smem + self.barrier_offset + 8 * s)
+                bulk_copy_g2s(self._stage_address(smem, s), first + Int64(cta_tiles - 1 - step) * IMAGE_BYTES,
+                              IMAGE_BYTES, smem + self.barrier_offset + 8 * s)

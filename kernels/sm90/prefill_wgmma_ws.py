@@ -845,7 +845,8 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         for pair in cutlass.range(masked_pairs, pairs, unroll=1):
             self._wide_step(False, lead + 2 * pair, cta_tiles, pipe)
         if cutlass.const_expr(self.deferred_fold):
-            self._fold_pending(fixed[7], acc_pv, state)  # the last step's
+            *_, acc_o = fixed
+            self._fold_pending(acc_o, acc_pv, state)  # the last step's
 
     def _fold_pending(self, acc_o: cute.Tensor, acc_pv: cute.Tensor, state: cute.Tensor) -> None:
         """(deferred_fold) The previous step's O = O alpha + P V."""
