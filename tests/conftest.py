@@ -6,6 +6,10 @@ is checked on every machine; the variable is set here, before any test module im
 `python -m pytest` puts the repository root on sys.path, where the `kernels/` folder (installed as `mpfa.kernels`)
 would shadow the PyPI `kernels` package that transformers 5 imports; the root is taken off again here (the project
 is imported through its installed `mpfa` namespace, never from the root).
+
+Under pytest-xdist (``-n N``) each worker's torch takes an equal share of the CPU cores: the GPU tests' float64
+oracles otherwise run N x cores threads, which on the H200 host (16 cores, 8 workers) made tests take longer than
+a 120 s per-test timeout (session 22).
 """
 
 from __future__ import annotations
@@ -23,6 +27,9 @@ sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+
+if workers := int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "0")):
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
 @pytest.fixture
