@@ -26,10 +26,15 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
+from cutlass.cute.nvgpu import warpgroup
+
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, OPERAND_ALIGN, THREADS, TILE_KEYS
-from mpfa.kernels.sm90.prefill_wgmma_ws import (ROW_SUM_COLUMNS, ROW_SUM_UNITS, PrefillSm90WgmmaWsWideTileMmaSum,
-                                                ds_staged_read, stage_parity)
+from mpfa.kernels.sm90 import prefill_tile as tile_math
+from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, _gemm,
+                                             softmax_update)
+from mpfa.kernels.sm90.prefill_wgmma_ws import (ROW_SUM_COLUMNS, ROW_SUM_UNITS, PrefillSm90WgmmaWsWideTile,
+                                                PrefillSm90WgmmaWsWideTileMmaSum, ds_staged_read, fold_pv,
+                                                stage_parity)
 from mpfa.kernels.sm90.ptx import (bits_to_f32, bulk_copy_g2s, cp_async_16, cp_async_commit, cp_async_wait,
                                    load_shared_u32, load_shared_v4_u32, load_u32, store_v4_u32)
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
@@ -260,3 +265,111 @@ class PrefillSm90WgmmaPreBulk(PrefillSm90WgmmaPreDeferredFold):
                 cute.arch.mbarrier_arrive_and_expect_tx(bars + s, IMAGE_BYTES)
                 bulk_copy_g2s(self._stage_address(smem, s), first + Int64(cta_tiles - 1 - step) * IMAGE_BYTES,
                               IMAGE_BYTES, smem + self.barrier_offset + 8 * s)
+
+
+OVERLAP_REGS = (24, 240)  # v7d's setmaxnreg: the one producer thread needs few; 24 + 2 x 240 = 504 = 3 x 168
+
+
+class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
+    """v7d: v7c with each 128-key step's PV wgmma running under the next step's softmax (FA3's intra-warpgroup
+    overlap). v7c's consumer step issues its PV and waits for it at the step's end, with nothing to do meanwhile
+    (~4 k-steps of m64n136k32 per tile pair). Here step j issues its QK wgmmas, folds step j - 2's PV into O (v7b's
+    deferred fold), issues step j - 1's PV (P from registers, V^T from j - 1's stages, still held), then waits for
+    its QKs (``wait_group`` 2, 1), runs its softmax while that PV runs, waits for it (``wait_group`` 0), releases
+    j - 1's stages and packs its own P. No wgmma is in flight across the loop's back edge. The consumers hold one
+    step's stages more than v7c (2 of 8 ahead of the producer's 4). Before the first pair step the pending P is
+    zeros and its alphas 1, so that step's PV (on its own stages' V^T) and the next fold add exact zeros: the same
+    folds on the same values as v7's, so **v7's output bit for bit**. An odd walk's first step is v7b's (its PV
+    waited in the step). Registers: S, the P being multiplied, the PV accumulator and O live at once (~235):
+    setmaxnreg 240 for the consumers, 24 for the producer."""
+
+    producer_regs, consumer_regs = OVERLAP_REGS
+    _NEXT_ALPHA = PrefillSm90WgmmaPreBulk.state_size  # the state's slots for the pending P's alphas
+    state_size = PrefillSm90WgmmaPreBulk.state_size + 2
+
+    def _walk_pipe(self, ring, fixed, state: cute.Tensor, lam, ds_lane, limits, c, smem_ptr, bars) -> tuple:
+        """v7c's, and the operand stages of the step whose PV is pending (-1: none)."""
+        pipe = PrefillSm90WgmmaWsWideTile._walk_pipe(self, ring, fixed, state, lam, ds_lane, limits, c, smem_ptr, bars)
+        return (*pipe, cute.make_rmem_tensor((2,), Int32))
+
+    @cute.jit
+    def _walk_start(self, pipe: tuple) -> None:
+        """v7b's start, and a pending P of zeros with alphas 1 (no stages)."""
+        PrefillSm90WgmmaWsWideTile._walk_start(self, pipe)
+        state, pending = pipe[4], pipe[-1]
+        for r in cutlass.range_constexpr(2):
+            state[self._NEXT_ALPHA + r] = Float32(1.0)
+            pending[r] = Int32(-1)
+        self._zero_p(pipe)
+
+    @cute.jit
+    def _zero_p(self, pipe: tuple) -> None:
+        """Both tiles' P registers (the pending PV's A operand) to e4m3 zeros."""
+        for frag in (pipe[1][5], pipe[2][1]):
+            words = cute.recast_tensor(frag, Uint32)
+            for i in cutlass.range_constexpr(cute.size(words)):
+                words[i] = Uint32(0)
+
+    @cute.jit
+    def _wide_step(self, masked: cutlass.Constexpr, step, cta_tiles, pipe, single: cutlass.Constexpr = False):
+        """An odd walk's first step: v7b's, then its P registers back to zeros (its PV is done). A pair of steps:
+        the class docstring's order."""
+        if cutlass.const_expr(single):
+            PrefillSm90WgmmaWsWideTile._wide_step(self, masked, step, cta_tiles, pipe, single=True)
+            self._zero_p(pipe)
+        else:
+            ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars, pending = pipe
+            mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
+            acc_s1, frag_p1 = second
+            s0, tile0, _ = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
+            self._qk_issue(masked, tile0 * TILE_KEYS, (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s0)),
+                                                       acc_s, acc_o), limits, c)
+            tile_scale0 = state[self._TILE_SCALE]
+            s1, tile1, _ = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
+            self._qk_issue(masked, tile1 * TILE_KEYS, (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s1)),
+                                                       acc_s1, acc_o), limits, c)
+            tile_scale1 = state[self._TILE_SCALE]
+            self._fold_pending(acc_o, acc_pv, state)  # step j - 2's PV, under the QKs
+            v0 = cutlass.select_(pending[0] >= 0, pending[0], s0)  # none pending: P is 0, any held V^T will do
+            v1 = cutlass.select_(pending[1] >= 0, pending[1], v0)
+            (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, v0)
+            (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, v1)
+            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False, extra=((frag_p1, frag_vt1),))
+            warpgroup.wait_group(2)  # the first tile's QK
+            state[self._TILE_SCALE] = tile_scale0
+            scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
+            lane_max = tile_math.lane_row_maxima(scores)
+            warpgroup.wait_group(1)  # the second's
+            state[self._TILE_SCALE] = tile_scale1
+            scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())
+            lane_max = [tile_math.fmax(m, m1) for m, m1 in zip(lane_max, tile_math.lane_row_maxima(scores1))]
+            probs, alphas = softmax_update(scores + scores1, state, lam, self.p_scale_log2, lane_max)
+            warpgroup.wait_group(0)  # step j - 1's PV: its P registers and V^T stages are free
+            self._release_pending(pending, bars)
+            self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
+            self._p_operand(probs[N_BLOCKS:], cute.recast_tensor(frag_p1, Uint32))
+            for r in cutlass.range_constexpr(2):
+                state[self._PENDING_ALPHA + r] = state[self._NEXT_ALPHA + r]
+                state[self._NEXT_ALPHA + r] = alphas[r]
+            pending[0] = s0
+            pending[1] = s1
+
+    @cute.jit
+    def _release_pending(self, pending: cute.Tensor, bars) -> None:
+        """``empty`` of the pending step's stages, if any (one of 256 arrivals each)."""
+        for r in cutlass.range_constexpr(2):
+            if pending[r] >= 0:
+                cute.arch.mbarrier_arrive(bars + self.operand_stages + pending[r])
+
+    @cute.jit
+    def _walk_end(self, pipe: tuple) -> None:
+        """The second-to-last step's fold, then (a pair step ran) the last step's PV, waited for, and its fold."""
+        ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars, pending = pipe
+        mma_pv, thr_pv, frag_p, acc_o = fixed[1], fixed[3], fixed[5], fixed[7]
+        self._fold_pending(acc_o, acc_pv, state)
+        if pending[0] >= 0:
+            (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, pending[0])
+            (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, pending[1])
+            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, extra=((second[1], frag_vt1),))
+            fold_pv(acc_o, acc_pv, [state[self._NEXT_ALPHA + r] for r in range(2)])
+            self._release_pending(pending, bars)

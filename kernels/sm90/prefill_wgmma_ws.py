@@ -825,16 +825,8 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         cta_tiles, cta_common = walk
         masked_tiles, _ = tile_math.masked_and_whole(cta_tiles, cta_common, TILE_KEYS)
         lead, masked_pairs, pairs = wide_walk(cta_tiles, masked_tiles)
-        thr_qk, thr_pv = fixed[2], fixed[3]
-        second = (cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32),  # its S, its P
-                  thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))))
-        acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, self.pv_n)), Float32)
-        pipe = (ring, fixed, second, acc_pv, state, unscaled_lam(lam_scaled), ds_lane, limits, c, smem_ptr, bars)
-        if cutlass.const_expr(self.deferred_fold):  # nothing pending before the first step: O = O 1 + 0
-            for i in cutlass.range_constexpr(cute.size(acc_pv)):
-                acc_pv[i] = Float32(0.0)
-            for r in cutlass.range_constexpr(2):
-                state[self._PENDING_ALPHA + r] = Float32(1.0)
+        pipe = self._walk_pipe(ring, fixed, state, unscaled_lam(lam_scaled), ds_lane, limits, c, smem_ptr, bars)
+        self._walk_start(pipe)
         if lead:
             if masked_tiles > 0:
                 self._wide_step(True, Int32(0), cta_tiles, pipe, single=True)
@@ -844,9 +836,31 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             self._wide_step(True, lead + 2 * pair, cta_tiles, pipe)
         for pair in cutlass.range(masked_pairs, pairs, unroll=1):
             self._wide_step(False, lead + 2 * pair, cta_tiles, pipe)
+        self._walk_end(pipe)
+
+    def _walk_pipe(self, ring, fixed, state: cute.Tensor, lam, ds_lane, limits, c, smem_ptr, bars) -> tuple:
+        """What every step of the walk uses: the arguments, the second tile's S and P, the PV accumulator."""
+        thr_qk, thr_pv = fixed[2], fixed[3]
+        second = (cute.make_rmem_tensor(thr_qk.partition_shape_C((64, TILE_KEYS)), Float32),  # its S, its P
+                  thr_pv.make_fragment_A(thr_pv.partition_shape_A((64, TILE_KEYS))))
+        acc_pv = cute.make_rmem_tensor(thr_pv.partition_shape_C((64, self.pv_n)), Float32)
+        return ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars
+
+    @cute.jit
+    def _walk_start(self, pipe: tuple) -> None:
+        """(deferred_fold) Nothing pending before the first step: O = O 1 + 0."""
         if cutlass.const_expr(self.deferred_fold):
-            *_, acc_o = fixed
-            self._fold_pending(acc_o, acc_pv, state)  # the last step's
+            acc_pv, state = pipe[3], pipe[4]
+            for i in cutlass.range_constexpr(cute.size(acc_pv)):
+                acc_pv[i] = Float32(0.0)
+            for r in cutlass.range_constexpr(2):
+                state[self._PENDING_ALPHA + r] = Float32(1.0)
+
+    @cute.jit
+    def _walk_end(self, pipe: tuple) -> None:
+        """(deferred_fold) The last step's fold."""
+        if cutlass.const_expr(self.deferred_fold):
+            self._fold_pending(pipe[1][-1], pipe[3], pipe[4])
 
     def _fold_pending(self, acc_o: cute.Tensor, acc_pv: cute.Tensor, state: cute.Tensor) -> None:
         """(deferred_fold) The previous step's O = O alpha + P V."""
@@ -856,7 +870,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     def _wide_step(self, masked: cutlass.Constexpr, step, cta_tiles, pipe, single: cutlass.Constexpr = False):
         """Walk steps ``step`` and ``step + 1`` as one 128-key tile (class docstring), both stages released;
         ``single``: step ``step`` alone (an odd walk's first)."""
-        ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe
+        ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe[:11]
         mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
         acc_s1, frag_p1 = second
         s0, tile0, _ = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)

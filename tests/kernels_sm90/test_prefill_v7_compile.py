@@ -26,12 +26,12 @@ CONFIG = (8, 4, 128, True, "BFloat16")
 
 
 @pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b"),
-                                        (5, True, "v7c")],
-                ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8"])
+                                        (5, True, "v7c"), (4, True, "v7d"), (5, False, "v7d")],
+                ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8", "v7d-32:8", "v7d-40:8-direct"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
     """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), the
-    direct build (no Delta_S copied, staged or read), v7b's (v7 with the fold deferred) and v7c's (v7b with bulk
-    copies)."""
+    direct build (no Delta_S copied, staged or read), v7b's (v7 with the fold deferred), v7c's (v7b with bulk
+    copies) and v7d's (v7c with each step's PV under the next step's softmax)."""
     group, compensate, kernel = request.param
     config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
@@ -65,19 +65,23 @@ def test_operand_pass_compiles_for_sm90a(v7_cubins, cuobjdump):
 
 
 def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
+    kernel = v7_cubins["kernel"]
     usage = cuobjdump("--dump-resource-usage", str(v7_cubins["attention"]))
     assert re.search(r"REG:168\b", usage) and re.search(r"LOCAL:0\b", usage), usage
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= 16
+    # v7d at 32:8: four values live across the walk spilled once before it, reloaded after it (none in the loops)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= (24 if kernel == "v7d" else 16)
     sass = cuobjdump("--dump-sass", str(v7_cubins["attention"]))
-    assert "USETMAXREG.DEALLOC.CTAPOOL 0x38" in sass and "USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0xe0" in sass
+    producer_regs, consumer_regs = pre.OVERLAP_REGS if kernel == "v7d" else (56, 224)
+    assert f"USETMAXREG.DEALLOC.CTAPOOL 0x{producer_regs:x}" in sass
+    assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x{consumer_regs:x}" in sass
     consumer_loops = mma_loops(sass)
     assert len(consumer_loops) == 2, [len(body) for body in consumer_loops]
     for whole, body in enumerate(consumer_loops):
         assert not any(op.startswith(("STL", "LDL")) for op in body)
-        v6_tests._check_wide(body, v7_cubins["compensate"], bool(whole), True)
-    if v7_cubins["kernel"] == "v7c":
+        v6_tests._check_wide(body, v7_cubins["compensate"], bool(whole), True, pv_waits=int(kernel != "v7d"))
+    if kernel in ("v7c", "v7d"):
         _check_bulk_producer(sass)
-        _check_deferred_fold(consumer_loops[1])
+        (_check_deferred_fold if kernel == "v7c" else _check_overlap)(consumer_loops[1])
         return
     (producer,) = loops_issuing(sass, ("LDGSTS",))
     assert sum(op.startswith("LDGSTS.E.BYPASS.128") for op in producer) == 9
@@ -114,6 +118,21 @@ def _check_deferred_fold(body: list[str]) -> None:
     assert sum(op.startswith("WARPGROUP.DEPBAR") for op in body) == 3
     fold = [op for op in body[qk[3]:first_wait] if op.startswith("FFMA")]
     assert len(fold) >= 64, f"{len(fold)} FFMA between the first QK's last k-step and the first wait"
+
+
+def _check_overlap(body: list[str]) -> None:
+    """v7d's whole-tile step: both QKs issued, then step j - 2's fold (>= 64 FFMA), then step j - 1's PV (4 k-steps),
+    all before the first wait; the waits in order for the first QK, the second, the PV (no wgmma serialized); the
+    P of this step packed and the pending stages released only after the PV's wait (the PV reads P's registers)."""
+    gmma = [i for i, op in enumerate(body) if op.startswith("QGMMA")]
+    pv = [i for i in gmma if body[i].startswith("QGMMA.64x136x32")]
+    waits = [(i, op) for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR")]
+    assert [op.split()[-1] for _, op in waits] == ["0x2", "0x1", "0x0"], waits
+    assert len(pv) == 4 and pv == gmma[-4:] and pv[-1] < waits[0][0]
+    assert sum(op.startswith("FFMA") for op in body[gmma[0]:pv[0]]) >= 64, "the fold before the PV's issue"
+    pv_done = waits[2][0]
+    assert all(i > pv_done for i, op in enumerate(body) if "F2FP.SATFINITE.E4M3.F32" in op)
+    assert all(i > pv_done for i, op in enumerate(body) if op.startswith("@P") and "SYNCS.ARRIVE.TRANS64" in op)
 
 
 def test_images_layout():
@@ -158,12 +177,13 @@ def test_v7_limits_are_clear_errors():
         compile_prefill_kernel(8, 6, 128, True, "BFloat16", kernel="v7")
 
 
-def _pipeline_completes(tiles: int, stages: int, lag: int) -> bool:
+def _pipeline_completes(tiles: int, stages: int, lag: int, hold: bool = False) -> bool:
     """Whether the producer / consumers protocol of v6l (``lag`` 0: step p's ``full`` right after its fill) or v7
     (``lag`` 1: step p's ``full`` after step p + 1's copy is issued, the last one after the walk) finishes a walk of
     ``tiles`` steps with ``stages`` operand stages, both consumers taking 128-key pairs (`wide_walk`: an odd walk's
-    first step alone) and releasing a pair's stages together: step p can be filled once both consumers released
-    step p - stages. Runs each side as far as it can until neither moves."""
+    first step alone) and releasing a pair's stages together (``hold``, v7d: a pair's stages once the next pair's
+    wait is over, the last pair's after the walk): step p can be filled once both consumers released step p -
+    stages. Runs each side as far as it can until neither moves."""
     full, empty = [False] * tiles, [False] * tiles
     lead = tiles & 1
     units = [(0,)] * lead + [(lead + 2 * k, lead + 2 * k + 1) for k in range(tiles // 2)]
@@ -179,7 +199,10 @@ def _pipeline_completes(tiles: int, stages: int, lag: int) -> bool:
         if lag and produced == tiles and tiles:
             full[tiles - 1] = True
         while consumed < len(units) and all(full[p] for p in units[consumed]):
-            for p in units[consumed]:
+            unit = units[consumed]
+            if hold and len(unit) == 2:  # v7d: this pair held, the previous pair (if any) released
+                unit = units[consumed - 1] if consumed and len(units[consumed - 1]) == 2 else ()
+            for p in unit:
                 empty[p] = True
             consumed, moved = consumed + 1, True
         if consumed == len(units):
@@ -189,10 +212,12 @@ def _pipeline_completes(tiles: int, stages: int, lag: int) -> bool:
 
 
 def test_image_pipeline_never_deadlocks():
-    """v7's producer (8 stages, one step behind), v7c's (8 stages, full when the bytes land) and v6l's (4 stages)
-    finish every walk length; one stage (a pair needs two) or, for v7, two stages (the step behind holds one back)
-    would not."""
+    """v7's producer (8 stages, one step behind), v7c's (8 stages, full when the bytes land), v7d's (v7c's, each pair
+    held one pair longer) and v6l's (4 stages) finish every walk length; one stage (a pair needs two), for v7 two
+    stages (the step behind holds one back) or for v7d three (two held, two waited for) would not."""
     for tiles in range(0, 40):
         assert _pipeline_completes(tiles, 8, lag=1) and _pipeline_completes(tiles, 4, lag=0), tiles
         assert _pipeline_completes(tiles, 8, lag=0), tiles
+        assert _pipeline_completes(tiles, 8, lag=0, hold=True) and _pipeline_completes(tiles, 4, lag=0, hold=True)
     assert not _pipeline_completes(5, 1, lag=0) and not _pipeline_completes(5, 2, lag=1)
+    assert not _pipeline_completes(6, 3, lag=0, hold=True) and _pipeline_completes(6, 3, lag=0)
