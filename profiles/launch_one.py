@@ -9,6 +9,7 @@ cudaProfilerStart/Stop when `--profiler-range` is given (for nsys --capture-rang
 from __future__ import annotations
 
 import argparse
+import sys
 
 from mpfa.profiles.inputs import DEFAULT_SEED
 from mpfa.profiles.registry import adapter_for
@@ -38,11 +39,16 @@ def parse_arguments(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_arguments(argv)
-    workload = workload_from_arguments(args)
-    adapter = adapter_for(args.backend)
-
     import torch
 
+    try:
+        workload = workload_from_arguments(args)
+        adapter = adapter_for(args.backend)
+        if not torch.cuda.is_available():
+            raise ValueError("no CUDA device: launch_one runs an attention kernel on a GPU")
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     prepared = adapter.prepare(workload, 1, torch.device("cuda"), DEFAULT_SEED)
     for _ in range(args.warmup):
         prepared.run(0)

@@ -27,6 +27,15 @@ def test_run_profile_rejects_bad_arguments_before_touching_the_gpu(kind, heads, 
         microbench.run_profile(kind, 1024, 1, heads, 128, backends, False, False, tmp_path)
 
 
+def test_launch_one_prints_one_line_errors(monkeypatch, capsys):
+    """The process ncu / nsys profile: no traceback for a bad backend or a machine without CUDA."""
+    assert launch_one.main(["prefill", "--seq", "4k", "--backend", "fa3"]) == 2
+    assert capsys.readouterr().err.startswith("error: unknown backend 'fa3'")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert launch_one.main(["prefill", "--seq", "4k", "--backend", "mpfa"]) == 2
+    assert capsys.readouterr().err.strip() == "error: no CUDA device: launch_one runs an attention kernel on a GPU"
+
+
 def test_main_prints_one_line_errors(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert microbench.main(["decode", "--seq", "128k", "--batch", "8"]) == 2
