@@ -32,18 +32,23 @@ class PredictionCheck:
         return 1 / factor <= self.ratio() <= factor
 
 
+DIRECT_NUMERICS = {"mpfa": "qk4-pv8-direct", "mpfa-qk8tile-psum": "qk8tile-psum-direct"}  # without the centering
+
+
 def served_numerics(specs) -> dict[str, str | None]:
     """Backend name -> the reference variant its server computes: `BackendSpec.numerics`, except that MpFA's
-    prompt (prefill) runs the FP8-QK numerics when ``MPFA_PREFILL_KERNEL`` (passed on to the servers) pins such a
-    kernel. `prefill_kernel` reads and checks that variable; unpinned, the default it names for any shape is the
-    paper's numerics."""
+    prompt (prefill) runs the numerics of the prefill kernel its servers run: `prefill_kernel` reads and checks
+    ``MPFA_PREFILL_KERNEL`` (passed on to the servers); unpinned, the default for the bundled models' GQA 4 and 5
+    (v7c) computes the FP8-QK "mpfa-qk8tile-psum", a pinned v1 .. v3w8c the paper's "mpfa"; ``mpfa-direct`` that
+    variant without the centering (None where the reference has no such variant: its row is not checked)."""
     from mpfa.kernels.sm90.prefill_launch import KERNEL_ENV, prefill_kernel, prefill_numerics
 
     try:
         prompt = prefill_numerics(prefill_kernel(32, 8, 128))
     except ValueError as exc:
         raise UserError(f"{KERNEL_ENV}: {exc}") from None
-    return {s.name: prompt if s.numerics == "mpfa" else s.numerics for s in specs}
+    served = {"mpfa": prompt, "qk4-pv8-direct": DIRECT_NUMERICS.get(prompt)}  # None: no such reference variant
+    return {s.name: served.get(s.numerics, s.numerics) for s in specs}
 
 
 def load_prediction(path: Path) -> dict[str, Any]:

@@ -39,13 +39,14 @@ def test_each_backend_is_checked_against_its_own_variant():
 def test_a_pinned_fp8_qk_prefill_is_checked_against_the_fp8_qk_variant(monkeypatch):
     specs = [BACKENDS[name] for name in ("fa4-bf16", "mpfa", "mpfa-direct")]
     monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
-    assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa", "mpfa-direct": "qk4-pv8-direct"}
+    assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile-psum",  # the default: v7c
+                                      "mpfa-direct": "qk8tile-psum-direct"}
     for paper in ("v3w8", "V3W8C", "v2"):
         monkeypatch.setenv("MPFA_PREFILL_KERNEL", paper)
-        assert served_numerics(specs)["mpfa"] == "mpfa"
-    for fp8_qk in ("v4w8", "v5w8", "v6e"):
+        assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa", "mpfa-direct": "qk4-pv8-direct"}
+    for fp8_qk in ("v4w8", "v5w8", "v6e"):  # no reference variant for their direct builds
         monkeypatch.setenv("MPFA_PREFILL_KERNEL", fp8_qk)
-        assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile", "mpfa-direct": "qk4-pv8-direct"}
+        assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile", "mpfa-direct": None}
     monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v6n")  # l sums the e4m3 P
     assert served_numerics(specs)["mpfa"] == "mpfa-qk8tile-psum"
     monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v9")
@@ -72,7 +73,7 @@ def test_cli_exit_code_and_table(mpfa, tmp_path: Path):
     """On the simulator (hash logprobs) a prediction far from its deltas fails with the backends named."""
     path = tmp_path / "pred.json"
     path.write_text(json.dumps(_prediction({"mpfa": 5.0}) | {"rows": [
-        {"backend": "mpfa", "input_len": 32, "error": None, "prefill_mean_abs": 5.0}]}))
+        {"backend": "mpfa-qk8tile-psum", "input_len": 32, "error": None, "prefill_mean_abs": 5.0}]}))
     out = mpfa("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32", "--prompts", "1",
                "--output-len", "2", "--predicted", str(path), *FAST)
     assert out.returncode == 1, out.stderr

@@ -127,8 +127,9 @@ def test_registry_matches_the_spec() -> None:
         "mpfa-qk8row": ("nvfp4>e4m3-row", "nvfp4>e4m3-row", "fp8", "fp8", True),
         "mpfa-qk8tile": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
         "mpfa-qk8tile-psum": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
+        "qk8tile-psum-direct": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", False),
     }
-    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == ["mpfa-qk8tile-psum"]
+    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == ["mpfa-qk8tile-psum", "qk8tile-psum-direct"]
 
 
 def test_fp8_variant_quantizes_only_k_and_v(make_batch) -> None:
