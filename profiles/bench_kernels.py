@@ -11,7 +11,8 @@ For every (context, batch): each backend's inputs are built in rotated sets (`pr
 bytes read and their rate against the copy bandwidth measured in the same run. "Read" is the bytes the kernel
 actually has to move: the KV cache in the backend's format, the page table / indices it walks, Q and O, and for
 MpFA the split-KV partials it writes and merges. Prefill (causal, every token a query) is compute-bound: the
-table gives the FLOP rate of the two matmuls over the causal pairs (`AttentionWorkload.flops`). A backend that
+table gives the FLOP rate of the two matmuls over the causal pairs (`AttentionWorkload.flops`) and the speedups
+over FA4-BF16 and FlashInfer-FP8 (decode: over FlashInfer-FP8). A backend that
 fails prints an error row; the others still run.
 """
 from __future__ import annotations
@@ -51,19 +52,23 @@ def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float
     return base + (tokens // 128 if backend == "fa4-bf16" else tokens) * _INDEX_BYTES
 
 
-def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], lines: list[str]):
-    """(workload, row, line prefix, speedup text vs the reference) of every timed row; the others are appended to
-    ``lines`` as error lines, in order."""
+def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], lines: list[str],
+                references: tuple[str, ...] = (REFERENCE,)):
+    """(workload, row, line prefix, speedup columns vs each of ``references``) of every timed row; the others are
+    appended to ``lines`` as error lines, in order."""
     for workload, rows in results:
-        reference = {row.backend: row for row in rows}.get(REFERENCE)
+        by_name = {row.backend: row for row in rows}
         for row in rows:
             prefix = f"{workload.seq:>8} {workload.batch:>5}  {row.backend:<15}"
             if row.status != OK or row.timing is None:
                 lines.append(f"{prefix} {row.status.upper()}: {row.error}")
                 continue
-            speedup = (f"{reference.timing.median_ms / row.timing.median_ms:8.2f}"
-                       if reference is not None and reference.timing is not None else "       -")
-            yield workload, row, prefix, speedup
+            speedups = []
+            for name in references:
+                reference = by_name.get(name)
+                speedups.append(f"{reference.timing.median_ms / row.timing.median_ms:8.2f}"
+                                if reference is not None and reference.timing is not None else "       -")
+            yield workload, row, prefix, " ".join(speedups)
 
 
 def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], copy_bandwidth: float | None,
@@ -82,9 +87,11 @@ def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], c
 
 
 def format_prefill_table(results: list[tuple[AttentionWorkload, list[BackendResult]]]) -> str:
-    """Median time, TFLOP/s of the causal matmuls and the speedup over FlashInfer-FP8 per (context, batch)."""
-    lines = [f"{'context':>8} {'batch':>5}  {'backend':<15} {'median ms':>10} {'TFLOP/s':>8} {'x FI-FP8':>8}"]
-    for workload, row, prefix, speedup in _timed_rows(results, lines):
+    """Median time, TFLOP/s of the causal matmuls and the speedups over FA4-BF16 (the prefill goal's baseline) and
+    FlashInfer-FP8 per (context, batch)."""
+    lines = [f"{'context':>8} {'batch':>5}  {'backend':<15} {'median ms':>10} {'TFLOP/s':>8} {'x FA4':>8} "
+             f"{'x FI-FP8':>8}"]
+    for workload, row, prefix, speedup in _timed_rows(results, lines, ("fa4-bf16", REFERENCE)):
         rate = workload.flops() / (row.timing.median_ms / 1e3)
         lines.append(f"{prefix} {row.timing.median_ms:>10.3f} {rate / 1e12:>8.1f} {speedup}")
     return "\n".join(lines)

@@ -54,8 +54,12 @@ def test_prefill_table_has_flop_rates_and_speedups():
     fields = next(line for line in lines if " mpfa " in line).split()
     assert fields[3] == "100.000"  # median ms
     assert fields[4] == f"{PREFILL.flops() / 0.1 / 1e12:.1f}"  # 4 * 32 * 128 * 65536 * 65537 / 2 FLOPs in 100 ms
-    assert fields[5] == "1.50"
+    assert fields[5:] == ["-", "1.50"]  # x FA4 (not timed), x FlashInfer-FP8
     assert any("ERROR: ImportError: no flash_attn" in line for line in lines)
+    rows[2] = _row("fa4-bf16", 120.0, workload=PREFILL)
+    lines = format_prefill_table([(PREFILL, rows)]).splitlines()
+    assert lines[0].split()[-4:] == ["x", "FA4", "x", "FI-FP8"]
+    assert next(line for line in lines if " mpfa " in line).split()[5:] == ["1.20", "1.50"]
 
 
 def test_mpfa_prefill_set_counts_query_cache_pages_and_output():
