@@ -16,7 +16,8 @@ FP8 too (`prefill_wgmma_fp8pv`, the same numerics), ``mpfa-v6`` v5w8 warp-specia
 producer warpgroup, two consumers; v5w8's output), ``mpfa-v6a`` .. ``mpfa-v6n`` v6's variants
 (`prefill_launch.WS_KERNELS`), ``mpfa-v7`` v6n on operand images expanded once per prefill (`prefill_wgmma_pre`,
 timed with that pass), ``mpfa-v7b`` v7 with each step's PV fold under the next step's QK, ``mpfa-v7c`` v7b with
-each operand image one bulk copy, ``mpfa-v7d`` v7c with each step's PV under the next step's softmax. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` / ``mpfa-dv4w14`` pin decode v1 (no
+each operand image one bulk copy, ``mpfa-v7d`` v7c with each step's PV under the next step's softmax, ``mpfa-v7e`` v7d with every 4th
+exponential on the FMA pipe. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` / ``mpfa-dv4w14`` pin decode v1 (no
 ring), v3 (3-stage ring), v4 (v2 with fewer instructions per tile, `decode_lean`) or v4 partitioned for 14 warps per
 SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2 by default). ``mpfa-direct`` runs the direct builds
 (``compensate=False``: no Delta_S read, inputs quantized uncentered): mpfa vs mpfa-direct is the compensation's
@@ -74,8 +75,8 @@ class MpfaAdapter:
     def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
                  compensate: bool = True):
         """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or
-        "v6a" .. "v6n", "v7" .. "v7d" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` ..
-        ``mpfa-v7d``);
+        "v6a" .. "v6n", "v7" .. "v7e" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` ..
+        ``mpfa-v7e``);
         ``decode_kernel``: "v1", "v2", "v3", "v4" or "v4w14" the decode version (``mpfa-dv1`` ...); None follows
         ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct builds (backend
         ``mpfa-direct``)."""

@@ -20,7 +20,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Uint32
 
 from mpfa.kernels.sm90 import decode_layout as lay
-from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, shuffle_idx
+from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, exp2_poly, shuffle_idx
 from mpfa.kernels.sm90.warp_mma import P_SCALE, p_fragment, p_pair, pv_mtile, qk_ntile, quad_max, quad_sum
 
 select_ = cutlass.select_
@@ -121,7 +121,8 @@ def lane_row_maxima(scores: list) -> list:
 
 
 def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32, exp2=None,
-                   exact_alpha: bool = False, p_scale_log2: float = 0.0, lane_max: list | None = None) -> tuple:
+                   exact_alpha: bool = False, p_scale_log2: float = 0.0, lane_max: list | None = None,
+                   poly_every: int = 0) -> tuple:
     """Rows g, g + 8: m_new = max(m, rowmax S), P = exp2(lam S - lam m_new), alpha = exp2(lam m - lam m_new),
     l = alpha l + (this lane's part of) rowsum P. A row that has seen no key keeps m = -inf and gets P = 0 and
     alpha = 0 (the reference's m_ref = 0). ``exact_alpha``: alpha is exactly 1 where the row's maximum stays (as
@@ -131,7 +132,9 @@ def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32
     ``exp2``: replaces `exp2_approx` (only for the timing ablations of `ablation`). ``p_scale_log2``: P and l come
     out times 2**p_scale_log2 (one subtraction per row from the exponent's bias, instead of a multiply per P: the
     kernels' e4m3(448 P) with log2(448)); alpha is unchanged. ``lane_max``: `lane_row_maxima` of ``scores``, where
-    the caller took them already (v6l's 128-key step takes its first tile's while the second's wgmma runs)."""
+    the caller took them already (v6l's 128-key step takes its first tile's while the second's wgmma runs).
+    ``poly_every`` n > 0: every n-th P of a row (the last of each n) by `exp2_poly` on the FMA pipe, the others
+    (and alpha) by ``exp2`` on the SFU (v7e)."""
     exp2 = exp2_approx if exp2 is None else exp2
     probs = [[None] * 4 for _ in scores]
     alphas, m_new_rows, l_new_rows = [], [], []
@@ -147,7 +150,8 @@ def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32
         row_sum = Float32(0.0)
         for n_tile in range(len(scores)):
             for half in range(2):
-                p = exp2(scores[n_tile][2 * r + half] * lam_scaled - p_bias)
+                on_fma = poly_every and (2 * n_tile + half) % poly_every == poly_every - 1
+                p = (exp2_poly if on_fma else exp2)(scores[n_tile][2 * r + half] * lam_scaled - p_bias)
                 probs[n_tile][2 * r + half] = p
                 row_sum = row_sum + p
         alpha = exp2(m_rows[r] * lam_scaled - m_lam)

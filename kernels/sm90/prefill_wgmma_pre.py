@@ -284,6 +284,7 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
     setmaxnreg 240 for the consumers, 24 for the producer."""
 
     producer_regs, consumer_regs = OVERLAP_REGS
+    poly_exp_every = 0  # v7e: every n-th P of a pair step on the FMA pipe (`ptx.exp2_poly`)
     _NEXT_ALPHA = PrefillSm90WgmmaPreBulk.state_size  # the state's slots for the pending P's alphas
     state_size = PrefillSm90WgmmaPreBulk.state_size + 2
 
@@ -343,7 +344,8 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
             state[self._TILE_SCALE] = tile_scale1
             scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())
             lane_max = [tile_math.fmax(m, m1) for m, m1 in zip(lane_max, tile_math.lane_row_maxima(scores1))]
-            probs, alphas = softmax_update(scores + scores1, state, lam, self.p_scale_log2, lane_max)
+            probs, alphas = softmax_update(scores + scores1, state, lam, self.p_scale_log2, lane_max,
+                                           self.poly_exp_every)
             warpgroup.wait_group(0)  # step j - 1's PV: its P registers and V^T stages are free
             self._release_pending(pending, bars)
             self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
@@ -373,3 +375,14 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
             _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, extra=((second[1], frag_vt1),))
             fold_pv(acc_o, acc_pv, [state[self._NEXT_ALPHA + r] for r in range(2)])
             self._release_pending(pending, bars)
+
+
+class PrefillSm90WgmmaPreOverlapPolyExp(PrefillSm90WgmmaPreOverlap):
+    """v7e: v7d with every 4th P of a pair step computed on the FMA pipe (`ptx.exp2_poly`: 8 ALU / FMA instructions,
+    relative error <= 7.5e-5) instead of the SFU (FA4's split). Each consumer warp's 64 exponentials per step take
+    64 x 8 cycles of its scheduler's SFU (16 lanes per cycle and SM), ~20% of v7c's step, and both consumer warps of
+    a scheduler compete for it; here 48 go to the SFU (-128 cycles of it per warp and step) for +112 FMA-pipe
+    instructions. Not v7's bits: a P whose exponential lands on the other side of an e4m3 rounding boundary (~0.1%
+    of the polynomial's quarter) moves by one e4m3 step, in l (the row sums on the PV wgmma) as in O."""
+
+    poly_exp_every = 4

@@ -181,11 +181,13 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
         assert sum(op.startswith("HMUL2") for op in body) == chunks * (16 + 2) + (0 if kernel in LUT_K else chunks * 16)
 
 
-def _check_wide(body: list[str], compensate: bool, whole: bool, row_sums_on_mma: bool, pv_waits: int = 1) -> None:
+def _check_wide(body: list[str], compensate: bool, whole: bool, row_sums_on_mma: bool, pv_waits: int = 1,
+                poly_exps: int = 0) -> None:
     """v6l's consumer loop: one 128-key step (`prefill_wgmma_ws.PrefillSm90WgmmaWsWideTile`). In the whole tiles'
     loop both stages' QK are in flight together; in the masked loop ptxas may wait for the first before setting the
     second's accumulator to its mask (seen in the non-causal build, whose masked loop runs once per CTA at most).
-    ``pv_waits``: full waits for the PV wgmma per step (v7d's one wait covers the second QK's too: 0)."""
+    ``pv_waits``: full waits for the PV wgmma per step (v7d's one wait covers the second QK's too: 0);
+    ``poly_exps``: P values per thread and step on the FMA pipe instead of MUFU.EX2 (v7e: 16, 3 FADD each)."""
     qk = [op for op in body if re.match(r"QGMMA.64x64x32.F32.E4M3.E4M3 R\d+, gdesc", op)]
     pv_n = 136 if row_sums_on_mma else 128
     pv = [op for op in body if re.match(rf"QGMMA.64x{pv_n}x32.F32.E4M3.E4M3 R\d+, R\d+, gdesc", op)]
@@ -205,8 +207,8 @@ def _check_wide(body: list[str], compensate: bool, whole: bool, row_sums_on_mma:
     assert sum("F2FP.SATFINITE.E4M3.F32" in op for op in body) == 32  # P of 128 keys
     # the scores' scale (and Delta_S), the exponent, the fold O = O alpha + P V
     assert sum(op.startswith("FFMA") for op in body) >= (2 if compensate else 1) * 64 + 64
-    assert sum(op.startswith("MUFU.EX2") for op in body) == 64 + 2  # P, and one alpha per row
-    row_sum_adds = sum(op.startswith("FADD") for op in body)  # the row sums' 64, or none but 2 (alpha's argument)
+    assert sum(op.startswith("MUFU.EX2") for op in body) == 64 - poly_exps + 2  # P, and one alpha per row
+    row_sum_adds = sum(op.startswith("FADD") for op in body) - 3 * poly_exps  # the row sums' 64, or 2 (alpha's)
     assert row_sum_adds == 2 if row_sums_on_mma else row_sum_adds >= 64
     loads = [op for op in body if op.startswith("LDS")]  # Delta_S (FP32, 4 keys a load), the 2 tiles' K exponents
     assert len(loads) == (8 if compensate else 0) + 2

@@ -266,3 +266,35 @@ def test_v7b_v7c_v7d_are_v7(gen, kernel, num_q_heads, q_lens, kv_lens, page_size
     assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
     v7 = v1_tests._run(problem, causal, kernel="v7")
     assert torch.equal(out, v7), f"{kernel} differs from v7 (max |diff| {v3_tests._max_diff(out, v7)})"
+
+
+# v7e from v7: a quarter of P by `exp2_poly` (relative error <= 7.5e-5) moves ~1e-4 of the e4m3 P by one step
+# (test_exp2_poly.py); on causal rows of 3,000 keys with random scores (a CPU simulation of the e4m3 P and O) that
+# moved O by 4-6e-4 rms and 0.1-0.2% of max |O|: 5x those
+POLY_EXP_FROM_V7 = (3e-3, 0.01)
+POLY_EXP_FROM_EXACT = 1.05  # its error against float64, at most this times the oracle's (1.01 for the others)
+
+
+@pytest.mark.parametrize("num_q_heads,q_lens,kv_lens,page_size,causal",
+                         [(32, *LONG_CAUSAL_BATCH), *v3_tests.SHAPES],
+                         ids=["32:8-long-causal-batch", *v3_tests.SHAPE_IDS])
+def test_v7e_matches_the_oracle_and_v7_closely(gen, num_q_heads, q_lens, kv_lens, page_size, causal):
+    """v7e (v7d with every 4th P on the FMA pipe): within POLY_EXP_FROM_V7 of v7 and, but for the long batch (its
+    float64 oracle is slow), within v7's oracle bounds."""
+    from mpfa.kernels.sm90.prefill_launch import prefill_numerics, softmax_keys
+
+    problem = v1_tests._problem(gen, q_lens, kv_lens, num_q_heads, 8, page_size)
+    out = v1_tests._run(problem, causal, kernel="v7e")
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    v7 = v1_tests._run(problem, causal, kernel="v7")
+    rms, max_fraction = POLY_EXP_FROM_V7
+    assert v1_tests._rms_ratio(out, v7) <= rms, f"{v1_tests._rms_ratio(out, v7):.3g} rms from v7"
+    assert v3_tests._max_diff(out, v7) <= max_fraction * float(v7.abs().max())
+    if q_lens == LONG_CAUSAL_BATCH[0]:
+        return
+    expected = v4_tests._oracle(problem, causal, prefill_numerics("v7e"), block_n=softmax_keys("v7e"))
+    _, exact = v1_tests._expected(problem, causal)
+    slack_rms, slack_max = ORACLE_SLACK["v6n"]
+    assert v1_tests._rms_ratio(out, expected) <= RMS + slack_rms
+    assert v3_tests._max_diff(out, expected) <= (MAX + slack_max) * float(expected.abs().max())
+    assert v1_tests._rms_ratio(out, exact) <= POLY_EXP_FROM_EXACT * v1_tests._rms_ratio(expected, exact)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import numpy as np
 import pytest
 from siblings import load
 
@@ -19,6 +20,7 @@ pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip inst
 
 from mpfa.kernels.sm90.prefill_launch import PRE_KERNELS, compile_prefill_kernel, prefill_numerics  # noqa: E402
 from mpfa.kernels.sm90 import prefill_wgmma_pre as pre  # noqa: E402
+from mpfa.kernels.sm90.ptx import EXP2_POLY  # noqa: E402
 from mpfa.kernels.sm90.sass import instructions, loops_issuing, mma_loops  # noqa: E402
 
 v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
@@ -26,12 +28,13 @@ CONFIG = (8, 4, 128, True, "BFloat16")
 
 
 @pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b"),
-                                        (5, True, "v7c"), (4, True, "v7d"), (5, False, "v7d")],
-                ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8", "v7d-32:8", "v7d-40:8-direct"])
+                                        (5, True, "v7c"), (4, True, "v7d"), (5, False, "v7d"), (4, True, "v7e")],
+                ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8", "v7d-32:8", "v7d-40:8-direct", "v7e-32:8"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
     """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), the
     direct build (no Delta_S copied, staged or read), v7b's (v7 with the fold deferred), v7c's (v7b with bulk
-    copies) and v7d's (v7c with each step's PV under the next step's softmax)."""
+    copies), v7d's (v7c with each step's PV under the next step's softmax) and v7e's (v7d with a quarter of P on
+    the FMA pipe)."""
     group, compensate, kernel = request.param
     config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
@@ -68,18 +71,24 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
     kernel = v7_cubins["kernel"]
     usage = cuobjdump("--dump-resource-usage", str(v7_cubins["attention"]))
     assert re.search(r"REG:168\b", usage) and re.search(r"LOCAL:0\b", usage), usage
+    overlap = kernel in ("v7d", "v7e")
     # v7d at 32:8: four values live across the walk spilled once before it, reloaded after it (none in the loops)
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= (24 if kernel == "v7d" else 16)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= (24 if overlap else 16)
     sass = cuobjdump("--dump-sass", str(v7_cubins["attention"]))
-    producer_regs, consumer_regs = pre.OVERLAP_REGS if kernel == "v7d" else (56, 224)
+    producer_regs, consumer_regs = pre.OVERLAP_REGS if overlap else (56, 224)
     assert f"USETMAXREG.DEALLOC.CTAPOOL 0x{producer_regs:x}" in sass
     assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x{consumer_regs:x}" in sass
     consumer_loops = mma_loops(sass)
     assert len(consumer_loops) == 2, [len(body) for body in consumer_loops]
     for whole, body in enumerate(consumer_loops):
         assert not any(op.startswith(("STL", "LDL")) for op in body)
-        v6_tests._check_wide(body, v7_cubins["compensate"], bool(whole), True, pv_waits=int(kernel != "v7d"))
-    if kernel in ("v7c", "v7d"):
+        poly_exps = 64 // pre.PrefillSm90WgmmaPreOverlapPolyExp.poly_exp_every if kernel == "v7e" else 0
+        v6_tests._check_wide(body, v7_cubins["compensate"], bool(whole), True, pv_waits=int(not overlap),
+                             poly_exps=poly_exps)
+        c2 = f"{float(np.float32(EXP2_POLY[2])):.20f}"  # as the SASS prints an FP32 immediate
+        cubic = [op for op in body if op.startswith("FFMA") and op.endswith(c2)]
+        assert len(cubic) == poly_exps  # the cubic's first FFMA, c3 f + c2, once per P on the FMA pipe
+    if kernel in ("v7c", "v7d", "v7e"):
         _check_bulk_producer(sass)
         (_check_deferred_fold if kernel == "v7c" else _check_overlap)(consumer_loops[1])
         return
