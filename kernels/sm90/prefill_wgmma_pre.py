@@ -276,12 +276,12 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
     (~4 k-steps of m64n136k32 per tile pair). Here step j issues its QK wgmmas, folds step j - 2's PV into O (v7b's
     deferred fold), issues step j - 1's PV (P from registers, V^T from j - 1's stages, still held), then waits for
     its QKs (``wait_group`` 2, 1), runs its softmax while that PV runs, waits for it (``wait_group`` 0), releases
-    j - 1's stages and packs its own P. No wgmma is in flight across the loop's back edge. The consumers hold one
-    step's stages more than v7c (2 of 8 ahead of the producer's 4). Before the first pair step the pending P is
-    zeros and its alphas 1, so that step's PV (on its own stages' V^T) and the next fold add exact zeros: the same
-    folds on the same values as v7's, so **v7's output bit for bit**. An odd walk's first step is v7b's (its PV
-    waited in the step). Registers: S, the P being multiplied, the PV accumulator and O live at once (~235):
-    setmaxnreg 240 for the consumers, 24 for the producer."""
+    j - 1's stages and packs its own P. No wgmma is in flight across the loop's back edge. The consumers hold each
+    pair's two stages one pair longer than v7c (up to 4 of the 8 stages, 4 left for the copies ahead). Before the
+    first pair step the pending P is zeros and its alphas 1, so that step's PV (on its own stages' V^T) and the next
+    fold add exact zeros: the same folds on the same values as v7's, so **v7's output bit for bit**. An odd walk's
+    first step is v7b's (its PV waited in the step). Registers: S, the P being multiplied, the PV accumulator and O
+    live at once (~235): setmaxnreg 240 for the consumers, 24 for the producer."""
 
     producer_regs, consumer_regs = OVERLAP_REGS
     poly_exp_every = 0  # v7e: every n-th P of a pair step on the FMA pipe (`ptx.exp2_poly`)
