@@ -91,7 +91,7 @@ PRE_KERNELS = {  # v6n's consumers on operand images expanded once per prefill (
     "v7b": "PrefillSm90WgmmaPreDeferredFold",  # v7 with each step's fold under the next step's QK (v7's output)
     "v7c": "PrefillSm90WgmmaPreBulk",  # v7b with each image one bulk copy, up to 8 in flight (v7b's output)
     "v7d": "PrefillSm90WgmmaPreOverlap",  # v7c with each step's PV under the next step's softmax (v7's output)
-    "v7e": "PrefillSm90WgmmaPreOverlapPolyExp",  # v7d with every 4th P on the FMA pipe (v7's up to rare e4m3 ties)
+    "v7e": "PrefillSm90WgmmaPreOverlapPolyExp",  # v7d with every 4th P on the FMA pipe (~4e-4 of those P move)
 }
 DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
 # the wgmma kernel's variants: warpgroups per CTA computing rows (v6*, v7: its consumers; the CTA has one producer

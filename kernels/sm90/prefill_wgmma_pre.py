@@ -301,12 +301,12 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
         for r in cutlass.range_constexpr(2):
             state[self._NEXT_ALPHA + r] = Float32(1.0)
             pending[r] = Int32(-1)
-        self._zero_p(pipe)
+        self._zero_p((pipe[1][5], pipe[2][1]))
 
     @cute.jit
-    def _zero_p(self, pipe: tuple) -> None:
-        """Both tiles' P registers (the pending PV's A operand) to e4m3 zeros."""
-        for frag in (pipe[1][5], pipe[2][1]):
+    def _zero_p(self, frags: tuple) -> None:
+        """P registers (the pending PV's A operand) to e4m3 zeros."""
+        for frag in frags:
             words = cute.recast_tensor(frag, Uint32)
             for i in cutlass.range_constexpr(cute.size(words)):
                 words[i] = Uint32(0)
@@ -317,7 +317,7 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
         the class docstring's order."""
         if cutlass.const_expr(single):
             PrefillSm90WgmmaWsWideTile._wide_step(self, masked, step, cta_tiles, pipe, single=True)
-            self._zero_p(pipe)
+            self._zero_p((pipe[1][5],))  # its P (the second tile's was never written)
         else:
             ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars, pending = pipe
             mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
@@ -378,11 +378,11 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
 
 
 class PrefillSm90WgmmaPreOverlapPolyExp(PrefillSm90WgmmaPreOverlap):
-    """v7e: v7d with every 4th P of a pair step computed on the FMA pipe (`ptx.exp2_poly`: 8 ALU / FMA instructions,
+    """v7e: v7d with every 4th P of a pair step computed on the FMA pipe (`ptx.exp2_poly`: 9 ALU / FMA instructions,
     relative error <= 7.5e-5) instead of the SFU (FA4's split). Each consumer warp's 64 exponentials per step take
     64 x 8 cycles of its scheduler's SFU (16 lanes per cycle and SM), ~20% of v7c's step, and both consumer warps of
-    a scheduler compete for it; here 48 go to the SFU (-128 cycles of it per warp and step) for +112 FMA-pipe
-    instructions. Not v7's bits: a P whose exponential lands on the other side of an e4m3 rounding boundary (~0.1%
+    a scheduler compete for it; here 48 go to the SFU (-128 cycles of it per warp and step) for +128 FMA-pipe
+    instructions. Not v7's bits: a P whose exponential lands on the other side of an e4m3 rounding boundary (~3-5e-4
     of the polynomial's quarter) moves by one e4m3 step, in l (the row sums on the PV wgmma) as in O."""
 
     poly_exp_every = 4

@@ -272,16 +272,19 @@ def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
     """2**x on the FMA pipe instead of the SFU (FA4's trick, for a share of the softmax's exponentials): x clamped
     at `EXP2_POLY_FLOOR`, split into n = round(x) (by adding 1.5 2**23, which leaves n in the low mantissa bits) and
     f = x - n in [-1/2, 1/2], 2**f by the cubic `EXP2_POLY` (relative error <= 7.5e-5, its minimax fit: far below
-    the e4m3 P's 2**-4 rounding), n added to its exponent field. 8 ALU / FMA instructions; a NaN x gives 2**-126."""
+    the e4m3 P's 2**-4 rounding), times 2**n built in the exponent field (exact). 9 ALU / FMA instructions. A NaN x
+    stays NaN (``max.NaN``, then NaN times the scale), as with ``ex2.approx``; adding n to the result's bits instead
+    of multiplying would turn the hardware's NaN 0x7fffffff into a finite value."""
     c0, c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
     shifter = _f32_hex(1.5 * 2.0 ** 23)
-    text = ("{\n .reg .f32 x, t, n, f, p;\n .reg .b32 nb, pb;\n"
-            f" max.f32 x, $1, {_f32_hex(EXP2_POLY_FLOOR)};\n"
+    text = ("{\n .reg .f32 x, t, n, f, p, s;\n .reg .b32 nb;\n"
+            f" max.NaN.f32 x, $1, {_f32_hex(EXP2_POLY_FLOOR)};\n"
             f" add.rn.f32 t, x, {shifter};\n sub.rn.f32 n, t, {shifter};\n sub.rn.f32 f, x, n;\n"
             f" fma.rn.f32 p, f, {c3}, {c2};\n fma.rn.f32 p, p, f, {c1};\n fma.rn.f32 p, p, f, {c0};\n"
-            " mov.b32 nb, t;\n mov.b32 pb, p;\n shl.b32 nb, nb, 23;\n add.s32 $0, pb, nb;\n}")
-    value, struct = _asm([T.i32()], [_f32(x, loc, ip)], text, "=r,f")
-    return bits_to_f32(_unpack(value, struct, 1, T.i32(), Uint32), loc=loc, ip=ip)
+            " mov.b32 nb, t;\n shl.b32 nb, nb, 23;\n add.s32 nb, nb, 0x3f800000;\n mov.b32 s, nb;\n"
+            " mul.rn.f32 $0, p, s;\n}")
+    value, struct = _asm([T.f32()], [_f32(x, loc, ip)], text, "=f,f")
+    return _unpack(value, struct, 1, T.f32(), Float32)
 
 
 @dsl_user_op
