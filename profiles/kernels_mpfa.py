@@ -16,8 +16,8 @@ FP8 too (`prefill_wgmma_fp8pv`, the same numerics), ``mpfa-v6`` v5w8 warp-specia
 producer warpgroup, two consumers; v5w8's output), ``mpfa-v6a`` .. ``mpfa-v6n`` v6's variants
 (`prefill_launch.WS_KERNELS`), ``mpfa-v7`` v6n on operand images expanded once per prefill (`prefill_wgmma_pre`,
 timed with that pass), ``mpfa-v7b`` v7 with each step's PV fold under the next step's QK, ``mpfa-v7c`` v7b with
-each operand image one bulk copy, ``mpfa-v7d`` v7c with each step's PV under the next step's softmax, ``mpfa-v7e`` v7d with every 4th
-exponential on the FMA pipe. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` / ``mpfa-dv4w14`` pin decode v1 (no
+each operand image one bulk copy, ``mpfa-v7d`` v7c with each step's PV under the next step's softmax, ``mpfa-v7e``
+v7d with every 4th exponential on the FMA pipe. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` / ``mpfa-dv4w14`` pin decode v1 (no
 ring), v3 (3-stage ring), v4 (v2 with fewer instructions per tile, `decode_lean`) or v4 partitioned for 14 warps per
 SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2 by default). ``mpfa-direct`` runs the direct builds
 (``compensate=False``: no Delta_S read, inputs quantized uncentered): mpfa vs mpfa-direct is the compensation's

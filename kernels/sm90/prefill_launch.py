@@ -21,10 +21,11 @@ prediction; profiles/NOTES.md "Session 22 sitting"), else v2 (v1 for an odd numb
 as aligned 4-byte words).
 ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7|v7b|v7c|v7d|v7e`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
-(`prefill_wgmma_dscol`; v3w8c the default until session 22, the paper's numerics) are v3 / v3w8 with Delta_S as an extra K column of QK on the tensor cores
-instead of the accumulator's initial value: v3's numerics up to the FP32 summation order. v4 / v4w8
-(`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K requantized to e4m3 with
-power-of-two scales (per query row, per 64-key tile): other numerics, the reference's ``mpfa-qk8tile``. v5 / v5w8
+(`prefill_wgmma_dscol`; v3w8c the default until session 22, the paper's numerics) are v3 / v3w8 with Delta_S as an
+extra K column of QK on the tensor cores instead of the accumulator's initial value: v3's numerics up to the FP32
+summation order. v4 / v4w8 (`prefill_wgmma_fp8qk`, opt-in only) are v3 / v3w8 with QK^T on FP8 wgmma from Q and K
+requantized to e4m3 with power-of-two scales (per query row, per 64-key tile): other numerics, the reference's
+``mpfa-qk8tile``. v5 / v5w8
 (`prefill_wgmma_fp8pv`, opt-in only) are v4 / v4w8 with PV on FP8 wgmma too (V transposed to e4m3 V^T in shared memory,
 P e4m3 in registers, each tile's P V added to O in FP32): the same reference variant. v6 (`prefill_wgmma_ws`, opt-in
 only) is v5w8 warp-specialized (a producer warpgroup copies, expands K and transposes V into double-buffered operand

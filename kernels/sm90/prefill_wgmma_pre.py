@@ -29,7 +29,6 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, _gemm,
                                              softmax_update)
 from mpfa.kernels.sm90.prefill_wgmma_ws import (ROW_SUM_COLUMNS, ROW_SUM_UNITS, PrefillSm90WgmmaWsWideTile,
@@ -319,33 +318,20 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
             PrefillSm90WgmmaWsWideTile._wide_step(self, masked, step, cta_tiles, pipe, single=True)
             self._zero_p((pipe[1][5],))  # its P (the second tile's was never written)
         else:
-            ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars, pending = pipe
-            mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
+            fixed, second, acc_pv, state, lam, smem_ptr, bars, pending = (pipe[1], pipe[2], pipe[3], pipe[4], pipe[5],
+                                                                          pipe[9], pipe[10], pipe[11])
+            mma_pv, thr_pv, frag_p, acc_s, acc_o = fixed[1], fixed[3], fixed[5], fixed[6], fixed[7]
             acc_s1, frag_p1 = second
-            s0, tile0, _ = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
-            self._qk_issue(masked, tile0 * TILE_KEYS, (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s0)),
-                                                       acc_s, acc_o), limits, c)
-            tile_scale0 = state[self._TILE_SCALE]
-            s1, tile1, _ = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
-            self._qk_issue(masked, tile1 * TILE_KEYS, (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s1)),
-                                                       acc_s1, acc_o), limits, c)
-            tile_scale1 = state[self._TILE_SCALE]
+            s0, tile_scale0 = self._issue_qk(masked, step, cta_tiles, pipe, acc_s)
+            s1, tile_scale1 = self._issue_qk(masked, step + 1, cta_tiles, pipe, acc_s1)
             self._fold_pending(acc_o, acc_pv, state)  # step j - 2's PV, under the QKs
             v0 = cutlass.select_(pending[0] >= 0, pending[0], s0)  # none pending: P is 0, any held V^T will do
             v1 = cutlass.select_(pending[1] >= 0, pending[1], v0)
             (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, v0)
             (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, v1)
             _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False, extra=((frag_p1, frag_vt1),))
-            warpgroup.wait_group(2)  # the first tile's QK
-            state[self._TILE_SCALE] = tile_scale0
-            scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
-            lane_max = tile_math.lane_row_maxima(scores)
-            warpgroup.wait_group(1)  # the second's
-            state[self._TILE_SCALE] = tile_scale1
-            scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())
-            lane_max = [tile_math.fmax(m, m1) for m, m1 in zip(lane_max, tile_math.lane_row_maxima(scores1))]
-            probs, alphas = softmax_update(scores + scores1, state, lam, self.p_scale_log2, lane_max,
-                                           self.poly_exp_every)
+            scores, lane_max = self._pair_scores(s0, s1, (tile_scale0, tile_scale1), pipe, 1)  # under that PV
+            probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2, lane_max, self.poly_exp_every)
             warpgroup.wait_group(0)  # step j - 1's PV: its P registers and V^T stages are free
             self._release_pending(pending, bars)
             self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
@@ -366,13 +352,14 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
     @cute.jit
     def _walk_end(self, pipe: tuple) -> None:
         """The second-to-last step's fold, then (a pair step ran) the last step's PV, waited for, and its fold."""
-        ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars, pending = pipe
+        fixed, frag_p1, acc_pv, state, smem_ptr, bars, pending = (pipe[1], pipe[2][1], pipe[3], pipe[4], pipe[9],
+                                                                   pipe[10], pipe[11])
         mma_pv, thr_pv, frag_p, acc_o = fixed[1], fixed[3], fixed[5], fixed[7]
         self._fold_pending(acc_o, acc_pv, state)
         if pending[0] >= 0:
             (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, pending[0])
             (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, pending[1])
-            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, extra=((second[1], frag_vt1),))
+            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, extra=((frag_p1, frag_vt1),))
             fold_pv(acc_o, acc_pv, [state[self._NEXT_ALPHA + r] for r in range(2)])
             self._release_pending(pending, bars)
 

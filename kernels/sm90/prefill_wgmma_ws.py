@@ -873,9 +873,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe[:11]
         mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
         acc_s1, frag_p1 = second
-        s0, tile0, _ = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
-        mmas0 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s0)), acc_s, acc_o)
-        self._qk_issue(masked, tile0 * TILE_KEYS, mmas0, limits, c)
+        s0, tile_scale0 = self._issue_qk(masked, step, cta_tiles, pipe, acc_s)
         lane_max = None
         if cutlass.const_expr(single):
             if cutlass.const_expr(self.deferred_fold):  # the previous step's fold, under this QK
@@ -883,22 +881,10 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             warpgroup.wait_group(0)
             scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
         else:
-            tile_scale0 = state[self._TILE_SCALE]
-            s1, tile1, _ = self._await_step(step + 1, cta_tiles, ring, state, smem_ptr, bars)
-            mmas1 = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s1)), acc_s1, acc_o)
-            self._qk_issue(masked, tile1 * TILE_KEYS, mmas1, limits, c)
+            s1, tile_scale1 = self._issue_qk(masked, step + 1, cta_tiles, pipe, acc_s1)
             if cutlass.const_expr(self.deferred_fold):  # the previous step's fold, under both QKs (placed after
                 self._fold_pending(acc_o, acc_pv, state)  # the first, ptxas put it between its k-steps)
-            tile_scale1 = state[self._TILE_SCALE]
-            warpgroup.wait_group(1)  # the first tile's scores and lane maxima while the second tile's QK runs
-            state[self._TILE_SCALE] = tile_scale0
-            scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
-            lane_max = tile_math.lane_row_maxima(scores)
-            warpgroup.wait_group(0)
-            state[self._TILE_SCALE] = tile_scale1
-            scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())
-            lane_max = [tile_math.fmax(m, m1) for m, m1 in zip(lane_max, tile_math.lane_row_maxima(scores1))]
-            scores = scores + scores1
+            scores, lane_max = self._pair_scores(s0, s1, (tile_scale0, tile_scale1), pipe, 0)
         probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2, lane_max)
         self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
         (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, s0)
@@ -917,6 +903,30 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         cute.arch.mbarrier_arrive(bars + self.operand_stages + s0)  # empty[s0] (and empty[s1]): one of 256 arrivals
         if cutlass.const_expr(not single):
             cute.arch.mbarrier_arrive(bars + self.operand_stages + s1)
+
+
+    def _issue_qk(self, masked: bool, step, cta_tiles, pipe: tuple, acc_s: cute.Tensor) -> tuple:
+        """Wait for walk step ``step``'s stage and issue its QK wgmma into ``acc_s`` -> (its stage, its tile scale)."""
+        ring, fixed, state, limits, c, smem_ptr, bars = pipe[0], pipe[1], pipe[4], pipe[7], pipe[8], pipe[9], pipe[10]
+        mma_qk, mma_pv, thr_qk, frag_q, acc_o = fixed[0], fixed[1], fixed[2], fixed[4], fixed[7]
+        s, tile, _ = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
+        mmas = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s)), acc_s, acc_o)
+        self._qk_issue(masked, tile * TILE_KEYS, mmas, limits, c)
+        return s, state[self._TILE_SCALE]
+
+    def _pair_scores(self, s0, s1, tile_scales: tuple, pipe: tuple, later_groups: int) -> tuple:
+        """A pair's scores and lane maxima: the first tile's while the second tile's QK runs (``later_groups``
+        wgmma groups committed after the two QKs may still run) -> (both tiles' scores, lane maxima)."""
+        acc_s, acc_s1, state, ds_lane, smem_ptr = pipe[1][6], pipe[2][0], pipe[4], pipe[6], pipe[9]
+        warpgroup.wait_group(1 + later_groups)  # the first tile's QK
+        state[self._TILE_SCALE] = tile_scales[0]
+        scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
+        lane_max = tile_math.lane_row_maxima(scores)
+        warpgroup.wait_group(later_groups)  # the second's
+        state[self._TILE_SCALE] = tile_scales[1]
+        scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())
+        lane_max = [tile_math.fmax(m, m1) for m, m1 in zip(lane_max, tile_math.lane_row_maxima(scores1))]
+        return scores + scores1, lane_max
 
 
 WIDE_TWO_PRODUCERS_REGS = (40, 216)  # v6m's setmaxnreg: 2 x 40 + 2 x 216 = 512 = 4 warpgroups x 128 (.reqntid 512)
