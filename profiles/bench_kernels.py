@@ -5,6 +5,8 @@
     python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa-v1,mpfa-v2,mpfa-v2w8,flashinfer-fp8
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,64k --heads 32:8 --backend mpfa-v2,mpfa-v3,fa4-bf16   # v3: wgmma, 32:8
     python -m mpfa.profiles.bench_kernels decode --backend mpfa,mpfa-dv3,flashinfer-fp8   # decode v2 vs v3 (3 stages)
+    python -m mpfa.profiles.bench_kernels decode --seq 32k --batch 1 --heads 40:8 --backend mpfa,mpfa-dw6,mpfa-dw3
+        # the default partitions (12 warps per SM at batch 1) vs 1/2 and 1/4 as many
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the
@@ -43,8 +45,9 @@ def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float
     w = workload
     tokens = w.batch * w.seq
     adapter = adapter_for(backend)
-    if adapter.tensor_format is MPFA:  # mpfa-v<n> pin the prefill kernel, mpfa-dv<n> the decode kernel
-        size = choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms, adapter.decode_kernel)
+    if adapter.tensor_format is MPFA:  # mpfa-v<n> pin the prefill kernel, mpfa-dv<n> the decode kernel, mpfa-dw<n>
+        # the warps per SM its partitions aim at
+        size = choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms, adapter.decode_kernel, adapter.decode_warps)
         partitions = -(-w.seq // size)
         partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
         return w.bytes_needed(MPFA) + tokens // 128 * _INDEX_BYTES + partial_bytes

@@ -17,9 +17,12 @@ producer warpgroup, two consumers; v5w8's output), ``mpfa-v6a`` .. ``mpfa-v6n`` 
 (`prefill_launch.WS_KERNELS`), ``mpfa-v7`` v6n on operand images expanded once per prefill (`prefill_wgmma_pre`,
 timed with that pass), ``mpfa-v7b`` v7 with each step's PV fold under the next step's QK, ``mpfa-v7c`` v7b with
 each operand image one bulk copy, ``mpfa-v7d`` v7c with each step's PV under the next step's softmax, ``mpfa-v7e``
-v7d with every 4th exponential on the FMA pipe. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` / ``mpfa-dv4w14`` pin decode v1 (no
+v7d with every 4th exponential on the FMA pipe, ``mpfa-v7f`` v7d with the consumers taking turns at their wgmmas
+(FA3's ping-pong). ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` / ``mpfa-dv4w14`` pin decode v1 (no
 ring), v3 (3-stage ring), v4 (v2 with fewer instructions per tile, `decode_lean`) or v4 partitioned for 14 warps per
-SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2 by default). ``mpfa-direct`` runs the direct builds
+SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2 by default); ``mpfa-dw<n>`` / ``mpfa-dv4w<n>`` run that
+kernel / v4 with its partitions aimed at n warps per SM (`decode_launch.partition_warps`: fewer, longer partitions;
+the same compiled kernels). ``mpfa-direct`` runs the direct builds
 (``compensate=False``: no Delta_S read, inputs quantized uncentered): mpfa vs mpfa-direct is the compensation's
 cost.
 """
@@ -73,20 +76,22 @@ class MpfaAdapter:
     kernel_regex = "SplitKVDecode|PrefillSm90"
 
     def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
-                 compensate: bool = True):
+                 compensate: bool = True, decode_warps: int | None = None):
         """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or
-        "v6a" .. "v6n", "v7" .. "v7e" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` ..
-        ``mpfa-v7e``);
+        "v6a" .. "v6n", "v7" .. "v7f" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` ..
+        ``mpfa-v7f``);
         ``decode_kernel``: "v1", "v2", "v3", "v4" or "v4w14" the decode version (``mpfa-dv1`` ...); None follows
         ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct builds (backend
-        ``mpfa-direct``)."""
+        ``mpfa-direct``). ``decode_warps``: the warps per SM the decode partitions aim at (backend
+        ``mpfa-d<kernel>w<n>``, ``mpfa-dw<n>`` with the default kernel); None: `decode_launch.partition_warps`'s."""
         self.prefill_kernel = prefill_kernel
         self.decode_kernel = decode_kernel
+        self.decode_warps = decode_warps
         self.compensate = compensate
         if prefill_kernel is not None:
             self.name = f"mpfa-{prefill_kernel}"
-        elif decode_kernel is not None:
-            self.name = f"mpfa-d{decode_kernel}"
+        elif decode_kernel is not None or decode_warps is not None:
+            self.name = f"mpfa-d{decode_kernel or ''}" + ("" if decode_warps is None else f"w{decode_warps}")
         elif not compensate:
             self.name = "mpfa-direct"
 
@@ -108,7 +113,8 @@ class MpfaAdapter:
             means = SmoothingMeans(torch.zeros_like(means.q_mean), torch.zeros_like(means.k_mean))
         if w.kind == "prefill":
             return _prepare_prefill(w, num_sets, device, generator, means, self.prefill_kernel, self.compensate)
-        return _prepare_decode(w, num_sets, device, generator, means, self.decode_kernel, self.compensate)
+        return _prepare_decode(w, num_sets, device, generator, means, self.decode_kernel, self.compensate,
+                               self.decode_warps)
 
 
 def _fill(w: AttentionWorkload, cache, slots_of_token, means, device, generator, keep_query) -> None:
@@ -132,11 +138,11 @@ def _dense_inputs(i: int):
 
 
 def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means, kernel: str | None = None,
-                    compensate: bool = True) -> PreparedKernel:
+                    compensate: bool = True, warps_per_sm: int | None = None) -> PreparedKernel:
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, decode_kernel, mpfa_decode
+    from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, decode_kernel, mpfa_decode, partition_warps
 
     page_table, slots_of_token, num_pages = paged_layout(w, device)
 
@@ -156,7 +162,9 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
     sets = [make_set() for _ in range(num_sets)]
     seq_lens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
     kernel = decode_kernel(kernel)
-    workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device, kernel=kernel)
+    warps = partition_warps(kernel, warps_per_sm)
+    workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device, kernel=kernel,
+                                         warps_per_sm=warps)
     outputs = [torch.empty((w.batch, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
                for _ in range(num_sets)]
 
@@ -168,7 +176,8 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
     build = "" if compensate else ", direct build"
     return PreparedKernel(run, _dense_inputs, num_sets,
                           f"Triton KV write + CuTe split-KV decode {kernel}{build} ({workspace.num_partitions} "
-                          f"partitions of {workspace.partition_size} keys) + merge, page {PAGE_SIZE}")
+                          f"partitions of {workspace.partition_size} keys, for {warps} warps per SM) + merge, "
+                          f"page {PAGE_SIZE}")
 
 
 def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, means, kernel: str | None = None,

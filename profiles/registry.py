@@ -8,6 +8,10 @@ from mpfa.profiles.kernels_fa4 import Fa4Bf16
 from mpfa.profiles.kernels_flashinfer import FlashInferPaged
 from mpfa.profiles.kernels_mpfa import MpfaAdapter
 
+# mpfa-dw<n> / mpfa-dv4w<n>: the default decode kernel / v4 (a third fewer instructions per tile) with partitions
+# aimed at n warps per SM (12: every slot) -> 2/3, 1/2 and 1/4 as many partitions, each longer
+# (`decode_launch.partition_warps`)
+DECODE_PARTITION_WARPS = (8, 6, 3)
 ADAPTERS: dict[str, KernelAdapter] = {
     adapter.name: adapter
     for adapter in (Fa4Bf16(), FlashInferPaged(kv_fp8=True), FlashInferPaged(kv_fp8=False), MpfaAdapter(),
@@ -21,6 +25,8 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     *(MpfaAdapter(v) for v in PRE_KERNELS),  # v7: v6n on operand images (timed with their pass)
                     MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
                     *(MpfaAdapter(decode_kernel=v) for v in LEAN_KERNELS),  # decode_lean (12 / 14 warps per SM)
+                    *(MpfaAdapter(decode_kernel=kernel, decode_warps=n)
+                      for kernel in (None, "v4") for n in DECODE_PARTITION_WARPS),
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")

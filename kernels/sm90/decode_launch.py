@@ -22,13 +22,18 @@ from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
 HEAD_DIM = 128
 MIN_PARTITION = 128
 MAX_PARTITION = 8192
-# Decode warps per SM to aim for: the split kernels take <= 168 registers, so 12 one-warp CTAs fit an SM
-# (65,536 / (168 x 32)); v2's 15 KB of shared memory per warp keeps 12 too (180 of 227 KB); v3's 22.5 KB (3 stages)
-# leave room for 9; v4 (`decode_lean`) keeps v2's ring and takes 128-154 registers. Every warp is a serial chain,
-# so the grid should fill all slots in one wave (profiles/NOTES.md).
+# Decode warps an SM holds, all of which the partitions aim at by default: the split kernels take <= 168 registers,
+# so 12 one-warp CTAs fit an SM (65,536 / (168 x 32)); v2's 15 KB of shared memory per warp keeps 12 too (180 of
+# 227 KB); v3's 22.5 KB (3 stages) leave room for 9; v4 (`decode_lean`) keeps v2's ring and takes 128-154
+# registers. Every warp is a serial chain, so the grid should fill all slots in one wave (profiles/NOTES.md).
 WARPS_PER_SM_TARGET = 12
 WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9, "v4": WARPS_PER_SM_TARGET,
                 "v4w14": 14}  # v4 sized for 14 warps per SM: pages of >= 32 keys only (128 registers there)
+# Warps per SM the partitions aim at, below a kernel's WARPS_PER_SM: fewer, longer partitions (a warp's fixed costs,
+# prologue, peeled tile and partial store, over more tiles; less merge work; fewer loads in flight). None: the
+# kernel's WARPS_PER_SM. Bench backends mpfa-dw<n> pin n (`profiles.registry`); setting it here adopts n for
+# every decode, the plugin's CUDA-graph buffers included.
+PARTITION_WARPS_PER_SM: int | None = None
 LEAN_KERNELS = ("v4", "v4w14")  # `decode_lean`
 LEAN_MIN_PAGE_W14 = 32
 STAGES = {"v2": 2, "v3": 3}  # cp.async stages of the pipelined split kernel (`decode_pipelined`)
@@ -43,12 +48,24 @@ def decode_kernel(kernel: str | None = None) -> str:
     return kernel_version(KERNEL_ENV, kernel, variants=("v3", "v4", "v4w14"))
 
 
+def partition_warps(kernel: str | None = None, warps_per_sm: int | None = None) -> int:
+    """Warps per SM the partitions aim at: ``warps_per_sm``, else `PARTITION_WARPS_PER_SM`, else every slot of the
+    split kernel ``kernel`` (see `decode_kernel`): 1 to its ``WARPS_PER_SM``."""
+    kernel = decode_kernel(kernel)
+    slots = WARPS_PER_SM[kernel]
+    warps = PARTITION_WARPS_PER_SM if warps_per_sm is None else warps_per_sm
+    warps = slots if warps is None else warps
+    if not 1 <= warps <= slots:
+        raise ValueError(f"decode {kernel} partitions aim at 1 to {slots} warps per SM, got {warps}")
+    return warps
+
+
 def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,
-                          kernel: str | None = None) -> int:
-    """Partition (keys per warp, a multiple of the 32-key tile) giving at most ``WARPS_PER_SM[kernel]`` warps per
-    SM at the longest context (one wave), within [MIN_PARTITION, MAX_PARTITION]: shorter partitions cost more
-    partial-state traffic and merge work, longer ones leave warp slots empty. ``kernel``: see `decode_kernel`."""
-    warps = WARPS_PER_SM[decode_kernel(kernel)]
+                          kernel: str | None = None, warps_per_sm: int | None = None) -> int:
+    """Partition (keys per warp, a multiple of the 32-key tile) giving at most `partition_warps` warps per SM at
+    the longest context (one wave), within [MIN_PARTITION, MAX_PARTITION]: shorter partitions cost more
+    partial-state traffic and merge work, longer ones leave warp slots empty."""
+    warps = partition_warps(kernel, warps_per_sm)
     parts = max(1, warps * num_sms // max(1, batch * num_kv_heads))  # per request
     size = TILE_KEYS * math.ceil(max_seq_len / parts / TILE_KEYS)  # -> at most `parts` partitions
     return min(MAX_PARTITION, max(MIN_PARTITION, size))
@@ -82,14 +99,18 @@ class DecodeWorkspace:
         partition_size: int | None = None,
         min_partition: int | None = None,
         kernel: str | None = None,
+        warps_per_sm: int | None = None,
     ) -> DecodeWorkspace:
-        """``partition_size`` None: `choose_partition_size` for the split kernel ``kernel`` will run."""
+        """``partition_size`` None: `choose_partition_size` for the split kernel ``kernel`` will run, aimed at
+        ``warps_per_sm`` (`partition_warps`)."""
         if batch <= 0 or max_seq_len <= 0:
             raise ValueError(f"need batch > 0 and max_seq_len > 0, got {batch} and {max_seq_len}")
+        if partition_size is not None and warps_per_sm is not None:
+            raise ValueError("give partition_size or warps_per_sm, not both")
         if partition_size is None:
             device = torch.device(device)
             sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 132
-            partition_size = choose_partition_size(batch, num_kv_heads, max_seq_len, sms, kernel)
+            partition_size = choose_partition_size(batch, num_kv_heads, max_seq_len, sms, kernel, warps_per_sm)
         if partition_size <= 0 or partition_size % TILE_KEYS:
             raise ValueError(f"partition_size must be a positive multiple of {TILE_KEYS}, got {partition_size}")
         parts = -(-max_seq_len // partition_size)

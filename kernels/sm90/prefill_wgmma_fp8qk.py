@@ -290,9 +290,11 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
         warpgroup.wait_group(0)
         return self._qk_finish(stage, mmas, state, ds_lane)
 
-    def _qk_issue(self, masked: bool, tile, mmas, limits, c) -> None:
+    def _qk_issue(self, masked: bool, tile, mmas, limits, c, take_turn: bool = True, hand_over: bool = True) -> None:
         """The QK wgmma into a fresh accumulator (masked: onto 0, -inf where masked), issued and committed, not
-        waited for. (Set to 0 by moves, a second accumulator of v6l's step was zeroed by 32 of them per tile.)"""
+        waited for. (Set to 0 by moves, a second accumulator of v6l's step was zeroed by 32 of them per tile.)
+        ``take_turn`` / ``hand_over``: whether the ping-pong turn is taken before it / handed over after it (a step
+        of several wgmmas takes its turn once: v7f)."""
         mma_qk, acc_s = mmas[0], mmas[3]
         t_q, t_k = mmas[2][0], mmas[2][1]
         if cutlass.const_expr(masked):
@@ -301,9 +303,11 @@ class PrefillSm90WgmmaFp8Qk(PrefillSm90Wgmma):
                 init = tile_math.score_init(None, seen, block)  # 0, or -inf where masked
                 for i in range(4):
                     acc_s[4 * block + i] = init[i]
-        self._qk_turn()
+        if take_turn:
+            self._qk_turn()
         _gemm(mma_qk, acc_s, t_q, t_k, fresh=not masked, wait=False)
-        self._qk_issued()
+        if hand_over:
+            self._qk_issued()
 
     def _qk_finish(self, stage, mmas, state: cute.Tensor, ds_lane) -> list:
         """The scores from the QK wgmma's accumulator (waited for by the caller): times the row and tile scales,

@@ -31,9 +31,9 @@ from cutlass.cute.nvgpu import warpgroup
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, _gemm,
                                              softmax_update)
-from mpfa.kernels.sm90.prefill_wgmma_ws import (ROW_SUM_COLUMNS, ROW_SUM_UNITS, PrefillSm90WgmmaWsWideTile,
-                                                PrefillSm90WgmmaWsWideTileMmaSum, ds_staged_read, fold_pv,
-                                                stage_parity)
+from mpfa.kernels.sm90.prefill_wgmma_ws import (ROW_SUM_COLUMNS, ROW_SUM_UNITS, ConsumerPingPong,
+                                                PrefillSm90WgmmaWsWideTile, PrefillSm90WgmmaWsWideTileMmaSum,
+                                                ds_staged_read, fold_pv, stage_parity)
 from mpfa.kernels.sm90.ptx import (bits_to_f32, bulk_copy_g2s, cp_async_16, cp_async_commit, cp_async_wait,
                                    load_shared_u32, load_shared_v4_u32, load_u32, store_v4_u32)
 from mpfa.kernels.sm90.smem_pipeline import store_shared_u32
@@ -322,14 +322,16 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
                                                                           pipe[9], pipe[10], pipe[11])
             mma_pv, thr_pv, frag_p, acc_s, acc_o = fixed[1], fixed[3], fixed[5], fixed[6], fixed[7]
             acc_s1, frag_p1 = second
-            s0, tile_scale0 = self._issue_qk(masked, step, cta_tiles, pipe, acc_s)
-            s1, tile_scale1 = self._issue_qk(masked, step + 1, cta_tiles, pipe, acc_s1)
+            s0, tile_scale0 = self._issue_qk(masked, step, cta_tiles, pipe, acc_s, hand_over=False)
+            s1, tile_scale1 = self._issue_qk(masked, step + 1, cta_tiles, pipe, acc_s1, take_turn=False,
+                                             hand_over=False)
             self._fold_pending(acc_o, acc_pv, state)  # step j - 2's PV, under the QKs
             v0 = cutlass.select_(pending[0] >= 0, pending[0], s0)  # none pending: P is 0, any held V^T will do
             v1 = cutlass.select_(pending[1] >= 0, pending[1], v0)
             (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, v0)
             (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, v1)
             _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False, extra=((frag_p1, frag_vt1),))
+            self._qk_issued()  # (v7f) the step's turn covers its three wgmma groups
             scores, lane_max = self._pair_scores(s0, s1, (tile_scale0, tile_scale1), pipe, 1)  # under that PV
             probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2, lane_max, self.poly_exp_every)
             warpgroup.wait_group(0)  # step j - 1's PV: its P registers and V^T stages are free
@@ -373,3 +375,21 @@ class PrefillSm90WgmmaPreOverlapPolyExp(PrefillSm90WgmmaPreOverlap):
     of the polynomial's quarter) moves by one e4m3 step, in l (the row sums on the PV wgmma) as in O."""
 
     poly_exp_every = 4
+
+
+class PrefillSm90WgmmaPreOverlapPingPong(ConsumerPingPong, PrefillSm90WgmmaPreOverlap):
+    """v7f: v7d with FA3's consumer ping-pong (`ConsumerPingPong`) around each step's wgmma issue, as FA3 combines
+    it with the intra-warpgroup overlap: consumer w takes its turn after its first stage's ``full`` wait, issues both
+    QKs, folds step j - 2's PV and issues step j - 1's PV, then hands the turn over; an odd walk's first step takes
+    it around its one QK issue. Both consumers walk the same steps (the earlier one's unseen tiles through the
+    masked body), so each takes T turns. The tensor pipe then runs the consumers' wgmma groups alternately, and one
+    consumer's softmax runs under the other's wgmmas instead of both softmaxes at once (in v7c / v7d both consumers
+    start each step together and their exponentials compete for the SFU while the tensor pipe waits). Only the
+    issue order changes: **v7's output bit for bit**.
+
+    No deadlock with the mbarriers: a consumer at pair step j (each consumer's j-th turn) holds its turn through its
+    second stage's ``full`` wait. The other consumer is at step j - 1 past its issues, or at step j waiting for that
+    turn; either way both have released every stage of steps <= j - 2 (v7d releases step i's stages in step i + 1),
+    and step j's stages (8 stages: 64-key walk steps 2j, 2j + 1, give or take an odd walk's first) were last used by
+    steps 2j - 8, 2j - 7, whose pair step is <= j - 4: the producer fills them without either consumer moving.
+    `_pipeline_completes` in the compile tests models it with the turns."""

@@ -491,32 +491,26 @@ class PrefillSm90WgmmaWsUnscaled(PrefillSm90WgmmaWsPvFoldLut):
                                                 ds_lane, limits, c)
 
 
-PINGPONG_BARRIER = 4  # v6f: consumer w's QK turn is named barrier 4 + w (both consumers: 256 threads)
+PINGPONG_BARRIER = 4  # v6f, v7f: consumer w's turn is named barrier 4 + w (both consumers: 256 threads)
 
 
-class PrefillSm90WgmmaWsPingPong(PrefillSm90WgmmaWsUnscaled):
-    """v6f: v6e with FA3's consumer ping-pong: the two consumers take turns issuing their QK wgmma, so that one's
-    softmax (and PV, O update) runs while the other's QK is on the tensor pipe, instead of both issuing their QK
-    at once and then both doing softmax with the tensor pipe idle. Same arithmetic: v6e's output bit for bit.
+class ConsumerPingPong:
+    """FA3's consumer ping-pong, mixed into a two-consumer kernel (v6f, v7f): the consumers take turns issuing
+    their wgmmas, so that one's softmax runs while the other's wgmmas are on the tensor pipe, instead of both
+    issuing at once and then both running their softmax with the tensor pipe idle. Only the order of the issues
+    changes: the kernel's output bit for bit.
 
-    Protocol. Named barrier ``PINGPONG_BARRIER + w`` (256 threads) is consumer w's turn. Consumer w, on every step
-    of the walk (also on a leading tile it skips), does ``bar.sync`` on its own barrier right before issuing its QK
-    wgmma (`_qk_turn`: its 128 threads plus 128 arrivals of the other consumer complete the barrier), then
-    ``bar.arrive`` on the other's barrier right after issuing it (`_qk_issued`, before waiting for it). Consumer 1
-    arrives on barrier 4 once before its walk (`_pingpong_start`: consumer 0 goes first), and consumer 0 syncs on it
-    once after its walk (`_pingpong_end`: the arrival of consumer 1's last step), so every arrival has its sync:
-    barrier 4 sees 1 + T arrivals and T + 1 syncs, barrier 5 T and T (T = the CTA's walk, the same for both).
-    The QK issues alternate 0, 1, 0, 1, ...: consumer 0's issue of step p needs consumer 1's of step p - 1, and
-    consumer 1's of step p needs consumer 0's of step p. Neither barrier holds arrivals of two phases: a
-    consumer's next arrival on a barrier needs its own next turn, which needs the other's sync on that barrier.
-
-    No deadlock with the mbarriers (``full[s]``, ``empty[s]``): the consumers are at most one step apart (consumer 1
-    at step p - 1 or p while consumer 0 is at p), and the producer fills step p + 1 only after both released step
-    p - 1, so every ``full`` wait a consumer can reach is for a step the producer can fill without the waiting
-    consumer's turn. A consumer blocked on its turn (step p) waits for the other's QK issue of step p - 1 (consumer
-    0) or p (consumer 1); that consumer has released everything before that step, its ``full`` wait is for a step
-    <= p, which the producer fills (it needs only releases of steps <= p - 2, both done), and its turn is the one
-    the blocked consumer handed over at its previous issue. The producer never touches barriers 4 and 5."""
+    Protocol. Named barrier ``PINGPONG_BARRIER + w`` (256 threads) is consumer w's turn. Consumer w, once per step
+    of its walk, does ``bar.sync`` on its own barrier before issuing (`_qk_turn`: its 128 threads plus 128 arrivals
+    of the other consumer complete the barrier), then ``bar.arrive`` on the other's barrier once the step's wgmmas
+    are issued (`_qk_issued`, before waiting for them). Consumer 1 arrives on barrier 4 once before its walk
+    (`_pingpong_start`: consumer 0 goes first), and consumer 0 syncs on it once after its walk (`_pingpong_end`: the
+    arrival of consumer 1's last step), so every arrival has its sync: barrier 4 sees 1 + T arrivals and T + 1
+    syncs, barrier 5 T and T (T = the CTA's walk in steps, the same for both consumers). The issues alternate
+    0, 1, 0, 1, ...: consumer 0's issue of step p needs consumer 1's of step p - 1, and consumer 1's of step p needs
+    consumer 0's of step p. Neither barrier holds arrivals of two phases: a consumer's next arrival on a barrier
+    needs its own next turn, which needs the other's sync on that barrier. The producer never touches barriers 4
+    and 5; deadlock-freedom with the ``full`` / ``empty`` mbarriers is argued by each kernel."""
 
     @staticmethod
     def _consumer():
@@ -538,6 +532,21 @@ class PrefillSm90WgmmaWsPingPong(PrefillSm90WgmmaWsUnscaled):
     def _pingpong_end(self, wg):
         if wg == 0:
             cute.arch.barrier(barrier_id=PINGPONG_BARRIER, number_of_threads=CONSUMER_THREADS)
+
+
+class PrefillSm90WgmmaWsPingPong(ConsumerPingPong, PrefillSm90WgmmaWsUnscaled):
+    """v6f: v6e with `ConsumerPingPong` on its QK wgmmas: a turn per 64-key walk step (a leading tile that the
+    earlier consumer skips too, `_consume_step`), taken right before the QK is issued and handed over right after.
+    One consumer's softmax, PV and O update run while the other's QK is on the tensor pipe. v6e's output bit for bit.
+
+    No deadlock with the mbarriers (``full[s]``, ``empty[s]``): the consumers are at most one step apart (consumer 1
+    at step p - 1 or p while consumer 0 is at p), and the producer fills step p + 1 only after both released step
+    p - 1, so every ``full`` wait a consumer can reach is for a step the producer can fill without the waiting
+    consumer's turn. A consumer blocked on its turn (step p) waits for the other's QK issue of step p - 1 (consumer
+    0) or p (consumer 1); that consumer has released everything before that step, its ``full`` wait is for a step
+    <= p, which the producer fills (it needs only releases of steps <= p - 2, both done), and its turn is the one
+    the blocked consumer handed over at its previous issue. Not FA3's intra-warpgroup overlap (QK of tile j + 1
+    issued with PV of tile j): that is v7f."""
 
 
 TWO_PRODUCERS_CONSUMER_REGS = 200  # v6g: 2 x 56 + 2 x 200 = 512 = 4 warpgroups x the 128 of ``.reqntid 512``
@@ -905,13 +914,15 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             cute.arch.mbarrier_arrive(bars + self.operand_stages + s1)
 
 
-    def _issue_qk(self, masked: bool, step, cta_tiles, pipe: tuple, acc_s: cute.Tensor) -> tuple:
-        """Wait for walk step ``step``'s stage and issue its QK wgmma into ``acc_s`` -> (its stage, its tile scale)."""
+    def _issue_qk(self, masked: bool, step, cta_tiles, pipe: tuple, acc_s: cute.Tensor, take_turn: bool = True,
+                  hand_over: bool = True) -> tuple:
+        """Wait for walk step ``step``'s stage and issue its QK wgmma into ``acc_s`` (the ping-pong turn as in
+        `_qk_issue`) -> (its stage, its tile scale)."""
         ring, fixed, state, limits, c, smem_ptr, bars = pipe[0], pipe[1], pipe[4], pipe[7], pipe[8], pipe[9], pipe[10]
         mma_qk, mma_pv, thr_qk, frag_q, acc_o = fixed[0], fixed[1], fixed[2], fixed[4], fixed[7]
         s, tile, _ = self._await_step(step, cta_tiles, ring, state, smem_ptr, bars)
         mmas = (mma_qk, mma_pv, (frag_q, self._k_fragment(thr_qk, smem_ptr, s)), acc_s, acc_o)
-        self._qk_issue(masked, tile * TILE_KEYS, mmas, limits, c)
+        self._qk_issue(masked, tile * TILE_KEYS, mmas, limits, c, take_turn, hand_over)
         return s, state[self._TILE_SCALE]
 
     def _pair_scores(self, s0, s1, tile_scales: tuple, pipe: tuple, later_groups: int) -> tuple:

@@ -3,6 +3,9 @@ timed runs need the H200)."""
 
 from __future__ import annotations
 
+import pytest
+
+from mpfa.kernels.sm90.decode_launch import KERNEL_ENV
 from mpfa.profiles.bench_kernels import bytes_read, format_prefill_table, format_table
 from mpfa.profiles.kernels_mpfa import MpfaAdapter
 from mpfa.profiles.results import ERROR, OK, BackendResult
@@ -20,6 +23,20 @@ def test_bytes_read_counts_cache_indices_and_partials():
     assert bytes_read("mpfa", WORKLOAD, num_sms=132) == mpfa
     assert bytes_read("flashinfer-fp8", WORKLOAD, num_sms=132) == tokens * kv_heads * 256 + tokens * 4 + qo
     assert bytes_read("fa4-bf16", WORKLOAD, num_sms=132) == tokens * kv_heads * 512 + tokens // 128 * 4 + qo
+
+
+def test_partition_warp_backends_read_fewer_partials(monkeypatch):
+    """mpfa-dw<n> (the default decode, partitions for n warps per SM) read the same cache and fewer partials: 40:8
+    32K x 1 splits into 171 partitions at 12 warps per SM, 128 / 94 / 49 at 8 / 6 / 3."""
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    workload = AttentionWorkload("decode", 32768, 1, 40, 8, 128)
+    cache = workload.bytes_needed(MPFA) + 32768 // 128 * 4
+    for backend, partitions in (("mpfa", 171), ("mpfa-dw8", 128), ("mpfa-dw6", 94), ("mpfa-dw3", 49)):
+        assert bytes_read(backend, workload, num_sms=132) == cache + 2 * 40 * partitions * 130 * 4
+    assert MpfaAdapter(decode_warps=6).name == "mpfa-dw6"
+    assert MpfaAdapter(decode_kernel="v4", decode_warps=6).name == "mpfa-dv4w6"
+    with pytest.raises(ValueError, match="unknown backend 'mpfa-dw5' \\(choose from .*mpfa-dw8, mpfa-dw6, mpfa-dw3"):
+        bytes_read("mpfa-dw5", workload, num_sms=132)
 
 
 def _row(backend: str, median_ms: float | None, error: str | None = None,

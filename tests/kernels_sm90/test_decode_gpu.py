@@ -200,10 +200,14 @@ def test_partitions_sized_by_each_request_length(gen):
         assert _rms_ratio(out[b].cpu(), merge_partials(ref)[b]) <= 1e-3
 
 
-def test_bf16_output_and_default_partitions(gen):
-    problem = _problem(gen, [700, 5], 8, 2, 1)
+@pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,warps_per_sm",
+                         [([700, 5], 8, 2, 1, None), ([8000], 40, 8, 128, 3)], ids=["default", "40x8-3-warps-per-sm"])
+def test_bf16_output_and_chosen_partitions(gen, lengths, num_q_heads, num_kv_heads, page_size, warps_per_sm):
+    """The workspace's own partitions: the default's, or mpfa-dw3's (aimed at 3 warps per SM: 42 partitions of 192
+    keys at 8K x 1 on 132 SMs, 63 of 128 by default)."""
+    problem = _problem(gen, lengths, num_q_heads, num_kv_heads, page_size)
     batch, heads = problem.query.codes.shape[:2]
-    workspace = DecodeWorkspace.allocate(batch, heads, 2, 700, "cuda")
+    workspace = DecodeWorkspace.allocate(batch, heads, num_kv_heads, max(lengths), "cuda", warps_per_sm=warps_per_sm)
     out = mpfa_decode(problem.query, problem.cache, problem.page_table, problem.seq_lens, workspace)
     assert out.dtype == torch.bfloat16
     expected = decode_partials(**problem.reference_inputs, variant="mpfa", partition_size=workspace.partition_size,

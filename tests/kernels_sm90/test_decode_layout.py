@@ -266,22 +266,84 @@ def test_pipelined_shared_memory_keeps_the_warps_per_sm():
     assert WARPS_PER_SM["v4"] == 12
 
 
-def test_partitions_fill_one_wave_of_decode_warps():
-    from mpfa.kernels.sm90.decode_launch import (MAX_PARTITION, MIN_PARTITION, WARPS_PER_SM_TARGET,
-                                                choose_partition_size)
+def _assert_one_wave(warps_per_sm: int | None, target: int) -> None:
+    """Partitions for 8 KV heads on 132 SMs: tile multiples in [MIN_PARTITION, MAX_PARTITION], at most one wave of
+    ``target`` warps per SM unless clamped, and the shortest that fits."""
+    from mpfa.kernels.sm90.decode_launch import MAX_PARTITION, MIN_PARTITION, choose_partition_size
 
     for batch, seq in ((1, 8192), (1, 32768), (1, 131072), (8, 131072), (8, 8192), (3, 100_003)):
-        size = choose_partition_size(batch, 8, seq, 132)
+        size = choose_partition_size(batch, 8, seq, 132, warps_per_sm=warps_per_sm)
         assert size % lay.TILE_KEYS == 0 and MIN_PARTITION <= size <= MAX_PARTITION
         warps = batch * 8 * -(-seq // size)
-        assert warps <= WARPS_PER_SM_TARGET * 132 or size == MIN_PARTITION
+        assert warps <= target * 132 or size in (MIN_PARTITION, MAX_PARTITION)
         if size > MIN_PARTITION:  # the next smaller partition would overflow one wave
-            assert batch * 8 * -(-seq // (size - lay.TILE_KEYS)) > WARPS_PER_SM_TARGET * 132 - batch * 8
+            assert batch * 8 * -(-seq // (size - lay.TILE_KEYS)) > target * 132 - batch * 8
+
+
+def test_partitions_fill_one_wave_of_decode_warps():
+    from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM_TARGET, choose_partition_size
+
+    _assert_one_wave(None, WARPS_PER_SM_TARGET)
     assert choose_partition_size(1, 8, 131072, 132) == 672
     assert choose_partition_size(8, 8, 131072, 132) == 5472
     assert choose_partition_size(1, 8, 131072, 132, "v3") == 896  # 9 warps per SM: 147 partitions
     assert choose_partition_size(1, 8, 131072, 132, "v4") == 672
     assert choose_partition_size(1, 8, 131072, 132, "v4w14") == 576  # 14 warps per SM: 228 partitions
+
+
+# (batch, context) -> partition size at 12 (every slot: the default), 8, 6 and 3 warps per SM; 8 KV heads, 132 SMs
+FEWER_WARPS_SIZES = {
+    (1, 32768): (192, 256, 352, 672),  # 171, 128, 94, 49 partitions (40:8 32K x 1: 1.55x FlashInfer at 12)
+    (8, 32768): (1376, 2048, 2752, 5472),  # 24, 16, 12, 6
+    (1, 131072): (672, 1024, 1344, 2688),  # 196, 128, 98, 49
+    (1, 8192): (128, 128, 128, 192),  # MIN_PARTITION up to 6 warps per SM
+    (8, 131072): (5472, 8192, 8192, 8192),  # MAX_PARTITION from 8 warps per SM
+}
+
+
+def test_partitions_for_fewer_warps_per_sm(monkeypatch):
+    """Backends mpfa-dw<n>: partitions aimed at n warps per SM, fewer and longer, one wave of n; 40:8 and 32:8 alike
+    (one warp per KV head and partition). The workspace follows: eager (every request that size) and as CUDA-graph
+    buffers (MIN_PARTITION floor: a request's keys spread over all partitions, none left out)."""
+    from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, MIN_PARTITION, DecodeWorkspace
+
+    monkeypatch.delenv(KERNEL_ENV, raising=False)
+    for warps in (8, 6, 3):
+        _assert_one_wave(warps, warps)
+    for (batch, seq), sizes in FEWER_WARPS_SIZES.items():
+        for warps, size in zip((None, 8, 6, 3), sizes):
+            for num_q_heads in (40, 32):
+                eager = DecodeWorkspace.allocate(batch, num_q_heads, 8, seq, "cpu", warps_per_sm=warps)
+                parts = -(-seq // size)
+                assert eager.partition_size == size and tuple(eager.o.shape) == (batch, num_q_heads, parts, 128)
+                assert eager.partition_keys(seq) == size
+                graph = DecodeWorkspace.allocate(batch, num_q_heads, 8, seq, "cpu", min_partition=MIN_PARTITION,
+                                                 warps_per_sm=warps)
+                for n in (seq, seq // 3 + 1, 1):
+                    assert -(-n // graph.partition_keys(n)) <= parts and graph.partition_keys(n) <= size
+
+
+def test_partition_warps_default_bounds_and_adoption(monkeypatch):
+    """The kernel's WARPS_PER_SM by default; 1 up to it on request (v4w14: 14); `PARTITION_WARPS_PER_SM` (one line)
+    changes the default for every decode; bad targets, kernels or argument pairs are one-line errors."""
+    import pytest
+
+    from mpfa.kernels.sm90 import decode_launch as launch
+
+    monkeypatch.delenv(launch.KERNEL_ENV, raising=False)
+    assert [launch.partition_warps(k) for k in ("v1", "v2", "v3", "v4", "v4w14")] == [12, 12, 9, 12, 14]
+    assert launch.partition_warps("v4w14", 14) == 14 and launch.partition_warps(warps_per_sm=1) == 1
+    for kernel, warps, slots in (("v2", 13, 12), ("v2", 0, 12), ("v3", 12, 9)):
+        message = f"decode {kernel} partitions aim at 1 to {slots} warps per SM, got {warps}"
+        with pytest.raises(ValueError, match=message):
+            launch.choose_partition_size(1, 8, 32768, 132, kernel, warps)
+    with pytest.raises(ValueError, match="kernel must be v1, v2, v3, v4 or v4w14, got 'v9'"):
+        launch.choose_partition_size(1, 8, 32768, 132, "v9", 6)
+    with pytest.raises(ValueError, match="partition_size or warps_per_sm, not both"):
+        launch.DecodeWorkspace.allocate(1, 40, 8, 32768, "cpu", 256, warps_per_sm=6)
+    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", 6)
+    assert launch.choose_partition_size(1, 8, 32768, 132) == 352  # adopted: mpfa-dw6's partitions
+    assert launch.choose_partition_size(1, 8, 32768, 132, warps_per_sm=3) == 672  # a pinned target still wins
 
 
 def test_partitions_spread_each_request_over_the_grid():

@@ -182,12 +182,13 @@ def _check_ws_build(cubin: str, cuobjdump, config, compensate, kernel):
 
 
 def _check_wide(body: list[str], compensate: bool, whole: bool, row_sums_on_mma: bool, pv_waits: int = 1,
-                poly_exps: int = 0) -> None:
+                poly_exps: int = 0, turns: bool = False) -> None:
     """v6l's consumer loop: one 128-key step (`prefill_wgmma_ws.PrefillSm90WgmmaWsWideTile`). In the whole tiles'
     loop both stages' QK are in flight together; in the masked loop ptxas may wait for the first before setting the
     second's accumulator to its mask (seen in the non-causal build, whose masked loop runs once per CTA at most).
     ``pv_waits``: full waits for the PV wgmma per step (v7d's one wait covers the second QK's too: 0);
-    ``poly_exps``: P values per thread and step on the FMA pipe instead of MUFU.EX2 (v7e: 16, 3 FADD each)."""
+    ``poly_exps``: P values per thread and step on the FMA pipe instead of MUFU.EX2 (v7e: 16, 3 FADD each);
+    ``turns``: the step takes a ping-pong turn (v7f: one ``bar.sync`` and one ``bar.arrive``, no other barrier)."""
     qk = [op for op in body if re.match(r"QGMMA.64x64x32.F32.E4M3.E4M3 R\d+, gdesc", op)]
     pv_n = 136 if row_sums_on_mma else 128
     pv = [op for op in body if re.match(rf"QGMMA.64x{pv_n}x32.F32.E4M3.E4M3 R\d+, R\d+, gdesc", op)]
@@ -201,7 +202,9 @@ def _check_wide(body: list[str], compensate: bool, whole: bool, row_sums_on_mma:
     assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in body) == 2  # wait full[s0], full[s1]
     arrives = [re.sub(r"^@!?P\d ", "", op) for op in body]  # (v7d's are predicated: only stages held)
     assert sum(op.startswith("SYNCS.ARRIVE.TRANS64") for op in arrives) == 2  # arrive empty[s0], empty[s1]
-    assert not any(op.startswith(("BAR.", "VOTE", "LDSM", "STSM", "LDGSTS")) for op in body)
+    assert not any(op.startswith(("VOTE", "LDSM", "STSM", "LDGSTS")) for op in body)
+    bars = sorted(op.split(".")[1].split()[0] for op in body if op.startswith("BAR."))
+    assert bars == (["ARV", "SYNC"] if turns else []), bars
     assert not any(op.startswith("FMUL") and op.endswith(", 448") for op in body)
     assert sum(op.startswith("FMUL") and op.endswith(", 0.0078125") for op in body) == 1  # lam 2**-7
     assert sum("F2FP.SATFINITE.E4M3.F32" in op for op in body) == 32  # P of 128 keys

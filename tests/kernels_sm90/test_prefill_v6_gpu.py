@@ -228,7 +228,7 @@ def test_v7_is_v6n_on_its_operand_images(gen, q_lens, kv_lens, page_size, causal
     assert torch.equal(out, v6n), f"v7 differs from v6n (max |diff| {v3_tests._max_diff(out, v6n)})"
 
 
-@pytest.mark.parametrize("kernel", ["v7", "v7c", "v7d"])
+@pytest.mark.parametrize("kernel", ["v7", "v7c", "v7d", "v7f"])
 def test_v7_images_sized_from_the_host_lengths(gen, kernel):
     """With ``seq_lens_k_host`` the images hold exactly the sequences' tiles (no slack behind the last sequence's
     last tile of the last KV head) and the pass's grid the longest sequence's: v6n's output bit for bit on a ragged
@@ -242,7 +242,7 @@ def test_v7_images_sized_from_the_host_lengths(gen, kernel):
     assert torch.equal(out, v1_tests._run(problem, True, kernel="v6n"))
 
 
-@pytest.mark.parametrize("kernel", ["v7", "v7c", "v7d"])  # v7c: the default's direct build (mpfa-direct)
+@pytest.mark.parametrize("kernel", ["v7", "v7c", "v7d", "v7f"])  # v7c: the default's direct build (mpfa-direct)
 def test_v7_direct_build_is_v6n_direct(gen, kernel):
     """``compensate=False``: the operand pass copies and stages no Delta_S and the consumers read none: v6n's direct
     build, bit for bit."""
@@ -252,15 +252,16 @@ def test_v7_direct_build_is_v6n_direct(gen, kernel):
     assert torch.equal(out, v1_tests._run(problem, True, kernel="v6n", compensate=False))
 
 
-@pytest.mark.parametrize("kernel", ["v7b", "v7c", "v7d"])
+@pytest.mark.parametrize("kernel", ["v7b", "v7c", "v7d", "v7f"])
 @pytest.mark.parametrize("num_q_heads,q_lens,kv_lens,page_size,causal",
                          [(32, *LONG_CAUSAL_BATCH), *v3_tests.SHAPES],
                          ids=["32:8-long-causal-batch", *v3_tests.SHAPE_IDS])
-def test_v7b_v7c_v7d_are_v7(gen, kernel, num_q_heads, q_lens, kv_lens, page_size, causal):
+def test_v7b_v7c_v7d_v7f_are_v7(gen, kernel, num_q_heads, q_lens, kv_lens, page_size, causal):
     """v7b (v7 with each step's fold deferred under the next step's QK wgmmas, the last after the walk), v7c (v7b
-    with each image one bulk copy, completed on ``full`` by its bytes) and v7d (v7c with each step's PV under the
-    next step's softmax, its stages held until then): v7's output bit for bit at 32:8 and 40:8, odd and even walks,
-    masked and whole steps; a hang in v7c is its bulk copies' barrier, in v7d alone its held stages."""
+    with each image one bulk copy, completed on ``full`` by its bytes), v7d (v7c with each step's PV under the
+    next step's softmax, its stages held until then) and v7f (v7d with the consumers taking turns at their wgmma
+    issues): v7's output bit for bit at 32:8 and 40:8, odd and even walks, masked and whole steps; a hang in v7c is
+    its bulk copies' barrier, in v7d its held stages, in v7f alone its turns."""
     problem = v1_tests._problem(gen, q_lens, kv_lens, num_q_heads, 8, page_size)
     out = v1_tests._run(problem, causal, kernel=kernel)
     assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"

@@ -25,18 +25,19 @@ from mpfa.kernels.sm90.sass import instructions, loops_issuing, mma_loops  # noq
 
 v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
 CONFIG = (8, 4, 128, True, "BFloat16")
+OVERLAP_KERNELS = ("v7d", "v7e", "v7f")  # each step's PV under the next step's softmax
 
 
 @pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b"),
                                         (5, True, "v7c"), (4, True, "v7d"), (5, False, "v7d"), (4, True, "v7e"),
-                                        (5, True, "v7e")],
+                                        (5, True, "v7e"), (4, True, "v7f"), (5, True, "v7f")],
                 ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8", "v7d-32:8", "v7d-40:8-direct", "v7e-32:8",
-                     "v7e-40:8"])
+                     "v7e-40:8", "v7f-32:8", "v7f-40:8"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
     """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), the
     direct build (no Delta_S copied, staged or read), v7b's (v7 with the fold deferred), v7c's (v7b with bulk
-    copies), v7d's (v7c with each step's PV under the next step's softmax) and v7e's (v7d with a quarter of P on
-    the FMA pipe)."""
+    copies), v7d's (v7c with each step's PV under the next step's softmax), v7e's (v7d with a quarter of P on
+    the FMA pipe) and v7f's (v7d with the consumers' ping-pong)."""
     group, compensate, kernel = request.param
     config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
@@ -73,7 +74,7 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
     kernel = v7_cubins["kernel"]
     usage = cuobjdump("--dump-resource-usage", str(v7_cubins["attention"]))
     assert re.search(r"REG:168\b", usage) and re.search(r"LOCAL:0\b", usage), usage
-    overlap = kernel in ("v7d", "v7e")
+    overlap = kernel in OVERLAP_KERNELS
     # v7d at 32:8: six words live across the walk spilled once before it, reloaded after it (none in the loops)
     assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= (24 if overlap else 16)
     sass = cuobjdump("--dump-sass", str(v7_cubins["attention"]))
@@ -86,16 +87,18 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
         assert not any(op.startswith(("STL", "LDL")) for op in body)
         poly_exps = 64 // pre.PrefillSm90WgmmaPreOverlapPolyExp.poly_exp_every if kernel == "v7e" else 0
         v6_tests._check_wide(body, v7_cubins["compensate"], bool(whole), True, pv_waits=int(not overlap),
-                             poly_exps=poly_exps)
+                             poly_exps=poly_exps, turns=kernel == "v7f")
         c2 = f"{float(np.float32(EXP2_POLY[2])):.20f}"  # as the SASS prints an FP32 immediate
         cubic = [op for op in body if op.startswith("FFMA") and op.endswith(c2)]
         assert len(cubic) == poly_exps  # the cubic's first FFMA, c3 f + c2, once per P on the FMA pipe
-    if kernel in ("v7c", "v7d", "v7e"):
+    if kernel in ("v7c", *OVERLAP_KERNELS):
         _check_bulk_producer(sass)
         if kernel == "v7c":
             _check_deferred_fold(consumer_loops[1])
         for body in consumer_loops if overlap else ():
             _check_overlap(body)
+            if kernel == "v7f":
+                _check_turns(body)
         return
     (producer,) = loops_issuing(sass, ("LDGSTS",))
     assert sum(op.startswith("LDGSTS.E.BYPASS.128") for op in producer) == 9
@@ -152,7 +155,7 @@ def _check_overlap(body: list[str]) -> None:
         acc, a = (int(r) for r in re.match(r"QGMMA\S* R(\d+), R(\d+),", ops[i]).groups())
         busy |= set(range(acc, acc + 68)) | set(range(a, a + 4))
     for op in ops[pv[0] + 1:pv_done]:
-        written = re.match(r"(?!QGMMA|ST|SYNCS|WARPGROUP|BRA)\S+ R(\d+)\b", op)
+        written = re.match(r"(?!QGMMA|ST|SYNCS|WARPGROUP|BRA|BAR)\S+ R(\d+)\b", op)
         width = 2 if re.match(r"\S+\.64 ", op) else 1
         assert not written or not busy & set(range(int(written.group(1)), int(written.group(1)) + width)), op
     assert all(i > pv_done for i, op in enumerate(body) if "SYNCS.ARRIVE.TRANS64" in op and op.startswith("@"))
@@ -195,52 +198,115 @@ def test_image_layout_packs_the_sequences_tiles():
     assert starts.tolist() == [0] and (rows, grid) == (3, 3)
 
 
+def _check_turns(body: list[str]) -> None:
+    """v7f's step (masked or whole): its ping-pong turn taken (``bar.sync``, 256 threads) after the first stage's
+    ``full`` wait and before the first wgmma, handed over (``bar.arrive``) after the PV's last k-step and before the
+    first wait (`v6_tests._check_wide`: once each, no other barrier)."""
+    ops = [re.sub(r"^@!?P\d ", "", op) for op in body]
+    (sync,) = [i for i, op in enumerate(ops) if op.startswith("BAR.SYNC")]
+    (arrive,) = [i for i, op in enumerate(ops) if op.startswith("BAR.ARV")]
+    gmma = [i for i, op in enumerate(ops) if op.startswith("QGMMA")]
+    full_wait = next(i for i, op in enumerate(ops) if op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT"))
+    first_wait = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR"))
+    assert ops[sync].endswith("0x100") and ops[arrive].endswith("0x100")
+    assert full_wait < sync < gmma[0] and gmma[-1] < arrive < first_wait
+
+
 def test_v7_limits_are_clear_errors():
     with pytest.raises(ValueError, match="group 4 or 5 only"):
         compile_prefill_kernel(8, 6, 128, True, "BFloat16", kernel="v7")
 
 
-def _pipeline_completes(tiles: int, stages: int, lag: int, hold: bool = False) -> bool:
+def _pipeline_completes(tiles: int, stages: int, lag: int, hold: bool = False, pingpong: bool = False) -> bool:
     """Whether the producer / consumers protocol of v6l (``lag`` 0: step p's ``full`` right after its fill) or v7
     (``lag`` 1: step p's ``full`` after step p + 1's copy is issued, the last one after the walk) finishes a walk of
-    ``tiles`` steps with ``stages`` operand stages, both consumers taking 128-key pairs (`wide_walk`: an odd walk's
-    first step alone) and releasing a pair's stages together (``hold``, v7d: a pair's stages once the next pair's
-    wait is over, the last pair's after the walk): step p can be filled once both consumers released step p -
-    stages. Runs each side as far as it can until neither moves."""
-    full, empty = [False] * tiles, [False] * tiles
+    ``tiles`` steps with ``stages`` operand stages. Both consumers take 128-key pairs (`wide_walk`: an odd walk's
+    first step alone) and release a unit's stages once it is done, or (``hold``, v7d) a pair's stages once the next
+    pair's wgmmas are issued (the last pair's after the walk). ``pingpong`` (v7f): consumer w takes its turn (a token
+    on its barrier) after its unit's first ``full`` wait and hands it to the other after its last; consumer 1 hands
+    consumer 0 the first turn, consumer 0 takes the last hand-over after its walk. Step p can be filled once both
+    consumers released step p - stages. Runs each party as far as it can until none moves."""
+    return _programs_complete(tiles, stages, lag, [_consumer_program(w, _units(tiles), hold, pingpong)
+                                                   for w in range(2)])
+
+
+def _units(tiles: int) -> list[tuple[int, ...]]:
+    """The consumers' walk units (`wide_walk`): an odd walk's first step alone, then pairs."""
     lead = tiles & 1
-    units = [(0,)] * lead + [(lead + 2 * k, lead + 2 * k + 1) for k in range(tiles // 2)]
-    produced, consumed = 0, 0  # the producer's next step, the consumers' next unit
+    return [(0,)] * lead + [(lead + 2 * k, lead + 2 * k + 1) for k in range(tiles // 2)]
+
+
+def _programs_complete(tiles: int, stages: int, lag: int, programs: list[list]) -> bool:
+    """`_pipeline_completes` on the consumers' action lists (`_consumer_program`)."""
+    full, released, turns = [False] * tiles, [0] * tiles, [0, 0]
+    done = [0, 0]  # each consumer's next action
+    produced = 0
     while True:
         moved = False
-        while produced < tiles and (produced < stages or empty[produced - stages]):
-            if lag and produced:
-                full[produced - 1] = True
-            if not lag:
-                full[produced] = True
+        while produced < tiles and (produced < stages or released[produced - stages] == 2):
+            if produced >= lag:  # (lag 1: step p - 1 lands once step p's copy is issued)
+                full[produced - lag] = True
             produced, moved = produced + 1, True
-        if lag and produced == tiles and tiles:
+        if produced == tiles and tiles:
             full[tiles - 1] = True
-        while consumed < len(units) and all(full[p] for p in units[consumed]):
-            unit = units[consumed]
-            if hold and len(unit) == 2:  # v7d: this pair held, the previous pair (if any) released
-                unit = units[consumed - 1] if consumed and len(units[consumed - 1]) == 2 else ()
-            for p in unit:
-                empty[p] = True
-            consumed, moved = consumed + 1, True
-        if consumed == len(units):
+        for w, program in enumerate(programs):
+            while done[w] < len(program):
+                action, arg = program[done[w]]
+                if action == "full" and not full[arg] or action == "turn" and not turns[w]:
+                    break
+                if action == "turn":
+                    turns[w] -= 1
+                elif action == "hand":
+                    turns[1 - w] += 1
+                elif action == "release":
+                    released[arg] += 1
+                done[w], moved = done[w] + 1, True
+        if done == [len(program) for program in programs]:
             return True
         if not moved:
             return False
 
 
+def _consumer_program(w: int, units: list, hold: bool, pingpong: bool) -> list:
+    """Consumer w's actions in `_pipeline_completes`: ("full", step), ("turn", None), ("hand", None),
+    ("release", step)."""
+    program = [("hand", None)] if pingpong and w == 1 else []
+    for k, unit in enumerate(units):
+        program.append(("full", unit[0]))
+        program += [("turn", None)] if pingpong else []
+        program += [("full", p) for p in unit[1:]]
+        program += [("hand", None)] if pingpong else []
+        if not hold or len(unit) == 1:
+            program += [("release", p) for p in unit]
+        elif k and len(units[k - 1]) == 2:  # v7d: the previous pair, once this pair's wgmmas are issued
+            program += [("release", p) for p in units[k - 1]]
+    if hold and units and len(units[-1]) == 2:
+        program += [("release", p) for p in units[-1]]
+    return program + ([("turn", None)] if pingpong and w == 0 else [])
+
+
 def test_image_pipeline_never_deadlocks():
     """v7's producer (8 stages, one step behind), v7c's (8 stages, full when the bytes land), v7d's (v7c's, each pair
-    held one pair longer) and v6l's (4 stages) finish every walk length; one stage (a pair needs two), for v7 two
-    stages (the step behind holds one back) or for v7d three (two held, two waited for) would not."""
+    held one pair longer), v7f's (v7d's with the consumers' turns) and v6l's (4 stages) finish every walk length; one
+    stage (a pair needs two), for v7 two stages (the step behind holds one back) or for v7d / v7f three (two held,
+    two waited for) would not."""
     for tiles in range(0, 40):
         assert _pipeline_completes(tiles, 8, lag=1) and _pipeline_completes(tiles, 4, lag=0), tiles
         assert _pipeline_completes(tiles, 8, lag=0), tiles
         assert _pipeline_completes(tiles, 8, lag=0, hold=True) and _pipeline_completes(tiles, 4, lag=0, hold=True)
+        assert _pipeline_completes(tiles, 8, lag=0, hold=True, pingpong=True), tiles
+        assert _pipeline_completes(tiles, 4, lag=0, hold=True, pingpong=True), tiles
     assert not _pipeline_completes(5, 1, lag=0) and not _pipeline_completes(5, 2, lag=1)
     assert not _pipeline_completes(6, 3, lag=0, hold=True) and _pipeline_completes(6, 3, lag=0)
+    assert not _pipeline_completes(6, 3, lag=0, hold=True, pingpong=True)
+
+
+def test_pingpong_model_catches_unbalanced_turns():
+    """The model fails on the turns alone: without consumer 1's first hand-over neither consumer starts, and a
+    consumer that takes a second turn in a step waits for a hand-over that never comes."""
+    units = _units(7)
+    programs = [_consumer_program(w, units, hold=True, pingpong=True) for w in range(2)]
+    assert _programs_complete(7, 8, 0, programs)
+    assert not _programs_complete(7, 8, 0, [programs[0], programs[1][1:]])
+    twice = programs[0][:3] + [("turn", None)] + programs[0][3:]
+    assert not _programs_complete(7, 8, 0, [twice, programs[1]])
