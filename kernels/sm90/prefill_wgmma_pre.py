@@ -393,3 +393,9 @@ class PrefillSm90WgmmaPreOverlapPingPong(ConsumerPingPong, PrefillSm90WgmmaPreOv
     and step j's stages (8 stages: 64-key walk steps 2j, 2j + 1, give or take an odd walk's first) were last used by
     steps 2j - 8, 2j - 7, whose pair step is <= j - 4: the producer fills them without either consumer moving.
     `_pipeline_completes` in the compile tests models it with the turns."""
+
+
+class PrefillSm90WgmmaPreOverlapPolyExpPingPong(ConsumerPingPong, PrefillSm90WgmmaPreOverlapPolyExp):
+    """v7g: v7e with v7f's turns. With the consumers' softmaxes staggered they no longer compete for the SFU, but
+    each consumer's own softmax (its 64 exponentials per step hold its scheduler's SFU for 512 cycles) then sits on
+    the stagger's critical path, which v7e's FMA-pipe quarter shortens. **v7e's output bit for bit**."""

@@ -269,6 +269,19 @@ def test_v7b_v7c_v7d_v7f_are_v7(gen, kernel, num_q_heads, q_lens, kv_lens, page_
     assert torch.equal(out, v7), f"{kernel} differs from v7 (max |diff| {v3_tests._max_diff(out, v7)})"
 
 
+@pytest.mark.parametrize("num_q_heads,q_lens,kv_lens,page_size,causal",
+                         [(32, *LONG_CAUSAL_BATCH), *v3_tests.SHAPES],
+                         ids=["32:8-long-causal-batch", *v3_tests.SHAPE_IDS])
+def test_v7g_is_v7e(gen, num_q_heads, q_lens, kv_lens, page_size, causal):
+    """v7g (v7e with the consumers taking turns at their wgmma issues): v7e's output bit for bit; a hang is its
+    turns."""
+    problem = v1_tests._problem(gen, q_lens, kv_lens, num_q_heads, 8, page_size)
+    out = v1_tests._run(problem, causal, kernel="v7g")
+    assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"
+    v7e = v1_tests._run(problem, causal, kernel="v7e")
+    assert torch.equal(out, v7e), f"v7g differs from v7e (max |diff| {v3_tests._max_diff(out, v7e)})"
+
+
 # v7e from v7: a quarter of P by `exp2_poly` (relative error <= 7.5e-5) moves ~3-5e-4 of those e4m3 P by one step
 # (test_exp2_poly.py); on causal rows of 3,000 keys with random scores (a CPU simulation of the e4m3 P and O) that
 # moved O by 4-6e-4 rms and 0.1-0.2% of max |O|: 5x those

@@ -25,19 +25,21 @@ from mpfa.kernels.sm90.sass import instructions, loops_issuing, mma_loops  # noq
 
 v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
 CONFIG = (8, 4, 128, True, "BFloat16")
-OVERLAP_KERNELS = ("v7d", "v7e", "v7f")  # each step's PV under the next step's softmax
+OVERLAP_KERNELS = ("v7d", "v7e", "v7f", "v7g")  # each step's PV under the next step's softmax
+POLY_EXP_KERNELS = ("v7e", "v7g")  # a quarter of P on the FMA pipe
+TURN_KERNELS = ("v7f", "v7g")  # the consumers' ping-pong
 
 
 @pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b"),
                                         (5, True, "v7c"), (4, True, "v7d"), (5, False, "v7d"), (4, True, "v7e"),
-                                        (5, True, "v7e"), (4, True, "v7f"), (5, True, "v7f")],
+                                        (5, True, "v7e"), (4, True, "v7f"), (5, True, "v7f"), (4, True, "v7g")],
                 ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8", "v7d-32:8", "v7d-40:8-direct", "v7e-32:8",
-                     "v7e-40:8", "v7f-32:8", "v7f-40:8"])
+                     "v7e-40:8", "v7f-32:8", "v7f-40:8", "v7g-32:8"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
     """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), the
     direct build (no Delta_S copied, staged or read), v7b's (v7 with the fold deferred), v7c's (v7b with bulk
     copies), v7d's (v7c with each step's PV under the next step's softmax), v7e's (v7d with a quarter of P on
-    the FMA pipe) and v7f's (v7d with the consumers' ping-pong)."""
+    the FMA pipe), v7f's (v7d with the consumers' ping-pong) and v7g's (v7e with v7f's turns)."""
     group, compensate, kernel = request.param
     config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
@@ -85,9 +87,9 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
     assert len(consumer_loops) == 2, [len(body) for body in consumer_loops]
     for whole, body in enumerate(consumer_loops):
         assert not any(op.startswith(("STL", "LDL")) for op in body)
-        poly_exps = 64 // pre.PrefillSm90WgmmaPreOverlapPolyExp.poly_exp_every if kernel == "v7e" else 0
+        poly_exps = 64 // pre.PrefillSm90WgmmaPreOverlapPolyExp.poly_exp_every if kernel in POLY_EXP_KERNELS else 0
         v6_tests._check_wide(body, v7_cubins["compensate"], bool(whole), True, pv_waits=int(not overlap),
-                             poly_exps=poly_exps, turns=kernel == "v7f")
+                             poly_exps=poly_exps, turns=kernel in TURN_KERNELS)
         c2 = f"{float(np.float32(EXP2_POLY[2])):.20f}"  # as the SASS prints an FP32 immediate
         cubic = [op for op in body if op.startswith("FFMA") and op.endswith(c2)]
         assert len(cubic) == poly_exps  # the cubic's first FFMA, c3 f + c2, once per P on the FMA pipe
@@ -97,7 +99,7 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
             _check_deferred_fold(consumer_loops[1])
         for body in consumer_loops if overlap else ():
             _check_overlap(body)
-            if kernel == "v7f":
+            if kernel in TURN_KERNELS:
                 _check_turns(body)
         return
     (producer,) = loops_issuing(sass, ("LDGSTS",))
@@ -199,7 +201,7 @@ def test_image_layout_packs_the_sequences_tiles():
 
 
 def _check_turns(body: list[str]) -> None:
-    """v7f's step (masked or whole): its ping-pong turn taken (``bar.sync``, 256 threads) after the first stage's
+    """v7f's / v7g's step (masked or whole): its ping-pong turn taken (``bar.sync``, 256 threads) after the first stage's
     ``full`` wait and before the first wgmma, handed over (``bar.arrive``) after the PV's last k-step and before the
     first wait (`v6_tests._check_wide`: once each, no other barrier)."""
     ops = [re.sub(r"^@!?P\d ", "", op) for op in body]
