@@ -49,12 +49,14 @@ def decode_kernel(kernel: str | None = None) -> str:
 
 
 def partition_warps(kernel: str | None = None, warps_per_sm: int | None = None) -> int:
-    """Warps per SM the partitions aim at: ``warps_per_sm``, else `PARTITION_WARPS_PER_SM`, else every slot of the
-    split kernel ``kernel`` (see `decode_kernel`): 1 to its ``WARPS_PER_SM``."""
+    """Warps per SM the partitions aim at: ``warps_per_sm`` (1 to the split kernel's ``WARPS_PER_SM``), else
+    `PARTITION_WARPS_PER_SM` capped at it (so that an adopted target fits every kernel, v3's 9 slots too), else every
+    slot of ``kernel`` (see `decode_kernel`)."""
     kernel = decode_kernel(kernel)
     slots = WARPS_PER_SM[kernel]
-    warps = PARTITION_WARPS_PER_SM if warps_per_sm is None else warps_per_sm
-    warps = slots if warps is None else warps
+    if warps_per_sm is None:
+        return slots if PARTITION_WARPS_PER_SM is None else min(PARTITION_WARPS_PER_SM, slots)
+    warps = warps_per_sm
     if not 1 <= warps <= slots:
         raise ValueError(f"decode {kernel} partitions aim at 1 to {slots} warps per SM, got {warps}")
     return warps

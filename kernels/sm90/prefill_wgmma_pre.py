@@ -389,9 +389,10 @@ class PrefillSm90WgmmaPreOverlapPingPong(ConsumerPingPong, PrefillSm90WgmmaPreOv
 
     No deadlock with the mbarriers: a consumer at pair step j (each consumer's j-th turn) holds its turn through its
     second stage's ``full`` wait. The other consumer is at step j - 1 past its issues, or at step j waiting for that
-    turn; either way both have released every stage of steps <= j - 2 (v7d releases step i's stages in step i + 1),
-    and step j's stages (8 stages: 64-key walk steps 2j, 2j + 1, give or take an odd walk's first) were last used by
-    steps 2j - 8, 2j - 7, whose pair step is <= j - 4: the producer fills them without either consumer moving.
+    turn; either way both have released every stage of steps <= j - 3 (v7d releases step i's stages in step i + 1,
+    after its PV wait), and step j's stages (8 stages: 64-key walk steps 2j, 2j + 1, give or take an odd walk's
+    first) were last used by steps 2j - 8, 2j - 7, whose pair step is <= j - 4: the producer fills them without
+    either consumer moving.
     `_pipeline_completes` in the compile tests models it with the turns."""
 
 

@@ -512,9 +512,9 @@ class ConsumerPingPong:
     needs its own next turn, which needs the other's sync on that barrier. The producer never touches barriers 4
     and 5; deadlock-freedom with the ``full`` / ``empty`` mbarriers is argued by each kernel."""
 
-    @staticmethod
-    def _consumer():
-        return (cute.arch.thread_idx()[0] >> 7) - 1  # warpgroup 1 + w is consumer w (warpgroup-uniform)
+    def _consumer(self):
+        """This warpgroup's consumer index (warpgroup-uniform): the consumers follow the producer warpgroups."""
+        return (cute.arch.thread_idx()[0] >> 7) - self.producer_warpgroups
 
     def _qk_turn(self):
         cute.arch.barrier(barrier_id=PINGPONG_BARRIER + self._consumer(), number_of_threads=CONSUMER_THREADS)

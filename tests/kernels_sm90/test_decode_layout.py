@@ -344,6 +344,8 @@ def test_partition_warps_default_bounds_and_adoption(monkeypatch):
     monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", 6)
     assert launch.choose_partition_size(1, 8, 32768, 132) == 352  # adopted: mpfa-dw6's partitions
     assert launch.choose_partition_size(1, 8, 32768, 132, warps_per_sm=3) == 672  # a pinned target still wins
+    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", 10)
+    assert launch.partition_warps("v3") == 9 and launch.partition_warps("v2") == 10  # adopted, capped per kernel
 
 
 def test_partitions_spread_each_request_over_the_grid():

@@ -101,6 +101,8 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
             _check_overlap(body)
             if kernel in TURN_KERNELS:
                 _check_turns(body)
+        if kernel in TURN_KERNELS:
+            _check_walk_turns(sass)
         return
     (producer,) = loops_issuing(sass, ("LDGSTS",))
     assert sum(op.startswith("LDGSTS.E.BYPASS.128") for op in producer) == 9
@@ -214,6 +216,21 @@ def _check_turns(body: list[str]) -> None:
     assert full_wait < sync < gmma[0] and gmma[-1] < arrive < first_wait
 
 
+def _check_walk_turns(sass: str) -> None:
+    """v7f's / v7g's turns over the whole consumer: 5 ``bar.sync`` and 5 ``bar.arrive`` of 256 threads (consumer 1's
+    first hand-over before its walk, an odd walk's first step in its masked and whole forms, the two loops'
+    steps, consumer 0's last take after its walk), and every step's turn (its barrier id in a register) handed over
+    after at least one wgmma and before the next turn."""
+    ops = [re.sub(r"^@!?P\d ", "", op) for _, op in instructions(sass)]
+    bars = [(i, op) for i, op in enumerate(ops) if op.startswith("BAR.") and op.endswith("0x100")]
+    assert sum(op.startswith("BAR.SYNC") for _, op in bars) == 5, bars
+    assert sum(op.startswith("BAR.ARV") for _, op in bars) == 5, bars
+    for k, (i, op) in enumerate(bars):
+        if re.match(r"BAR.SYNC\S* R\d+,", op):  # a step's turn
+            j, after = bars[k + 1]
+            assert after.startswith("BAR.ARV") and any(o.startswith("QGMMA") for o in ops[i:j]), (op, after)
+
+
 def test_v7_limits_are_clear_errors():
     with pytest.raises(ValueError, match="group 4 or 5 only"):
         compile_prefill_kernel(8, 6, 128, True, "BFloat16", kernel="v7")
@@ -259,7 +276,8 @@ def _programs_complete(tiles: int, stages: int, lag: int, programs: list[list]) 
                 if action == "turn":
                     turns[w] -= 1
                 elif action == "hand":
-                    turns[1 - w] += 1
+                    turns[1 - w] += 1  # a named barrier holds one phase's arrivals: never two hand-overs pending
+                    assert turns[1 - w] <= 1, "a turn handed over twice before its owner took it"
                 elif action == "release":
                     released[arg] += 1
                 done[w], moved = done[w] + 1, True
