@@ -1,28 +1,33 @@
 """`mpfa profile characterize`: the MpFA paper's Fig. 3 on this GPU — where the sm90 prefill kernel's time goes.
 
 The paper splits a FlashAttention tile's time into MMA, softmax and the rest by timing compile-time ablations of
-the kernel. Here the ladder of `mpfa.kernels.sm90.ablation.LADDER` is timed on one causal prefill (default 64K
-tokens, batch 1, 32:8 heads, d = 128), each step removing one more piece from the tile loop:
+the kernel. Here the ladder of the prefill kernel that `mpfa_prefill` runs for the shape (the default v7c, or
+``MPFA_PREFILL_KERNEL``'s if it has ablations: v1, v7 .. v7g; `prefill_launch.ablation_ladder`) is timed on one
+causal prefill (default 64K tokens, batch 1, 32:8 heads, d = 128), each step removing one more piece from the tile
+loop:
 
-    full -> -exp2 -> -exp2 -rowstats -> -exp2 -rowstats -dequant -> QK MMA + loads only
+    v7 kernels: full -> -exp2 -> -exp2 -rowstats -> QK MMA + copies only
+    v1:         full -> -exp2 -> -exp2 -rowstats -> -exp2 -rowstats -dequant -> QK MMA + loads only
 
 and each piece's share is the time difference between consecutive steps, as a fraction of the full kernel's
 time (a negative difference is reported as it is: timing noise, or a removal that made the compiler schedule
-worse). What the last step still runs (QK^T MMAs, K / V / Delta_S loads, masking, the loop, the epilogue) is
-"QK MMA + rest"; "MMA" in the summary is PV (the `pv` step: PV MMAs, V transpose, e4m3 packing of P) plus that
+worse). What the last step still runs (QK^T MMAs, the operands' copies or loads, Delta_S, masking, the loop, the
+epilogue; for the v7 kernels also their operand pass, which expands K once per prefill) is "QK MMA + rest"; "MMA"
+in the summary is PV (the `pv` step: the PV MMAs, and in v1 the V transpose and P's e4m3 packing) plus that
 remainder, an upper bound of the MMA share since the loads cannot be removed without deleting the loop. Every
-ablated kernel is held to the full kernel's occupancy (2 CTAs per SM, `ablation.OCCUPANCY_PAD_BYTES`), so a
-share is the piece's time, not an occupancy gain from the registers its removal frees.
+ablated kernel keeps the full kernel's occupancy (v1: 2 CTAs per SM, `ablation.OCCUPANCY_PAD_BYTES`; the v7
+kernels: one, by their shared memory), so a share is the piece's time, not an occupancy gain from the registers
+its removal frees.
 
-Which formats the Hopper kernels support: QK^T is NVFP4 (exactly expanded to FP16 for the FP16 tensor cores,
-sm_90 has no FP4 MMA) and PV is FP8 e4m3; there is no BF16-QK or NVFP4-PV MpFA kernel on sm90, so the paper's
-other format rows are not produced. FA4-BF16 (BF16 QK and PV) and FlashInfer-FP8 are context rows, through the
-`mpfa profile prefill` adapters.
+Which formats the Hopper kernels support: QK^T from NVFP4 (v1: exactly expanded to FP16; the v7 kernels:
+requantized to e4m3 with power-of-two scales, the FP8 tensor cores; sm_90 has no FP4 MMA) and PV in FP8 e4m3;
+there is no BF16-QK or NVFP4-PV MpFA kernel on sm90, so the paper's other format rows are not produced. FA4-BF16
+(BF16 QK and PV) and FlashInfer-FP8 are context rows, through the `mpfa profile prefill` adapters.
 
 Time per KV block: the paper's unit, a 128 x 128 (query x key) block of one head. A causal prefill of T tokens
 visits n (n + 1) / 2 such blocks per head and sequence (n = ceil(T / 128), diagonal blocks counted whole);
 "SM-µs per block" = median time x number of SMs / blocks, the time one SM spends on one block when every SM is
-busy (this kernel actually walks 32-key tiles for 16-row warps; the 128 x 128 block is a unit of work).
+busy (the kernels walk their own tiles; the 128 x 128 block is a unit of work).
 """
 from __future__ import annotations
 
@@ -77,6 +82,7 @@ class CharacterizeResult:
     device: str
     num_sms: int
     blocks: int
+    kernel: str  # the prefill kernel ablated (`prefill_launch.ablation_ladder`)
     ladder: list[LadderRow]
     context: list[ContextRow] = field(default_factory=list)
     json_path: str | None = None
@@ -92,6 +98,7 @@ class CharacterizeResult:
         shares = self.shares()
         return {
             "kind": "characterize",
+            "kernel": self.kernel,
             "workload": asdict(self.workload),
             "device": self.device,
             "num_sms": self.num_sms,
@@ -107,7 +114,8 @@ class CharacterizeResult:
 
     def write_json(self, out_dir: Path) -> Path:
         w = self.workload
-        path = out_dir / f"characterize-s{w.seq}-b{w.batch}-h{w.q_heads}x{w.kv_heads}-d{w.head_dim}.json"
+        name = f"characterize-{self.kernel}-s{w.seq}-b{w.batch}-h{w.q_heads}x{w.kv_heads}-d{w.head_dim}.json"
+        path = out_dir / name
         self.json_path = str(path)
         path.write_text(json.dumps(self.to_json(), indent=2) + "\n")
         return path
@@ -144,15 +152,16 @@ def ladder_shares(medians: list[float | None], removed: list[str | None]) -> lis
     return shares + [Share("qk+rest", medians[-1], medians[-1] / full)]
 
 
-def summary_fractions(shares: list[Share]) -> dict[str, float]:
-    """The paper's three-way split: softmax (exp2 + row statistics), dequantization, and MMA (PV step plus the
+def summary_fractions(shares: list[Share]) -> dict[str, float | None]:
+    """The paper's three-way split: softmax (exp2 + row statistics), dequantization (None where the ladder has no
+    such step: the v7 kernels expand K in their operand pass, inside every step's time), and MMA (PV step plus the
     QK-MMA-and-loads remainder, an upper bound)."""
     by_piece = {share.piece: share.fraction for share in shares}
     return {
         "softmax": by_piece.get("exp2", 0.0) + by_piece.get("rowstats", 0.0),
         "exp2": by_piece.get("exp2", 0.0),
         "rowstats": by_piece.get("rowstats", 0.0),
-        "dequant": by_piece.get("dequant", 0.0),
+        "dequant": by_piece.get("dequant"),
         "mma_upper_bound": by_piece.get("pv", 0.0) + by_piece.get("qk+rest", 0.0),
     }
 
@@ -196,14 +205,18 @@ def _one_line(exc: BaseException) -> str:
 def run_characterize(seq: int, batch: int = 1, heads: tuple[int, int] = (32, 8), head_dim: int = 128,
                      out_dir: Path = Path("mpfa-profiles"), context: tuple[str, ...] = CONTEXT_BACKENDS,
                      progress: Progress | None = None) -> CharacterizeResult:
-    """Time the ablation ladder (and the context backends) on one causal prefill; writes the JSON into
-    ``out_dir``. Raises ValueError for bad arguments and ProfileError when there is no CUDA device."""
-    from mpfa.kernels.sm90.ablation import LADDER
+    """Time the ablation ladder of the prefill kernel `mpfa_prefill` runs for the shape (and the context backends)
+    on one causal prefill; writes the JSON into ``out_dir``. Raises ValueError for bad arguments (a kernel without
+    ablations among them) and ProfileError when there is no CUDA device."""
+    from mpfa.kernels.sm90.prefill_launch import ablation_ladder, prefill_kernel
+    from mpfa.profiles.kernels_mpfa import PAGE_SIZE
     from mpfa.profiles.registry import adapter_for
 
     workload = AttentionWorkload("prefill", seq, batch, heads[0], heads[1], head_dim)
     if head_dim != 128:
         raise ValueError(f"the sm90 prefill kernel is built for head dim 128, got {head_dim}")
+    kernel = prefill_kernel(heads[0], heads[1], PAGE_SIZE)
+    ladder = ablation_ladder(kernel)
     adapters = [adapter_for(name) for name in context]
     say = progress or (lambda _message: None)
 
@@ -217,16 +230,16 @@ def run_characterize(seq: int, batch: int = 1, heads: tuple[int, int] = (32, 8),
     out_dir.mkdir(parents=True, exist_ok=True)
     props = torch.cuda.get_device_properties(device)
     result = CharacterizeResult(workload, torch.cuda.get_device_name(device), props.multi_processor_count,
-                                causal_blocks(seq, batch, heads[0]), [])
+                                causal_blocks(seq, batch, heads[0]), kernel, [])
 
     say(f"mpfa: building the prefill inputs ({seq} tokens)")
     inputs = _prefill_inputs(workload, device)
     torch.cuda.synchronize()
-    for label, ablation, removed in LADDER:
+    for label, ablation, removed in ladder:
         row = LadderRow(label, ablation.name, removed)
         try:
             def run(_index: int, ablation=ablation) -> "torch.Tensor":
-                return mpfa_prefill_ablated(ablation, max_seqlen_q=seq, causal=True, **inputs)
+                return mpfa_prefill_ablated(ablation, max_seqlen_q=seq, causal=True, kernel=kernel, **inputs)
 
             say(f"mpfa {label}: compile + first call, then timing")
             measurement = measure(run, 1)
@@ -265,7 +278,7 @@ def table_rows(result: CharacterizeResult) -> tuple[list[str], list[list[str]]]:
         t = row.timing
         share = shares.get(row.removed) if row.removed else None
         rows.append([
-            f"mpfa {row.label}", row.removed or "-", _cell(t and t.median_ms),
+            f"mpfa {result.kernel} {row.label}", row.removed or "-", _cell(t and t.median_ms),
             "-" if t is None else f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", _cell(result.per_block_us(t and t.median_ms), 2),
             "-" if t is None or not full else f"{t.median_ms / full:.2f}",
             "-" if share is None else f"{row.removed} {100 * share.fraction:+.1f}%",
@@ -286,7 +299,7 @@ def render_characterize(result: CharacterizeResult, console) -> None:
 
     w = result.workload
     headers, rows = table_rows(result)
-    table = Table(title=f"MpFA prefill characterization: {w.seq} tokens, batch {w.batch}, {w.q_heads}:{w.kv_heads} "
+    table = Table(title=f"MpFA prefill ({result.kernel}) characterization: {w.seq} tokens, batch {w.batch}, {w.q_heads}:{w.kv_heads} "
                         f"heads, d={w.head_dim}, causal — {result.device}, {result.num_sms} SMs, "
                         f"{result.blocks:,} blocks of 128x128")
     for i, header in enumerate(headers):
@@ -301,8 +314,10 @@ def render_characterize(result: CharacterizeResult, console) -> None:
     parts = ", ".join(f"{s.piece} {100 * s.fraction:.1f}% ({s.ms:.3f} ms)" for s in shares)
     summary = summary_fractions(shares)
     console.print(f"shares of the full kernel: {parts}")
+    dequant = ("in the operand pass (not ablated)" if summary["dequant"] is None
+               else f"{100 * summary['dequant']:.1f}%")
     console.print(f"softmax {100 * summary['softmax']:.1f}% (exp2 {100 * summary['exp2']:.1f}%, row statistics "
-                  f"{100 * summary['rowstats']:.1f}%), dequantization {100 * summary['dequant']:.1f}%, MMA + loads "
+                  f"{100 * summary['rowstats']:.1f}%), dequantization {dequant}, MMA + loads "
                   f"<= {100 * summary['mma_upper_bound']:.1f}%")
     if result.json_path:
         console.print(f"raw results: {result.json_path}")

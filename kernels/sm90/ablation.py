@@ -1,8 +1,9 @@
-"""Compile-time ablations of the sm90 prefill kernel, for timing only (the MpFA paper's Fig. 3 method).
+"""Compile-time ablations of the sm90 prefill kernels, for timing only (the MpFA paper's Fig. 3 method).
 
-An `Ablation` removes pieces of the per-tile work from `prefill.PrefillSm90` at compile time; the time saved is
-what the piece costs. Each removed piece is replaced by a cheap operation on the same inputs, so every load stays
-live and the output still depends on the whole tile loop (nothing lets the compiler delete the loop):
+An `Ablation` removes pieces of the per-tile work at compile time from v1 (`prefill.PrefillSm90`, `LADDER`) or
+from the v7 kernels (`prefill_wgmma_pre`, the default prefill: `PRE_LADDER`); the time saved is what the piece
+costs. Each removed piece is replaced by a cheap operation on the same inputs, so every load stays live and the
+output still depends on the whole tile loop (nothing lets the compiler delete the loop). In v1:
 
 * ``exp2=False``: P = max(lam S - lam m, -126) and alpha likewise (an FMNMX instead of ``ex2.approx``; row max,
   row sum and rescale stay);
@@ -13,7 +14,13 @@ live and the output still depends on the whole tile loop (nothing lets the compi
 * ``pv=False``: no V transpose, no e4m3 packing of P, no PV MMAs; P is added into 16 of the O registers and the
   V words of the tile, XOR-folded, into one more (the V loads stay).
 
-Occupancy: the full kernel's 255 registers allow 2 CTAs (8 warps) per SM; removing pieces frees registers (the
+In the v7 kernels (`PrefillSm90WgmmaWsWideTile._softmax` / `_pv_gemm`) ``exp2`` and ``rowstats`` are v1's (the
+alphas 1 without row statistics); ``pv=False`` keeps P's e4m3 packing and replaces the PV wgmma groups by
+`fold_p_words` and empty groups (the operand images' V^T is still copied, not read); there is no ``dequant``:
+their K expansion runs once per prefill in the operand pass, timed with every rung. They hold one CTA per SM by
+their shared memory (160 KB), ablated or not, so they need no padding.
+
+Occupancy (v1): the full kernel's 255 registers allow 2 CTAs (8 warps) per SM; removing pieces frees registers (the
 last ladder step needs ~122, which would allow 4 CTAs), and more warps per SM would hide latency the full kernel
 cannot hide, crediting the removed piece with an occupancy gain. So every ablated kernel launches with
 ``OCCUPANCY_PAD_BYTES`` of unused dynamic shared memory: at most 2 CTAs fit an H100/H200 SM (228 KB), as for the
@@ -63,6 +70,15 @@ LADDER: tuple[tuple[str, Ablation, str | None], ...] = (
 )
 
 
+# The v7 kernels' ladder: their K is expanded in the operand pass (no dequantization in the attention kernel).
+PRE_LADDER: tuple[tuple[str, Ablation, str | None], ...] = (
+    ("full", FULL, None),
+    ("-exp2", Ablation(exp2=False), "exp2"),
+    ("-exp2 -rowstats", Ablation(exp2=False, rowstats=False), "rowstats"),
+    ("QK MMA + copies only", Ablation(exp2=False, rowstats=False, pv=False), "pv"),
+)
+
+
 # --- replacement math (plain functions traced inline by `prefill.PrefillSm90`, like `prefill_tile`) -------------
 
 def no_exp2(x):
@@ -98,6 +114,25 @@ def qk_ntile_raw(a_steps: list, k_words: list, k_scale_pair, c_regs: list) -> li
 def plain_probs(scores: list, lam_scaled, exp2) -> list:
     """``rowstats=False``: P = exp2(lam S) (``exp2`` may be `no_exp2`), no max, no sum."""
     return [[exp2(score * lam_scaled) for score in n_tile] for n_tile in scores]
+
+
+def fold_p_words(acc, frags: list, fresh: bool) -> None:
+    """``pv=False`` on the v7 kernels (`PrefillSm90WgmmaWsWideTile._pv_gemm`): each 4-byte word of the P fragments
+    ``frags`` (e4m3 P in the PV wgmma's A layout), as FP32 bits with the exponent cleared (finite), into the
+    accumulator register of its index (``fresh``: set, else added); the accumulator's other registers keep their
+    values (the kernels zero it before the walk)."""
+    import cutlass.cute as cute
+    from cutlass import Uint32
+
+    from mpfa.kernels.sm90.ptx import bits_to_f32
+
+    words = []
+    for frag in frags:
+        frag_words = cute.recast_tensor(frag, Uint32)
+        words += [frag_words[i] for i in range(cute.size(frag_words))]
+    for i, word in enumerate(words):
+        value = bits_to_f32(word & Uint32(0x807FFFFF))
+        acc[i] = value if fresh else acc[i] + value
 
 
 def fold_without_pv(acc: list, probs: list, v_rows: list) -> list:

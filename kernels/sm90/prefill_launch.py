@@ -97,6 +97,7 @@ PRE_KERNELS = {  # v6n's consumers on operand images expanded once per prefill (
     "v7f": "PrefillSm90WgmmaPreOverlapPingPong",  # v7d with the consumers' wgmma issues taking turns (v7's output)
     "v7g": "PrefillSm90WgmmaPreOverlapPolyExpPingPong",  # v7e with v7f's turns (v7e's output)
 }
+ABLATION_KERNELS = ("v1", *PRE_KERNELS)  # the kernels with compile-time timing ablations (`ablation`)
 DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
 # the wgmma kernel's variants: warpgroups per CTA computing rows (v6*, v7: its consumers; the CTA has one producer
 # warpgroup more, v6g / v6h / v6m two)
@@ -169,14 +170,13 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
                            out_dtype: str = "BFloat16", ablation=None, kernel: str | None = None,
                            compensate: bool = True):
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
-    `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless; v1
-    only). ``kernel``: "v1", "v2" or "v2w8"; None: v1 with an ablation, else `prefill_kernel`
-    (``MPFA_PREFILL_KERNEL``); the wgmma kernels ("v3" .. "v6n") only for pages of >= 64 keys and the GQA groups
-    `wgmma_groups` gives. ``compensate`` False: the direct build (no Delta_S, for timing the compensation)."""
-    name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size,
-                          "v1" if kernel is None and ablation is not None else kernel)
-    if name != "v1" and ablation is not None:
-        raise ValueError("the compile-time ablations exist for the v1 prefill kernel only")
+    `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless;
+    `ABLATION_KERNELS` only). ``kernel``: see `prefill_kernel` (None: ``MPFA_PREFILL_KERNEL``, else the default for
+    the shape); the wgmma kernels ("v3" .. "v7g") only for pages of >= 64 keys and the GQA groups `wgmma_groups`
+    gives. ``compensate`` False: the direct build (no Delta_S, for timing the compensation)."""
+    name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size, kernel)
+    if ablation is not None:
+        check_ablation(ablation, name)
     if name in WGMMA_WARPGROUPS:
         check_wgmma_shape(group, page_size, name)
     return _compile_prefill_kernel(num_kv_heads, group, page_size, causal, out_dtype, ablation, name,
@@ -208,7 +208,8 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
 
         images = fake_tensor(u8, (None, pre.IMAGE_BYTES)), fake_tensor(Int32, (None,), align=4)  # (+ image_starts)
         operand_pass = pre.OperandPass(num_kv_heads, group, page_size, causal, out_dtype, compensate)
-        attention = getattr(pre, PRE_KERNELS[kernel])(num_kv_heads, group, page_size, causal, out_dtype, compensate)
+        attention = getattr(pre, PRE_KERNELS[kernel])(num_kv_heads, group, page_size, causal, out_dtype, compensate,
+                                                      ablation=FULL if ablation is None else ablation)
         assert attention.block_m == kernel_block_m(group, kernel)
         return (compile_kernel(operand_pass, *cache, lengths[1], images[1], images[0], Int32(1), Int32(1)),
                 compile_kernel(attention, *query, *images, Int32(1), *lengths, out, Float32(1.0), Int32(1)))
@@ -229,6 +230,23 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
         launcher = prefill.PrefillSm90(num_kv_heads, group, page_size, causal, out_dtype,
                                        FULL if ablation is None else ablation, compensate)
     return compile_kernel(launcher, *query, *cache, *lengths, out, Float32(1.0), Int32(1))
+
+
+def ablation_ladder(kernel: str) -> tuple:
+    """The cumulative ablation ladder of prefill ``kernel`` (`ablation.LADDER` for v1, `ablation.PRE_LADDER` for the
+    v7 kernels); a clear error for the others."""
+    from mpfa.kernels.sm90.ablation import LADDER, PRE_LADDER
+
+    _require(kernel in ABLATION_KERNELS, f"the compile-time ablations exist for the {', '.join(ABLATION_KERNELS)} "
+                                         f"prefill kernels, got {kernel} (pin one with {KERNEL_ENV})")
+    return LADDER if kernel == "v1" else PRE_LADDER
+
+
+def check_ablation(ablation, kernel: str) -> None:
+    """``ablation`` removes only pieces that ``kernel`` has (the v7 kernels' K expansion is the operand pass's)."""
+    ablation_ladder(kernel)
+    _require(kernel == "v1" or ablation.dequant,
+             f"the {kernel} prefill has no dequantization to ablate: its K is expanded in the operand pass")
 
 
 def _require(condition: bool, message: str) -> None:
@@ -302,13 +320,14 @@ def mpfa_prefill(
 def mpfa_prefill_ablated(ablation, query: CenteredQuery, cache: MpfaKVCache, page_table: torch.Tensor,
                          cu_seqlens_q: torch.Tensor, seq_lens_k: torch.Tensor, **kwargs) -> torch.Tensor:
     """`mpfa_prefill` on a kernel with the pieces ``ablation`` (`ablation.Ablation`) removes: for timing the pieces
-    only (`mpfa profile characterize`); its output is meaningless unless ``ablation`` is `ablation.FULL`. The
-    ablations exist for v1, so every rung of the ladder (`FULL` included) runs v1 whatever ``MPFA_PREFILL_KERNEL``."""
+    only (`mpfa profile characterize`); its output is meaningless unless ``ablation`` is `ablation.FULL`. The kernel
+    is ``kernel=`` or `mpfa_prefill`'s (``MPFA_PREFILL_KERNEL``, else the shape's default), one of
+    `ABLATION_KERNELS`."""
     from mpfa.kernels.sm90.ablation import Ablation
 
     _require(isinstance(ablation, Ablation), f"ablation must be an Ablation, got {ablation!r}")
     return _prefill(None if ablation.is_full else ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k,
-                    **{**kwargs, "kernel": "v1"})
+                    **kwargs)
 
 
 def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, max_seqlen_q=None, causal=True,

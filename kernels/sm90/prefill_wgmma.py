@@ -590,13 +590,15 @@ class PrefillSm90Wgmma(PrefillSm90Staged):
 
 
 def softmax_update(scores: list, state: cute.Tensor, lam_scaled, p_scale_log2: float = 0.0,
-                   lane_max: list | None = None, poly_every: int = 0) -> tuple:
+                   lane_max: list | None = None, poly_every: int = 0, exp2=None) -> tuple:
     """The online softmax of one tile's scores (exact alpha), rows' maxima and sums updated in ``state[0:4]``
     -> (P in the scores' layout, alphas); P and the sums times 2**``p_scale_log2``; ``lane_max``: the scores' lane
-    maxima if taken already, ``poly_every``: every n-th P on the FMA pipe (`prefill_tile.online_softmax`)."""
+    maxima if taken already, ``poly_every``: every n-th P on the FMA pipe, ``exp2``: the timing ablations'
+    replacement (`prefill_tile.online_softmax`)."""
     probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, [state[0], state[1]], [state[2], state[3]],
-                                                             lam_scaled, exact_alpha=True, p_scale_log2=p_scale_log2,
-                                                             lane_max=lane_max, poly_every=poly_every)
+                                                             lam_scaled, exp2=exp2, exact_alpha=True,
+                                                             p_scale_log2=p_scale_log2, lane_max=lane_max,
+                                                             poly_every=poly_every)
     for r in range(2):
         state[r] = m_rows[r]
         state[2 + r] = l_rows[r]

@@ -29,8 +29,8 @@ from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import warpgroup
 
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, _gemm,
-                                             softmax_update)
+from mpfa.kernels.sm90.ablation import FULL, Ablation
+from mpfa.kernels.sm90.prefill_wgmma import HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS
 from mpfa.kernels.sm90.prefill_wgmma_ws import (ROW_SUM_COLUMNS, ROW_SUM_UNITS, ConsumerPingPong,
                                                 PrefillSm90WgmmaWsWideTile, PrefillSm90WgmmaWsWideTileMmaSum,
                                                 ds_staged_read, fold_pv, stage_parity)
@@ -142,9 +142,11 @@ class PrefillSm90WgmmaPre(PrefillSm90WgmmaWsWideTileMmaSum):
     operand_stages = PRE_OPERAND_STAGES
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
-                 compensate: bool = True, warpgroups: int = 2):
+                 compensate: bool = True, warpgroups: int = 2, ablation: Ablation = FULL):
+        """``ablation``: the pieces a timing-only build removes (`ablation.PRE_LADDER`; `FULL`: the real kernel)."""
         check_group(group)
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate, warpgroups)
+        self.ablation = ablation
         assert self.operand_stage_bytes == IMAGE_BYTES and IMAGE_BYTES == 16 * THREADS * UNITS_PER_THREAD
         self.barrier_offset = self.offsets[3]  # no ring after the operand stages
         self.exponent_offset = None  # no per-stage slot: each image carries its tile's K exponent (`EXPONENT_OFFSET`)
@@ -330,10 +332,10 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
             v1 = cutlass.select_(pending[1] >= 0, pending[1], v0)
             (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, v0)
             (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, v1)
-            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False, extra=((frag_p1, frag_vt1),))
+            self._pv_gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False, extra=((frag_p1, frag_vt1),))
             self._qk_issued()  # (v7f) the step's turn covers its three wgmma groups
             scores, lane_max = self._pair_scores(s0, s1, (tile_scale0, tile_scale1), pipe, 1)  # under that PV
-            probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2, lane_max, self.poly_exp_every)
+            probs, alphas = self._softmax(scores, state, lam, lane_max, self.poly_exp_every)
             warpgroup.wait_group(0)  # step j - 1's PV: its P registers and V^T stages are free
             self._release_pending(pending, bars)
             self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
@@ -361,7 +363,7 @@ class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
         if pending[0] >= 0:
             (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, pending[0])
             (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, pending[1])
-            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, extra=((frag_p1, frag_vt1),))
+            self._pv_gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, extra=((frag_p1, frag_vt1),))
             fold_pv(acc_o, acc_pv, [state[self._NEXT_ALPHA + r] for r in range(2)])
             self._release_pending(pending, bars)
 

@@ -60,6 +60,7 @@ from cutlass.cute.nvgpu import warpgroup
 
 from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
+from mpfa.kernels.sm90.ablation import FULL, fold_p_words, no_exp2, plain_probs
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, _gemm,
@@ -778,6 +779,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     operand_stages = WIDE_OPERAND_STAGES
     any_group = True  # 4 heads x 16 rows or (group 5) 1 head x 64 rows per consumer warpgroup
     deferred_fold = False  # v7b: a step's PV folded into O in the next step, under that step's QK wgmmas
+    ablation = FULL  # the v7 kernels' timing ablations (`_softmax`, `_pv_gemm`; `ablation.PRE_LADDER`)
     _PENDING_ALPHA = 7  # (deferred_fold) the state's slots for the pending fold's alphas, rows g and g + 8
 
     def staged_ds_bytes(self) -> int:
@@ -894,16 +896,16 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             if cutlass.const_expr(self.deferred_fold):  # the previous step's fold, under both QKs (placed after
                 self._fold_pending(acc_o, acc_pv, state)  # the first, ptxas put it between its k-steps)
             scores, lane_max = self._pair_scores(s0, s1, (tile_scale0, tile_scale1), pipe, 0)
-        probs, alphas = softmax_update(scores, state, lam, self.p_scale_log2, lane_max)
+        probs, alphas = self._softmax(scores, state, lam, lane_max)
         self._p_operand(probs[:N_BLOCKS], cute.recast_tensor(frag_p, Uint32))
         (frag_vt0,) = self._vt_fragments(thr_pv, smem_ptr, s0)
         if cutlass.const_expr(single):
-            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True)
+            self._pv_gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True)
         else:
             self._p_operand(probs[N_BLOCKS:], cute.recast_tensor(frag_p1, Uint32))
             (frag_vt1,) = self._vt_fragments(thr_pv, smem_ptr, s1)
-            _gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False)
-            _gemm(mma_pv, acc_pv, frag_p1, frag_vt1)
+            self._pv_gemm(mma_pv, acc_pv, frag_p, frag_vt0, fresh=True, wait=False)
+            self._pv_gemm(mma_pv, acc_pv, frag_p1, frag_vt1)
         if cutlass.const_expr(self.deferred_fold):
             for r in cutlass.range_constexpr(2):
                 state[self._PENDING_ALPHA + r] = alphas[r]
@@ -913,6 +915,28 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         if cutlass.const_expr(not single):
             cute.arch.mbarrier_arrive(bars + self.operand_stages + s1)
 
+
+    def _softmax(self, scores: list, state: cute.Tensor, lam, lane_max: list, poly_every: int = 0) -> tuple:
+        """A step's online softmax (`softmax_update`: P times 448, every ``poly_every``-th P on the FMA pipe) ->
+        (P, alphas). Ablations (timing only): ``exp2`` off, exp2 by `ablation.no_exp2`; ``rowstats`` off, P =
+        exp2(lam S) with no maximum, sum or rescale (alphas 1, the state untouched)."""
+        exp2 = None if self.ablation.exp2 else no_exp2
+        if not self.ablation.rowstats:
+            return plain_probs(scores, lam, exp2 or tile_math.exp2_approx), [Float32(1.0), Float32(1.0)]
+        return softmax_update(scores, state, lam, self.p_scale_log2, lane_max, poly_every, exp2)
+
+    def _pv_gemm(self, mma_pv, acc_pv: cute.Tensor, frag_p: cute.Tensor, frag_vt: cute.Tensor,
+                 fresh: bool = False, wait: bool = True, extra=None) -> None:
+        """The PV wgmma group (`_gemm`). Ablation ``pv`` off (timing only): no wgmma; each P word, as FP32 bits with
+        the exponent cleared, into one accumulator register (`ablation.fold_p_words`: P stays live), and an empty
+        group committed (and waited for) in its place, so that the later ``wait_group`` counts stay."""
+        if self.ablation.pv:
+            _gemm(mma_pv, acc_pv, frag_p, frag_vt, fresh=fresh, wait=wait, extra=extra)
+            return
+        fold_p_words(acc_pv, [frag_p, *(pair[0] for pair in extra or ())], fresh)
+        warpgroup.commit_group()
+        if wait:
+            warpgroup.wait_group(0)
 
     def _issue_qk(self, masked: bool, step, cta_tiles, pipe: tuple, acc_s: cute.Tensor, take_turn: bool = True,
                   hand_over: bool = True) -> tuple:

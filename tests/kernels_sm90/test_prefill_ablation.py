@@ -1,8 +1,9 @@
-"""Compile-time ablations of the sm90 prefill kernel (`kernels/sm90/ablation.py`, timing only): every step of the
-ladder compiles for sm_90a on a CPU-only machine, removes what it says (SASS instruction counts) while keeping
-every load (the loop is not deleted), and the ablation parameter leaves the real kernel's code unchanged. Each
-compile runs in a fresh process with its own dump folder (the DSL reads its dump settings once at import and
-names the files after the class, so two ablations in one process would overwrite each other's dumps)."""
+"""Compile-time ablations of the sm90 prefill kernels (`kernels/sm90/ablation.py`, timing only): every step of v1's
+ladder and of the v7 kernels' (the default, v7c) compiles for sm_90a on a CPU-only machine, removes what it says
+(SASS instruction counts) while keeping every load (the loop is not deleted), and the ablation parameter leaves
+the real kernel's code unchanged. Each compile runs in a fresh process with its own dump folder (the DSL reads its
+dump settings once at import and names the files after the class, so two ablations in one process would overwrite
+each other's dumps)."""
 
 from __future__ import annotations
 
@@ -19,8 +20,10 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
-from mpfa.kernels.sm90.ablation import FULL, LADDER, OCCUPANCY_PAD_BYTES, Ablation  # noqa: E402
-from mpfa.kernels.sm90.prefill_launch import mpfa_prefill, mpfa_prefill_ablated  # noqa: E402
+from mpfa.kernels.sm90.ablation import FULL, LADDER, OCCUPANCY_PAD_BYTES, PRE_LADDER, Ablation  # noqa: E402
+from mpfa.kernels.sm90.prefill_launch import (PRE_KERNELS, ablation_ladder, compile_prefill_kernel,  # noqa: E402
+                                              mpfa_prefill, mpfa_prefill_ablated)
+from mpfa.kernels.sm90.sass import mma_loops  # noqa: E402
 
 CONFIG = (8, 4, 128, True, "BFloat16")  # Llama-3.1-8B causal, the characterize shape
 
@@ -32,9 +35,9 @@ def _cuobjdump(*args: str) -> str:
     return subprocess.run([str(tool), *args], check=True, capture_output=True, text=True).stdout
 
 
-def _compile(dump: Path, call: str) -> tuple[str, Path]:
-    """Run ``call`` (a compile_prefill_kernel call) in a fresh process -> (PTX text, cubin path); the host MLIR
-    stays in ``dump``."""
+def _compile(dump: Path, call: str, kernel_class: str = "Prefill") -> tuple[str, Path]:
+    """Run ``call`` (a compile_prefill_kernel call) in a fresh process -> (PTX text, cubin path) of the kernel
+    whose class name starts with ``kernel_class``; the host MLIR stays in ``dump``."""
     dump.mkdir(parents=True, exist_ok=True)
     code = ("from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel\n"
             "from mpfa.kernels.sm90.ablation import Ablation\n" + call + "\n")
@@ -42,7 +45,7 @@ def _compile(dump: Path, call: str) -> tuple[str, Path]:
     env = {**clean, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin,ir", "CUTE_DSL_DUMP_DIR": str(dump)}
     result = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
     assert result.returncode == 0, result.stderr[-4000:]
-    (ptx,), (cubin,) = list(dump.glob("*Prefill*.ptx")), list(dump.glob("*Prefill*.cubin"))
+    (ptx,), (cubin,) = list(dump.glob(f"*{kernel_class}*.ptx")), list(dump.glob(f"*{kernel_class}*.cubin"))
     return ptx.read_text(), cubin
 
 
@@ -59,8 +62,53 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Pat
     root = tmp_path_factory.mktemp("ablation")
     found = {"default": _compile(root / "default", f"compile_prefill_kernel(*{CONFIG!r}, kernel='v1')")}
     for _label, ablation, _removed in LADDER:
-        found[ablation.name] = _compile(root / ablation.name, f"compile_prefill_kernel(*{CONFIG!r}, {ablation!r})")
+        found[ablation.name] = _compile(root / ablation.name,
+                                        f"compile_prefill_kernel(*{CONFIG!r}, {ablation!r}, kernel='v1')")
     return found
+
+
+@pytest.fixture(scope="module")
+def pre_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """SASS of v7c's attention kernel (the default prefill) at every rung of `PRE_LADDER` but the full one (the
+    real kernel: `test_prefill_v7_compile.py`)."""
+    root = tmp_path_factory.mktemp("pre_ablation")
+    found = {}
+    for _label, ablation, _removed in PRE_LADDER[1:]:
+        _, cubin = _compile(root / ablation.name, f"compile_prefill_kernel(*{CONFIG!r}, {ablation!r}, kernel='v7c')",
+                            "PrefillSm90WgmmaPre")
+        found[ablation.name] = _cuobjdump("--dump-sass", str(cubin)), _cuobjdump("--dump-resource-usage", str(cubin))
+    return found
+
+
+@pytest.mark.parametrize("step", [ablation for _label, ablation, _removed in PRE_LADDER[1:]], ids=lambda a: a.name)
+def test_v7_ablations_remove_their_piece(pre_builds, step):
+    """v7c's loops (masked, whole) at each rung: no local memory; exp2 off, no MUFU (one FMNMX clamp each
+    instead); row statistics off, fewer instructions than the rung before; PV off, no PV wgmma (its k-steps
+    m64n136k32), the QK's 8 wgmmas kept."""
+    sass, usage = pre_builds[step.name]
+    assert re.search(r"LOCAL:0\b", usage), usage
+    loops = mma_loops(sass)
+    assert len(loops) == 2
+    for body in loops:
+        assert not any(op.startswith(("STL", "LDL", "MUFU")) for op in body)
+        assert sum(op.startswith("QGMMA.64x64x32") for op in body) == 8
+        assert sum(op.startswith("QGMMA.64x136x32") for op in body) == (4 if step.pv else 0)
+    if not step.rowstats:
+        before = [len(body) for body in mma_loops(pre_builds[Ablation(exp2=False).name][0])]
+        assert all(len(body) < n for body, n in zip(loops, before))
+
+
+def test_v7_ladder_and_its_limits():
+    """The v7 kernels' ladder (no dequantization: their K is expanded in the operand pass) and clear errors for the
+    kernels without ablations or a piece the kernel has not."""
+    assert all(ablation_ladder(kernel) is PRE_LADDER for kernel in PRE_KERNELS) and ablation_ladder("v1") is LADDER
+    assert PRE_LADDER[0][1] == FULL and [removed for *_, removed in PRE_LADDER] == [None, "exp2", "rowstats", "pv"]
+    with pytest.raises(ValueError, match="ablations exist for the v1, v7, v7b, .* prefill kernels, got v3w8c"):
+        ablation_ladder("v3w8c")
+    with pytest.raises(ValueError, match="no dequantization to ablate: its K is expanded in the operand pass"):
+        compile_prefill_kernel(*CONFIG, Ablation(dequant=False), "v7c")
+    with pytest.raises(ValueError, match="got v2"):
+        compile_prefill_kernel(*CONFIG, Ablation(exp2=False), "v2")
 
 
 def test_default_build_is_unchanged_by_the_ablation_parameter(builds):

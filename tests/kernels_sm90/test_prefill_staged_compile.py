@@ -195,13 +195,6 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch):
     assert kernel_block_m(5, "v2") == kernel_block_m(5, "v2w8") == 64  # 40:8 keeps the 4-warp shape
 
 
-def test_ablations_stay_on_v1():
-    from mpfa.kernels.sm90.ablation import Ablation
-
-    with pytest.raises(ValueError, match="v1 prefill kernel only"):
-        compile_prefill_kernel(8, 4, 128, True, "BFloat16", Ablation(exp2=False), "v2")
-
-
 def test_bench_backends_pin_the_prefill_kernel():
     """``--backend mpfa-v1,mpfa-v2,mpfa-v2w8`` times the prefill kernels in one run (the decode is the same)."""
     from mpfa.profiles.bench_kernels import bytes_read

@@ -57,23 +57,50 @@ def _result(medians, context=(("fa4-bf16", 57.2),)) -> ch.CharacterizeResult:
                            None if ms is not None else "RuntimeError: boom")
               for (label, ablation, removed), ms in zip(LADDER, medians)]
     rows = [ch.ContextRow(name, "a kernel", summarize([ms])) for name, ms in context]
-    return ch.CharacterizeResult(w, "NVIDIA H200", 132, ch.causal_blocks(65536, 1, 32), ladder, rows)
+    return ch.CharacterizeResult(w, "NVIDIA H200", 132, ch.causal_blocks(65536, 1, 32), "v1", ladder, rows)
 
 
 def test_table_rows_and_json(tmp_path):
     result = _result([288.0, 240.0, 200.0, 120.0, 60.0])
     headers, rows = ch.table_rows(result)
     assert headers[:5] == ["kernel", "removed", "median ms", "p20-p80 ms", "SM-us / 128x128 block"]
-    assert [row[0] for row in rows] == ["mpfa full", "mpfa -exp2", "mpfa -exp2 -rowstats",
-                                        "mpfa -exp2 -rowstats -dequant", "mpfa QK MMA + loads only", "fa4-bf16"]
+    assert [row[0] for row in rows] == ["mpfa v1 full", "mpfa v1 -exp2", "mpfa v1 -exp2 -rowstats",
+                                        "mpfa v1 -exp2 -rowstats -dequant", "mpfa v1 QK MMA + loads only", "fa4-bf16"]
     assert rows[1][6] == "exp2 +16.7%" and rows[0][7] == "real kernel" and "meaningless" in rows[1][7]
     assert rows[-1][5] == f"{57.2 / result.ladder[0].timing.median_ms:.2f}"
     path = result.write_json(tmp_path)
     data = json.loads(path.read_text())
-    assert data["kind"] == "characterize" and data["blocks_128x128"] == result.blocks
+    assert data["kind"] == "characterize" and data["blocks_128x128"] == result.blocks and data["kernel"] == "v1"
+    assert path.name == "characterize-v1-s65536-b1-h32x8-d128.json"
     assert [s["piece"] for s in data["shares"]] == ["exp2", "rowstats", "dequant", "pv", "qk+rest"]
     assert data["ladder"][0]["sm_us_per_block"] == pytest.approx(result.per_block_us(288.0 * 1.005), rel=1e-6)
     assert data["summary"]["softmax"] == pytest.approx((48.0 + 40.0) / 288.0)
+
+
+def test_v7_ladder_report_has_no_dequantization_step():
+    """The v7 kernels' ladder (`ablation.PRE_LADDER`): shares of exp2, row statistics, PV and the rest; the summary
+    says the dequantization is the operand pass's instead of a 0% share."""
+    from rich.console import Console
+
+    from mpfa.kernels.sm90.ablation import PRE_LADDER
+
+    w = AttentionWorkload("prefill", 65536, 1, 32, 8, 128)
+    ladder = [ch.LadderRow(label, ablation.name, removed, summarize([ms]), 3.0)
+              for (label, ablation, removed), ms in zip(PRE_LADDER, [47.0, 40.0, 36.0, 30.0])]
+    result = ch.CharacterizeResult(w, "NVIDIA H200", 132, ch.causal_blocks(65536, 1, 32), "v7c", ladder)
+    assert [s.piece for s in result.shares()] == ["exp2", "rowstats", "pv", "qk+rest"]
+    assert ch.summary_fractions(result.shares())["dequant"] is None
+    console = Console(width=200, record=True)
+    ch.render_characterize(result, console)
+    text = console.export_text()
+    assert "MpFA prefill (v7c)" in text and "mpfa v7c QK MMA + copies only" in text
+    assert "dequantization in the operand pass (not ablated)" in text and "exp2 14.9%" in text
+
+
+def test_a_kernel_without_ablations_is_a_clear_error(monkeypatch, tmp_path):
+    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v3w8c")
+    with pytest.raises(ValueError, match="ablations exist for the v1, v7, .* got v3w8c"):
+        ch.run_characterize(4096, out_dir=tmp_path / "out")
 
 
 def test_a_failed_step_leaves_shares_out():
