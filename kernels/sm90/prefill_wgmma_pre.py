@@ -268,6 +268,15 @@ class PrefillSm90WgmmaPreBulk(PrefillSm90WgmmaPreDeferredFold):
                               IMAGE_BYTES, smem + self.barrier_offset + 8 * s)
 
 
+class PrefillSm90WgmmaPreBulkPingPong(ConsumerPingPong, PrefillSm90WgmmaPreBulk):
+    """v7h: v7c with the consumers' turns (`ConsumerPingPong`) around each step's two QK wgmmas only: the turn is
+    taken after the first stage's ``full`` wait and handed over once the second QK is issued (an odd walk's first
+    step: around its one QK). With v7d (the PV under the next softmax, no turns) and v7f (both) it separates what
+    the turns and the overlap each give. Only the issue order changes: **v7's output bit for bit**. No deadlock:
+    v7f's argument with v7c's releases (each pair's stages at the end of its own step, earlier than v7f's);
+    `_pipeline_completes(..., pingpong=True)` in the compile tests."""
+
+
 OVERLAP_REGS = (24, 240)  # v7d's setmaxnreg: the one producer thread needs few; 24 + 2 x 240 = 504 = 3 x 168
 
 

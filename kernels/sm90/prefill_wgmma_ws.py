@@ -884,7 +884,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         ring, fixed, second, acc_pv, state, lam, ds_lane, limits, c, smem_ptr, bars = pipe[:11]
         mma_qk, mma_pv, thr_qk, thr_pv, frag_q, frag_p, acc_s, acc_o = fixed
         acc_s1, frag_p1 = second
-        s0, tile_scale0 = self._issue_qk(masked, step, cta_tiles, pipe, acc_s)
+        s0, tile_scale0 = self._issue_qk(masked, step, cta_tiles, pipe, acc_s, hand_over=single)
         lane_max = None
         if cutlass.const_expr(single):
             if cutlass.const_expr(self.deferred_fold):  # the previous step's fold, under this QK
@@ -892,7 +892,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
             warpgroup.wait_group(0)
             scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
         else:
-            s1, tile_scale1 = self._issue_qk(masked, step + 1, cta_tiles, pipe, acc_s1)
+            s1, tile_scale1 = self._issue_qk(masked, step + 1, cta_tiles, pipe, acc_s1, take_turn=False)
             if cutlass.const_expr(self.deferred_fold):  # the previous step's fold, under both QKs (placed after
                 self._fold_pending(acc_o, acc_pv, state)  # the first, ptxas put it between its k-steps)
             scores, lane_max = self._pair_scores(s0, s1, (tile_scale0, tile_scale1), pipe, 0)

@@ -252,16 +252,17 @@ def test_v7_direct_build_is_v6n_direct(gen, kernel):
     assert torch.equal(out, v1_tests._run(problem, True, kernel="v6n", compensate=False))
 
 
-@pytest.mark.parametrize("kernel", ["v7b", "v7c", "v7d", "v7f"])
+@pytest.mark.parametrize("kernel", ["v7b", "v7c", "v7d", "v7f", "v7h"])
 @pytest.mark.parametrize("num_q_heads,q_lens,kv_lens,page_size,causal",
                          [(32, *LONG_CAUSAL_BATCH), *v3_tests.SHAPES],
                          ids=["32:8-long-causal-batch", *v3_tests.SHAPE_IDS])
-def test_v7b_v7c_v7d_v7f_are_v7(gen, kernel, num_q_heads, q_lens, kv_lens, page_size, causal):
+def test_v7_variants_are_v7(gen, kernel, num_q_heads, q_lens, kv_lens, page_size, causal):
     """v7b (v7 with each step's fold deferred under the next step's QK wgmmas, the last after the walk), v7c (v7b
     with each image one bulk copy, completed on ``full`` by its bytes), v7d (v7c with each step's PV under the
-    next step's softmax, its stages held until then) and v7f (v7d with the consumers taking turns at their wgmma
-    issues): v7's output bit for bit at 32:8 and 40:8, odd and even walks, masked and whole steps; a hang in v7c is
-    its bulk copies' barrier, in v7d its held stages, in v7f alone its turns."""
+    next step's softmax, its stages held until then), v7f (v7d with the consumers taking turns at their wgmma
+    issues) and v7h (v7c with turns around its QKs): v7's output bit for bit at 32:8 and 40:8, odd and even walks,
+    masked and whole steps; a hang in v7c is its bulk copies' barrier, in v7d its held stages, in v7f or v7h alone
+    their turns."""
     problem = v1_tests._problem(gen, q_lens, kv_lens, num_q_heads, 8, page_size)
     out = v1_tests._run(problem, causal, kernel=kernel)
     assert bool(torch.isfinite(out).all()), "NaN/Inf in the output (or rows left unwritten)"

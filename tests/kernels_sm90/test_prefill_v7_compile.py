@@ -27,19 +27,21 @@ v6_tests = load("test_prefill_v6_compile.py", "_prefill_v6_compile_v7")
 CONFIG = (8, 4, 128, True, "BFloat16")
 OVERLAP_KERNELS = ("v7d", "v7e", "v7f", "v7g")  # each step's PV under the next step's softmax
 POLY_EXP_KERNELS = ("v7e", "v7g")  # a quarter of P on the FMA pipe
-TURN_KERNELS = ("v7f", "v7g")  # the consumers' ping-pong
+TURN_KERNELS = ("v7f", "v7g", "v7h")  # the consumers' ping-pong
 
 
 @pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b"),
                                         (5, True, "v7c"), (4, True, "v7d"), (5, False, "v7d"), (4, True, "v7e"),
-                                        (5, True, "v7e"), (4, True, "v7f"), (5, True, "v7f"), (4, True, "v7g")],
+                                        (5, True, "v7e"), (4, True, "v7f"), (5, True, "v7f"), (4, True, "v7g"),
+                                        (4, True, "v7h")],
                 ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8", "v7d-32:8", "v7d-40:8-direct", "v7e-32:8",
-                     "v7e-40:8", "v7f-32:8", "v7f-40:8", "v7g-32:8"])
+                     "v7e-40:8", "v7f-32:8", "v7f-40:8", "v7g-32:8", "v7h-32:8"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
     """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), the
     direct build (no Delta_S copied, staged or read), v7b's (v7 with the fold deferred), v7c's (v7b with bulk
     copies), v7d's (v7c with each step's PV under the next step's softmax), v7e's (v7d with a quarter of P on
-    the FMA pipe), v7f's (v7d with the consumers' ping-pong) and v7g's (v7e with v7f's turns)."""
+    the FMA pipe), v7f's (v7d with the consumers' ping-pong), v7g's (v7e with v7f's turns) and v7h's (v7c with
+    turns around its QKs)."""
     group, compensate, kernel = request.param
     config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
@@ -93,14 +95,14 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
         c2 = f"{float(np.float32(EXP2_POLY[2])):.20f}"  # as the SASS prints an FP32 immediate
         cubic = [op for op in body if op.startswith("FFMA") and op.endswith(c2)]
         assert len(cubic) == poly_exps  # the cubic's first FFMA, c3 f + c2, once per P on the FMA pipe
-    if kernel in ("v7c", *OVERLAP_KERNELS):
+    if kernel in ("v7c", "v7h", *OVERLAP_KERNELS):
         _check_bulk_producer(sass)
-        if kernel == "v7c":
+        if kernel in ("v7c", "v7h"):
             _check_deferred_fold(consumer_loops[1])
         for body in consumer_loops if overlap else ():
             _check_overlap(body)
-            if kernel in TURN_KERNELS:
-                _check_turns(body)
+        for body in consumer_loops if kernel in TURN_KERNELS else ():
+            _check_turns(body)
         if kernel in TURN_KERNELS:
             _check_walk_turns(sass)
         return
@@ -203,9 +205,10 @@ def test_image_layout_packs_the_sequences_tiles():
 
 
 def _check_turns(body: list[str]) -> None:
-    """v7f's / v7g's step (masked or whole): its ping-pong turn taken (``bar.sync``, 256 threads) after the first stage's
-    ``full`` wait and before the first wgmma, handed over (``bar.arrive``) after the PV's last k-step and before the
-    first wait (`v6_tests._check_wide`: once each, no other barrier)."""
+    """v7f's / v7g's / v7h's step (masked or whole): its ping-pong turn taken (``bar.sync``, 256 threads) after the
+    first stage's ``full`` wait and before the first wgmma, handed over (``bar.arrive``) after the last wgmma issued
+    before the first wait (v7f, v7g: the PV's last k-step; v7h: the second QK's) and before that wait
+    (`v6_tests._check_wide`: once each, no other barrier)."""
     ops = [re.sub(r"^@!?P\d ", "", op) for op in body]
     (sync,) = [i for i, op in enumerate(ops) if op.startswith("BAR.SYNC")]
     (arrive,) = [i for i, op in enumerate(ops) if op.startswith("BAR.ARV")]
@@ -213,7 +216,7 @@ def _check_turns(body: list[str]) -> None:
     full_wait = next(i for i, op in enumerate(ops) if op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT"))
     first_wait = next(i for i, op in enumerate(ops) if op.startswith("WARPGROUP.DEPBAR"))
     assert ops[sync].endswith("0x100") and ops[arrive].endswith("0x100")
-    assert full_wait < sync < gmma[0] and gmma[-1] < arrive < first_wait
+    assert full_wait < sync < gmma[0] and max(i for i in gmma if i < first_wait) < arrive < first_wait
 
 
 def _check_walk_turns(sass: str) -> None:
@@ -316,6 +319,7 @@ def test_image_pipeline_never_deadlocks():
         assert _pipeline_completes(tiles, 8, lag=0, hold=True) and _pipeline_completes(tiles, 4, lag=0, hold=True)
         assert _pipeline_completes(tiles, 8, lag=0, hold=True, pingpong=True), tiles
         assert _pipeline_completes(tiles, 4, lag=0, hold=True, pingpong=True), tiles
+        assert _pipeline_completes(tiles, 8, lag=0, pingpong=True), tiles  # v7h
     assert not _pipeline_completes(5, 1, lag=0) and not _pipeline_completes(5, 2, lag=1)
     assert not _pipeline_completes(6, 3, lag=0, hold=True) and _pipeline_completes(6, 3, lag=0)
     assert not _pipeline_completes(6, 3, lag=0, hold=True, pingpong=True)
