@@ -120,7 +120,7 @@ def fold_p_words(acc, frags: list, fresh: bool) -> None:
     """``pv=False`` on the v7 kernels (`PrefillSm90WgmmaWsWideTile._pv_gemm`): each 4-byte word of the P fragments
     ``frags`` (e4m3 P in the PV wgmma's A layout), as FP32 bits with the exponent cleared (finite), into the
     accumulator register of its index (``fresh``: set, else added); the accumulator's other registers keep their
-    values (the kernels zero it before the walk)."""
+    values (zeros from before the walk in v7b .. v7h; in v7, whatever they held: its output is meaningless anyway)."""
     import cutlass.cute as cute
     from cutlass import Uint32
 

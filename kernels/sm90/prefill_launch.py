@@ -174,7 +174,7 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless;
     `ABLATION_KERNELS` only). ``kernel``: see `prefill_kernel` (None: ``MPFA_PREFILL_KERNEL``, else the default for
-    the shape); the wgmma kernels ("v3" .. "v7g") only for pages of >= 64 keys and the GQA groups `wgmma_groups`
+    the shape); the wgmma kernels ("v3" .. "v7h") only for pages of >= 64 keys and the GQA groups `wgmma_groups`
     gives. ``compensate`` False: the direct build (no Delta_S, for timing the compensation)."""
     name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size, kernel)
     if ablation is not None:

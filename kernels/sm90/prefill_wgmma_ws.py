@@ -60,8 +60,8 @@ from cutlass.cute.nvgpu import warpgroup
 
 from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90.ablation import FULL, fold_p_words, no_exp2, plain_probs
 from mpfa.kernels.sm90 import prefill_tile as tile_math
+from mpfa.kernels.sm90.ablation import FULL, fold_p_words, no_exp2, plain_probs
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_wgmma import (HALVES, HEAD_DIM, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, _gemm,
                                              rescale, softmax_update)
@@ -492,11 +492,11 @@ class PrefillSm90WgmmaWsUnscaled(PrefillSm90WgmmaWsPvFoldLut):
                                                 ds_lane, limits, c)
 
 
-PINGPONG_BARRIER = 4  # v6f, v7f: consumer w's turn is named barrier 4 + w (both consumers: 256 threads)
+PINGPONG_BARRIER = 4  # v6f, v7f .. v7h: consumer w's turn is named barrier 4 + w (both consumers: 256 threads)
 
 
 class ConsumerPingPong:
-    """FA3's consumer ping-pong, mixed into a two-consumer kernel (v6f, v7f): the consumers take turns issuing
+    """FA3's consumer ping-pong, mixed into a two-consumer kernel (v6f, v7f .. v7h): the consumers take turns issuing
     their wgmmas, so that one's softmax runs while the other's wgmmas are on the tensor pipe, instead of both
     issuing at once and then both running their softmax with the tensor pipe idle. Only the order of the issues
     changes: the kernel's output bit for bit.
