@@ -115,7 +115,7 @@ def test_compensate_reaches_the_compile(monkeypatch: pytest.MonkeyPatch, kernel)
     mpfa_prefill(**inputs, kernel=kernel)
     config = (2, 4, 128, True, "BFloat16", None, kernel)  # (KV heads, group, page, causal, out, ablation, kernel)
     if kernel == "v1":
-        prefill_launch.mpfa_prefill_ablated(FULL, **inputs, compensate=False)
+        prefill_launch.mpfa_prefill_ablated(FULL, **inputs, kernel="v1", compensate=False)
     assert calls == [(*config, False), (*config, True)] + [(*config, False)] * (kernel == "v1")
 
 
