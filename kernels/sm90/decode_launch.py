@@ -56,10 +56,9 @@ def partition_warps(kernel: str | None = None, warps_per_sm: int | None = None) 
     slots = WARPS_PER_SM[kernel]
     if warps_per_sm is None:
         return slots if PARTITION_WARPS_PER_SM is None else min(PARTITION_WARPS_PER_SM, slots)
-    warps = warps_per_sm
-    if not 1 <= warps <= slots:
-        raise ValueError(f"decode {kernel} partitions aim at 1 to {slots} warps per SM, got {warps}")
-    return warps
+    if not 1 <= warps_per_sm <= slots:
+        raise ValueError(f"decode {kernel} partitions aim at 1 to {slots} warps per SM, got {warps_per_sm}")
+    return warps_per_sm
 
 
 def choose_partition_size(batch: int, num_kv_heads: int, max_seq_len: int, num_sms: int,

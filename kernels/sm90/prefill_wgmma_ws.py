@@ -915,7 +915,6 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         if cutlass.const_expr(not single):
             cute.arch.mbarrier_arrive(bars + self.operand_stages + s1)
 
-
     def _softmax(self, scores: list, state: cute.Tensor, lam, lane_max: list, poly_every: int = 0) -> tuple:
         """A step's online softmax (`softmax_update`: P times 448, every ``poly_every``-th P on the FMA pipe) ->
         (P, alphas). Ablations (timing only): ``exp2`` off, exp2 by `ablation.no_exp2`; ``rowstats`` off, P =
