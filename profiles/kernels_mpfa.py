@@ -18,14 +18,15 @@ producer warpgroup, two consumers; v5w8's output), ``mpfa-v6a`` .. ``mpfa-v6n`` 
 timed with that pass), ``mpfa-v7b`` v7 with each step's PV fold under the next step's QK, ``mpfa-v7c`` v7b with
 each operand image one bulk copy, ``mpfa-v7d`` v7c with each step's PV under the next step's softmax, ``mpfa-v7e``
 v7d with every 4th exponential on the FMA pipe, ``mpfa-v7f`` v7d with the consumers taking turns at their wgmmas
-(FA3's ping-pong), ``mpfa-v7g`` v7e with v7f's turns, ``mpfa-v7h`` v7c with turns around
-each step's QKs. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` / ``mpfa-dv4w14`` pin decode v1 (no
-ring), v3 (3-stage ring), v4 (v2 with fewer instructions per tile, `decode_lean`) or v4 partitioned for 14 warps per
-SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v2 by default); ``mpfa-dw<n>`` / ``mpfa-dv4w<n>`` run that
-kernel / v4 with its partitions aimed at n warps per SM (`decode_launch.partition_warps`: fewer, longer partitions;
-the same compiled kernels). ``mpfa-direct`` runs the direct builds
-(``compensate=False``: no Delta_S read, inputs quantized uncentered): mpfa vs mpfa-direct is the compensation's
-cost.
+(FA3's ping-pong), ``mpfa-v7g`` v7e with v7f's turns, ``mpfa-v7h`` v7c with turns around each step's QKs, ``mpfa-v7i``
+v7c with each step's Delta_S loaded ahead of its QK waits. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` /
+``mpfa-dv4w14`` pin decode v1 (no ring), v3 (3-stage ring), v4 (v2 with fewer instructions per tile, `decode_lean`) or
+v4 partitioned for 14 warps per SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v4 by default, its
+partitions aimed at 6 warps per SM: `decode_launch.PARTITION_WARPS_PER_SM`, which caps the pinned kernels' too;
+``mpfa-dv2w12`` is the default before session 24, v2 on every slot); ``mpfa-dw<n>`` / ``mpfa-dv4w<n>`` run that kernel /
+v4 with its partitions aimed at n warps per SM (`decode_launch.partition_warps`: fewer, longer partitions; the same
+compiled kernels). ``mpfa-direct`` runs the direct builds (``compensate=False``: no Delta_S read, inputs quantized
+uncentered): mpfa vs mpfa-direct is the compensation's cost.
 """
 from __future__ import annotations
 
@@ -79,8 +80,8 @@ class MpfaAdapter:
     def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
                  compensate: bool = True, decode_warps: int | None = None):
         """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or
-        "v6a" .. "v6n", "v7" .. "v7h" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` ..
-        ``mpfa-v7h``);
+        "v6a" .. "v6n", "v7" .. "v7i" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` ..
+        ``mpfa-v7i``);
         ``decode_kernel``: "v1", "v2", "v3", "v4" or "v4w14" the decode version (``mpfa-dv1`` ...); None follows
         ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct builds (backend
         ``mpfa-direct``). ``decode_warps``: the warps per SM the decode partitions aim at (backend

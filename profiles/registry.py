@@ -1,7 +1,7 @@
 """Backend name -> kernel adapter, and the reference backend each profile kind compares against."""
 from __future__ import annotations
 
-from mpfa.kernels.sm90.decode_launch import LEAN_KERNELS
+from mpfa.kernels.sm90.decode_launch import LEAN_KERNELS, WARPS_PER_SM_TARGET
 from mpfa.kernels.sm90.prefill_launch import PRE_KERNELS, WS_KERNELS
 from mpfa.profiles.kernel_adapter import KernelAdapter
 from mpfa.profiles.kernels_fa4 import Fa4Bf16
@@ -9,8 +9,8 @@ from mpfa.profiles.kernels_flashinfer import FlashInferPaged
 from mpfa.profiles.kernels_mpfa import MpfaAdapter
 
 # mpfa-dw<n> / mpfa-dv4w<n>: the default decode kernel / v4 (a third fewer instructions per tile) with partitions
-# aimed at n warps per SM (12: every slot) -> 2/3, 1/2 and 1/4 as many partitions, each longer
-# (`decode_launch.partition_warps`)
+# aimed at n warps per SM (12: every slot; the default 6, `decode_launch.PARTITION_WARPS_PER_SM`) -> 2/3, 1/2 and
+# 1/4 as many partitions as every slot's, each longer (`decode_launch.partition_warps`)
 DECODE_PARTITION_WARPS = (8, 6, 3)
 ADAPTERS: dict[str, KernelAdapter] = {
     adapter.name: adapter
@@ -27,6 +27,7 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     *(MpfaAdapter(decode_kernel=v) for v in LEAN_KERNELS),  # decode_lean (12 / 14 warps per SM)
                     *(MpfaAdapter(decode_kernel=kernel, decode_warps=n)
                       for kernel in (None, "v4") for n in DECODE_PARTITION_WARPS),
+                    MpfaAdapter(decode_kernel="v2", decode_warps=WARPS_PER_SM_TARGET),  # the default to session 23
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")

@@ -9,6 +9,7 @@ symbolic sizes (`compile_decode_kernels` is also what CI runs on a CPU-only mach
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 from functools import lru_cache
 
@@ -31,20 +32,24 @@ WARPS_PER_SM = {"v1": WARPS_PER_SM_TARGET, "v2": WARPS_PER_SM_TARGET, "v3": 9, "
                 "v4w14": 14}  # v4 sized for 14 warps per SM: pages of >= 32 keys only (128 registers there)
 # Warps per SM the partitions aim at, below a kernel's WARPS_PER_SM: fewer, longer partitions (a warp's fixed costs,
 # prologue, peeled tile and partial store, over more tiles; less merge work; fewer loads in flight). None: the
-# kernel's WARPS_PER_SM. Bench backends mpfa-dw<n> pin n (`profiles.registry`); setting it here adopts n for
-# every decode, the plugin's CUDA-graph buffers included.
-PARTITION_WARPS_PER_SM: int | None = None
+# kernel's WARPS_PER_SM. Bench backends mpfa-dw<n> pin n (`profiles.registry`); this one applies to every decode,
+# the plugin's CUDA-graph buffers included. 6 since session 24 (H100, v4: 1.60-1.69x FlashInfer-FP8 at 32K / 128K,
+# batch 1 and 8, GQA 32:8 and 40:8, against 1.46-1.61x at 12; profiles/NOTES.md "Session 24 sitting").
+PARTITION_WARPS_PER_SM: int | None = 6
 LEAN_KERNELS = ("v4", "v4w14")  # `decode_lean`
 LEAN_MIN_PAGE_W14 = 32
 STAGES = {"v2": 2, "v3": 3}  # cp.async stages of the pipelined split kernel (`decode_pipelined`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (default: cp.async double buffer), "v3" (3 stages), "v4" (v2 with
-# fewer instructions per tile, `decode_lean`), "v4w14" (v4 with partitions for 14 warps per SM) or "v1" (no ring)
+KERNEL_ENV = "MPFA_DECODE_KERNEL"  # "v2" (cp.async double buffer), "v3" (3 stages), "v4" (v2 with fewer
+# instructions per tile, `decode_lean`), "v4w14" (v4 with partitions for 14 warps per SM) or "v1" (no ring)
+DEFAULT_KERNEL = "v4"  # since session 24 (v2 before; v4 1-3% faster on the H100, the same partials up to rounding)
 
 
 def decode_kernel(kernel: str | None = None) -> str:
     """The decode version `mpfa_decode` runs: ``kernel`` ("v1", "v2", "v3", "v4" or "v4w14"), else
-    ``MPFA_DECODE_KERNEL``, else v2."""
+    ``MPFA_DECODE_KERNEL``, else `DEFAULT_KERNEL`."""
+    if kernel is None and not os.environ.get(KERNEL_ENV):
+        kernel = DEFAULT_KERNEL
     return kernel_version(KERNEL_ENV, kernel, variants=("v3", "v4", "v4w14"))
 
 

@@ -19,7 +19,7 @@ v7c (below) where it applies (GQA groups 4 and 5, pages of >= 64 keys; session 2
 and 64K, 1.68x v3w8c, with the FP8-QK numerics "mpfa-qk8tile-psum", whose model-level error matched its CPU
 prediction; profiles/NOTES.md "Session 22 sitting"), else v2 (v1 for an odd number of query heads: v2 copies Delta_S
 as aligned 4-byte words).
-``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7|v7b .. v7h`` or the ``kernel=``
+``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7|v7b .. v7i`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
 (`prefill_wgmma_dscol`; v3w8c the default until session 22, the paper's numerics) are v3 / v3w8 with Delta_S as an
 extra K column of QK on the tensor cores instead of the accumulator's initial value: v3's numerics up to the FP32
@@ -37,13 +37,13 @@ intra-warpgroup overlap); profiles/NOTES.md "Prefill v6 variants": v6a / v6c giv
 v6g / v6h / v6i differ from it by O's rescale rounding once instead of twice, v6j / v6k / v6l / v6m by the FP8 wgmma's
 sums over a pair of tiles (v6l / v6m: and P's e4m3 rounding against the pair's maximum); v6n computes
 "mpfa-qk8tile-psum" (l sums the e4m3 P). v6l .. v6n (`WIDE_KERNELS`) take GQA groups 4 and 5, the other FP8 kernels
-group 4 only. v7 .. v7h (`prefill_wgmma_pre`, groups 4 and 5; v7c the default) run v6n's consumers on operand
+group 4 only. v7 .. v7i (`prefill_wgmma_pre`, groups 4 and 5; v7c the default) run v6n's consumers on operand
 images an operand pass expands once per prefill (v6n's producer work, byte for byte): v6n's output; v7b defers each
 step's PV fold under the next step's QK, v7c also copies each image with one bulk copy, v7d also runs each step's PV
 under the next step's softmax, v7f also has the consumers take turns issuing their wgmmas (FA3's ping-pong; all
 four: v7's output), v7e is v7d computing every 4th P on the FMA pipe (v7's output up to the e4m3 roundings its
-polynomial moves), v7g v7e with v7f's turns (v7e's output) and v7h v7c with turns around each step's QKs only (v7's
-output).
+polynomial moves), v7g v7e with v7f's turns (v7e's output), v7h v7c with turns around each step's QKs only and v7i
+v7c with each step's Delta_S loaded ahead of its QK waits (both v7's output).
 
 ``compensate=False`` builds any of them ``direct``: no Delta_S read or copied, the scores start at 0 (-inf where
 masked), so the output is the compensated kernel's on an all-zero Delta_S (not MpFA's). It exists to time what the
@@ -69,7 +69,7 @@ BLOCK_M = 64  # query rows per CTA (`prefill.BLOCK_M`; kept here so the host sid
 TILE_KEYS = 32  # keys per KV tile (`prefill.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8", "v3", "v3w8",
-# "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6", a v6 variant ("v6a" .. "v6n", `WS_KERNELS`) or "v7" .. "v7h"
+# "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6", a v6 variant ("v6a" .. "v6n", `WS_KERNELS`) or "v7" .. "v7i"
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
 WGMMA_KERNEL = "v7c"  # `prefill_wgmma_pre`: the default where its shape limits allow
 WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer warpgroup, 2 consumers) -> its class
@@ -98,6 +98,7 @@ PRE_KERNELS = {  # v6n's consumers on operand images expanded once per prefill (
     "v7f": "PrefillSm90WgmmaPreOverlapPingPong",  # v7d with the consumers' wgmma issues taking turns (v7's output)
     "v7g": "PrefillSm90WgmmaPreOverlapPolyExpPingPong",  # v7e with v7f's turns (v7e's output)
     "v7h": "PrefillSm90WgmmaPreBulkPingPong",  # v7c with turns around each step's QKs (v7's output)
+    "v7i": "PrefillSm90WgmmaPreBulkDsAhead",  # v7c with each pair's Delta_S loaded before its QK waits (v7's output)
 }
 ABLATION_KERNELS = ("v1", *PRE_KERNELS)  # the kernels with compile-time timing ablations (`ablation`)
 DS_COLUMN_KERNELS = ("v3c", "v3w8c")  # v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`)
@@ -174,7 +175,7 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
     """The prefill kernel compiled for sm_90a; callable with torch tensors through TVM-FFI. ``ablation``: an
     `ablation.Ablation` for timing only (None: the real kernel; an ablated kernel's output is meaningless;
     `ABLATION_KERNELS` only). ``kernel``: see `prefill_kernel` (None: ``MPFA_PREFILL_KERNEL``, else the default for
-    the shape); the wgmma kernels ("v3" .. "v7h") only for pages of >= 64 keys and the GQA groups `wgmma_groups`
+    the shape); the wgmma kernels ("v3" .. "v7i") only for pages of >= 64 keys and the GQA groups `wgmma_groups`
     gives. ``compensate`` False: the direct build (no Delta_S, for timing the compensation)."""
     name = prefill_kernel(num_kv_heads * group, num_kv_heads, page_size, kernel)
     if ablation is not None:

@@ -280,6 +280,19 @@ class PrefillSm90WgmmaPreBulkPingPong(ConsumerPingPong, PrefillSm90WgmmaPreBulk)
 OVERLAP_REGS = (24, 240)  # v7d's setmaxnreg: the one producer thread needs few; 24 + 2 x 240 = 504 = 3 x 168
 
 
+class PrefillSm90WgmmaPreBulkDsAhead(PrefillSm90WgmmaPreBulk):
+    """v7i: v7c with each pair step's staged Delta_S loaded before its QK waits (`_pair_scores`, ``ds_ahead``).
+    v7c loads it after each wait, and the first FFMA of each tile's scores waits on those loads while the QK wgmmas
+    keep shared memory busy: under ncu (session 24, 16K) the FFMAs reading Delta_S held 12.6% of the consumer loop's
+    stall samples (short scoreboard), and the direct build, with no such loads, ran 12% faster. The same loads and
+    FFMAs, earlier: **v7's output bit for bit**. The first tile's Delta_S is loaded before the first wait, the
+    second's right after it, under the first tile's scores (16 registers live across each wait; both before the
+    first wait, 32, spilled in the loop). setmaxnreg as v7d's (240 for the consumers: at 224 the loop spilled)."""
+
+    ds_ahead = True
+    producer_regs, consumer_regs = OVERLAP_REGS
+
+
 class PrefillSm90WgmmaPreOverlap(PrefillSm90WgmmaPreBulk):
     """v7d: v7c with each 128-key step's PV wgmma running under the next step's softmax (FA3's intra-warpgroup
     overlap). v7c's consumer step issues its PV and waits for it at the step's end, with nothing to do meanwhile

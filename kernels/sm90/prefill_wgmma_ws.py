@@ -779,6 +779,7 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
     operand_stages = WIDE_OPERAND_STAGES
     any_group = True  # 4 heads x 16 rows or (group 5) 1 head x 64 rows per consumer warpgroup
     deferred_fold = False  # v7b: a step's PV folded into O in the next step, under that step's QK wgmmas
+    ds_ahead = False  # v7i: a pair's Delta_S loaded ahead of its QK waits (`_pair_scores`)
     ablation = FULL  # the v7 kernels' timing ablations (`_softmax`, `_pv_gemm`; `ablation.PRE_LADDER`)
     _PENDING_ALPHA = 7  # (deferred_fold) the state's slots for the pending fold's alphas, rows g and g + 8
 
@@ -817,14 +818,21 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         """The lane's offset in the staged FP32 Delta_S tile."""
         return ds_staged_read(head_in_cta, c, 0)
 
-    def _staged_scores(self, s, acc_s: cute.Tensor, state: cute.Tensor, ds_lane, smem) -> list:
+    def _ds_words(self, s, ds_lane, smem) -> list | None:
+        """This lane's staged FP32 Delta_S of operand stage ``s`` (one 16-byte load per 2 column blocks); None in
+        the direct build."""
+        if not self.compensate:
+            return None
+        base = smem + self.offsets[2] + self.v_bytes + s * self.operand_stage_bytes + ds_lane
+        return [load_shared_v4_u32(base, ds_staged_read(0, 0, i)) for i in range(N_BLOCKS // 2)]
+
+    def _staged_scores(self, s, acc_s: cute.Tensor, state: cute.Tensor, ds_lane, smem, words=None) -> list:
         """The scores of operand stage ``s``'s tile from its QK accumulator (waited for): times the row and tile
-        scales, plus the staged FP32 Delta_S (one 16-byte load per 2 column blocks)."""
+        scales, plus the staged FP32 Delta_S (``words``: loaded ahead by `_ds_words`, else loaded here)."""
         scale = [state[self._ROW_SCALE + r] * state[self._TILE_SCALE] for r in range(2)]
         if cutlass.const_expr(not self.compensate):
             return [[acc_s[4 * block + i] * scale[i >> 1] for i in range(4)] for block in range(N_BLOCKS)]
-        base = smem + self.offsets[2] + self.v_bytes + s * self.operand_stage_bytes + ds_lane
-        words = [load_shared_v4_u32(base, ds_staged_read(0, 0, i)) for i in range(N_BLOCKS // 2)]
+        words = self._ds_words(s, ds_lane, smem) if words is None else words
         return [[acc_s[4 * block + i] * scale[i >> 1] + bits_to_f32(words[block >> 1][2 * (block & 1) + (i & 1)])
                  for i in range(4)] for block in range(N_BLOCKS)]
 
@@ -952,13 +960,16 @@ class PrefillSm90WgmmaWsWideTile(PScaleInExponent, PrefillSm90WgmmaWsUnscaled):
         """A pair's scores and lane maxima: the first tile's while the second tile's QK runs (``later_groups``
         wgmma groups committed after the two QKs may still run) -> (both tiles' scores, lane maxima)."""
         acc_s, acc_s1, state, ds_lane, smem_ptr = pipe[1][6], pipe[2][0], pipe[4], pipe[6], pipe[9]
+        smem = smem_ptr.toint()
+        words0 = self._ds_words(s0, ds_lane, smem) if self.ds_ahead else None
         warpgroup.wait_group(1 + later_groups)  # the first tile's QK
+        words1 = self._ds_words(s1, ds_lane, smem) if self.ds_ahead else None
         state[self._TILE_SCALE] = tile_scales[0]
-        scores = self._staged_scores(s0, acc_s, state, ds_lane, smem_ptr.toint())
+        scores = self._staged_scores(s0, acc_s, state, ds_lane, smem, words0)
         lane_max = tile_math.lane_row_maxima(scores)
         warpgroup.wait_group(later_groups)  # the second's
         state[self._TILE_SCALE] = tile_scales[1]
-        scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem_ptr.toint())
+        scores1 = self._staged_scores(s1, acc_s1, state, ds_lane, smem, words1)
         lane_max = [tile_math.fmax(m, m1) for m, m1 in zip(lane_max, tile_math.lane_row_maxima(scores1))]
         return scores + scores1, lane_max
 

@@ -18,7 +18,7 @@ WORKLOAD = AttentionWorkload("decode", 131072, 1, 32, 8, 128)
 def test_bytes_read_counts_cache_indices_and_partials():
     tokens, kv_heads, q_heads = 131072, 8, 32
     qo = 2 * q_heads * 128 * 2  # BF16 Q and O of one request
-    partitions = 196  # 672-key partitions: ~12 warps per SM on 132 SMs (choose_partition_size)
+    partitions = 98  # 1344-key partitions: ~6 warps per SM on 132 SMs (choose_partition_size, the default)
     mpfa = tokens * kv_heads * (64 + 8 + 128 + 2 * 4) + tokens // 128 * 4 + qo + 2 * q_heads * partitions * 130 * 4
     assert bytes_read("mpfa", WORKLOAD, num_sms=132) == mpfa
     assert bytes_read("flashinfer-fp8", WORKLOAD, num_sms=132) == tokens * kv_heads * 256 + tokens * 4 + qo
@@ -27,11 +27,13 @@ def test_bytes_read_counts_cache_indices_and_partials():
 
 def test_partition_warp_backends_read_fewer_partials(monkeypatch):
     """mpfa-dw<n> (the default decode, partitions for n warps per SM) read the same cache and fewer partials: 40:8
-    32K x 1 splits into 171 partitions at 12 warps per SM, 128 / 94 / 49 at 8 / 6 / 3."""
+    32K x 1 splits into 171 partitions at 12 warps per SM (mpfa-dv2w12, the default to session 23), 128 / 94 / 49 at
+    8 / 6 (mpfa, the default) / 3."""
     monkeypatch.delenv(KERNEL_ENV, raising=False)
     workload = AttentionWorkload("decode", 32768, 1, 40, 8, 128)
     cache = workload.bytes_needed(MPFA) + 32768 // 128 * 4
-    for backend, partitions in (("mpfa", 171), ("mpfa-dw8", 128), ("mpfa-dw6", 94), ("mpfa-dw3", 49)):
+    for backend, partitions in (("mpfa-dv2w12", 171), ("mpfa-dw8", 128), ("mpfa", 94), ("mpfa-dw6", 94),
+                                ("mpfa-dw3", 49)):
         assert bytes_read(backend, workload, num_sms=132) == cache + 2 * 40 * partitions * 130 * 4
     assert MpfaAdapter(decode_warps=6).name == "mpfa-dw6"
     assert MpfaAdapter(decode_kernel="v4", decode_warps=6).name == "mpfa-dv4w6"

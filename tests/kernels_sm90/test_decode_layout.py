@@ -280,9 +280,15 @@ def _assert_one_wave(warps_per_sm: int | None, target: int) -> None:
             assert batch * 8 * -(-seq // (size - lay.TILE_KEYS)) > target * 132 - batch * 8
 
 
-def test_partitions_fill_one_wave_of_decode_warps():
+def test_partitions_fill_one_wave_of_decode_warps(monkeypatch):
+    """Every slot of the kernel without `PARTITION_WARPS_PER_SM`; the adopted 6 warps per SM (v4) by default."""
+    from mpfa.kernels.sm90 import decode_launch as launch
     from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM_TARGET, choose_partition_size
 
+    monkeypatch.delenv(launch.KERNEL_ENV, raising=False)
+    assert choose_partition_size(1, 8, 32768, 132) == FEWER_WARPS_SIZES[1, 32768][2]
+    _assert_one_wave(None, launch.PARTITION_WARPS_PER_SM)
+    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", None)
     _assert_one_wave(None, WARPS_PER_SM_TARGET)
     assert choose_partition_size(1, 8, 131072, 132) == 672
     assert choose_partition_size(8, 8, 131072, 132) == 5472
@@ -305,9 +311,11 @@ def test_partitions_for_fewer_warps_per_sm(monkeypatch):
     """Backends mpfa-dw<n>: partitions aimed at n warps per SM, fewer and longer, one wave of n; 40:8 and 32:8 alike
     (one warp per KV head and partition). The workspace follows: eager (every request that size) and as CUDA-graph
     buffers (MIN_PARTITION floor: a request's keys spread over all partitions, none left out)."""
+    from mpfa.kernels.sm90 import decode_launch as launch
     from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, MIN_PARTITION, DecodeWorkspace
 
     monkeypatch.delenv(KERNEL_ENV, raising=False)
+    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", None)  # None below: every slot
     for warps in (8, 6, 3):
         _assert_one_wave(warps, warps)
     for (batch, seq), sizes in FEWER_WARPS_SIZES.items():
@@ -331,6 +339,8 @@ def test_partition_warps_default_bounds_and_adoption(monkeypatch):
     from mpfa.kernels.sm90 import decode_launch as launch
 
     monkeypatch.delenv(launch.KERNEL_ENV, raising=False)
+    assert [launch.partition_warps(k) for k in ("v1", "v2", "v3", "v4", "v4w14")] == [6] * 5  # adopted
+    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", None)
     assert [launch.partition_warps(k) for k in ("v1", "v2", "v3", "v4", "v4w14")] == [12, 12, 9, 12, 14]
     assert launch.partition_warps("v4w14", 14) == 14 and launch.partition_warps(warps_per_sm=1) == 1
     for kernel, warps, slots in (("v2", 13, 12), ("v2", 0, 12), ("v3", 12, 9)):
@@ -364,14 +374,14 @@ def test_partitions_spread_each_request_over_the_grid():
 
 
 def test_decode_kernel_switch(monkeypatch):
-    """v2 by default for every head count (Delta_S rows are padded per KV head, so odd Hq is fine); v1 / v3 on
+    """v4 by default for every head count (Delta_S rows are padded per KV head, so odd Hq is fine); v1 .. v3 on
     request; an explicit kernel wins over the environment; anything else is a clear error."""
     import pytest
 
     from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, decode_kernel
 
     monkeypatch.delenv(KERNEL_ENV, raising=False)
-    assert decode_kernel() == "v2"
+    assert decode_kernel() == "v4" and decode_kernel("v2") == "v2"
     monkeypatch.setenv(KERNEL_ENV, "V1")
     assert decode_kernel() == "v1" and decode_kernel("v3") == "v3"
     monkeypatch.setenv(KERNEL_ENV, "v4")

@@ -111,6 +111,8 @@ def test_the_ptx_is_the_mirror_bit_for_bit():
     torch.cuda.synchronize()
     got, want = y.cpu().numpy().view(np.uint32), exp2_poly_mirror(x).view(np.uint32)
     assert not np.any(got == 0x7FA00000), "values left unwritten"
+    nan_at = len(x) - len(edges) + 1
+    assert np.isnan(y.cpu().numpy()[nan_at])  # the NaN stays NaN (its payload is the GPU's, 0x7FFFFFFF on the H100)
     differ = got != want
-    assert np.isnan(y.cpu().numpy()[len(x) - len(edges) + 1])  # the NaN stays NaN
+    differ[nan_at] = False
     assert differ.sum() <= 2 and np.all(np.abs(got[differ].astype(np.int64) - want[differ].astype(np.int64)) <= 1)

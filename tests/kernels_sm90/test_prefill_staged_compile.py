@@ -188,7 +188,7 @@ def test_kernel_switch(monkeypatch: pytest.MonkeyPatch):
     assert prefill_kernel(32, 8, 128) == "v2w8" and prefill_kernel(40, 8, 128, "v1") == "v1"
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v9")
     names = ("v1, v2, v2w8, v3, v3w8, v3c, v3w8c, v4, v4w8, v5, v5w8, v6, v6a, v6b, v6c, v6d, v6e, v6f, v6g, v6h, v6i, "
-             "v6j, v6k, v6l, v6m, v6n, v7, v7b, v7c, v7d, v7e, v7f, v7g or v7h")
+             "v6j, v6k, v6l, v6m, v6n, v7, v7b, v7c, v7d, v7e, v7f, v7g, v7h or v7i")
     with pytest.raises(ValueError, match=f"must be {names}"):
         prefill_kernel(32, 8, 128)
     assert kernel_block_m(4, "v2") == 16 and kernel_block_m(4, "v2w8") == 32 and kernel_block_m(4, "v1") == 64

@@ -252,7 +252,7 @@ def test_v7_direct_build_is_v6n_direct(gen, kernel):
     assert torch.equal(out, v1_tests._run(problem, True, kernel="v6n", compensate=False))
 
 
-@pytest.mark.parametrize("kernel", ["v7b", "v7c", "v7d", "v7f", "v7h"])
+@pytest.mark.parametrize("kernel", ["v7b", "v7c", "v7d", "v7f", "v7h", "v7i"])
 @pytest.mark.parametrize("num_q_heads,q_lens,kv_lens,page_size,causal",
                          [(32, *LONG_CAUSAL_BATCH), *v3_tests.SHAPES],
                          ids=["32:8-long-causal-batch", *v3_tests.SHAPE_IDS])
@@ -260,8 +260,8 @@ def test_v7_variants_are_v7(gen, kernel, num_q_heads, q_lens, kv_lens, page_size
     """v7b (v7 with each step's fold deferred under the next step's QK wgmmas, the last after the walk), v7c (v7b
     with each image one bulk copy, completed on ``full`` by its bytes), v7d (v7c with each step's PV under the
     next step's softmax, its stages held until then), v7f (v7d with the consumers taking turns at their wgmma
-    issues) and v7h (v7c with turns around its QKs): v7's output bit for bit at 32:8 and 40:8, odd and even walks,
-    masked and whole steps; a hang in v7c is its bulk copies' barrier, in v7d its held stages, in v7f or v7h alone
+    issues), v7h (v7c with turns around its QKs) and v7i (v7c with Delta_S loaded ahead of its QK waits): v7's
+    output bit for bit at 32:8 and 40:8, odd and even walks, masked and whole steps; a hang in v7c is its bulk copies' barrier, in v7d its held stages, in v7f or v7h alone
     their turns."""
     problem = v1_tests._problem(gen, q_lens, kv_lens, num_q_heads, 8, page_size)
     out = v1_tests._run(problem, causal, kernel=kernel)
@@ -285,8 +285,10 @@ def test_v7g_is_v7e(gen, num_q_heads, q_lens, kv_lens, page_size, causal):
 
 # v7e from v7: a quarter of P by `exp2_poly` (relative error <= 7.5e-5) moves ~3-5e-4 of those e4m3 P by one step
 # (test_exp2_poly.py); on causal rows of 3,000 keys with random scores (a CPU simulation of the e4m3 P and O) that
-# moved O by 4-6e-4 rms and 0.1-0.2% of max |O|: 5x those
-POLY_EXP_FROM_V7 = (3e-3, 0.01)
+# moved O by 4-6e-4 rms: 5x that. The maximum is a short row's: one step of an e4m3 P (<= 2**-3 of it) of weight up
+# to 1/2 (a row of 2 keys) moves O by up to 2**-4 of |V| (session 24, H100: 1.01% of max |O| at 40:8 short-chunked,
+# against the 1% a 3,000-key row gave)
+POLY_EXP_FROM_V7 = (3e-3, 2.0 ** -4)
 POLY_EXP_FROM_EXACT = 1.05  # its error against float64, at most this times the oracle's (1.01 for the others)
 
 

@@ -33,15 +33,15 @@ TURN_KERNELS = ("v7f", "v7g", "v7h")  # the consumers' ping-pong
 @pytest.fixture(scope="module", params=[(4, True, "v7"), (5, True, "v7"), (4, False, "v7"), (4, True, "v7b"),
                                         (5, True, "v7c"), (4, True, "v7d"), (5, False, "v7d"), (4, True, "v7e"),
                                         (5, True, "v7e"), (4, True, "v7f"), (5, True, "v7f"), (4, True, "v7g"),
-                                        (4, True, "v7h")],
+                                        (4, True, "v7h"), (4, True, "v7i"), (5, True, "v7i")],
                 ids=["32:8", "40:8", "32:8-direct", "v7b-32:8", "v7c-40:8", "v7d-32:8", "v7d-40:8-direct", "v7e-32:8",
-                     "v7e-40:8", "v7f-32:8", "v7f-40:8", "v7g-32:8", "v7h-32:8"])
+                     "v7e-40:8", "v7f-32:8", "v7f-40:8", "v7g-32:8", "v7h-32:8", "v7i-32:8", "v7i-40:8"])
 def v7_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[str, Path]:
     """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one), the
     direct build (no Delta_S copied, staged or read), v7b's (v7 with the fold deferred), v7c's (v7b with bulk
     copies), v7d's (v7c with each step's PV under the next step's softmax), v7e's (v7d with a quarter of P on
-    the FMA pipe), v7f's (v7d with the consumers' ping-pong), v7g's (v7e with v7f's turns) and v7h's (v7c with
-    turns around its QKs)."""
+    the FMA pipe), v7f's (v7d with the consumers' ping-pong), v7g's (v7e with v7f's turns), v7h's (v7c with
+    turns around its QKs) and v7i's (v7c with Delta_S loaded ahead of the QK waits)."""
     group, compensate, kernel = request.param
     config = (CONFIG[0], group, *CONFIG[2:])
     dump = tmp_path_factory.mktemp("prefill_v7")
@@ -79,10 +79,11 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
     usage = cuobjdump("--dump-resource-usage", str(v7_cubins["attention"]))
     assert re.search(r"REG:168\b", usage) and re.search(r"LOCAL:0\b", usage), usage
     overlap = kernel in OVERLAP_KERNELS
-    # v7d at 32:8: six words live across the walk spilled once before it, reloaded after it (none in the loops)
-    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= (24 if overlap else 16)
+    wide_regs = overlap or kernel == "v7i"  # setmaxnreg 240 for the consumers
+    # v7d / v7i at 32:8: words live across the walk spilled once before it, reloaded after it (none in the loops)
+    assert int(re.search(r"STACK:(\d+)", usage).group(1)) <= (24 if wide_regs else 16)
     sass = cuobjdump("--dump-sass", str(v7_cubins["attention"]))
-    producer_regs, consumer_regs = pre.OVERLAP_REGS if overlap else (56, 224)
+    producer_regs, consumer_regs = pre.OVERLAP_REGS if wide_regs else (56, 224)
     assert f"USETMAXREG.DEALLOC.CTAPOOL 0x{producer_regs:x}" in sass
     assert f"USETMAXREG.TRY_ALLOC.CTAPOOL UP0, 0x{consumer_regs:x}" in sass
     consumer_loops = mma_loops(sass)
@@ -95,10 +96,11 @@ def test_attention_compiles_for_sm90a(v7_cubins, cuobjdump):
         c2 = f"{float(np.float32(EXP2_POLY[2])):.20f}"  # as the SASS prints an FP32 immediate
         cubic = [op for op in body if op.startswith("FFMA") and op.endswith(c2)]
         assert len(cubic) == poly_exps  # the cubic's first FFMA, c3 f + c2, once per P on the FMA pipe
-    if kernel in ("v7c", "v7h", *OVERLAP_KERNELS):
+    if kernel in ("v7c", "v7h", "v7i", *OVERLAP_KERNELS):
         _check_bulk_producer(sass)
-        if kernel in ("v7c", "v7h"):
+        if kernel in ("v7c", "v7h", "v7i"):
             _check_deferred_fold(consumer_loops[1])
+            _check_ds_loads(consumer_loops[1], ahead=kernel == "v7i")
         for body in consumer_loops if overlap else ():
             _check_overlap(body)
         for body in consumer_loops if kernel in TURN_KERNELS else ():
@@ -129,6 +131,17 @@ def _check_bulk_producer(sass: str) -> None:
     assert sum(op.startswith("SYNCS.PHASECHK.TRANS64.TRYWAIT") for op in loop) == 1
     assert sum(op.startswith("SYNCS.ARRIVE.TRANS64 RZ") for op in loop) == 1  # full[s]: arrive.expect_tx
     assert any(op.startswith("UMOV") and op.endswith(f"0x{pre.IMAGE_BYTES // 16:x}") for op in loop)
+
+
+def _check_ds_loads(body: list[str], ahead: bool) -> None:
+    """A whole-tile pair step's Delta_S loads (4 x 16 bytes per tile): v7c's each after its tile's QK wait; v7i's
+    one wait earlier, the first tile's before the first wait and the second's between the two (``ds_ahead``)."""
+    waits = [i for i, op in enumerate(body) if op.startswith("WARPGROUP.DEPBAR")]
+    loads = [i for i, op in enumerate(body) if op.startswith("LDS.128")]
+    assert len(loads) == 8, loads
+    before_first = sum(i < waits[0] for i in loads)
+    between = sum(waits[0] < i < waits[1] for i in loads)
+    assert (before_first, between) == ((4, 4) if ahead else (0, 4)), (loads, waits)
 
 
 def _check_deferred_fold(body: list[str]) -> None:
