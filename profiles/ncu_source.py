@@ -14,6 +14,12 @@ captures this partition is the one read by hand from runs of equal `Instructions
 
 ncu gives some samples no stall-reason column (on the H200, part of those on QGMMA instructions); they count as
 UNATTRIBUTED, so an instruction's reasons add up to its samples.
+
+A scoreboard stall (short: shared memory, MUFU, shuffles; long: global / local memory) waits for the result of a
+variable-latency instruction. Each loop's such samples are charged to the opcode of the nearest earlier instruction
+(in the loop, wrapping around its back edge) that writes one of the stalled instruction's source registers and has a
+variable latency (`scoreboard_producers`): on the session-24 capture of prefill v7c, LDS.128 (the staged Delta_S)
+before MUFU.EX2.
 """
 from __future__ import annotations
 
@@ -40,6 +46,14 @@ HOT_SHARE = 5.0  # % of the kernel's samples a loop needs to be reported
 HOTTEST = 3  # instructions shown per loop
 SASS_WIDTH = 40
 
+SCOREBOARD_REASONS = ("short_sb", "long_sb")
+# opcodes whose results arrive after a variable latency (their readers wait on a scoreboard)
+VARIABLE_LATENCY = ("LDS", "LDSM", "LDG", "LDL", "LD", "LDC", "MUFU", "SHFL", "S2R", "ATOMS", "ATOM", "ATOMG",
+                    "F2I", "I2F", "F2F", "POPC", "FLO", "BREV", "REDUX", "MATCH", "SYNCS")  # SYNCS: an mbarrier test
+NO_DESTINATION = ("ST", "STS", "STG", "STL", "RED", "BAR", "BRA", "EXIT", "RET", "WARPGROUP", "FENCE")
+UNKNOWN_PRODUCER = "other"  # no variable-latency writer of a source register: a register's reuse, a memory barrier
+_REGISTER = re.compile(r"(?<![\w.])([RP]\d+)\b")  # R0 .. R255, P0 .. P6 (not UR, UP, RZ, PT or .reuse)
+_WIDTH = re.compile(r"\.(64|128|X2|X4)\b|^LDSM\..*\.([24])$")  # registers a load writes: .64, .128, LDSM's .2 / .4
 # `BRA 0x7f08577ccb60`, `@!P0  BRA 0x...`, `BRA.U !UP0, 0x...`: the target is the last operand.
 _BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:[^,]+,\s*)*(0x[0-9a-f]+)\s*;?", re.IGNORECASE)
 
@@ -155,11 +169,58 @@ def _summary(instructions: list[SourceInstruction], total: int, rows: tuple[int,
     for instruction in instructions:
         stalls.update(instruction.stalls)
     hottest = sorted((i for i in instructions if i.samples), key=lambda i: i.samples, reverse=True)[:HOTTEST]
+    producers = scoreboard_producers(instructions, wrap=rows is not None)
     return NcuLoop(rows, offsets, len(instructions), None if rows is None else instructions[0].executed,
                    _percent(samples, total),
                    [(reason, _percent(count, samples)) for reason, count in stalls.most_common()],
                    [NcuHotInstruction(_short_sass(i.sass), _percent(i.samples, samples),
-                                      max(i.stalls, key=i.stalls.__getitem__)) for i in hottest])
+                                      max(i.stalls, key=i.stalls.__getitem__)) for i in hottest],
+                   [(opcode, _percent(count, samples)) for opcode, count in producers.most_common()])
+
+
+def scoreboard_producers(instructions: list[SourceInstruction], wrap: bool = True) -> Counter[str]:
+    """Each instruction's scoreboard-stall samples charged to the opcode (its first modifier kept) of the nearest
+    earlier variable-latency writer of one of its source registers (``wrap``: a loop, searched back across its back
+    edge), else to UNKNOWN_PRODUCER. A fixed-latency writer met first settles that register."""
+    charged: Counter[str] = Counter()
+    decoded = [_operands(instruction.sass) for instruction in instructions]
+    for index, instruction in enumerate(instructions):
+        if not (waiting := sum(instruction.stalls.get(reason, 0) for reason in SCOREBOARD_REASONS)):
+            continue
+        pending = set(decoded[index][2])
+        earlier = range(index - 1, index - len(instructions), -1) if wrap else range(index - 1, -1, -1)
+        producer = UNKNOWN_PRODUCER
+        for row in earlier:
+            opcode, written, _ = decoded[row]
+            if not (hit := pending & written):
+                continue
+            if opcode.split(".")[0] in VARIABLE_LATENCY:
+                producer = ".".join(opcode.split(".")[:2])  # LDS.128, MUFU.EX2, SYNCS.PHASECHK
+                break
+            pending -= hit
+            if not pending:
+                break
+        charged[producer] += waiting
+    return charged
+
+
+def _operands(sass: str) -> tuple[str, set[str], set[str]]:
+    """(opcode with its modifiers, registers written, registers read) of one SASS instruction: general registers
+    R0 .. R255 and predicates P0 .. P6 (not RZ, PT or the uniform ones); the guard predicate is read."""
+    guard, text = re.fullmatch(r"(?:@!?(P\d)\s+)?(.*?)\s*;?", sass).groups()
+    opcode, _, rest = text.partition(" ")
+    operands = [operand.strip() for operand in rest.split(",")] if rest else []
+    base = opcode.split(".")[0]
+    leading = 0 if base in NO_DESTINATION or not operands else 2 if base == "SHFL" else 1  # SHFL: predicate, value
+    if leading == 1 and len(operands) > 1 and re.fullmatch(r"P\d", operands[1]):
+        leading = 2  # a carry or second predicate out (IADD3 R1, P0, ...; not ISETP's PT)
+    written = {name for operand in operands[:leading] for name in _REGISTER.findall(operand)}
+    size = (width := _WIDTH.search(opcode)) and (width[1] or width[2])
+    if size and base in VARIABLE_LATENCY and (first := next((n for n in sorted(written) if n[0] == "R"), None)):
+        written |= {f"R{int(first[1:]) + k}" for k in range({"64": 2, "128": 4, "X2": 2, "X4": 4}.get(size) or
+                                                              int(size))}
+    read = {name for operand in operands[leading:] for name in _REGISTER.findall(operand)}
+    return opcode, written, read | ({guard} if guard else set())
 
 
 def _percent(part: int, whole: int) -> float:

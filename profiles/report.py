@@ -10,6 +10,7 @@ _NAME_WIDTH = 80  # keeps e.g. FA4's '...flash_fwd_sm90FlashAttentionForwardSm90
 LOG_WIDTH = 200  # rich's 80-column default would fold the tables when stdout is a log file
 _TRACE_TOP = 5  # kernels shown per backend in the trace section
 _STALL_TOP = 4  # stall reasons shown per loop
+_PRODUCER_TOP = 3  # scoreboard producers shown per loop
 _TEXT_COLUMNS = {"kernel", "kernel / note", "source", "category", "loop", "top stall reasons",
                  "hottest instructions"}  # left-aligned like the first column
 
@@ -116,7 +117,7 @@ def _ncu_full_columns(ncu: NcuFullResult) -> list[tuple[str, str, dict[str, str]
 def ncu_source_section(results: list[NcuFullResult]) -> Section:
     """The `--ncu-full` source-page summaries: a row per hot loop of each backend's kernel, then the rest."""
     headers = ["backend", "loop", "instructions", "executions", "% of samples", "top stall reasons",
-               "hottest instructions"]
+               "scoreboard waits on", "hottest instructions"]
     rows, notes = [], []
     for ncu in results:
         if error := ncu.error or ncu.loops_error:
@@ -127,7 +128,9 @@ def ncu_source_section(results: list[NcuFullResult]) -> Section:
             rows += [_loop_row(label, loop) for loop in [*kernel.loops, kernel.rest]]
     notes.append("loop: rows of the source page (from 0) and offsets from the kernel's first instruction; "
                  "% of samples: of the kernel's; stall reasons and hottest instructions: % of the loop's samples "
-                 "(unattributed: samples ncu names no reason for)")
+                 "(unattributed: samples ncu names no reason for); scoreboard waits on: the loop's short and long "
+                 "scoreboard samples by the variable-latency instruction whose result they wait for, % of the "
+                 "loop's samples (other: none found, e.g. a register's reuse)")
     return Section("Nsight Compute source counters: where each kernel's warps wait", headers, rows, notes)
 
 
@@ -135,10 +138,11 @@ def _loop_row(label: str, loop: NcuLoop) -> list[str]:
     where = ("rest" if loop.rows is None or loop.offsets is None else
              f"rows {loop.rows[0]}-{loop.rows[1]} (+{loop.offsets[0]:#x}..+{loop.offsets[1]:#x})")
     reasons = ", ".join(f"{reason} {share:.0f}%" for reason, share in loop.stalls[:_STALL_TOP])
+    producers = ", ".join(f"{opcode} {share:.0f}%" for opcode, share in loop.scoreboard[:_PRODUCER_TOP])
     hottest = "; ".join(f"{hot.sass} ({hot.share:.1f}% {hot.reason})" for hot in loop.hottest)
     executions = _DASH if loop.executions is None else f"{loop.executions:,}"
     return [label, where, f"{loop.instructions:,}", executions, num_cell(loop.share), reasons or _DASH,
-            hottest or _DASH]
+            producers or _DASH, hottest or _DASH]
 
 
 def trace_section(result: ProfileResult) -> Section:

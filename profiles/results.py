@@ -113,6 +113,9 @@ class NcuLoop:
     share: float  # % of the kernel's warp samples
     stalls: list[tuple[str, float]]  # (reason, % of this loop's samples), most sampled first
     hottest: list[NcuHotInstruction]
+    # (opcode of the variable-latency instruction whose result a scoreboard stall waits for, % of this loop's
+    # samples), most first: `ncu_source.scoreboard_producers`
+    scoreboard: list[tuple[str, float]] = field(default_factory=list)
 
 
 @dataclass

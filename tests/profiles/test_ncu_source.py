@@ -9,12 +9,15 @@ from pathlib import Path
 import pytest
 
 from mpfa.profiles.errors import ToolError
-from mpfa.profiles.ncu_source import UNATTRIBUTED, hot_loops, loop_spans, parse_source_csv, read_text
+from mpfa.profiles.ncu_source import (UNATTRIBUTED, UNKNOWN_PRODUCER, hot_loops, loop_spans, parse_source_csv,
+                                      read_text, scoreboard_producers)
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 # Session 18, H200: `--set full`, then `--import R --csv --page source --print-source sass`.
 V6E = FIXTURES / "ncu-source-prefill-16k-mpfa-v6e-session18-h200.csv.gz"  # producer loop + consumer loop
 DV4 = FIXTURES / "ncu-source-decode-128k-b8-mpfa-dv4-session18-h200.csv.gz"  # one warp per CTA
+# Session 24, H100 (the same commands): the default prefill v7c, a persistent kernel (one outermost loop)
+V7C = FIXTURES / "ncu-source-prefill-16k-mpfa-v7c-session24-h100.csv.gz"
 REASONS = ("barrier", "long_sb", "selected", "short_sb", "wait")
 HEADER = ",".join(f'"{column}"' for column in (
     "Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
@@ -107,6 +110,51 @@ def test_dv4_after_the_v_staging_fix_and_v3w8c():
     assert (loop.instructions, loop.executions) == (671, 4_177_920) and loop.share > 95
     assert loop.stalls[0][0] == "barrier"
     assert [hot.sass for hot in loop.hottest[:2]] == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2
+
+
+def test_v7c_waits_on_its_delta_s_loads_and_its_stages():
+    """v7c's scoreboard stalls, by what they wait for: the staged Delta_S's LDS.128 (the scores' first FFMAs, read
+    right after each QK wait) first, then the mbarrier tests of the operand stages; the producer loop of v6e waits
+    on its V transposes' LDSM."""
+    [page] = parse_source_csv(read_text(V7C))
+    assert "PrefillSm90WgmmaPre" in page.kernel and sum(i.samples for i in page.instructions) == 353_673
+    [loop] = hot_loops(page).loops
+    assert (loop.instructions, round(loop.share, 1)) == (2717, 99.6)
+    producers = dict(loop.scoreboard)
+    assert [opcode for opcode, _ in loop.scoreboard[:2]] == ["LDS.128", "SYNCS.PHASECHK"]
+    assert round(producers["LDS.128"], 1) == 11.3 and round(producers["SYNCS.PHASECHK"], 1) == 9.2
+    scoreboard = sum(share for reason, share in loop.stalls if reason in ("short_sb", "long_sb"))
+    assert sum(producers.values()) == pytest.approx(scoreboard)
+    ffma = next(i for i in page.instructions if i.sass == "FFMA R24, R124, R217, R156")
+    assert scoreboard_producers([i for i in page.instructions if i.address <= ffma.address][-10:], wrap=False) == {
+        "LDS.128": ffma.stalls["short_sb"]}
+    [page] = parse_source_csv(read_text(V6E))
+    producer, _ = hot_loops(page).loops
+    assert producer.scoreboard[0][0] == "LDSM.16" and round(producer.scoreboard[0][1]) == 16
+
+
+def test_scoreboard_stalls_are_charged_to_the_nearest_variable_latency_writer():
+    text = _page("k",
+                 _row(0x00, "LDS.128 R4, [R2+0x10]", 8, selected=1),
+                 _row(0x10, "MUFU.EX2 R9, R3", 8, selected=1),
+                 _row(0x20, "FFMA R10, R5, R1, R9", 8, short_sb=6),    # R9: the MUFU, nearer than the LDS's R5
+                 _row(0x30, "FADD R11, R7, R1", 8, short_sb=4),        # R7: the LDS.128's fourth register
+                 _row(0x40, "MOV R9, R1", 8, selected=1),
+                 _row(0x50, "FMUL R12, R9, R1", 8, short_sb=3),        # R9 rewritten by a MOV: no producer
+                 _row(0x60, "FADD R3, R3, R12", 8, long_sb=2),         # R3 from the previous iteration's FADD
+                 _row(0x70, "SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R2+0x8], R1", 8, selected=1),
+                 _row(0x80, "@!P0 BRA 0x7f0000000000", 8, long_sb=5))  # P0: the mbarrier test
+    [page] = parse_source_csv(text)
+    [loop] = hot_loops(page).loops
+    charged = scoreboard_producers(page.instructions)
+    assert charged == {"MUFU.EX2": 6, "LDS.128": 4, UNKNOWN_PRODUCER: 5, "SYNCS.PHASECHK": 5}
+    assert loop.scoreboard[0] == ("MUFU.EX2", pytest.approx(100 * 6 / 24))  # of the loop's 24 samples
+    # searched back across the back edge only in a loop: the first FFMA's R5 written after it
+    wrapped = _page("k", _row(0x00, "FFMA R10, R5, R1, R1", 8, short_sb=2), _row(0x10, "LDS R5, [R2]", 8, selected=1),
+                    _row(0x20, "BRA 0x7f0000000000", 8, selected=1))
+    [page] = parse_source_csv(wrapped)
+    assert scoreboard_producers(page.instructions) == {"LDS": 2}
+    assert scoreboard_producers(page.instructions, wrap=False) == {UNKNOWN_PRODUCER: 2}
 
 
 def test_a_capture_of_two_kernels_gives_a_page_each():

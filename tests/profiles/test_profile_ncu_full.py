@@ -116,13 +116,14 @@ def test_side_by_side_tables_with_one_backend_failing(fake_ncu_full, v6e_pages, 
 
     loops = ncu_source_section(results)
     assert loops.headers == ["backend", "loop", "instructions", "executions", "% of samples", "top stall reasons",
-                             "hottest instructions"]
+                             "scoreboard waits on", "hottest instructions"]
     error, producer, consumer, rest = loops.rows
-    assert error == ["fa4-bf16", f"error: {failed.error}", "-", "-", "-", "-", "-"]
+    assert error == ["fa4-bf16", f"error: {failed.error}", "-", "-", "-", "-", "-", "-"]
     assert producer[:5] == ["mpfa", "rows 1439-1872 (+0x59f0..+0x7500)", "434", "2,088,960", "32.2"]
     assert consumer[:5] == ["mpfa", "rows 2955-3366 (+0xb8b0..+0xd260)", "412", "4,177,920", "63.6"]
     assert consumer[5] == "selected 20%, barrier 16%, not_selected 15%, wait 15%"
-    assert consumer[6].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0 (8.2% barrier); ")
+    assert consumer[6] == "SYNCS.PHASECHK 8%, LDS.U16 2%, SHFL.BFLY 1%"  # the stages' mbarrier tests
+    assert consumer[7].startswith("WARPGROUP.DEPBAR.LE gsb0, 0x0 (8.2% barrier); ")
     assert rest[:5] == ["mpfa", "rest", "2,866", "-", "4.2"]
 
     text = _rendered(results)
