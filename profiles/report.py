@@ -12,7 +12,7 @@ _TRACE_TOP = 5  # kernels shown per backend in the trace section
 _STALL_TOP = 4  # stall reasons shown per loop
 _PRODUCER_TOP = 3  # scoreboard producers shown per loop
 _TEXT_COLUMNS = {"kernel", "kernel / note", "source", "category", "loop", "top stall reasons",
-                 "hottest instructions"}  # left-aligned like the first column
+                 "scoreboard waits on", "hottest instructions"}  # left-aligned like the first column
 
 
 @dataclass(frozen=True)
