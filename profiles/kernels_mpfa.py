@@ -22,7 +22,7 @@ v7d with every 4th exponential on the FMA pipe, ``mpfa-v7f`` v7d with the consum
 v7c with each step's Delta_S loaded ahead of its QK waits. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` /
 ``mpfa-dv4w14`` pin decode v1 (no ring), v3 (3-stage ring), v4 (v2 with fewer instructions per tile, `decode_lean`) or
 v4 partitioned for 14 warps per SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v4 by default, its
-partitions aimed at 6 warps per SM: `decode_launch.PARTITION_WARPS_PER_SM`, which caps the pinned kernels' too;
+partitions aimed at 6 warps per SM: `decode_launch.PARTITION_WARPS_PER_SM`, which caps the pinned kernels' but v4w14's;
 ``mpfa-dv2w12`` is the default before session 24, v2 on every slot); ``mpfa-dw<n>`` / ``mpfa-dv4w<n>`` run that kernel /
 v4 with its partitions aimed at n warps per SM (`decode_launch.partition_warps`: fewer, longer partitions; the same
 compiled kernels). ``mpfa-direct`` runs the direct builds (``compensate=False``: no Delta_S read, inputs quantized

@@ -56,11 +56,12 @@ def decode_kernel(kernel: str | None = None) -> str:
 def partition_warps(kernel: str | None = None, warps_per_sm: int | None = None) -> int:
     """Warps per SM the partitions aim at: ``warps_per_sm`` (1 to the split kernel's ``WARPS_PER_SM``), else
     `PARTITION_WARPS_PER_SM` capped at it (so that an adopted target fits every kernel, v3's 9 slots too), else every
-    slot of ``kernel`` (see `decode_kernel`)."""
+    slot of ``kernel`` (see `decode_kernel`); v4w14, whose name is its target, always 14."""
     kernel = decode_kernel(kernel)
     slots = WARPS_PER_SM[kernel]
     if warps_per_sm is None:
-        return slots if PARTITION_WARPS_PER_SM is None else min(PARTITION_WARPS_PER_SM, slots)
+        named = kernel == "v4w14" or PARTITION_WARPS_PER_SM is None
+        return slots if named else min(PARTITION_WARPS_PER_SM, slots)
     if not 1 <= warps_per_sm <= slots:
         raise ValueError(f"decode {kernel} partitions aim at 1 to {slots} warps per SM, got {warps_per_sm}")
     return warps_per_sm

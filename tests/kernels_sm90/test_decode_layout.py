@@ -339,7 +339,7 @@ def test_partition_warps_default_bounds_and_adoption(monkeypatch):
     from mpfa.kernels.sm90 import decode_launch as launch
 
     monkeypatch.delenv(launch.KERNEL_ENV, raising=False)
-    assert [launch.partition_warps(k) for k in ("v1", "v2", "v3", "v4", "v4w14")] == [6] * 5  # adopted
+    assert [launch.partition_warps(k) for k in ("v1", "v2", "v3", "v4", "v4w14")] == [6, 6, 6, 6, 14]  # adopted
     monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", None)
     assert [launch.partition_warps(k) for k in ("v1", "v2", "v3", "v4", "v4w14")] == [12, 12, 9, 12, 14]
     assert launch.partition_warps("v4w14", 14) == 14 and launch.partition_warps(warps_per_sm=1) == 1
