@@ -21,8 +21,10 @@ its removal frees.
 
 Which formats the Hopper kernels support: QK^T from NVFP4 (v1: exactly expanded to FP16; the v7 kernels:
 requantized to e4m3 with power-of-two scales, the FP8 tensor cores; sm_90 has no FP4 MMA) and PV in FP8 e4m3;
-there is no BF16-QK or NVFP4-PV MpFA kernel on sm90, so the paper's other format rows are not produced. FA4-BF16
-(BF16 QK and PV) and FlashInfer-FP8 are context rows, through the `mpfa profile prefill` adapters.
+there is no BF16-QK or NVFP4-PV MpFA kernel on sm90, so the paper's other format rows are not produced.
+mpfa-direct (the same kernel built without Delta_S, on uncentered inputs), FA4-BF16 (BF16 QK and PV) and
+FlashInfer-FP8 are context rows, through the `mpfa profile prefill` adapters; the full kernel over mpfa-direct is the
+compensation's cost (the paper: ~2%).
 
 Time per KV block: the paper's unit, a 128 x 128 (query x key) block of one head. A causal prefill of T tokens
 visits n (n + 1) / 2 such blocks per head and sequence (n = ceil(T / 128), diagonal blocks counted whole);
@@ -46,7 +48,8 @@ if TYPE_CHECKING:
     import torch
 
 BLOCK = 128  # the paper's KV block: 128 query rows x 128 keys of one head
-CONTEXT_BACKENDS = ("fa4-bf16", "flashinfer-fp8")
+CONTEXT_BACKENDS = ("mpfa-direct", "fa4-bf16", "flashinfer-fp8")
+DIRECT = "mpfa-direct"  # the context row the compensation's cost is taken against
 DEFAULT_SEED = 1234
 Progress = Callable[[str], None]
 
@@ -91,6 +94,12 @@ class CharacterizeResult:
         return ladder_shares([row.timing.median_ms if row.timing else None for row in self.ladder],
                              [row.removed for row in self.ladder])
 
+    def compensation(self) -> float | None:
+        """The full kernel's median over mpfa-direct's (None without both)."""
+        full = self.ladder[0].timing if self.ladder else None
+        direct = next((row.timing for row in self.context if row.backend == DIRECT), None)
+        return None if full is None or direct is None else full.median_ms / direct.median_ms
+
     def per_block_us(self, ms: float | None) -> float | None:
         return None if ms is None else sm_us_per_block(ms, self.blocks, self.num_sms)
 
@@ -110,6 +119,7 @@ class CharacterizeResult:
                                                                                else None)} for row in self.context],
             "shares": None if shares is None else [asdict(share) for share in shares],
             "summary": None if shares is None else summary_fractions(shares),
+            "compensation_full_over_direct": self.compensation(),
         }
 
     def write_json(self, out_dir: Path) -> Path:
@@ -319,6 +329,8 @@ def render_characterize(result: CharacterizeResult, console) -> None:
     console.print(f"softmax {100 * summary['softmax']:.1f}% (exp2 {100 * summary['exp2']:.1f}%, row statistics "
                   f"{100 * summary['rowstats']:.1f}%), dequantization {dequant}, MMA + loads "
                   f"<= {100 * summary['mma_upper_bound']:.1f}%")
+    if (ratio := result.compensation()) is not None:
+        console.print(f"compensation (Delta_S): the full kernel takes {ratio:.3f}x {DIRECT}'s time")
     if result.json_path:
         console.print(f"raw results: {result.json_path}")
 
