@@ -4,9 +4,9 @@
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
     python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa-v1,mpfa-v2,mpfa-v2w8,flashinfer-fp8
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,64k --heads 32:8 --backend mpfa-v2,mpfa-v3,fa4-bf16   # v3: wgmma, 32:8
-    python -m mpfa.profiles.bench_kernels decode --backend mpfa,mpfa-dv3,flashinfer-fp8   # decode v2 vs v3 (3 stages)
-    python -m mpfa.profiles.bench_kernels decode --seq 32k --batch 1 --heads 40:8 --backend mpfa,mpfa-dw6,mpfa-dw3
-        # the default partitions (12 warps per SM at batch 1) vs 1/2 and 1/4 as many
+    python -m mpfa.profiles.bench_kernels decode --backend mpfa,mpfa-dv3,flashinfer-fp8   # decode v4 vs v3 (3 stages)
+    python -m mpfa.profiles.bench_kernels decode --seq 32k --batch 1 --heads 40:8 --backend mpfa,mpfa-dv4w12,mpfa-dv2w12
+        # the default (v4, partitions for 6 warps per SM) vs every slot (12), and v2 on every slot (before session 24)
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the

@@ -22,8 +22,8 @@ its removal frees.
 Which formats the Hopper kernels support: QK^T from NVFP4 (v1: exactly expanded to FP16; the v7 kernels:
 requantized to e4m3 with power-of-two scales, the FP8 tensor cores; sm_90 has no FP4 MMA) and PV in FP8 e4m3;
 there is no BF16-QK or NVFP4-PV MpFA kernel on sm90, so the paper's other format rows are not produced.
-mpfa-direct (the same kernel built without Delta_S, on uncentered inputs), FA4-BF16 (BF16 QK and PV) and
-FlashInfer-FP8 are context rows, through the `mpfa profile prefill` adapters; the full kernel over mpfa-direct is the
+FA4-BF16 (BF16 QK and PV) and FlashInfer-FP8 are context rows, through the `mpfa profile prefill` adapters. The
+kernel's direct build (no Delta_S read) is timed on the full kernel's inputs too: the full kernel over it is the
 compensation's cost (the paper: ~2%).
 
 Time per KV block: the paper's unit, a 128 x 128 (query x key) block of one head. A causal prefill of T tokens
@@ -48,8 +48,8 @@ if TYPE_CHECKING:
     import torch
 
 BLOCK = 128  # the paper's KV block: 128 query rows x 128 keys of one head
-CONTEXT_BACKENDS = ("mpfa-direct", "fa4-bf16", "flashinfer-fp8")
-DIRECT = "mpfa-direct"  # the context row the compensation's cost is taken against
+DIRECT_LABEL = "direct (no Delta_S)"
+CONTEXT_BACKENDS = ("fa4-bf16", "flashinfer-fp8")
 DEFAULT_SEED = 1234
 Progress = Callable[[str], None]
 
@@ -88,6 +88,7 @@ class CharacterizeResult:
     kernel: str  # the prefill kernel ablated (`prefill_launch.ablation_ladder`)
     ladder: list[LadderRow]
     context: list[ContextRow] = field(default_factory=list)
+    direct: LadderRow | None = None  # the kernel's direct build (no Delta_S) on the same inputs
     json_path: str | None = None
 
     def shares(self) -> list[Share] | None:
@@ -95,9 +96,9 @@ class CharacterizeResult:
                              [row.removed for row in self.ladder])
 
     def compensation(self) -> float | None:
-        """The full kernel's median over mpfa-direct's (None without both)."""
+        """The full kernel's median over its direct build's (None without both)."""
         full = self.ladder[0].timing if self.ladder else None
-        direct = next((row.timing for row in self.context if row.backend == DIRECT), None)
+        direct = self.direct.timing if self.direct else None
         return None if full is None or direct is None else full.median_ms / direct.median_ms
 
     def per_block_us(self, ms: float | None) -> float | None:
@@ -119,6 +120,7 @@ class CharacterizeResult:
                                                                                else None)} for row in self.context],
             "shares": None if shares is None else [asdict(share) for share in shares],
             "summary": None if shares is None else summary_fractions(shares),
+            "direct": None if self.direct is None else asdict(self.direct),
             "compensation_full_over_direct": self.compensation(),
         }
 
@@ -207,6 +209,20 @@ def _prefill_inputs(w: AttentionWorkload, device: "torch.device"):
     )
 
 
+def _timed(row: LadderRow, say: Progress, run: Callable[[int], "torch.Tensor"]) -> LadderRow:
+    """``row`` with ``run``'s first-call time and timing, or its one-line error (one failed step leaves the others;
+    the shares are then not computed)."""
+    try:
+        say(f"mpfa {row.label}: compile + first call, then timing")
+        measurement = measure(run, 1)
+        row.first_call_s, row.timing = measurement.first_call_s, summarize(measurement.times_ms)
+        say(f"mpfa {row.label}: median {row.timing.median_ms:.3f} ms")
+    except Exception as exc:  # noqa: BLE001 - reported in the row
+        row.error = _one_line(exc)
+        say(f"mpfa {row.label}: {row.error}")
+    return row
+
+
 def _one_line(exc: BaseException) -> str:
     first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
     return f"{type(exc).__name__}: {first}"[:300]
@@ -246,19 +262,12 @@ def run_characterize(seq: int, batch: int = 1, heads: tuple[int, int] = (32, 8),
     inputs = _prefill_inputs(workload, device)
     torch.cuda.synchronize()
     for label, ablation, removed in ladder:
-        row = LadderRow(label, ablation.name, removed)
-        try:
-            def run(_index: int, ablation=ablation) -> "torch.Tensor":
-                return mpfa_prefill_ablated(ablation, max_seqlen_q=seq, causal=True, kernel=kernel, **inputs)
-
-            say(f"mpfa {label}: compile + first call, then timing")
-            measurement = measure(run, 1)
-            row.first_call_s, row.timing = measurement.first_call_s, summarize(measurement.times_ms)
-            say(f"mpfa {label}: median {row.timing.median_ms:.3f} ms")
-        except Exception as exc:  # one failed step leaves the others (and the shares are then not computed)
-            row.error = _one_line(exc)
-            say(f"mpfa {label}: {row.error}")
-        result.ladder.append(row)
+        result.ladder.append(_timed(LadderRow(label, ablation.name, removed), say, lambda _index, ablation=ablation:
+                                    mpfa_prefill_ablated(ablation, max_seqlen_q=seq, causal=True, kernel=kernel,
+                                                         **inputs)))
+    full = ladder[0][1]
+    result.direct = _timed(LadderRow(DIRECT_LABEL, full.name, None), say, lambda _index: mpfa_prefill_ablated(
+        full, max_seqlen_q=seq, causal=True, kernel=kernel, compensate=False, **inputs))
     del inputs
     torch.cuda.empty_cache()
 
@@ -294,6 +303,14 @@ def table_rows(result: CharacterizeResult) -> tuple[list[str], list[list[str]]]:
             "-" if share is None else f"{row.removed} {100 * share.fraction:+.1f}%",
             row.error or ("real kernel" if row.removed is None else "timing only: output meaningless"),
         ])
+    if (direct := result.direct) is not None:
+        t, ratio = direct.timing, result.compensation()
+        rows.append([f"mpfa {result.kernel} {direct.label}", "-", _cell(t and t.median_ms),
+                     "-" if t is None else f"{t.p20_ms:.3f}-{t.p80_ms:.3f}",
+                     _cell(result.per_block_us(t and t.median_ms), 2),
+                     "-" if t is None or not full else f"{t.median_ms / full:.2f}",
+                     "-" if ratio is None else f"compensation {100 * (1 - 1 / ratio):+.1f}%",
+                     direct.error or "the direct build on the same inputs: timing only"])
     for row in result.context:
         t = row.timing
         rows.append([row.backend, "-", _cell(t and t.median_ms),
@@ -317,6 +334,8 @@ def render_characterize(result: CharacterizeResult, console) -> None:
     for row in rows:
         table.add_row(*row)
     console.print(table)
+    if (ratio := result.compensation()) is not None:
+        console.print(f"compensation (Delta_S): the full kernel takes {ratio:.3f}x its direct build's time")
     shares = result.shares()
     if shares is None:
         console.print("shares: not computed (a ladder step failed)")
@@ -329,8 +348,6 @@ def render_characterize(result: CharacterizeResult, console) -> None:
     console.print(f"softmax {100 * summary['softmax']:.1f}% (exp2 {100 * summary['exp2']:.1f}%, row statistics "
                   f"{100 * summary['rowstats']:.1f}%), dequantization {dequant}, MMA + loads "
                   f"<= {100 * summary['mma_upper_bound']:.1f}%")
-    if (ratio := result.compensation()) is not None:
-        console.print(f"compensation (Delta_S): the full kernel takes {ratio:.3f}x {DIRECT}'s time")
     if result.json_path:
         console.print(f"raw results: {result.json_path}")
 

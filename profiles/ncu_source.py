@@ -53,6 +53,7 @@ VARIABLE_LATENCY = ("LDS", "LDSM", "LDG", "LDL", "LD", "LDC", "MUFU", "SHFL", "S
 NO_DESTINATION = ("ST", "STS", "STG", "STL", "RED", "BAR", "BRA", "EXIT", "RET", "WARPGROUP", "FENCE")
 UNKNOWN_PRODUCER = "other"  # no variable-latency writer of a source register: a register's reuse, a memory barrier
 _REGISTER = re.compile(r"(?<![\w.])([RP]\d+)\b")  # R0 .. R255, P0 .. P6 (not UR, UP, RZ, PT or .reuse)
+_PAIR = re.compile(r"(?<![\w.])R(\d+)\.64\b")  # a 64-bit register pair read as one operand (an address)
 _WIDTH = re.compile(r"\.(64|128|X2|X4)\b|^LDSM\..*\.([24])$")  # registers a load writes: .64, .128, LDSM's .2 / .4
 # `BRA 0x7f08577ccb60`, `@!P0  BRA 0x...`, `BRA.U !UP0, 0x...`: the target is the last operand.
 _BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:[^,]+,\s*)*(0x[0-9a-f]+)\s*;?", re.IGNORECASE)
@@ -207,20 +208,22 @@ def scoreboard_producers(instructions: list[SourceInstruction], wrap: bool = Tru
 def _operands(sass: str) -> tuple[str, set[str], set[str]]:
     """(opcode with its modifiers, registers written, registers read) of one SASS instruction: general registers
     R0 .. R255 and predicates P0 .. P6 (not RZ, PT or the uniform ones); the guard predicate is read."""
-    guard, text = re.fullmatch(r"(?:@!?(P\d)\s+)?(.*?)\s*;?", sass).groups()
+    guard, text = re.fullmatch(r"(?:@!?(U?P\w+)\s+)?(.*?)\s*;?", sass).groups()
     opcode, _, rest = text.partition(" ")
     operands = [operand.strip() for operand in rest.split(",")] if rest else []
     base = opcode.split(".")[0]
     leading = 0 if base in NO_DESTINATION or not operands else 2 if base == "SHFL" else 1  # SHFL: predicate, value
     if leading == 1 and len(operands) > 1 and re.fullmatch(r"P\d", operands[1]):
         leading = 2  # a carry or second predicate out (IADD3 R1, P0, ...; not ISETP's PT)
-    written = {name for operand in operands[:leading] for name in _REGISTER.findall(operand)}
+    written = {name for operand in operands[:leading] if "[" not in operand for name in _REGISTER.findall(operand)}
     size = (width := _WIDTH.search(opcode)) and (width[1] or width[2])
     if size and base in VARIABLE_LATENCY and (first := next((n for n in sorted(written) if n[0] == "R"), None)):
         written |= {f"R{int(first[1:]) + k}" for k in range({"64": 2, "128": 4, "X2": 2, "X4": 4}.get(size) or
                                                               int(size))}
-    read = {name for operand in operands[leading:] for name in _REGISTER.findall(operand)}
-    return opcode, written, read | ({guard} if guard else set())
+    read = {name for index, operand in enumerate(operands) if index >= leading or "[" in operand
+            for name in _REGISTER.findall(operand)}
+    read |= {f"R{int(pair) + 1}" for operand in operands for pair in _PAIR.findall(operand)}  # R2.64: R2, R3
+    return opcode, written, read | ({guard} if guard and re.fullmatch(r"P\d", guard) else set())
 
 
 def _percent(part: int, whole: int) -> float:

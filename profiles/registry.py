@@ -23,11 +23,13 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     # v6 (v5w8 warp-specialized: a producer warpgroup, two consumers) and its variants
                     *(MpfaAdapter(v) for v in WS_KERNELS),
                     *(MpfaAdapter(v) for v in PRE_KERNELS),  # v7: v6n on operand images (timed with their pass)
-                    MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),  # mpfa-d<v>: the decode kernel
-                    *(MpfaAdapter(decode_kernel=v) for v in LEAN_KERNELS),  # decode_lean (12 / 14 warps per SM)
+                    # mpfa-d<v>: the decode kernel, its partitions at the adopted 6 warps per SM (v4w14: its 14)
+                    MpfaAdapter(decode_kernel="v1"), MpfaAdapter(decode_kernel="v3"),
+                    *(MpfaAdapter(decode_kernel=v) for v in LEAN_KERNELS),  # decode_lean (mpfa-dv4: the default)
                     *(MpfaAdapter(decode_kernel=kernel, decode_warps=n)
                       for kernel in (None, "v4") for n in DECODE_PARTITION_WARPS),
-                    MpfaAdapter(decode_kernel="v2", decode_warps=WARPS_PER_SM_TARGET),  # the default to session 23
+                    *(MpfaAdapter(decode_kernel=v, decode_warps=WARPS_PER_SM_TARGET)  # every slot; v2's: the
+                      for v in ("v4", "v2")),  # default to session 23
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")

@@ -135,7 +135,6 @@ class DecodeWorkspace:
         return self.m.shape[2]
 
 
-@lru_cache(maxsize=None)
 def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16",
                            kernel: str | None = None, compensate: bool = True) -> tuple:
     """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI.
@@ -144,7 +143,13 @@ def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dt
     14 warps per SM: pages of >= 32 keys only, where it takes 128 registers); None: `decode_kernel`. The merge
     (`decode_merge`) is the same for all. ``compensate`` False: the direct build (no Delta_S read,
     `SplitKVDecodeSm90`)."""
-    kernel = decode_kernel(kernel)
+    return _compiled_decode_kernels(num_kv_heads, group, page_size, out_dtype, decode_kernel(kernel), compensate)
+
+
+@lru_cache(maxsize=None)
+def _compiled_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str, kernel: str,
+                             compensate: bool) -> tuple:
+    """`compile_decode_kernels` once per resolved kernel (None and the default's name share one build)."""
     if kernel == "v4w14" and page_size < LEAN_MIN_PAGE_W14:
         raise ValueError(f"decode v4w14 needs pages of >= {LEAN_MIN_PAGE_W14} keys (with pages of {page_size} v4 takes "
                          "148-154 registers: 12 warps per SM, not 14); use v4")

@@ -90,17 +90,20 @@ def test_v7_ladder_report_has_no_dequantization_step():
     result = ch.CharacterizeResult(w, "NVIDIA H200", 132, ch.causal_blocks(65536, 1, 32), "v7c", ladder)
     assert [s.piece for s in result.shares()] == ["exp2", "rowstats", "pv", "qk+rest"]
     assert ch.summary_fractions(result.shares())["dequant"] is None
-    assert result.compensation() is None  # no mpfa-direct row
-    result.context = [ch.ContextRow("mpfa-direct", "the direct build", summarize([43.2])),
-                      ch.ContextRow("fa4-bf16", "a kernel", summarize([55.0]))]
+    assert result.compensation() is None  # no direct build timed
+    result.direct = ch.LadderRow(ch.DIRECT_LABEL, "full", None, summarize([43.2]), 3.0)
     assert result.compensation() == pytest.approx(47.0 / 43.2)
-    assert result.to_json()["compensation_full_over_direct"] == pytest.approx(47.0 / 43.2)
+    data = result.to_json()
+    assert data["compensation_full_over_direct"] == pytest.approx(47.0 / 43.2)
+    assert data["direct"]["label"] == "direct (no Delta_S)"
+    headers, rows = ch.table_rows(result)
+    assert rows[-1][0] == "mpfa v7c direct (no Delta_S)" and rows[-1][6] == "compensation +8.1%"
     console = Console(width=200, record=True)
     ch.render_characterize(result, console)
     text = console.export_text()
     assert "MpFA prefill (v7c)" in text and "mpfa v7c QK MMA + copies only" in text
     assert "dequantization in the operand pass (not ablated)" in text and "exp2 14.9%" in text
-    assert "compensation (Delta_S): the full kernel takes 1.088x mpfa-direct's time" in text
+    assert "compensation (Delta_S): the full kernel takes 1.088x its direct build's time" in text
 
 
 def test_a_kernel_without_ablations_is_a_clear_error(monkeypatch, tmp_path):
@@ -113,11 +116,13 @@ def test_a_failed_step_leaves_shares_out():
     from rich.console import Console
 
     result = _result([288.0, None, 200.0, 120.0, 60.0])
+    result.direct = ch.LadderRow(ch.DIRECT_LABEL, "full", None, summarize([270.0]), 3.0)
     assert result.shares() is None and result.to_json()["shares"] is None
     console = Console(width=200, record=True)
     ch.render_characterize(result, console)
     text = console.export_text()
     assert "RuntimeError: boom" in text and "shares: not computed" in text
+    assert "the full kernel takes 1.072x its direct build's time" in text  # needs the full kernel only
 
 
 def test_run_characterize_needs_cuda(monkeypatch, tmp_path):

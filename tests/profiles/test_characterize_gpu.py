@@ -14,6 +14,7 @@ def test_characterize_4k(tmp_path):
     result = run_characterize(4096, 1, (32, 8), 128, tmp_path, context=("fa4-bf16",))
     medians = [row.timing.median_ms if row.timing else None for row in result.ladder]
     assert all(row.error is None for row in result.ladder), [row.error for row in result.ladder]
+    assert result.direct is not None and result.direct.error is None and result.compensation() > 0
     assert all(ms > 0 for ms in medians)
     assert medians[0] >= medians[-1], medians  # full >= QK MMA + loads only
     assert medians[0] >= min(medians[1:]), medians

@@ -157,6 +157,28 @@ def test_scoreboard_stalls_are_charged_to_the_nearest_variable_latency_writer():
     assert scoreboard_producers(page.instructions, wrap=False) == {UNKNOWN_PRODUCER: 2}
 
 
+@pytest.mark.parametrize("sass, written, read", [
+    ("FFMA R5, R5, R6, R7", {"R5"}, {"R5", "R6", "R7"}),
+    ("LDS.128 R156, [R218+0x8200]", {"R156", "R157", "R158", "R159"}, {"R218"}),
+    ("LDSM.16.MT88.4 R4, [R2]", {"R4", "R5", "R6", "R7"}, {"R2"}),
+    ("LDG.E.128 R80, desc[UR4][R80.64]", {"R80", "R81", "R82", "R83"}, {"R80", "R81"}),
+    ("LDGSTS.E.BYPASS.128 [R5+0x100], desc[UR4][R8.64]", set(), {"R5", "R8", "R9"}),  # the addresses are read
+    ("STSM.16.M88.4 [R3], R4", set(), {"R3", "R4"}),
+    ("STS.64 [R3+0x10], R4", set(), {"R3", "R4"}),
+    ("@!P1 SHFL.BFLY PT, R5, R4, 0x1, 0x1f", {"R5"}, {"P1", "R4"}),
+    ("ISETP.GE.AND P2, PT, R233, UR28, PT", {"P2"}, {"R233"}),
+    ("IADD3 R5, P0, PT, R3, 0x1, RZ", {"R5", "P0"}, {"R3"}),
+    ("SYNCS.PHASECHK.TRANS64.TRYWAIT P0, [R211+UR23], R92", {"P0"}, {"R211", "R92"}),
+    ("@!PT LDS R1, [R2]", {"R1"}, {"R2"}),
+    ("@UP0 FADD R1, R2, UR4", {"R1"}, {"R2"}),  # uniform registers are not tracked
+    ("@!P0  BRA 0x7f85d77db0e0", set(), {"P0"}),
+])
+def test_sass_operands(sass, written, read):
+    from mpfa.profiles.ncu_source import _operands
+
+    assert _operands(sass)[1:] == (written, read)
+
+
 def test_a_capture_of_two_kernels_gives_a_page_each():
     """Decode at 32K x 1, the split kernel and the merge in one report: the merge's loop waits on its loads."""
     split, merge = parse_source_csv(read_text(
