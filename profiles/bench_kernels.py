@@ -120,9 +120,18 @@ def run_bench(kind: str, seqs: list[int], batches: list[int], heads: tuple[int, 
             workload = AttentionWorkload(kind, seq, batch, heads[0], heads[1], 128)
             say(f"--- {workload.label()}")
             results.append((workload, [benchmark_backend(adapter_for(name), workload, device, say) for name in backends]))
+    props = torch.cuda.get_device_properties(device)
+    title = table_title(kind, torch.cuda.get_device_name(device), props.multi_processor_count, heads)
     if kind == "prefill":
-        return format_prefill_table(results)
-    return format_table(results, bandwidth, torch.cuda.get_device_properties(device).multi_processor_count)
+        return f"{title}\n{format_prefill_table(results)}"
+    return f"{title}\n{format_table(results, bandwidth, props.multi_processor_count)}"
+
+
+def table_title(kind: str, device_name: str, num_sms: int, heads: tuple[int, int]) -> str:
+    """The table's first line: what ran where (timings on different GPUs are not comparable)."""
+    causal = ", causal" if kind == "prefill" else ""
+    return (f"{kind} on {device_name} ({num_sms} SMs), GQA {heads[0]}:{heads[1]}, head dim 128{causal}; "
+            "medians of repeated timings, all backends in this one run")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from mpfa.kernels.sm90.decode_launch import KERNEL_ENV
-from mpfa.profiles.bench_kernels import bytes_read, format_prefill_table, format_table
+from mpfa.profiles.bench_kernels import bytes_read, format_prefill_table, format_table, table_title
 from mpfa.profiles.kernels_mpfa import MpfaAdapter
 from mpfa.profiles.results import ERROR, OK, BackendResult
 from mpfa.profiles.timing import summarize
@@ -79,6 +79,13 @@ def test_prefill_table_has_flop_rates_and_speedups():
     lines = format_prefill_table([(PREFILL, rows)]).splitlines()
     assert lines[0].split()[-4:] == ["x", "FA4", "x", "FI-FP8"]
     assert next(line for line in lines if " mpfa " in line).split()[5:] == ["1.20", "1.50"]
+
+
+def test_table_title_names_the_gpu_and_the_shape():
+    assert table_title("prefill", "NVIDIA H100 80GB HBM3", 132, (40, 8)) == (
+        "prefill on NVIDIA H100 80GB HBM3 (132 SMs), GQA 40:8, head dim 128, causal; medians of repeated timings, "
+        "all backends in this one run")
+    assert table_title("decode", "NVIDIA H200", 132, (32, 8)).startswith("decode on NVIDIA H200 (132 SMs), GQA 32:8,")
 
 
 def test_mpfa_prefill_set_counts_query_cache_pages_and_output():
