@@ -12,7 +12,7 @@ For every (context, batch): each backend's inputs are built in rotated sets (`pr
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the
 bytes read and their rate against the copy bandwidth measured in the same run. "Read" is the bytes the kernel
 actually has to move: the KV cache in the backend's format, the page table / indices it walks, Q and O, and for
-MpFA the split-KV partials it writes and merges. Prefill (causal, every token a query) is compute-bound: the
+MpFA the split-KV partials it writes and merges ("parts": MpFA's partitions per request and KV head). Prefill (causal, every token a query) is compute-bound: the
 table gives the FLOP rate of the two matmuls over the causal pairs (`AttentionWorkload.flops`) and the speedups
 over FA4-BF16 and FlashInfer-FP8 (decode: over FlashInfer-FP8). A backend that
 fails prints an error row; the others still run.
@@ -36,19 +36,26 @@ DEFAULTS = {"decode": ("8192,32768,131072", "1,8"), "prefill": ("16k,64k", "1")}
 _INDEX_BYTES = 4
 
 
+def mpfa_partitions(backend: str, workload: AttentionWorkload, num_sms: int) -> int | None:
+    """The split-KV partitions per request an MpFA decode backend runs (None for the others): mpfa-dv<n> pin the
+    decode kernel, mpfa-dw<n> the warps per SM its partitions aim at."""
+    from mpfa.kernels.sm90.decode_launch import choose_partition_size
+
+    adapter, w = adapter_for(backend), workload
+    if adapter.tensor_format is not MPFA:
+        return None
+    size = choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms, adapter.decode_kernel, adapter.decode_warps)
+    return -(-w.seq // size)
+
+
 def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float:
     """Bytes the decode kernel(s) move: KV cache in the backend's format + Q + O (`workload.bytes_needed`), the
     page-table entries it walks (FlashInfer: page size 1, one per token; FA4 and MpFA: one per 128-token page), and
     MpFA's partials (written once, read once by the merge: m, l and O in FP32 per partition)."""
-    from mpfa.kernels.sm90.decode_launch import choose_partition_size
-
     w = workload
     tokens = w.batch * w.seq
     adapter = adapter_for(backend)
-    if adapter.tensor_format is MPFA:  # mpfa-v<n> pin the prefill kernel, mpfa-dv<n> the decode kernel, mpfa-dw<n>
-        # the warps per SM its partitions aim at
-        size = choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms, adapter.decode_kernel, adapter.decode_warps)
-        partitions = -(-w.seq // size)
+    if (partitions := mpfa_partitions(backend, w, num_sms)) is not None:
         partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
         return w.bytes_needed(MPFA) + tokens // 128 * _INDEX_BYTES + partial_bytes
     base = w.bytes_needed(adapter.tensor_format)
@@ -77,15 +84,16 @@ def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], li
 def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], copy_bandwidth: float | None,
                  num_sms: int) -> str:
     header = (f"{'context':>8} {'batch':>5}  {'backend':<15} {'median us':>10} {'read MB':>9} {'TB/s':>6} "
-              f"{'% copy':>7} {'x FI-FP8':>8}")
+              f"{'% copy':>7} {'x FI-FP8':>8} {'parts':>6}")
     lines = [f"copy bandwidth (read + write, measured in this run): "
              f"{copy_bandwidth / 1e3:.2f} TB/s" if copy_bandwidth else "copy bandwidth: not measured", header]
     for workload, row, prefix, speedup in _timed_rows(results, lines):
         read = bytes_read(row.backend, workload, num_sms)
         rate = read / (row.timing.median_ms / 1e3)
         pct = f"{100 * rate / (copy_bandwidth * 1e9):6.1f}%" if copy_bandwidth else "      -"
+        parts = mpfa_partitions(row.backend, workload, num_sms)
         lines.append(f"{prefix} {row.timing.median_ms * 1e3:>10.1f} {read / 1e6:>9.1f} {rate / 1e12:>6.2f} "
-                     f"{pct} {speedup}")
+                     f"{pct} {speedup} {'-' if parts is None else parts:>6}")
     return "\n".join(lines)
 
 

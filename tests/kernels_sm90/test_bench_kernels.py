@@ -60,6 +60,8 @@ def test_table_has_rates_speedups_and_error_rows():
     rate = bytes_read("mpfa", WORKLOAD, 132) / 66e-6
     assert fields[5] == f"{rate / 1e12:.2f}" and fields[6] == f"{100 * rate / 4.25e12:.1f}%"
     assert fields[7] == "2.00"  # 132 us / 66 us against FlashInfer-FP8
+    assert fields[8] == "98"  # 128K x 1: 1,344-key partitions at the default 6 warps per SM
+    assert next(line for line in lines if "flashinfer-fp8" in line).split()[-1] == "-"
     assert "ERROR: ImportError: no flash_attn" in table
 
 
