@@ -12,10 +12,10 @@ For every (context, batch): each backend's inputs are built in rotated sets (`pr
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the
 bytes read and their rate against the copy bandwidth measured in the same run. "Read" is the bytes the kernel
 actually has to move: the KV cache in the backend's format, the page table / indices it walks, Q and O, and for
-MpFA the split-KV partials it writes and merges ("parts": MpFA's partitions per request and KV head). Prefill (causal, every token a query) is compute-bound: the
-table gives the FLOP rate of the two matmuls over the causal pairs (`AttentionWorkload.flops`) and the speedups
-over FA4-BF16 and FlashInfer-FP8 (decode: over FlashInfer-FP8). A backend that
-fails prints an error row; the others still run.
+MpFA the split-KV partials it writes and merges ("parts": MpFA's partitions per request and KV head). Prefill
+(causal, every token a query) is compute-bound: the table gives the FLOP rate of the two matmuls over the causal
+pairs (`AttentionWorkload.flops`) and the speedups over FA4-BF16 and FlashInfer-FP8 (decode: over FlashInfer-FP8).
+A backend that fails prints an error row; the others still run.
 """
 from __future__ import annotations
 

@@ -286,6 +286,13 @@ def _cell(value: float | None, digits: int = 3) -> str:
     return "-" if value is None else f"{value:,.{digits}f}"
 
 
+def _timing_cells(result: CharacterizeResult, t: TimingSummary | None, full: float | None) -> list[str]:
+    """A row's median, p20-p80, SM-us per block and time over the full kernel's."""
+    return [_cell(t and t.median_ms), "-" if t is None else f"{t.p20_ms:.3f}-{t.p80_ms:.3f}",
+            _cell(result.per_block_us(t and t.median_ms), 2),
+            "-" if t is None or not full else f"{t.median_ms / full:.2f}"]
+
+
 def table_rows(result: CharacterizeResult) -> tuple[list[str], list[list[str]]]:
     """Headers and rows of the report table: the ladder, then the context backends."""
     headers = ["kernel", "removed", "median ms", "p20-p80 ms", "SM-us / 128x128 block", "x full",
@@ -294,29 +301,18 @@ def table_rows(result: CharacterizeResult) -> tuple[list[str], list[list[str]]]:
     full = result.ladder[0].timing.median_ms if result.ladder and result.ladder[0].timing else None
     rows = []
     for row in result.ladder:
-        t = row.timing
         share = shares.get(row.removed) if row.removed else None
-        rows.append([
-            f"mpfa {result.kernel} {row.label}", row.removed or "-", _cell(t and t.median_ms),
-            "-" if t is None else f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", _cell(result.per_block_us(t and t.median_ms), 2),
-            "-" if t is None or not full else f"{t.median_ms / full:.2f}",
-            "-" if share is None else f"{row.removed} {100 * share.fraction:+.1f}%",
-            row.error or ("real kernel" if row.removed is None else "timing only: output meaningless"),
-        ])
+        rows.append([f"mpfa {result.kernel} {row.label}", row.removed or "-",
+                     *_timing_cells(result, row.timing, full),
+                     "-" if share is None else f"{row.removed} {100 * share.fraction:+.1f}%",
+                     row.error or ("real kernel" if row.removed is None else "timing only: output meaningless")])
     if (direct := result.direct) is not None:
-        t, ratio = direct.timing, result.compensation()
-        rows.append([f"mpfa {result.kernel} {direct.label}", "-", _cell(t and t.median_ms),
-                     "-" if t is None else f"{t.p20_ms:.3f}-{t.p80_ms:.3f}",
-                     _cell(result.per_block_us(t and t.median_ms), 2),
-                     "-" if t is None or not full else f"{t.median_ms / full:.2f}",
+        ratio = result.compensation()
+        rows.append([f"mpfa {result.kernel} {direct.label}", "-", *_timing_cells(result, direct.timing, full),
                      "-" if ratio is None else f"compensation {100 * (1 - 1 / ratio):+.1f}%",
                      direct.error or "the direct build on the same inputs: timing only"])
     for row in result.context:
-        t = row.timing
-        rows.append([row.backend, "-", _cell(t and t.median_ms),
-                     "-" if t is None else f"{t.p20_ms:.3f}-{t.p80_ms:.3f}",
-                     _cell(result.per_block_us(t and t.median_ms), 2),
-                     "-" if t is None or not full else f"{t.median_ms / full:.2f}", "-",
+        rows.append([row.backend, "-", *_timing_cells(result, row.timing, full), "-",
                      row.error or (row.description or "")])
     return headers, rows
 
@@ -326,9 +322,9 @@ def render_characterize(result: CharacterizeResult, console) -> None:
 
     w = result.workload
     headers, rows = table_rows(result)
-    table = Table(title=f"MpFA prefill ({result.kernel}) characterization: {w.seq} tokens, batch {w.batch}, {w.q_heads}:{w.kv_heads} "
-                        f"heads, d={w.head_dim}, causal — {result.device}, {result.num_sms} SMs, "
-                        f"{result.blocks:,} blocks of 128x128")
+    table = Table(title=f"MpFA prefill ({result.kernel}) characterization: {w.seq} tokens, batch {w.batch}, "
+                        f"{w.q_heads}:{w.kv_heads} heads, d={w.head_dim}, causal — {result.device}, "
+                        f"{result.num_sms} SMs, {result.blocks:,} blocks of 128x128")
     for i, header in enumerate(headers):
         table.add_column(header, justify="left" if i in (0, 1, 6, 7) else "right")
     for row in rows:

@@ -54,7 +54,8 @@ NO_DESTINATION = ("ST", "STS", "STG", "STL", "RED", "BAR", "BRA", "EXIT", "RET",
 UNKNOWN_PRODUCER = "other"  # no variable-latency writer of a source register: a register's reuse, a memory barrier
 _REGISTER = re.compile(r"(?<![\w.])([RP]\d+)\b")  # R0 .. R255, P0 .. P6 (not UR, UP, RZ, PT or .reuse)
 _PAIR = re.compile(r"(?<![\w.])R(\d+)\.64\b")  # a 64-bit register pair read as one operand (an address)
-_WIDTH = re.compile(r"\.(64|128|X2|X4)\b|^LDSM\..*\.([24])$")  # registers a load writes: .64, .128, LDSM's .2 / .4
+_WIDTH = re.compile(r"\.(64|128|X2|X4)\b|^LDSM\..*\.([24])$")  # a load's .64, .128, LDSM's .2 / .4
+_REGISTERS_WRITTEN = {"64": 2, "128": 4, "X2": 2, "X4": 4, "2": 2, "4": 4}
 # `BRA 0x7f08577ccb60`, `@!P0  BRA 0x...`, `BRA.U !UP0, 0x...`: the target is the last operand.
 _BRANCH = re.compile(r"(?:@!?U?P\w+\s+)?BRA(?:\.\w+)*\s+(?:[^,]+,\s*)*(0x[0-9a-f]+)\s*;?", re.IGNORECASE)
 
@@ -218,8 +219,7 @@ def _operands(sass: str) -> tuple[str, set[str], set[str]]:
     written = {name for operand in operands[:leading] if "[" not in operand for name in _REGISTER.findall(operand)}
     size = (width := _WIDTH.search(opcode)) and (width[1] or width[2])
     if size and base in VARIABLE_LATENCY and (first := next((n for n in sorted(written) if n[0] == "R"), None)):
-        written |= {f"R{int(first[1:]) + k}" for k in range({"64": 2, "128": 4, "X2": 2, "X4": 4}.get(size) or
-                                                              int(size))}
+        written |= {f"R{int(first[1:]) + k}" for k in range(_REGISTERS_WRITTEN[size])}
     read = {name for index, operand in enumerate(operands) if index >= leading or "[" in operand
             for name in _REGISTER.findall(operand)}
     read |= {f"R{int(pair) + 1}" for operand in operands for pair in _PAIR.findall(operand)}  # R2.64: R2, R3
