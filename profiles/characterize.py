@@ -1,8 +1,8 @@
 """`mpfa profile characterize`: the MpFA paper's Fig. 3 on this GPU — where the sm90 prefill kernel's time goes.
 
 The paper splits a FlashAttention tile's time into MMA, softmax and the rest by timing compile-time ablations of
-the kernel. Here the ladder of the prefill kernel that `mpfa_prefill` runs for the shape (the default v7c, or
-``MPFA_PREFILL_KERNEL``'s if it has ablations: v1, v7 .. v7g; `prefill_launch.ablation_ladder`) is timed on one
+the kernel. Here the ladder of the prefill kernel that `mpfa_prefill` runs for the shape (the default v7i, or
+``MPFA_PREFILL_KERNEL``'s if it has ablations: v1, v7 .. v7i; `prefill_launch.ablation_ladder`) is timed on one
 causal prefill (default 64K tokens, batch 1, 32:8 heads, d = 128), each step removing one more piece from the tile
 loop:
 

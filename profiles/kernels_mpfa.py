@@ -6,7 +6,7 @@ FlashInfer serves with page 1; the decode benchmark used page 1 for MpFA too bef
 split-KV decode + merge. Prefill: the CuTe prefill (causal, every token of each sequence a query), the queries'
 centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
 
-Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v7c for 32:8 and 40:8); ``mpfa-v1``,
+Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v7i for 32:8 and 40:8); ``mpfa-v1``,
 ``mpfa-v2``, ``mpfa-v2w8``, ``mpfa-v3`` and ``mpfa-v3w8`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs, v3
 (`prefill_wgmma`) or v3 with 2-warpgroup CTAs, so one run can time them side by side (decode is the same kernel
 in all of them); ``mpfa-v3c`` / ``mpfa-v3w8c`` v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`);

@@ -6,7 +6,7 @@ freezes the means of the requests it starts (`kv_store.freeze_means`).
 Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable; v4 by
 default, its partitions aimed at 6 warps per SM, another version by ``$MPFA_DECODE_KERNEL``).
 Extend (eager only), chosen by ``$MPFA_PREFILL``: ``kernel`` (default) the sm90 prefill kernel
-(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`: v7c for GQA 4 and 5, else v2; ``$MPFA_PREFILL_KERNEL`` pins one;
+(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`: v7i for GQA 4 and 5, else v2; ``$MPFA_PREFILL_KERNEL`` pins one;
 tests/backends_plugin/test_gpu_prefill.py checks it against the reference path), or ``reference`` the SLOW
 REFERENCE PATH (`reference_extend`), whose runs `mpfa bench` marks with a caveat.
 ``mpfa-direct`` runs the kernels' direct builds (``compensate=False``: no Delta_S read; its side cache holds zeros).

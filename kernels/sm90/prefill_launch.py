@@ -15,10 +15,10 @@ sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1
 summation order (its 64-key tiles), not bit for bit; on the H200 it passed the GPU tests and ran 1.62x faster than v2 at
 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows per head) and two
 (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical to v3). The default is
-v7c (below) where it applies (GQA groups 4 and 5, pages of >= 64 keys; session 22 on the H200: 1.20x FA4-BF16 at 16K
-and 64K, 1.68x v3w8c, with the FP8-QK numerics "mpfa-qk8tile-psum", whose model-level error matched its CPU
-prediction; profiles/NOTES.md "Session 22 sitting"), else v2 (v1 for an odd number of query heads: v2 copies Delta_S
-as aligned 4-byte words).
+v7i (below) where it applies (GQA groups 4 and 5, pages of >= 64 keys; session 25 on an H100: 1.25-1.32x FA4-BF16 at
+16K-128K, 1.06-1.12x v7c, the default before it; v7c ran 1.20x FA4 on the H200 in session 22, with the FP8-QK numerics
+"mpfa-qk8tile-psum", whose model-level error matched its CPU prediction; profiles/NOTES.md "Session 25 sitting"),
+else v2 (v1 for an odd number of query heads: v2 copies Delta_S as aligned 4-byte words).
 ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7|v7b .. v7i`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c
 (`prefill_wgmma_dscol`; v3w8c the default until session 22, the paper's numerics) are v3 / v3w8 with Delta_S as an
@@ -37,7 +37,7 @@ intra-warpgroup overlap); profiles/NOTES.md "Prefill v6 variants": v6a / v6c giv
 v6g / v6h / v6i differ from it by O's rescale rounding once instead of twice, v6j / v6k / v6l / v6m by the FP8 wgmma's
 sums over a pair of tiles (v6l / v6m: and P's e4m3 rounding against the pair's maximum); v6n computes
 "mpfa-qk8tile-psum" (l sums the e4m3 P). v6l .. v6n (`WIDE_KERNELS`) take GQA groups 4 and 5, the other FP8 kernels
-group 4 only. v7 .. v7i (`prefill_wgmma_pre`, groups 4 and 5; v7c the default) run v6n's consumers on operand
+group 4 only. v7 .. v7i (`prefill_wgmma_pre`, groups 4 and 5; v7i the default) run v6n's consumers on operand
 images an operand pass expands once per prefill (v6n's producer work, byte for byte): v6n's output; v7b defers each
 step's PV fold under the next step's QK, v7c also copies each image with one bulk copy, v7d also runs each step's PV
 under the next step's softmax, v7f also has the consumers take turns issuing their wgmmas (FA3's ping-pong; all
@@ -71,7 +71,7 @@ _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 KERNEL_ENV = "MPFA_PREFILL_KERNEL"  # pins "v1", "v2" (the staged kernel, `prefill_staged`), "v2w8", "v3", "v3w8",
 # "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6", a v6 variant ("v6a" .. "v6n", `WS_KERNELS`) or "v7" .. "v7i"
 STAGED_WARPS = {"v2": 4, "v2w8": 8}  # the staged kernel's variants: warps per CTA
-WGMMA_KERNEL = "v7c"  # `prefill_wgmma_pre`: the default where its shape limits allow
+WGMMA_KERNEL = "v7i"  # `prefill_wgmma_pre`: the default where its shape limits allow (v7c before session 25)
 WS_KERNELS = {  # opt-in: v5w8 warp-specialized (`prefill_wgmma_ws`: a producer warpgroup, 2 consumers) -> its class
     "v6": "PrefillSm90WgmmaWs",
     "v6a": "PrefillSm90WgmmaWsPv",  # PV in one m64n128k32 fresh accumulator, O rescaled under it (v6's output)
@@ -118,7 +118,7 @@ WGMMA_MIN_PAGE = TILE_KEYS_WGMMA  # v3's 64-key tiles never straddle pages
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
     """The prefill kernel that runs: ``kernel`` ("v1", "v2", "v2w8", "v3" or "v3w8"), else ``MPFA_PREFILL_KERNEL``,
-    else `WGMMA_KERNEL` (v7c) for the GQA groups `WGMMA_GROUPS` with pages of >= 64 keys and v2 otherwise; v1 with
+    else `WGMMA_KERNEL` (v7i) for the GQA groups `WGMMA_GROUPS` with pages of >= 64 keys and v2 otherwise; v1 with
     an odd number of query heads unless a wgmma kernel is named (v2 copies Delta_S as aligned 4-byte words)."""
     fits_v3 = (num_q_heads % 2 == 0 and num_q_heads % num_kv_heads == 0
                and num_q_heads // num_kv_heads in WGMMA_GROUPS and page_size >= WGMMA_MIN_PAGE)

@@ -39,7 +39,7 @@ def test_each_backend_is_checked_against_its_own_variant():
 def test_a_pinned_fp8_qk_prefill_is_checked_against_the_fp8_qk_variant(monkeypatch):
     specs = [BACKENDS[name] for name in ("fa4-bf16", "mpfa", "mpfa-direct")]
     monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
-    assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile-psum",  # the default: v7c
+    assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile-psum",  # the default: v7i
                                       "mpfa-direct": "qk8tile-psum-direct"}
     for paper in ("v3w8", "V3W8C", "v2"):
         monkeypatch.setenv("MPFA_PREFILL_KERNEL", paper)

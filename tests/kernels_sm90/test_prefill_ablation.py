@@ -1,5 +1,5 @@
 """Compile-time ablations of the sm90 prefill kernels (`kernels/sm90/ablation.py`, timing only): every step of v1's
-ladder and of the v7 kernels' (the default, v7c) compiles for sm_90a on a CPU-only machine, removes what it says
+ladder and of the v7 kernels' (the default, v7i) compiles for sm_90a on a CPU-only machine, removes what it says
 (SASS instruction counts) while keeping every load (the loop is not deleted), and the ablation parameter leaves
 the real kernel's code unchanged. Each compile runs in a fresh process with its own dump folder (the DSL reads its
 dump settings once at import and names the files after the class, so two ablations in one process would overwrite
@@ -69,12 +69,12 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, Pat
 
 @pytest.fixture(scope="module")
 def pre_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
-    """SASS of v7c's attention kernel (the default prefill) at every rung of `PRE_LADDER` but the full one (the
+    """SASS of v7i's attention kernel (the default prefill) at every rung of `PRE_LADDER` but the full one (the
     real kernel: `test_prefill_v7_compile.py`)."""
     root = tmp_path_factory.mktemp("pre_ablation")
     found = {}
     for _label, ablation, _removed in PRE_LADDER[1:]:
-        _, cubin = _compile(root / ablation.name, f"compile_prefill_kernel(*{CONFIG!r}, {ablation!r}, kernel='v7c')",
+        _, cubin = _compile(root / ablation.name, f"compile_prefill_kernel(*{CONFIG!r}, {ablation!r}, kernel='v7i')",
                             "PrefillSm90WgmmaPre")
         found[ablation.name] = _cuobjdump("--dump-sass", str(cubin)), _cuobjdump("--dump-resource-usage", str(cubin))
     return found
@@ -82,7 +82,7 @@ def pre_builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 @pytest.mark.parametrize("step", [ablation for _label, ablation, _removed in PRE_LADDER[1:]], ids=lambda a: a.name)
 def test_v7_ablations_remove_their_piece(pre_builds, step):
-    """v7c's loops (masked, whole) at each rung: no local memory; exp2 off, no MUFU (one FMNMX clamp each
+    """v7i's loops (masked, whole) at each rung: no local memory; exp2 off, no MUFU (one FMNMX clamp each
     instead); row statistics off, fewer instructions than the rung before; PV off, no PV wgmma (its k-steps
     m64n136k32), the QK's 8 wgmmas kept."""
     sass, usage = pre_builds[step.name]

@@ -242,7 +242,7 @@ def test_v7_images_sized_from_the_host_lengths(gen, kernel):
     assert torch.equal(out, v1_tests._run(problem, True, kernel="v6n"))
 
 
-@pytest.mark.parametrize("kernel", ["v7", "v7c", "v7d", "v7f"])  # v7c: the default's direct build (mpfa-direct)
+@pytest.mark.parametrize("kernel", ["v7", "v7c", "v7d", "v7f", "v7i"])  # v7i: the default's direct build (mpfa-direct)
 def test_v7_direct_build_is_v6n_direct(gen, kernel):
     """``compensate=False``: the operand pass copies and stages no Delta_S and the consumers read none: v6n's direct
     build, bit for bit."""

@@ -207,11 +207,11 @@ def test_wgmma_descriptors_match_operand_tiles(wgmma_cubins, config, compensate,
     assert pv and {re.sub(r"\s", "", x) for x in pv} == {"1,1,1"}  # A from registers: scale-a, scale-b, tnsp-b
 
 
-def test_v7c_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
+def test_v7i_is_the_default_where_it_applies(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert prefill_kernel(32, 8, 128) == prefill_kernel(32, 8, 64) == "v7c" and kernel_block_m(4, "v3") == 16
-    assert prefill_kernel(40, 8, 128) == prefill_kernel(40, 8, 64) == "v7c" and kernel_block_m(5, "v3") == 64
-    assert prefill_kernel(32, 8, 256) == "v7c" and kernel_block_m(5, "v3w8c") == 128  # group 5: 1 head x 64 rows
+    assert prefill_kernel(32, 8, 128) == prefill_kernel(32, 8, 64) == "v7i" and kernel_block_m(4, "v3") == 16
+    assert prefill_kernel(40, 8, 128) == prefill_kernel(40, 8, 64) == "v7i" and kernel_block_m(5, "v3") == 64
+    assert prefill_kernel(32, 8, 256) == "v7i" and kernel_block_m(5, "v3w8c") == 128  # group 5: 1 head x 64 rows
     assert prefill_kernel(32, 8, 32) == prefill_kernel(40, 8, 32) == "v2"  # pages < 64: v2
     assert prefill_kernel(24, 8, 128) == prefill_kernel(64, 8, 128) == "v2"  # groups 3, 8: v2
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v2")
@@ -225,7 +225,7 @@ def test_each_prefill_kernel_says_which_numerics_it_computes():
 
     paper = ["v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c"]
     assert {prefill_numerics(k) for k in paper} == {"mpfa"}
-    assert prefill_numerics(prefill_launch.WGMMA_KERNEL) == "mpfa-qk8tile-psum"  # the default: v7c
+    assert prefill_numerics(prefill_launch.WGMMA_KERNEL) == "mpfa-qk8tile-psum"  # the default: v7i
     psum = ["v6n", *PRE_KERNELS]  # the row sums on the PV wgmma: l sums the e4m3 P
     fp8_qk = [k for k in WGMMA_WARPGROUPS if k not in paper + psum]
     assert "v4" in fp8_qk and "v6i" in fp8_qk and {prefill_numerics(k) for k in fp8_qk} == {"mpfa-qk8tile"}
