@@ -199,7 +199,7 @@ def test_exponent_model_matches_reference_scale():
 
 def test_v4_is_opt_in(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert prefill_kernel(32, 8, 128) == "v7c" and prefill_kernel(32, 8, 128, "V4") == "v4"
+    assert prefill_kernel(32, 8, 128) == "v7i" and prefill_kernel(32, 8, 128, "V4") == "v4"
     assert prefill_kernel(32, 8, 128, "v4w8") == "v4w8"
     assert kernel_block_m(4, "v4") == 16 and kernel_block_m(4, "v4w8") == 32
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v4")

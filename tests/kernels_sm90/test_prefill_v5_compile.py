@@ -75,7 +75,7 @@ def test_v5_prefill_compiles_for_sm90a(v5_cubins, cuobjdump, config, compensate,
 
 def test_v5_is_opt_in(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert prefill_kernel(32, 8, 128) == "v7c" and prefill_kernel(32, 8, 128, "V5") == "v5"
+    assert prefill_kernel(32, 8, 128) == "v7i" and prefill_kernel(32, 8, 128, "V5") == "v5"
     assert prefill_kernel(32, 8, 128, "v5w8") == "v5w8"
     assert kernel_block_m(4, "v5") == 16 and kernel_block_m(4, "v5w8") == 32
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v5w8")

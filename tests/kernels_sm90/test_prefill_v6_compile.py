@@ -220,7 +220,7 @@ def _check_wide(body: list[str], compensate: bool, whole: bool, row_sums_on_mma:
 
 def test_v6_is_opt_in(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    assert prefill_kernel(32, 8, 128) == "v7c" and prefill_kernel(32, 8, 128, "V6") == "v6"
+    assert prefill_kernel(32, 8, 128) == "v7i" and prefill_kernel(32, 8, 128, "V6") == "v6"
     monkeypatch.setenv(prefill_launch.KERNEL_ENV, "v6")
     assert prefill_kernel(32, 8, 128) == "v6"
 
