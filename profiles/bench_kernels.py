@@ -52,13 +52,17 @@ def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float
     """Bytes the decode kernel(s) move: KV cache in the backend's format + Q + O (`workload.bytes_needed`), the
     page-table entries it walks (FlashInfer: page size 1, one per token; FA4 and MpFA: one per 128-token page), and
     MpFA's partials (written once, read once by the merge: m, l and O in FP32 per partition)."""
+    return _bytes_read(backend, workload, mpfa_partitions(backend, workload, num_sms))
+
+
+def _bytes_read(backend: str, workload: AttentionWorkload, partitions: int | None) -> float:
+    """`bytes_read` given MpFA's partitions per request (`mpfa_partitions`; None for the other backends)."""
     w = workload
     tokens = w.batch * w.seq
-    adapter = adapter_for(backend)
-    if (partitions := mpfa_partitions(backend, w, num_sms)) is not None:
+    if partitions is not None:
         partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
         return w.bytes_needed(MPFA) + tokens // 128 * _INDEX_BYTES + partial_bytes
-    base = w.bytes_needed(adapter.tensor_format)
+    base = w.bytes_needed(adapter_for(backend).tensor_format)
     return base + (tokens // 128 if backend == "fa4-bf16" else tokens) * _INDEX_BYTES
 
 
@@ -88,10 +92,10 @@ def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], c
     lines = [f"copy bandwidth (read + write, measured in this run): "
              f"{copy_bandwidth / 1e3:.2f} TB/s" if copy_bandwidth else "copy bandwidth: not measured", header]
     for workload, row, prefix, speedup in _timed_rows(results, lines):
-        read = bytes_read(row.backend, workload, num_sms)
+        parts = mpfa_partitions(row.backend, workload, num_sms)
+        read = _bytes_read(row.backend, workload, parts)
         rate = read / (row.timing.median_ms / 1e3)
         pct = f"{100 * rate / (copy_bandwidth * 1e9):6.1f}%" if copy_bandwidth else "      -"
-        parts = mpfa_partitions(row.backend, workload, num_sms)
         lines.append(f"{prefix} {row.timing.median_ms * 1e3:>10.1f} {read / 1e6:>9.1f} {rate / 1e12:>6.2f} "
                      f"{pct} {speedup} {'-' if parts is None else parts:>6}")
     return "\n".join(lines)

@@ -28,8 +28,8 @@ ADAPTERS: dict[str, KernelAdapter] = {
                     *(MpfaAdapter(decode_kernel=v) for v in LEAN_KERNELS),  # decode_lean (mpfa-dv4: the default)
                     *(MpfaAdapter(decode_kernel=kernel, decode_warps=n)
                       for kernel in (None, "v4") for n in DECODE_PARTITION_WARPS),
-                    *(MpfaAdapter(decode_kernel=v, decode_warps=WARPS_PER_SM_TARGET)  # every slot; v2's: the
-                      for v in ("v4", "v2")),  # default to session 23
+                    # mpfa-dv4w12 / mpfa-dv2w12: every slot (v2 on every slot: the default to session 23)
+                    *(MpfaAdapter(decode_kernel=v, decode_warps=WARPS_PER_SM_TARGET) for v in ("v4", "v2")),
                     MpfaAdapter(compensate=False))  # mpfa-direct: no Delta_S
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")
