@@ -7,7 +7,8 @@ The baseline is written (profiles/NOTES.md, "Serving comparison (regenerable)") 
         profiles/results/h200-sitting-{fa4,fi,fa4-64k-c1}.json \
         profiles/results/h200-sitting-s14-{fa4,fi,mpfa-direct-32k-c8}.json \
         profiles/results/h200-sitting-s15-{fa4,fi}.json \
-        profiles/results/h200-sitting-s17-{mpfa,mpfa-direct}.json --db DB
+        profiles/results/h200-sitting-s17-{mpfa,mpfa-direct}.json \
+        profiles/results/h200-sitting-s26-{fa4,mpfa}.json --db DB
     mpfa gate --write-baseline --baseline profiles/baselines/h200.json --db DB
 """
 from __future__ import annotations
@@ -28,7 +29,8 @@ EXPORTS = [PROFILES / "results" / name for name in (
     "h200-long32k-c1.json", "h200-session11-mpfa-serving.json", "h200-sitting-fa4.json", "h200-sitting-fi.json",
     "h200-sitting-fa4-64k-c1.json", "h200-sitting-s14-fa4.json", "h200-sitting-s14-fi.json",
     "h200-sitting-s14-mpfa-direct-32k-c8.json", "h200-sitting-s15-fa4.json", "h200-sitting-s15-fi.json",
-    "h200-sitting-s17-mpfa.json", "h200-sitting-s17-mpfa-direct.json")]
+    "h200-sitting-s17-mpfa.json", "h200-sitting-s17-mpfa-direct.json", "h200-sitting-s26-fa4.json",
+    "h200-sitting-s26-mpfa.json")]
 DEGRADED = ("long32k", "mpfa-direct")  # scenario and backend made worse in the degraded copy
 
 
