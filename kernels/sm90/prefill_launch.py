@@ -15,9 +15,9 @@ sizes: 4 warps (``v2``) and 8 warps (``v2w8``: twice the rows per staged tile, 1
 summation order (its 64-key tiles), not bit for bit; on the H200 it passed the GPU tests and ran 1.62x faster than v2 at
 64K (profiles/NOTES.md). v3 also comes in two CTA sizes: one warpgroup (``v3``, 16 query rows per head) and two
 (``v3w8``, 32 rows: the warpgroups share each tile's copies and K / V expansion; bit-identical to v3). The default is
-v7i (below) where it applies (GQA groups 4 and 5, pages of >= 64 keys; session 25 on an H100: 1.25-1.32x FA4-BF16 at
-16K-128K, 1.06-1.12x v7c, the default before it; v7c ran 1.20x FA4 on the H200 in session 22, with the FP8-QK numerics
-"mpfa-qk8tile-psum", whose model-level error matched its CPU prediction; profiles/NOTES.md "Session 25 sitting"),
+v7i (below) where it applies (GQA groups 4 and 5, pages of >= 64 keys; session 26 on the H200: 1.26-1.31x FA4-BF16 at
+16K-128K, 1.06-1.09x v7c, the default before it, whose output it matches bit for bit; v7c's FP8-QK numerics
+"mpfa-qk8tile-psum" had the model-level error its CPU prediction gave; profiles/NOTES.md "Session 26 sitting"),
 else v2 (v1 for an odd number of query heads: v2 copies Delta_S as aligned 4-byte words).
 ``MPFA_PREFILL_KERNEL=v1|v2|v2w8|v3|v3w8|v3c|v3w8c|v4|v4w8|v5|v5w8|v6|v6a..v6n|v7|v7b .. v7i`` or the ``kernel=``
 argument of `mpfa_prefill` pins one (the wgmma kernels then refuse other shapes with a clear error). v3c / v3w8c

@@ -178,7 +178,7 @@ def test_direct_build_copies_no_delta_s(staged_cubins, cuobjdump):
 
 def test_kernel_switch(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(prefill_launch.KERNEL_ENV, raising=False)
-    # the default: v3w8c where it applies (groups 4 and 5, pages >= 64, an even Hq), else v2, v1 for an odd Hq
+    # the default: v7i where it applies (groups 4 and 5, pages >= 64, an even Hq), else v2, v1 for an odd Hq
     assert prefill_kernel(32, 8, 128) == "v7i" and prefill_kernel(32, 8, 16) == "v2"
     assert prefill_kernel(40, 8, 128) == "v7i" and prefill_kernel(40, 8, 16) == "v2"
     assert prefill_kernel(5, 1, 128) == "v1" and prefill_kernel(48, 8, 128) == "v2"
