@@ -1,0 +1,78 @@
+"""Which sm90 MpFA kernel runs: the one place that chooses, from the shape, with one override.
+
+Prefill kernels, named for what they compute:
+
+* ``fp8`` (the default where it fits): Q and K requantized from NVFP4 to e4m3 (power-of-two scales per query row
+  and per 64-key tile), FP8 QKᵀ and PV wgmma in a warp-specialized kernel fed from FP8 operand images that one
+  pass per prefill expands from the cache; numerics ``mpfa-qk8tile-psum`` of `mpfa.kernels.reference`.
+* ``exact``: the paper's numerics (``mpfa``): NVFP4 Q and K dequantized exactly to BF16 for the QKᵀ wgmma, ΔS as an
+  extra K column, FP8 PV.
+* ``mma-sync``: the fallback for the shapes the wgmma kernels refuse (GQA groups other than 4 and 5, pages of fewer
+  than 64 keys, odd head counts): warp-level mma.sync, the paper's numerics.
+
+Decode has one kernel, ``split-kv`` (split-KV partitions, then a merge kernel), with the paper's numerics.
+
+The override is ``MPFA_PREFILL_KERNEL`` (the SGLang plugin's ``--mpfa-prefill-kernel`` sets it for every process of
+the server). Host-side only: importing this module imports no CuTe DSL.
+"""
+
+from __future__ import annotations
+
+import os
+
+PREFILL_KERNELS: dict[str, str] = {
+    "fp8": "FP8 QK and PV wgmma on operand images, Q/K requantized to e4m3 (mpfa-qk8tile-psum)",
+    "exact": "NVFP4 QK dequantized exactly to BF16 wgmma, FP8 PV: the paper's numerics (mpfa)",
+    "mma-sync": "warp-level mma.sync fallback for shapes the wgmma kernels refuse, the paper's numerics (mpfa)",
+}
+DEFAULT_PREFILL_KERNEL = "fp8"
+DECODE_KERNEL = "split-kv"
+PREFILL_KERNEL_ENV = "MPFA_PREFILL_KERNEL"
+WGMMA_KERNELS = ("fp8", "exact")
+WGMMA_GROUPS = (4, 5)  # a warpgroup's 64 rows are 4 heads x 16 rows or 1 head x 64 rows (32:8 and 40:8 models)
+WGMMA_MIN_PAGE = 64  # the wgmma kernels' 64-key tiles never straddle a page
+NUMERICS = {"fp8": "mpfa-qk8tile-psum", "exact": "mpfa", "mma-sync": "mpfa"}
+
+
+def wgmma_fits(num_q_heads: int, num_kv_heads: int, page_size: int) -> bool:
+    """Whether the wgmma kernels (``fp8``, ``exact``) take this shape."""
+    return (num_q_heads % 2 == 0 and num_q_heads % num_kv_heads == 0
+            and num_q_heads // num_kv_heads in WGMMA_GROUPS and page_size >= WGMMA_MIN_PAGE)
+
+
+def requested_prefill_kernel(kernel: str | None = None) -> str | None:
+    """``kernel``, else ``MPFA_PREFILL_KERNEL``, checked (None: neither is set); case-insensitive."""
+    source = "kernel" if kernel is not None else PREFILL_KERNEL_ENV
+    choice = kernel if kernel is not None else os.environ.get(PREFILL_KERNEL_ENV) or None
+    if choice is None:
+        return None
+    choice = choice.strip().lower()
+    if choice not in PREFILL_KERNELS:
+        raise ValueError(f"{source} must be one of {', '.join(PREFILL_KERNELS)}, got {choice!r}")
+    return choice
+
+
+def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
+    """The prefill kernel that runs for this shape: ``kernel`` or ``MPFA_PREFILL_KERNEL`` if given (a wgmma kernel
+    the shape does not fit is a ValueError), else ``fp8`` where it fits and ``mma-sync`` elsewhere."""
+    choice = requested_prefill_kernel(kernel)
+    fits = wgmma_fits(num_q_heads, num_kv_heads, page_size)
+    if choice is None:
+        return DEFAULT_PREFILL_KERNEL if fits else "mma-sync"
+    if choice in WGMMA_KERNELS and not fits:
+        raise ValueError(
+            f"the {choice} prefill kernel needs GQA group {' or '.join(map(str, WGMMA_GROUPS))}, an even number of "
+            f"query heads and pages of >= {WGMMA_MIN_PAGE} keys; got {num_q_heads}:{num_kv_heads} heads, pages of "
+            f"{page_size}: use mma-sync")
+    return choice
+
+
+def prefill_numerics(kernel: str) -> str:
+    """The `mpfa.kernels.reference` variant a prefill kernel computes."""
+    return NUMERICS[kernel]
+
+
+def softmax_keys(kernel: str) -> int:
+    """Keys per online-softmax update (the reference's ``block_n`` that rounds P as the kernel does): the fp8
+    kernel's consumers step over 128 keys, the others over 64."""
+    return 128 if kernel == "fp8" else 64
