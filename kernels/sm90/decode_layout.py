@@ -1,10 +1,12 @@
-"""Where every operand of the split-KV decode kernel sits in a warp's registers (pure index and bit arithmetic).
+"""Where every operand of the warp-level sm90 kernels sits in a warp's registers (pure index and bit arithmetic):
+the split-KV decode and the mma-sync prefill.
 
-The functions work on Python ints, NumPy arrays and CuTe DSL values alike, so the kernel traces them and the CPU
+The functions work on Python ints, NumPy arrays and CuTe DSL values alike, so the kernels trace them and the CPU
 tests run the same code through a NumPy model of the warp's MMAs (`tests/kernels_sm90`).
 
-One warp decodes one (request, KV head, partition), 32 keys per tile, with two warp-level MMAs whose fragment
-layouts are NVIDIA's (lane = 4 * g + c: g = lane // 4 "group", c = lane % 4 "thread in group"):
+A warp works on 32 keys per tile with two warp-level MMAs whose fragment layouts are NVIDIA's (lane = 4 * g + c:
+g = lane // 4 "group", c = lane % 4 "thread in group"). The heads-in-rows form (the mma-sync prefill's; the decode
+keeps its key and chunk map, transposed, `decode.SplitKVDecodeSm90._qk`):
 
 * S = Q K^T on ``mma.m16n8k16`` FP16, one per 8-key n-tile and 16-element k-step. Rows are the group's query heads
   (row g; rows >= group size and rows 8-15 are zero), columns the n-tile's keys. Lane (g, c) loads key
@@ -57,7 +59,7 @@ def v_stage_offset(g, c):
     global memory, with the chunks swizzled (g XOR 2c) so that the 8 lanes of each quarter-warp also hit distinct
     banks when they read their chunks back. At the lane-major offset (`k_stage_offset`) a key's chunks landed 64
     bytes apart: ncu counted ~32 shared-store wavefronts per V cp.async instead of 4, and the L2 one ~1-sector
-    request per lane (profiles/NOTES.md, "Session 18 sitting: the profiles")."""
+    request per lane (profiles/NOTES.md)."""
     return 16 * (8 * c + (g ^ (2 * c)))
 
 
@@ -76,15 +78,9 @@ def key_slot(page_of, tile, key, end, page_shift, maximum=max, minimum=min):
 
 def tile_page_base(page_of, tile, end, page_shift, maximum=max, minimum=min):
     """Slot of the tile's first (clamped) token. With pages of >= TILE_KEYS keys a tile (a multiple of TILE_KEYS
-    from the sequence start) lies in one page, so this one page-table read gives every key's slot
-    (`tile_key_slot`)."""
+    from the sequence start) lies in one page, so this one page-table read gives every key's slot: the base plus
+    the key's offset."""
     return key_slot(page_of, tile, 0, end, page_shift, maximum, minimum)
-
-
-def tile_key_slot(base, tile, key, end, maximum=max, minimum=min):
-    """``key_slot`` from the tile's `tile_page_base`: equal for every tile that starts inside the sequence; a tile
-    before its start (a prefetch that copies nothing) gets slots in the sequence's first page."""
-    return base + minimum(key, maximum(end - 1 - clamped_token(tile, 0, end, maximum, minimum), 0))
 
 
 def qk_key(n_tile, g):
@@ -117,12 +113,6 @@ def e2m1_word_to_f16x2(word, j):
     return (magnitude & 0x0E000E00) | ((word << (12 - 4 * j)) & 0x80008000)
 
 
-def chunk_element(reg, half):
-    """Element (0..31) of a lane's 32-element chunk in f16x2 register ``reg`` (= 4 * word + j), half 0 or 1."""
-    word, j = divmod(reg, 4)
-    return 8 * word + j + 4 * half
-
-
 def qk_step_regs(step):
     """The two f16x2 registers (b0 = k 2c, 2c+1; b1 = k 2c+8, 2c+9) a lane feeds to QK k-step ``step``."""
     return 2 * step, 2 * step + 1
@@ -143,10 +133,11 @@ def pv_a_regs(m_tile):
     return 2 * m_tile, 2 * m_tile + 1
 
 
-# --- decode v4 (`decode_lean`): the same f16x2 registers from 4 bytes at a time ------------------------------------
+# --- the decode's K expansion: the same f16x2 registers from 4 bytes at a time ------------------------------------
 # An FP16 high byte (s 0 0 0 e1 e0 m 0) holds an e2m1 code as value * 2**-14 with a zero low byte: the register of
 # codes j, j + 4 of a word (`e2m1_word_to_f16x2`) is two such bytes, so a word's 8 codes become two words of high
-# bytes (codes 0, 2, 4, 6 and 1, 3, 5, 7) and each register is one byte pick of those (`e2m1_pick`).
+# bytes (codes 0, 2, 4, 6 and 1, 3, 5, 7) and each register is one byte pick of those: codes j, j + 4 are bytes
+# j // 2 and j // 2 + 2, moved into the high halves by one prmt for j < 2 (`PICK_EVEN_BYTES`), masked in place else.
 E2M1_SIGN_BYTES = 0x80808080
 E2M1_MAGNITUDE_BYTES = 0x0E0E0E0E
 PICK_EVEN_BYTES = 0x2404  # prmt(t, 0, .): bytes 0 and 2 of t into the high bytes of the two halves
@@ -159,14 +150,6 @@ def e2m1_high_bytes(word, low_nibbles: bool):
     if low_nibbles:
         return ((word << 4) & E2M1_SIGN_BYTES) | ((word << 1) & E2M1_MAGNITUDE_BYTES)
     return (word & E2M1_SIGN_BYTES) | ((word >> 3) & E2M1_MAGNITUDE_BYTES)
-
-
-def e2m1_pick(high_bytes, j):
-    """`e2m1_word_to_f16x2(word, j)` from ``e2m1_high_bytes(word, j % 2 == 0)``: codes j, j + 4 are bytes j // 2 and
-    j // 2 + 2 (the kernel does the j < 2 shift with one prmt, `PICK_EVEN_BYTES`)."""
-    if j < 2:
-        return (high_bytes << 8) & PICK_ODD_BYTES
-    return high_bytes & PICK_ODD_BYTES
 
 
 def scale_pair_selector(c):

@@ -4,16 +4,15 @@ One CTA per (query head, request), `WARPS` warps, in two passes: the CTA's threa
 (one each per pass) and reduce them to the head's maximum M; then warp w sums partitions w, w + WARPS, ... weighted
 by l_p 2**(lam (m_p - M)) (lane = 4 head dimensions), and the warps add up through shared memory: O = sum / sum of
 weights, as the reference (`merge_partials`) computes it. With few requests (32 CTAs at batch 1) the merge waits on
-load latency (profiles/NOTES.md, "Session 18, fourth sitting"): session 18's merge folded a running (m, l, O), each
-partition's loads after the previous one's rescale, in 8 warps; 16 warps took 32K x 1 from 31.4 to 28.2 us
-(session 19). Against one maximum nothing carries between partitions: each warp loads `UNROLL` partitions before
-it sums them (ptxas still sinks some of those loads to their first use), and 32 warps (34 registers, no local
-memory; the running fold spilled at 32) leave each warp a quarter of the partitions of 8. It is launched as a
-programmatic dependent of the split kernel (PDL, ``griddepcontrol.wait`` before the partials are read), so its
-launch overlaps the split kernel's tail. Measured (session 19): 32K x 1 29.2 -> 27.0 us, 128K x 1 69.0 -> 66.6 us,
-batch 8 unchanged. Only the request's non-empty partitions, ``ceil(seq_len / partition_size)`` with the split
-kernel's per-request size (`decode_layout.partition_keys`), are read; a request without keys gets 0. The result
-equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding and summation order.
+load latency (profiles/NOTES.md): against one maximum nothing carries between partitions, so each warp loads
+`UNROLL` partitions before it sums them (ptxas still sinks some of those loads to their first use), and 32 warps
+(34 registers, no local memory) keep many loads in flight; a merge that folded a running (m, l, O) in 8 warps, each
+partition's loads after the previous one's rescale, took 31.4 us at 32K x 1, this one 27.0 (128K x 1: 66.6 us). It
+is launched as a programmatic dependent of the split kernel (PDL, ``griddepcontrol.wait`` before the partials are
+read), so its launch overlaps the split kernel's tail. Only the request's non-empty partitions,
+``ceil(seq_len / partition_size)`` with the split kernel's per-request size (`decode_layout.partition_keys`), are
+read; a request without keys gets 0. The result equals `mpfa.kernels.reference.merge_partials` up to FP32 rounding
+and summation order.
 """
 
 from __future__ import annotations

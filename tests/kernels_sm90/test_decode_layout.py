@@ -1,7 +1,9 @@
-"""The decode kernel's register layout, checked on the CPU: a NumPy model of one warp builds every operand
-register with `decode_layout` exactly as the kernel does, runs the MMAs with NVIDIA's fragment layouts (from
+"""The warp-level register layout of `decode_layout`, checked on the CPU: a NumPy model of one warp builds every
+operand register with `decode_layout` exactly as the kernels do, runs the MMAs with NVIDIA's fragment layouts (from
 CUTLASS's MMA traits for SM80 m16n8k16 FP16 and SM89 m16n8k32 e4m3), and must reproduce S = Q K^T + Delta_S
-and O = e4m3(448 P) V computed directly from the formats."""
+and O = e4m3(448 P) V computed directly from the formats: the heads-in-rows form of the mma-sync prefill, and the
+decode kernel's keys-in-rows S^T = K Q^T, byte-level K expansion and PV on FP16 MMAs. Also the decode's shared-memory
+staging, page-table reads and partitions."""
 
 from __future__ import annotations
 
@@ -191,13 +193,14 @@ def test_pv_fragments_compute_fp8_p_times_v():
         np.testing.assert_allclose(out, expected, rtol=1e-12, atol=1e-12)
 
 
-# --- v2 (decode_pipelined): what each lane stages, and the partitioning that fills the SMs ---------------------
+# --- the decode's copies, shared-memory ring and partitions ----------------------------------------------------
 
 
-def test_v2_word_staging_picks_the_lanes_16_bit_values():
-    """The kernel copies the aligned 4-byte word holding a lane's 2-byte K-scale pair / Delta_S value and shifts
-    it out; model both on little-endian head-major arrays like the cache's ([KV head, slot] rows of 8 scale bytes
-    and of `delta_s_row` BF16 values), at the kernel's byte offsets: head_slot * row + slot * row + lane offset."""
+def test_word_copies_hold_the_lanes_16_bit_values():
+    """The decode copies the aligned 4-byte words holding a lane's 2-byte values (cp.async's smallest size): lane
+    c's K-scale word holds blocks 2c, 2c + 1 of a key, its Delta_S word heads 2c, 2c + 1. Modelled on little-endian
+    head-major arrays like the cache's ([KV head, slot] rows of 8 scale bytes and of `delta_s_row` BF16 values, 8
+    or 16 bytes: every word aligned, for any group), at the kernel's byte offsets."""
     rng = np.random.default_rng(0)
     hkv, slots = 3, 5
     scales = rng.integers(0, 256, size=(hkv, slots, 8), dtype=np.uint8)
@@ -208,19 +211,20 @@ def test_v2_word_staging_picks_the_lanes_16_bit_values():
                 offset = (kv_head * slots + slot) * 8 + 4 * (c >> 1)
                 assert offset % 4 == 0
                 word = int(flat[offset:offset + 4].view(np.uint32)[0])
-                picked = (word >> (16 * (c & 1))) & 0xFFFF
-                assert picked == int(scales[kv_head, slot, 2 * c:2 * c + 2].view(np.uint16)[0])
-    for group in (1, 3, 4, 5, 8):  # odd groups too: every row is 8 or 16 bytes
+                picked = _prmt(word, word, lay.scale_pair_selector(c)).to_bytes(4, "little")
+                assert picked[::2] == bytes(scales[kv_head, slot, 2 * c:2 * c + 2])
+    for group in (1, 3, 4, 5, 8):
         row = delta_s_row(group)
         ds = rng.integers(0, 1 << 16, size=(hkv, slots, row), dtype=np.uint16)
         as_bytes = ds.reshape(-1).view(np.uint8)
         for kv_head in range(hkv):
             for slot in range(slots):
-                for g in range(group):
-                    offset = (kv_head * slots + slot) * row * 2 + ((g * 2) & ~3)
+                for c in range(-(-group // 2)):
+                    offset = (kv_head * slots + slot) * row * 2 + 4 * c
                     assert offset % 4 == 0
                     word = int(as_bytes[offset:offset + 4].view(np.uint32)[0])
-                    assert (word >> (16 * (g & 1))) & 0xFFFF == ds[kv_head, slot, g]
+                    for h in range(2):
+                        assert _prmt(word, 0, lay.delta_s_selector(h)) == int(ds[kv_head, slot, 2 * c + h]) << 16
 
 
 def _bank_groups(offsets: np.ndarray) -> np.ndarray:
@@ -244,26 +248,17 @@ def test_stage_chunks_lie_like_their_global_rows_and_are_bank_conflict_free():
     assert np.diff(np.sort(k_offsets[C_OF_LANE == 0])).tolist() == [64] * 7
 
 
-def test_pipelined_shared_memory_keeps_the_warps_per_sm():
+def test_shared_memory_ring_keeps_the_warps_per_sm():
     import pytest
 
     pytest.importorskip("cutlass")
-    from mpfa.kernels.sm90 import decode_pipelined as v2
-    from mpfa.kernels.sm90.decode_launch import STAGES, WARPS_PER_SM
+    from mpfa.kernels.sm90 import decode
+    from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM
 
     per_lane_chunks = lay.N_TILES * 3  # 4 K chunks + 8 V chunks of 16 B
-    assert v2.STAGE_BYTES == per_lane_chunks * 32 * 16 + per_lane_chunks * 32 * 4 == 7680
-    # 227 KB usable per SM on sm90, 1 KB reserved per CTA; one more warp would not fit (v3) or 12 is the register cap
-    for kernel, stages in STAGES.items():
-        smem = v2.SplitKVDecodeSm90Pipelined(8, 4, 1, stages).smem_bytes + 1024
-        assert WARPS_PER_SM[kernel] * smem <= 227 * 1024
-        assert WARPS_PER_SM[kernel] == 12 or (WARPS_PER_SM[kernel] + 1) * smem > 227 * 1024
-    with pytest.raises(ValueError, match="2 or 3 stages"):
-        v2.SplitKVDecodeSm90Pipelined(8, 4, 1, 4)
-    from mpfa.kernels.sm90.decode_lean import SplitKVDecodeSm90Lean
-
-    assert SplitKVDecodeSm90Lean(8, 4, 128).smem_bytes == v2.SplitKVDecodeSm90Pipelined(8, 4, 1, 2).smem_bytes
-    assert WARPS_PER_SM["v4"] == 12
+    assert decode.STAGE_BYTES == per_lane_chunks * 32 * 16 + per_lane_chunks * 32 * 4 == 7680
+    # 227 KB usable per SM on sm90, 1 KB reserved per CTA
+    assert WARPS_PER_SM * (decode.SplitKVDecodeSm90(8, 4, 128).smem_bytes + 1024) <= 227 * 1024
 
 
 def _assert_one_wave(warps_per_sm: int | None, target: int) -> None:
@@ -281,23 +276,19 @@ def _assert_one_wave(warps_per_sm: int | None, target: int) -> None:
 
 
 def test_partitions_fill_one_wave_of_decode_warps(monkeypatch):
-    """Every slot of the kernel without `PARTITION_WARPS_PER_SM`; the adopted 6 warps per SM (v4) by default."""
+    """`PARTITION_WARPS_PER_SM` (6) warps per SM by default; every slot when it says so."""
     from mpfa.kernels.sm90 import decode_launch as launch
-    from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM_TARGET, choose_partition_size
+    from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM, choose_partition_size
 
-    monkeypatch.delenv(launch.KERNEL_ENV, raising=False)
     assert choose_partition_size(1, 8, 32768, 132) == FEWER_WARPS_SIZES[1, 32768][2]
     _assert_one_wave(None, launch.PARTITION_WARPS_PER_SM)
-    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", None)
-    _assert_one_wave(None, WARPS_PER_SM_TARGET)
+    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", WARPS_PER_SM)
+    _assert_one_wave(None, WARPS_PER_SM)
     assert choose_partition_size(1, 8, 131072, 132) == 672
     assert choose_partition_size(8, 8, 131072, 132) == 5472
-    assert choose_partition_size(1, 8, 131072, 132, "v3") == 896  # 9 warps per SM: 147 partitions
-    assert choose_partition_size(1, 8, 131072, 132, "v4") == 672
-    assert choose_partition_size(1, 8, 131072, 132, "v4w14") == 576  # 14 warps per SM: 228 partitions
 
 
-# (batch, context) -> partition size at 12 (every slot: the default), 8, 6 and 3 warps per SM; 8 KV heads, 132 SMs
+# (batch, context) -> partition size at 12 (every slot), 8, 6 (the default) and 3 warps per SM; 8 KV heads, 132 SMs
 FEWER_WARPS_SIZES = {
     (1, 32768): (192, 256, 352, 672),  # 171, 128, 94, 49 partitions (40:8 32K x 1: 1.55x FlashInfer at 12)
     (8, 32768): (1376, 2048, 2752, 5472),  # 24, 16, 12, 6
@@ -307,19 +298,16 @@ FEWER_WARPS_SIZES = {
 }
 
 
-def test_partitions_for_fewer_warps_per_sm(monkeypatch):
-    """Backends mpfa-dw<n>: partitions aimed at n warps per SM, fewer and longer, one wave of n; 40:8 and 32:8 alike
-    (one warp per KV head and partition). The workspace follows: eager (every request that size) and as CUDA-graph
-    buffers (MIN_PARTITION floor: a request's keys spread over all partitions, none left out)."""
-    from mpfa.kernels.sm90 import decode_launch as launch
-    from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, MIN_PARTITION, DecodeWorkspace
+def test_partitions_for_fewer_warps_per_sm():
+    """Partitions aimed at n warps per SM: fewer and longer, one wave of n; 40:8 and 32:8 alike (one warp per KV
+    head and partition). The workspace follows: eager (every request that size) and as CUDA-graph buffers
+    (MIN_PARTITION floor: a request's keys spread over all partitions, none left out)."""
+    from mpfa.kernels.sm90.decode_launch import MIN_PARTITION, DecodeWorkspace
 
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
-    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", None)  # None below: every slot
     for warps in (8, 6, 3):
         _assert_one_wave(warps, warps)
     for (batch, seq), sizes in FEWER_WARPS_SIZES.items():
-        for warps, size in zip((None, 8, 6, 3), sizes):
+        for warps, size in zip((12, 8, 6, 3), sizes):
             for num_q_heads in (40, 32):
                 eager = DecodeWorkspace.allocate(batch, num_q_heads, 8, seq, "cpu", warps_per_sm=warps)
                 parts = -(-seq // size)
@@ -332,30 +320,23 @@ def test_partitions_for_fewer_warps_per_sm(monkeypatch):
 
 
 def test_partition_warps_default_bounds_and_adoption(monkeypatch):
-    """The kernel's WARPS_PER_SM by default; 1 up to it on request (v4w14: 14); `PARTITION_WARPS_PER_SM` (one line)
-    changes the default for every decode; bad targets, kernels or argument pairs are one-line errors."""
+    """`PARTITION_WARPS_PER_SM` by default, for every decode; 1 up to `WARPS_PER_SM` on request; bad targets and
+    argument pairs are one-line errors."""
     import pytest
 
     from mpfa.kernels.sm90 import decode_launch as launch
 
-    monkeypatch.delenv(launch.KERNEL_ENV, raising=False)
-    assert [launch.partition_warps(k) for k in ("v1", "v2", "v3", "v4", "v4w14")] == [6, 6, 6, 6, 14]  # adopted
-    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", None)
-    assert [launch.partition_warps(k) for k in ("v1", "v2", "v3", "v4", "v4w14")] == [12, 12, 9, 12, 14]
-    assert launch.partition_warps("v4w14", 14) == 14 and launch.partition_warps(warps_per_sm=1) == 1
-    for kernel, warps, slots in (("v2", 13, 12), ("v2", 0, 12), ("v3", 12, 9)):
-        message = f"decode {kernel} partitions aim at 1 to {slots} warps per SM, got {warps}"
-        with pytest.raises(ValueError, match=message):
-            launch.choose_partition_size(1, 8, 32768, 132, kernel, warps)
-    with pytest.raises(ValueError, match="kernel must be v1, v2, v3, v4 or v4w14, got 'v9'"):
-        launch.choose_partition_size(1, 8, 32768, 132, "v9", 6)
+    assert launch.partition_warps() == launch.PARTITION_WARPS_PER_SM == 6
+    assert launch.partition_warps(launch.WARPS_PER_SM) == 12 and launch.partition_warps(1) == 1
+    for warps in (13, 0):
+        with pytest.raises(ValueError, match=f"decode partitions aim at 1 to 12 warps per SM, got {warps}"):
+            launch.choose_partition_size(1, 8, 32768, 132, warps_per_sm=warps)
     with pytest.raises(ValueError, match="partition_size or warps_per_sm, not both"):
         launch.DecodeWorkspace.allocate(1, 40, 8, 32768, "cpu", 256, warps_per_sm=6)
-    monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", 6)
-    assert launch.choose_partition_size(1, 8, 32768, 132) == 352  # adopted: mpfa-dw6's partitions
-    assert launch.choose_partition_size(1, 8, 32768, 132, warps_per_sm=3) == 672  # a pinned target still wins
+    assert launch.choose_partition_size(1, 8, 32768, 132) == 352
+    assert launch.choose_partition_size(1, 8, 32768, 132, warps_per_sm=3) == 672  # a pinned target wins
     monkeypatch.setattr(launch, "PARTITION_WARPS_PER_SM", 10)
-    assert launch.partition_warps("v3") == 9 and launch.partition_warps("v2") == 10  # adopted, capped per kernel
+    assert launch.partition_warps() == 10 and launch.choose_partition_size(1, 8, 32768, 132) == 224
 
 
 def test_partitions_spread_each_request_over_the_grid():
@@ -373,28 +354,10 @@ def test_partitions_spread_each_request_over_the_grid():
     assert all(lay.partition_keys(n, 10, 640) == 640 for n in range(1, 6400))
 
 
-def test_decode_kernel_switch(monkeypatch):
-    """v4 by default for every head count (Delta_S rows are padded per KV head, so odd Hq is fine); v1 .. v3 on
-    request; an explicit kernel wins over the environment; anything else is a clear error."""
-    import pytest
-
-    from mpfa.kernels.sm90.decode_launch import KERNEL_ENV, decode_kernel
-
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
-    assert decode_kernel() == "v4" and decode_kernel("v2") == "v2"
-    monkeypatch.setenv(KERNEL_ENV, "V1")
-    assert decode_kernel() == "v1" and decode_kernel("v3") == "v3"
-    monkeypatch.setenv(KERNEL_ENV, "v4")
-    assert decode_kernel() == "v4"
-    assert decode_kernel("V4W14") == "v4w14"
-    monkeypatch.setenv(KERNEL_ENV, "v5")
-    with pytest.raises(ValueError, match="v1, v2, v3, v4 or v4w14"):
-        decode_kernel()
-
-
 def test_one_page_read_per_tile_gives_every_keys_slot():
-    """With pages of >= 32 keys, `tile_key_slot` from one page-table read (`tile_page_base`) equals `key_slot` (one
-    read per key) for every tile inside the sequence; a prefetch tile before the start stays in the first page."""
+    """With pages of >= 32 keys, one page-table read (`tile_page_base`) plus the key's offset equals `key_slot`
+    (one read per key) for every key of a tile inside the sequence; a prefetch tile before the start gets the first
+    page's first slot."""
     import random
 
     rng = random.Random(7)
@@ -412,32 +375,29 @@ def test_one_page_read_per_tile_gives_every_keys_slot():
                 reads.clear()
                 base = lay.tile_page_base(page_of, tile, end, page_shift)
                 assert len(reads) == 1
-                for key in range(lay.TILE_KEYS):
-                    slot = lay.tile_key_slot(base, tile, key, end)
-                    if tile >= 0:
-                        assert slot == lay.key_slot(page_of, tile, key, end, page_shift)
-                    else:
-                        assert pages[0] * page_size <= slot < (pages[0] + 1) * page_size
+                if tile < 0:
+                    assert base == pages[0] * page_size
+                for key in range(min(lay.TILE_KEYS, end - tile) if tile >= 0 else 0):
+                    assert base + key == lay.key_slot(page_of, tile, key, end, page_shift)
 
 
-# --- v4 (decode_lean): the cheaper K expansion and scale / Delta_S picks, and PV on FP16 MMAs ----------------------
+# --- the decode's byte-level K expansion, scale / Delta_S picks, S^T = K Q^T and PV on FP16 MMAs ------------------
 
-def test_v4_k_expansion_gives_v2s_registers():
-    """Two words of FP16 high bytes per K word and one byte pick per register give `e2m1_word_to_f16x2`'s
-    registers (so v4's QK^T operands are v2's), for every code in every position and random words; the kernel's
-    pick of bytes 0 and 2 is one prmt with a zero second operand."""
+def test_k_byte_expansion_gives_the_exact_f16_registers():
+    """Two words of FP16 high bytes per K word and one byte pick per register (a prmt with a zero second operand
+    for codes 0, 1, 4, 5, a mask for 2, 3, 6, 7) give `e2m1_word_to_f16x2`'s registers, for every code in every
+    position and random words."""
     rng = np.random.default_rng(4)
     words = [sum(code << (4 * n) for n in range(8)) for code in range(16)]
     words += [int(w) for w in rng.integers(0, 1 << 32, size=2000, dtype=np.uint64)]
     for word in words:
         for j in range(4):
             high_bytes = lay.e2m1_high_bytes(word, low_nibbles=j % 2 == 0) & 0xFFFFFFFF
-            assert lay.e2m1_pick(high_bytes, j) & 0xFFFFFFFF == lay.e2m1_word_to_f16x2(word, j) & 0xFFFFFFFF
-            if j < 2:
-                assert _prmt(high_bytes, 0, lay.PICK_EVEN_BYTES) == lay.e2m1_pick(high_bytes, j) & 0xFFFFFFFF
+            picked = _prmt(high_bytes, 0, lay.PICK_EVEN_BYTES) if j < 2 else high_bytes & lay.PICK_ODD_BYTES
+            assert picked == lay.e2m1_word_to_f16x2(word, j) & 0xFFFFFFFF
 
 
-def test_v4_scale_and_delta_s_picks():
+def test_scale_and_delta_s_picks():
     """The lane's K block scales as (s_a, s_a, s_b, s_b) bytes from its aligned scale word, and head g's BF16
     Delta_S moved into the high half (the FP32 of the BF16) from its aligned word."""
     rng = np.random.default_rng(5)
@@ -456,9 +416,9 @@ def _e4m3x2_to_f16x2(pair: int) -> int:
     return int(bits[0]) | int(bits[1]) << 16
 
 
-def test_v4_pv_on_fp16_mmas_computes_fp8_p_times_v():
-    """v4's PV: per m-tile two m16n8k16 over the 2x2-byte-transposed V pairs (keys j0, j1 / j2, j3 of both 16-key
-    halves) unpacked to f16x2, with P's e4m3 pairs unpacked to f16x2, equals e4m3(448 P) V (as v2's e4m3 MMA)."""
+def test_pv_on_fp16_mmas_computes_fp8_p_times_v():
+    """The decode's PV: per m-tile two m16n8k16 over the 2x2-byte-transposed V pairs (keys j0, j1 / j2, j3 of both
+    16-key halves) unpacked to f16x2, with P's e4m3 pairs unpacked to f16x2, equals e4m3(448 P) V."""
     gen = torch.Generator().manual_seed(13)
     sel_lo, sel_hi = lay.transpose_selectors()[:2]
     for group in (4, 5, 8):
@@ -493,10 +453,11 @@ def _movmatrix_trans(x: list[int]) -> list[int]:
     return [int(m[2 * c, g]) | int(m[2 * c + 1, g]) << 16 for g, c in zip(G_OF_LANE, C_OF_LANE)]
 
 
-def test_v4_keys_in_m_compute_scores_and_hand_p_to_pv():
-    """v4's S^T = K Q^T (keys qk_key(2i, g), qk_key(2i + 1, g) in rows g, g + 8 of m-tile i; heads 2c, 2c + 1 in
-    the lane's columns; K * 2**-14 operands, Delta_S words of heads 2c, 2c + 1) gives S * 2**-14 + Delta_S, and the
-    transpose of a lane's (key, head pair) values is v2's P^T fragment: head g, keys score_key(n, c, 0 / 1)."""
+def test_keys_in_m_compute_scores_and_hand_p_to_pv():
+    """The decode's S^T = K Q^T (keys qk_key(2i, g), qk_key(2i + 1, g) in rows g, g + 8 of m-tile i; heads 2c,
+    2c + 1 in the lane's columns; K * 2**-14 operands, Delta_S words of heads 2c, 2c + 1) gives S * 2**-14 + Delta_S,
+    and the transpose of a lane's (key, head pair) values is the PV's P^T fragment: head g, keys
+    score_key(n, c, 0 / 1)."""
     gen = torch.Generator().manual_seed(14)
     for group in (4, 5, 8):
         q, k, ds, expected = _qk_problem(gen, group)
@@ -542,20 +503,11 @@ def test_v4_keys_in_m_compute_scores_and_hand_p_to_pv():
                 assert y[lane] == tag(lay.score_key(n, c, 0), g) | tag(lay.score_key(n, c, 1), g) << 16
 
 
-def test_v4_k_operand_is_exact_without_the_2_pow_7():
-    """v4 multiplies e2m1 * 2**-14 by the raw e4m3 block scale (v2 by scale * 2**7): every product is exact in
-    FP16 (a multiple of 2**-24 below 2**-14, at most 8 significant bits above), for every code and finite scale."""
+def test_k_operand_is_exact_at_2_pow_minus_14():
+    """The decode multiplies e2m1 * 2**-14 by the raw e4m3 block scale: every product is exact in FP16 (a multiple
+    of 2**-24 below 2**-14, at most 8 significant bits above), for every code and finite scale."""
     codes = np.array(E2M1_GRID, dtype=np.float64) * 2.0**-14
     scales = _e4m3(np.arange(0, 127, dtype=np.uint8))
     for code in codes:
         products = np.float16(code) * scales.astype(np.float16)  # FP16 multiply, round to nearest
         np.testing.assert_array_equal(products.astype(np.float64), code * scales)
-
-
-def test_v4w14_needs_pages_of_32_keys():
-    import pytest
-
-    from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
-
-    with pytest.raises(ValueError, match="v4w14 needs pages of >= 32 keys"):
-        compile_decode_kernels(8, 4, 16, kernel="v4w14")
