@@ -1,13 +1,15 @@
 """`mpfa bench`: for each backend, get a server, confirm what it runs, and measure every load point x repeat.
 
+Each run records the attention kernels its server ran (`served_kernels`): what the server reports (the simulator
+says what it simulates), else what the backend runs for the model's shape with the user's prefill kernel, which
+MpFA's servers are given as a server argument.
 Every finished request is written to the store as it completes, so a server crash or Ctrl-C loses only the
 requests in flight; the run is then marked failed or interrupted.
 """
 from __future__ import annotations
 
-import os
-
 import json
+import os
 import time
 import urllib.error
 import urllib.request
@@ -22,8 +24,8 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.text import Text
 
 from mpfa.backends.specs import BackendSpec
-from mpfa.cli import client, metrics, workload
-from mpfa.cli.engines import (
+from mpfa.harness import client, metrics, serving_workload
+from mpfa.harness.engines import (
     READY_TIMEOUT_S,
     SGLANG_HIGHEST_PORT,
     gpu_names,
@@ -31,13 +33,15 @@ from mpfa.cli.engines import (
     sglang_launch,
     sim_launch,
 )
-from mpfa.cli.environment import collect_environment
-from mpfa.cli.errors import UserError
-from mpfa.cli.records import RequestRecord, RunRecord
-from mpfa.cli.report import CAVEAT_MARK
-from mpfa.cli.scenario import LoadPoint, Scenario, is_bundled_model, without_bundled_model_paths
-from mpfa.cli.server import ServerError, ServerProcess, pick_port
-from mpfa.cli.store import ResultStore
+from mpfa.harness.environment import collect_environment
+from mpfa.harness.errors import UserError
+from mpfa.harness.records import RequestRecord, RunRecord
+from mpfa.harness.run_tables import CAVEAT_MARK
+from mpfa.harness.scenario import (LoadPoint, Scenario, is_bundled_model, load_model_shape,
+                                   without_bundled_model_paths)
+from mpfa.harness.served_kernels import kernel_server_args, launch_page_size, served_kernels
+from mpfa.harness.server import ServerError, ServerProcess, pick_port
+from mpfa.harness.store import ResultStore
 
 
 @dataclass
@@ -53,6 +57,11 @@ class BenchOptions:
     dp: int = 1
     server_args: list[str] = field(default_factory=list)
     slo: dict[str, float] | None = None
+    prefill_kernel: str | None = None  # MpFA's prefill kernel (`dispatch.PREFILL_KERNELS`); None: the shape's default
+
+    def server_args_for(self, spec: BackendSpec) -> list[str]:
+        """The extra server flags of ``spec``'s server: the user's, and the prefill kernel for MpFA's."""
+        return [*kernel_server_args(spec, self.prefill_kernel), *self.server_args]
 
 
 class RunInterrupted(Exception):
@@ -115,9 +124,9 @@ def served(
         return
     port = pick_port(opts.port, highest=65535 if opts.engine == "sim" else SGLANG_HIGHEST_PORT)
     if opts.engine == "sim":
-        launch = sim_launch(spec, port, opts.time_scale, model, opts.server_args)
+        launch = sim_launch(spec, port, opts.time_scale, model, opts.server_args_for(spec))
     else:
-        launch = sglang_launch(spec, port, model, context_len, opts.tp, opts.dp, opts.server_args)
+        launch = sglang_launch(spec, port, model, context_len, opts.tp, opts.dp, opts.server_args_for(spec))
     url = f"http://127.0.0.1:{port}"
     log = opts.run_dir / f"server-{spec.name}-{int(time.time())}.log"
     with ServerProcess(launch.command, log, url, launch.env) as server:
@@ -136,6 +145,10 @@ def run_bench(
     scenario: Scenario, specs: list[BackendSpec], opts: BenchOptions, store: ResultStore, console: Console
 ) -> list[int]:
     """Measure every backend; returns the ids of the runs it stored."""
+    shape = load_model_shape(scenario.model)
+    # A prefill kernel the model's shape does not take fails here, before any server starts.
+    expected = {spec.name: served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec),
+                                          opts.prefill_kernel) for spec in specs}
     environment = collect_environment()
     gpu = "simulated" if opts.engine == "sim" else (gpu_names() or ["unknown"])[0]
     context_len = max(scenario.input_len) + scenario.output_len + 64
@@ -149,6 +162,7 @@ def run_bench(
             caveat = None if simulated else spec.caveat_for(os.environ)
             if caveat:
                 console.print(Text(f"{spec.name} {CAVEAT_MARK} caveat: {caveat}", style="yellow"))
+            kernels = info.get("kernels") or expected[spec.name]
             warmed: set[int] = set()
             for point in scenario.points():
                 for repeat in range(scenario.repeats):
@@ -159,13 +173,13 @@ def run_bench(
                         caveat=caveat, load=point.load, repeat=repeat, input_len=point.input_len,
                         output_len=scenario.output_len,
                         num_requests=point.num_requests, seed=scenario.seed,
-                        workload_hash=workload.workload_hash(
+                        workload_hash=serving_workload.workload_hash(
                             seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,
                             num_requests=point.num_requests, load=point.load,
                         ),
                         started_at=time.time(), model=model_name(scenario.model), gpu=gpu,
                         server_info=without_bundled_model_paths(info, scenario.model),
-                        backend_flags=_flags(spec, opts), environment=environment,
+                        backend_flags=_flags(spec, opts), kernels=kernels, environment=environment,
                     )
                     run_id = store.begin_run(run)
                     run_ids.append(run_id)
@@ -177,10 +191,10 @@ def _measure(
     run: RunRecord, run_id: int, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
     url: str, store: ResultStore, progress: Progress, server: ServerProcess | None,
 ) -> None:
-    prompts = workload.make_prompts(scenario.seed, point.num_requests, point.input_len)
-    warmup_prompts = workload.make_prompts(scenario.seed + 1, warmup, point.input_len)
+    prompts = serving_workload.make_prompts(scenario.seed, point.num_requests, point.input_len)
+    warmup_prompts = serving_workload.make_prompts(scenario.seed + 1, warmup, point.input_len)
     arrivals = (
-        workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
+        serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
         if point.rate is not None else None
     )
     label = f"{run.backend} {point.label} #{run.repeat + 1}"
@@ -216,7 +230,7 @@ def _measure(
 def _flags(spec: BackendSpec, opts: BenchOptions) -> list[str]:
     """The server flags that define what was measured, parallelism included."""
     parallel = ["--tp-size", str(opts.tp), "--dp-size", str(opts.dp)] if opts.engine == "sglang" else []
-    return [*spec.sglang_args, *parallel, *opts.server_args]
+    return [*spec.sglang_args, *parallel, *opts.server_args_for(spec)]
 
 
 def progress_bar(console: Console) -> Progress:

@@ -34,8 +34,8 @@ try:
 except ImportError:  # not built for Windows
     uvloop = None
 
-from mpfa.cli.records import RequestRecord
-from mpfa.cli.stamped_reads import LastRead, StampingConnector, Turns, request_trace
+from mpfa.harness.records import RequestRecord
+from mpfa.harness.stamped_reads import LastRead, StampingConnector, Turns, request_trace
 
 APIS = ("sglang", "openai")
 CONNECT_TIMEOUT_S = 30.0

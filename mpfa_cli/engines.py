@@ -8,8 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mpfa.backends.specs import BACKENDS, BackendSpec
-from mpfa.cli.errors import UserError
-from mpfa.cli.scenario import is_bundled_model, model_dir
+from mpfa.harness.errors import UserError
+from mpfa.harness.scenario import is_bundled_model, model_dir
 
 ENGINES = ("auto", "sim", "sglang", "url")
 READY_TIMEOUT_S = {"sim": 60.0, "sglang": 900.0}
@@ -71,7 +71,7 @@ class ServerLaunch:
 def sim_launch(spec: BackendSpec, port: int, time_scale: float, model: str, extra_args: list[str]) -> ServerLaunch:
     return ServerLaunch(
         command=[
-            sys.executable, "-m", "mpfa.cli.main", "serve-sim", "--host", "127.0.0.1", "--port", str(port),
+            sys.executable, "-m", "mpfa.cli", "serve-sim", "--host", "127.0.0.1", "--port", str(port),
             "--backend", spec.name, "--time-scale", str(time_scale), "--model", model, *extra_args,
         ],
         env={},

@@ -1,18 +1,16 @@
-"""What a result was measured on: GPU, driver, CUDA, package versions, the mpfa revision, and the MpFA kernel
-switches set in the environment (the SGLang servers `mpfa bench` starts inherit them)."""
+"""What a result was measured on: GPU, driver, CUDA, package versions and the mpfa revision. (The kernels a server
+ran are the run's own record: `RunRecord.kernels`.)"""
 from __future__ import annotations
 
-import os
 import subprocess
 from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from mpfa.cli.engines import gpu_names
+from mpfa.harness.engines import gpu_names
 
 PACKAGES = ("torch", "sglang", "flashinfer-python", "flash-attn-4", "nvidia-cutlass-dsl", "mpfa")
-# $MPFA_PREFILL (backends/sglang_plugin/attention.py), prefill_launch.KERNEL_ENV, decode_launch.KERNEL_ENV
-KERNEL_SWITCHES = ("MPFA_PREFILL", "MPFA_PREFILL_KERNEL", "MPFA_DECODE_KERNEL")
+_HERE = Path(__file__).resolve().parent
 
 
 def _version(package: str) -> str | None:
@@ -30,10 +28,12 @@ def _run(command: list[str], cwd: Path | None = None) -> str | None:
     return out.stdout.strip() or None
 
 
-def git_revision() -> str | None:
-    here = Path(__file__).resolve().parent
-    revision = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=here)
-    if revision and _run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here):
+def git_revision(checkout: Path = _HERE) -> str | None:
+    """The checkout's commit, "-dirty" when a tracked file's content differs from it. File modes are not compared:
+    a tree copied to a GPU host shows every file's mode changed."""
+    revision = _run(["git", "rev-parse", "--short=12", "HEAD"], cwd=checkout)
+    status = ["git", "-c", "core.fileMode=false", "status", "--porcelain", "--untracked-files=no"]
+    if revision and _run(status, cwd=checkout):
         revision += "-dirty"
     return revision
 
@@ -48,5 +48,4 @@ def collect_environment() -> dict[str, Any]:
         "cuda": cuda,
         "packages": {name: _version(name) for name in PACKAGES},
         "mpfa_revision": git_revision(),
-        "kernel_switches": {name: os.environ[name] for name in KERNEL_SWITCHES if name in os.environ},
     }

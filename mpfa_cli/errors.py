@@ -1,4 +1,5 @@
-"""The one exception type the CLI turns into a one-line message and a non-zero exit."""
+"""The errors the harness and the profiler raise; the CLI prints each as one line and exits non-zero."""
+from __future__ import annotations
 
 
 class UserError(Exception):
@@ -7,3 +8,19 @@ class UserError(Exception):
     def __init__(self, message: str, exit_code: int = 2) -> None:
         super().__init__(message)
         self.exit_code = exit_code
+
+
+class ProfileError(RuntimeError):
+    """The profile cannot run here (no CUDA device, not enough memory, ...)."""
+
+
+class ServingProfileError(ProfileError):
+    """A serving profile failed: the server refused a profile request, a request failed, or no usable trace."""
+
+
+class KernelNotBuilt(RuntimeError):
+    """The backend's kernel does not exist yet; its row says so instead of showing a number."""
+
+
+class ToolError(RuntimeError):
+    """An external profiler (ncu, nsys) is missing, lacks permission, or produced no usable report."""

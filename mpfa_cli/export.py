@@ -2,10 +2,12 @@
 exports back (`mpfa import`).
 
 Every exported run carries `simulated` and `caveat`, so simulator numbers cannot pass for measurements, nor
-caveated numbers (measured, but not the backend's own) for clean ones, downstream.
+caveated numbers (measured, but not the backend's own) for clean ones, downstream, and the `kernels` its server ran
+(CSV: as one line, `describe_kernels`).
 Non-finite metric values are written as JSON null / an empty CSV cell. A JSON export read back gives the runs
 as exported (null metrics as NaN); exports written before runs had a `caveat` read as caveat None, and those
-written without `--requests` as runs without requests.
+written without `--requests` as runs without requests, and those written before runs had `kernels` as runs with none
+recorded.
 """
 from __future__ import annotations
 
@@ -19,9 +21,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from mpfa.cli.errors import UserError
-from mpfa.cli.records import RequestRecord
-from mpfa.cli.store import FINAL_STATUSES, StoredRun, load_key
+from mpfa.harness.errors import UserError
+from mpfa.harness.records import RequestRecord
+from mpfa.harness.served_kernels import describe_kernels
+from mpfa.harness.store import FINAL_STATUSES, StoredRun, load_key
 
 EXPORT_FORMATS = ("json", "csv")
 
@@ -29,6 +32,7 @@ EXPORT_FORMATS = ("json", "csv")
 _CSV_RUN_COLUMNS = (
     "id", "scenario", "backend", "engine", "simulated", "caveat", "load", "repeat", "input_len", "output_len",
     "num_requests", "seed", "workload_hash", "started_at", "finished_at", "status", "error", "model", "gpu",
+    "kernels",
 )
 
 
@@ -81,7 +85,7 @@ def read_export(path: Path) -> list[StoredRun]:
 
 def run_from_dict(data: Any) -> StoredRun:
     """The inverse of `run_to_dict`; a ValueError names the first field that is missing, unknown or mistyped."""
-    run = _dataclass_from_dict(StoredRun, data, "run", optional={"caveat", "requests"})
+    run = _dataclass_from_dict(StoredRun, data, "run", optional={"caveat", "requests", "kernels"})
     if run.status not in (*FINAL_STATUSES, "running"):
         raise ValueError(f"run {run.id} has status {run.status!r}, not one of {', '.join(FINAL_STATUSES)}, running")
     run.summary = {k: math.nan if v is None else v for k, v in run.summary.items()}
@@ -133,6 +137,7 @@ def _write(runs: Sequence[StoredRun], fmt: str, stream: TextIO, include_requests
     for run in runs:
         row: dict[str, Any] = {c: getattr(run, c) for c in _CSV_RUN_COLUMNS}
         row["load"] = load_key(run.load)
+        row["kernels"] = describe_kernels(run.kernels)
         row.update({k: _finite_or_none(v) for k, v in run.summary.items()})
         writer.writerow(row)
 

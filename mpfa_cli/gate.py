@@ -30,13 +30,13 @@ from typing import Any
 from rich.table import Table
 from rich.text import Text
 
-from mpfa.cli.errors import UserError
-from mpfa.cli.records import RunRecord
-from mpfa.cli.report import (
+from mpfa.harness.errors import UserError
+from mpfa.harness.records import RunRecord
+from mpfa.harness.run_tables import (
     CAVEAT_MARK, BackendResult, Config, Estimate, add_footnotes, aggregate, backend_label, caveat_notes, context_label,
     format_number, higher_is_better, id_list, load_label, metric_unit,
 )
-from mpfa.cli.store import StoredRun, load_key
+from mpfa.harness.store import StoredRun, load_key
 
 GATED_METRICS = ("otps", "ttft_ms_median", "tpot_ms_median")
 DEFAULT_TOLERANCE = 0.05

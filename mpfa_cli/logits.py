@@ -1,6 +1,6 @@
 """`mpfa logits`: do two backends compute the same model? Logprobs of the same prompts, compared to a reference.
 
-Each backend's server gets the same deterministic token-id prompts (`workload.make_prompts`) on SGLang's native
+Each backend's server gets the same deterministic token-id prompts (`serving_workload.make_prompts`) on SGLang's native
 `/generate`, one request at a time (every backend sees batch size 1, so batch composition cannot explain a
 difference), with greedy sampling and logprobs on:
 
@@ -46,7 +46,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from mpfa.cli import workload
+from mpfa.harness import serving_workload
 
 # Below this spread of the reference's prompt logprobs (nats) the model is near-uniform. SGLang's dummy weights
 # (every float parameter ~ U(-1e-3, 1e-3), norm weights included) give a std of ~4e-6 nats: attention outputs are
@@ -291,12 +291,12 @@ class LogitsResult:
 
 def prompts_for(seed: int, count: int, input_len: int) -> list[list[int]]:
     """The prompts every backend gets at one input length (the bench workload's generator)."""
-    return workload.make_prompts(seed, count, input_len)
+    return serving_workload.make_prompts(seed, count, input_len)
 
 
 def workload_params(seed: int, count: int, input_lens: list[int], output_len: int) -> dict[str, Any]:
     return {"seed": seed, "prompts": count, "input_len": input_lens, "output_len": output_len,
-            "prompt_scheme": workload.PROMPT_SCHEME}
+            "prompt_scheme": serving_workload.PROMPT_SCHEME}
 
 
 def render(result: LogitsResult, console) -> None:
@@ -358,7 +358,7 @@ def run_logits(
     """Serve each backend in turn (`bench.served`), send every prompt, compare each backend to `ref`.
 
     `specs` must start with the reference; `options_for(spec)` gives the `BenchOptions` to serve it with."""
-    from mpfa.cli.bench import _find_key, progress_bar, served, verify_server
+    from mpfa.harness.bench import _find_key, progress_bar, served, verify_server
 
     context_len = max(input_lens) + output_len + 64
     prompts = {n: prompts_for(seed, count, n) for n in input_lens}

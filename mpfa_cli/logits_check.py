@@ -14,7 +14,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mpfa.cli.errors import UserError
+from mpfa.backends.specs import BACKENDS, BackendSpec
+from mpfa.harness.errors import UserError
+from mpfa.harness.scenario import load_model_shape
+from mpfa.harness.served_kernels import REFERENCE_PREFILL, launch_page_size, runs_mpfa_kernels, served_kernels
 
 
 @dataclass(frozen=True)
@@ -35,18 +38,20 @@ class PredictionCheck:
 DIRECT_NUMERICS = {"mpfa": "qk4-pv8-direct", "mpfa-qk8tile-psum": "qk8tile-psum-direct"}  # without the centering
 
 
-def served_numerics(specs) -> dict[str, str | None]:
-    """Backend name -> the reference variant its server computes: `BackendSpec.numerics`, except that MpFA's
-    prompt (prefill) runs the numerics of the prefill kernel its servers run: `prefill_kernel` reads and checks
-    ``MPFA_PREFILL_KERNEL`` (passed on to the servers); unpinned, the default for the bundled models' GQA 4 and 5
-    (v7c) computes the FP8-QK "mpfa-qk8tile-psum", a pinned v1 .. v3w8c the paper's "mpfa"; ``mpfa-direct`` that
-    variant without the centering (None where the reference has no such variant: its row is not checked)."""
-    from mpfa.kernels.sm90.prefill_launch import KERNEL_ENV, prefill_kernel, prefill_numerics
+def served_numerics(specs: list[BackendSpec], model: str, prefill_kernel: str | None = None) -> dict[str, str | None]:
+    """Backend name -> the reference variant its server computes: `BackendSpec.numerics`, except that MpFA's prompt
+    (prefill) runs the numerics of the prefill kernel its servers run for ``model`` (`served_kernels`, with
+    ``prefill_kernel`` or ``$MPFA_PREFILL_KERNEL`` passed on to the servers): the fp8 kernel's "mpfa-qk8tile-psum",
+    the exact and mma-sync kernels' the paper's "mpfa"; ``mpfa-direct`` that variant without the centering (None
+    where the reference has no such variant: its row is not checked)."""
+    if not any(runs_mpfa_kernels(s) for s in specs):
+        return {s.name: s.numerics for s in specs}
+    from mpfa.kernels.sm90.dispatch import prefill_numerics
 
-    try:
-        prompt = prefill_numerics(prefill_kernel(32, 8, 128))
-    except ValueError as exc:
-        raise UserError(f"{KERNEL_ENV}: {exc}") from None
+    mpfa = BACKENDS["mpfa"]
+    shape = load_model_shape(model)
+    kernel = served_kernels(mpfa, shape.q_heads, shape.kv_heads, launch_page_size(mpfa), prefill_kernel)["prefill"]
+    prompt = mpfa.numerics if kernel == REFERENCE_PREFILL else prefill_numerics(kernel)
     served = {"mpfa": prompt, "qk4-pv8-direct": DIRECT_NUMERICS.get(prompt)}  # None: no such reference variant
     return {s.name: served.get(s.numerics, s.numerics) for s in specs}
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from mpfa.cli.records import RequestRecord
+from mpfa.harness.records import RequestRecord
 
 EXPLANATIONS: dict[str, str] = {
     "ttft": "Time to first token: from dispatching the request to the arrival of the first chunk carrying an "

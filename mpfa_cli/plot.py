@@ -18,15 +18,15 @@ import matplotlib
 matplotlib.use("Agg")  # files only, never a display
 import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
 
-from mpfa.cli.errors import UserError  # noqa: E402
-from mpfa.cli.report import (  # noqa: E402
+from mpfa.harness.errors import UserError  # noqa: E402
+from mpfa.harness.run_tables import (  # noqa: E402
     CompareRow, Config, backend_label, caveat_notes, caveated_backends, compare_rows, context_label, mixed_workloads,
     workload_notes,
 )
-from mpfa.cli.store import StoredRun  # noqa: E402
+from mpfa.harness.store import StoredRun  # noqa: E402
 
 if TYPE_CHECKING:  # importing mpfa.kernels loads torch: only the accuracy figure pays for it
-    from mpfa.kernels.tasks.report import TaskAccuracyReport
+    from mpfa.kernels.tasks.task_report import TaskAccuracyReport
 
 PANELS = (
     ("otps", "OTPS (tok/s)"),
@@ -123,7 +123,7 @@ def plot_task_accuracy(report: TaskAccuracyReport, out_png: Path) -> Path:
     """Grouped bars for one `mpfa accuracy task` result: per task (one panel each) every variant's primary score,
     annotated with its loss vs BF16 and, below its name, the share of outputs identical to BF16's; the panel title
     carries the recovery. Writes `out_png` and returns it."""
-    from mpfa.kernels.tasks.report import AGREEMENT, BASELINE, DIRECT, MPFA
+    from mpfa.kernels.tasks.task_report import AGREEMENT, BASELINE, DIRECT, MPFA
 
     if not report.tasks:
         raise UserError(f"accuracy result of {report.model} on {report.device} holds no tasks: nothing to plot")

@@ -1,12 +1,12 @@
 """A seeded random checkpoint of a model config, at full width, that SGLang loads with `mpfa logits --model DIR`.
 
-    python -m mpfa.cli.random_checkpoint --model llama-3.1-8b --layers 4 --seed 0 --out DIR
+    python -m mpfa.harness.random_checkpoint --model llama-3.1-8b --layers 4 --seed 0 --out DIR
 
 (In the repository root run `python -P -m ...`: its `kernels/` folder would shadow the PyPI `kernels` package
 that transformers imports.)
 
 Why: SGLang's `--load-format dummy` draws every weight, norms included, from U(-1e-3, 1e-3); the attention output
-then sits below BF16's rounding of the residual stream and cannot reach the logits (see `mpfa.cli.logits`), so
+then sits below BF16's rounding of the residual stream and cannot reach the logits (see `mpfa.harness.logits`), so
 comparing backends' logprobs checks only the plumbing. Here norm weights are ones and every other parameter is
 N(0, std), GPT-2 style (std 0.02, the configs' `initializer_range`): normalized activations have unit scale, the scaled
 Q K^T scores spread by ~1.6 (llama-3.1-8b: a softmax neither uniform nor one-hot), and attention moves the logits,
@@ -34,8 +34,8 @@ from typing import Any
 
 import torch
 
-from mpfa.cli.errors import UserError
-from mpfa.cli.scenario import model_dir
+from mpfa.harness.errors import UserError
+from mpfa.harness.scenario import model_dir
 
 SHARD_BYTES = 2 * 10**9
 MARKER = "mpfa_random_checkpoint"  # the config.json field that says what drew the weights
@@ -127,7 +127,7 @@ def write_random_checkpoint(
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpfa.cli.random_checkpoint", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m mpfa.harness.random_checkpoint", description=__doc__.splitlines()[0])
     parser.add_argument("--model", required=True, help="bundled config name (e.g. llama-3.1-8b) or a directory")
     parser.add_argument("--out", type=Path, required=True, help="new (or empty) output directory")
     parser.add_argument("--layers", type=int, help="num_hidden_layers (default: the config's)")

@@ -57,6 +57,9 @@ class RunRecord:
     gpu: str = ""
     server_info: dict[str, Any] = field(default_factory=dict)
     backend_flags: list[str] = field(default_factory=list)
+    # The attention kernels the server ran (`served_kernels`): {"prefill", "decode", ["prefill_override"], "source"}
+    # for MpFA, {"attention_backend", "source"} for the others; {} for runs stored before kernels were recorded.
+    kernels: dict[str, str] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
     requests: list[RequestRecord] = field(default_factory=list)
     id: int | None = None  # assigned by the store

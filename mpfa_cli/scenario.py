@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpfa.cli.errors import UserError
+from mpfa.harness.errors import UserError
+from mpfa.harness.latency_model import ModelShape
 from mpfa.scenarios import MODEL_DIR, SCENARIO_DIR
 
 
@@ -233,6 +234,12 @@ def model_dir(model: str) -> Path:
     if not (path / "config.json").is_file():
         raise UserError(f"model directory {path} has no config.json")
     return path
+
+
+def load_model_shape(model: str) -> ModelShape:
+    """The geometry of a bundled model config or of a model directory's HuggingFace config.json."""
+    path = model_dir(model)
+    return ModelShape.from_hf_config(path.name, json.loads((path / "config.json").read_text()))
 
 
 def is_bundled_model(model: str) -> bool:

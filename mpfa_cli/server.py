@@ -18,7 +18,7 @@ from pathlib import Path
 
 import psutil
 
-from mpfa.cli.errors import UserError
+from mpfa.harness.errors import UserError
 
 LOG_TAIL_LINES = 30
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import os
 import sys
 import time
@@ -35,9 +34,11 @@ import orjson
 from aiohttp import web
 
 from mpfa.backends.specs import BACKENDS, BackendSpec
-from mpfa.cli.client import new_event_loop
-from mpfa.cli.latency_model import LatencyModel, ModelShape, latency_model
-from mpfa.cli.workload import hashed_token_ids
+from mpfa.harness.client import new_event_loop
+from mpfa.harness.latency_model import LatencyModel, ModelShape, latency_model
+from mpfa.harness.scenario import load_model_shape
+from mpfa.harness.served_kernels import launch_page_size, served_kernels
+from mpfa.harness.serving_workload import hashed_token_ids
 
 MAX_RUNNING_REQUESTS = 1024
 # Half-width of the simulator's per-backend logprob perturbation: arbitrary, only so that backends differ.
@@ -47,16 +48,11 @@ LATE_TOLERANCE_S = 2e-3  # a step that starts later than this behind schedule st
 DIE_EXIT_CODE = 3
 
 
-# What SGLang reports for these settings when the launch flags leave them alone.
-_SGLANG_DEFAULTS: dict[str, Any] = {"kv_cache_dtype": "auto", "page_size": 1}
-
 
 def reported_server_args(spec: BackendSpec) -> dict[str, Any]:
     """attention_backend, kv_cache_dtype and page_size as SGLang would report them for this backend, all from its
     spec: what `expect` says SGLang reports, the `--page-size` it launches with, else SGLang's defaults."""
-    args = spec.sglang_args
-    page_size = int(args[args.index("--page-size") + 1]) if "--page-size" in args else _SGLANG_DEFAULTS["page_size"]
-    return {**_SGLANG_DEFAULTS, "page_size": page_size, **spec.expect}
+    return {"kv_cache_dtype": "auto", "page_size": launch_page_size(spec), **spec.expect}
 
 
 class BadRequest(ValueError):
@@ -66,14 +62,6 @@ class BadRequest(ValueError):
 def prompt_digest(input_ids: list[int] | np.ndarray) -> str:
     """sha256 of a prompt's token ids (little-endian int64): the key of its deterministic output and trace."""
     return hashlib.sha256(np.asarray(input_ids, dtype="<i8").tobytes()).hexdigest()
-
-
-def load_model_shape(model: str) -> ModelShape:
-    """A bundled model config name or a directory with a HuggingFace config.json."""
-    from mpfa.cli.scenario import model_dir  # the CLI's resolver of bundled configs
-
-    path = model_dir(model)
-    return ModelShape.from_hf_config(path.name, json.loads((path / "config.json").read_text()))
 
 
 @dataclass(eq=False)
@@ -250,6 +238,7 @@ class SimServer:
     def __init__(
         self, backend: str, model: ModelShape, *, time_scale: float, startup_delay: float,
         die_after_requests: int | None, incremental_streaming_output: bool, trace_chunks: bool,
+        prefill_kernel: str | None = None,
     ) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -258,6 +247,9 @@ class SimServer:
         if die_after_requests is not None and die_after_requests < 1:
             raise ValueError(f"die_after_requests must be >= 1, got {die_after_requests}")
         self.latency = latency_model(backend, model)
+        spec = BACKENDS[backend]
+        self.kernels = served_kernels(spec, model.q_heads, model.kv_heads, launch_page_size(spec), prefill_kernel,
+                                      source="simulated")
         self.time_scale = time_scale
         self.startup_delay = startup_delay
         self.die_after_requests = die_after_requests
@@ -298,6 +290,7 @@ class SimServer:
             "simulated": True,
             "sim_backend": backend.name,
             **reported_server_args(BACKENDS[backend.name]),
+            "kernels": self.kernels,
             "max_total_num_tokens": self.latency.kv_capacity_tokens,
             "max_running_requests": MAX_RUNNING_REQUESTS,
             "model_path": self.latency.model.name,
@@ -529,13 +522,15 @@ def _exit_if_crashed(task: asyncio.Task) -> None:
 def build_app(
     backend: str, *, model: str | ModelShape = "llama-3.1-8b", time_scale: float = 1.0,
     startup_delay: float = 0.0, die_after_requests: int | None = None,
-    incremental_streaming_output: bool = False, trace_chunks: bool = False,
+    incremental_streaming_output: bool = False, trace_chunks: bool = False, prefill_kernel: str | None = None,
 ) -> web.Application:
-    """The simulator as an aiohttp application (the scheduler starts with the app)."""
+    """The simulator as an aiohttp application (the scheduler starts with the app). ``prefill_kernel``: the MpFA
+    prefill kernel it says it simulates (`served_kernels`; the latency model does not depend on it)."""
     shape = model if isinstance(model, ModelShape) else load_model_shape(model)
     sim = SimServer(
         backend, shape, time_scale=time_scale, startup_delay=startup_delay, die_after_requests=die_after_requests,
         incremental_streaming_output=incremental_streaming_output, trace_chunks=trace_chunks,
+        prefill_kernel=prefill_kernel,
     )
     app = web.Application(client_max_size=256 * 1024**2)  # 128K-token prompts as JSON are a few MB
     app.cleanup_ctx.append(sim.scheduler_context)
@@ -556,13 +551,13 @@ def build_app(
 def run_sim_server(
     host: str, port: int, backend: str, *, model: str | ModelShape = "llama-3.1-8b", time_scale: float = 1.0,
     startup_delay: float = 0.0, die_after_requests: int | None = None,
-    incremental_streaming_output: bool = False, trace_chunks: bool = False,
+    incremental_streaming_output: bool = False, trace_chunks: bool = False, prefill_kernel: str | None = None,
 ) -> None:
     """Serve until SIGINT/SIGTERM (blocking)."""
     app = build_app(
         backend, model=model, time_scale=time_scale, startup_delay=startup_delay,
         die_after_requests=die_after_requests, incremental_streaming_output=incremental_streaming_output,
-        trace_chunks=trace_chunks,
+        trace_chunks=trace_chunks, prefill_kernel=prefill_kernel,
     )
     name = model.name if isinstance(model, ModelShape) else model
     print(f"mpfa serve-sim: SIMULATED '{backend}' serving {name} on http://{host}:{port} "

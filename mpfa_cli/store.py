@@ -19,10 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from mpfa.backends.specs import PLUGIN_PREFILL_CAVEAT
-from mpfa.cli.errors import UserError
-from mpfa.cli.records import RequestRecord, RunRecord
+from mpfa.harness.errors import UserError
+from mpfa.harness.records import RequestRecord, RunRecord
 
-SCHEMA_VERSION = 3
+SCHEMA_VERSION = 4
 FINAL_STATUSES = ("ok", "failed", "interrupted")
 DEFAULT_BUSY_TIMEOUT_S = 5.0
 
@@ -97,15 +97,18 @@ def _add_run_caveats(conn: sqlite3.Connection) -> None:
     )
 
 
+# Version 4: `runs.kernels`, the attention kernels the run's server ran (`RunRecord.kernels`); {} for older runs.
+_RUN_KERNELS = "ALTER TABLE runs ADD COLUMN kernels JSON NOT NULL DEFAULT '{}'"
+
 # What brings a database from version N - 1 to version N: SQL statements, or a function of the connection.
 _UPGRADES: dict[int, str | Callable[[sqlite3.Connection], None]] = {
-    1: _SCHEMA, 2: _PROFILES_SCHEMA, 3: _add_run_caveats,
+    1: _SCHEMA, 2: _PROFILES_SCHEMA, 3: _add_run_caveats, 4: _RUN_KERNELS,
 }
 
 _RUN_COLUMNS = (
     "scenario", "backend", "engine", "simulated", "load", "repeat", "input_len", "output_len",
     "num_requests", "seed", "workload_hash", "started_at", "status", "error", "caveat", "model", "gpu",
-    "server_info", "backend_flags", "environment",
+    "server_info", "backend_flags", "kernels", "environment",
 )
 _REQUEST_COLUMNS = (
     "run_id", '"index"', "warmup", "input_len", "max_new_tokens", "dispatch_s", "chunk_s",
@@ -381,6 +384,7 @@ class ResultStore:
             load=load_key(run.load),
             server_info=json.dumps(run.server_info),
             backend_flags=json.dumps(run.backend_flags),
+            kernels=json.dumps(run.kernels),
             environment=json.dumps(run.environment),
             finished_at=finished_at,
             summary=_json_or_none(summary),
@@ -496,6 +500,7 @@ def _run_from_row(row: sqlite3.Row) -> StoredRun:
         gpu=row["gpu"],
         server_info=json.loads(row["server_info"]),
         backend_flags=json.loads(row["backend_flags"]),
+        kernels=json.loads(row["kernels"]),
         environment=json.loads(row["environment"]),
         summary=_summary_from_json(row["summary"]),
     )

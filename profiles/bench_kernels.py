@@ -2,11 +2,8 @@
 
     python -m mpfa.profiles.bench_kernels decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
-    python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa-v1,mpfa-v2,mpfa-v2w8,flashinfer-fp8
-    python -m mpfa.profiles.bench_kernels prefill --seq 16k,64k --heads 32:8 --backend mpfa-v2,mpfa-v3,fa4-bf16   # v3: wgmma, 32:8
-    python -m mpfa.profiles.bench_kernels decode --backend mpfa,mpfa-dv3,flashinfer-fp8   # decode v4 vs v3 (3 stages)
-    python -m mpfa.profiles.bench_kernels decode --seq 32k --batch 1 --heads 40:8 --backend mpfa,mpfa-dv4w12,mpfa-dv2w12
-        # the default (v4, partitions for 6 warps per SM) vs every slot (12), and v2 on every slot (before session 24)
+    python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa,mpfa-exact,mpfa-direct,fa4-bf16
+    python -m mpfa.profiles.bench_kernels prefill --seq 16k --heads 32:4 --backend mpfa,fa4-bf16   # mma-sync: GQA 8
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the
@@ -23,12 +20,12 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from mpfa.profiles.errors import ProfileError
+from mpfa.harness.errors import ProfileError
+from mpfa.profiles.attention_workload import MPFA, AttentionWorkload, parse_heads, parse_seq
 from mpfa.profiles.microbench import benchmark_backend
 from mpfa.profiles.peaks import copy_gbps
 from mpfa.profiles.registry import adapter_for
 from mpfa.profiles.results import OK, BackendResult
-from mpfa.profiles.workload import MPFA, AttentionWorkload, parse_heads, parse_seq
 
 DEFAULT_BACKENDS = ("mpfa", "flashinfer-fp8", "fa4-bf16")
 REFERENCE = "flashinfer-fp8"
@@ -37,15 +34,13 @@ _INDEX_BYTES = 4
 
 
 def mpfa_partitions(backend: str, workload: AttentionWorkload, num_sms: int) -> int | None:
-    """The split-KV partitions per request an MpFA decode backend runs (None for the others): mpfa-dv<n> pin the
-    decode kernel, mpfa-dw<n> the warps per SM its partitions aim at."""
+    """The split-KV partitions per request an MpFA decode backend runs (None for the others)."""
     from mpfa.kernels.sm90.decode_launch import choose_partition_size
 
-    adapter, w = adapter_for(backend), workload
-    if adapter.tensor_format is not MPFA:
+    w = workload
+    if adapter_for(backend).tensor_format is not MPFA:
         return None
-    size = choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms, adapter.decode_kernel, adapter.decode_warps)
-    return -(-w.seq // size)
+    return -(-w.seq // choose_partition_size(w.batch, w.kv_heads, w.seq, num_sms))
 
 
 def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float:

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mpfa.profiles.errors import ServingProfileError
+from mpfa.harness.errors import ServingProfileError
 from mpfa.profiles.kernel_categories import CATEGORIES, classify
 from mpfa.profiles.torch_trace import GPU_CATEGORIES, KernelTotal, Trace, gpu_events, kernel_totals
 

@@ -1,30 +1,26 @@
-"""`mpfa profile characterize`: the MpFA paper's Fig. 3 on this GPU — where the sm90 prefill kernel's time goes.
+"""`mpfa profile characterize`: the MpFA paper's Fig. 3 on this GPU — where the fp8 prefill kernel's time goes.
 
 The paper splits a FlashAttention tile's time into MMA, softmax and the rest by timing compile-time ablations of
-the kernel. Here the ladder of the prefill kernel that `mpfa_prefill` runs for the shape (the default v7i, or
-``MPFA_PREFILL_KERNEL``'s if it has ablations: v1, v7 .. v7i; `prefill_launch.ablation_ladder`) is timed on one
-causal prefill (default 64K tokens, batch 1, 32:8 heads, d = 128), each step removing one more piece from the tile
-loop:
+the kernel. Here the ladder of the fp8 prefill kernel (the default; `prefill_launch.ablation_ladder`) is timed on
+one causal prefill (default 64K tokens, batch 1, 32:8 heads, d = 128), each step removing one more piece from the
+tile loop:
 
-    v7 kernels: full -> -exp2 -> -exp2 -rowstats -> QK MMA + copies only
-    v1:         full -> -exp2 -> -exp2 -rowstats -> -exp2 -rowstats -dequant -> QK MMA + loads only
+    full -> -exp2 -> -exp2 -rowstats -> QK MMA + copies only
 
 and each piece's share is the time difference between consecutive steps, as a fraction of the full kernel's
 time (a negative difference is reported as it is: timing noise, or a removal that made the compiler schedule
-worse). What the last step still runs (QK^T MMAs, the operands' copies or loads, Delta_S, masking, the loop, the
-epilogue; for the v7 kernels also their operand pass, which expands K once per prefill) is "QK MMA + rest"; "MMA"
-in the summary is PV (the `pv` step: the PV MMAs, and in v1 the V transpose and P's e4m3 packing) plus that
-remainder, an upper bound of the MMA share since the loads cannot be removed without deleting the loop. Every
-ablated kernel keeps the full kernel's occupancy (v1: 2 CTAs per SM, `ablation.OCCUPANCY_PAD_BYTES`; the v7
-kernels: one, by their shared memory), so a share is the piece's time, not an occupancy gain from the registers
-its removal frees.
+worse). What the last step still runs (QK^T MMAs, the operands' copies, Delta_S, masking, the loop, the epilogue,
+and the operand pass, which expands K once per prefill) is "QK MMA + rest"; "MMA" in the summary is PV (the `pv`
+step) plus that remainder, an upper bound of the MMA share since the copies cannot be removed without deleting
+the loop. Every ablated kernel keeps the full kernel's occupancy (one CTA per SM, by its shared memory), so a
+share is the piece's time, not an occupancy gain from the registers its removal frees. The kernel has no
+dequantization step to ablate: its operand pass expands K before the attention kernel runs.
 
-Which formats the Hopper kernels support: QK^T from NVFP4 (v1: exactly expanded to FP16; the v7 kernels:
-requantized to e4m3 with power-of-two scales, the FP8 tensor cores; sm_90 has no FP4 MMA) and PV in FP8 e4m3;
-there is no BF16-QK or NVFP4-PV MpFA kernel on sm90, so the paper's other format rows are not produced.
-FA4-BF16 (BF16 QK and PV) and FlashInfer-FP8 are context rows, through the `mpfa profile prefill` adapters. The
-kernel's direct build (no Delta_S read) is timed on the full kernel's inputs too: the full kernel over it is the
-compensation's cost (the paper: ~2%).
+Which formats the Hopper kernel supports: QK^T from NVFP4 requantized to e4m3 with power-of-two scales (the FP8
+tensor cores; sm_90 has no FP4 MMA) and PV in FP8 e4m3; there is no BF16-QK or NVFP4-PV MpFA kernel on sm90, so
+the paper's other format rows are not produced. FA4-BF16 (BF16 QK and PV) and FlashInfer-FP8 are context rows,
+through the `mpfa profile prefill` adapters. The kernel's direct build (no Delta_S read) is timed on the full
+kernel's inputs too: the full kernel over it is the compensation's cost (the paper: ~2%).
 
 Time per KV block: the paper's unit, a 128 x 128 (query x key) block of one head. A causal prefill of T tokens
 visits n (n + 1) / 2 such blocks per head and sequence (n = ceil(T / 128), diagonal blocks counted whole);
@@ -40,9 +36,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpfa.profiles.errors import ProfileError
+from mpfa.harness.errors import ProfileError
+from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.timing import TimingSummary, measure, summarize
-from mpfa.profiles.workload import AttentionWorkload
 
 if TYPE_CHECKING:
     import torch
@@ -51,6 +47,7 @@ BLOCK = 128  # the paper's KV block: 128 query rows x 128 keys of one head
 DIRECT_LABEL = "direct (no Delta_S)"
 CONTEXT_BACKENDS = ("fa4-bf16", "flashinfer-fp8")
 DEFAULT_SEED = 1234
+KERNEL = "fp8"  # the prefill kernel with compile-time ablations (`prefill_launch.ablation_ladder`)
 Progress = Callable[[str], None]
 
 
@@ -74,7 +71,7 @@ class ContextRow:
 
 @dataclass(frozen=True)
 class Share:
-    piece: str  # exp2, rowstats, dequant, pv, "qk+rest"
+    piece: str  # exp2, rowstats, pv, "qk+rest"
     ms: float
     fraction: float  # of the full kernel's median
 
@@ -85,7 +82,7 @@ class CharacterizeResult:
     device: str
     num_sms: int
     blocks: int
-    kernel: str  # the prefill kernel ablated (`prefill_launch.ablation_ladder`)
+    kernel: str  # the prefill kernel ablated (`KERNEL`)
     ladder: list[LadderRow]
     context: list[ContextRow] = field(default_factory=list)
     direct: LadderRow | None = None  # the kernel's direct build (no Delta_S) on the same inputs
@@ -164,16 +161,15 @@ def ladder_shares(medians: list[float | None], removed: list[str | None]) -> lis
     return shares + [Share("qk+rest", medians[-1], medians[-1] / full)]
 
 
-def summary_fractions(shares: list[Share]) -> dict[str, float | None]:
-    """The paper's three-way split: softmax (exp2 + row statistics), dequantization (None where the ladder has no
-    such step: the v7 kernels expand K in their operand pass, inside every step's time), and MMA (PV step plus the
-    QK-MMA-and-loads remainder, an upper bound)."""
+def summary_fractions(shares: list[Share]) -> dict[str, float]:
+    """The paper's split: softmax (exp2 + row statistics) and MMA (PV step plus the QK-MMA-and-copies remainder, an
+    upper bound). Dequantization has no share: the fp8 kernel expands K in its operand pass, inside every step's
+    time."""
     by_piece = {share.piece: share.fraction for share in shares}
     return {
         "softmax": by_piece.get("exp2", 0.0) + by_piece.get("rowstats", 0.0),
         "exp2": by_piece.get("exp2", 0.0),
         "rowstats": by_piece.get("rowstats", 0.0),
-        "dequant": by_piece.get("dequant"),
         "mma_upper_bound": by_piece.get("pv", 0.0) + by_piece.get("qk+rest", 0.0),
     }
 
@@ -231,17 +227,18 @@ def _one_line(exc: BaseException) -> str:
 def run_characterize(seq: int, batch: int = 1, heads: tuple[int, int] = (32, 8), head_dim: int = 128,
                      out_dir: Path = Path("mpfa-profiles"), context: tuple[str, ...] = CONTEXT_BACKENDS,
                      progress: Progress | None = None) -> CharacterizeResult:
-    """Time the ablation ladder of the prefill kernel `mpfa_prefill` runs for the shape (and the context backends)
-    on one causal prefill; writes the JSON into ``out_dir``. Raises ValueError for bad arguments (a kernel without
-    ablations among them) and ProfileError when there is no CUDA device."""
-    from mpfa.kernels.sm90.prefill_launch import ablation_ladder, prefill_kernel
+    """Time the fp8 prefill kernel's ablation ladder (and the context backends) on one causal prefill; writes the
+    JSON into ``out_dir``. Raises ValueError for bad arguments (a shape the fp8 kernel does not take among them)
+    and ProfileError when there is no CUDA device."""
+    from mpfa.kernels.sm90.dispatch import prefill_kernel
+    from mpfa.kernels.sm90.prefill_launch import ablation_ladder
     from mpfa.profiles.kernels_mpfa import PAGE_SIZE
     from mpfa.profiles.registry import adapter_for
 
     workload = AttentionWorkload("prefill", seq, batch, heads[0], heads[1], head_dim)
     if head_dim != 128:
         raise ValueError(f"the sm90 prefill kernel is built for head dim 128, got {head_dim}")
-    kernel = prefill_kernel(heads[0], heads[1], PAGE_SIZE)
+    kernel = prefill_kernel(heads[0], heads[1], PAGE_SIZE, KERNEL)
     ladder = ablation_ladder(kernel)
     adapters = [adapter_for(name) for name in context]
     say = progress or (lambda _message: None)
@@ -339,11 +336,9 @@ def render_characterize(result: CharacterizeResult, console) -> None:
     parts = ", ".join(f"{s.piece} {100 * s.fraction:.1f}% ({s.ms:.3f} ms)" for s in shares)
     summary = summary_fractions(shares)
     console.print(f"shares of the full kernel: {parts}")
-    dequant = ("in the operand pass (not ablated)" if summary["dequant"] is None
-               else f"{100 * summary['dequant']:.1f}%")
     console.print(f"softmax {100 * summary['softmax']:.1f}% (exp2 {100 * summary['exp2']:.1f}%, row statistics "
-                  f"{100 * summary['rowstats']:.1f}%), dequantization {dequant}, MMA + loads "
-                  f"<= {100 * summary['mma_upper_bound']:.1f}%")
+                  f"{100 * summary['rowstats']:.1f}%), dequantization in the operand pass (not ablated), MMA + "
+                  f"copies <= {100 * summary['mma_upper_bound']:.1f}%")
     if result.json_path:
         console.print(f"raw results: {result.json_path}")
 
@@ -354,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from mpfa.profiles.workload import parse_heads, parse_seq
+    from mpfa.profiles.attention_workload import parse_heads, parse_seq
 
     parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.characterize", description=__doc__.split("\n")[0])
     parser.add_argument("--seq", default="64k")

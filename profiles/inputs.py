@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from mpfa.profiles.errors import ProfileError
+from mpfa.harness.errors import ProfileError
 
 if TYPE_CHECKING:
     import torch

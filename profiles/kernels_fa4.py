@@ -8,9 +8,9 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
+from mpfa.profiles.attention_workload import BF16, AttentionWorkload
 from mpfa.profiles.inputs import random_tensor
 from mpfa.profiles.kernel_adapter import PreparedKernel
-from mpfa.profiles.workload import BF16, AttentionWorkload
 
 if TYPE_CHECKING:
     import torch

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from mpfa.profiles.attention_workload import BF16, BF16_Q_FP8_KV, AttentionWorkload
 from mpfa.profiles.inputs import random_tensor
 from mpfa.profiles.kernel_adapter import PreparedKernel
-from mpfa.profiles.workload import BF16, BF16_Q_FP8_KV, AttentionWorkload
 
 if TYPE_CHECKING:
     import torch

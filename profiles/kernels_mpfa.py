@@ -2,41 +2,21 @@
 
 Both kinds run the sm90 kernels on a cache the Triton KV write fills while the inputs are built; only the
 attention kernels are timed. Both use pages of 128 keys, the page size SGLang serves ``mpfa`` with (and FA4;
-FlashInfer serves with page 1; the decode benchmark used page 1 for MpFA too before session 13). Decode: the CuTe
-split-KV decode + merge. Prefill: the CuTe prefill (causal, every token of each sequence a query), the queries'
-centered NVFP4 rows as the KV write returns them. Their correctness lives in tests/kernels_sm90.
-
-Backend ``mpfa`` runs the default prefill kernel (`prefill_launch.prefill_kernel`: v7i for 32:8 and 40:8); ``mpfa-v1``,
-``mpfa-v2``, ``mpfa-v2w8``, ``mpfa-v3`` and ``mpfa-v3w8`` pin v1, v2 (`prefill_staged`), v2 with 8-warp CTAs, v3
-(`prefill_wgmma`) or v3 with 2-warpgroup CTAs, so one run can time them side by side (decode is the same kernel
-in all of them); ``mpfa-v3c`` / ``mpfa-v3w8c`` v3 / v3w8 with Delta_S as an extra K column (`prefill_wgmma_dscol`);
-``mpfa-v4`` / ``mpfa-v4w8`` pin v3 / v3w8 with QK^T on FP8 (`prefill_wgmma_fp8qk`: Q and K
-requantized to e4m3, the reference's ``mpfa-qk8tile`` numerics), ``mpfa-v5`` / ``mpfa-v5w8`` v4 / v4w8 with PV on
-FP8 too (`prefill_wgmma_fp8pv`, the same numerics), ``mpfa-v6`` v5w8 warp-specialized (`prefill_wgmma_ws`: a
-producer warpgroup, two consumers; v5w8's output), ``mpfa-v6a`` .. ``mpfa-v6n`` v6's variants
-(`prefill_launch.WS_KERNELS`), ``mpfa-v7`` v6n on operand images expanded once per prefill (`prefill_wgmma_pre`,
-timed with that pass), ``mpfa-v7b`` v7 with each step's PV fold under the next step's QK, ``mpfa-v7c`` v7b with
-each operand image one bulk copy, ``mpfa-v7d`` v7c with each step's PV under the next step's softmax, ``mpfa-v7e``
-v7d with every 4th exponential on the FMA pipe, ``mpfa-v7f`` v7d with the consumers taking turns at their wgmmas
-(FA3's ping-pong), ``mpfa-v7g`` v7e with v7f's turns, ``mpfa-v7h`` v7c with turns around each step's QKs, ``mpfa-v7i``
-v7c with each step's Delta_S loaded ahead of its QK waits. ``mpfa-dv1`` / ``mpfa-dv3`` / ``mpfa-dv4`` /
-``mpfa-dv4w14`` pin decode v1 (no ring), v3 (3-stage ring), v4 (v2 with fewer instructions per tile, `decode_lean`) or
-v4 partitioned for 14 warps per SM the same way (``mpfa`` runs ``MPFA_DECODE_KERNEL``'s, v4 by default, its
-partitions aimed at 6 warps per SM: `decode_launch.PARTITION_WARPS_PER_SM`, which caps the pinned kernels' but v4w14's;
-``mpfa-dv2w12`` is the default before session 24, v2 on every slot); ``mpfa-dw<n>`` / ``mpfa-dv4w<n>`` run that kernel /
-v4 with its partitions aimed at n warps per SM (`decode_launch.partition_warps`: fewer, longer partitions; the same
-compiled kernels). ``mpfa-direct`` runs the direct builds (``compensate=False``: no Delta_S read, inputs quantized
-uncentered): mpfa vs mpfa-direct is the compensation's cost.
+FlashInfer serves with page 1). Decode: the split-KV decode + merge. Prefill: the prefill kernel (causal, every
+token of each sequence a query) that `mpfa.kernels.sm90.dispatch` chooses for the shape, or the one the backend
+names (``mpfa-exact``, ``mpfa-mma-sync``), the queries' centered NVFP4 rows as the KV write returns them. The fp8
+kernel's time includes its operand pass. Their correctness lives in tests/kernels_sm90. ``mpfa-direct`` runs the
+direct builds (``compensate=False``: no Delta_S read, inputs quantized uncentered).
 """
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from mpfa.kernels.capacity import kv_bytes_per_token
-from mpfa.profiles.errors import ProfileError
+from mpfa.harness.errors import ProfileError
+from mpfa.kernels.kv_capacity import kv_bytes_per_token
+from mpfa.profiles.attention_workload import MPFA, AttentionWorkload
 from mpfa.profiles.inputs import random_tensor
 from mpfa.profiles.kernel_adapter import PreparedKernel
-from mpfa.profiles.workload import MPFA, AttentionWorkload
 
 if TYPE_CHECKING:
     import torch
@@ -74,26 +54,17 @@ class MpfaAdapter:
     tensor_format = MPFA
     math_dtype = "bf16"  # FP16 tensor-core MMAs on exactly dequantized operands (sm_90 has no FP4 MMA)
     # The main kernels. The decode merge is left out of ncu's one-launch profile, but it is not negligible at batch 1
-    # (~10 of 30 us at 32K x 1, session 18): profile it with `--kernel-name regex:'SplitKVDecode|DecodeMerge'`.
+    # (~10 of 30 us at 32K x 1 on the H200): profile it with `--kernel-name regex:'SplitKVDecode|DecodeMerge'`.
     kernel_regex = "SplitKVDecode|PrefillSm90"
 
-    def __init__(self, prefill_kernel: str | None = None, decode_kernel: str | None = None,
-                 compensate: bool = True, decode_warps: int | None = None):
-        """``prefill_kernel``: "v1", "v2", "v2w8", "v3", "v3w8", "v3c", "v3w8c", "v4", "v4w8", "v5", "v5w8", "v6" or
-        "v6a" .. "v6n", "v7" .. "v7i" pins the prefill kernel (backend ``mpfa-<kernel>``: ``mpfa-v1`` ..
-        ``mpfa-v7i``);
-        ``decode_kernel``: "v1", "v2", "v3", "v4" or "v4w14" the decode version (``mpfa-dv1`` ...); None follows
-        ``MPFA_PREFILL_KERNEL`` / ``MPFA_DECODE_KERNEL``. ``compensate`` False: the direct builds (backend
-        ``mpfa-direct``). ``decode_warps``: the warps per SM the decode partitions aim at (backend
-        ``mpfa-d<kernel>w<n>``, ``mpfa-dw<n>`` with the default kernel); None: `decode_launch.partition_warps`'s."""
+    def __init__(self, prefill_kernel: str | None = None, compensate: bool = True):
+        """``prefill_kernel``: "fp8", "exact" or "mma-sync" names the prefill kernel (backend ``mpfa-<kernel>``);
+        None: `dispatch.prefill_kernel`'s choice. ``compensate`` False: the direct builds (backend
+        ``mpfa-direct``)."""
         self.prefill_kernel = prefill_kernel
-        self.decode_kernel = decode_kernel
-        self.decode_warps = decode_warps
         self.compensate = compensate
         if prefill_kernel is not None:
             self.name = f"mpfa-{prefill_kernel}"
-        elif decode_kernel is not None or decode_warps is not None:
-            self.name = f"mpfa-d{decode_kernel or ''}" + ("" if decode_warps is None else f"w{decode_warps}")
         elif not compensate:
             self.name = "mpfa-direct"
 
@@ -115,8 +86,7 @@ class MpfaAdapter:
             means = SmoothingMeans(torch.zeros_like(means.q_mean), torch.zeros_like(means.k_mean))
         if w.kind == "prefill":
             return _prepare_prefill(w, num_sets, device, generator, means, self.prefill_kernel, self.compensate)
-        return _prepare_decode(w, num_sets, device, generator, means, self.decode_kernel, self.compensate,
-                               self.decode_warps)
+        return _prepare_decode(w, num_sets, device, generator, means, self.compensate)
 
 
 def _fill(w: AttentionWorkload, cache, slots_of_token, means, device, generator, keep_query) -> None:
@@ -139,12 +109,12 @@ def _dense_inputs(i: int):
     raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels_sm90 checks outputs")
 
 
-def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means, kernel: str | None = None,
-                    compensate: bool = True, warps_per_sm: int | None = None) -> PreparedKernel:
+def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means,
+                    compensate: bool = True) -> PreparedKernel:
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, decode_kernel, mpfa_decode, partition_warps
+    from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode, partition_warps
 
     page_table, slots_of_token, num_pages = paged_layout(w, device)
 
@@ -163,22 +133,18 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
 
     sets = [make_set() for _ in range(num_sets)]
     seq_lens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
-    kernel = decode_kernel(kernel)
-    warps = partition_warps(kernel, warps_per_sm)
-    workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device, kernel=kernel,
-                                         warps_per_sm=warps)
+    workspace = DecodeWorkspace.allocate(w.batch, w.q_heads, w.kv_heads, w.seq, device)
     outputs = [torch.empty((w.batch, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
                for _ in range(num_sets)]
 
     def run(i: int) -> torch.Tensor:
         query, cache = sets[i]
-        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i], kernel=kernel,
-                           compensate=compensate)
+        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i], compensate=compensate)
 
     build = "" if compensate else ", direct build"
     return PreparedKernel(run, _dense_inputs, num_sets,
-                          f"Triton KV write + CuTe split-KV decode {kernel}{build} ({workspace.num_partitions} "
-                          f"partitions of {workspace.partition_size} keys, for {warps} warps per SM) + merge, "
+                          f"Triton KV write + CuTe split-KV decode{build} ({workspace.num_partitions} partitions of "
+                          f"{workspace.partition_size} keys, for {partition_warps()} warps per SM) + merge, "
                           f"page {PAGE_SIZE}")
 
 
@@ -187,8 +153,8 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.prefill_launch import (DS_COLUMN_KERNELS, STAGED_WARPS, WGMMA_WARPGROUPS, mpfa_prefill,
-                                                  prefill_kernel, prefill_numerics)
+    from mpfa.kernels.sm90.dispatch import PREFILL_KERNELS, prefill_kernel
+    from mpfa.kernels.sm90.prefill_launch import mpfa_prefill
 
     tokens = w.batch * w.seq
     page_table, slots_of_token, num_pages = paged_layout(w, device)
@@ -215,14 +181,7 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
                             out=output, kernel=kernel, compensate=compensate)
 
     name = prefill_kernel(w.q_heads, w.kv_heads, PAGE_SIZE, kernel)
-    version = f"{name}, staged cp.async ring, {STAGED_WARPS[name]}-warp CTAs" if name in STAGED_WARPS else name
-    if WGMMA_WARPGROUPS.get(name, 1) > 1:
-        version += f", {WGMMA_WARPGROUPS[name]}-warpgroup CTAs"
-    mma = "wgmma" if name in WGMMA_WARPGROUPS else "mma.sync"
-    mma += ", FP8 QK^T from e4m3-requantized Q / K" if prefill_numerics(name) != "mpfa" else ""
-    mma += ", row sums on the PV wgmma" if prefill_numerics(name) == "mpfa-qk8tile-psum" else ""
-    mma += ", Delta_S as an extra K column" if name in DS_COLUMN_KERNELS and compensate else ""
-    version += "" if compensate else ", direct build"
-
+    build = "" if compensate else ", direct build"
     return PreparedKernel(run, _dense_inputs, num_sets,
-                          f"Triton KV write + CuTe prefill {version} ({mma}, causal), page {PAGE_SIZE}")
+                          f"Triton KV write + CuTe prefill, the {name} kernel{build} ({PREFILL_KERNELS[name]}, "
+                          f"causal), page {PAGE_SIZE}")

@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import sys
 
+from mpfa.profiles.attention_workload import AttentionWorkload, add_workload_arguments, workload_arguments, \
+    workload_from_arguments
 from mpfa.profiles.inputs import DEFAULT_SEED
 from mpfa.profiles.registry import adapter_for
-from mpfa.profiles.workload import AttentionWorkload, add_workload_arguments, workload_arguments, \
-    workload_from_arguments
 
 MODULE = "mpfa.profiles.launch_one"
 

@@ -6,10 +6,10 @@
 (In the repository root run `python -P -m ...`: its `kernels/` folder would shadow the PyPI `kernels` package
 that transformers imports.)
 
-DIR is a checkpoint (e.g. `python -m mpfa.cli.random_checkpoint`). The model runs in float32 on the CPU with its
+DIR is a checkpoint (e.g. `python -m mpfa.harness.random_checkpoint`). The model runs in float32 on the CPU with its
 attention swapped for a variant of the numerics reference (`mpfa.kernels.tasks.attention_swap`), so the only
 difference between two variants is the attention math; it reads the prompts `mpfa logits --seed S --prompts N`
-sends (`mpfa.cli.logits.prompts_for`), one at a time (batch 1), and takes each prompt's logprobs as a server's
+sends (`mpfa.harness.logits.prompts_for`), one at a time (batch 1), and takes each prompt's logprobs as a server's
 prefill returns them: position i holds log p(token i | tokens < i), i = 1..L-1, and the top-1 token. The same
 `compare` / `reference_stats` as `mpfa logits` turn them into the rows, whose prefill fields keep their names, so
 the JSON reads like the measured one. Variants are the reference's: `bf16` for fa4-bf16, `fp8` for flashinfer-fp8,
@@ -32,8 +32,8 @@ from typing import Any, Callable
 
 import torch
 
-from mpfa.cli.errors import UserError
-from mpfa.cli.logits import (NEAR_UNIFORM_STD, Row, Sample, compare, format_number, format_share, prompts_for,
+from mpfa.harness.errors import UserError
+from mpfa.harness.logits import (NEAR_UNIFORM_STD, Row, Sample, compare, format_number, format_share, prompts_for,
                              reference_stats)
 from mpfa.kernels.reference import VARIANTS
 from mpfa.kernels.tasks.attention_swap import VariantAttention, install

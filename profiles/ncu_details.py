@@ -15,14 +15,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpfa.profiles.errors import ToolError
+from mpfa.harness.errors import ToolError
+from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.kernel_adapter import KernelAdapter
 from mpfa.profiles.ncu import DETAILS_PAGE, SOURCE_PAGE, csv_table, export_report, import_page, to_base
 from mpfa.profiles.ncu_source import hot_loops, parse_source_csv
-from mpfa.profiles.report import LOG_WIDTH, Section, render_sections, short_name
+from mpfa.profiles.profile_sections import LOG_WIDTH, Section, render_sections, short_name
 from mpfa.profiles.results import NcuBoundSummary, NcuFullResult
 from mpfa.profiles.tools import parse_number
-from mpfa.profiles.workload import AttentionWorkload
 
 MODULE = "mpfa.profiles.ncu_details"
 REQUIRED_COLUMNS = ("ID", "Kernel Name", "Block Size", "Grid Size", "Section Name", "Metric Name", "Metric Unit",

@@ -8,9 +8,10 @@ its absolute address, its text, its warp-level executions and its warp-state sam
 A loop runs from a backward branch's target to the branch (`BRA`, predicated or not, to a lower or equal address);
 nested and overlapping loops merge into the outermost one, and the outermost loops holding at least HOT_SHARE % of
 the kernel's samples are reported, the rest of the kernel as one line. A warp-specialised kernel thus shows each
-role's loop apart, with the spin loops where a role waits on an mbarrier inside it. On the session-18 H200
-captures this partition is the one read by hand from runs of equal `Instructions Executed`: v6e's producer loop
-(rows 1439-1872) and consumer loop (2955-3366), dv4's split-KV loop (1044-1689).
+role's loop apart, with the spin loops where a role waits on an mbarrier inside it. On H200 captures of a
+warp-specialised prefill kernel and of the split-KV decode this partition is the one read by hand from runs of equal
+`Instructions Executed`: the prefill's producer loop (rows 1439-1872) and consumer loop (2955-3366), the decode's
+split-KV loop (1044-1689).
 
 ncu gives some samples no stall-reason column (on the H200, part of those on QGMMA instructions); they count as
 UNATTRIBUTED, so an instruction's reasons add up to its samples.
@@ -18,8 +19,8 @@ UNATTRIBUTED, so an instruction's reasons add up to its samples.
 A scoreboard stall (short: shared memory, MUFU, shuffles; long: global / local memory) waits for the result of a
 variable-latency instruction. Each loop's such samples are charged to the opcode of the nearest earlier instruction
 (in the loop, wrapping around its back edge) that writes one of the stalled instruction's source registers and has a
-variable latency (`scoreboard_producers`): on the session-24 capture of prefill v7c, LDS.128 (the staged Delta_S)
-before MUFU.EX2.
+variable latency (`scoreboard_producers`): on an H100 capture of an fp8 prefill kernel, LDS.128 (the staged Delta_S) before
+MUFU.EX2.
 """
 from __future__ import annotations
 
@@ -32,8 +33,8 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpfa.profiles.errors import ToolError
-from mpfa.profiles.report import LOG_WIDTH, ncu_source_section, render_sections, short_name
+from mpfa.harness.errors import ToolError
+from mpfa.profiles.profile_sections import LOG_WIDTH, ncu_source_section, render_sections, short_name
 from mpfa.profiles.results import NcuFullResult, NcuHotInstruction, NcuKernelLoops, NcuLoop
 from mpfa.profiles.tools import parse_number
 

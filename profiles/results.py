@@ -6,9 +6,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.timing import TimingSummary
 from mpfa.profiles.torch_trace import KernelTotal
-from mpfa.profiles.workload import AttentionWorkload
 
 OK, NOT_BUILT, ERROR = "ok", "not built", "error"
 

@@ -33,10 +33,10 @@ from typing import Any
 
 import aiohttp
 
-from mpfa.cli import client
-from mpfa.cli.workload import make_prompts
+from mpfa.harness import client
+from mpfa.harness.errors import ServingProfileError
+from mpfa.harness.serving_workload import make_prompts
 from mpfa.profiles.breakdown import StageBreakdown, stage_breakdown
-from mpfa.profiles.errors import ServingProfileError
 from mpfa.profiles.torch_trace import Trace, load_trace, trim_trace
 
 PREFILL, DECODE = "prefill", "decode"
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trim-events", type=int, default=DEFAULT_TRIM_EVENTS,
                         help="also write trimmed traces with this many GPU events (0: none)")
     args = parser.parse_args(argv)
-    from mpfa.profiles.workload import parse_seq  # imports torch: not needed for --help
+    from mpfa.profiles.attention_workload import parse_seq  # imports torch: not needed for --help
 
     try:
         profile = profile_serving(args.url, parse_seq(args.input_len), args.batch, args.steps, args.out,

@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from mpfa.profiles.kernel_categories import ATTENTION, CATEGORIES, classify
-from mpfa.profiles.report import Section, format_sections, num_cell, render_sections, short_name
+from mpfa.profiles.profile_sections import Section, format_sections, num_cell, render_sections, short_name
 from mpfa.profiles.serving import ServingProfile
 
 

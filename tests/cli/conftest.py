@@ -17,7 +17,7 @@ class Mpfa:
         self.tmp = tmp_path
 
     def command(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "mpfa.cli.main", *args]
+        return [sys.executable, "-m", "mpfa.cli", *args]
 
     def env(self) -> dict[str, str]:
         return {**os.environ, "MPFA_DB": str(self.db), "COLUMNS": "200"}

@@ -59,6 +59,7 @@ def test_bench_two_backends_stores_simulated_runs(mpfa, scenario_file) -> None:
         assert all(r["output_tokens"] == 8 and r["prompt_tokens"] == 256 and r["error"] is None for r in requests)
         info = json.loads(run["server_info"])
         assert info["attention_backend"] == BACKENDS[run["backend"]].expect["attention_backend"]
+        assert json.loads(run["kernels"]) == info["kernels"]  # what the simulator says it simulates
     warm = [len(_requests(mpfa.db, run["id"], warmup=True)) for run in runs]
     assert sum(warm) == 2  # one warmup request per backend and input length
     assert not _sim_servers(mpfa.db)

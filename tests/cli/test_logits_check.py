@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.cli.errors import UserError
-from mpfa.cli.logits import LogitsResult, Row
-from mpfa.cli.logits_check import check_against_prediction, served_numerics
+from mpfa.harness.errors import UserError
+from mpfa.harness.logits import LogitsResult, Row
+from mpfa.harness.logits_check import check_against_prediction, served_numerics
 
 NUMERICS = {name: spec.numerics for name, spec in BACKENDS.items()}
 FAST = ["--time-scale", "0.02"]
@@ -36,22 +36,27 @@ def test_each_backend_is_checked_against_its_own_variant():
     assert by_backend["mpfa-direct"].variant == "qk4-pv8-direct" and not by_backend["mpfa-direct"].within(1.5)
 
 
-def test_a_pinned_fp8_qk_prefill_is_checked_against_the_fp8_qk_variant(monkeypatch):
+def test_mpfa_prompts_are_checked_against_the_prefill_kernel_s_numerics(monkeypatch):
     specs = [BACKENDS[name] for name in ("fa4-bf16", "mpfa", "mpfa-direct")]
     monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
-    assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile-psum",  # the default: v7i
-                                      "mpfa-direct": "qk8tile-psum-direct"}
-    for paper in ("v3w8", "V3W8C", "v2"):
-        monkeypatch.setenv("MPFA_PREFILL_KERNEL", paper)
-        assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa", "mpfa-direct": "qk4-pv8-direct"}
-    for fp8_qk in ("v4w8", "v5w8", "v6e"):  # no reference variant for their direct builds
-        monkeypatch.setenv("MPFA_PREFILL_KERNEL", fp8_qk)
-        assert served_numerics(specs) == {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile", "mpfa-direct": None}
-    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v6n")  # l sums the e4m3 P
-    assert served_numerics(specs)["mpfa"] == "mpfa-qk8tile-psum"
-    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v9")
+    monkeypatch.delenv("MPFA_PREFILL", raising=False)
+    fp8 = {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile-psum", "mpfa-direct": "qk8tile-psum-direct"}
+    paper = {"fa4-bf16": "bf16", "mpfa": "mpfa", "mpfa-direct": "qk4-pv8-direct"}
+    assert served_numerics(specs, "llama-3.1-8b") == fp8  # the default for GQA 4: the fp8 kernel
+    assert served_numerics(specs, "llama-3.1-8b", "exact") == paper
+    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "MMA-SYNC")  # the servers inherit it
+    assert served_numerics(specs, "llama-3.1-8b") == paper
+    assert served_numerics(specs, "llama-3.1-8b", "fp8") == fp8  # the server argument wins
+    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "fastest")
     with pytest.raises(UserError, match="MPFA_PREFILL_KERNEL"):
-        served_numerics(specs)
+        served_numerics(specs, "llama-3.1-8b")
+    assert served_numerics(specs[:1], "llama-3.1-8b") == {"fa4-bf16": "bf16"}  # no MpFA server: nothing to choose
+
+
+def test_the_reference_prefill_path_computes_the_paper_s_numerics(monkeypatch):
+    monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
+    monkeypatch.setenv("MPFA_PREFILL", "reference")
+    assert served_numerics([BACKENDS["mpfa"]], "llama-3.1-8b") == {"mpfa": "mpfa"}
 
 
 def test_too_small_a_delta_fails_too():
@@ -79,6 +84,12 @@ def test_cli_exit_code_and_table(mpfa, tmp_path: Path):
     assert out.returncode == 1, out.stderr
     assert "measured vs predicted" in out.stdout
     assert out.stderr.strip().splitlines()[-1].startswith("error: measured vs predicted |Δ logprob| outside 1.5x: mpfa@32")
+
+
+def test_cli_refuses_an_unknown_prefill_kernel_before_serving(mpfa):
+    out = mpfa("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32",
+               "--prefill-kernel", "mma", *FAST)
+    assert out.returncode == 2 and "--prefill-kernel" in out.stderr and "ready" not in out.stdout
 
 
 def test_cli_refuses_a_bad_prediction_file_before_serving(mpfa, tmp_path: Path):

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.cli.errors import UserError
-from mpfa.cli.scenario import available_scenarios, load_scenario, model_dir, without_bundled_model_paths
+from mpfa.harness.errors import UserError
+from mpfa.harness.scenario import available_scenarios, load_scenario, model_dir, without_bundled_model_paths
 
 
 def test_bundled_scenarios_load_and_expand() -> None:
@@ -67,7 +67,7 @@ def test_model_dir_needs_config_json(tmp_path: Path) -> None:
 
 
 def test_explicit_points_carry_their_own_request_counts() -> None:
-    s = load_scenario("h200-sitting")
+    s = load_scenario("serving-matrix")
     assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()][:2] == [(131072, 1, 2), (32768, 8, 8)]
     assert {(p.input_len, p.concurrency) for p in s.points()} == {(n, c) for n in (16384, 32768, 65536, 131072)
                                                                     for c in (1, 8)}
@@ -106,12 +106,12 @@ def test_bad_points_are_rejected(tmp_path: Path, body: str, message: str) -> Non
 
 def test_points_scenario_refuses_point_overrides() -> None:
     with pytest.raises(UserError, match="lists its own \\[\\[points\\]\\]"):
-        load_scenario("h200-sitting", {"concurrency": [4]})
-    assert load_scenario("h200-sitting", {"output_len": 16}).output_len == 16
+        load_scenario("serving-matrix", {"concurrency": [4]})
+    assert load_scenario("serving-matrix", {"output_len": 16}).output_len == 16
 
 
 def test_only_cuts_a_scenario_to_named_points() -> None:
-    s = load_scenario("h200-sitting").only(["32k:c=8"])
+    s = load_scenario("serving-matrix").only(["32k:c=8"])
     assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()] == [(32768, 8, 8)]
     assert max(s.input_len) == 131072  # the server stays sized as for the whole scenario
     sweep = load_scenario("paper-sweep").only(["128K c=8", "16K:c=1", "128K:c=8"])
@@ -133,7 +133,7 @@ def test_a_model_directory_is_served_with_its_own_weights(tmp_path: Path) -> Non
     """Only a bundled config's bare name gets SGLang's dummy weights; a directory (here an absolute path, which
     `MODEL_DIR / path` would return unchanged) is loaded from its checkpoint."""
     from mpfa.backends.specs import BACKENDS
-    from mpfa.cli.engines import sglang_launch
+    from mpfa.harness.engines import sglang_launch
 
     (tmp_path / "config.json").write_text("{}")
     given_dir = sglang_launch(BACKENDS["fa4-bf16"], 30000, str(tmp_path), 4096, 1, 1, []).command
@@ -144,7 +144,7 @@ def test_a_model_directory_is_served_with_its_own_weights(tmp_path: Path) -> Non
 
 def test_a_server_with_the_wrong_weights_is_refused(tmp_path: Path) -> None:
     """SGLang reports its load format: dummy weights for a directory (or real ones for a bundled name) stop the run."""
-    from mpfa.cli.bench import verify_weights
+    from mpfa.harness.bench import verify_weights
 
     verify_weights({"load_format": "dummy"}, "llama-3.1-8b")
     verify_weights({"server_args": {"load_format": "auto"}}, str(tmp_path))

@@ -8,10 +8,10 @@ import pytest
 from rich.console import Console
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.cli import bench
-from mpfa.cli.bench import BenchOptions, run_bench
-from mpfa.cli.scenario import Scenario
-from mpfa.cli.store import ResultStore
+from mpfa.harness import bench
+from mpfa.harness.bench import BenchOptions, run_bench
+from mpfa.harness.scenario import Scenario
+from mpfa.harness.store import ResultStore
 
 CAVEAT = BACKENDS["mpfa"].caveat
 

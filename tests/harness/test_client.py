@@ -10,10 +10,10 @@ import time
 import pytest
 from aiohttp import web
 
-from mpfa.cli import metrics
-from mpfa.cli.client import run, run_load
-from mpfa.cli.sim_server import prompt_digest
-from mpfa.cli.workload import arrival_times, make_prompts
+from mpfa.harness import metrics
+from mpfa.harness.client import run, run_load
+from mpfa.harness.serving_workload import arrival_times, make_prompts
+from mpfa.harness.sim_server import prompt_digest
 
 
 def max_in_flight(records) -> int:

@@ -1,25 +1,55 @@
-"""What `collect_environment` records: the MpFA kernel switches set in the environment, under the names the kernels
-and the plugin read."""
+"""What `collect_environment` records, and the revision it names: "-dirty" for changed content, not for file modes
+(a tree copied to a GPU host shows every file's mode changed)."""
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+from pathlib import Path
+
 import pytest
 
-from mpfa.cli.environment import KERNEL_SWITCHES, collect_environment
+from mpfa.harness.environment import collect_environment, git_revision
 
 
-def test_kernel_switches_are_recorded(monkeypatch: pytest.MonkeyPatch):
-    for name in KERNEL_SWITCHES:
-        monkeypatch.delenv(name, raising=False)
-    assert collect_environment()["kernel_switches"] == {}
-    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v2")
-    monkeypatch.setenv("MPFA_DB", "results.db")  # not a kernel switch
-    assert collect_environment()["kernel_switches"] == {"MPFA_PREFILL_KERNEL": "v2"}
+def _git(repo: Path, *args: str) -> str:
+    return subprocess.run(["git", *args], cwd=repo, check=True, capture_output=True, text=True).stdout.strip()
 
 
-def test_switch_names_are_the_ones_read():
-    pytest.importorskip("torch")
-    from mpfa.backends.sglang_plugin.attention import PREFILL_ENV
-    from mpfa.kernels.sm90 import decode_launch, prefill_launch
+@pytest.fixture
+def checkout(tmp_path: Path) -> Path:
+    if shutil.which("git") is None:
+        pytest.skip("git is not installed")
+    _git(tmp_path, "init", "-q")
+    (tmp_path / "tool.py").write_text("print('hi')\n")
+    _git(tmp_path, "add", "tool.py")
+    _git(tmp_path, "-c", "user.name=t", "-c", "user.email=t@t", "commit", "-q", "-m", "one")
+    _git(tmp_path, "config", "core.fileMode", "true")  # as on a checkout that tracks modes
+    return tmp_path
 
-    assert set(KERNEL_SWITCHES) == {PREFILL_ENV, prefill_launch.KERNEL_ENV, decode_launch.KERNEL_ENV}
+
+def test_a_clean_checkout_names_its_commit(checkout: Path):
+    assert git_revision(checkout) == _git(checkout, "rev-parse", "--short=12", "HEAD")
+
+
+def test_a_mode_change_is_not_dirty(checkout: Path):
+    (checkout / "tool.py").chmod(0o755)
+    assert "tool.py" in _git(checkout, "status", "--porcelain")  # git itself sees the mode change
+    assert not git_revision(checkout).endswith("-dirty")
+
+
+def test_changed_content_is_dirty_and_untracked_files_are_not(checkout: Path):
+    (checkout / "notes.txt").write_text("untracked\n")
+    assert not git_revision(checkout).endswith("-dirty")
+    (checkout / "tool.py").write_text("print('changed')\n")
+    assert git_revision(checkout).endswith("-dirty")
+
+
+def test_outside_a_checkout_there_is_no_revision(tmp_path: Path):
+    assert git_revision(tmp_path) is None
+
+
+def test_environment_names_what_a_result_was_measured_on():
+    environment = collect_environment()
+    assert set(environment) == {"gpus", "driver", "cuda", "packages", "mpfa_revision"}
+    assert "mpfa" in environment["packages"]

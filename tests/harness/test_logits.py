@@ -5,12 +5,12 @@ import json
 
 import pytest
 
-from mpfa.cli.logits import (
+from mpfa.harness.logits import (
     LogitsResult, ResponseError, Row, Sample, compare, first_divergence, parse_response, reference_stats,
     request_body,
 )
-from mpfa.cli.sim_server import SIM_LOGPROB_PERTURBATION
-from mpfa.cli.workload import make_prompt
+from mpfa.harness.serving_workload import make_prompt
+from mpfa.harness.sim_server import SIM_LOGPROB_PERTURBATION
 
 
 def response(prompt: list[int], output: list[int], prompt_lps: list[float], output_lps: list[float],

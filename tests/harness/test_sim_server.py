@@ -7,10 +7,10 @@ import time
 import pytest
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.cli.bench import verify_server
-from mpfa.cli.latency_model import latency_model
-from mpfa.cli.sim_server import load_model_shape
-from mpfa.cli.workload import VOCAB_RANGE, make_prompt
+from mpfa.harness.bench import verify_server
+from mpfa.harness.latency_model import latency_model
+from mpfa.harness.serving_workload import VOCAB_RANGE, make_prompt
+from mpfa.harness.sim_server import load_model_shape
 
 
 def events(raw: bytes) -> list[bytes]:

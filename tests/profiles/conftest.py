@@ -25,8 +25,8 @@ from mpfa.profiles.ncu import parse_raw_csv
 FIXTURES = Path(__file__).parent / "fixtures"
 # Real H200 captures of session 18 (`--set full`, then its details and source pages): v6e prefill at 16K.
 SESSION18 = Path(__file__).parents[1] / "fixtures"
-V6E_DETAILS = SESSION18 / "ncu-details-prefill-16k-mpfa-v6e-session18-h200.csv"
-V6E_SOURCE = SESSION18 / "ncu-source-prefill-16k-mpfa-v6e-session18-h200.csv.gz"
+V6E_DETAILS = SESSION18 / "ncu-details-prefill-16k-mpfa-producer-warpgroup-h200.csv"
+V6E_SOURCE = SESSION18 / "ncu-source-prefill-16k-mpfa-producer-warpgroup-h200.csv.gz"
 
 
 def _captured_name(fixture: str) -> str:

@@ -10,23 +10,32 @@ import sys
 import pytest
 import torch
 
+from mpfa.harness.errors import ProfileError
 from mpfa.profiles import characterize as ch
-from mpfa.profiles.errors import ProfileError
+from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.timing import summarize
-from mpfa.profiles.workload import AttentionWorkload
 
-REMOVED = [None, "exp2", "rowstats", "dequant", "pv"]
+# The fp8 kernel's ladder as `prefill_launch.ablation_ladder` gives it: (label, ablation name, piece removed).
+LADDER = [("full", "full", None), ("-exp2", "-exp2", "exp2"), ("-exp2 -rowstats", "-exp2-rowstats", "rowstats"),
+          ("QK MMA + copies only", "-exp2-rowstats-pv", "pv")]
+REMOVED = [removed for _, _, removed in LADDER]
 
 
 def test_shares_are_differences_of_consecutive_steps():
-    shares = ch.ladder_shares([100.0, 80.0, 70.0, 40.0, 25.0], REMOVED)
-    assert [(s.piece, s.ms) for s in shares] == [("exp2", 20.0), ("rowstats", 10.0), ("dequant", 30.0),
-                                                 ("pv", 15.0), ("qk+rest", 25.0)]
-    assert [s.fraction for s in shares] == pytest.approx([0.2, 0.1, 0.3, 0.15, 0.25])
+    shares = ch.ladder_shares([100.0, 80.0, 70.0, 40.0], REMOVED)
+    assert [(s.piece, s.ms) for s in shares] == [("exp2", 20.0), ("rowstats", 10.0), ("pv", 30.0),
+                                                 ("qk+rest", 40.0)]
+    assert [s.fraction for s in shares] == pytest.approx([0.2, 0.1, 0.3, 0.4])
     assert sum(s.fraction for s in shares) == pytest.approx(1.0)  # the pieces and the remainder add up to full
     summary = ch.summary_fractions(shares)
-    assert summary["softmax"] == pytest.approx(0.3) and summary["dequant"] == pytest.approx(0.3)
-    assert summary["mma_upper_bound"] == pytest.approx(0.4)
+    assert summary["softmax"] == pytest.approx(0.3) and summary["mma_upper_bound"] == pytest.approx(0.7)
+
+
+def test_the_fp8_kernel_ladder_removes_exp2_then_row_statistics_then_pv():
+    from mpfa.kernels.sm90.prefill_launch import ablation_ladder
+
+    assert [(label, removed) for label, _, removed in ablation_ladder(ch.KERNEL)] == \
+        [(label, removed) for label, _, removed in LADDER]
 
 
 def test_shares_keep_negative_differences_and_need_every_step():
@@ -50,72 +59,65 @@ def test_block_count_and_time_per_block():
 
 
 def _result(medians, context=(("fa4-bf16", 57.2),)) -> ch.CharacterizeResult:
-    from mpfa.kernels.sm90.ablation import LADDER
-
     w = AttentionWorkload("prefill", 65536, 1, 32, 8, 128)
-    ladder = [ch.LadderRow(label, ablation.name, removed, None if ms is None else summarize([ms, ms * 1.01]), 3.0,
+    ladder = [ch.LadderRow(label, name, removed, None if ms is None else summarize([ms, ms * 1.01]), 3.0,
                            None if ms is not None else "RuntimeError: boom")
-              for (label, ablation, removed), ms in zip(LADDER, medians)]
+              for (label, name, removed), ms in zip(LADDER, medians)]
     rows = [ch.ContextRow(name, "a kernel", summarize([ms])) for name, ms in context]
-    return ch.CharacterizeResult(w, "NVIDIA H200", 132, ch.causal_blocks(65536, 1, 32), "v1", ladder, rows)
+    return ch.CharacterizeResult(w, "NVIDIA H200", 132, ch.causal_blocks(65536, 1, 32), "fp8", ladder, rows)
 
 
 def test_table_rows_and_json(tmp_path):
-    result = _result([288.0, 240.0, 200.0, 120.0, 60.0])
+    result = _result([288.0, 240.0, 200.0, 120.0])
     headers, rows = ch.table_rows(result)
     assert headers[:5] == ["kernel", "removed", "median ms", "p20-p80 ms", "SM-us / 128x128 block"]
-    assert [row[0] for row in rows] == ["mpfa v1 full", "mpfa v1 -exp2", "mpfa v1 -exp2 -rowstats",
-                                        "mpfa v1 -exp2 -rowstats -dequant", "mpfa v1 QK MMA + loads only", "fa4-bf16"]
+    assert [row[0] for row in rows] == ["mpfa fp8 full", "mpfa fp8 -exp2", "mpfa fp8 -exp2 -rowstats",
+                                        "mpfa fp8 QK MMA + copies only", "fa4-bf16"]
     assert rows[1][6] == "exp2 +16.7%" and rows[0][7] == "real kernel" and "meaningless" in rows[1][7]
     assert rows[-1][5] == f"{57.2 / result.ladder[0].timing.median_ms:.2f}"
     path = result.write_json(tmp_path)
     data = json.loads(path.read_text())
-    assert data["kind"] == "characterize" and data["blocks_128x128"] == result.blocks and data["kernel"] == "v1"
-    assert path.name == "characterize-v1-s65536-b1-h32x8-d128.json"
-    assert [s["piece"] for s in data["shares"]] == ["exp2", "rowstats", "dequant", "pv", "qk+rest"]
+    assert data["kind"] == "characterize" and data["blocks_128x128"] == result.blocks and data["kernel"] == "fp8"
+    assert path.name == "characterize-fp8-s65536-b1-h32x8-d128.json"
+    assert [s["piece"] for s in data["shares"]] == ["exp2", "rowstats", "pv", "qk+rest"]
     assert data["ladder"][0]["sm_us_per_block"] == pytest.approx(result.per_block_us(288.0 * 1.005), rel=1e-6)
     assert data["summary"]["softmax"] == pytest.approx((48.0 + 40.0) / 288.0)
 
 
-def test_v7_ladder_report_has_no_dequantization_step():
-    """The v7 kernels' ladder (`ablation.PRE_LADDER`): shares of exp2, row statistics, PV and the rest; the summary
-    says the dequantization is the operand pass's instead of a 0% share."""
+def test_report_with_the_direct_build_and_no_dequantization_step():
+    """The summary says the dequantization is the operand pass's, and the direct build gives the compensation."""
     from rich.console import Console
 
-    from mpfa.kernels.sm90.ablation import PRE_LADDER
-
-    w = AttentionWorkload("prefill", 65536, 1, 32, 8, 128)
-    ladder = [ch.LadderRow(label, ablation.name, removed, summarize([ms]), 3.0)
-              for (label, ablation, removed), ms in zip(PRE_LADDER, [47.0, 40.0, 36.0, 30.0])]
-    result = ch.CharacterizeResult(w, "NVIDIA H200", 132, ch.causal_blocks(65536, 1, 32), "v7c", ladder)
-    assert [s.piece for s in result.shares()] == ["exp2", "rowstats", "pv", "qk+rest"]
-    assert ch.summary_fractions(result.shares())["dequant"] is None
+    result = _result([47.0, 40.0, 36.0, 30.0], context=())
     assert result.compensation() is None  # no direct build timed
     result.direct = ch.LadderRow(ch.DIRECT_LABEL, "full", None, summarize([43.2]), 3.0)
-    assert result.compensation() == pytest.approx(47.0 / 43.2)
+    assert result.compensation() == pytest.approx(47.0 * 1.005 / 43.2)
     data = result.to_json()
-    assert data["compensation_full_over_direct"] == pytest.approx(47.0 / 43.2)
+    assert data["compensation_full_over_direct"] == pytest.approx(47.0 * 1.005 / 43.2)
     assert data["direct"]["label"] == "direct (no Delta_S)"
     headers, rows = ch.table_rows(result)
-    assert rows[-1][0] == "mpfa v7c direct (no Delta_S)" and rows[-1][6] == "compensation +8.1%"
+    assert rows[-1][0] == "mpfa fp8 direct (no Delta_S)" and rows[-1][6] == "compensation +8.5%"
     console = Console(width=200, record=True)
     ch.render_characterize(result, console)
     text = console.export_text()
-    assert "MpFA prefill (v7c)" in text and "mpfa v7c QK MMA + copies only" in text
+    assert "MpFA prefill (fp8)" in text and "mpfa fp8 QK MMA + copies only" in text
     assert "dequantization in the operand pass (not ablated)" in text and "exp2 14.9%" in text
-    assert "compensation (Delta_S): the full kernel takes 1.088x its direct build's time" in text
+    assert "compensation (Delta_S): the full kernel takes 1.093x its direct build's time" in text
 
 
-def test_a_kernel_without_ablations_is_a_clear_error(monkeypatch, tmp_path):
-    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "v3w8c")
-    with pytest.raises(ValueError, match="ablations exist for the v1, v7, .* got v3w8c"):
+def test_a_shape_the_fp8_kernel_does_not_take_is_a_clear_error(monkeypatch, tmp_path):
+    with pytest.raises(ValueError, match="fp8 prefill kernel needs GQA group 4 or 5"):
+        ch.run_characterize(4096, heads=(64, 8), out_dir=tmp_path / "out")
+    monkeypatch.setenv("MPFA_PREFILL_KERNEL", "mma-sync")  # the serving override does not change what is ablated
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(ProfileError, match="no CUDA device"):
         ch.run_characterize(4096, out_dir=tmp_path / "out")
 
 
 def test_a_failed_step_leaves_shares_out():
     from rich.console import Console
 
-    result = _result([288.0, None, 200.0, 120.0, 60.0])
+    result = _result([288.0, None, 200.0, 120.0])
     result.direct = ch.LadderRow(ch.DIRECT_LABEL, "full", None, summarize([270.0]), 3.0)
     assert result.shares() is None and result.to_json()["shares"] is None
     console = Console(width=200, record=True)
@@ -140,13 +142,13 @@ def test_cli_without_gpu_is_a_one_line_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     env = {**os.environ, "MPFA_DB": str(tmp_path / "results.db"), "COLUMNS": "200"}
-    result = subprocess.run([sys.executable, "-m", "mpfa.cli.main", "profile", "characterize", "--seq", "64k",
+    result = subprocess.run([sys.executable, "-m", "mpfa.cli", "profile", "characterize", "--seq", "64k",
                              "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no CUDA device" in lines[0] and "Traceback" not in result.stderr
     assert not (tmp_path / "results.db").exists()
-    bad = subprocess.run([sys.executable, "-m", "mpfa.cli.main", "profile", "characterize", "--seq", "lots"],
+    bad = subprocess.run([sys.executable, "-m", "mpfa.cli", "profile", "characterize", "--seq", "lots"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "lots" in bad.stderr
 

@@ -11,10 +11,10 @@ import torch
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from mpfa.cli.errors import UserError  # noqa: E402
-from mpfa.cli.logits import prompts_for  # noqa: E402
-from mpfa.cli.random_checkpoint import write_random_checkpoint  # noqa: E402
-from mpfa.cli.workload import VOCAB_RANGE  # noqa: E402
+from mpfa.harness.errors import UserError  # noqa: E402
+from mpfa.harness.logits import prompts_for  # noqa: E402
+from mpfa.harness.random_checkpoint import write_random_checkpoint  # noqa: E402
+from mpfa.harness.serving_workload import VOCAB_RANGE  # noqa: E402
 from mpfa.kernels.tasks.attention_swap import install  # noqa: E402
 from mpfa.profiles.logits_prediction import main, predict, prompt_sample  # noqa: E402
 

@@ -6,14 +6,14 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.profiles.errors import ToolError
+from mpfa.harness.errors import ToolError
 from mpfa.profiles.ncu_details import NcuRule, bound_summary, parse_details
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # Real output from the H200, session 14: prefill v3 (mpfa-v3) at 16K, 32:8 heads, one warm launch.
-PREFILL_V3 = FIXTURES / "ncu-details-prefill-v3-16k-h200.csv"
+PREFILL_V3 = FIXTURES / "ncu-details-prefill-16k-mpfa-one-warpgroup-h200.csv"
 # The same after session 14's conflict-free K / V expansion (session 15, `mpfa profile prefill --ncu-full`).
-PREFILL_V3_CONFLICT_FREE = FIXTURES / "ncu-details-prefill-v3-16k-conflict-free-h200.csv"
+PREFILL_V3_CONFLICT_FREE = FIXTURES / "ncu-details-prefill-16k-mpfa-one-warpgroup-conflict-free-h200.csv"
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value","Rule Name","Rule Type",'
           '"Rule Description","Estimated Speedup Type","Estimated Speedup"')

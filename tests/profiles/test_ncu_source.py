@@ -8,16 +8,16 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.profiles.errors import ToolError
+from mpfa.harness.errors import ToolError
 from mpfa.profiles.ncu_source import (UNATTRIBUTED, UNKNOWN_PRODUCER, hot_loops, loop_spans, parse_source_csv,
                                       read_text, scoreboard_producers)
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 # Session 18, H200: `--set full`, then `--import R --csv --page source --print-source sass`.
-V6E = FIXTURES / "ncu-source-prefill-16k-mpfa-v6e-session18-h200.csv.gz"  # producer loop + consumer loop
-DV4 = FIXTURES / "ncu-source-decode-128k-b8-mpfa-dv4-session18-h200.csv.gz"  # one warp per CTA
+V6E = FIXTURES / "ncu-source-prefill-16k-mpfa-producer-warpgroup-h200.csv.gz"  # producer loop + consumer loop
+DV4 = FIXTURES / "ncu-source-decode-128k-b8-mpfa-split-kv-lane-major-v-h200.csv.gz"  # one warp per CTA
 # Session 24, H100 (the same commands): the default prefill v7c, a persistent kernel (one outermost loop)
-V7C = FIXTURES / "ncu-source-prefill-16k-mpfa-v7c-session24-h100.csv.gz"
+V7C = FIXTURES / "ncu-source-prefill-16k-mpfa-ds-after-qk-wait-h100.csv.gz"
 REASONS = ("barrier", "long_sb", "selected", "short_sb", "wait")
 HEADER = ",".join(f'"{column}"' for column in (
     "Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
@@ -100,11 +100,11 @@ def test_dv4_hot_loop_is_the_split_kv_loop():
 def test_dv4_after_the_v_staging_fix_and_v3w8c():
     """Session 18's later captures: dv4 with V staged key-major (the same loop, now waiting on memory: long
     scoreboard first) and the default prefill v3w8c (one loop of 671 instructions, led by its two wgmma waits)."""
-    [page] = parse_source_csv(read_text(FIXTURES / "ncu-source-decode-128k-b8-mpfa-dv4-vkeymajor-session18-h200.csv.gz"))
+    [page] = parse_source_csv(read_text(FIXTURES / "ncu-source-decode-128k-b8-mpfa-split-kv-h200.csv.gz"))
     [loop] = hot_loops(page).loops
     assert loop.executions == 260_608 and loop.share > 95
     assert loop.stalls[0][0] == "long_sb" and loop.stalls[0][1] > 30
-    [page] = parse_source_csv(read_text(FIXTURES / "ncu-source-prefill-16k-mpfa-v3w8c-session18-h200.csv.gz"))
+    [page] = parse_source_csv(read_text(FIXTURES / "ncu-source-prefill-16k-mpfa-exact-h200.csv.gz"))
     assert "PrefillSm90WgmmaDsCol" in page.kernel
     [loop] = hot_loops(page).loops
     assert (loop.instructions, loop.executions) == (671, 4_177_920) and loop.share > 95
@@ -182,7 +182,7 @@ def test_sass_operands(sass, written, read):
 def test_a_capture_of_two_kernels_gives_a_page_each():
     """Decode at 32K x 1, the split kernel and the merge in one report: the merge's loop waits on its loads."""
     split, merge = parse_source_csv(read_text(
-        FIXTURES / "ncu-source-decode-32k-b1-mpfa-dv4-split-and-merge-session18-h200.csv.gz"))
+        FIXTURES / "ncu-source-decode-32k-b1-mpfa-split-kv-and-merge-h200.csv.gz"))
     assert "SplitKVDecodeSm90Lean" in split.kernel and "DecodeMergeSm90" in merge.kernel
     [split_loop] = hot_loops(split).loops
     assert split_loop.instructions == 647 and split_loop.stalls[0][0] == "long_sb"
@@ -272,7 +272,7 @@ def test_cli_fails_in_one_line(tmp_path):
     cut = _run(str(truncated))
     assert cut.returncode == 2 and cut.stderr.startswith(f"error: cannot read {truncated}: ")
     assert cut.stderr.count("\n") == 1
-    details = FIXTURES / "ncu-details-prefill-16k-mpfa-v6e-session18-h200.csv"
+    details = FIXTURES / "ncu-details-prefill-16k-mpfa-producer-warpgroup-h200.csv"
     malformed = _run(str(details))
     assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
     assert malformed.stderr == (f'error: {details}: not an ncu source page: it does not start with a "Kernel Name" '

@@ -4,9 +4,9 @@ import sys
 import pytest
 import torch
 
+from mpfa.harness.errors import ProfileError
 from mpfa.profiles import launch_one, microbench
-from mpfa.profiles.errors import ProfileError
-from mpfa.profiles.workload import AttentionWorkload, workload_from_arguments
+from mpfa.profiles.attention_workload import AttentionWorkload, workload_from_arguments
 
 
 def test_run_profile_needs_cuda(monkeypatch, tmp_path):

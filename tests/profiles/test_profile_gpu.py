@@ -9,11 +9,11 @@ import torch
 
 from mpfa.kernels.reference import attention_float64
 from mpfa.profiles import microbench
+from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.kernel_categories import ATTENTION, classify
 from mpfa.profiles.ncu import profile_with_ncu
 from mpfa.profiles.registry import adapter_for
 from mpfa.profiles.results import OK
-from mpfa.profiles.workload import AttentionWorkload
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

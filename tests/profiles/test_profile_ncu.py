@@ -5,20 +5,20 @@ from pathlib import Path
 
 import pytest
 
+from mpfa.harness.errors import ToolError
 from mpfa.profiles import ncu
-from mpfa.profiles.errors import ToolError
+from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.registry import adapter_for
-from mpfa.profiles.workload import AttentionWorkload
 
 FIXTURES = Path(__file__).parent / "fixtures"
 # Real `ncu --csv --page raw --print-units base` output from the H200 (mpfa profile ... --ncu).
 PREFILL_FA4 = FIXTURES / "ncu_h200_prefill64k_fa4.csv"
-PREFILL_MPFA = FIXTURES / "ncu_h200_prefill64k_mpfa.csv"  # session 10, the sm90 prefill v1
+PREFILL_MPFA = FIXTURES / "ncu_h200_prefill64k_mpfa_mma_sync_unstaged.csv"  # session 10, the sm90 prefill v1
 PREFILL_FLASHINFER = FIXTURES / "ncu_h200_prefill64k_flashinfer_fp8.csv"
 DECODE_FA4 = FIXTURES / "ncu_h200_decode128k_b8_fa4.csv"
 DECODE_FLASHINFER = FIXTURES / "ncu_h200_decode128k_b8_flashinfer_fp8.csv"
 DECODE_MPFA = FIXTURES / "ncu_h200_decode128k_b8_mpfa.csv"  # session 11, the sm90 split-KV decode v2
-PREFILL_MPFA_V2 = FIXTURES / "ncu_h200_prefill64k_mpfa_v2.csv"  # session 11, the sm90 staged prefill v2
+PREFILL_MPFA_V2 = FIXTURES / "ncu_h200_prefill64k_mpfa_mma_sync.csv"  # session 11, the sm90 staged prefill v2
 TENSOR_PIPE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 WORKLOAD = AttentionWorkload("decode", 131072, 8, 32, 8, 128)
 

@@ -8,11 +8,11 @@ from pathlib import Path
 from rich.console import Console
 
 from mpfa.profiles import ncu
+from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.ncu_details import profile_full_with_ncu
+from mpfa.profiles.profile_sections import LOG_WIDTH, ncu_full_section, ncu_source_section, render_sections
 from mpfa.profiles.registry import adapter_for
-from mpfa.profiles.report import LOG_WIDTH, ncu_full_section, ncu_source_section, render_sections
 from mpfa.profiles.results import NcuFullResult, Peaks, ProfileResult
-from mpfa.profiles.workload import AttentionWorkload
 
 PERMISSION = ("==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance "
               "Counters on the target device 0.")

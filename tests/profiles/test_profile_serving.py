@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from mpfa.cli.sim_server import build_app
+from mpfa.harness.errors import ProfileError, ServingProfileError
+from mpfa.harness.sim_server import build_app
 from mpfa.profiles import serving
 from mpfa.profiles.breakdown import TOP_KERNELS, stage_breakdown
-from mpfa.profiles.errors import ProfileError, ServingProfileError
 from mpfa.profiles.kernel_categories import ATTENTION, CATEGORIES, classify
 from mpfa.profiles.serving_report import format_serving, render_serving, serving_sections
 from mpfa.profiles.torch_trace import gpu_events, kernel_totals, load_trace, trim_trace, write_trace

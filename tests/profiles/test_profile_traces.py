@@ -5,12 +5,12 @@ import subprocess
 import pytest
 import torch
 
+from mpfa.harness.errors import ToolError
 from mpfa.profiles import microbench, nsys
-from mpfa.profiles.errors import ToolError
+from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.registry import adapter_for
 from mpfa.profiles.results import TraceResult
 from mpfa.profiles.torch_trace import kernel_totals
-from mpfa.profiles.workload import AttentionWorkload
 
 WORKLOAD = AttentionWorkload("prefill", 4096, 1, 32, 8, 128)
 

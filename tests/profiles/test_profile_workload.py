@@ -4,9 +4,9 @@ import itertools
 
 import pytest
 
-from mpfa.profiles.registry import ADAPTERS, parse_backends
-from mpfa.profiles.workload import (BF16, BF16_Q_FP8_KV, MPFA, AttentionWorkload, add_workload_arguments,
+from mpfa.profiles.attention_workload import (BF16, BF16_Q_FP8_KV, MPFA, AttentionWorkload, add_workload_arguments,
                                     parse_heads, parse_seq, workload_arguments, workload_from_arguments)
+from mpfa.profiles.registry import ADAPTERS, parse_backends
 
 
 def _kept_pairs_by_mask(q_len: int, kv_len: int) -> int:

@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from mpfa.cli.records import RequestRecord
-from mpfa.cli.store import StoredRun
+from mpfa.harness.records import RequestRecord
+from mpfa.harness.store import StoredRun
 
 GPU = "NVIDIA H200"
 MODEL = "llama-3.1-8b"

@@ -2,13 +2,9 @@
 it was written from: they pass, and a copy with one backend degraded fails. A change to the gate's logic, its
 aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
 
-The baseline is written (profiles/NOTES.md, "Serving comparison (regenerable)") by
-    mpfa import profiles/results/h200-long32k-c1.json profiles/results/h200-session11-mpfa-serving.json \
-        profiles/results/h200-sitting-{fa4,fi,fa4-64k-c1}.json \
-        profiles/results/h200-sitting-s14-{fa4,fi,mpfa-direct-32k-c8}.json \
-        profiles/results/h200-sitting-s15-{fa4,fi}.json \
-        profiles/results/h200-sitting-s17-{mpfa,mpfa-direct}.json \
-        profiles/results/h200-sitting-s26-{fa4,mpfa}.json --db DB
+The baseline is written (docs/performance.md, "The CI gate's baseline") by
+    mpfa import profiles/results/serve-long32k-c1-{fa4-bf16-flashinfer-fp8,mixed-mpfa-mpfa-direct}-h200.json \
+        profiles/results/serve-long128k-c1-{fa4-bf16,mpfa}-h200.json --db DB
     mpfa gate --write-baseline --baseline profiles/baselines/h200.json --db DB
 """
 from __future__ import annotations
@@ -19,18 +15,15 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.gate import GATED_METRICS, baseline_from_runs, read_baseline
-from mpfa.cli.main import app
-from mpfa.cli.store import ResultStore
+from mpfa.cli.app import app
+from mpfa.harness.gate import GATED_METRICS, baseline_from_runs, read_baseline
+from mpfa.harness.store import ResultStore
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 BASELINE = PROFILES / "baselines" / "h200.json"
 EXPORTS = [PROFILES / "results" / name for name in (
-    "h200-long32k-c1.json", "h200-session11-mpfa-serving.json", "h200-sitting-fa4.json", "h200-sitting-fi.json",
-    "h200-sitting-fa4-64k-c1.json", "h200-sitting-s14-fa4.json", "h200-sitting-s14-fi.json",
-    "h200-sitting-s14-mpfa-direct-32k-c8.json", "h200-sitting-s15-fa4.json", "h200-sitting-s15-fi.json",
-    "h200-sitting-s17-mpfa.json", "h200-sitting-s17-mpfa-direct.json", "h200-sitting-s26-fa4.json",
-    "h200-sitting-s26-mpfa.json")]
+    "serve-long32k-c1-fa4-bf16-flashinfer-fp8-h200.json", "serve-long32k-c1-mixed-mpfa-mpfa-direct-h200.json",
+    "serve-long128k-c1-fa4-bf16-h200.json", "serve-long128k-c1-mpfa-h200.json")]
 DEGRADED = ("long32k", "mpfa-direct")  # scenario and backend made worse in the degraded copy
 
 

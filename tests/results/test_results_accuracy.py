@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.main import app
-from mpfa.cli.plot import ACCURACY_PANEL_SIZE, DPI
-from mpfa.cli.store import ResultStore
-from mpfa.kernels.tasks.report import TaskAccuracyReport, TaskScores
+from mpfa.cli.app import app
+from mpfa.harness.plot import ACCURACY_PANEL_SIZE, DPI
+from mpfa.harness.store import ResultStore
+from mpfa.kernels.tasks.task_report import TaskAccuracyReport, TaskScores
 
 VARIANTS = ("bf16", "fp8", "qk4-pv8-direct", "mpfa")
 

@@ -12,13 +12,13 @@ import pytest
 from rich.console import Console
 
 from mpfa.backends.specs import BACKENDS, PLUGIN_PREFILL_CAVEAT
-from mpfa.cli.errors import UserError
-from mpfa.cli.export import export_runs
-from mpfa.cli.gate import baseline_from_runs, gate_table, github_benchmark_entries, read_baseline, run_gate, write_baseline
-from mpfa.cli.plot import plot_runs
-from mpfa.cli.records import RunRecord
-from mpfa.cli.report import compare_table, runs_table, show_run
-from mpfa.cli.store import SCHEMA_VERSION, ResultStore
+from mpfa.harness.errors import UserError
+from mpfa.harness.export import export_runs
+from mpfa.harness.gate import baseline_from_runs, gate_table, github_benchmark_entries, read_baseline, run_gate, write_baseline
+from mpfa.harness.plot import plot_runs
+from mpfa.harness.records import RunRecord
+from mpfa.harness.run_tables import compare_table, runs_table, show_run
+from mpfa.harness.store import SCHEMA_VERSION, ResultStore
 
 CAVEAT = PLUGIN_PREFILL_CAVEAT
 
@@ -75,7 +75,7 @@ def test_a_version_2_database_is_upgraded_in_place(v2_database):
         new = store.begin_run(dataclasses.replace(mpfa, id=None, requests=[]))
         assert store.get_run(new).caveat == CAVEAT
     with sqlite3.connect(v2_database) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 3
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
 
 
 # --- tables ---------------------------------------------------------------------------------------------------------

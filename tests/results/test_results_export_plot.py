@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from mpfa.cli import metrics
-from mpfa.cli.errors import UserError
-from mpfa.cli.export import export_runs
-from mpfa.cli.plot import plot_runs
+from mpfa.harness import metrics
+from mpfa.harness.errors import UserError
+from mpfa.harness.export import export_runs
+from mpfa.harness.plot import plot_runs
 
 
 @pytest.fixture

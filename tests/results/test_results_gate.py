@@ -6,8 +6,8 @@ import json
 import pytest
 from rich.console import Console
 
-from mpfa.cli.errors import UserError
-from mpfa.cli.gate import (
+from mpfa.harness.errors import UserError
+from mpfa.harness.gate import (
     baseline_from_runs, gate_table, parse_tolerance, read_baseline, run_gate, write_baseline,
     write_github_benchmark,
 )

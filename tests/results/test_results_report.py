@@ -6,9 +6,9 @@ import math
 import pytest
 from rich.console import Console
 
-from mpfa.cli import metrics
-from mpfa.cli.errors import UserError
-from mpfa.cli.report import compare_rows, compare_table, runs_table, show_run, speedup
+from mpfa.harness import metrics
+from mpfa.harness.errors import UserError
+from mpfa.harness.run_tables import compare_rows, compare_table, runs_table, show_run, speedup
 
 T975_DF2 = 4.302652729911275  # Student t 0.975 quantile, 2 degrees of freedom
 

@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from mpfa.cli import metrics
-from mpfa.cli.records import RunRecord
-from mpfa.cli.store import SCHEMA_VERSION, ResultStore, StoreError, default_db_path
+from mpfa.harness import metrics
+from mpfa.harness.records import RunRecord
+from mpfa.harness.store import SCHEMA_VERSION, ResultStore, StoreError, default_db_path
 
 
 def _record(make_run, backend: str = "mpfa", **overrides) -> RunRecord:
@@ -25,7 +25,8 @@ def _record(make_run, backend: str = "mpfa", **overrides) -> RunRecord:
 def test_round_trip_keeps_every_field(tmp_path, make_run, random_requests):
     run = _record(make_run, simulated=True, engine="sim", load={"rate": 1.5, "burstiness": 0.5},
                   server_info={"attention_backend": "fa3", "nested": {"x": [1, 2]}},
-                  backend_flags=["--attention-backend", "fa3"], environment={"torch": "2.13"})
+                  backend_flags=["--attention-backend", "fa3"], environment={"torch": "2.13"},
+                  kernels={"attention_backend": "fa3", "source": "simulated"})
     requests = random_requests(7)
     summary = metrics.summarize(requests)
     with ResultStore(tmp_path / "r.db") as store:
@@ -58,8 +59,8 @@ def test_killed_process_keeps_completed_requests(tmp_path):
     db = tmp_path / "r.db"
     writer = textwrap.dedent(f"""
         import os
-        from mpfa.cli.records import RequestRecord, RunRecord
-        from mpfa.cli.store import ResultStore
+        from mpfa.harness.records import RequestRecord, RunRecord
+        from mpfa.harness.store import ResultStore
         store = ResultStore({str(db)!r})
         run = RunRecord("smoke", "mpfa", "sim", True, {{"concurrency": 1}}, 0, 512, 32, 16, 0, "h", 1.0)
         run_id = store.begin_run(run)

@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.cli.store import SCHEMA_VERSION, ResultStore, StoreError
+from mpfa.harness.store import SCHEMA_VERSION, ResultStore, StoreError
 
-H200_PREFILL = Path(__file__).parents[2] / "profiles" / "results" / "profile-prefill-s65536-b1-h32x8-d128.json"
+H200_PREFILL = Path(__file__).parents[2] / "profiles" / "results" / "profile-prefill-64k-32x8-fa4-bf16-flashinfer-fp8-h200.json"
 
 
 def test_a_real_profile_result_round_trips(tmp_path):
@@ -24,7 +24,7 @@ def test_a_real_profile_result_round_trips(tmp_path):
         profile_id, "prefill", "NVIDIA H200", 1.7e9, False)
     assert back.params == result["workload"] and back.result == result
     fa4 = next(row for row in back.result["backends"] if row["backend"] == "fa4-bf16")
-    assert fa4["timing"]["median_ms"] == pytest.approx(57.218, abs=5e-4)  # as printed in profile-prefill-64k.txt
+    assert fa4["timing"]["median_ms"] == pytest.approx(57.218, abs=5e-4)  # as printed in profile-prefill-64k-32x8-fa4-bf16-flashinfer-fp8-h200.txt
 
 
 def test_non_finite_numbers_are_stored_as_null(tmp_path, rng):

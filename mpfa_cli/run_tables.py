@@ -20,10 +20,11 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from mpfa.cli import metrics
-from mpfa.cli.errors import UserError
-from mpfa.cli.records import RunRecord
-from mpfa.cli.store import StoredRun, load_key
+from mpfa.harness import metrics
+from mpfa.harness.errors import UserError
+from mpfa.harness.records import RunRecord
+from mpfa.harness.served_kernels import describe_kernels
+from mpfa.harness.store import StoredRun, load_key
 
 COMPARE_METRICS = ("otps", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_p99", "kv_tokens")
 THROUGHPUT_METRICS = frozenset({"otps", "req_per_s", "goodput_req_per_s"})
@@ -348,7 +349,8 @@ def runs_table(runs: Sequence[StoredRun]) -> Table:
 
 
 def show_run(run: StoredRun) -> RenderableType:
-    """`mpfa show RUN`: the run's metadata, then its metrics (mean/median/p90/p99 per latency)."""
+    """`mpfa show RUN`: the run's metadata (the kernels its server ran included), then its metrics
+    (mean/median/p90/p99 per latency)."""
     meta = Table.grid(padding=(0, 2))
     meta.add_column(style="bold")
     meta.add_column()
@@ -362,6 +364,7 @@ def show_run(run: StoredRun) -> RenderableType:
         ("workload", run.workload_hash),
         ("model", run.model or "—"),
         ("gpu", run.gpu or "—"),
+        ("kernels", describe_kernels(run.kernels)),
         ("started", _when(run.started_at)),
         ("finished", _when(run.finished_at) if run.finished_at else "—"),
         ("status", Text(run.status, style=_STATUS_STYLE.get(run.status, ""))),

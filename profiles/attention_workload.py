@@ -5,7 +5,7 @@ the mask keeps: a causal prefill of S tokens keeps S(S+1)/2 pairs per sequence a
 against an S-token cache keeps S. Softmax work and the masked half of diagonal tiles are not counted.
 
 Bytes are the minimum traffic: Q read once, O written once, the KV cache read once, at the sizes the backend
-stores them in (the cache's per-token size comes from `mpfa.kernels.capacity`). Page tables, indices and
+stores them in (the cache's per-token size comes from `mpfa.kernels.kv_capacity`). Page tables, indices and
 split-KV partials are not counted.
 """
 from __future__ import annotations
@@ -14,7 +14,7 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from mpfa.kernels.capacity import kv_bytes_per_token
+from mpfa.kernels.kv_capacity import kv_bytes_per_token
 
 KINDS = ("prefill", "decode")
 _SEQ_SUFFIX = {"": 1, "k": 1024, "m": 1024 * 1024}
@@ -23,7 +23,7 @@ _SEQ_SUFFIX = {"": 1, "k": 1024, "m": 1024 * 1024}
 @dataclass(frozen=True)
 class TensorFormat:
     """How a backend stores its tensors: bytes per element of Q and O, and its KV-cache format (one of
-    `mpfa.kernels.capacity.CACHE_FORMATS`, which gives the cache's bytes per token and KV head)."""
+    `mpfa.kernels.kv_capacity.CACHE_FORMATS`, which gives the cache's bytes per token and KV head)."""
 
     q: float
     o: float

@@ -1,0 +1,124 @@
+"""`mpfa bench` (measure scenarios against backends) and `mpfa serve-sim` (the built-in simulated server)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mpfa.cli.common import DbOption, PrefillKernelOption, cli_errors, console, err_console, number_list, open_store
+from mpfa.harness.errors import UserError
+
+
+@cli_errors
+def bench(
+    scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario name or .toml path (see `mpfa scenarios`).")] = "smoke",
+    backend: Annotated[Optional[str], typer.Option("--backend", "-b", help="Comma-separated backends (see `mpfa backends`).")] = None,
+    engine: Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")] = "auto",
+    url: Annotated[Optional[str], typer.Option(help="Benchmark a server someone else started.")] = None,
+    api: Annotated[str, typer.Option(help="With --url: sglang (native /generate) or openai (/v1/completions).")] = "sglang",
+    model: Annotated[Optional[str], typer.Option(help="Bundled config name (dummy weights) or a model directory.")] = None,
+    concurrency: Annotated[Optional[str], typer.Option(help="Override: comma-separated concurrency list.")] = None,
+    rate: Annotated[Optional[str], typer.Option(help="Override: comma-separated request rates (req/s).")] = None,
+    input_len: Annotated[Optional[str], typer.Option("--input-len", help="Override: comma-separated input lengths.")] = None,
+    points: Annotated[Optional[str], typer.Option("--points", help="Only these points, e.g. 128K:c=1,64K:c=8 (see `mpfa scenarios`).")] = None,
+    output_len: Annotated[Optional[int], typer.Option("--output-len")] = None,
+    num_requests: Annotated[Optional[int], typer.Option("--num-requests")] = None,
+    warmup_requests: Annotated[Optional[int], typer.Option("--warmup-requests")] = None,
+    repeats: Annotated[Optional[int], typer.Option()] = None,
+    seed: Annotated[Optional[int], typer.Option()] = None,
+    slo: Annotated[Optional[str], typer.Option(help="Goodput SLO in ms, e.g. ttft=2000,tpot=50.")] = None,
+    prefill_kernel: PrefillKernelOption = None,
+    port: Annotated[Optional[int], typer.Option(help="Preferred server port (another is picked if it is in use).")] = None,
+    tp: Annotated[int, typer.Option(help="SGLang tensor parallelism.")] = 1,
+    dp: Annotated[int, typer.Option(help="SGLang data parallelism.")] = 1,
+    time_scale: Annotated[float, typer.Option(help="Simulator only: multiply modelled times by this.")] = 1.0,
+    ready_timeout: Annotated[Optional[float], typer.Option(help="Seconds to wait for the server to get ready.")] = None,
+    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag, SGLang's or serve-sim's (repeatable).")] = None,
+    run_dir: Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")] = None,
+    db: DbOption = None,
+) -> None:
+    """Run a scenario against one or more backends and store every request and the kernels each server ran."""
+    from mpfa.harness.bench import BenchOptions, RunInterrupted, run_bench
+    from mpfa.harness.engines import resolve_backends, resolve_engine
+    from mpfa.harness.run_tables import compare_table
+    from mpfa.harness.scenario import load_scenario
+    from mpfa.harness.served_kernels import check_prefill_kernel
+
+    overrides = {
+        "model": model, "output_len": output_len, "num_requests": num_requests,
+        "warmup_requests": warmup_requests, "repeats": repeats, "seed": seed,
+        "concurrency": number_list(concurrency, "--concurrency"), "rate": number_list(rate, "--rate", float),
+        "input_len": number_list(input_len, "--input-len"),
+    }
+    if overrides["rate"] is not None:
+        overrides["concurrency"] = None
+    spec = load_scenario(scenario, overrides)
+    if overrides["rate"] is not None:
+        spec.concurrency = []
+    if points is not None:
+        spec = spec.only([p for p in points.split(",") if p.strip()])
+    chosen_engine = resolve_engine(engine, url)
+    default = "fa4-bf16,flashinfer-fp8,mpfa" if chosen_engine == "sim" else "fa4-bf16,flashinfer-fp8"
+    specs = resolve_backends(backend or default, chosen_engine)
+    if chosen_engine != "sglang" and (tp, dp) != (1, 1):
+        raise UserError("--tp/--dp apply to the sglang engine only")
+    with open_store(db) as store:
+        opts = BenchOptions(
+            engine=chosen_engine, run_dir=run_dir or store.path.parent / "runs", url=url, api=api, port=port,
+            time_scale=time_scale, ready_timeout_s=ready_timeout, tp=tp, dp=dp, server_args=list(server_arg or []),
+            slo=_parse_slo(slo) if slo else None,
+            prefill_kernel=check_prefill_kernel(prefill_kernel),
+        )
+        if chosen_engine == "sim":
+            console.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
+        try:
+            run_ids = run_bench(spec, specs, opts, store, console)
+        except RunInterrupted as exc:
+            err_console.print(f"[yellow]{exc}[/]")
+            raise typer.Exit(130) from None
+        runs = store.get_runs(run_ids)
+        console.print(f"stored runs {run_ids[0]}–{run_ids[-1]} in {store.path}")
+        if any(r.status != "ok" for r in runs):
+            raise UserError("some runs failed: see `mpfa runs` and `mpfa show RUN`", exit_code=1)
+        console.print(compare_table(runs, ref_backend=specs[0].name))
+
+
+def _parse_slo(text: str) -> dict[str, float]:
+    """`ttft=2000,tpot=50` (milliseconds) -> {"ttft": 2000.0, "tpot": 50.0}."""
+    from mpfa.harness.metrics import SLO_KEYS
+
+    slo: dict[str, float] = {}
+    for part in text.split(","):
+        key, _, value = part.partition("=")
+        try:
+            slo[key.strip()] = float(value)
+        except ValueError:
+            raise UserError(f"--slo: expected key=milliseconds pairs such as ttft=2000,tpot=50, got '{text}'") from None
+        if key.strip() not in SLO_KEYS or slo[key.strip()] <= 0:
+            raise UserError(f"--slo: '{part}' is not valid; keys: {', '.join(SLO_KEYS)}, values > 0 ms")
+    return slo
+
+
+@cli_errors
+def serve_sim(
+    port: Annotated[int, typer.Option()] = 30000,
+    host: Annotated[str, typer.Option()] = "127.0.0.1",
+    backend: Annotated[str, typer.Option()] = "fa4-bf16",
+    model: Annotated[str, typer.Option()] = "llama-3.1-8b",
+    time_scale: Annotated[float, typer.Option(help="Multiply every modelled time by this.")] = 1.0,
+    prefill_kernel: Annotated[Optional[str], typer.Option("--mpfa-prefill-kernel", help="The MpFA prefill kernel it says it simulates, as the SGLang plugin's flag (fp8, exact, mma-sync).")] = None,
+    startup_delay: Annotated[float, typer.Option(help="Seconds /health_generate answers 503 (tests readiness).")] = 0.0,
+    die_after_requests: Annotated[Optional[int], typer.Option(help="Exit abruptly after this many completed requests (fault tests).")] = None,
+) -> None:
+    """Serve SGLang's HTTP API on a deterministic latency model (every number it produces is simulated)."""
+    from mpfa.backends.specs import BACKENDS
+    from mpfa.harness.server import port_free
+    from mpfa.harness.sim_server import run_sim_server
+
+    if not port_free(port, host):
+        raise UserError(f"port {port} on {host} is already in use")
+    if backend not in BACKENDS:
+        raise UserError(f"unknown backend '{backend}'; valid: {', '.join(BACKENDS)}")
+    run_sim_server(host, port, backend, model=model, time_scale=time_scale, prefill_kernel=prefill_kernel,
+                   startup_delay=startup_delay, die_after_requests=die_after_requests)

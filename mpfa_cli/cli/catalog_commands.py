@@ -1,0 +1,66 @@
+"""What there is to run: `mpfa backends` (with the kernels each runs), `mpfa scenarios` and `mpfa metrics`."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from mpfa.cli.common import PrefillKernelOption, cli_errors, console
+
+
+@cli_errors
+def backends(
+    model: Annotated[str, typer.Option(help="The served model whose heads choose MpFA's prefill kernel: bundled config name or model directory.")] = "llama-3.1-8b",
+    prefill_kernel: PrefillKernelOption = None,
+) -> None:
+    """List the backends, the kernels each runs for the model, and whether each can run on SGLang here."""
+    from rich.table import Table
+
+    from mpfa.backends.specs import BACKENDS
+    from mpfa.harness.served_kernels import describe_kernels, launch_page_size, served_kernels
+    from mpfa.harness.sim_server import load_model_shape
+
+    shape = load_model_shape(model)
+    table = Table(title=f"Attention backends — kernels for {shape.name} ({shape.q_heads}:{shape.kv_heads} heads)")
+    for col in ("name", "description", "kernels", "SGLang flags", "on this machine"):
+        table.add_column(col)
+    for spec in BACKENDS.values():
+        missing = spec.missing()
+        if spec.plugin and spec.plugin in missing:
+            state = "[red]not built yet[/] (MpFA SGLang plugin); sim engine only"
+        elif missing:
+            state = f"[yellow]sim only[/] (missing {', '.join(missing)})"
+        else:
+            state = "[green]available[/]"
+        kernels = served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec), prefill_kernel)
+        table.add_row(spec.name, spec.description, describe_kernels(kernels), " ".join(spec.sglang_args), state)
+    console.print(table)
+
+
+@cli_errors
+def scenarios() -> None:
+    """List the bundled scenarios."""
+    from rich.table import Table
+
+    from mpfa.harness.scenario import available_scenarios, load_scenario
+
+    table = Table(title="Scenarios")
+    for col in ("name", "model", "points", "output", "requests", "repeats", "description"):
+        table.add_column(col)
+    for name in available_scenarios():
+        s = load_scenario(name)
+        table.add_row(name, s.model, ", ".join(p.label for p in s.points()), str(s.output_len),
+                      "/".join(sorted({str(p.num_requests) for p in s.points()}, key=int)), str(s.repeats), s.description)
+    console.print(table)
+
+
+@cli_errors
+def metrics(explain: Annotated[bool, typer.Option("--explain", help="Print each metric's definition.")] = False) -> None:
+    """Explain the metrics every run reports."""
+    from mpfa.harness.metrics import EXPLANATIONS
+
+    if not explain:
+        console.print("metrics: " + ", ".join(EXPLANATIONS) + "  (use --explain for definitions)")
+        return
+    for name, text in EXPLANATIONS.items():
+        console.print(f"[bold]{name}[/]: {text}")

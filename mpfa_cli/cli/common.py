@@ -1,0 +1,56 @@
+"""What every command group shares: the consoles, the one-line error handling, the database option and parsers
+of comma-separated option values."""
+from __future__ import annotations
+
+import functools
+from pathlib import Path
+from typing import Annotated, Callable, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+
+from mpfa.harness.errors import UserError
+from mpfa.harness.store import ResultStore
+
+console = Console()
+err_console = Console(stderr=True)
+
+DbOption = Annotated[Optional[Path], typer.Option("--db", help="Results database (default: $MPFA_DB or ~/.local/share/mpfa/results.db).")]
+PrefillKernelOption = Annotated[Optional[str], typer.Option("--prefill-kernel", help="MpFA prefill kernel: fp8, exact or mma-sync (default: the best for the model's shape; also $MPFA_PREFILL_KERNEL).")]
+
+
+def cli_errors(fn: Callable) -> Callable:
+    """Bad input and unusable environments end in one line on stderr and a non-zero exit, not a traceback."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except UserError as exc:
+            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
+            raise typer.Exit(exc.exit_code) from None
+        except KeyboardInterrupt:
+            err_console.print("interrupted")
+            raise typer.Exit(130) from None
+
+    return wrapper
+
+
+def open_store(db: Path | None) -> ResultStore:
+    return ResultStore(db)
+
+
+def number_list(text: str | None, flag: str, kind: type = int) -> list | None:
+    """`8,16` -> [8, 16]; None when the flag was not given."""
+    if text is None:
+        return None
+    try:
+        return [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated {kind.__name__} values, got '{text}'") from None
+
+
+def progress_line(line: str) -> None:
+    """A profiler's progress line, on stderr."""
+    err_console.print(line, highlight=False)

@@ -1,0 +1,55 @@
+"""What the ids a command is given select: stored runs (default: the newest of each configuration) and stored
+`mpfa accuracy task` results (default: the newest)."""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from mpfa.cli.common import open_store
+from mpfa.harness.errors import UserError
+from mpfa.harness.store import ResultStore, StoredProfile, StoredRun
+
+RunIds = Annotated[Optional[list[int]], typer.Argument(help="Run ids (default: the newest run of each configuration).")]
+ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only runs of this scenario.")]
+BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
+AccuracyFlag = Annotated[bool, typer.Option("--accuracy", help="The ids are stored `mpfa accuracy task` results (default: the newest), not runs.")]
+
+
+def selected_runs(store: ResultStore, run_ids: list[int] | None, scenario: str | None,
+                  backend: str | None) -> list[StoredRun]:
+    """The runs named, else the newest successful run of each configuration (optionally filtered)."""
+    runs = store.get_runs(run_ids) if run_ids else store.latest_runs(scenario=scenario, backend=backend)
+    if runs:
+        return runs
+    matching = "".join(f" {flag} {value}" for flag, value in (("--scenario", scenario), ("--backend", backend))
+                       if value)
+    unfinished = [] if run_ids else store.list_runs(scenario=scenario, backend=backend)
+    if unfinished:  # interrupted or failed runs only: they are kept, but only named ids select them
+        statuses = ", ".join(f"{run.id} ({run.status})" for run in unfinished[:5])
+        raise UserError(f"no run{matching} finished ok in {store.path}; runs that did not: {statuses}; name them "
+                        f"by id, e.g. `mpfa export {unfinished[0].id}` (their completed requests are kept)")
+    raise UserError(f"no runs{matching} in {store.path}; run `mpfa bench` first")
+
+
+def accuracy_results(store: ResultStore, ids: list[int] | None) -> list[StoredProfile]:
+    """The stored `mpfa accuracy task` results named, else the newest one; ids of another kind are refused."""
+    if not ids:
+        if not (newest := store.list_profiles("accuracy-task", limit=1)):
+            raise UserError(f"no accuracy-task results in {store.path}; run `mpfa accuracy task` first")
+        return newest
+    stored = [store.get_profile(i) for i in ids]
+    if bad := [p for p in stored if p.kind != "accuracy-task"]:
+        raise UserError("not accuracy-task results: " + ", ".join(f"{p.id} (a {p.kind} result)" for p in bad))
+    return stored
+
+
+def accuracy_reports(db: Path | None, ids: list[int] | None, scenario: str | None) -> list:
+    """`compare`/`plot --accuracy`: the reports of the results named (default: the newest)."""
+    from mpfa.kernels.tasks.task_report import TaskAccuracyReport
+
+    if scenario is not None:
+        raise UserError("--scenario selects serving runs; it does not apply with --accuracy")
+    with open_store(db) as store:
+        return [TaskAccuracyReport.from_json(p.result) for p in accuracy_results(store, ids)]
