@@ -1,16 +1,16 @@
-"""The kernel benchmark's byte accounting and tables, and the MpFA adapter's prefill set size (CPU only; the
-timed runs need the H200)."""
+"""The kernel benchmark's byte accounting and tables, its MpFA backends, and the MpFA adapter's prefill set size
+(CPU only; the timed runs need a GPU)."""
 
 from __future__ import annotations
 
 import pytest
 
-from mpfa.kernels.sm90.decode_launch import KERNEL_ENV
+from mpfa.profiles.attention_workload import MPFA, AttentionWorkload
 from mpfa.profiles.bench_kernels import bytes_read, format_prefill_table, format_table, table_title
 from mpfa.profiles.kernels_mpfa import MpfaAdapter
+from mpfa.profiles.registry import ADAPTERS, adapter_for
 from mpfa.profiles.results import ERROR, OK, BackendResult
 from mpfa.profiles.timing import summarize
-from mpfa.profiles.workload import MPFA, AttentionWorkload
 
 WORKLOAD = AttentionWorkload("decode", 131072, 1, 32, 8, 128)
 
@@ -25,20 +25,16 @@ def test_bytes_read_counts_cache_indices_and_partials():
     assert bytes_read("fa4-bf16", WORKLOAD, num_sms=132) == tokens * kv_heads * 512 + tokens // 128 * 4 + qo
 
 
-def test_partition_warp_backends_read_fewer_partials(monkeypatch):
-    """mpfa-dw<n> (the default decode, partitions for n warps per SM) read the same cache and fewer partials: 40:8
-    32K x 1 splits into 171 partitions at 12 warps per SM (mpfa-dv2w12, the default to session 23), 128 / 94 / 49 at
-    8 / 6 (mpfa, the default) / 3."""
-    monkeypatch.delenv(KERNEL_ENV, raising=False)
-    workload = AttentionWorkload("decode", 32768, 1, 40, 8, 128)
-    cache = workload.bytes_needed(MPFA) + 32768 // 128 * 4
-    for backend, partitions in (("mpfa-dv2w12", 171), ("mpfa-dw8", 128), ("mpfa", 94), ("mpfa-dw6", 94),
-                                ("mpfa-dw3", 49)):
-        assert bytes_read(backend, workload, num_sms=132) == cache + 2 * 40 * partitions * 130 * 4
-    assert MpfaAdapter(decode_warps=6).name == "mpfa-dw6"
-    assert MpfaAdapter(decode_kernel="v4", decode_warps=6).name == "mpfa-dv4w6"
-    with pytest.raises(ValueError, match="unknown backend 'mpfa-dw5' \\(choose from .*mpfa-dw8, mpfa-dw6, mpfa-dw3"):
-        bytes_read("mpfa-dw5", workload, num_sms=132)
+def test_mpfa_backends_name_the_prefill_kernel_and_share_the_decode():
+    """``mpfa`` runs the dispatched prefill kernel, ``mpfa-exact`` / ``mpfa-mma-sync`` name theirs, ``mpfa-direct``
+    the direct builds; every one runs the same split-KV decode, so each reads the same bytes there."""
+    mpfa_backends = [name for name in ADAPTERS if name.startswith("mpfa")]
+    assert mpfa_backends == ["mpfa", "mpfa-direct", "mpfa-exact", "mpfa-mma-sync"]
+    assert [adapter_for(name).prefill_kernel for name in mpfa_backends] == [None, None, "exact", "mma-sync"]
+    assert [adapter_for(name).compensate for name in mpfa_backends] == [True, False, True, True]
+    assert len({bytes_read(name, WORKLOAD, num_sms=132) for name in mpfa_backends}) == 1
+    with pytest.raises(ValueError, match="unknown backend 'mpfa-fastest' \\(choose from fa4-bf16, flashinfer-fp8"):
+        bytes_read("mpfa-fastest", WORKLOAD, num_sms=132)
 
 
 def _row(backend: str, median_ms: float | None, error: str | None = None,
