@@ -3,7 +3,7 @@
 Pure PyTorch, device-agnostic (CPU or CUDA tensors).
 """
 
-from mpfa.kernels.capacity import capacity_table, compression_vs_bf16, format_capacity_table, kv_bytes_per_token
+from mpfa.kernels.kv_capacity import capacity_table, compression_vs_bf16, format_capacity_table, kv_bytes_per_token
 from mpfa.kernels.formats import (
     E2M1_GRID,
     E2M1_MAX,

@@ -101,7 +101,7 @@ VARIANTS: dict[str, VariantSpec] = {
         VariantSpec("mpfa-qk8tile-psum", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", True,
                     "mpfa-qk8tile with l summing the FP8 P (row sums on the PV MMA)", l_sums_p_operand=True),
         VariantSpec("qk8tile-psum-direct", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", False,
-                    "mpfa-qk8tile-psum without smoothing (the direct build of v6n / v7)", l_sums_p_operand=True),
+                    "mpfa-qk8tile-psum without smoothing (the fp8 prefill kernel's direct build)", l_sums_p_operand=True),
     )
 }
 

@@ -4,10 +4,11 @@ SGLang loads general plugins from the entry-point group ``sglang.srt.plugins`` a
 arguments, in the launcher and in every scheduler process; this package's entry point is `register`. Importing the
 package is free of side effects and of SGLang/torch imports; `register` imports SGLang lazily.
 
-Modules: `variants` (backend names), `setup_checks` / `runner_checks` (startup validation), `capacity` (byte
-accounting), `kv_store` (cache + frozen means), `decode_plan` (page table, workspaces), `reference_extend` (the
-SLOW REFERENCE prefill path), `attention` (one layer on plain tensors), `sglang_pool` / `sglang_backend` (SGLang
-adapters), `hooks` and `registration` (wiring into SGLang).
+Modules: `variants` (backend names), `setup_checks` / `runner_checks` (startup validation), `kernel_choice` (the
+``--mpfa-prefill-kernel`` server argument and the kernels' log line), `pool_sizing` (byte accounting), `kv_store`
+(cache + frozen means), `decode_plan` (page table, workspaces), `reference_extend` (the SLOW REFERENCE prefill path),
+`attention` (one layer on plain tensors), `sglang_pool` / `sglang_backend` (SGLang adapters), `hooks` and
+`registration` (wiring into SGLang).
 """
 
 from __future__ import annotations

@@ -3,18 +3,17 @@
 KV write (extend and decode): `mpfa.kernels.sm90.quantize_cache.quantize_to_cache` writes the new tokens' centered
 NVFP4 K, FP8 V and Delta_S into their slots and returns this step's centered NVFP4 Q; for ``mpfa`` an extend first
 freezes the means of the requests it starts (`kv_store.freeze_means`).
-Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (sm90 CuTe DSL, no host sync, CUDA-graph capturable; v4 by
-default, its partitions aimed at 6 warps per SM, another version by ``$MPFA_DECODE_KERNEL``).
-Extend (eager only), chosen by ``$MPFA_PREFILL``: ``kernel`` (default) the sm90 prefill kernel
-(`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`: v7i for GQA 4 and 5, else v2; ``$MPFA_PREFILL_KERNEL`` pins one;
-tests/backends_plugin/test_gpu_prefill.py checks it against the reference path), or ``reference`` the SLOW
+Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (the sm90 split-KV kernel, no host sync, CUDA-graph
+capturable).
+Extend (eager only), chosen by ``$MPFA_PREFILL`` (`setup_checks.prefill_path`): ``kernel`` (default) the sm90
+prefill kernel `mpfa.kernels.sm90.dispatch` chooses for the shape (`mpfa.kernels.sm90.prefill_launch.mpfa_prefill`;
+``--mpfa-prefill-kernel`` / ``$MPFA_PREFILL_KERNEL`` override it, `kernel_choice`), or ``reference`` the SLOW
 REFERENCE PATH (`reference_extend`), whose runs `mpfa bench` marks with a caveat.
 ``mpfa-direct`` runs the kernels' direct builds (``compensate=False``: no Delta_S read; its side cache holds zeros).
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from itertools import accumulate
 
@@ -23,19 +22,10 @@ import torch
 from mpfa.backends.sglang_plugin.decode_plan import DecodeBatch, build_page_table
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore, freeze_means, requests_starting
 from mpfa.backends.sglang_plugin.reference_extend import reference_extend
-from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
-from mpfa.backends.specs import PREFILL_ENV, PREFILL_PATHS
+from mpfa.backends.specs import PREFILL_PATHS
 from mpfa.backends.sglang_plugin.variants import BackendVariant
 from mpfa.kernels.cache_layout import CenteredQuery
 from mpfa.kernels.smoothing import SmoothingMeans
-
-
-def prefill_path() -> str:
-    """The extend implementation ``$MPFA_PREFILL`` selects (``kernel`` when unset)."""
-    path = os.environ.get(PREFILL_ENV, PREFILL_PATHS[0])
-    if path not in PREFILL_PATHS:
-        raise MpfaSetupError(f"{PREFILL_ENV}={path!r}: choose one of {', '.join(PREFILL_PATHS)}")
-    return path
 
 
 @dataclass(frozen=True)

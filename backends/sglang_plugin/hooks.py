@@ -1,9 +1,12 @@
 """The SGLang hooks (``sglang.srt.plugins.hook_registry``) that give the MpFA backends their server settings and
 KV pool without forking SGLang. Every hook is a pass-through unless ``--attention-backend`` is an MpFA backend.
 
-* ``ServerArgs._handle_attention_backend_compatibility`` (AFTER): validate the server arguments, the model and the
-  machine in the launcher, before any scheduler starts; disable the radix cache and the prefill CUDA graph.
-* ``DefaultPoolConfigurator._compute_cell_size`` (AROUND): the MpFA bytes per token (`capacity.cell_size`), so the
+* ``ServerArgs.add_cli_args`` (AFTER): add ``--mpfa-prefill-kernel`` (`kernel_choice`; the one hook that acts
+  whatever the backend: the argument must parse before the backend is known).
+* ``ServerArgs._handle_attention_backend_compatibility`` (AFTER): validate the server arguments, the model, the
+  prefill kernel choice and the machine in the launcher, before any scheduler starts; disable the radix cache and
+  the prefill CUDA graph.
+* ``DefaultPoolConfigurator._compute_cell_size`` (AROUND): the MpFA bytes per token (`pool_sizing.cell_size`), so the
   token capacity SGLang derives from free memory reflects the real cache; it also records the means reserve.
 * ``DefaultPoolConfigurator.calculate_pool_sizes`` (AROUND): subtract the means reserve from the available bytes.
 * ``ModelRunnerKVCacheMixin._init_pools`` (AROUND): run SGLang's own pool construction with its MHA pool class
@@ -16,19 +19,23 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from mpfa.backends.sglang_plugin.capacity import cell_size, request_slot_bound, reserved_bytes
+from mpfa.backends.sglang_plugin.pool_sizing import cell_size, request_slot_bound, reserved_bytes
+from mpfa.backends.sglang_plugin.kernel_choice import add_server_arguments, check_prefill_kernel
 from mpfa.backends.sglang_plugin.setup_checks import (
     MpfaSetupError,
     check_device,
     check_kernel_packages,
     check_model,
     check_server_args,
+    prefill_path,
 )
 from mpfa.backends.sglang_plugin.variants import is_mpfa_backend, variant_of
 
 logger = logging.getLogger(__name__)
 
+_CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs._handle_attention_backend_compatibility"
+_DEFAULT_PAGE_SIZE = 1  # SGLang's page size without --page-size
 _CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
 _POOL_SIZES = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes"
 _INIT_POOLS = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._init_pools"
@@ -38,6 +45,10 @@ _RESERVE_ATTR = "_mpfa_reserved_bytes"
 
 def _backend_of(runner: Any) -> str | None:
     return getattr(runner.server_args, "attention_backend", None)
+
+
+def after_add_cli_args(result: Any, parser: Any) -> None:
+    add_server_arguments(parser)
 
 
 def after_attention_backend_compat(result: Any, server_args: Any, *args: Any, **kwargs: Any) -> None:
@@ -51,8 +62,10 @@ def after_attention_backend_compat(result: Any, server_args: Any, *args: Any, **
 
     check_device(torch.cuda.get_device_capability() if torch.cuda.is_available() else None)
     config, tp = server_args.get_model_config(), max(1, int(getattr(server_args, "tp_size", 1) or 1))
-    check_model(config.head_dim, config.v_head_dim, config.get_num_attention_heads(tp), config.get_num_kv_heads(tp),
-                str(config.dtype))
+    heads = config.get_num_attention_heads(tp), config.get_num_kv_heads(tp)
+    check_model(config.head_dim, config.v_head_dim, *heads, str(config.dtype))
+    if prefill_path() == "kernel":
+        check_prefill_kernel(*heads, getattr(server_args, "page_size", None) or _DEFAULT_PAGE_SIZE)
     return None
 
 
@@ -119,6 +132,7 @@ def around_init_pools(original: Callable, runner: Any, *args: Any, **kwargs: Any
 def hook_table() -> dict[str, tuple[Callable, str]]:
     """Target -> (hook, HookType name)."""
     return {
+        _CLI_ARGS: (after_add_cli_args, "AFTER"),
         _SERVER_ARGS: (after_attention_backend_compat, "AFTER"),
         _CELL_SIZE: (around_compute_cell_size, "AROUND"),
         _POOL_SIZES: (around_calculate_pool_sizes, "AROUND"),

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpfa.backends.sglang_plugin.capacity import PoolGeometry
+from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry
 from mpfa.kernels.cache_layout import MpfaKVCache
 from mpfa.kernels.smoothing import SmoothingMeans
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpfa.backends.sglang_plugin.capacity import PoolGeometry
+from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry
 from mpfa.backends.sglang_plugin.setup_checks import (
     HEAD_DIM,
     MpfaSetupError,

@@ -2,16 +2,18 @@
 
 Runs twice: on SGLang's ``ServerArgs`` in the launcher (`check_server_args`, through a hook on the attention-backend
 resolution step, before any scheduler starts) and in each scheduler when the backend is built (`check_model`,
-`check_device`, `check_kernel_packages`). SGLang-free: arguments are read by attribute name.
+`check_device`, `check_kernel_packages`, `prefill_path`). SGLang-free: arguments are read by attribute name.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import os
 from collections.abc import Callable
 from typing import Any
 
 from mpfa.backends.sglang_plugin.variants import is_mpfa_backend
+from mpfa.backends.specs import PREFILL_ENV, PREFILL_PATHS
 
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head the sm90 decode kernel packs
@@ -27,6 +29,14 @@ class MpfaSetupError(RuntimeError):
 
 def _fail(message: str) -> None:
     raise MpfaSetupError(f"MpFA attention backend: {message}")
+
+
+def prefill_path() -> str:
+    """The extend implementation ``$MPFA_PREFILL`` selects (``kernel`` when unset)."""
+    path = os.environ.get(PREFILL_ENV, PREFILL_PATHS[0])
+    if path not in PREFILL_PATHS:
+        _fail(f"{PREFILL_ENV}={path!r}: choose one of {', '.join(PREFILL_PATHS)}")
+    return path
 
 
 def check_model(head_dim: int, v_head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str) -> None:
@@ -79,7 +89,7 @@ def check_server_args(args: Any) -> list[str]:
     backend needs; returns a description of each setting changed (empty when the backend is not MpFA).
 
     Changed: the radix cache is disabled (cached prefixes were centered with another request's means; see
-    `means`) and so is the prefill CUDA graph (the prefill runs the eager reference path)."""
+    `kv_store`) and so is the prefill CUDA graph (the prefill runs eagerly)."""
     backend = _get(args, "attention_backend")
     if not is_mpfa_backend(backend):
         return []
@@ -117,6 +127,6 @@ def check_server_args(args: Any) -> list[str]:
     prefill = getattr(graphs, "prefill", None)
     if prefill is not None and getattr(prefill, "backend", PREFILL_GRAPH_DISABLED) != PREFILL_GRAPH_DISABLED:
         prefill.backend = PREFILL_GRAPH_DISABLED
-        changes.append("prefill CUDA graph disabled: prefill runs the eager SLOW REFERENCE path (no MpFA prefill "
-                       "kernel yet)")
+        changes.append("prefill CUDA graph disabled: the MpFA prefill runs eagerly (it reads the key lengths on the "
+                       "host)")
     return changes

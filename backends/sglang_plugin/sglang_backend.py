@@ -2,24 +2,23 @@
 
 Decode runs the sm90 kernel and is CUDA-graph capturable: `init_cuda_graph_state` allocates fixed page-table,
 length and workspace buffers; `init_forward_metadata_out_graph` refills them before capture and every replay (no
-host sync inside the graph). Extend runs the SLOW REFERENCE PATH eagerly (the prefill CUDA graph is disabled by
-`setup_checks`). Imports SGLang: load it only in SGLang.
+host sync inside the graph). Extend runs eagerly (the prefill CUDA graph is disabled by `setup_checks`): the sm90
+prefill kernel `mpfa.kernels.sm90.dispatch` chooses, or the SLOW REFERENCE PATH. Imports SGLang: load it only in
+SGLang.
 """
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention, prefill_path
+from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention
 from mpfa.backends.sglang_plugin.decode_plan import GraphDecodeBuffers, eager_decode_batch
-from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
+from mpfa.backends.sglang_plugin.kernel_choice import log_kernels
+from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError, prefill_path
 from mpfa.backends.sglang_plugin.variants import BackendVariant
-
-logger = logging.getLogger(__name__)
 
 
 class MpfaAttnBackend(AttentionBackend):
@@ -45,15 +44,8 @@ class MpfaAttnBackend(AttentionBackend):
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.forward_metadata: Any = None
         self.graph_buffers: GraphDecodeBuffers | None = None
+        log_kernels(variant.backend, self.num_q_heads, self.num_kv_heads, self.page_size, self.core.prefill)
         self._compile_kernels()
-        from mpfa.kernels.sm90.decode_launch import decode_kernel
-        from mpfa.kernels.sm90.prefill_launch import prefill_kernel
-
-        decode = "sm90 kernel " + decode_kernel()
-        kernel = prefill_kernel(self.num_q_heads, self.num_kv_heads, self.page_size)
-        prefill = ("sm90 kernel " + kernel if self.core.prefill == "kernel"
-                   else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
-        logger.info("MpFA backend %s: decode = %s, prefill = %s", variant.backend, decode, prefill)
 
     def _compile_kernels(self) -> None:
         """Compile the kernels at startup (a missing or broken toolchain fails here, not in a forward)."""

@@ -17,7 +17,7 @@ from mpfa.kernels.reference import VARIANTS
 from mpfa.kernels.tasks import data
 from mpfa.kernels.tasks.attention_swap import install
 from mpfa.kernels.tasks.generation import LoadedModel, batch_choice_logprobs, greedy_answers, load_model
-from mpfa.kernels.tasks.report import AGREEMENT, BASELINE, TaskAccuracyReport, TaskScores
+from mpfa.kernels.tasks.task_report import AGREEMENT, BASELINE, TaskAccuracyReport, TaskScores
 from mpfa.kernels.tasks.scoring import best_choice, choice_grade, squad_exact_match, squad_f1
 
 TASKS = ("squad", "squad-long", *data.MULTIPLE_CHOICE_TASKS)
@@ -200,7 +200,7 @@ def print_task_accuracy(model: str, console, **kwargs) -> TaskAccuracyReport:
     """`run_task_accuracy` with a rich progress bar over examples (per task and variant), then the table."""
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from mpfa.kernels.tasks.report import render_task_accuracy
+    from mpfa.kernels.tasks.task_report import render_task_accuracy
 
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=console, transient=True) as bar:

@@ -14,7 +14,7 @@ import torch
 pytest.importorskip("triton")
 
 from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention  # noqa: E402
-from mpfa.backends.sglang_plugin.capacity import PoolGeometry  # noqa: E402
+from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry  # noqa: E402
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
 from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402
 from mpfa.kernels import SmoothingMeans, attention, attention_float64  # noqa: E402
@@ -141,8 +141,7 @@ def _only(p, index):
 
 
 def test_prefill_path_comes_from_the_environment(monkeypatch):
-    from mpfa.backends.sglang_plugin.attention import prefill_path
-    from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
+    from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError, prefill_path
 
     monkeypatch.delenv("MPFA_PREFILL", raising=False)
     assert prefill_path() == "kernel"

@@ -16,7 +16,7 @@ pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
 from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention  # noqa: E402
-from mpfa.backends.sglang_plugin.capacity import PoolGeometry  # noqa: E402
+from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry  # noqa: E402
 from mpfa.backends.sglang_plugin.decode_plan import GraphDecodeBuffers, eager_decode_batch  # noqa: E402
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
 from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402

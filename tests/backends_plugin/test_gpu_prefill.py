@@ -1,13 +1,13 @@
-"""The plugin's extend through the sm90 prefill kernel (`MPFA_PREFILL=kernel`) against its SLOW REFERENCE PATH on
-the same SGLang-shaped paged inputs: one chunk, then a second chunk on top of the first (chunked prefill: page table
-and key lengths from `ExtendBatch.build(..., page_size)`), for mpfa and mpfa-direct. Both paths read the same cache
-contents; they differ only in key tiling (32 vs 128 keys), which moves outputs by a few 1e-3 RMS, so the kernel is
-held to the reference path within 1e-2 and to float64 truth no further than the reference path is (+2e-3 for its
-BF16 output). A kernel with QK on FP8 (``MPFA_PREFILL_KERNEL`` = v4 .. v6i, the "mpfa-qk8tile" numerics) computes
-other numerics than the reference path: it is held to float64 truth only, within 1.15x the reference path's
-distance (FP8 QK measured 6-7% further from float64 than the paper's numerics in session 13, plus the tiling's
-share). A GQA-4 kernel pinned by ``MPFA_PREFILL_KERNEL`` skips the 40:8 case, which it refuses by design. The cache
-and outputs are NaN-poisoned first; NaN never passes."""
+"""The plugin's extend through each sm90 prefill kernel (`MPFA_PREFILL=kernel`, the kernel pinned by
+``MPFA_PREFILL_KERNEL``) against its SLOW REFERENCE PATH on the same SGLang-shaped paged inputs: one chunk, then a
+second chunk on top of the first (chunked prefill: page table and key lengths from
+`ExtendBatch.build(..., page_size)`), for mpfa and mpfa-direct. Both paths read the same cache contents; the paper's
+numerics (exact, mma-sync) differ from the reference path only in key tiling (the kernel's tiles vs 128 keys), which
+moves outputs by a few 1e-3 RMS, so the kernel is held to the reference path within 1e-2 and to float64 truth no further than the
+reference path is (+2e-3 for its BF16 output). The fp8 kernel computes other numerics (QK on FP8,
+"mpfa-qk8tile-psum"): it is held to float64 truth only, within 1.15x the reference path's distance (FP8 QK measured
+6-7% further from float64 than the paper's numerics, plus the tiling's share). The cache and outputs are
+NaN-poisoned first; NaN never passes."""
 
 from __future__ import annotations
 
@@ -22,12 +22,11 @@ pytest.importorskip("cutlass")
 pytest.importorskip("tvm_ffi")
 
 from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention  # noqa: E402
-from mpfa.backends.sglang_plugin.capacity import PoolGeometry  # noqa: E402
+from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry  # noqa: E402
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
 from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402
 from mpfa.kernels import attention_float64  # noqa: E402
-from mpfa.kernels.sm90.prefill_launch import (WGMMA_WARPGROUPS, prefill_kernel, wgmma_groups,  # noqa: E402
-                                              prefill_numerics)
+from mpfa.kernels.sm90.dispatch import PREFILL_KERNEL_ENV, PREFILL_KERNELS, prefill_numerics  # noqa: E402
 
 D, LAYER = 128, 1
 
@@ -62,22 +61,21 @@ def _rms(a, b):
     return float((a.double() - b.double()).norm() / b.double().norm())
 
 
+@pytest.mark.parametrize("kernel", PREFILL_KERNELS)
 @pytest.mark.parametrize("lengths, hq, hkv, page_size, backend", [
     ([300, 77, 1000], 32, 8, 128, "mpfa"),
     ([129, 450], 40, 8, 64, "mpfa"),
     ([513, 64], 32, 8, 128, "mpfa-direct"),
-])
-def test_kernel_extend_matches_the_reference_path(paged, lengths, hq, hkv, page_size, backend):
-    kernel = prefill_kernel(hq, hkv, page_size)
-    if kernel in WGMMA_WARPGROUPS and hq // hkv not in wgmma_groups(kernel):
-        pytest.skip(f"MPFA_PREFILL_KERNEL pins {kernel}, which refuses GQA {hq}:{hkv} by design")
+], ids=["32x8-page128", "40x8-page64", "32x8-page128-direct"])
+def test_kernel_extend_matches_the_reference_path(paged, monkeypatch, kernel, lengths, hq, hkv, page_size, backend):
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, kernel)
     fp8_qk = prefill_numerics(kernel) != "mpfa"
     p = paged(lengths, hq, hkv, page_size, "cuda")
-    kernel, reference = _core(p, hq, hkv, backend, "kernel"), _core(p, hq, hkv, backend, "reference")
+    on_kernel, reference = _core(p, hq, hkv, backend, "kernel"), _core(p, hq, hkv, backend, "reference")
     first = [(0, n // 2) for n in lengths]  # chunk 1 freezes the means; chunk 2 attends over its prefix too
     second = [(n // 2, n) for n in lengths]
     for spans in (first, second):
-        got, ref = _extend(kernel, p, spans, hq), _extend(reference, p, spans, hq)
+        got, ref = _extend(on_kernel, p, spans, hq), _extend(reference, p, spans, hq)
         exact = _exact(p, spans)
         assert bool(torch.isfinite(got).all()), "NaN/Inf in the kernel's output"
         if fp8_qk:

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import pytest
 
 from mpfa.backends.sglang_plugin import hooks, runner_checks
-from mpfa.backends.sglang_plugin.capacity import PoolGeometry, cell_size, request_slot_bound, reserved_bytes
+from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry, cell_size, request_slot_bound, reserved_bytes
 from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
 
 

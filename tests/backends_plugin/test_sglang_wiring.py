@@ -11,7 +11,7 @@ import torch
 sglang = pytest.importorskip("sglang")
 
 from mpfa.backends.sglang_plugin import BACKEND_NAMES, register  # noqa: E402
-from mpfa.backends.sglang_plugin.capacity import cell_size  # noqa: E402
+from mpfa.backends.sglang_plugin.pool_sizing import cell_size  # noqa: E402
 from mpfa.backends.sglang_plugin.hooks import hook_table  # noqa: E402
 
 

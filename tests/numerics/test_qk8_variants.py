@@ -134,8 +134,8 @@ def _rms(a: torch.Tensor, b: torch.Tensor) -> float:
                                                    ([95, 33, 47], [130, 33, 47], False)])
 def test_psum_moves_o_by_the_fp8_roundings_of_p(q_lens, kv_lens, causal) -> None:
     """On the inputs of the prefill kernels' GPU tests (Gaussian rows with channel offsets), l summing the e4m3 P
-    moves O by 3e-3 to 7e-3 rms and under 2.5% of max |O| from l summing the FP32 P: the scale of v6n's tolerance
-    against v6l there (`test_prefill_v6_gpu.PSUM_FROM_FP32_SUMS`)."""
+    moves O by 3e-3 to 7e-3 rms and under 2.5% of max |O| from l summing the FP32 P: the tolerance a kernel whose l
+    sums the e4m3 P (the fp8 prefill kernel's) needs against one summing the FP32 P."""
     q, k, v = _gpu_test_inputs(sum(kv_lens))
     cu_k, cu_q = torch.tensor([0, *kv_lens]).cumsum(0), torch.tensor([0, *q_lens]).cumsum(0)
     queries = torch.cat([torch.arange(end - n, end) for end, n in zip(cu_k[1:].tolist(), q_lens)])
@@ -147,8 +147,8 @@ def test_psum_moves_o_by_the_fp8_roundings_of_p(q_lens, kv_lens, causal) -> None
 
 
 def test_128_key_softmax_tiles_with_64_key_k_scales() -> None:
-    """The prefill kernels v6l .. v7 requantize K per 64-key tile but update the softmax (P's maxima) per 128-key
-    tile; their GPU tests' oracle is the reference with block_n 128 (K per 128 keys too). On those tests' inputs the
+    """The fp8 prefill kernel requantizes K per 64-key tile but updates the softmax (P's maxima) per 128-key tile
+    (`dispatch.softmax_keys`); its GPU tests' oracle is the reference with block_n 128 (K per 128 keys too). On those tests' inputs the
     two K requantizations give the same operands (K per 64 keys, then the attention with its K taken as prepared, is
     the block_n-128 oracle to 1e-6), while P's maxima per 64 keys (block_n 64) move O by ~3-6e-3 rms: the oracle
     must follow the softmax tiles, not the K scales."""

@@ -105,10 +105,10 @@ def test_padding_and_other_rows_do_not_change_a_row(gen, variant) -> None:
     q, k, v, q_len, k_len = _pad(gen, rows)
     kw = {"variant": variant, "query_lengths": q_len, "block_n": 16, "exact_sums": True}
     out = attention_batch(q, k, v, key_lengths=k_len, **kw)
-    q2, k2, v2, _, _ = _pad(gen, rows, garbage=300.0)  # other padding garbage
-    k2[2], v2[2] = -k2[2], torch.randn(v2[2].shape, generator=gen).bfloat16()  # another row 2 of the same length
-    out2 = attention_batch(q2, k2, v2, key_lengths=k_len, **kw)
-    assert torch.equal(out[:2], out2[:2])
+    q_alt, k_alt, v_alt, _, _ = _pad(gen, rows, garbage=300.0)  # other padding garbage
+    k_alt[2], v_alt[2] = -k_alt[2], torch.randn(v_alt[2].shape, generator=gen).bfloat16()  # another row 2, same length
+    out_alt = attention_batch(q_alt, k_alt, v_alt, key_lengths=k_len, **kw)
+    assert torch.equal(out[:2], out_alt[:2])
     empty = attention_batch(q, k, v, key_lengths=torch.tensor([40, 0, 33]), **kw)  # row 1: all keys are padding
     assert torch.equal(empty[0], out[0]) and torch.equal(empty[2], out[2])
     assert bool((empty[1] == 0).all()) and not bool(torch.isnan(empty).any())

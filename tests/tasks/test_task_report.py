@@ -7,7 +7,7 @@ import json
 import pytest
 from rich.console import Console
 
-from mpfa.kernels.tasks.report import TaskAccuracyReport, TaskScores, merge_reports, render_task_accuracy
+from mpfa.kernels.tasks.task_report import TaskAccuracyReport, TaskScores, merge_reports, render_task_accuracy
 from mpfa.kernels.tasks.runner import run_task_accuracy
 
 

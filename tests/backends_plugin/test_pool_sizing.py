@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpfa.backends.sglang_plugin.capacity import (
+from mpfa.backends.sglang_plugin.pool_sizing import (
     DEFAULT_MAX_REQUEST_SLOTS,
     PoolGeometry,
     bf16_bytes_per_token_layer,
@@ -21,7 +21,7 @@ from mpfa.backends.sglang_plugin.capacity import (
 )
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore
 from mpfa.kernels.cache_layout import MpfaKVCache
-from mpfa.kernels.capacity import kv_bytes_per_token
+from mpfa.kernels.kv_capacity import kv_bytes_per_token
 
 LLAMA_8B = PoolGeometry(num_q_heads=32, num_kv_heads=8, head_dim=128, num_layers=32)
 QWEN3_14B = PoolGeometry(num_q_heads=40, num_kv_heads=8, head_dim=128, num_layers=40)
