@@ -14,18 +14,6 @@ from typing import Any
 from mpfa.kernels.sm90 import sass
 
 ARCH = "sm_90a"
-KERNEL_VERSIONS = ("v1", "v2")
-
-
-def kernel_version(env: str, kernel: str | None = None, variants: tuple[str, ...] = ()) -> str:
-    """The kernel version to run: ``kernel`` if given, else ``$env``, else v2 (the default of every versioned sm90
-    kernel); case-insensitive, anything but v1 / v2 and the kernel's own ``variants`` is a ValueError."""
-    choices = KERNEL_VERSIONS + variants
-    choice = (os.environ.get(env, KERNEL_VERSIONS[-1]) if kernel is None else kernel).strip().lower()
-    if choice not in choices:
-        raise ValueError(f"{env if kernel is None else 'kernel'} must be {', '.join(choices[:-1])} or {choices[-1]}, "
-                         f"got {choice!r}")
-    return choice
 
 
 def target_sm90a() -> None:
