@@ -27,7 +27,7 @@ MAX_PARTITION = 8192
 WARPS_PER_SM = 12
 # Warps per SM the partitions aim at by default, below `WARPS_PER_SM`: fewer, longer partitions (a warp's fixed
 # costs, prologue, peeled tile and partial store, over more tiles; less merge work; fewer loads in flight). Every
-# decode follows it, the plugin's CUDA-graph buffers included; measured on the H100 (profiles/NOTES.md): 1.60-1.69x
+# decode follows it, the plugin's CUDA-graph buffers included; measured on the H100 (docs/kernels.md): 1.60-1.69x
 # FlashInfer-FP8 at 32K / 128K, batch 1 and 8, GQA 32:8 and 40:8, against 1.46-1.61x on every slot.
 PARTITION_WARPS_PER_SM = 6
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}

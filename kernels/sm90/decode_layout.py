@@ -59,7 +59,7 @@ def v_stage_offset(g, c):
     global memory, with the chunks swizzled (g XOR 2c) so that the 8 lanes of each quarter-warp also hit distinct
     banks when they read their chunks back. At the lane-major offset (`k_stage_offset`) a key's chunks landed 64
     bytes apart: ncu counted ~32 shared-store wavefronts per V cp.async instead of 4, and the L2 one ~1-sector
-    request per lane (profiles/NOTES.md)."""
+    request per lane (docs/kernels.md)."""
     return 16 * (8 * c + (g ^ (2 * c)))
 
 

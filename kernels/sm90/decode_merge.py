@@ -4,7 +4,7 @@ One CTA per (query head, request), `WARPS` warps, in two passes: the CTA's threa
 (one each per pass) and reduce them to the head's maximum M; then warp w sums partitions w, w + WARPS, ... weighted
 by l_p 2**(lam (m_p - M)) (lane = 4 head dimensions), and the warps add up through shared memory: O = sum / sum of
 weights, as the reference (`merge_partials`) computes it. With few requests (32 CTAs at batch 1) the merge waits on
-load latency (profiles/NOTES.md): against one maximum nothing carries between partitions, so each warp loads
+load latency (docs/kernels.md): against one maximum nothing carries between partitions, so each warp loads
 `UNROLL` partitions before it sums them (ptxas still sinks some of those loads to their first use), and 32 warps
 (34 registers, no local memory) keep many loads in flight; a merge that folded a running (m, l, O) in 8 warps, each
 partition's loads after the previous one's rescale, took 31.4 us at 32K x 1, this one 27.0 (128K x 1: 66.6 us). It

@@ -108,7 +108,7 @@ def _tile_loops(sass: str) -> list[list[str]]:
 
 # SASS instructions per lane in the tile loop (one 32-key tile; the loop body between backward branches, the
 # predicated-off rescale included), measured with nvidia-cutlass-dsl 4.5.2 / ptxas of CUDA 12.9: the split kernel
-# is bound by its warps' issue (profiles/NOTES.md), so the per-tile count is its figure of merit; at most this + 2%.
+# is bound by its warps' issue (docs/kernels.md), so the per-tile count is its figure of merit; at most this + 2%.
 TILE_SASS = {(8, 4, 128): 646, (8, 4, 1): 730, (8, 5, 16): 741, (1, 5, 16): 741}
 
 
