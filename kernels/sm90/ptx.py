@@ -420,7 +420,7 @@ def f32x4_to_e4m3x4(a: Float32, b: Float32, c: Float32, d: Float32, *, loc=None,
     return _unpack(value, struct, 1, T.i32(), Uint32)
 
 
-# --- decode v4 (`decode_lean`): copies with immediate offsets and one predicate, operand conversions ------------------
+# --- the split-KV decode: copies with immediate offsets and one predicate, operand conversions ------------------------
 
 @dsl_user_op
 def cp_async_16_at(smem_address: Int32, smem_offset: int, address: Int64, offset: int, valid: Uint32, *, loc=None,
