@@ -1,7 +1,8 @@
 """A simulated SGLang server: the HTTP API subset the client uses, on a continuous-batching latency model.
 
 Every latency it produces is SIMULATED (see `latency_model`); `/get_server_info` says so with
-`"simulated": true`. What it does reproduce faithfully is the protocol: SGLang's native `/generate`
+`"simulated": true`, and names the kernels the backend would run (`kernels`, `served_kernels` with source
+"simulated": no kernel runs). What it does reproduce faithfully is the protocol: SGLang's native `/generate`
 (non-streaming JSON, or SSE `data: {json}` chunks ending with `data: [DONE]`), and an OpenAI-style
 `/v1/completions` stream. Like SGLang without `--incremental-streaming-output`, each `/generate` chunk
 carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts all tokens so far.

@@ -9,7 +9,7 @@ is imported through its installed `mpfa` namespace, never from the root).
 
 Under pytest-xdist (``-n N``) each worker's torch takes an equal share of the CPU cores: the GPU tests' float64
 oracles otherwise run N x cores threads, which on the H200 host (16 cores, 8 workers) made tests take longer than
-a 120 s per-test timeout (session 22).
+a 120 s per-test timeout.
 """
 
 from __future__ import annotations

@@ -1,12 +1,13 @@
 """`mpfa bench` (measure scenarios against backends) and `mpfa serve-sim` (the built-in simulated server)."""
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from mpfa.cli.common import DbOption, PrefillKernelOption, cli_errors, console, err_console, number_list, open_store
+from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
+                              ServerArgOption, TimeScaleOption, cli_errors, console, err_console, number_list,
+                              open_store)
 from mpfa.harness.errors import UserError
 
 
@@ -14,7 +15,7 @@ from mpfa.harness.errors import UserError
 def bench(
     scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario name or .toml path (see `mpfa scenarios`).")] = "smoke",
     backend: Annotated[Optional[str], typer.Option("--backend", "-b", help="Comma-separated backends (see `mpfa backends`).")] = None,
-    engine: Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")] = "auto",
+    engine: EngineOption = "auto",
     url: Annotated[Optional[str], typer.Option(help="Benchmark a server someone else started.")] = None,
     api: Annotated[str, typer.Option(help="With --url: sglang (native /generate) or openai (/v1/completions).")] = "sglang",
     model: Annotated[Optional[str], typer.Option(help="Bundled config name (dummy weights) or a model directory.")] = None,
@@ -29,13 +30,13 @@ def bench(
     seed: Annotated[Optional[int], typer.Option()] = None,
     slo: Annotated[Optional[str], typer.Option(help="Goodput SLO in ms, e.g. ttft=2000,tpot=50.")] = None,
     prefill_kernel: PrefillKernelOption = None,
-    port: Annotated[Optional[int], typer.Option(help="Preferred server port (another is picked if it is in use).")] = None,
+    port: PortOption = None,
     tp: Annotated[int, typer.Option(help="SGLang tensor parallelism.")] = 1,
     dp: Annotated[int, typer.Option(help="SGLang data parallelism.")] = 1,
-    time_scale: Annotated[float, typer.Option(help="Simulator only: multiply modelled times by this.")] = 1.0,
-    ready_timeout: Annotated[Optional[float], typer.Option(help="Seconds to wait for the server to get ready.")] = None,
-    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag, SGLang's or serve-sim's (repeatable).")] = None,
-    run_dir: Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")] = None,
+    time_scale: TimeScaleOption = 1.0,
+    ready_timeout: ReadyTimeoutOption = None,
+    server_arg: ServerArgOption = None,
+    run_dir: RunDirOption = None,
     db: DbOption = None,
 ) -> None:
     """Run a scenario against one or more backends and store every request and the kernels each server ran."""

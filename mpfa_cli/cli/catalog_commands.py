@@ -17,11 +17,14 @@ def backends(
     from rich.table import Table
 
     from mpfa.backends.specs import BACKENDS
-    from mpfa.harness.served_kernels import describe_kernels, launch_page_size, served_kernels
-    from mpfa.harness.sim_server import load_model_shape
+    from mpfa.harness.scenario import load_model_shape
+    from mpfa.harness.served_kernels import check_prefill_kernel, describe_kernels, launch_page_size, served_kernels
 
+    prefill_kernel = check_prefill_kernel(prefill_kernel)
     shape = load_model_shape(model)
-    table = Table(title=f"Attention backends — kernels for {shape.name} ({shape.q_heads}:{shape.kv_heads} heads)")
+    table = Table(title=f"Attention backends — kernels for {shape.name} ({shape.q_heads}:{shape.kv_heads} heads)",
+                  caption="MpFA's prefill kernel: fp8 where the shape takes it, else mma-sync; override: "
+                          "--prefill-kernel or $MPFA_PREFILL_KERNEL (fp8, exact, mma-sync)")
     for col in ("name", "description", "kernels", "SGLang flags", "on this machine"):
         table.add_column(col)
     for spec in BACKENDS.values():

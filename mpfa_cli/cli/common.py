@@ -17,6 +17,13 @@ console = Console()
 err_console = Console(stderr=True)
 
 DbOption = Annotated[Optional[Path], typer.Option("--db", help="Results database (default: $MPFA_DB or ~/.local/share/mpfa/results.db).")]
+# The options of the commands that start servers (`bench`, `logits`).
+EngineOption = Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")]
+PortOption = Annotated[Optional[int], typer.Option(help="Preferred server port (another is picked if it is in use).")]
+TimeScaleOption = Annotated[float, typer.Option(help="Simulator only: multiply modelled times by this.")]
+ReadyTimeoutOption = Annotated[Optional[float], typer.Option(help="Seconds to wait for each server to get ready.")]
+ServerArgOption = Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag, SGLang's or serve-sim's (repeatable).")]
+RunDirOption = Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")]
 PrefillKernelOption = Annotated[Optional[str], typer.Option("--prefill-kernel", help="MpFA prefill kernel: fp8, exact or mma-sync (default: the best for the model's shape; also $MPFA_PREFILL_KERNEL).")]
 
 

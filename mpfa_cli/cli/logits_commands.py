@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 
 import typer
 
-from mpfa.cli.common import DbOption, PrefillKernelOption, cli_errors, console, number_list, open_store
+from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
+                              ServerArgOption, TimeScaleOption, cli_errors, console, number_list, open_store)
 from mpfa.harness.errors import UserError
 
 
@@ -20,17 +21,17 @@ def logits(
     output_len: Annotated[int, typer.Option("--output-len", help="Greedy output tokens per prompt.")] = 16,
     seed: Annotated[int, typer.Option(help="Prompt seed; on SGLang also --random-seed for every server.")] = 0,
     model: Annotated[str, typer.Option(help="Bundled config name (dummy weights) or a model directory.")] = "llama-3.1-8b",
-    engine: Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")] = "auto",
+    engine: EngineOption = "auto",
     url: Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")] = None,
     max_mean_abs_dlogprob: Annotated[Optional[float], typer.Option("--max-mean-abs-dlogprob", help="Exit 1 when a backend's prefill or decode mean |Δ logprob| exceeds this.")] = None,
     predicted: Annotated[Optional[Path], typer.Option("--predicted", help="CPU prediction (python -m mpfa.profiles.logits_prediction --json): exit 1 when a backend's prompt mean |Δ logprob| is not within --predicted-factor of it.")] = None,
     predicted_factor: Annotated[float, typer.Option("--predicted-factor", help="Allowed ratio, either way, of measured to predicted.")] = 1.5,
     prefill_kernel: PrefillKernelOption = None,
-    port: Annotated[Optional[int], typer.Option(help="Preferred server port.")] = None,
-    time_scale: Annotated[float, typer.Option(help="Simulator only: multiply modelled times by this.")] = 1.0,
-    ready_timeout: Annotated[Optional[float], typer.Option(help="Seconds to wait for each server to get ready.")] = None,
-    server_arg: Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag (repeatable).")] = None,
-    run_dir: Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")] = None,
+    port: PortOption = None,
+    time_scale: TimeScaleOption = 1.0,
+    ready_timeout: ReadyTimeoutOption = None,
+    server_arg: ServerArgOption = None,
+    run_dir: RunDirOption = None,
     db: DbOption = None,
 ) -> None:
     """Do backends compute the same model? Prompt (prefill) and greedy output (decode) logprobs vs a reference."""
