@@ -62,7 +62,7 @@ def test_a_prefill_kernel_the_model_does_not_take_fails_before_any_server(mpfa, 
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "mpfa: the fp8 prefill kernel needs GQA group 4 or 5" in result.stderr
     assert "starting server" not in result.stdout and not _stored(mpfa.db)
-    result = mpfa("bench", "--prefill-kernel", "v1")
+    result = mpfa("bench", "--prefill-kernel", "fastest")
     assert result.returncode == 2 and "--prefill-kernel: " in result.stderr
 
 

@@ -55,7 +55,7 @@ def test_the_user_s_prefill_kernel_is_checked():
     assert check_prefill_kernel(None) is None
     assert check_prefill_kernel(" Exact ") == "exact"
     with pytest.raises(UserError, match="--prefill-kernel: .*fp8, exact, mma-sync"):
-        check_prefill_kernel("v1")
+        check_prefill_kernel("fastest")
 
 
 def test_launch_page_size_is_the_flag_or_sglang_s_default():

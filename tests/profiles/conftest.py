@@ -23,10 +23,10 @@ from mpfa.profiles.kernel_categories import ATTENTION, COMMUNICATION, GEMM, OTHE
 from mpfa.profiles.ncu import parse_raw_csv
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# Real H200 captures of session 18 (`--set full`, then its details and source pages): v6e prefill at 16K.
-SESSION18 = Path(__file__).parents[1] / "fixtures"
-V6E_DETAILS = SESSION18 / "ncu-details-prefill-16k-mpfa-producer-warpgroup-h200.csv"
-V6E_SOURCE = SESSION18 / "ncu-source-prefill-16k-mpfa-producer-warpgroup-h200.csv.gz"
+# A real H200 capture (`--set full`, then its details and source pages): a producer-warpgroup prefill at 16K.
+SHARED_FIXTURES = Path(__file__).parents[1] / "fixtures"
+PRODUCER_DETAILS = SHARED_FIXTURES / "ncu-details-prefill-16k-mpfa-producer-warpgroup-h200.csv"
+PRODUCER_SOURCE = SHARED_FIXTURES / "ncu-source-prefill-16k-mpfa-producer-warpgroup-h200.csv.gz"
 
 
 def _captured_name(fixture: str) -> str:
@@ -232,10 +232,10 @@ def fake_ncu_full(monkeypatch: pytest.MonkeyPatch) -> Callable[[dict[str, dict[s
 
 
 @pytest.fixture
-def v6e_pages() -> dict[str, str]:
-    """The details and source pages of one v6e prefill launch (H200, session 18), as fake_ncu_full answers."""
-    with gzip.open(V6E_SOURCE, "rt") as stream:
-        return {"details": V6E_DETAILS.read_text(), "source": stream.read()}
+def producer_pages() -> dict[str, str]:
+    """The details and source pages of one producer-warpgroup prefill launch (H200), as fake_ncu_full answers."""
+    with gzip.open(PRODUCER_SOURCE, "rt") as stream:
+        return {"details": PRODUCER_DETAILS.read_text(), "source": stream.read()}
 
 
 @pytest.fixture

@@ -10,10 +10,10 @@ from mpfa.harness.errors import ToolError
 from mpfa.profiles.ncu_details import NcuRule, bound_summary, parse_details
 
 FIXTURES = Path(__file__).parent / "fixtures"
-# Real output from the H200, session 14: prefill v3 (mpfa-v3) at 16K, 32:8 heads, one warm launch.
-PREFILL_V3 = FIXTURES / "ncu-details-prefill-16k-mpfa-one-warpgroup-h200.csv"
-# The same after session 14's conflict-free K / V expansion (session 15, `mpfa profile prefill --ncu-full`).
-PREFILL_V3_CONFLICT_FREE = FIXTURES / "ncu-details-prefill-16k-mpfa-one-warpgroup-conflict-free-h200.csv"
+# Real output from the H200: a one-warpgroup wgmma prefill at 16K, 32:8 heads, one warm launch.
+ONE_WARPGROUP = FIXTURES / "ncu-details-prefill-16k-mpfa-one-warpgroup-h200.csv"
+# The same kernel after its K / V expansion was made free of bank conflicts (`mpfa profile prefill --ncu-full`).
+ONE_WARPGROUP_CONFLICT_FREE = FIXTURES / "ncu-details-prefill-16k-mpfa-one-warpgroup-conflict-free-h200.csv"
 HEADER = ('"ID","Process ID","Process Name","Host Name","Kernel Name","Context","Stream","Block Size","Grid Size",'
           '"Device","CC","Section Name","Metric Name","Metric Unit","Metric Value","Rule Name","Rule Type",'
           '"Rule Description","Estimated Speedup Type","Estimated Speedup"')
@@ -30,7 +30,7 @@ def _rule(kernel_id: int, name: str, section: str, rule: str, description: str, 
 
 
 def test_parse_real_h200_capture():
-    text = PREFILL_V3.read_text()
+    text = ONE_WARPGROUP.read_text()
     assert text.startswith("==WARNING==") and "==PROF== Disconnected" in text  # ncu's own lines come first
     [kernel] = parse_details(text)
     assert "PrefillSm90Wgmma" in kernel.kernel
@@ -56,7 +56,7 @@ def test_parse_real_h200_capture():
 
 
 def test_bound_summary_of_the_real_capture():
-    [kernel] = parse_details(PREFILL_V3.read_text())
+    [kernel] = parse_details(ONE_WARPGROUP.read_text())
     summary = dict(bound_summary(kernel))
     assert summary == {
         "launch": "grid (1024, 8, 1), block (128, 1, 1)",
@@ -81,8 +81,8 @@ def test_bound_summary_of_the_real_capture():
 
 
 def test_the_conflict_free_expansion_in_a_real_capture():
-    """Session 15's capture of v3 after the conflict-free expansion: no conflict rule, 3% excess wavefronts."""
-    [kernel] = parse_details(PREFILL_V3_CONFLICT_FREE.read_text())
+    """The capture after the conflict-free expansion: no conflict rule, 3% excess wavefronts."""
+    [kernel] = parse_details(ONE_WARPGROUP_CONFLICT_FREE.read_text())
     summary = dict(bound_summary(kernel))
     assert summary["shared-memory bank conflicts"] == "none reported (ncu's rule did not fire)"
     assert summary["excess shared-memory wavefronts"] == "3% (34,734,080 of 995,818,610)"
@@ -147,11 +147,11 @@ def _run(*files: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_prints_the_summary_and_fails_in_one_line(tmp_path):
-    done = _run(str(PREFILL_V3))
+    done = _run(str(ONE_WARPGROUP))
     assert done.returncode == 0, done.stderr
     assert "kernel_cutlass_kernel_mpfakernelssm90prefill_wgmmaPrefillSm90Wgmma_object_at_..." in done.stdout
     assert "shared memory: 2 blocks per SM" in done.stdout and "10.2-way" in done.stdout
-    missing = _run(str(PREFILL_V3), str(tmp_path / "absent.csv"))
+    missing = _run(str(ONE_WARPGROUP), str(tmp_path / "absent.csv"))
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr == f"error: cannot read {tmp_path / 'absent.csv'}: No such file or directory\n"
     raw_page = FIXTURES / "ncu_h200_prefill64k_fa4.csv"

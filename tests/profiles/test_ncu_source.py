@@ -13,11 +13,11 @@ from mpfa.profiles.ncu_source import (UNATTRIBUTED, UNKNOWN_PRODUCER, hot_loops,
                                       read_text, scoreboard_producers)
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
-# Session 18, H200: `--set full`, then `--import R --csv --page source --print-source sass`.
-V6E = FIXTURES / "ncu-source-prefill-16k-mpfa-producer-warpgroup-h200.csv.gz"  # producer loop + consumer loop
-DV4 = FIXTURES / "ncu-source-decode-128k-b8-mpfa-split-kv-lane-major-v-h200.csv.gz"  # one warp per CTA
-# Session 24, H100 (the same commands): the default prefill v7c, a persistent kernel (one outermost loop)
-V7C = FIXTURES / "ncu-source-prefill-16k-mpfa-ds-after-qk-wait-h100.csv.gz"
+# H200: `--set full`, then `--import R --csv --page source --print-source sass`.
+PRODUCER = FIXTURES / "ncu-source-prefill-16k-mpfa-producer-warpgroup-h200.csv.gz"  # producer loop + consumer loop
+LANE_MAJOR_V = FIXTURES / "ncu-source-decode-128k-b8-mpfa-split-kv-lane-major-v-h200.csv.gz"  # one warp per CTA
+# H100 (the same commands): an fp8 prefill build, a persistent kernel (one outermost loop)
+DS_AFTER_QK_WAIT = FIXTURES / "ncu-source-prefill-16k-mpfa-ds-after-qk-wait-h100.csv.gz"
 REASONS = ("barrier", "long_sb", "selected", "short_sb", "wait")
 HEADER = ",".join(f'"{column}"' for column in (
     "Address", "Source", "Warp Stall Sampling (All Samples)", "Warp Stall Sampling (Not-issued Samples)",
@@ -41,8 +41,8 @@ def _shares(loop) -> list[tuple[str, int]]:
     return [(reason, round(share)) for reason, share in loop.stalls[:4]]
 
 
-def test_parse_the_v6e_capture():
-    [page] = parse_source_csv(read_text(V6E))
+def test_parse_the_producer_warpgroup_capture():
+    [page] = parse_source_csv(read_text(PRODUCER))
     assert "prefill_wgmma_wsPrefillSm90WgmmaWsUnscaled" in page.kernel
     assert len(page.instructions) == 3712
     first = page.instructions[0]
@@ -57,8 +57,8 @@ def test_parse_the_v6e_capture():
     assert sum(instruction.stalls[UNATTRIBUTED] for instruction in unattributed) == 8_776
 
 
-def test_v6e_hot_loops_are_the_producer_and_the_consumer_loop():
-    [page] = parse_source_csv(read_text(V6E))
+def test_producer_warpgroup_hot_loops_are_the_producer_and_the_consumer_loop():
+    [page] = parse_source_csv(read_text(PRODUCER))
     assert loop_spans(page) == [(944, 1390), (1439, 1872), (1876, 1879), (2456, 2948), (2955, 3366), (3699, 3699)]
     kernel = hot_loops(page)
     assert kernel.samples == 552_379
@@ -85,8 +85,8 @@ def test_v6e_hot_loops_are_the_producer_and_the_consumer_loop():
         assert len(loop.hottest) == 3
 
 
-def test_dv4_hot_loop_is_the_split_kv_loop():
-    [page] = parse_source_csv(read_text(DV4))
+def test_decode_hot_loop_is_the_split_kv_loop():
+    [page] = parse_source_csv(read_text(LANE_MAJOR_V))
     assert "SplitKVDecodeSm90Lean" in page.kernel and len(page.instructions) == 1936
     assert all(UNATTRIBUTED not in instruction.stalls for instruction in page.instructions)
     kernel = hot_loops(page)
@@ -97,9 +97,9 @@ def test_dv4_hot_loop_is_the_split_kv_loop():
     assert kernel.rest.instructions == 1936 - 646 and round(kernel.rest.share, 1) == 2.0
 
 
-def test_dv4_after_the_v_staging_fix_and_v3w8c():
-    """Session 18's later captures: dv4 with V staged key-major (the same loop, now waiting on memory: long
-    scoreboard first) and the default prefill v3w8c (one loop of 671 instructions, led by its two wgmma waits)."""
+def test_decode_with_v_staged_key_major_and_the_exact_prefill():
+    """Later captures: the decode with V staged key-major (the same loop, now waiting on memory: long scoreboard
+    first) and the exact prefill kernel (one loop of 671 instructions, led by its two wgmma waits)."""
     [page] = parse_source_csv(read_text(FIXTURES / "ncu-source-decode-128k-b8-mpfa-split-kv-h200.csv.gz"))
     [loop] = hot_loops(page).loops
     assert loop.executions == 260_608 and loop.share > 95
@@ -112,11 +112,11 @@ def test_dv4_after_the_v_staging_fix_and_v3w8c():
     assert [hot.sass for hot in loop.hottest[:2]] == ["WARPGROUP.DEPBAR.LE gsb0, 0x0"] * 2
 
 
-def test_v7c_waits_on_its_delta_s_loads_and_its_stages():
-    """v7c's scoreboard stalls, by what they wait for: the staged Delta_S's LDS.128 (the scores' first FFMAs, read
-    right after each QK wait) first, then the mbarrier tests of the operand stages; the producer loop of v6e waits
-    on its V transposes' LDSM."""
-    [page] = parse_source_csv(read_text(V7C))
+def test_fp8_prefill_waits_on_its_delta_s_loads_and_its_stages():
+    """The fp8 prefill build's scoreboard stalls, by what they wait for: the staged Delta_S's LDS.128 (the scores'
+    first FFMAs, read right after each QK wait) first, then the mbarrier tests of the operand stages; the producer
+    loop of the producer-warpgroup kernel waits on its V transposes' LDSM."""
+    [page] = parse_source_csv(read_text(DS_AFTER_QK_WAIT))
     assert "PrefillSm90WgmmaPre" in page.kernel and sum(i.samples for i in page.instructions) == 353_673
     [loop] = hot_loops(page).loops
     assert (loop.instructions, round(loop.share, 1)) == (2717, 99.6)
@@ -128,7 +128,7 @@ def test_v7c_waits_on_its_delta_s_loads_and_its_stages():
     ffma = next(i for i in page.instructions if i.sass == "FFMA R24, R124, R217, R156")
     assert scoreboard_producers([i for i in page.instructions if i.address <= ffma.address][-10:], wrap=False) == {
         "LDS.128": ffma.stalls["short_sb"]}
-    [page] = parse_source_csv(read_text(V6E))
+    [page] = parse_source_csv(read_text(PRODUCER))
     producer, _ = hot_loops(page).loops
     assert producer.scoreboard[0][0] == "LDSM.16" and round(producer.scoreboard[0][1]) == 16
 
@@ -253,9 +253,9 @@ def _run(*files: str) -> subprocess.CompletedProcess[str]:
 
 
 def test_cli_prints_the_loops_of_plain_and_gzipped_pages(tmp_path):
-    plain = tmp_path / "dv4-source.csv"
-    plain.write_text(gzip.decompress(DV4.read_bytes()).decode())
-    done = _run(str(V6E), str(plain))
+    plain = tmp_path / "decode-source.csv"
+    plain.write_text(gzip.decompress(LANE_MAJOR_V.read_bytes()).decode())
+    done = _run(str(PRODUCER), str(plain))
     assert done.returncode == 0, done.stderr
     assert "where each kernel's warps wait" in done.stdout
     for text in ("rows 1439-1872", "rows 2955-3366", "4,177,920", "rows 1044-1689", "260,608", "552,379 warp samples",
@@ -264,11 +264,11 @@ def test_cli_prints_the_loops_of_plain_and_gzipped_pages(tmp_path):
 
 
 def test_cli_fails_in_one_line(tmp_path):
-    missing = _run(str(V6E), str(tmp_path / "absent.csv"))
+    missing = _run(str(PRODUCER), str(tmp_path / "absent.csv"))
     assert missing.returncode == 2 and missing.stdout == ""
     assert missing.stderr == f"error: cannot read {tmp_path / 'absent.csv'}: No such file or directory\n"
     truncated = tmp_path / "cut.csv.gz"
-    truncated.write_bytes(V6E.read_bytes()[:1000])
+    truncated.write_bytes(PRODUCER.read_bytes()[:1000])
     cut = _run(str(truncated))
     assert cut.returncode == 2 and cut.stderr.startswith(f"error: cannot read {truncated}: ")
     assert cut.stderr.count("\n") == 1

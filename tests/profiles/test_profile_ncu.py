@@ -13,12 +13,12 @@ from mpfa.profiles.registry import adapter_for
 FIXTURES = Path(__file__).parent / "fixtures"
 # Real `ncu --csv --page raw --print-units base` output from the H200 (mpfa profile ... --ncu).
 PREFILL_FA4 = FIXTURES / "ncu_h200_prefill64k_fa4.csv"
-PREFILL_MPFA = FIXTURES / "ncu_h200_prefill64k_mpfa_mma_sync_unstaged.csv"  # session 10, the sm90 prefill v1
+PREFILL_MPFA = FIXTURES / "ncu_h200_prefill64k_mpfa_mma_sync_unstaged.csv"  # the mma.sync prefill, per-warp loads
 PREFILL_FLASHINFER = FIXTURES / "ncu_h200_prefill64k_flashinfer_fp8.csv"
 DECODE_FA4 = FIXTURES / "ncu_h200_decode128k_b8_fa4.csv"
 DECODE_FLASHINFER = FIXTURES / "ncu_h200_decode128k_b8_flashinfer_fp8.csv"
-DECODE_MPFA = FIXTURES / "ncu_h200_decode128k_b8_mpfa.csv"  # session 11, the sm90 split-KV decode v2
-PREFILL_MPFA_V2 = FIXTURES / "ncu_h200_prefill64k_mpfa_mma_sync.csv"  # session 11, the sm90 staged prefill v2
+DECODE_MPFA = FIXTURES / "ncu_h200_decode128k_b8_mpfa.csv"  # the sm90 split-KV decode
+PREFILL_MPFA_STAGED = FIXTURES / "ncu_h200_prefill64k_mpfa_mma_sync.csv"  # the mma.sync prefill, staged in smem
 TENSOR_PIPE = "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active"
 WORKLOAD = AttentionWorkload("decode", 131072, 8, 32, 8, 128)
 
@@ -57,7 +57,7 @@ REAL_CAPTURES = [
      32_768, 128),
     (DECODE_MPFA, "SplitKVDecodeSm90Pipelined", 676_128, 164, 2_215_038_208, 4_650_496, 39.61, 12.77, 68.22, 17.49,
      15_360, 1_536, 32),
-    (PREFILL_MPFA_V2, "PrefillSm90Staged", 200_069_344, 255, 126_634_674_944, 517_498_112, 47.76, 26.91, 13.21, 12.52,
+    (PREFILL_MPFA_STAGED, "PrefillSm90Staged", 200_069_344, 255, 126_634_674_944, 517_498_112, 47.76, 26.91, 13.21, 12.52,
      43_008, 32_768, 128),
 ]
 

@@ -45,8 +45,8 @@ def test_import_command_lines():
         "/opt/ncu", "--import", str(report), "--csv", "--page", "source", "--print-source", "sass"]
 
 
-def test_full_run_keeps_both_pages_and_summarises_the_kernel(fake_ncu_full, v6e_pages, tmp_path):
-    calls = fake_ncu_full({"mpfa": {"export": "==PROF== Disconnected from process 885", **v6e_pages}})
+def test_full_run_keeps_both_pages_and_summarises_the_kernel(fake_ncu_full, producer_pages, tmp_path):
+    calls = fake_ncu_full({"mpfa": {"export": "==PROF== Disconnected from process 885", **producer_pages}})
     adapter = adapter_for("mpfa")
     result = profile_full_with_ncu(adapter, WORKLOAD, tmp_path)
     assert result.error is None and result.loops_error is None
@@ -61,8 +61,8 @@ def test_full_run_keeps_both_pages_and_summarises_the_kernel(fake_ncu_full, v6e_
     report = str(tmp_path / "ncu-full-mpfa.ncu-rep")
     assert details == ["/fake/ncu", "--import", report, "--csv", *ncu.DETAILS_PAGE]
     assert source == ["/fake/ncu", "--import", report, "--csv", *ncu.SOURCE_PAGE]
-    assert (tmp_path / "ncu-full-mpfa.csv").read_text() == v6e_pages["details"]
-    assert (tmp_path / "ncu-source-mpfa.csv").read_text() == v6e_pages["source"]
+    assert (tmp_path / "ncu-full-mpfa.csv").read_text() == producer_pages["details"]
+    assert (tmp_path / "ncu-source-mpfa.csv").read_text() == producer_pages["source"]
 
     [summary] = result.kernels
     assert "PrefillSm90WgmmaWs" in summary.kernel
@@ -73,15 +73,15 @@ def test_full_run_keeps_both_pages_and_summarises_the_kernel(fake_ncu_full, v6e_
     assert [loop.rows for loop in kernel.loops] == [(1439, 1872), (2955, 3366)]
 
 
-def test_a_failed_source_page_keeps_the_bound_summary(fake_ncu_full, v6e_pages, tmp_path):
-    fake_ncu_full({"mpfa": {"export": "", "details": v6e_pages["details"]}})
+def test_a_failed_source_page_keeps_the_bound_summary(fake_ncu_full, producer_pages, tmp_path):
+    fake_ncu_full({"mpfa": {"export": "", "details": producer_pages["details"]}})
     result = profile_full_with_ncu(adapter_for("mpfa"), WORKLOAD, tmp_path)
     assert result.error is None and dict(result.kernels[0].rows)["issue slots busy"] == "58.77%"
     assert result.loops == [] and "\n" not in result.loops_error
     assert result.loops_error.startswith("ncu could not print the source page of ncu-full-mpfa.ncu-rep: ")
     assert "the fake report has no source page" in result.loops_error
 
-    fake_ncu_full({"mpfa": {"export": "", "details": v6e_pages["details"], "source": v6e_pages["details"]}})
+    fake_ncu_full({"mpfa": {"export": "", "details": producer_pages["details"], "source": producer_pages["details"]}})
     result = profile_full_with_ncu(adapter_for("mpfa"), WORKLOAD, tmp_path)
     assert result.kernels and result.loops == []
     assert result.loops_error == ("the source page of ncu-full-mpfa.ncu-rep: not an ncu source page: it does not "
@@ -90,17 +90,18 @@ def test_a_failed_source_page_keeps_the_bound_summary(fake_ncu_full, v6e_pages, 
     assert "58.77%" in text and "error: the source page of ncu-full-mpfa.ncu-rep" in text
 
 
-def test_a_failed_run_leaves_no_old_report_to_read(fake_ncu_full, v6e_pages, tmp_path):
+def test_a_failed_run_leaves_no_old_report_to_read(fake_ncu_full, producer_pages, tmp_path):
     (tmp_path / "ncu-full-mpfa.ncu-rep").write_bytes(b"an earlier report")
-    calls = fake_ncu_full({"mpfa": {"export": "==ERROR== The application returned an error code (1).", **v6e_pages}})
+    failed = "==ERROR== The application returned an error code (1)."
+    calls = fake_ncu_full({"mpfa": {"export": failed, **producer_pages}})
     result = profile_full_with_ncu(adapter_for("mpfa"), WORKLOAD, tmp_path)
     assert len(calls) == 1 and result.kernels == [] and result.loops == []
     assert result.error == "ncu produced no report: ==ERROR== The application returned an error code (1)."
     assert not (tmp_path / "ncu-full-mpfa.ncu-rep").exists()
 
 
-def test_side_by_side_tables_with_one_backend_failing(fake_ncu_full, v6e_pages, tmp_path):
-    fake_ncu_full({"fa4-bf16": {"export": PERMISSION}, "mpfa": {"export": "", **v6e_pages}})
+def test_side_by_side_tables_with_one_backend_failing(fake_ncu_full, producer_pages, tmp_path):
+    fake_ncu_full({"fa4-bf16": {"export": PERMISSION}, "mpfa": {"export": "", **producer_pages}})
     results = [profile_full_with_ncu(adapter_for(name), WORKLOAD, tmp_path) for name in ("fa4-bf16", "mpfa")]
     failed, filled = results
     assert "ERR_NVGPUCTRPERM" in failed.error and failed.kernels == [] and failed.loops == []

@@ -104,20 +104,20 @@ def test_every_backend_gets_a_row_and_failures_do_not_stop_the_others(fake_cuda,
     assert any("flashinfer-fp8: ImportError" in message for message in messages)
 
 
-def test_ncu_full_profiles_each_timed_backend_and_keeps_a_failure_in_its_column(fake_cuda, fake_ncu_full, v6e_pages,
-                                                                                tmp_path):
+def test_ncu_full_profiles_each_timed_backend_and_keeps_a_failure_in_its_column(fake_cuda, fake_ncu_full,
+                                                                                producer_pages, tmp_path):
     """fa4-bf16's ncu may not read the counters, mpfa's answers with a real H200 capture (details and source)."""
     fake_cuda["mpfa"] = _SleepyMpfa()
     fake_ncu_full({"fa4-bf16": {"export": "==ERROR== ERR_NVGPUCTRPERM - The user does not have permission"},
-                   "mpfa": {"export": "", **v6e_pages}})
+                   "mpfa": {"export": "", **producer_pages}})
     messages = []
     result = microbench.run_profile("prefill", 4096, 1, (32, 8), 128, ["fa4-bf16", "flashinfer-fp8", "mpfa"],
                                     ncu=False, nsys=False, out_dir=tmp_path, progress=messages.append,
                                     ncu_full=True)
     assert result.ncu == [] and [full.backend for full in result.ncu_full] == ["fa4-bf16", "mpfa"]
     assert any(message.startswith("mpfa: Nsight Compute --set full") for message in messages)
-    assert (tmp_path / "ncu-full-mpfa.csv").read_text() == v6e_pages["details"]
-    assert (tmp_path / "ncu-source-mpfa.csv").read_text() == v6e_pages["source"]
+    assert (tmp_path / "ncu-full-mpfa.csv").read_text() == producer_pages["details"]
+    assert (tmp_path / "ncu-source-mpfa.csv").read_text() == producer_pages["source"]
     stored = json.loads(Path(result.json_path).read_text())["ncu_full"]
     assert "ERR_NVGPUCTRPERM" in stored[0]["error"] and stored[0]["kernels"] == stored[0]["loops"] == []
     assert stored[1]["error"] is None and ["issue slots busy", "58.77%"] in stored[1]["kernels"][0]["rows"]

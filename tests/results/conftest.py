@@ -89,7 +89,7 @@ def random_requests(rng: random.Random):
 def v2_database(tmp_path: Path) -> Path:
     """A results database as the version-2 store left it (fixtures/results-v2.sql): runs 1-3 are a measured
     fa4-bf16, a measured mpfa and a simulated mpfa run, two requests each; profile 1 is a decode profile."""
-    db = tmp_path / "v2.db"
+    db = tmp_path / "schema2.db"
     conn = sqlite3.connect(db)
     try:
         conn.executescript((Path(__file__).parent / "fixtures" / "results-v2.sql").read_text())
