@@ -146,9 +146,11 @@ def run_bench(
 ) -> list[int]:
     """Measure every backend; returns the ids of the runs it stored."""
     shape = load_model_shape(scenario.model)
-    # A prefill kernel the model's shape does not take fails here, before any server starts.
-    expected = {spec.name: served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec),
-                                          opts.prefill_kernel) for spec in specs}
+    # The heads of one tensor-parallel rank (SGLang replicates KV heads over ranks beyond their count). A prefill
+    # kernel that shape does not take fails here, before any server starts.
+    q_heads, kv_heads = shape.q_heads // opts.tp, max(1, shape.kv_heads // opts.tp)
+    expected = {spec.name: served_kernels(spec, q_heads, kv_heads, launch_page_size(spec), opts.prefill_kernel)
+                for spec in specs}
     environment = collect_environment()
     gpu = "simulated" if opts.engine == "sim" else (gpu_names() or ["unknown"])[0]
     context_len = max(scenario.input_len) + scenario.output_len + 64

@@ -18,7 +18,6 @@ from collections.abc import Mapping
 from mpfa.backends.specs import PREFILL_ENV, PREFILL_PATHS, BackendSpec
 from mpfa.harness.errors import UserError
 
-PREFILL_KERNEL_ARG = "--mpfa-prefill-kernel"  # the SGLang plugin's server argument (serve-sim takes it too)
 SGLANG_DEFAULT_PAGE_SIZE = 1
 REFERENCE_PREFILL = "pytorch-reference"
 
@@ -69,8 +68,13 @@ def served_kernels(spec: BackendSpec, q_heads: int, kv_heads: int, page_size: in
 
 
 def kernel_server_args(spec: BackendSpec, prefill_kernel: str | None) -> list[str]:
-    """The server flag that passes the user's prefill kernel on: only MpFA's servers take it."""
-    return [PREFILL_KERNEL_ARG, prefill_kernel] if prefill_kernel and runs_mpfa_kernels(spec) else []
+    """The server flag that passes the user's prefill kernel on (the plugin's; serve-sim takes it too): only MpFA's
+    servers take it."""
+    if not prefill_kernel or not runs_mpfa_kernels(spec):
+        return []
+    from mpfa.backends.sglang_plugin.kernel_choice import PREFILL_KERNEL_ARG
+
+    return [PREFILL_KERNEL_ARG, prefill_kernel]
 
 
 def describe_kernels(kernels: Mapping[str, str]) -> str:
