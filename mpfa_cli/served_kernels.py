@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from types import ModuleType
 
 from mpfa.backends.specs import PREFILL_ENV, PREFILL_PATHS, BackendSpec
 from mpfa.harness.errors import UserError
@@ -33,14 +34,22 @@ def launch_page_size(spec: BackendSpec) -> int:
     return int(args[args.index("--page-size") + 1]) if "--page-size" in args else SGLANG_DEFAULT_PAGE_SIZE
 
 
+def _dispatch() -> ModuleType:
+    """`mpfa.kernels.sm90.dispatch`, imported when an MpFA backend is asked about (the `mpfa.kernels` package
+    imports PyTorch)."""
+    try:
+        from mpfa.kernels.sm90 import dispatch
+    except ImportError as exc:
+        raise UserError(f"MpFA's kernel choice needs PyTorch ({exc}): pip install torch") from None
+    return dispatch
+
+
 def check_prefill_kernel(kernel: str | None) -> str | None:
     """The user's prefill kernel (``--prefill-kernel``), checked; None when not given."""
     if kernel is None:
         return None
-    from mpfa.kernels.sm90 import dispatch
-
     try:
-        return dispatch.requested_prefill_kernel(kernel)
+        return _dispatch().requested_prefill_kernel(kernel)
     except ValueError as exc:
         raise UserError(f"--prefill-kernel: {exc}") from None
 
@@ -52,8 +61,7 @@ def served_kernels(spec: BackendSpec, q_heads: int, kv_heads: int, page_size: in
     override does not fit is a UserError. ``source``: "dispatch" or "simulated" (see the module's docstring)."""
     if not runs_mpfa_kernels(spec):
         return {"attention_backend": spec.expect.get("attention_backend", spec.name), "source": source}
-    from mpfa.kernels.sm90 import dispatch
-
+    dispatch = _dispatch()
     try:
         choice = dispatch.requested_prefill_kernel(prefill_kernel)  # else $MPFA_PREFILL_KERNEL's
         prefill = dispatch.prefill_kernel(q_heads, kv_heads, page_size, choice)
