@@ -19,8 +19,8 @@ UNATTRIBUTED, so an instruction's reasons add up to its samples.
 A scoreboard stall (short: shared memory, MUFU, shuffles; long: global / local memory) waits for the result of a
 variable-latency instruction. Each loop's such samples are charged to the opcode of the nearest earlier instruction
 (in the loop, wrapping around its back edge) that writes one of the stalled instruction's source registers and has a
-variable latency (`scoreboard_producers`): on an H100 capture of an fp8 prefill kernel, LDS.128 (the staged Delta_S) before
-MUFU.EX2.
+variable latency (`scoreboard_producers`): on an H100 capture of an fp8 prefill kernel, LDS.128 (the staged
+Delta_S) before MUFU.EX2.
 """
 from __future__ import annotations
 

@@ -66,7 +66,7 @@ def test_launch_page_size_is_the_flag_or_sglang_s_default():
 def test_one_line_per_record():
     assert describe_kernels({"prefill": "fp8", "decode": "split-kv", "source": "dispatch"}) == \
         "prefill fp8, decode split-kv"
-    assert describe_kernels({"prefill": "exact", "decode": "split-kv", "prefill_override": "exact",
-                             "source": "simulated"}) == "prefill exact (override), decode split-kv (simulated: no kernel ran)"
+    overridden = {"prefill": "exact", "decode": "split-kv", "prefill_override": "exact", "source": "simulated"}
+    assert describe_kernels(overridden) == "prefill exact (override), decode split-kv (simulated: no kernel ran)"
     assert describe_kernels({"attention_backend": "fa4", "source": "dispatch"}) == "SGLang attention backend fa4"
     assert describe_kernels({}) == "not recorded"
