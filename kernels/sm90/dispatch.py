@@ -32,6 +32,7 @@ WGMMA_KERNELS = ("fp8", "exact")
 WGMMA_GROUPS = (4, 5)  # a warpgroup's 64 rows are 4 heads x 16 rows or 1 head x 64 rows (32:8 and 40:8 models)
 WGMMA_MIN_PAGE = 64  # the wgmma kernels' 64-key tiles never straddle a page
 NUMERICS = {"fp8": "mpfa-qk8tile-psum", "exact": "mpfa", "mma-sync": "mpfa"}
+SOFTMAX_KEYS = {"fp8": 128, "exact": 64, "mma-sync": 32}
 
 
 def wgmma_fits(num_q_heads: int, num_kv_heads: int, page_size: int) -> bool:
@@ -56,15 +57,20 @@ def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: 
     """The prefill kernel that runs for this shape: ``kernel`` or ``MPFA_PREFILL_KERNEL`` if given (a wgmma kernel
     the shape does not fit is a ValueError), else ``fp8`` where it fits and ``mma-sync`` elsewhere."""
     choice = requested_prefill_kernel(kernel)
-    fits = wgmma_fits(num_q_heads, num_kv_heads, page_size)
     if choice is None:
-        return DEFAULT_PREFILL_KERNEL if fits else "mma-sync"
-    if choice in WGMMA_KERNELS and not fits:
+        return DEFAULT_PREFILL_KERNEL if wgmma_fits(num_q_heads, num_kv_heads, page_size) else "mma-sync"
+    if choice in WGMMA_KERNELS:
+        check_wgmma_shape(choice, num_q_heads, num_kv_heads, page_size)
+    return choice
+
+
+def check_wgmma_shape(kernel: str, num_q_heads: int, num_kv_heads: int, page_size: int) -> None:
+    """A ValueError naming the limits unless the wgmma kernel ``kernel`` takes this shape (`wgmma_fits`)."""
+    if not wgmma_fits(num_q_heads, num_kv_heads, page_size):
         raise ValueError(
-            f"the {choice} prefill kernel needs GQA group {' or '.join(map(str, WGMMA_GROUPS))}, an even number of "
+            f"the {kernel} prefill kernel needs GQA group {' or '.join(map(str, WGMMA_GROUPS))}, an even number of "
             f"query heads and pages of >= {WGMMA_MIN_PAGE} keys; got {num_q_heads}:{num_kv_heads} heads, pages of "
             f"{page_size}: use mma-sync")
-    return choice
 
 
 def prefill_numerics(kernel: str) -> str:
@@ -74,5 +80,5 @@ def prefill_numerics(kernel: str) -> str:
 
 def softmax_keys(kernel: str) -> int:
     """Keys per online-softmax update (the reference's ``block_n`` that rounds P as the kernel does): the fp8
-    kernel's consumers step over 128 keys, the others over 64."""
-    return 128 if kernel == "fp8" else 64
+    kernel's consumers step over 128 keys, the exact kernel's over 64, the mma-sync kernel's warps over 32."""
+    return SOFTMAX_KEYS[kernel]

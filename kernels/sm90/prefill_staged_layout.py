@@ -1,11 +1,11 @@
-"""Where the staged prefill (`prefill_staged.PrefillSm90Staged`) puts one 32-key KV tile in shared memory, which
-thread copies which bytes there, where each lane reads its operands back, where the expanded K goes, and which
-tile is where at each step (pure index arithmetic).
+"""Where a prefill kernel puts one 32-key KV tile of the paged cache in a shared-memory ring stage, which thread
+copies which bytes there, where each lane reads its operands back, where the mma-sync kernel's expanded K goes, and
+which tile is where at each step (pure index arithmetic).
 
-The functions work on Python ints, NumPy arrays and CuTe DSL integers alike: the kernel traces them, and the CPU
+The functions work on Python ints, NumPy arrays and CuTe DSL integers alike: the kernels trace them, and the CPU
 test (tests/kernels_sm90/test_prefill_staged_layout.py) runs the same code on a byte-level model of the cache
-and of shared memory, checking that every lane reads exactly the bytes the v1 kernel (`prefill.PrefillSm90`)
-loads from global memory for the same tile, and runs the ring schedule on a model of cp.async groups.
+and of shared memory, checking that every lane reads exactly the bytes of the paged cache its registers stand for
+(`decode_layout`'s fragments), and runs the ring schedule on a model of cp.async groups.
 
 A CTA owns ``heads`` consecutive query heads of one GQA group (`cta_shape`). A stage holds one tile of their KV
 head (``TILE_KEYS`` keys, slots ``slot0 .. slot0 + 31`` of one page):
@@ -19,17 +19,18 @@ head (``TILE_KEYS`` keys, slots ``slot0 .. slot0 + 31`` of one page):
   8 n + g: 64 n + 2 lane.
 * Delta_S: [key][ds_words(heads) x 4 B]: the aligned 4-byte words of the cache's BF16 row of (KV head, slot)
   that hold the CTA's heads first_head .. first_head + heads - 1, numbered within the GQA group here (cp.async
-  moves 4, 8 or 16 bytes; the cache's rows are 8 or 16 bytes, `cache_layout.delta_s_row`). The CTA's head ``h``
-  sits ``ds_lead(first_head) + 2 h`` bytes into its key's words. The direct build (``compensate`` false: no
-  Delta_S) neither copies nor allocates it; the other arrays keep their offsets.
+  moves 4, 8 or 16 bytes; the cache's rows are 8 or 16 bytes, `cache_layout.delta_s_row`, so every word is
+  aligned whatever the number of query heads). The CTA's head ``h`` sits ``ds_lead(first_head) + 2 h`` bytes into
+  its key's words. The direct build (``compensate`` false: no Delta_S) neither copies nor allocates it; the other
+  arrays keep their offsets.
 
 Copies (`copy_plan`): each array is cut into units (16 B for K and V, 8 B for the scales, 4 B for Delta_S), the
 arrays' units in a row (largest array first) are cut into warp slots of 32 units and the slots are dealt to the
-CTA's warps round by round: a warp copies one slot per round (coalesced: consecutive lanes copy consecutive bytes
-of a key's row), at most ceil(slots / warps) per tile; a round shared by several arrays picks a warp's array with
-a warp-uniform condition.
+4 copying warps round by round: a warp copies one slot per round (coalesced: consecutive lanes copy consecutive
+bytes of a key's row), at most ceil(slots / 4) per tile; a round shared by several arrays picks a warp's array
+with a warp-uniform condition.
 
-After the ring, with ``shared_dequant``, two fragment buffers of expanded K (`frag_lane_base`).
+After the ring, the mma-sync kernel keeps two fragment buffers of expanded K (`frag_lane_base`).
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import math
 
 TILE_KEYS = 32
-WARP_ROWS = 16  # query rows of a warp (as in v1)
+WARP_ROWS = 16  # query rows of a warp
 HEAD_DIM = 128
 K_ROW_BYTES = HEAD_DIM // 2  # NVFP4 codes of one key and KV head
 SCALE_ROW_BYTES = HEAD_DIM // 16  # e4m3 block scales
@@ -54,23 +55,19 @@ SCALE_UNITS = TILE_KEYS  # 32 x 8 B
 STAGE_ALIGN = 128
 WARP = 32
 N_TILES = TILE_KEYS // 8  # QK n-tiles of a tile
-CTA_WARPS = 4  # the default: 2 CTAs per SM at the ~255 registers a warp needs (v1's occupancy)
-CTA_WARP_CHOICES = (4, 8)  # 8: 1 CTA per SM (255 registers x 256 threads), the same 8 warps per SM
+CTA_WARPS = 4  # warps of the CTA's block of heads and rows, and of a tile's copies
 
 
-def cta_shape(group: int, warps: int = CTA_WARPS) -> tuple[int, int]:
-    """(query heads per CTA, 16-row blocks per CTA) for a GQA group. 4 warps: as many heads of the group as divide
-    both (group 4 -> the whole group x 16 rows, group 5 -> 1 head x 64 rows, v1's shape). 8 warps: twice the rows
-    of a CTA that holds 4 heads (group 4 -> the whole group x 32 rows); groups that leave it fewer heads keep the
-    4-warp shape. Every K / V tile is copied group / heads times per 16 x row_blocks query rows of a KV head: for
-    group 4 once per 16 rows with 4 warps, once per 32 with 8."""
+def cta_shape(group: int) -> tuple[int, int]:
+    """(query heads per CTA, 16-row blocks per CTA) of the 4-warp CTA for a GQA group: as many heads of the group
+    as divide both (group 4 -> the whole group x 16 rows, group 5 -> 1 head x 64 rows). Every K / V tile is copied
+    group / heads times per 16 x row_blocks query rows of a KV head."""
     heads = math.gcd(group, CTA_WARPS)
-    row_blocks = CTA_WARPS // heads
-    return heads, (row_blocks * warps // CTA_WARPS) if heads == CTA_WARPS else row_blocks
+    return heads, CTA_WARPS // heads
 
 
 def warpgroup_rows(group: int) -> int:
-    """Query rows per head of a 64-row wgmma tile (the wgmma prefill's warpgroup): the 4-warp CTA's rows,
+    """Query rows per head of a 64-row wgmma tile (a wgmma kernel's warpgroup): the 4-warp CTA's rows,
     `cta_shape` (group 4 -> 16 rows of each of the 4 heads; group 5 -> 64 rows of 1 head)."""
     return WARP_ROWS * cta_shape(group)[1]
 
@@ -141,21 +138,21 @@ def copy_arrays(heads: int, compensate: bool = True) -> tuple:
     return arrays + ((("delta_s", ds_units(heads), 4, ds_copy),) if compensate else ())
 
 
-def copy_plan(heads: int, warps: int, compensate: bool = True) -> list:
-    """The CTA's copies of one tile: the arrays of `copy_arrays`, largest first (they fill whole rounds, which need
-    no branch), in a row, cut into warp slots of 32 units (every array has a multiple of 32), slot s copied by warp
-    s % warps in round s // warps. -> [(array, r, first warp, end warp)], round by round: warps first .. end - 1
-    copy unit ``tid + r`` of ``array`` (tid = 32 warp + lane; ``r`` a constant, so the copy map's per-thread part
-    is shared by all entries)."""
+def copy_plan(heads: int, compensate: bool = True) -> list:
+    """The 4 copying warps' copies of one tile: the arrays of `copy_arrays`, largest first (they fill whole rounds,
+    which need no branch), in a row, cut into warp slots of 32 units (every array has a multiple of 32), slot s
+    copied by warp s % 4 in round s // 4. -> [(array, r, first warp, end warp)], round by round: warps first ..
+    end - 1 copy unit ``tid + r`` of ``array`` (tid = 32 warp + lane; ``r`` a constant, so the copy map's
+    per-thread part is shared by all entries)."""
     spans, slots = [], 0
     for array in sorted(copy_arrays(heads, compensate), key=lambda array: -array[1]):
         assert array[1] % WARP == 0, array
         spans.append((array, slots, slots + array[1] // WARP))
         slots += array[1] // WARP
     plan = []
-    for round_start in range(0, slots, warps):
+    for round_start in range(0, slots, CTA_WARPS):
         for array, first_slot, end_slot in spans:
-            first, end = max(first_slot, round_start), min(end_slot, round_start + warps)
+            first, end = max(first_slot, round_start), min(end_slot, round_start + CTA_WARPS)
             if first < end:
                 plan.append((array, WARP * (round_start - first_slot), first - round_start, end - round_start))
     return plan
@@ -199,9 +196,10 @@ def v_read(key_offset: int):
 # at most stages - 2 - lookahead groups are pending (the groups of steps p .. p + lookahead have landed), CTA
 # barrier, copy the tile of step p + stages - 1 into the stage step p - 1 used (every warp is past the barrier, so
 # done with it), commit (an empty group when no tile is left), compute step p. The page-table entry of the next
-# copy is fetched one step ahead. With ``shared_dequant`` (lookahead 1), the prologue waits for step 0's tile,
-# barriers and expands its K into fragment buffer 0, and step p expands the K of step p + 1 (from its ring stage)
-# into buffer (p + 1) % 2 after the barrier and computes from buffer p % 2 (expanded before that barrier).
+# copy is fetched one step ahead. With ``shared_dequant`` (the mma-sync kernel; lookahead 1), the prologue waits for
+# step 0's tile, barriers and expands its K into fragment buffer 0, and step p expands the K of step p + 1 (from
+# its ring stage) into buffer (p + 1) % 2 after the barrier and computes from buffer p % 2 (expanded before that
+# barrier).
 
 def ring_prologue(index: int, tiles):
     """(tile index, stage) of the prologue's copy ``index`` (no copy when the tile index is negative)."""
@@ -223,12 +221,10 @@ def ring_wait(stages: int, shared_dequant: bool) -> int:
     return stages - 2 - int(shared_dequant)
 
 
-# --- dequantized K (``shared_dequant``): each K tile expanded to FP16 once per CTA, not once per warp -------------
+# --- dequantized K (the mma-sync kernel): each K tile expanded to FP16 once per CTA, not once per warp -------------
 # Two buffers after the ring, each [n-tile][quad][lane][16 B]: lane (g, c)'s 16 f16x2 B registers of n-tile n
-# (key 8 n + g, chunk c; register 2 k + b feeds b_b of k-step k) as 4 quads of 4 registers. The expansion is cut
-# into N_TILES x `expand_parts` units (an n-tile, or half of one: k-steps 0-3 / 4-7, quads 0-1 / 2-3, one NVFP4
-# block each); warp w expands the units u with u % warps == w. Every lane writes and reads lane-contiguous
-# 512-byte rows (no bank conflict).
+# (key 8 n + g, chunk c; register 2 k + b feeds b_b of k-step k) as 4 quads of 4 registers; warp w expands n-tile
+# w. Every lane writes and reads lane-contiguous 512-byte rows (no bank conflict).
 
 FRAG_QUADS = 4
 FRAG_BUFFER_BYTES = 4 * FRAG_QUADS * 32 * 16  # 4 n-tiles of a 32-key tile: 8 KB
@@ -242,19 +238,3 @@ def frag_lane_base(stages: int, heads: int, buffer, lane, compensate: bool = Tru
 def frag_offset(n_tile, quad: int):
     """Offset from `frag_lane_base` of the lane's registers 4 quad .. 4 quad + 3 of n-tile ``n_tile``."""
     return FRAG_QUADS * 512 * n_tile + 512 * quad
-
-
-def expand_parts(warps: int) -> int:
-    """Parts an n-tile's expansion is cut into: 2 when the CTA has at least two warps per n-tile, else 1."""
-    return 2 if warps >= 2 * N_TILES else 1
-
-
-def expand_unit(unit, parts: int) -> tuple:
-    """(n-tile, part) of expansion unit ``unit`` (0 .. N_TILES x parts - 1)."""
-    return (unit, 0) if parts == 1 else (unit % N_TILES, unit // N_TILES)
-
-
-def part_quads(part, parts: int) -> list:
-    """The quads of `frag_offset` that part ``part`` of an n-tile writes."""
-    per_part = FRAG_QUADS // parts
-    return [per_part * part + quad for quad in range(per_part)]

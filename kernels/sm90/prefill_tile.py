@@ -1,9 +1,10 @@
 """The register math of one prefill warp on one KV tile, as plain functions of the warp's registers.
 
-`prefill.PrefillSm90` traces these inline (loads, addresses and the tile loop stay in the kernel); the CPU tests
-run the very same functions on a NumPy model of the warp (every register a vector over the 32 lanes, the PTX
-primitives emulated), so the fragment bookkeeping is checked without a GPU. Only the primitives bound at module
-level here and in `warp_mma` may be used (the model replaces them); loops are Python loops (unrolled).
+The mma-sync kernel (`prefill_mma_sync`) traces these inline (loads, addresses and the tile loop stay in the
+kernel), the wgmma kernels their walk, masking and online softmax; the CPU tests run the very same functions on a
+NumPy model of the warp (every register a vector over the 32 lanes, the PTX primitives emulated), so the fragment
+bookkeeping is checked without a GPU. Only the primitives bound at module level here and in `warp_mma` may be
+used (the model replaces them); loops are Python loops (unrolled).
 
 A warp owns 16 query rows; lane (g, c) works on rows g and g + 8 (index r = 0, 1):
 
@@ -20,7 +21,7 @@ import cutlass.cute as cute
 from cutlass import Float32, Uint32
 
 from mpfa.kernels.sm90 import decode_layout as lay
-from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, exp2_poly, shuffle_idx
+from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, shuffle_idx
 from mpfa.kernels.sm90.warp_mma import P_SCALE, p_fragment, p_pair, pv_mtile, qk_ntile, quad_max, quad_sum
 
 select_ = cutlass.select_
@@ -69,16 +70,14 @@ def qk_a_steps(q_lo: list, q_hi: list) -> list:
             for r0, r1 in (lay.qk_step_regs(k_step) for k_step in range(lay.K_STEPS_QK))]
 
 
-def qk_scores(a_steps: list, k_words: list, k_scale_pairs: list, ds_bits: list | None, seen: tuple | None,
-              ntile=None) -> list:
-    """S * 2**-7 of the tile. ``k_words[n]`` / ``k_scale_pairs[n]``: chunk c of key 8 n + g; ``ds_bits[2 n + half]``
-    the BF16 Delta_S of key 8 n + 2c + half (None: no compensation, the direct build); ``seen[r]``: row g + 8 r sees
-    the key 8 n + 2c + half of this tile iff 8 n + half <= seen[r] (None: every row sees every key of the tile).
-    Delta_S, or -inf for a masked score, is the accumulator's initial value. ``ntile``: replaces `qk_ntile` (only
-    for the timing ablations of `ablation`)."""
-    ntile = qk_ntile if ntile is None else ntile
-    return [ntile(a_steps, k_words[n_tile], k_scale_pairs[n_tile], score_init(ds_bits, seen, n_tile))
-            for n_tile in range(len(k_words))]
+def qk_scores(a_steps: list, fragments: list, ds_bits: list | None, seen: tuple | None) -> list:
+    """S * 2**-7 of the tile. ``fragments[n]``: the B registers of n-tile n (chunk c of key 8 n + g,
+    `warp_mma.k_fragments`); ``ds_bits[2 n + half]`` the BF16 Delta_S of key 8 n + 2c + half (None: no
+    compensation, the direct build); ``seen[r]``: row g + 8 r sees the key 8 n + 2c + half of this tile iff
+    8 n + half <= seen[r] (None: every row sees every key of the tile). Delta_S, or -inf for a masked score, is the
+    accumulator's initial value."""
+    return [qk_ntile(a_steps, fragments[n_tile], score_init(ds_bits, seen, n_tile))
+            for n_tile in range(len(fragments))]
 
 
 def score_init(ds_bits: list | None, seen: tuple | None, n_tile: int,
@@ -121,20 +120,18 @@ def lane_row_maxima(scores: list) -> list:
 
 
 def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32, exp2=None,
-                   exact_alpha: bool = False, p_scale_log2: float = 0.0, lane_max: list | None = None,
-                   poly_every: int = 0) -> tuple:
+                   exact_alpha: bool = False, p_scale_log2: float = 0.0, lane_max: list | None = None) -> tuple:
     """Rows g, g + 8: m_new = max(m, rowmax S), P = exp2(lam S - lam m_new), alpha = exp2(lam m - lam m_new),
     l = alpha l + (this lane's part of) rowsum P. A row that has seen no key keeps m = -inf and gets P = 0 and
     alpha = 0 (the reference's m_ref = 0). ``exact_alpha``: alpha is exactly 1 where the row's maximum stays (as
     in the reference; the compiler otherwise fuses lam m - lam m_new into an FFMA that leaves a rounding residue),
-    and 1 for a row that has seen no key (its O and l are 0): what lets a warp skip rescaling O (v3; v1's kernel
-    has no registers left for the select). -> (P in the scores' layout, alphas, new m rows, new l rows).
-    ``exp2``: replaces `exp2_approx` (only for the timing ablations of `ablation`). ``p_scale_log2``: P and l come
-    out times 2**p_scale_log2 (one subtraction per row from the exponent's bias, instead of a multiply per P: the
-    kernels' e4m3(448 P) with log2(448)); alpha is unchanged. ``lane_max``: `lane_row_maxima` of ``scores``, where
-    the caller took them already (v6l's 128-key step takes its first tile's while the second's wgmma runs).
-    ``poly_every`` n > 0: every n-th P of a row (the last of each n) by `exp2_poly` on the FMA pipe, the others
-    (and alpha) by ``exp2`` on the SFU (v7e)."""
+    and 1 for a row that has seen no key (its O and l are 0): what lets a warp skip rescaling O (the wgmma kernels;
+    the mma-sync kernel has no registers left for the select). -> (P in the scores' layout, alphas, new m rows,
+    new l rows). ``exp2``: replaces `exp2_approx` (only for the timing ablations of `ablation`). ``p_scale_log2``:
+    P and l come out times 2**p_scale_log2 (one subtraction per row from the exponent's bias, instead of a multiply
+    per P: the wgmma kernels' e4m3(448 P) with log2(448)); alpha is unchanged. ``lane_max``: `lane_row_maxima` of
+    ``scores``, where the caller took them already (the fp8 kernel's 128-key step takes its first tile's while the
+    second's wgmma runs)."""
     exp2 = exp2_approx if exp2 is None else exp2
     probs = [[None] * 4 for _ in scores]
     alphas, m_new_rows, l_new_rows = [], [], []
@@ -150,8 +147,7 @@ def online_softmax(scores: list, m_rows: list, l_rows: list, lam_scaled: Float32
         row_sum = Float32(0.0)
         for n_tile in range(len(scores)):
             for half in range(2):
-                on_fma = poly_every and (2 * n_tile + half) % poly_every == poly_every - 1
-                p = (exp2_poly if on_fma else exp2)(scores[n_tile][2 * r + half] * lam_scaled - p_bias)
+                p = exp2(scores[n_tile][2 * r + half] * lam_scaled - p_bias)
                 probs[n_tile][2 * r + half] = p
                 row_sum = row_sum + p
         alpha = exp2(m_rows[r] * lam_scaled - m_lam)

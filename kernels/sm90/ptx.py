@@ -256,37 +256,6 @@ def exp2_approx(x: Float32, *, loc=None, ip=None) -> Float32:
     return _unpack(value, struct, 1, T.f32(), Float32)
 
 
-EXP2_POLY = (0.9999280571937561, 0.6932609677314758, 0.2426111251115799, 0.0551716648042202)  # 2**f, |f| <= 1/2
-EXP2_POLY_FLOOR = -126.0  # 2**x below it is 0 to any e4m3 P; above it the exponent add cannot wrap
-
-
-def _f32_hex(value: float) -> str:
-    """A PTX FP32 immediate (``0f`` + the bits)."""
-    import struct
-
-    return "0f%08X" % struct.unpack("<I", struct.pack("<f", value))[0]
-
-
-@dsl_user_op
-def exp2_poly(x: Float32, *, loc=None, ip=None) -> Float32:
-    """2**x on the FMA pipe instead of the SFU (FA4's trick, for a share of the softmax's exponentials): x clamped
-    at `EXP2_POLY_FLOOR`, split into n = round(x) (by adding 1.5 2**23, which leaves n in the low mantissa bits) and
-    f = x - n in [-1/2, 1/2], 2**f by the cubic `EXP2_POLY` (relative error <= 7.5e-5, its minimax fit: far below
-    the e4m3 P's 2**-4 rounding), times 2**n built in the exponent field (exact). 9 ALU / FMA instructions. A NaN x
-    stays NaN (``max.NaN``, then NaN times the scale), as with ``ex2.approx``; adding n to the result's bits instead
-    of multiplying would turn the hardware's NaN 0x7fffffff into a finite value."""
-    c0, c1, c2, c3 = (_f32_hex(c) for c in EXP2_POLY)
-    shifter = _f32_hex(1.5 * 2.0 ** 23)
-    text = ("{\n .reg .f32 x, t, n, f, p, s;\n .reg .b32 nb;\n"
-            f" max.NaN.f32 x, $1, {_f32_hex(EXP2_POLY_FLOOR)};\n"
-            f" add.rn.f32 t, x, {shifter};\n sub.rn.f32 n, t, {shifter};\n sub.rn.f32 f, x, n;\n"
-            f" fma.rn.f32 p, f, {c3}, {c2};\n fma.rn.f32 p, p, f, {c1};\n fma.rn.f32 p, p, f, {c0};\n"
-            " mov.b32 nb, t;\n shl.b32 nb, nb, 23;\n add.s32 nb, nb, 0x3f800000;\n mov.b32 s, nb;\n"
-            " mul.rn.f32 $0, p, s;\n}")
-    value, struct = _asm([T.f32()], [_f32(x, loc, ip)], text, "=f,f")
-    return _unpack(value, struct, 1, T.f32(), Float32)
-
-
 @dsl_user_op
 def shuffle_idx(x: Float32, lane: Uint32, *, loc=None, ip=None) -> Float32:
     """The value of ``x`` held by ``lane`` (all 32 lanes must take part)."""
@@ -386,7 +355,7 @@ def load_shared_u32(smem_address: Int32, offset: int = 0, *, loc=None, ip=None) 
     return _unpack(value, struct, 1, T.i32(), Uint32)
 
 
-# --- 8x8 b16 matrices through shared memory (the FP8 V transpose of prefill v5) -------------------------------------
+# --- 8x8 b16 matrices through shared memory (the fp8 prefill kernel's V transpose) ---------------------------------
 
 @dsl_user_op
 def ldmatrix_x4_trans(smem_address: Int32, *, loc=None, ip=None) -> list:
@@ -448,7 +417,7 @@ def prmt_var(a: Uint32, b: Uint32, selector: Uint32, *, loc=None, ip=None) -> Ui
     """`prmt` with the selector held in a register (one that depends on the lane, or data): byte i of the result is
     byte ``selector`` nibble i (its low 3 bits) of {b, a}, or that byte's sign replicated where the nibble's bit 3
     is set; only the low 16 bits of ``selector`` count. With a table of 8 bytes in {b, a}: 4 look-ups by 3-bit
-    index at once (prefill v6c's e2m1 decode)."""
+    index at once (the fp8 prefill kernel's e2m1 decode)."""
     value, struct = _asm([T.i32()], [_u32(a, loc, ip), _u32(b, loc, ip), _u32(selector, loc, ip)],
                          "prmt.b32 $0, $1, $2, $3;", "=r,r,r,r")
     return _unpack(value, struct, 1, T.i32(), Uint32)

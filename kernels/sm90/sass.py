@@ -26,7 +26,7 @@ def mma_loops(sass: str, mma_prefixes: tuple[str, ...] = ("HGMMA", "QGMMA")) -> 
 
 def loops_issuing(sass: str, prefixes: tuple[str, ...]) -> list[list[str]]:
     """The instructions of each loop body (from a conditional backward branch's target to the branch) with an
-    instruction starting with one of ``prefixes`` (e.g. v6's producer loops: its named barrier
+    instruction starting with one of ``prefixes`` (e.g. a producer's loops: its named barrier
     ``BAR.SYNC.DEFER_BLOCKING 0x1,``). Unconditional backward branches are not loops' back edges: ptxas may place
     an mbarrier wait's retry block after the loops and branch back from it into the middle of one."""
     ops = instructions(sass)

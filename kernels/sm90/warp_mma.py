@@ -54,18 +54,25 @@ def k_chunk_regs(words: list, scale_pair: Uint32) -> list:
     return regs
 
 
-def qk_ntile(a_steps: list, k_words: list, k_scale_pair: Uint32, c_regs: list) -> list:
-    """One 8-key n-tile of S * 2**-7 = Q K^T * 2**-7 + C over the 8 k-steps. ``a_steps[step]``: the 4 A registers
-    of the step; ``k_words``: the lane's chunk of its key's NVFP4 K row, ``k_scale_pair`` its two e4m3 scales
-    (dequantized as e2m1 * scale * 2**-7, exact in FP16); ``c_regs``: the accumulator's initial value
-    (Delta_S * 2**-7, or -inf for a masked score)."""
+def k_fragments(k_words: list, k_scale_pair: Uint32) -> list:
+    """The lane's K chunk (``k_words``: its 4 words of the key's NVFP4 row, ``k_scale_pair`` its two e4m3 block
+    scales) -> the 16 f16x2 B registers of the 8 QK k-steps in k-step order (k-step k: registers 2k, 2k + 1), each
+    e2m1 * 2**-14 * scale * 2**7, i.e. exactly K * 2**-7 (so Q K^T comes out as S * 2**-7)."""
     blocks = _scale_blocks(mul_f16x2(e4m3x2_to_f16x2(k_scale_pair), Uint32(lay.F16X2_TWO_POW_7)))
+    regs = []
     for k_step in range(lay.K_STEPS_QK):
-        b_regs = []
         for reg in lay.qk_step_regs(k_step):
             word, j = divmod(reg, 4)
-            b_regs.append(mul_f16x2(lay.e2m1_word_to_f16x2(k_words[word], j), blocks[lay.scale_block_of_step(k_step)]))
-        c_regs = mma_f16_m16n8k16(a_steps[k_step], b_regs, c_regs)
+            regs.append(mul_f16x2(lay.e2m1_word_to_f16x2(k_words[word], j), blocks[lay.scale_block_of_step(k_step)]))
+    return regs
+
+
+def qk_ntile(a_steps: list, fragments: list, c_regs: list) -> list:
+    """One 8-key n-tile of S * 2**-7 = Q K^T * 2**-7 + C over the 8 k-steps. ``a_steps[step]``: the 4 A registers
+    of the step; ``fragments``: the n-tile's B registers (`k_fragments`); ``c_regs``: the accumulator's initial
+    value (Delta_S * 2**-7, or -inf for a masked score)."""
+    for k_step in range(lay.K_STEPS_QK):
+        c_regs = mma_f16_m16n8k16(a_steps[k_step], fragments[2 * k_step:2 * k_step + 2], c_regs)
     return c_regs
 
 

@@ -1,10 +1,12 @@
-"""The prefill kernel's register math, run on the CPU: every register of a warp is a NumPy vector over its 32 lanes
-and the PTX primitives that `warp_mma` and `prefill_tile` use are emulated (MMAs with NVIDIA's fragment layouts, as
-in test_decode_layout), so the very functions the kernel traces compute one warp's 16 query rows over its KV
-tiles. The glue (which lane loads which bytes) mirrors `prefill.PrefillSm90`'s loads. The result must equal the
-reference's `mpfa` tile loop (`reference._kv_tiles`, 32-key tiles in reverse) on the same NVFP4/FP8 operands, up
-to FP32 summation order: causal with kv_len > q_len (chunked prefill), rows that see no key, a ragged last tile,
-and non-causal, through both of the kernel's tile loops (masked tiles, then unpredicated whole tiles)."""
+"""The prefill register math, run on the CPU: every register of a warp is a NumPy vector over its 32 lanes and the
+PTX primitives that `warp_mma` and `prefill_tile` use are emulated (MMAs with NVIDIA's fragment layouts, as in
+test_decode_layout), so the very functions the mma-sync kernel traces compute one warp's 16 query rows over its
+KV tiles. The glue gathers each lane's operands from the paged cache's bytes (the bytes the kernel's ring stage
+gives it: test_prefill_staged_layout) and expands K as the kernel's shared expansion does (`warp_mma.k_fragments`).
+The result must equal the reference's `mpfa` tile loop (`reference._kv_tiles`, 32-key tiles in reverse) on the same
+NVFP4/FP8 operands, up to FP32 summation order: causal with kv_len > q_len (chunked prefill), rows that see no
+key, a ragged last tile, and non-causal, through both of the kernel's tile loops (masked tiles, then whole tiles).
+"""
 
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 from mpfa.kernels.sm90 import decode_layout as lay  # noqa: E402
 from mpfa.kernels.sm90 import prefill_tile as tile_math  # noqa: E402
 from mpfa.kernels.sm90 import warp_mma  # noqa: E402
-from mpfa.kernels.sm90.prefill import TILE_KEYS, WARP_ROWS  # noqa: E402
+from mpfa.kernels.sm90.prefill_staged_layout import TILE_KEYS, WARP_ROWS  # noqa: E402
 
 LANES = np.arange(32)
 G, C = LANES // 4, LANES % 4
@@ -164,7 +166,7 @@ def _gather_pair(rows: np.ndarray, index, valid) -> np.ndarray:
 
 
 def warp_forward(q, k, v, ds_bits, row0, q_len, kv_len, causal, lam):
-    """One warp of `PrefillSm90` on one (sequence, head): q/k NVFP4 (codes, uint8 scales), v e4m3 bytes
+    """One warp of the mma-sync kernel on one (sequence, head): q/k NVFP4 (codes, uint8 scales), v e4m3 bytes
     [kv_len, 128], ds_bits BF16 bits [kv_len] -> output rows row0..row0 + 15 [16, 128] (NaN where not written)."""
     q_codes, q_scales = q
     k_codes, k_scales = k
@@ -187,19 +189,19 @@ def warp_forward(q, k, v, ds_bits, row0, q_len, kv_len, causal, lam):
     assert [tile for tile, _ in plan] == list(range(int(num_tiles[0]) - 1, -1, -1))
     for tile_index, masked in plan:
         tile = tile_index * TILE_KEYS
-        if not masked:  # the unpredicated path: every key exists and every row of the warp sees it
+        if not masked:  # the whole-tile path: every key exists and every row of the warp sees it
             assert tile + TILE_KEYS <= kv_len and all(np.all(limit >= tile + TILE_KEYS - 1) for limit in limits)
-        k_words, k_scale_pairs, ds = [], [], []
+        fragments, ds = [], []
         for n_tile in range(TILE_KEYS // 8):
             key = tile + lay.qk_key(n_tile, G)
-            k_words.append(_gather_words(k_codes, (key, 16 * C), key < kv_len))
-            k_scale_pairs.append(_gather_pair(k_scales, (key, 2 * C), key < kv_len))
+            fragments.append(warp_mma.k_fragments(_gather_words(k_codes, (key, 16 * C), key < kv_len),
+                                                  _gather_pair(k_scales, (key, 2 * C), key < kv_len)))
         for n_tile in range(TILE_KEYS // 8):
             for half in range(2):
                 key = tile + lay.score_key(n_tile, C, half)
                 ds.append(np.where(key < kv_len, ds_bits[np.minimum(key, kv_len - 1)], 0).astype(np.uint32))
         seen = tuple(limit - tile - 2 * C for limit in limits) if masked else None
-        scores = tile_math.qk_scores(a_steps, k_words, k_scale_pairs, ds, seen)
+        scores = tile_math.qk_scores(a_steps, fragments, ds, seen)
         probs, alphas, m_rows, l_rows = tile_math.online_softmax(scores, m_rows, l_rows, _f32(lam * 2.0**7))
         acc = tile_math.rescale(acc, alphas, C)
         for pv in range(TILE_KEYS // 32):
@@ -264,14 +266,15 @@ def test_direct_scores_are_the_scores_of_a_zero_delta_s(numpy_warp, masked):
     scores are bit for bit those of an all-zero Delta_S, masked scores -inf in both."""
     rng = np.random.default_rng(11)
     a_steps = [[_from_halves(rng.uniform(-2, 2, (32, 2))) for _ in range(4)] for _ in range(lay.K_STEPS_QK)]
-    k_words = [[rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32) for _ in range(4)]
-               for _ in range(lay.N_TILES)]
-    scale_pairs = [rng.integers(0x28, 0x48, 32).astype(np.uint32) | rng.integers(0x28, 0x48, 32).astype(np.uint32) << 8
-                   for _ in range(lay.N_TILES)]
+    fragments = [warp_mma.k_fragments([rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32)
+                                       for _ in range(4)],
+                                      rng.integers(0x28, 0x48, 32).astype(np.uint32)
+                                      | rng.integers(0x28, 0x48, 32).astype(np.uint32) << 8)
+                 for _ in range(lay.N_TILES)]
     seen = (C + 3, C + 17) if masked else None
     zeros = [np.zeros(32, dtype=np.uint32)] * (2 * lay.N_TILES)
-    direct = tile_math.qk_scores(a_steps, k_words, scale_pairs, None, seen)
-    compensated = tile_math.qk_scores(a_steps, k_words, scale_pairs, zeros, seen)
+    direct = tile_math.qk_scores(a_steps, fragments, None, seen)
+    compensated = tile_math.qk_scores(a_steps, fragments, zeros, seen)
     for n_tile in range(lay.N_TILES):
         for reg in range(4):
             assert np.array_equal(_f32(direct[n_tile][reg]).view(np.uint32),
@@ -310,7 +313,7 @@ def test_p_scale_in_the_exponent(numpy_warp, exact_alpha):
 def test_lane_row_maxima_is_the_rows_maximum(numpy_warp, blocks):
     """`lane_row_maxima` (4 chains joined by a tree) is each row's maximum over the lane's scores, -inf included,
     for the tiles' widths (1 .. 16 blocks of 8 keys: 2 .. 32 scores per row); the maximum of two parts' maxima is
-    the whole's (v6l's step takes its two tiles' apart); `online_softmax` given them returns what it computes."""
+    the whole's (the fp8 kernel's 128-key step takes its two tiles' apart); `online_softmax` given them returns what it computes."""
     gen = np.random.default_rng(blocks)
     scores = [[_f32(gen.normal(0.0, 4.0, 32)) for _ in range(4)] for _ in range(blocks)]
     scores[0][1] = np.where(G < 3, -np.inf, scores[0][1]).astype(np.float32)

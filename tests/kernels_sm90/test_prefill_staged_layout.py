@@ -1,18 +1,17 @@
-"""The staged prefill's shared-memory plumbing, byte for byte on the CPU (`prefill_staged_layout`, the functions the
-kernel traces), for CTAs of 4 and 8 warps: every thread of a CTA runs its cp.async units of one tile (the copy
-plan's warp slots) into a poisoned model of the stage (zero fill past the sequence end), then every lane of every
-warp reads its operands back exactly where the kernel reads them, and must get exactly the bytes v1
-(`prefill.PrefillSm90`) loads from the paged cache for that lane: K chunk c and block scales 2c, 2c + 1 of key
-8 n + g, Delta_S of the warp's head at key 8 n + 2c + half, V chunk g of key `pv_key(k_half, c, j)`; zeros for
-keys past the end. The copies must cover the stage without overlap, the warp's shared-memory reads must be free
-of bank conflicts, and the K expansion shared by the warps must write every fragment once, bit-identical to the
-expansion of a whole n-tile."""
+"""The prefill kernels' ring stages (`prefill_staged_layout`, the functions the kernels trace), byte for byte on the
+CPU: every thread of the 4 copying warps runs its cp.async units of one 32-key tile (the copy plan's warp slots)
+into a poisoned model of the stage (zero fill past the sequence end), then every lane of every warp reads its
+operands back exactly where the mma-sync kernel reads them, and must get exactly the bytes of the paged cache its
+registers stand for: K chunk c and block scales 2c, 2c + 1 of key 8 n + g, Delta_S of the warp's head at key
+8 n + 2c + half, V chunk g of key `pv_key(k_half, c, j)`; zeros for keys past the end. Also for an odd number of
+query heads (5:1, Qwen3-14B at tensor parallelism 8: Delta_S rows are padded per KV head, so every 4-byte word is
+aligned). The copies must cover the stage without overlap, the warp's shared-memory reads must be free of bank
+conflicts, and the K expansion's fragment buffers must sit after the ring."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from siblings import load
 
 from mpfa.kernels.cache_layout import delta_s_row
 from mpfa.kernels.sm90 import decode_layout as lay
@@ -43,12 +42,12 @@ def _row(cache: dict, name: str, slot: int, kv_head: int, group_first: int) -> n
     return row[4 * sl.ds_first_word(group_first):] if name == "delta_s" else row
 
 
-def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, group_first: int, heads: int, warps: int,
+def _copy_tile(cache: dict, slot0: int, left: int, kv_head: int, group_first: int, heads: int,
                compensate: bool = True):
     """The stage after every warp's copies (cp.async with src-size 0 past the end writes zeros)."""
     stage = np.full(sl.stage_bytes(heads, compensate), POISON, dtype=np.uint8)
     written = np.zeros(stage.size, dtype=np.int64)
-    for (name, units, size, copy_map), r, first_warp, end_warp in sl.copy_plan(heads, warps, compensate):
+    for (name, units, size, copy_map), r, first_warp, end_warp in sl.copy_plan(heads, compensate):
         for tid in range(32 * first_warp, 32 * end_warp):
             unit = tid + r
             assert 0 <= unit < units
@@ -79,23 +78,24 @@ CASES = [  # (KV heads, group, heads per CTA, KV head of the CTA, first head ind
     (8, 5, 1, 5, 0),
     (8, 5, 5, 3, 0),  # a whole odd group (3 words per key, starting 2 bytes in)
     (4, 2, 2, 1, 0),
+    (1, 5, 1, 0, 3),  # 5:1, an odd number of query heads (Qwen3-14B at tensor parallelism 8)
+    (3, 1, 1, 2, 0),  # 3:3, odd, GQA group 1
 ]
 
 
-@pytest.mark.parametrize("warps", sl.CTA_WARP_CHOICES)
 @pytest.mark.parametrize("hkv,group,heads,kv_head,head_offset", CASES,
-                         ids=["g4-h4", "g5-h1-odd", "g5-h1-even", "g5-h5", "g2-h2"])
+                         ids=["g4-h4", "g5-h1-odd", "g5-h1-even", "g5-h5", "g2-h2", "5:1-odd-heads", "3:3-odd-heads"])
 @pytest.mark.parametrize("left", [32, 19, 1], ids=["whole-tile", "ragged", "one-key"])
 @pytest.mark.parametrize("compensate", [True, False], ids=["compensated", "direct"])
-def test_lanes_read_what_v1_loads(hkv, group, heads, kv_head, head_offset, left, warps, compensate):
-    """Every lane reads exactly v1's bytes (the module docstring); the direct build (``compensate`` false) copies
-    the same stage less Delta_S and does not allocate its area."""
+def test_lanes_read_the_caches_bytes(hkv, group, heads, kv_head, head_offset, left, compensate):
+    """Every lane reads exactly its registers' bytes of the paged cache (the module docstring); the direct build
+    (``compensate`` false) copies the same stage less Delta_S and does not allocate its area."""
     rng = np.random.default_rng(hkv * 100 + group * 10 + heads + left)
     page_size, pages = 64, 6
     cache = _cache(rng, page_size * pages, hkv, group)
     slot0 = 3 * page_size + 32  # the second tile of page 3
-    threads = 32 * warps
-    stage, written = _copy_tile(cache, slot0, left, kv_head, head_offset, heads, warps, compensate)
+    threads = 32 * sl.CTA_WARPS
+    stage, written = _copy_tile(cache, slot0, left, kv_head, head_offset, heads, compensate)
 
     used = sl.DS_OFFSET + (4 * sl.ds_units(heads) if compensate else 0)
     size = sl.stage_bytes(heads, compensate)
@@ -144,23 +144,20 @@ def test_cta_shapes():
     assert sl.stage_bytes(4, compensate=False) == sl.stage_bytes(1, compensate=False) == sl.DS_OFFSET == 6400
     assert all(heads * rows == sl.CTA_WARPS for heads, rows in map(sl.cta_shape, range(1, 9)))
     assert sl.warpgroup_rows(4) == 16 and sl.warpgroup_rows(5) == 64 and sl.warpgroup_rows(2) == 32
-    # 8 warps: twice the rows where a 4-warp CTA holds 4 heads (GQA 32:8), the 4-warp shape elsewhere (40:8)
-    assert sl.cta_shape(4, 8) == (4, 2) and sl.cta_shape(8, 8) == (4, 2)
-    assert all(sl.cta_shape(group, 8) == sl.cta_shape(group) for group in (1, 2, 3, 5, 6, 7))
 
 
-@pytest.mark.parametrize("warps", sl.CTA_WARP_CHOICES)
 @pytest.mark.parametrize("heads", [1, 2, 4, 5])
 @pytest.mark.parametrize("compensate", [True, False], ids=["compensated", "direct"])
-def test_copy_plan_deals_whole_warp_slots_evenly(heads, warps, compensate):
-    """Every warp slot of every array once, round by round; a warp copies at most ceil(slots / warps) slots
-    (4 warps: 4 of the 15 slots of group 4's stage, 8 warps: 2). The direct build copies no Delta_S."""
+def test_copy_plan_deals_whole_warp_slots_evenly(heads, compensate):
+    """Every warp slot of every array once, round by round; a warp copies at most ceil(slots / 4) slots (4 of the 15
+    slots of group 4's stage). The direct build copies no Delta_S."""
+    warps = sl.CTA_WARPS
     arrays = sl.copy_arrays(heads, compensate)
     assert [name for name, _, _, _ in arrays] == ["k", "v", "scales"] + ["delta_s"] * compensate
     slots = sum(units for _, units, _, _ in arrays) // 32
     per_warp = np.zeros(warps, dtype=int)
     seen = []
-    for (name, units, _, _), r, first_warp, end_warp in sl.copy_plan(heads, warps, compensate):
+    for (name, units, _, _), r, first_warp, end_warp in sl.copy_plan(heads, compensate):
         assert 0 <= first_warp < end_warp <= warps
         per_warp[first_warp:end_warp] += 1
         seen += [(name, (32 * warp + r) // 32) for warp in range(first_warp, end_warp)]
@@ -172,11 +169,11 @@ def test_copy_plan_deals_whole_warp_slots_evenly(heads, warps, compensate):
 @pytest.mark.parametrize("row_blocks", [2, 4])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
 def test_cta_walk_covers_every_warps_tiles(monkeypatch: pytest.MonkeyPatch, row_blocks, causal):
-    """A CTA of several 16-row blocks (8 warps x group 4: 2; group 5: 4) walks the tiles of its last row
-    (`PrefillSm90Staged._walk`: `prefill_tile.warp_plan` over the CTA's rows) and masks the tiles its first row does
-    not see whole: every warp's own tiles (v1's plan for its rows) are among the CTA's, the CTA walks no tile that
-    no warp needs, and a tile the CTA takes as whole is whole for every row of every warp (so the unmasked loop is
-    bit-identical to v1's masked or unmasked one). Ragged, chunked and short sequences."""
+    """A CTA of several 16-row blocks (group 2: 2; group 5: 4) walks the tiles of its last row
+    (`prefill_base.PrefillSm90Base._walk`: `prefill_tile.warp_plan` over the CTA's rows) and masks the tiles its first
+    row does not see whole: every warp's own tiles (the plan for its rows) are among the CTA's, the CTA walks no tile
+    that no warp needs, and a tile the CTA takes as whole is whole for every row of every warp (so the whole-tile
+    loop is bit-identical to a per-warp walk's masked or whole one). Ragged, chunked and short sequences."""
     pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
     from mpfa.kernels.sm90 import prefill_tile as tile_math
 
@@ -204,8 +201,8 @@ def test_cta_walk_covers_every_warps_tiles(monkeypatch: pytest.MonkeyPatch, row_
                 assert needed == cta_tiles
 
 
-@pytest.mark.parametrize("shared_dequant", [False, True], ids=["plain", "shared-dequant"])
-@pytest.mark.parametrize("stages", [2, 4, 8])
+@pytest.mark.parametrize("stages,shared_dequant", [(2, False), (4, False), (8, False), (4, True), (8, True)],
+                         ids=["2-stages", "4-stages", "8-stages", "4-stages-shared-dequant", "8-stages-shared-dequant"])
 @pytest.mark.parametrize("tiles", [0, 1, 2, 3, 4, 5, 11])
 def test_ring_schedule(tiles, stages, shared_dequant):
     """The kernel's walk through the ring (`ring_prologue`, `ring_copy`, `ring_compute`, `ring_wait`) against a
@@ -214,9 +211,8 @@ def test_ring_schedule(tiles, stages, shared_dequant):
     (its V / Delta_S, or its K still to be expanded) nor one read before the barrier of this step; every tile is
     copied once; each copy's page-table entry was fetched the step before. With ``shared_dequant``, step p
     expands the K of step p + 1 from a landed stage into the fragment buffer step p + 1 reads, and computes from
-    the buffer holding its own tile, written before this step's barrier."""
-    if shared_dequant and stages < 3:
-        pytest.skip("shared dequantization needs 3 stages or more")
+    the buffer holding its own tile, written before this step's barrier (the mma-sync kernel: 4 stages; the exact
+    kernel: 2, without)."""
     lookahead = int(shared_dequant)
     groups, holds, copied, last_read = [], {}, [], {}
     for index in range(stages - 1):
@@ -259,17 +255,6 @@ def test_ring_schedule(tiles, stages, shared_dequant):
     assert copied == list(range(tiles - 1, -1, -1))
 
 
-@pytest.mark.parametrize("warps", sl.CTA_WARP_CHOICES)
-def test_expansion_units_write_every_fragment_once(warps):
-    """The warps' expansion units (`expand_unit`, `part_quads`) cover every (n-tile, quad) of a fragment buffer
-    exactly once; 8 warps split each n-tile in two halves of one NVFP4 block each."""
-    parts = sl.expand_parts(warps)
-    assert parts == warps // sl.CTA_WARPS
-    written = [(n_tile, quad) for unit in range(sl.N_TILES * parts)
-               for n_tile, part in [sl.expand_unit(unit, parts)] for quad in sl.part_quads(part, parts)]
-    assert sorted(written) == [(n, q) for n in range(sl.N_TILES) for q in range(sl.FRAG_QUADS)]
-
-
 @pytest.mark.parametrize("compensate", [True, False], ids=["compensated", "direct"])
 def test_fragment_buffers_sit_after_the_ring_without_bank_conflicts(compensate):
     for heads in (1, 2, 4, 5):
@@ -283,56 +268,3 @@ def test_fragment_buffers_sit_after_the_ring_without_bank_conflicts(compensate):
                 assert flat.max() + 16 <= ring + (buffer + 1) * sl.FRAG_BUFFER_BYTES
                 assert len(set(flat.tolist())) == flat.size  # every (n-tile, quad, lane) its own 16 bytes
                 assert all(_banks_conflict_free(o, 16) for o in offsets)
-
-
-# --- the expanded-K QK^T on the NumPy model of a warp (test_prefill_layout's emulated primitives) ------------------
-
-def _numpy_warp_module():
-    return load("test_prefill_layout.py", "_prefill_layout_model")
-
-
-def test_expanded_k_gives_v1_scores_bit_for_bit(monkeypatch: pytest.MonkeyPatch):
-    """`prefill_tile.qk_scores` through the ``ntile`` hook on `k_fragments` (shared dequantization) equals v1's
-    `qk_scores` bit for bit on the emulated warp, masked or not: same B registers, same MMA chains; the two halves
-    of `k_fragment_part` (8-warp CTAs) are exactly `k_fragments`' registers."""
-    pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
-    from mpfa.kernels.sm90 import prefill_staged_tile, warp_mma
-    from mpfa.kernels.sm90 import prefill_tile as tile_math
-    from mpfa.kernels.sm90.prefill_staged_tile import k_fragment_part, k_fragments, qk_ntile_from_fragments
-
-    model = _numpy_warp_module()
-    shared = dict(Uint32=model._u32, Float32=model._f32, fmax=np.fmax)
-    for name in ("shuffle_xor", "prmt", "mul_f16x2", "e4m3x2_to_f16x2", "f32x2_to_e4m3x2", "mma_f16_m16n8k16",
-                 "mma_e4m3_m16n8k32"):
-        monkeypatch.setattr(warp_mma, name, getattr(model, name))
-    for name, value in shared.items():
-        monkeypatch.setattr(warp_mma, name, value)
-    for name, value in {**shared, "shuffle_idx": model.shuffle_idx, "bits_to_f32": model.bits_to_f32,
-                        "exp2_approx": model.exp2_approx, "select_": model.select_}.items():
-        monkeypatch.setattr(tile_math, name, value)
-    monkeypatch.setattr(prefill_staged_tile, "select_", model.select_)
-
-    rng = np.random.default_rng(7)
-    a_steps = [[model._from_halves(rng.uniform(-2, 2, (32, 2))) for _ in range(4)] for _ in range(lay.K_STEPS_QK)]
-    k_words = [[rng.integers(0, 2**32, 32, dtype=np.uint64).astype(np.uint32) for _ in range(4)]
-               for _ in range(lay.N_TILES)]
-    scale_pairs = [rng.integers(0x28, 0x48, 32).astype(np.uint32) | rng.integers(0x28, 0x48, 32).astype(np.uint32) << 8
-                   for _ in range(lay.N_TILES)]
-    ds_bits = [rng.integers(0x3c00, 0x4100, 32).astype(np.uint32) for _ in range(2 * lay.N_TILES)]
-    for seen in (None, (C + 3, C + 17)):
-        v1 = tile_math.qk_scores(a_steps, k_words, scale_pairs, ds_bits, seen)
-        fragments = [k_fragments(words, pair) for words, pair in zip(k_words, scale_pairs)]
-        for words, pair, whole in zip(k_words, scale_pairs, fragments):  # 8 warps: two halves, part at run time
-            halves = [k_fragment_part(words, pair, np.full(32, part), 2) for part in range(2)]
-            assert all(np.array_equal(a, b) for a, b in zip(halves[0] + halves[1], whole))
-            assert all(np.array_equal(a, b) for a, b in zip(k_fragment_part(words, pair, 0, 1), whole))
-        v2 = tile_math.qk_scores(a_steps, fragments, [None] * lay.N_TILES, ds_bits, seen,
-                                 ntile=qk_ntile_from_fragments)
-        for n_tile in range(lay.N_TILES):
-            for reg in range(4):
-                assert np.array_equal(model._f32(v1[n_tile][reg]).view(np.uint32),
-                                      model._f32(v2[n_tile][reg]).view(np.uint32))
-        if seen is None:
-            assert all(np.isfinite(model._f32(x)).all() for n_tile in v2 for x in n_tile)
-        else:
-            assert np.isinf(model._f32(v2[3][0])).all() and np.isfinite(model._f32(v2[0][2])).all()

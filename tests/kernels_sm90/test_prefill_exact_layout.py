@@ -1,15 +1,17 @@
-"""The index mappings the wgmma prefill (v3, `prefill_wgmma`) assumes, checked on the CPU against CuTe's layouts of
-the same tiled MMAs (traced host-side, every thread of the warpgroup) and the PTX ISA's wgmma fragment layouts:
+"""The index mappings the wgmma prefill kernels assume (`prefill_wgmma`, `prefill_exact`), checked on the CPU against
+CuTe's layouts of the same tiled MMAs (traced host-side, every thread of the warpgroup) and the PTX ISA's wgmma
+fragment layouts:
 
 * the F32 accumulator of ``m64nNk16`` (QK's S, PV's O): register ``4 j + 2 r + h`` of thread t (warp w, lane
-  (g, c) = (lane / 4, lane % 4)) is row 16 w + g + 8 r, column 8 j + 2 c + h -- what the kernel assumes when it
-  initialises S with Delta_S / -inf of (head w, query g + 8 r, key 8 j + 2 c + h), runs v1's online softmax on rows
-  g, g + 8 (a row's 64 keys in the 4 lanes of one quad), rescales O by alpha of row g + 8 r and stores O;
-* the FP16 register A fragment of the PV wgmma: `p_operand`'s word ``v1 + 2 v2 + 4 k`` is the fragment's f16x2
-  holding A[row, key] for exactly the rows and keys whose P it packs;
-* the shared-memory operands: Q and K as K-major [row][dim] and V read transposed as MN-major V^T (dims contiguous)
-  address element (row, dim) at the byte `operand_offset` wrote it, in the canonical 128-byte-swizzle form wgmma's
-  descriptor describes.
+  (g, c) = (lane / 4, lane % 4)) is row 16 w + g + 8 r, column 8 j + 2 c + h -- what the kernels assume when they
+  initialise S with -inf of (head w, query g + 8 r, key 8 j + 2 c + h), run the online softmax on rows g, g + 8 (a
+  row's 64 keys in the 4 lanes of one quad), rescale O by alpha of row g + 8 r and store O;
+* the FP16 register A fragment of the exact kernel's PV wgmma: `p_operand`'s word ``r + 2 b + 4 k`` is the
+  fragment's f16x2 holding A[row, key] for exactly the rows and keys whose P it packs;
+* the shared-memory operands of the exact kernel: Q and K as K-major [row][dim] and V read transposed as MN-major
+  V^T (dims contiguous) address element (row, dim) at the byte `operand_offset` wrote it, in the canonical
+  128-byte-swizzle form wgmma's descriptor describes;
+* the expansion's thread mappings (every element once, no bank conflict) and the two-warpgroup walk.
 """
 
 from __future__ import annotations
@@ -27,19 +29,21 @@ import cutlass.utils.hopper_helpers as sm90_utils  # noqa: E402
 from cutlass import Float32  # noqa: E402
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup  # noqa: E402
 
+from mpfa.kernels.sm90 import prefill_exact as exact  # noqa: E402
 from mpfa.kernels.sm90 import prefill_staged_layout as sl  # noqa: E402
-from mpfa.kernels.sm90 import prefill_wgmma as v3  # noqa: E402
+from mpfa.kernels.sm90 import prefill_wgmma as wgmma  # noqa: E402
 
-THREADS = v3.THREADS
+THREADS = wgmma.THREADS
 M = 64
+TILE_KEYS, HEAD_DIM, N_BLOCKS, ROWS = wgmma.TILE_KEYS, exact.HEAD_DIM, wgmma.N_BLOCKS, wgmma.ROWS
 
 
 def _mmas():
-    """The kernel's two tiled MMAs (as `PrefillSm90Wgmma.kernel` builds them)."""
+    """The exact kernel's two tiled MMAs (as `PrefillSm90Exact.kernel` builds them)."""
     mma_qk = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
-                                               OperandMajorMode.K, Float32, (1, 1, 1), (M, v3.TILE_KEYS))
+                                               OperandMajorMode.K, Float32, (1, 1, 1), (M, TILE_KEYS))
     mma_pv = sm90_utils.make_trivial_tiled_mma(cutlass.Float16, cutlass.Float16, OperandMajorMode.K,
-                                               OperandMajorMode.MN, Float32, (1, 1, 1), (M, v3.HEAD_DIM),
+                                               OperandMajorMode.MN, Float32, (1, 1, 1), (M, HEAD_DIM),
                                                a_source=warpgroup.OperandSource.RMEM)
     return mma_qk, mma_pv
 
@@ -80,7 +84,7 @@ def _ptx_a(t: int, i: int) -> tuple:
 
 def _accumulators(found):
     mma_qk, mma_pv = _mmas()
-    for name, mma, n in (("qk", mma_qk, v3.TILE_KEYS), ("pv", mma_pv, v3.HEAD_DIM)):
+    for name, mma, n in (("qk", mma_qk, TILE_KEYS), ("pv", mma_pv, HEAD_DIM)):
         coords = []
         for t in range(THREADS):
             thr = mma.get_slice(t)
@@ -103,7 +107,7 @@ def accumulators():
 def test_accumulator_fragment_is_ptx_layout(accumulators):
     """CuTe's C partition of both MMAs, and the register order of the kernel's ``make_rmem_tensor`` fragments, is
     the PTX accumulator layout: register 4 j + 2 r + h = row 16 w + g + 8 r, column 8 j + 2 c + h."""
-    for name, n in (("qk", v3.TILE_KEYS), ("pv", v3.HEAD_DIM)):
+    for name, n in (("qk", TILE_KEYS), ("pv", HEAD_DIM)):
         assert all(accumulators[name + "_frag_identity"])
         coords = accumulators[name]
         assert all(coords[t][i] == _ptx_acc(t, i) for t in range(THREADS) for i in range(M * n // THREADS))
@@ -113,15 +117,15 @@ def test_accumulator_fragment_is_ptx_layout(accumulators):
 
 def test_score_init_and_softmax_rows(accumulators):
     """(a) ``acc_s[4 block + i] = score_init(...)[i]``: score_init's value i is row g + 8 (i // 2), key
-    8 block + 2c + i % 2 (Delta_S of that key, ``ds_read(block % 4, i % 2)`` in 32-key half ``block // 4``, masked
-    iff the key is past ``limits[i // 2]``); M row 16 h + i is head h (= warp, ``head_in_cta``), query row i.
-    (b) v1's online softmax treats scores[block][2 r + h] as row g + 8 r; its quad reductions (lanes 4 g .. 4 g + 3)
+    8 block + 2c + i % 2 (masked iff the key is past ``limits[i // 2]``); M row 16 h + i is head h (= warp,
+    ``head_in_cta``), query row i.
+    (b) the online softmax treats scores[block][2 r + h] as row g + 8 r; its quad reductions (lanes 4 g .. 4 g + 3)
     see all 64 keys of the row and no other row's."""
     coords = accumulators["qk"]
     for t in range(THREADS):
         warp, lane = t // 32, t % 32
         g, c = lane // 4, lane % 4
-        for block in range(v3.N_BLOCKS):
+        for block in range(N_BLOCKS):
             for i in range(4):
                 r, half = i // 2, i % 2
                 row, key = coords[t][4 * block + i]
@@ -131,10 +135,10 @@ def test_score_init_and_softmax_rows(accumulators):
     for warp in range(4):
         for g in range(8):
             for r in range(2):
-                keys = sorted(key for lane in range(4 * g, 4 * g + 4) for i in range(v3.TILE_KEYS * M // THREADS)
+                keys = sorted(key for lane in range(4 * g, 4 * g + 4) for i in range(TILE_KEYS * M // THREADS)
                               for row, key in [coords[32 * warp + lane][i]]
                               if row == 16 * warp + g + 8 * r and (i >> 1) & 1 == r)
-                assert keys == list(range(v3.TILE_KEYS))
+                assert keys == list(range(TILE_KEYS))
 
 
 def test_output_rescale_and_store(accumulators):
@@ -146,7 +150,7 @@ def test_output_rescale_and_store(accumulators):
         g, c = lane // 4, lane % 4
         for i in range(len(coords[t])):
             assert coords[t][i][0] == 16 * warp + g + 8 * ((i >> 1) & 1)
-        for j in range(v3.HEAD_DIM // 8):
+        for j in range(HEAD_DIM // 8):
             for r in range(2):
                 for h in range(2):
                     assert coords[t][4 * j + 2 * r + h] == (16 * warp + g + 8 * r, 8 * j + 2 * c + h)
@@ -156,8 +160,8 @@ def _a_fragment(found):
     _, mma_pv = _mmas()
     for t in range(THREADS):
         thr = mma_pv.get_slice(t)
-        part = thr.partition_A(cute.make_identity_tensor((M, v3.TILE_KEYS)))
-        frag = thr.make_fragment_A(thr.partition_shape_A((M, v3.TILE_KEYS)))  # the kernel's t_p
+        part = thr.partition_A(cute.make_identity_tensor((M, TILE_KEYS)))
+        frag = thr.make_fragment_A(thr.partition_shape_A((M, TILE_KEYS)))  # the kernel's t_p
         n = cute.size(frag)
         # element e of t_p (register order) -> (row, key) of A it holds: frag and part share the value shape
         found.setdefault("a", []).append([tuple(part[frag.layout.get_hier_coord(e)]) for e in range(n)])
@@ -176,7 +180,7 @@ def a_fragment():
 def test_register_a_fragment_is_ptx_layout(a_fragment):
     """CuTe's RS A fragment of the PV MMA (the kernel's ``t_p``): 4 k-steps of 8 FP16, element 8 k + i of thread
     t = PTX's a_i of k-step k: A[16 w + g + 8 ((i >> 1) & 1), 16 k + 2 c + (i & 1) + 8 (i >> 2)]."""
-    assert set(a_fragment["k_steps"]) == {v3.TILE_KEYS // 16}
+    assert set(a_fragment["k_steps"]) == {TILE_KEYS // 16}
     assert set(map(tuple, a_fragment["step_order"])) == {tuple(range(8))}
     for t in range(THREADS):
         for e, coord in enumerate(a_fragment["a"][t]):
@@ -189,13 +193,13 @@ def test_p_operand_places_p_where_pv_reads_it(a_fragment, accumulators, monkeypa
     """`p_operand` on symbolic P: P of (row, key) -- at S accumulator register 4 block + i -- lands in the f16x2
     word of ``t_p`` (recast to 32 bits: elements 2 word, 2 word + 1) that the PV wgmma reads as A[row, key],
     A[row, key + 1], for every thread and k-step."""
-    monkeypatch.setattr(v3, "p_pair", lambda lo, hi: (lo, hi))
-    monkeypatch.setattr(v3, "e4m3x2_to_f16x2", lambda pair: pair)
+    monkeypatch.setattr(exact, "f32x2_to_e4m3x2", lambda lo, hi: (lo, hi))
+    monkeypatch.setattr(exact, "e4m3x2_to_f16x2", lambda pair: pair)
     s_coords = accumulators["qk"]
     for t in range(THREADS):
-        probs = [[s_coords[t][4 * block + i] for i in range(4)] for block in range(v3.N_BLOCKS)]
+        probs = [[s_coords[t][4 * block + i] for i in range(4)] for block in range(N_BLOCKS)]
         words = {}
-        v3.p_operand(probs, words)
+        exact.p_operand(probs, words)
         a = a_fragment["a"][t]
         assert sorted(words) == list(range(len(a) // 2))
         for word, (lo, hi) in words.items():
@@ -203,14 +207,14 @@ def test_p_operand_places_p_where_pv_reads_it(a_fragment, accumulators, monkeypa
 
 
 def _operands(found):
-    layout = v3.operand_layout()
+    layout = exact.operand_layout()
     found["swizzle"] = str(layout.inner)
     found["outer"] = str(layout.outer)
     # the kernel's V^T view: (dim, key) -> V's (key, dim)
-    vt = cute.composition(layout.outer, cute.make_ordered_layout((v3.HEAD_DIM, v3.TILE_KEYS), order=(1, 0)))
+    vt = cute.composition(layout.outer, cute.make_ordered_layout((HEAD_DIM, TILE_KEYS), order=(1, 0)))
     found["vt"] = str(vt)
-    found["q"] = [[layout.outer((row, dim)) for dim in range(v3.HEAD_DIM)] for row in range(v3.TILE_KEYS)]
-    found["v"] = [[vt((dim, key)) for dim in range(v3.HEAD_DIM)] for key in range(v3.TILE_KEYS)]
+    found["q"] = [[layout.outer((row, dim)) for dim in range(HEAD_DIM)] for row in range(TILE_KEYS)]
+    found["v"] = [[vt((dim, key)) for dim in range(HEAD_DIM)] for key in range(TILE_KEYS)]
     mma_qk, mma_pv = _mmas()
     found["majors"] = (str(mma_qk.op.a_major_mode), str(mma_qk.op.b_major_mode), str(mma_pv.op.b_major_mode))
 
@@ -228,7 +232,7 @@ def _swizzled_bytes(element_offset: int) -> int:
 
 def _written(row: int, col: int) -> int:
     """Byte where `operand_offset` / `_store_chunk` put element ``col`` of ``row`` (8 FP16 per 16-byte chunk)."""
-    return v3.operand_offset(row, col // 8) + 2 * (col % 8)
+    return exact.operand_offset(row, col // 8) + 2 * (col % 8)
 
 
 def test_q_and_k_are_k_major_at_operand_offset(operands):
@@ -238,7 +242,7 @@ def test_q_and_k_are_k_major_at_operand_offset(operands):
     assert operands["swizzle"] == "S<3,4,3>"
     assert operands["outer"] == "((8,8),(64,2)):((64,512),(1,4096))"
     assert all(_swizzled_bytes(operands["q"][row][dim]) == _written(row, dim)
-               for row in range(v3.TILE_KEYS) for dim in range(v3.HEAD_DIM))
+               for row in range(TILE_KEYS) for dim in range(HEAD_DIM))
     assert "K" in operands["majors"][0] and "K" in operands["majors"][1]
 
 
@@ -248,35 +252,35 @@ def test_v_transposed_is_mn_major_at_operand_offset(operands):
     keys 8 apart 1024 bytes, the second 64-dim half 8 KB on)."""
     assert operands["vt"] == "((64,2),64):((1,4096),64)"  # keys: (8,8):(64,512), coalesced
     assert all(_swizzled_bytes(operands["v"][key][dim]) == _written(key, dim)
-               for key in range(v3.TILE_KEYS) for dim in range(v3.HEAD_DIM))
+               for key in range(TILE_KEYS) for dim in range(HEAD_DIM))
     assert "MN" in operands["majors"][2]
 
 
-@pytest.mark.parametrize("warpgroups", v3.WARPGROUPS)
-def test_expand_kv_writes_every_element_once(warpgroups):
-    """`_expand_kv`'s stores cover the K and V tiles once, with one warpgroup (v3: per thread 2 K chunks and 4 V
-    pieces) or two (v3w8: 1 and 2): K (`k_expand_unit`) chunks ``4 chunk + quad`` of key ``32 half + key``, in
-    the half `warpgroup_half` gives the warpgroup (the half it copies, too); V (`v_expand_unit`) chunks ``2 piece + quad``
-    of key ``32 half + key``. `_expand_q` (each warpgroup its own tile): Q chunks ``4 (unit & 3) + quad`` of row
+def test_expand_kv_writes_every_element_once():
+    """`_expand_kv`'s stores cover the K and V tiles once, the two warpgroups sharing the work (per thread 1 K chunk
+    and 2 V pieces): K (`k_expand_unit`) chunks ``4 chunk + quad`` of key ``32 half + key``, in the half
+    `warpgroup_half` gives the warpgroup (the half it copies, too); V (`v_expand_unit`) chunks ``2 piece + quad`` of
+    key ``32 half + key``. `_expand_q` (each warpgroup its own tile): Q chunks ``4 (unit & 3) + quad`` of row
     ``unit / 4``."""
-    threads = v3.THREADS * warpgroups
+    warpgroups = wgmma.WARPGROUPS
+    threads = THREADS * warpgroups
     k, v = [], []
     for tid in range(threads):
-        wg, wg_tid = tid // v3.THREADS, tid % v3.THREADS
+        wg, wg_tid = tid // THREADS, tid % THREADS
         for r in range(2 // warpgroups):
-            half, key, chunk = v3.k_expand_unit(wg, wg_tid, r, warpgroups)
-            assert half == (r if warpgroups == 1 else wg) == v3.warpgroup_half(wg, r, warpgroups)  # v3w8: half w
+            half, key, chunk = exact.k_expand_unit(wg, wg_tid, r, warpgroups)
+            assert half == wg == wgmma.warpgroup_half(wg, r, warpgroups)  # warpgroup w: half w
             k += [(32 * half + key, 4 * chunk + quad) for quad in range(4)]
-        for r in range(v3.V_UNITS // threads):
-            half, key, piece = v3.v_expand_unit(tid, r, threads)
+        for r in range(exact.V_UNITS // threads):
+            half, key, piece = exact.v_expand_unit(tid, r, threads)
             assert half in (0, 1) and 0 <= key < 32
             v += [(32 * half + key, 2 * piece + quad) for quad in range(2)]
-    q = sorted(((tid + v3.THREADS * r) >> 2, 4 * ((tid + v3.THREADS * r) & 3) + quad) for r in range(2)
-               for tid in range(v3.THREADS) for quad in range(4))
-    every = [(row, chunk) for row in range(v3.TILE_KEYS) for chunk in range(v3.HEAD_DIM // 8)]
+    q = sorted(((tid + THREADS * r) >> 2, 4 * ((tid + THREADS * r) & 3) + quad) for r in range(2)
+               for tid in range(THREADS) for quad in range(4))
+    every = [(row, chunk) for row in range(TILE_KEYS) for chunk in range(HEAD_DIM // 8)]
     assert sorted(k) == sorted(v) == q == every
     assert len(k) == len(v) == len(every)  # once each
-    assert sorted(v3.operand_offset(row, chunk) for row, chunk in every) == list(range(0, v3.OPERAND_BYTES, 16))
+    assert sorted(exact.operand_offset(row, chunk) for row, chunk in every) == list(range(0, exact.OPERAND_BYTES, 16))
 
 
 def _wavefronts(addresses: list[int]) -> int:
@@ -288,58 +292,57 @@ def _wavefronts(addresses: list[int]) -> int:
     return max(len(found) for found in groups.values())
 
 
-@pytest.mark.parametrize("warpgroups", v3.WARPGROUPS)
+@pytest.mark.parametrize("warpgroups", [1, 2], ids=["fp8-operand-pass", "exact"])
 def test_expansion_is_bank_conflict_free(warpgroups):
-    """Every 16-byte load and store of `_expand_k` / `_expand_v` is one wavefront per quarter-warp (ncu of v3 before
-    this mapping: 42% of the shared-store wavefronts were conflicts, 2-way on the K and V operand stores): K reads
-    its chunk at ``64 key + 16 chunk`` of the ring half and stores units ``4 chunk + quad`` (FP16, `operand_offset`;
-    v3's `k_expand_unit`) or ``2 chunk + unit`` (e4m3, `fp8_operand_offset`; v4's `k_expand_unit`) of row
-    ``32 half + key``; V reads piece ``piece ^
-    v_swizzle(key)`` of its 128-byte row and stores units ``2 piece + quad``."""
-    from mpfa.kernels.sm90 import prefill_staged_layout as sl
-    from mpfa.kernels.sm90 import prefill_wgmma_fp8qk as v4
+    """Every 16-byte load and store of the K and V expansions is one wavefront per quarter-warp: K reads its chunk
+    at ``64 key + 16 chunk`` of the ring half and stores units ``4 chunk + quad`` (the exact kernel's FP16,
+    `operand_offset`, 2 warpgroups) or ``2 chunk + unit`` (the fp8 operand pass's e4m3, `fp8_operand_offset`, 1
+    warpgroup) of row ``32 half + key``; V (the exact kernel's) reads piece ``piece ^ v_swizzle(key)`` of its
+    128-byte row and stores units ``2 piece + quad``."""
+    from mpfa.kernels.sm90 import prefill_fp8_layout as fp8
 
-    threads = v3.THREADS * warpgroups
+    threads = THREADS * warpgroups
+    k_unit, store, units_per_chunk = ((exact.k_expand_unit, exact.operand_offset, 4) if warpgroups == 2 else
+                                      (fp8.k_expand_unit, fp8.fp8_operand_offset, 2))
     for first in range(0, threads, 8):
         lanes = range(first, first + 8)
         for r in range(2 // warpgroups):
-            for k_unit, store, units_per_chunk in ((v3.k_expand_unit, v3.operand_offset, 4),
-                                                   (v4.k_expand_unit, v4.fp8_operand_offset, 2)):
-                units = [k_unit(t // v3.THREADS, t % v3.THREADS, r, warpgroups) for t in lanes]
-                assert _wavefronts([sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk for _, key, chunk in units]) == 1
-                for unit in range(units_per_chunk):
-                    assert _wavefronts([store(32 * half + key, units_per_chunk * chunk + unit)
-                                        for half, key, chunk in units]) == 1
-        for r in range(v3.V_UNITS // threads):
-            units = [v3.v_expand_unit(t, r, threads) for t in lanes]
+            units = [k_unit(t // THREADS, t % THREADS, r, warpgroups) for t in lanes]
+            assert _wavefronts([sl.K_OFFSET + sl.K_ROW_BYTES * key + 16 * chunk for _, key, chunk in units]) == 1
+            for unit in range(units_per_chunk):
+                assert _wavefronts([store(32 * half + key, units_per_chunk * chunk + unit)
+                                    for half, key, chunk in units]) == 1
+        if warpgroups == 1:
+            continue
+        for r in range(exact.V_UNITS // threads):
+            units = [exact.v_expand_unit(t, r, threads) for t in lanes]
             assert _wavefronts([sl.V_OFFSET + sl.V_ROW_BYTES * key + 16 * (piece ^ sl.v_swizzle(key))
                                 for _, key, piece in units]) == 1
             for quad in range(2):
-                assert _wavefronts([v3.operand_offset(32 * half + key, 2 * piece + quad)
+                assert _wavefronts([exact.operand_offset(32 * half + key, 2 * piece + quad)
                                     for half, key, piece in units]) == 1
 
 
 def test_shared_memory_offsets():
-    """v3: Q, K, V, ring; v3w8: Q of warpgroup 0, Q of warpgroup 1, K, V, ring; every operand tile 1024-byte
-    aligned (the 128-byte swizzle's repeat, base offset 0 in the descriptors)."""
-    assert v3.smem_offsets(1) == (0, 16384, 32768, 49152)
-    assert v3.smem_offsets(2) == (0, 32768, 49152, 65536)
-    assert all(offset % v3.OPERAND_ALIGN == 0 for w in v3.WARPGROUPS for offset in v3.smem_offsets(w))
+    """Q of warpgroup 0, Q of warpgroup 1, K, V, ring; every operand tile 1024-byte aligned (the 128-byte swizzle's
+    repeat, base offset 0 in the descriptors)."""
+    assert exact.smem_offsets() == (0, 32768, 49152, 65536)
+    assert all(offset % wgmma.OPERAND_ALIGN == 0 for offset in exact.smem_offsets())
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "non-causal"])
-def test_v3w8_walk_is_v3s_walk_per_warpgroup(monkeypatch: pytest.MonkeyPatch, causal):
-    """A model of the tile loop's control flow (`_run_wgmma_tiles` / `_wgmma_step`): the v3w8 CTA walks the tiles of
-    its last row and masks the tiles its first row does not see whole; warpgroup w, with its own rows' plan
-    (`prefill_tile.warp_plan` over 16 rows), skips a masked tile past all its rows. Then every warpgroup whose rows
-    start inside the sequence computes exactly the tiles of the v3 CTA with the same rows, in the same order, with
-    the same visible scores (a tile v3 takes whole and v3w8 masks has every score visible): the same arithmetic,
-    so the same output bit for bit."""
+def test_each_warpgroup_walks_its_own_rows_tiles(monkeypatch: pytest.MonkeyPatch, causal):
+    """A model of the exact kernel's tile loop (`PrefillSm90Exact._run_tiles` / `_step`): the two-warpgroup CTA
+    walks the tiles of its last row and masks the tiles its first row does not see whole; warpgroup w, with its own
+    rows' plan (`prefill_tile.warp_plan` over 16 rows), skips a masked tile past all its rows. Then every warpgroup
+    whose rows start inside the sequence computes exactly the tiles a CTA of its rows alone would walk, in the same
+    order, with the same visible scores (a tile taken whole alone and masked here has every score visible): the
+    same arithmetic as walking its rows alone."""
     from mpfa.kernels.sm90 import prefill_tile as tile_math
 
     for name, value in {"imin": min, "imax": max, "select_": lambda c, a, b: a if c else b}.items():
         monkeypatch.setattr(tile_math, name, value)
-    keys = v3.TILE_KEYS
+    keys = TILE_KEYS
 
     def plan(row0, q_len, kv_len, g, rows):
         return tile_math.warp_plan(row0, q_len, kv_len, g, causal=causal, tile_keys=keys, warp_rows=rows)
@@ -348,10 +351,10 @@ def test_v3w8_walk_is_v3s_walk_per_warpgroup(monkeypatch: pytest.MonkeyPatch, ca
         """The (row, key) scores of the tile that start at Delta_S (not -inf): `score_init` on `limits`."""
         seen = set()
         for g in range(8):
-            limits = plan(row0, q_len, kv_len, g, v3.ROWS)[1]
+            limits = plan(row0, q_len, kv_len, g, ROWS)[1]
             for r in range(2):
                 for c in range(4):
-                    for block in range(v3.N_BLOCKS):
+                    for block in range(N_BLOCKS):
                         for half in range(2):
                             key = 8 * block + 2 * c + half
                             if not masked or limits[r] - tile * keys - 2 * c >= 8 * block + half:
@@ -361,26 +364,50 @@ def test_v3w8_walk_is_v3s_walk_per_warpgroup(monkeypatch: pytest.MonkeyPatch, ca
     def walk(cta_row0, block_m, row0, q_len, kv_len):
         """[(tile, visible scores)] the warpgroup of rows row0 .. row0 + 15 computes in a CTA of block_m rows."""
         cta_tiles, _, cta_common = plan(cta_row0, q_len, kv_len, 0, block_m)
-        own_tiles = plan(row0, q_len, kv_len, 0, v3.ROWS)[0]
+        own_tiles = plan(row0, q_len, kv_len, 0, ROWS)[0]
         masked_tiles = cta_tiles - min(cta_common // keys, cta_tiles)
         steps = []
         for step in range(cta_tiles):
-            tile, _, _ = sl.ring_compute(step, cta_tiles, v3.STAGES)
+            tile, _, _ = sl.ring_compute(step, cta_tiles, exact.STAGES)
             masked = step < masked_tiles
-            if block_m > v3.ROWS and masked and tile >= own_tiles:
-                continue  # `_wgmma_step`: no row of this warpgroup sees the tile
+            if block_m > ROWS and masked and tile >= own_tiles:
+                continue  # `_step`: no row of this warpgroup sees the tile
             steps.append((tile, visible(row0, q_len, kv_len, tile, masked)))
         return steps
 
     skipped = 0
     for q_len in [1, 15, 16, 17, 31, 32, 33, 40, 48, 63, 64, 95, 130]:
         for kv_len in (q_len, q_len + 7, q_len + 20, q_len + 40, q_len + 100):
-            for cta_row0 in range(0, q_len, 2 * v3.ROWS):
+            for cta_row0 in range(0, q_len, 2 * ROWS):
                 for wg in range(2):
-                    row0 = cta_row0 + v3.ROWS * wg
+                    row0 = cta_row0 + ROWS * wg
                     if row0 >= q_len:
                         continue  # no row stored
-                    w8 = walk(cta_row0, 2 * v3.ROWS, row0, q_len, kv_len)
-                    assert w8 == walk(row0, v3.ROWS, row0, q_len, kv_len), (q_len, kv_len, row0)
-                    skipped += len(w8) < plan(cta_row0, q_len, kv_len, 0, 2 * v3.ROWS)[0]
+                    both = walk(cta_row0, 2 * ROWS, row0, q_len, kv_len)
+                    assert both == walk(row0, ROWS, row0, q_len, kv_len), (q_len, kv_len, row0)
+                    skipped += len(both) < plan(cta_row0, q_len, kv_len, 0, 2 * ROWS)[0]
     assert skipped > 0 if causal else skipped == 0  # the skip is exercised (causal only)
+
+
+@pytest.mark.parametrize("group", [4, 5, 2])
+def test_tile_rows_are_the_4_warp_ctas_warps(group):
+    """A 64-row wgmma tile's rows (`tile_row_query`) cover each (query row, head) of the warpgroup once, and row
+    16 w + i is warp w's row i in the 4-warp CTA (head ``w % heads``, rows from ``16 (w // heads)``)."""
+    heads = sl.cta_shape(group)[0]
+    coords = [wgmma.tile_row_query(row, heads) for row in range(64)]
+    assert sorted(coords) == [(q, h) for q in range(sl.warpgroup_rows(group)) for h in range(heads)]
+    for row, (query, head) in enumerate(coords):
+        warp = row // 16
+        assert (head, query - row % 16) == (warp % heads, 16 * (warp // heads))
+
+
+def test_operand_offset_is_cutes_layout():
+    """`operand_offset` (where the expansion stores a 16-byte chunk) is CuTe's swizzled wgmma layout of the tile:
+    the layout's element offset, in bytes, with the 128-byte swizzle (bits 4-6 ^= bits 7-9) applied."""
+    def fn(found):
+        layout = exact.operand_layout()
+        found["inner"] = str(layout.inner)
+        found["ok"] = [_swizzled_bytes(layout.outer((row, 8 * chunk))) == exact.operand_offset(row, chunk)
+                       for row in range(TILE_KEYS) for chunk in range(HEAD_DIM // 8)]
+    found = _trace(fn)
+    assert found["inner"] == "S<3,4,3>" and len(found["ok"]) == TILE_KEYS * HEAD_DIM // 8 and all(found["ok"])
