@@ -32,6 +32,7 @@ class TensorFormat:
 
 BF16 = TensorFormat(q=2, o=2, kv_cache="bf16")
 BF16_Q_FP8_KV = TensorFormat(q=2, o=2, kv_cache="fp8")
+FP8_Q_FP8_KV = TensorFormat(q=1, o=2, kv_cache="fp8")  # FA3 with an FP8 cache: Q cast to e4m3, BF16 out
 MPFA = TensorFormat(q=2, o=2, kv_cache="mpfa")  # NVFP4 K + scales, FP8 V, and the BF16 Delta_S side cache
 
 

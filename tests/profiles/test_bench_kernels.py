@@ -33,7 +33,7 @@ def test_mpfa_backends_name_the_prefill_kernel_and_share_the_decode():
     assert [adapter_for(name).prefill_kernel for name in mpfa_backends] == [None, None, "exact", "mma-sync"]
     assert [adapter_for(name).compensate for name in mpfa_backends] == [True, False, True, True]
     assert len({bytes_read(name, WORKLOAD, num_sms=132) for name in mpfa_backends}) == 1
-    with pytest.raises(ValueError, match="unknown backend 'mpfa-fastest' \\(choose from fa4-bf16, flashinfer-fp8"):
+    with pytest.raises(ValueError, match="unknown backend 'mpfa-fastest' \\(choose from fa4-bf16, fa3-bf16"):
         bytes_read("mpfa-fastest", WORKLOAD, num_sms=132)
 
 
