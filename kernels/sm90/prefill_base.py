@@ -69,7 +69,7 @@ class PrefillSm90Base:
         num_m_blocks: Int32,  # ceil(max q_len / block_m)
         stream,
     ):
-        """The launch of a kernel that reads the cache (the subclass's ``kernel``, ``threads``, ``smem_bytes`` and
+        """The launch of a kernel that reads the cache (the subclass's `_attend`, ``threads``, ``smem_bytes`` and
         ``min_ctas_per_sm``)."""
         self.kernel(
             q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled,
@@ -77,6 +77,24 @@ class PrefillSm90Base:
                                         seq_lens_k.shape[0]),
                  block=(self.threads, 1, 1), smem=self.smem_bytes, stream=stream,
                  min_blocks_per_mp=self.min_ctas_per_sm)
+
+    @cute.kernel
+    def kernel(
+        self,
+        q_codes: cute.Tensor,
+        q_scales: cute.Tensor,
+        k_codes: cute.Tensor,
+        k_scales: cute.Tensor,
+        v: cute.Tensor,
+        delta_s: cute.Tensor,
+        page_table: cute.Tensor,
+        cu_seqlens_q: cute.Tensor,
+        seq_lens_k: cute.Tensor,
+        out: cute.Tensor,
+        lam_scaled: Float32,
+    ):
+        self._attend(q_codes, q_scales, (k_codes, k_scales, v, delta_s), page_table, cu_seqlens_q, seq_lens_k, out,
+                     lam_scaled)
 
     # --- the CTA's heads and rows ----------------------------------------------------------------------------------
 
@@ -91,6 +109,16 @@ class PrefillSm90Base:
         kv_head = first_head // self.group
         head_in_cta = warp % self.heads
         return first_head + head_in_cta, kv_head, (first_head, head_in_cta)
+
+    def _sequence(self, cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, warp) -> tuple:
+        """The CTA's place in the grid and its sequence -> (``warp``'s query head, KV head, the CTA's heads as
+        `_heads` gives them, batch index, the sequence's first query, its queries, its keys, the CTA's first row)."""
+        block_head, m_block, batch = prefill_grid.cta(cute.arch.block_idx(), cute.arch.grid_dim())
+        head, kv_head, cta_heads = self._heads(block_head, warp)
+        q_start = cu_seqlens_q[batch]
+        q_len = cu_seqlens_q[batch + 1] - q_start
+        kv_len = seq_lens_k[batch]
+        return head, kv_head, cta_heads, batch, q_start, q_len, kv_len, m_block * self.block_m
 
     def _warp_row(self, warp):
         """First query row of ``warp`` within its block of rows."""

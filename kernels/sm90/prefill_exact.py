@@ -51,7 +51,6 @@ from cutlass import Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.utils import LayoutEnum
 
-from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_base import HEAD_DIM
@@ -176,32 +175,17 @@ class PrefillSm90Exact(PrefillSm90Wgmma):
     def _qk_layout(self):
         return operand_layout()
 
-    @cute.kernel
-    def kernel(
-        self,
-        q_codes: cute.Tensor,
-        q_scales: cute.Tensor,
-        k_codes: cute.Tensor,
-        k_scales: cute.Tensor,
-        v: cute.Tensor,
-        delta_s: cute.Tensor,
-        page_table: cute.Tensor,
-        cu_seqlens_q: cute.Tensor,
-        seq_lens_k: cute.Tensor,
-        out: cute.Tensor,
-        lam_scaled: Float32,
-    ):
+    @cute.jit
+    def _attend(self, q_codes: cute.Tensor, q_scales: cute.Tensor, cache, page_table: cute.Tensor,
+                cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor, lam_scaled: Float32):
+        """The kernel (``cache``: K codes, K scales, V, Delta_S)."""
         tid, _, _ = cute.arch.thread_idx()
         warp, lane = self._warp_lane()
         c = lane & 3
         g = lane >> 2
         wg, wg_tid, wg_warp = warp >> 2, tid & (THREADS - 1), warp & 3  # (4 warps per warpgroup)
-        block_head, m_block, batch = prefill_grid.cta(cute.arch.block_idx(), cute.arch.grid_dim())
-        head, kv_head, cta_heads = self._heads(block_head, warp)
-        q_start = cu_seqlens_q[batch]
-        q_len = cu_seqlens_q[batch + 1] - q_start
-        kv_len = seq_lens_k[batch]
-        cta_row0 = m_block * self.block_m
+        head, kv_head, cta_heads, batch, q_start, q_len, kv_len, cta_row0 = self._sequence(cu_seqlens_q, seq_lens_k,
+                                                                                           warp)
         row0, warp_row0, num_tiles, limits, common = self._warpgroup_plan(cta_row0, wg, wg_warp, q_len, kv_len, g)
         # the CTA walks the tiles its last row sees: those of the later warpgroup
         walk = self._walk(Int32(num_tiles), common, cta_row0, q_len, kv_len, g, TILE_KEYS)
@@ -235,7 +219,7 @@ class PrefillSm90Exact(PrefillSm90Wgmma):
         if cutlass.const_expr(self.compensate):
             self._init_ds_column_tiles(cta_heads[0], wg_tid)
         mmas = (mma_qk, mma_pv, operands, acc_s, acc_o)
-        self._run_tiles(walk, mmas, state, lam_scaled, (k_codes, k_scales, v, delta_s), page_table, batch, kv_head,
+        self._run_tiles(walk, mmas, state, lam_scaled, cache, page_table, batch, kv_head,
                         cta_heads, kv_len, limits, (tid, wg, wg_tid, wg_warp), c, smem)
         self._store_rows(state, acc_o, out, q_start, q_len, warp_row0, head, g, c)
 

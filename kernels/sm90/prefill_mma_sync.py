@@ -46,7 +46,6 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from mpfa.kernels.sm90 import prefill_grid
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_base import HEAD_DIM, PrefillSm90Base
@@ -74,31 +73,16 @@ class PrefillSm90MmaSync(PrefillSm90Base):
         self.threads = 32 * sl.CTA_WARPS
         self.smem_bytes = STAGES * self.stage_bytes + 2 * sl.FRAG_BUFFER_BYTES
 
-    @cute.kernel
-    def kernel(
-        self,
-        q_codes: cute.Tensor,
-        q_scales: cute.Tensor,
-        k_codes: cute.Tensor,
-        k_scales: cute.Tensor,
-        v: cute.Tensor,
-        delta_s: cute.Tensor,
-        page_table: cute.Tensor,
-        cu_seqlens_q: cute.Tensor,
-        seq_lens_k: cute.Tensor,
-        out: cute.Tensor,
-        lam_scaled: Float32,
-    ):
+    @cute.jit
+    def _attend(self, q_codes: cute.Tensor, q_scales: cute.Tensor, cache, page_table: cute.Tensor,
+                cu_seqlens_q: cute.Tensor, seq_lens_k: cute.Tensor, out: cute.Tensor, lam_scaled: Float32):
+        """The kernel (``cache``: K codes, K scales, V, Delta_S)."""
         tid, _, _ = cute.arch.thread_idx()
         warp, lane = self._warp_lane()
         g = lane >> 2
         c = lane & 3
-        block_head, m_block, batch = prefill_grid.cta(cute.arch.block_idx(), cute.arch.grid_dim())
-        head, kv_head, cta_heads = self._heads(block_head, warp)
-        q_start = cu_seqlens_q[batch]
-        q_len = cu_seqlens_q[batch + 1] - q_start
-        kv_len = seq_lens_k[batch]
-        cta_row0 = m_block * self.block_m
+        head, kv_head, cta_heads, batch, q_start, q_len, kv_len, cta_row0 = self._sequence(cu_seqlens_q, seq_lens_k,
+                                                                                           warp)
         row0 = cta_row0 + self._warp_row(warp)
         rows = (row0 + g, row0 + g + 8)
 
@@ -125,7 +109,7 @@ class PrefillSm90MmaSync(PrefillSm90Base):
         for i in cutlass.range_constexpr(tile_math.ACC_REGS):
             acc[i] = Float32(0.0)
 
-        self._run_tiles(walk, a_steps, state, acc, lam_scaled, (k_codes, k_scales, v, delta_s), page_table, batch,
+        self._run_tiles(walk, a_steps, state, acc, lam_scaled, cache, page_table, batch,
                         kv_head, cta_heads, kv_len, limits, tid, warp, lane, g, c)
         self._store(state, acc, out, q_start, q_len, row0, head, g, c)
 

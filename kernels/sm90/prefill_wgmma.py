@@ -88,10 +88,10 @@ def gemm(tiled_mma: cute.TiledMma, acc: cute.Tensor, frag_a: cute.Tensor, frag_b
 
 class PrefillSm90Wgmma(PrefillSm90Base):
     """`PrefillSm90Base`'s shape on two warpgroups of wgmma rows (module docstring): GQA groups 4 and 5, pages of
-    >= 64 keys, an even number of query heads (`dispatch.check_wgmma_shape`). A subclass gives QK's operand type
-    (``qk_dtype``, `_qk_layout`), its `dispatch` ``name``, where a 16-byte unit of a Q / K operand row goes (`_unit_offset`), which K chunks
-    a thread expands (`_k_unit`), how a Q chunk is expanded (`_expand_q_chunk`) and a row's softmax denominator
-    (`_row_sum`)."""
+    >= 64 keys, an even number of query heads (`dispatch.check_wgmma_shape`). A subclass gives its `dispatch`
+    ``name``, QK's operand type (``qk_dtype``, `_qk_layout`), where a 16-byte unit of a Q / K operand row goes
+    (`_unit_offset`), which K chunks a thread expands (`_k_unit`), how a Q chunk is expanded (`_expand_q_chunk`) and
+    a row's softmax denominator (`_row_sum`)."""
 
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True):

@@ -1,6 +1,7 @@
 """Sibling test modules loaded by file name. The suite runs with ``--import-mode=importlib``, so a test module is
-not importable by name; a kernel version's tests reuse the inputs, runners and checks of the versions before it
-through `load` (this directory is put on ``sys.path`` by its conftest)."""
+not importable by name; a kernel's tests reuse the inputs, runners and checks of another test module (the prefill
+kernels' GPU tests those of test_prefill_gpu) through `load` (this directory is put on ``sys.path`` by its
+conftest)."""
 
 from __future__ import annotations
 

@@ -32,8 +32,8 @@ def test_the_override(monkeypatch: pytest.MonkeyPatch):
     assert prefill_kernel(48, 8, 32, "mma-sync") == "mma-sync"
     monkeypatch.setenv(PREFILL_KERNEL_ENV, "")
     assert prefill_kernel(32, 8, 128) == "fp8"  # set but empty: not an override
-    monkeypatch.setenv(PREFILL_KERNEL_ENV, "v9")
-    with pytest.raises(ValueError, match=f"{PREFILL_KERNEL_ENV} must be one of fp8, exact, mma-sync, got 'v9'"):
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, "turbo")
+    with pytest.raises(ValueError, match=f"{PREFILL_KERNEL_ENV} must be one of fp8, exact, mma-sync, got 'turbo'"):
         prefill_kernel(32, 8, 128)
     with pytest.raises(ValueError, match="kernel must be one of fp8, exact, mma-sync, got 'fast'"):
         prefill_kernel(32, 8, 128, "fast")

@@ -49,7 +49,8 @@ def fp8_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) 
                 (path,) = dump.glob(f"*{{class_name}}_*.{{suffix}}")
                 path.rename(dump / f"{{name}}.{{suffix}}")
         """, dump)
-    return {"group": group, "compensate": compensate, **{name: dump / f"{name}.cubin" for name in ("pass", "attention")}}
+    cubins = {name: dump / f"{name}.cubin" for name in ("pass", "attention")}
+    return {"group": group, "compensate": compensate, **cubins}
 
 
 def test_operand_pass_compiles_for_sm90a(fp8_cubins, cuobjdump):

@@ -57,7 +57,8 @@ def test_fp8_operand_offset_is_cutes_layout():
             for unit in range(fp8.FP8_ROW_UNITS):
                 for byte in range(0, 16, 5):
                     offset = layout.outer((row, 16 * unit + byte))
-                    found["ok"].append((offset ^ (((offset >> 7) & 7) << 4)) == fp8.fp8_operand_offset(row, unit) + byte)
+                    written = fp8.fp8_operand_offset(row, unit) + byte
+                    found["ok"].append((offset ^ (((offset >> 7) & 7) << 4)) == written)
     found = _trace(fn)
     assert found["inner"] == "S<3,4,3>" and found["cosize"] == KEYS * DIMS
     assert len(found["ok"]) == KEYS * fp8.FP8_ROW_UNITS * 4 and all(found["ok"])

@@ -142,7 +142,8 @@ def numpy_warp(monkeypatch: pytest.MonkeyPatch):
     """Bind the emulated primitives in the modules whose functions the kernel traces."""
     shared = dict(Uint32=_u32, Float32=_f32, fmax=np.fmax)
     for name, value in {**shared, "shuffle_xor": shuffle_xor, "prmt": prmt, "mul_f16x2": mul_f16x2,
-                        "e4m3x2_to_f16x2": e4m3x2_to_f16x2, "f32x2_to_e4m3x2": f32x2_to_e4m3x2, "mma_f16_m16n8k16": mma_f16_m16n8k16,
+                        "e4m3x2_to_f16x2": e4m3x2_to_f16x2, "f32x2_to_e4m3x2": f32x2_to_e4m3x2,
+                        "mma_f16_m16n8k16": mma_f16_m16n8k16,
                         "mma_e4m3_m16n8k32": mma_e4m3_m16n8k32}.items():
         monkeypatch.setattr(warp_mma, name, value)
     for name, value in {**shared, "shuffle_idx": shuffle_idx, "bits_to_f32": bits_to_f32,
@@ -313,7 +314,8 @@ def test_p_scale_in_the_exponent(numpy_warp, exact_alpha):
 def test_lane_row_maxima_is_the_rows_maximum(numpy_warp, blocks):
     """`lane_row_maxima` (4 chains joined by a tree) is each row's maximum over the lane's scores, -inf included,
     for the tiles' widths (1 .. 16 blocks of 8 keys: 2 .. 32 scores per row); the maximum of two parts' maxima is
-    the whole's (the fp8 kernel's 128-key step takes its two tiles' apart); `online_softmax` given them returns what it computes."""
+    the whole's (the fp8 kernel's 128-key step takes its two tiles' apart); `online_softmax` given them returns what
+    it computes."""
     gen = np.random.default_rng(blocks)
     scores = [[_f32(gen.normal(0.0, 4.0, 32)) for _ in range(4)] for _ in range(blocks)]
     scores[0][1] = np.where(G < 3, -np.inf, scores[0][1]).astype(np.float32)

@@ -28,7 +28,8 @@ CONFIGS = [(8, 4, 128, True, "BFloat16"), (8, 4, 64, False, "Float32"), (8, 5, 1
            (8, 5, 64, True, "BFloat16"), (1, 5, 32, True, "BFloat16"), (8, 3, 32, False, "BFloat16")]
 BUILDS = [(c, True, "mma-sync") for c in CONFIGS] + [(CONFIGS[0], False, "mma-sync")]  # (config, compensate, kernel)
 IDS = ["32:8-causal-bf16-page128", "32:8-noncausal-f32-page64", "40:8-noncausal-f32-page128",
-       "40:8-causal-bf16-page64", "5:1-causal-bf16-page32", "24:8-noncausal-bf16-page32", "32:8-causal-bf16-page128-direct"]
+       "40:8-causal-bf16-page64", "5:1-causal-bf16-page32", "24:8-noncausal-bf16-page32",
+       "32:8-causal-bf16-page128-direct"]
 REGISTERS_PER_SM = 65536
 SMEM_PER_SM = 227 * 1024
 TILE_LOOP_MAX_INSTRUCTIONS = 800  # ~675 (whole tiles) / ~725 (masked)
