@@ -54,17 +54,17 @@ from cutlass.utils import LayoutEnum
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_base import HEAD_DIM
-from mpfa.kernels.sm90.prefill_wgmma import (HALVES, N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, WARPGROUPS,
-                                             PrefillSm90Wgmma, gemm, softmax_update, tile_row_query, warpgroup_half)
+from mpfa.kernels.sm90.prefill_wgmma import (HALVES, N_BLOCKS, OPERAND_ALIGN, P_SCALE_LOG2, THREADS, TILE_KEYS,
+                                             WARPGROUPS, PrefillSm90Wgmma, gemm, softmax_update, tile_row_query,
+                                             warpgroup_half)
 from mpfa.kernels.sm90.ptx import (bits_to_f32, cp_async_commit, cp_async_wait, e4m3x2_to_f16x2, f32x2_to_e4m3x2,
                                    load_shared_v4_u32, load_u32)
 from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
-from mpfa.kernels.sm90.warp_mma import P_SCALE, k_chunk_regs, q_chunk_regs, quad_sum
+from mpfa.kernels.sm90.warp_mma import k_chunk_regs, q_chunk_regs, quad_sum
 
 STAGES = 2  # ring stages: 96 KB, so 2 CTAs of 2 warpgroups fit an SM
 OPERAND_BYTES = TILE_KEYS * HEAD_DIM * 2  # one FP16 operand tile [64][128]
 V_UNITS = TILE_KEYS * HEAD_DIM // 16  # 16-byte e4m3 pieces of a V tile (512)
-P_SCALE_LOG2 = math.log2(P_SCALE)  # e4m3(448 P)'s 448 in the softmax's exponent: P and l times 2**this
 DS_COLUMNS = 16  # the extra k-step: FP16 wgmma's K
 EXTRA_BYTES = TILE_KEYS * DS_COLUMNS * 2  # one [64][16] FP16 tile
 ONE_HOT = 2.0 ** -7  # Q's extra column: the scale of the scores (S 2**-7)
@@ -161,7 +161,6 @@ class PrefillSm90Exact(PrefillSm90Wgmma):
     def __init__(self, num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str = "BFloat16",
                  compensate: bool = True):
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate)
-        self.stages = STAGES
         self.threads = THREADS * WARPGROUPS
         self.offsets = smem_offsets()
         self.smem_bytes = self.offsets[3] + STAGES * self.tile_bytes

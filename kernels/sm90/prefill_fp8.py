@@ -50,15 +50,14 @@ from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.ablation import FULL, Ablation, fold_p_words, no_exp2, plain_probs
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_base import HEAD_DIM
-from mpfa.kernels.sm90.prefill_fp8_layout import (EXPONENT_OFFSET, FP8_OPERAND_BYTES, IMAGE_BYTES, PV_N, ds_staged_read,
-                                                  f32_pow2, fold_max, fp8_chunk_words, fp8_operand_layout,
-                                                  fp8_operand_offset, image_row, max_scale_pairs, p_operand_fp8,
-                                                  pow2_factors, vt_layout, VT_BYTES)
-from mpfa.kernels.sm90.prefill_wgmma import (N_BLOCKS, OPERAND_ALIGN, THREADS, TILE_KEYS, WARPGROUPS, PrefillSm90Wgmma,
-                                             gemm, softmax_update)
+from mpfa.kernels.sm90.prefill_fp8_layout import (EXPONENT_OFFSET, FP8_OPERAND_BYTES, IMAGE_BYTES, PV_N, VT_BYTES,
+                                                  ds_staged_read, f32_pow2, fold_max, fp8_chunk_words,
+                                                  fp8_operand_layout, fp8_operand_offset, image_row, max_scale_pairs,
+                                                  p_operand_fp8, pow2_factors, vt_layout)
+from mpfa.kernels.sm90.prefill_wgmma import (N_BLOCKS, OPERAND_ALIGN, P_SCALE_LOG2, THREADS, TILE_KEYS, WARPGROUPS,
+                                             PrefillSm90Wgmma, gemm, softmax_update)
 from mpfa.kernels.sm90.ptx import (bits_to_f32, bulk_copy_g2s, e4m3_pow2_exponent, load_shared_u32,
                                    load_shared_v4_u32, load_u16, shuffle_idx)
-from mpfa.kernels.sm90.warp_mma import P_SCALE
 
 REGISTER_FILE = 65536  # 32-bit registers per SM (and per CTA)
 CONSUMER_THREADS = WARPGROUPS * THREADS  # arrivals expected on ``empty[s]``: every consumer thread
@@ -66,7 +65,6 @@ OPERAND_STAGES = 8  # operand stages (images) in shared memory
 PRODUCER_REGS = 24  # setmaxnreg of the producer warpgroup: its one thread needs few
 CONSUMER_REGS = 240  # of each consumer warpgroup: 24 + 2 x 240 = 504 = 3 x 168 (at 224 the loop spilled)
 CONSUMER_BARRIER = 2  # consumer w's named barrier: 2 + w (0 is the CTA's)
-P_SCALE_LOG2 = math.log2(P_SCALE)  # e4m3(448 P)'s 448 in the softmax's exponent: P and l times 2**this
 # the softmax state's slots after the running maxima and lane-partial sums of rows g, g + 8 (0 .. 3)
 ROW_SCALE = 4  # 2**e_q of rows g, g + 8
 TILE_SCALE = 6  # 2**e_k of the current tile

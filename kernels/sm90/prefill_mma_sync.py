@@ -69,7 +69,6 @@ class PrefillSm90MmaSync(PrefillSm90Base):
                  compensate: bool = True):
         super().__init__(num_kv_heads, group, page_size, causal, out_dtype, compensate)
         self.block_m = WARP_ROWS * self.row_blocks  # query rows per CTA
-        self.stages = STAGES
         self.threads = 32 * sl.CTA_WARPS
         self.smem_bytes = STAGES * self.stage_bytes + 2 * sl.FRAG_BUFFER_BYTES
 
@@ -122,7 +121,7 @@ class PrefillSm90MmaSync(PrefillSm90Base):
         cta_tiles, cta_common, num_tiles = walk
         first_head, head_in_cta = cta_heads
         heads = self.heads
-        stages = self.stages
+        stages = STAGES
         smem = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=sl.STAGE_ALIGN).toint()
         group_first = first_head - kv_head * self.group  # the CTA's first head in its KV head's Delta_S row
         sources = self._cache_sources(cache, kv_head, group_first)
@@ -159,7 +158,7 @@ class PrefillSm90MmaSync(PrefillSm90Base):
     def _step(self, masked: cutlass.Constexpr, step, cta_tiles, num_tiles, page: cute.Tensor, table_row, smem, kv_len,
               tid, sources, a_steps, state, acc, lam_scaled, lane_bases, limits, warp, lane, c):
         """Step ``step`` of the walk (`prefill_staged_layout.ring_copy` / `ring_compute`)."""
-        stages = self.stages
+        stages = STAGES
         # This thread's copies of this step's tile and of the next one (whose K is expanded now) have landed.
         cp_async_wait(sl.ring_wait(stages, True))
         cute.arch.barrier()  # everyone's have; every warp is done with the previous step's stage
@@ -190,7 +189,7 @@ class PrefillSm90MmaSync(PrefillSm90Base):
         stage = smem + raw_stage * self.stage_bytes
         words = load_shared_v4_u32(stage + sl.k_read(warp, lane))
         regs = k_fragments(words, load_shared_u16(stage + sl.scale_read(warp, lane)))
-        fragments = smem + sl.frag_lane_base(self.stages, self.heads, buffer, lane, self.compensate)
+        fragments = smem + sl.frag_lane_base(STAGES, self.heads, buffer, lane, self.compensate)
         for quad in cutlass.range_constexpr(sl.FRAG_QUADS):
             store_shared_v4_u32(fragments + sl.frag_offset(warp, quad), *regs[4 * quad:4 * quad + 4])
 

@@ -14,6 +14,8 @@ and splits masked / whole tiles on the keys its first row sees; each warpgroup m
 
 from __future__ import annotations
 
+import math
+
 import cutlass
 import cutlass.cute as cute
 import cutlass.utils.hopper_helpers as sm90_utils
@@ -26,6 +28,7 @@ from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.prefill_base import HEAD_DIM, PrefillSm90Base
 from mpfa.kernels.sm90.ptx import f32x2_to_bf16x2, load_shared_v4_u32, load_u16, load_v4_u32, store_u32, store_v2_f32
 from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
+from mpfa.kernels.sm90.warp_mma import P_SCALE
 
 TILE_KEYS = 64  # keys per wgmma tile: two 32-key ring stages
 HALVES = TILE_KEYS // sl.TILE_KEYS
@@ -34,6 +37,11 @@ ROWS = sl.WARP_ROWS  # query rows per warp
 THREADS = 128  # one warpgroup
 WARPGROUPS = 2  # warpgroups computing rows per CTA
 OPERAND_ALIGN = 1024  # the 128-byte swizzle repeats every 8 rows of 128 bytes
+# e4m3(448 P)'s 448 in the softmax's exponent: P' = 2**(lam S - (lam m - log2 448)) = 448 P from the same exp2, one
+# subtraction per row instead of a multiply per P; the row sums l' = 448 l, O / l' at the end. log2(448) in FP32
+# makes P' = 448.00016 P, which O = sum P' V / sum P' cancels; an e4m3 rounding of P' within ~4e-7 of a tie can come
+# out one step apart from e4m3(448 P)'s.
+P_SCALE_LOG2 = math.log2(P_SCALE)
 
 
 def warpgroup_half(wg, r: int, warpgroups: int):
