@@ -5,7 +5,7 @@ Prefill kernels, named for what they compute:
 * ``fp8`` (the default where it fits): Q and K requantized from NVFP4 to e4m3 (power-of-two scales per query row
   and per 64-key tile), FP8 QKᵀ and PV wgmma in a warp-specialized kernel fed from FP8 operand images that one
   pass per prefill expands from the cache; numerics ``mpfa-qk8tile-psum`` of `mpfa.kernels.reference`.
-* ``exact``: the paper's numerics (``mpfa``): NVFP4 Q and K dequantized exactly to BF16 for the QKᵀ wgmma, ΔS as an
+* ``exact``: the paper's numerics (``mpfa``): NVFP4 Q and K dequantized exactly to FP16 for the QKᵀ wgmma, ΔS as an
   extra K column, FP8 PV.
 * ``mma-sync``: the fallback for the shapes the wgmma kernels refuse (GQA groups other than 4 and 5, pages of fewer
   than 64 keys, odd head counts): warp-level mma.sync, the paper's numerics.
@@ -22,7 +22,7 @@ import os
 
 PREFILL_KERNELS: dict[str, str] = {
     "fp8": "FP8 QK and PV wgmma on operand images, Q/K requantized to e4m3 (mpfa-qk8tile-psum)",
-    "exact": "NVFP4 QK dequantized exactly to BF16 wgmma, FP8 PV: the paper's numerics (mpfa)",
+    "exact": "NVFP4 QK dequantized exactly to FP16 wgmma, FP8 PV: the paper's numerics (mpfa)",
     "mma-sync": "warp-level mma.sync fallback for shapes the wgmma kernels refuse, the paper's numerics (mpfa)",
 }
 DEFAULT_PREFILL_KERNEL = "fp8"
