@@ -8,7 +8,12 @@ A (scenario, context, load, backend, metric) entry regresses only when BOTH
   * it got worse than the baseline mean by more than the tolerance (relative), and
   * the 95% confidence intervals across repeats separate (current interval entirely on the worse side).
 With a single repeat on either side no interval exists; that side counts as its point value, so the gate
-then falls back to the tolerance alone.
+then falls back to the tolerance alone, and its row says so ("decided by").
+
+A baseline entry with no current result fails the gate too, unless `allow_missing`: "missing" (no run of that
+backend and point, or none of its workload) and "failed" (its runs ended failed or interrupted). Unless runs are
+named, only the newest pass of each (backend, point) counts (`newest_passes`): repeats of an older `mpfa bench`
+are not pooled with the current ones.
 
 Runs that carry a caveat (their numbers are measured but not the backend's own, see `BackendSpec.caveat`) are
 refused, for a baseline and for judging alike, unless `allow_caveats` is set: a gate should not pass or fail on
@@ -31,11 +36,13 @@ from rich.table import Table
 from rich.text import Text
 
 from mpfa.harness.errors import UserError
+from mpfa.harness.export import dataclass_from_dict
 from mpfa.harness.records import RunRecord
 from mpfa.harness.run_tables import (
     CAVEAT_MARK, BackendResult, Config, Estimate, add_footnotes, aggregate, backend_label, caveat_notes, context_label,
     format_number, higher_is_better, id_list, load_label, metric_unit,
 )
+from mpfa.harness.scenario import MAX_INPUT_LEN, MAX_REPEATS
 from mpfa.harness.store import StoredRun, load_key
 
 GATED_METRICS = ("otps", "ttft_ms_median", "tpot_ms_median")
@@ -56,6 +63,8 @@ class BaselineEntry:
     n: int
     caveat: str | None = None  # the caveat of the runs it was measured from (only with allow_caveats)
     workload: str | None = None  # the workload hash of those runs (None: mixed, or a baseline older than the field)
+    kernels: dict[str, str] | None = None  # the attention kernels their server ran (None: they differ, or unknown)
+    revision: str | None = None  # their mpfa revision(s), comma-separated (None: not recorded)
 
     @property
     def key(self) -> tuple[Config, str, str]:
@@ -73,16 +82,21 @@ class Baseline:
     simulated: bool
     created_at: float
     entries: list[BaselineEntry] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # the exports it was written from, when noted by hand
+
+
+MISSING_STATUSES = ("missing", "failed", "other workload")  # no current result: fail unless allow_missing
 
 
 @dataclass
 class GateCheck:
-    """One baseline entry judged against the current results; `current` is None when not measured."""
+    """One baseline entry judged against the current results; `current` is None when there is none."""
 
     entry: BaselineEntry
     current: Estimate | None
     worsening: float  # relative: +0.10 is 10% worse than the baseline mean, negative is better
-    status: str  # regression | ok | within noise | improved | not measured | other workload
+    status: str  # regression | ok | within noise | improved | missing | failed | other workload
+    decided_by: str  # the rule that set the status: tolerance and CIs, tolerance alone (n=1), or why none
     caveat: str | None = None  # of the current results, else of the baseline entry
 
     @property
@@ -94,14 +108,27 @@ class GateCheck:
 class GateResult:
     checks: list[GateCheck]
     tolerance: float
+    allow_missing: bool = False
 
     @property
     def regressions(self) -> list[GateCheck]:
         return [c for c in self.checks if c.status == "regression"]
 
     @property
+    def missing(self) -> list[GateCheck]:
+        return [c for c in self.checks if c.status in MISSING_STATUSES]
+
+    @property
     def ok(self) -> bool:
-        return not self.regressions
+        return not self.regressions and (self.allow_missing or not self.missing)
+
+    def failure(self) -> str:
+        """Why the gate failed, in one line."""
+        parts = [f"{len(self.regressions)} regression(s) beyond {self.tolerance:.1%}"] if self.regressions else []
+        if self.missing and not self.allow_missing:
+            parts.append(f"{len(self.missing)} baseline entr(y/ies) missing or failed "
+                         "(--allow-missing accepts that)")
+        return "; ".join(parts)
 
 
 def parse_tolerance(text: str) -> float:
@@ -128,12 +155,16 @@ def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = 
     _refuse_caveats(runs, allow_caveats)
     entries = []
     for (config, backend), result in _sorted_results(runs, metric_names):
+        kernels = _shared([json.dumps(r.kernels, sort_keys=True) for r in result.runs if r.kernels])
+        revisions = sorted({str(r.environment["mpfa_revision"]) for r in result.runs
+                            if r.environment.get("mpfa_revision")})
         for name, est in result.estimates.items():
             entries.append(BaselineEntry(
                 scenario=config.scenario, backend=backend, input_len=config.input_len,
                 load=json.loads(config.load), metric=name, higher_is_better=higher_is_better(name),
                 mean=est.mean, ci_low=est.ci_low, ci_high=est.ci_high, n=est.n, caveat=result.caveat,
-                workload=result.workload,
+                workload=result.workload, kernels=json.loads(kernels) if kernels else None,
+                revision=", ".join(revisions) or None,
             ))
     if not entries:
         raise UserError("no run that finished ok with gated metrics: nothing to put in a baseline")
@@ -146,29 +177,74 @@ def write_baseline(runs: Sequence[StoredRun], path: Path, allow_caveats: bool = 
     return baseline
 
 
+def _shared(values: Sequence[str]) -> str | None:
+    """The one value all share, else None."""
+    return values[0] if values and len(set(values)) == 1 else None
+
+
 def read_baseline(path: Path) -> Baseline:
+    """A baseline JSON, validated field by field (types, ranges, consistent intervals); anything else is a
+    one-line UserError naming the file and the field."""
     try:
-        doc = json.loads(path.read_text(encoding="utf-8"))
+        doc = json.loads(path.read_bytes().decode("utf-8"))
     except OSError as exc:
         raise UserError(f"cannot read baseline {path}: {exc.strerror or exc}") from None
-    except json.JSONDecodeError as exc:
-        raise UserError(f"baseline {path} is not valid JSON: {exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise UserError(f"baseline {path} is not UTF-8 JSON: {str(exc).splitlines()[0]}") from None
     try:
-        return Baseline(
-            gpu=doc["gpu"], model=doc["model"], simulated=bool(doc["simulated"]), created_at=doc["created_at"],
-            entries=[BaselineEntry(**e) for e in doc["entries"]],
-        )
-    except (KeyError, TypeError) as exc:
-        raise UserError(f"baseline {path} lacks or misnames a field ({exc}); write one with write_baseline") from None
+        return _baseline_from_dict(doc)
+    except ValueError as exc:
+        raise UserError(f"baseline {path}: {exc} (`mpfa gate --write-baseline` writes one)") from None
+
+
+def _baseline_from_dict(doc: Any) -> Baseline:
+    if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list) or not doc["entries"]:
+        raise ValueError('expected an object with a non-empty "entries" list')
+    baseline = dataclass_from_dict(Baseline, {**doc, "entries": []}, "baseline", optional={"inputs"})
+    baseline.entries = [_entry_from_dict(e, f"entries[{i}]") for i, e in enumerate(doc["entries"])]
+    return baseline
+
+
+def _entry_from_dict(data: Any, what: str) -> BaselineEntry:
+    entry = dataclass_from_dict(BaselineEntry, data, what, optional={"caveat", "workload", "kernels", "revision"},
+                                ranges={"n": (1, MAX_REPEATS), "input_len": (1, MAX_INPUT_LEN)})
+    if entry.higher_is_better != higher_is_better(entry.metric):
+        raise ValueError(f"{what}: higher_is_better is {entry.higher_is_better} for {entry.metric}")
+    if (entry.ci_low is None) != (entry.ci_high is None) or (entry.ci_low is None) != (entry.n == 1):
+        raise ValueError(f"{what}: ci_low and ci_high must both be null exactly when n is 1 (n={entry.n})")
+    if entry.ci_low is not None and not entry.ci_low <= entry.mean <= entry.ci_high:
+        raise ValueError(f"{what}: mean {entry.mean} lies outside [ci_low, ci_high]")
+    try:
+        load_label(entry.load)
+    except (KeyError, TypeError):
+        raise ValueError(f"{what}: load {entry.load!r:.60} is neither {{concurrency}} nor {{rate, burstiness}}") from None
+    return entry
+
+
+# --- which runs count --------------------------------------------------------------------------------------------
+
+
+def newest_passes(runs: Sequence[StoredRun]) -> list[StoredRun]:
+    """Per (scenario, backend, engine, point) the runs of its newest pass: the newest run that started a repeat
+    sequence anew (a repeat no higher than the one before it) and the runs after it. Runs still `running` are
+    left out. What an unnamed gate or baseline judges: an older bench's repeats never pool with the current ones."""
+    groups: dict[tuple[Any, ...], list[StoredRun]] = {}
+    for run in sorted((r for r in runs if r.status != "running"), key=lambda r: r.id or 0):
+        group = groups.setdefault((Config.of(run), run.backend, run.engine), [])
+        if group and run.repeat <= group[-1].repeat:
+            group.clear()  # a new pass starts
+        group.append(run)
+    return [run for group in groups.values() for run in group]
 
 
 # --- gating ------------------------------------------------------------------------------------------------------
 
 
 def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = DEFAULT_TOLERANCE,
-             allow_caveats: bool = False) -> GateResult:
-    """Judge each baseline entry against the runs; refuses results from another GPU, model or engine kind,
-    and (unless `allow_caveats`) caveated runs or baseline entries."""
+             allow_caveats: bool = False, allow_missing: bool = False) -> GateResult:
+    """Judge each baseline entry against the runs (of any status: failed ones mark their entries failed); refuses
+    results from another GPU, model or engine kind, and (unless `allow_caveats`) caveated runs or baseline
+    entries. The result fails on a regression, and on a missing or failed entry unless `allow_missing`."""
     gpu, model, simulated = _identity(runs)
     _refuse_caveats(runs, allow_caveats)
     if not allow_caveats:
@@ -182,25 +258,44 @@ def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = D
         raise UserError(f"baseline is {kinds[baseline.simulated]} but the results are {kinds[simulated]}: "
                         "not comparable")
     results = aggregate(runs, sorted({e.metric for e in baseline.entries}))
+    unfinished = _unfinished(runs)
     checks = []
     for entry in baseline.entries:
         config, backend, metric = entry.key
         result = results.get((config, backend))
         current = result.estimates.get(metric) if result else None
-        if current is not None and entry.workload and result.workload != entry.workload:
-            check = GateCheck(entry, None, math.nan, "other workload")  # other output length / requests / seed
+        if current is None:
+            check = _absent(entry, unfinished.get((config, backend), []))
+        elif entry.workload and result.workload != entry.workload:  # other output length / requests / seed
+            check = GateCheck(entry, None, math.nan, "other workload", "its runs served another workload")
         else:
             check = _judge(entry, current, tolerance)
         check.caveat = (result.caveat if result else None) or entry.caveat
         checks.append(check)
-    if all(c.current is None for c in checks):
-        raise UserError("none of the results match a baseline entry (scenario, context, load, backend, workload)")
-    return GateResult(checks, tolerance)
+    if all(c.status in ("missing", "other workload") for c in checks):
+        raise UserError("none of the results match a baseline entry (scenario, context, load, backend, workload): "
+                        "every baseline entry is missing", exit_code=1)
+    return GateResult(checks, tolerance, allow_missing)
 
 
-def _judge(entry: BaselineEntry, current: Estimate | None, tolerance: float) -> GateCheck:
-    if current is None:
-        return GateCheck(entry, None, math.nan, "not measured")
+def _unfinished(runs: Sequence[StoredRun]) -> dict[tuple[Config, str], list[StoredRun]]:
+    """The runs that did not finish ok, by (configuration, backend)."""
+    by_key: dict[tuple[Config, str], list[StoredRun]] = {}
+    for run in runs:
+        if run.status != "ok":
+            by_key.setdefault((Config.of(run), run.backend), []).append(run)
+    return by_key
+
+
+def _absent(entry: BaselineEntry, unfinished: Sequence[StoredRun]) -> GateCheck:
+    if not unfinished:
+        return GateCheck(entry, None, math.nan, "missing", "no run of this backend and point")
+    reason = next((r.error for r in unfinished if r.error), None) or unfinished[0].status
+    return GateCheck(entry, None, math.nan, "failed",
+                     f"run(s) {id_list(unfinished)} {unfinished[0].status}: {reason.splitlines()[0]:.80}")
+
+
+def _judge(entry: BaselineEntry, current: Estimate, tolerance: float) -> GateCheck:
     change = _relative_change(entry.mean, current.mean)
     worsening = -change if entry.higher_is_better else change
     base_low, base_high = _bounds(entry.estimate)
@@ -213,7 +308,16 @@ def _judge(entry: BaselineEntry, current: Estimate | None, tolerance: float) -> 
         status = "improved"
     else:
         status = "ok"
-    return GateCheck(entry, current, worsening, status)
+    return GateCheck(entry, current, worsening, status, _rule(entry.estimate, current, tolerance))
+
+
+def _rule(baseline: Estimate, current: Estimate, tolerance: float) -> str:
+    """Which rule judged a row: the tolerance and the 95% CIs, or the tolerance alone where a side has n=1 (a
+    single repeat has no interval: nothing is widened for it)."""
+    single = [side for side, est in (("baseline", baseline), ("current", current)) if est.n == 1]
+    if not single:
+        return f"{tolerance:.1%} and 95% CIs"
+    return f"{tolerance:.1%} alone: {' and '.join(single)} n=1"
 
 
 def _refuse_caveats(runs: Sequence[StoredRun], allow: bool) -> None:
@@ -242,15 +346,20 @@ def _bounds(est: Estimate) -> tuple[float, float]:
     return est.ci_low, est.ci_high
 
 
-_STATUS_STYLE = {"regression": "bold red", "within noise": "yellow", "ok": "green", "improved": "cyan",
-                 "not measured": "dim", "other workload": "dim"}
+_MISSING_STYLE = "bold red"
+_STATUS_STYLE = {"regression": "bold red", "within noise": "yellow", "ok": "green", "improved": "cyan"}
 
 
 def gate_table(result: GateResult) -> Table:
-    title = (f"Gate: {len(result.regressions)} regression(s) beyond {result.tolerance:.1%} with separated 95% CIs"
-             if result.regressions else f"Gate passed (tolerance {result.tolerance:.1%}, 95% CIs)")
+    if result.ok:
+        title = f"Gate passed (tolerance {result.tolerance:.1%}, 95% CIs)"
+        if result.missing:
+            title += f"; {len(result.missing)} entr(y/ies) missing or failed, allowed by --allow-missing"
+    else:
+        title = f"Gate failed: {result.failure()}"
     table = Table(title=title, title_justify="left")
-    for column in ("scenario", "context", "load", "backend", "metric", "baseline", "current", "change", "status"):
+    for column in ("scenario", "context", "load", "backend", "metric", "baseline", "current", "change", "status",
+                   "decided by"):
         table.add_column(column, justify="right" if column in ("baseline", "current", "change") else "left")
     for check in result.checks:
         e = check.entry
@@ -259,7 +368,8 @@ def gate_table(result: GateResult) -> Table:
             e.scenario, context_label(e.input_len), load_label(e.load), backend_label(e.backend, bool(check.caveat)),
             f"{e.metric} ({metric_unit(e.metric)})", e.estimate.format(),
             check.current.format() if check.current else "—", change,
-            Text(check.status, style=_STATUS_STYLE[check.status]),
+            Text(check.status, style=_STATUS_STYLE.get(check.status, "dim" if result.allow_missing else _MISSING_STYLE)),
+            check.decided_by,
         )
     add_footnotes(table, caveat_notes(result.checks))
     return table

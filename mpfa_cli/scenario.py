@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import tomllib
 from dataclasses import dataclass, field
@@ -80,6 +81,15 @@ def point_key(label: str) -> str:
 
 _INT_FIELDS = ("output_len", "num_requests", "warmup_requests", "repeats", "seed")
 
+# Upper bounds of a scenario's numbers: beyond them a run would not end in a working day or not fit in memory.
+MAX_INPUT_LEN = 4 * 1024 * 1024
+MAX_OUTPUT_LEN = 1024 * 1024
+MAX_REQUESTS = 1_000_000
+MAX_REPEATS = 1000
+MAX_CONCURRENCY = 100_000
+MAX_RATE = 1e6
+MAX_SEED = 2**63 - 1
+
 
 def available_scenarios() -> list[str]:
     return sorted(p.stem for p in SCENARIO_DIR.glob("*.toml"))
@@ -99,10 +109,11 @@ def scenario_path(name_or_path: str) -> Path:
     return path
 
 
-def _as_list(value: Any, kind: type, where: str) -> list:
+def _as_list(value: Any, kind: type | tuple[type, ...], where: str) -> list:
     values = value if isinstance(value, list) else [value]
     if not values or not all(isinstance(v, kind) and not isinstance(v, bool) for v in values):
-        raise UserError(f"{where}: expected {kind.__name__} or a list of them, got {value!r}")
+        name = "int" if kind is int else "number"
+        raise UserError(f"{where}: expected {'an' if kind is int else 'a'} {name} or a list of them, got {value!r:.40}")
     return values
 
 
@@ -110,7 +121,11 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
     """Read a scenario; `overrides` (CLI flags, None meaning "not given") replace fields before validation."""
     path = scenario_path(name_or_path)
     try:
-        raw = tomllib.loads(path.read_text())
+        raw = tomllib.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read scenario file {path}: {exc.strerror or exc}") from None
+    except UnicodeDecodeError as exc:
+        raise UserError(f"{path}: not a UTF-8 text file (byte {exc.start}); a scenario is TOML") from None
     except tomllib.TOMLDecodeError as exc:
         found = re.search(r"\(at line (\d+), column \d+\)", str(exc))
         line = found.group(1) if found else "?"
@@ -137,8 +152,8 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
     _check_int_fields(raw, path)
     scenario = Scenario(
         name=path.stem,
-        description=str(raw.get("description", "")),
-        model=str(raw["model"]),
+        description=raw.get("description", ""),
+        model=raw["model"],
         input_len=_as_list(raw["input_len"], int, f"{path}: input_len"),
         output_len=raw["output_len"],
         num_requests=raw["num_requests"],
@@ -147,7 +162,7 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
         seed=raw.get("seed", 0),
         concurrency=_as_list(raw["concurrency"], int, f"{path}: concurrency") if "concurrency" in raw else [],
         rate=[float(r) for r in _as_list(raw["rate"], (int, float), f"{path}: rate")] if "rate" in raw else [],
-        burstiness=float(raw.get("burstiness", 1.0)),
+        burstiness=_burstiness(raw, path),
     )
     _validate(scenario, path)
     return scenario
@@ -155,8 +170,18 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
 
 def _check_int_fields(raw: dict[str, Any], path: Path) -> None:
     for key in _INT_FIELDS:
-        if key in raw:
-            _as_list(raw[key], int, f"{path}: {key}")
+        if key in raw and (not isinstance(raw[key], int) or isinstance(raw[key], bool)):
+            raise UserError(f"{path}: {key}: expected an integer, got {raw[key]!r:.40}")
+    for key in ("model", "description"):
+        if key in raw and not isinstance(raw[key], str):
+            raise UserError(f"{path}: {key}: expected a string, got {raw[key]!r:.40}")
+
+
+def _burstiness(raw: dict[str, Any], path: Path) -> float:
+    value = raw.get("burstiness", 1.0)
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise UserError(f"{path}: burstiness: expected a number, got {value!r:.40}")
+    return float(value)
 
 
 _POINT_FIELDS = {"input_len", "concurrency", "rate", "num_requests"}
@@ -175,10 +200,10 @@ def _with_points(raw: dict[str, Any], path: Path) -> Scenario:
     if not isinstance(points, list) or not points or not all(isinstance(p, dict) for p in points):
         raise UserError(f"{path}: points must be a non-empty array of tables ([[points]])")
     _check_int_fields(raw, path)
-    explicit = [_point(p, raw.get("num_requests"), raw.get("burstiness", 1.0), f"{path}: points[{i}]")
-                for i, p in enumerate(points)]
+    burstiness = _burstiness(raw, path)
+    explicit = [_point(p, raw.get("num_requests"), burstiness, f"{path}: points[{i}]") for i, p in enumerate(points)]
     scenario = Scenario(
-        name=path.stem, description=str(raw.get("description", "")), model=str(raw["model"]),
+        name=path.stem, description=raw.get("description", ""), model=raw["model"], burstiness=burstiness,
         input_len=sorted({p.input_len for p in explicit}), output_len=raw["output_len"],
         num_requests=max(p.num_requests for p in explicit), warmup_requests=raw.get("warmup_requests", 0),
         repeats=raw.get("repeats", 1), seed=raw.get("seed", 0),
@@ -211,14 +236,17 @@ def _point(table: dict[str, Any], num_requests: int | None, burstiness: float, w
 
 def _validate(s: Scenario, path: Path) -> None:
     checks = [
-        (all(n >= 1 for n in s.input_len), "input_len must be >= 1"),
-        (s.output_len >= 1, "output_len must be >= 1 (the client measures generated tokens)"),
-        (s.num_requests >= 1 and all(p.num_requests >= 1 for p in s.points()), "num_requests must be >= 1"),
-        (s.warmup_requests >= 0, "warmup_requests must be >= 0"),
-        (s.repeats >= 1, "repeats must be >= 1"),
-        (all(c >= 1 for c in s.concurrency), "concurrency must be >= 1"),
-        (all(r > 0 for r in s.rate), "rate must be > 0 requests/s"),
-        (s.burstiness > 0, "burstiness must be > 0"),
+        (all(1 <= n <= MAX_INPUT_LEN for n in s.input_len), f"input_len must be in [1, {MAX_INPUT_LEN}]"),
+        (1 <= s.output_len <= MAX_OUTPUT_LEN,
+         f"output_len must be in [1, {MAX_OUTPUT_LEN}] (the client measures generated tokens)"),
+        (all(1 <= n <= MAX_REQUESTS for n in (s.num_requests, *(p.num_requests for p in s.points()))),
+         f"num_requests must be in [1, {MAX_REQUESTS}]"),
+        (0 <= s.warmup_requests <= MAX_REQUESTS, f"warmup_requests must be in [0, {MAX_REQUESTS}]"),
+        (1 <= s.repeats <= MAX_REPEATS, f"repeats must be in [1, {MAX_REPEATS}]"),
+        (all(1 <= c <= MAX_CONCURRENCY for c in s.concurrency), f"concurrency must be in [1, {MAX_CONCURRENCY}]"),
+        (all(0 < r <= MAX_RATE for r in s.rate), f"rate must be in (0, {MAX_RATE:g}] requests/s"),
+        (0 < s.burstiness < math.inf, "burstiness must be a finite number > 0"),
+        (0 <= s.seed <= MAX_SEED, f"seed must be in [0, {MAX_SEED}]"),
     ]
     for ok, message in checks:
         if not ok:

@@ -175,20 +175,29 @@ class ResultStore:
 
     def __init__(self, path: str | Path | None = None, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
         self.path = Path(path).expanduser() if path is not None else default_db_path()
+        # A file this process may not write is opened read-only: listing and comparing its runs still work.
+        self.read_only = self.path.is_file() and not os.access(self.path, os.W_OK)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE) in `_transaction`.
-            self._conn = sqlite3.connect(self.path, timeout=busy_timeout_s, isolation_level=None)
+            self._conn = sqlite3.connect(self._uri(), timeout=busy_timeout_s, isolation_level=None, uri=True)
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open results database {self.path}: {_reason(exc)}") from None
         self._conn.row_factory = sqlite3.Row
         with self._errors("open"):
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
+            self._refuse_foreign()  # before anything below writes to the file
+            self._conn.execute("PRAGMA foreign_keys = ON")
+            if self.read_only:
+                self._require_current_schema()
+                return
             self._conn.execute("PRAGMA journal_mode = WAL")
             # In WAL mode NORMAL loses no committed transaction when the process dies (only on power loss).
             self._conn.execute("PRAGMA synchronous = NORMAL")
-            self._conn.execute("PRAGMA foreign_keys = ON")
             self._ensure_schema()
+
+    def _uri(self) -> str:
+        return f"{self.path.resolve().as_uri()}?mode={'ro' if self.read_only else 'rwc'}"
 
     def close(self) -> None:
         self._conn.close()
@@ -209,22 +218,26 @@ class ResultStore:
         run.status = "running"
         return run_id
 
-    def import_run(self, run: StoredRun) -> tuple[int, bool]:
-        """Store a run read from an export as it was (status, summary, finished_at, requests) under a new id.
+    def import_runs(self, runs: Iterable[StoredRun]) -> list[tuple[int, bool]]:
+        """Store runs read from exports as they are (status, summary, finished_at, requests) under new ids, in one
+        transaction: all of them or, on any error, none.
 
         A run the store already holds — same scenario, backend, engine, context, load, repeat and `started_at`
-        (the wall-clock start, to the float) — is not stored again. Returns (its id here, whether it was added);
-        `run` itself is left unchanged.
+        (the wall-clock start, to the float) — is not stored again. Returns (its id here, whether it was added)
+        per run; the runs themselves are left unchanged.
         """
+        with self._transaction("import runs"):
+            return [self._import_run(run) for run in runs]
+
+    def _import_run(self, run: StoredRun) -> tuple[int, bool]:
         key = (run.scenario, run.backend, run.engine, run.input_len, load_key(run.load), run.repeat, run.started_at)
-        with self._transaction("import a run"):
-            existing = self._conn.execute(
-                "SELECT id FROM runs WHERE scenario = ? AND backend = ? AND engine = ? AND input_len = ? "
-                "AND load = ? AND repeat = ? AND started_at = ?", key,
-            ).fetchone()
-            if existing is not None:
-                return int(existing["id"]), False
-            return self._insert_run(run, run.status, run.finished_at, run.summary or None), True
+        existing = self._conn.execute(
+            "SELECT id FROM runs WHERE scenario = ? AND backend = ? AND engine = ? AND input_len = ? "
+            "AND load = ? AND repeat = ? AND started_at = ?", key,
+        ).fetchone()
+        if existing is not None:
+            return int(existing["id"]), False
+        return self._insert_run(run, run.status, run.finished_at, run.summary or None), True
 
     def add_request(self, run_id: int, rec: RequestRecord) -> None:
         """Record one finished request, committed at once."""
@@ -263,7 +276,7 @@ class ResultStore:
 
     def get_profile(self, profile_id: int) -> StoredProfile:
         with self._errors(f"read profile {profile_id}"):
-            row = self._conn.execute("SELECT * FROM profiles WHERE id = ?", (profile_id,)).fetchone()
+            row = self._conn.execute("SELECT * FROM profiles WHERE id = ?", (_row_id(profile_id),)).fetchone()
         if row is None:
             raise StoreError(f"no profile with id {profile_id} in {self.path}")
         return _profile_from_row(row)
@@ -283,7 +296,7 @@ class ResultStore:
     def get_run(self, run_id: int) -> StoredRun:
         """The run with its requests (in request index order)."""
         with self._errors(f"read run {run_id}"):
-            row = self._conn.execute("SELECT * FROM runs WHERE id = ?", (run_id,)).fetchone()
+            row = self._conn.execute("SELECT * FROM runs WHERE id = ?", (_row_id(run_id),)).fetchone()
             if row is None:
                 raise StoreError(f"no run with id {run_id} in {self.path}")
             return self._with_requests([_run_from_row(row)])[0]
@@ -291,7 +304,8 @@ class ResultStore:
     def get_runs(self, run_ids: Iterable[int], with_requests: bool = False) -> list[StoredRun]:
         """The runs with these ids, in the order given; an unknown id is an error."""
         ids = list(run_ids)
-        by_id = {r.id: r for r in self._select("id IN (SELECT value FROM json_each(?))", [json.dumps(ids)])}
+        by_id = {r.id: r for r in self._select("id IN (SELECT value FROM json_each(?))",
+                                               [json.dumps([_row_id(i) for i in ids])])}
         if missing := [i for i in ids if i not in by_id]:
             raise StoreError(f"no run with id {', '.join(map(str, missing))} in {self.path}")
         runs = [by_id[i] for i in ids]
@@ -348,6 +362,20 @@ class ResultStore:
     def _schema_version(self) -> int:
         return int(self._conn.execute("PRAGMA user_version").fetchone()[0])
 
+    def _refuse_foreign(self) -> None:
+        """An SQLite file with tables but no mpfa schema version belongs to something else: never touch it."""
+        if self._schema_version() == 0 and self._conn.execute(
+            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'"
+        ).fetchone()[0]:
+            raise StoreError(f"{self.path} is not an mpfa results database (it holds other tables); "
+                             "give another --db")
+
+    def _require_current_schema(self) -> None:
+        version = self._schema_version()
+        if version != SCHEMA_VERSION:
+            raise StoreError(f"results database {self.path} is read-only and has schema version {version}, not "
+                             f"{SCHEMA_VERSION}: open it writable once (any mpfa command) to upgrade it")
+
     def _upgrade_schema(self, version: int) -> None:
         """Create the schema (version 0) or add what later versions brought, in order."""
         if version > SCHEMA_VERSION:
@@ -355,11 +383,7 @@ class ResultStore:
                 f"results database {self.path} has schema version {version}; this mpfa reads up to "
                 f"{SCHEMA_VERSION} (upgrade mpfa)"
             )
-        has_tables = self._conn.execute(
-            "SELECT COUNT(*) FROM sqlite_master WHERE type = 'table' AND name IN ('runs', 'requests')"
-        ).fetchone()[0]
-        if version == 0 and has_tables:
-            raise StoreError(f"{self.path} is not an mpfa results database (unversioned tables present)")
+        self._refuse_foreign()  # re-checked under the write lock
         for step in range(version + 1, SCHEMA_VERSION + 1):
             upgrade = _UPGRADES[step]
             if callable(upgrade):
@@ -450,6 +474,14 @@ class ResultStore:
             raise StoreError(f"cannot {what} in results database {self.path}: {_reason(exc)}") from None
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot {what} in results database {self.path}: {_reason(exc)}") from None
+
+
+_MAX_ROW_ID = 2**63 - 1
+
+
+def _row_id(value: int) -> int:
+    """An id as SQLite can hold it: one beyond its 64-bit range names no row (-1, never a row id here)."""
+    return value if -_MAX_ROW_ID <= value <= _MAX_ROW_ID else -1
 
 
 def _filters(

@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from mpfa.cli.common import DbOption, cli_errors, console, open_store
+from mpfa.cli.common import DbOption, cli_errors, console, number_list, open_store
 from mpfa.cli.selection import (AccuracyFlag, BackendFilter, RunIds, ScenarioFilter, accuracy_reports,
-                                selected_runs)
+                                distinct_ids, selected_runs)
 from mpfa.harness.errors import UserError
 
 
@@ -69,7 +69,7 @@ def export(
     if fmt not in ("json", "csv"):
         raise UserError(f"unknown format '{fmt}'; valid: json, csv")
     with open_store(db) as store:
-        ids = run_ids or [r.id for r in selected_runs(store, None, scenario, backend)]
+        ids = distinct_ids(run_ids) or [r.id for r in selected_runs(store, None, scenario, backend)]
         export_runs(store.get_runs(ids, with_requests=requests), fmt, output or sys.stdout, include_requests=requests)
 
 
@@ -78,25 +78,44 @@ def import_runs(
     files: Annotated[list[Path], typer.Argument(help="JSON exports (`mpfa export --format json [--requests]`).")],
     db: DbOption = None,
 ) -> None:
-    """Load exported runs into the database as they were (new ids); a run already there is skipped.
+    """Load exported runs into the database (new ids); a run already there is skipped. All or nothing: every file
+    is read and validated first, and the runs are stored in one transaction.
+
+    A summary is never taken on trust: a run with requests gets the summary its requests give (a stale one in the
+    file is replaced, and the line says so), and a run marked ok whose requests failed is stored as failed. A run
+    exported without requests keeps its summary, reported as unverified.
 
     A run counts as already there when one of the same scenario, backend, engine, context, load, repeat and
-    start time (wall clock, exact) is stored. Every file is read before any run is stored; runs are stored in
-    order of their start time, so the newest of a configuration gets the highest id (what compare/plot pick).
+    start time (wall clock, exact) is stored. Runs are stored in order of their start time, so the newest of a
+    configuration gets the highest id (what compare/plot pick).
     """
-    from mpfa.harness.export import read_export
+    from mpfa.harness.export import derive_summary, read_export
 
-    exported = [(path, run) for path in files for run in read_export(path)]
-    stored: dict[Path, tuple[list[int], list[int]]] = {path: ([], []) for path in files}
+    checked = [(path, derive_summary(run)) for path in files for run in read_export(path)]
+    checked.sort(key=lambda pc: pc[1].run.started_at)
     with open_store(db) as store:
-        for path, run in sorted(exported, key=lambda pr: pr[1].started_at):
-            run_id, new = store.import_run(run)
-            stored[path][0 if new else 1].append(run_id)
-    for path, (added, skipped) in stored.items():
-        line = f"{path}: imported {len(added)} run(s)" + (f" as {_id_ranges(added)}" if added else "")
-        if skipped:
-            line += f"; skipped {len(skipped)} already stored (as {_id_ranges(skipped)})"
-        console.print(f"{line} — {store.path}", highlight=False, soft_wrap=True)
+        outcomes = store.import_runs(check.run for _, check in checked)
+    for path in files:
+        mine = [(check, outcome) for (p, check), outcome in zip(checked, outcomes) if p == path]
+        console.print(f"{_import_line(path, mine)} — {store.path}", highlight=False, soft_wrap=True)
+
+
+def _import_line(path: Path, imported: list) -> str:
+    """What became of one file's runs: ids added and skipped, summaries recomputed, unverified, failed."""
+    added = [run_id for _, (run_id, new) in imported if new]
+    skipped = [run_id for _, (run_id, new) in imported if not new]
+    line = f"{path}: imported {len(added)} run(s)" + (f" as {_id_ranges(added)}" if added else "")
+    if skipped:
+        line += f"; skipped {len(skipped)} already stored (as {_id_ranges(skipped)})"
+    for check, (run_id, _) in imported:
+        if check.stale:
+            line += (f"; run {check.run.id} (here {run_id}): stale summary ({', '.join(check.stale[:4])}"
+                     f"{', ...' if len(check.stale) > 4 else ''}) replaced by the one its requests give")
+    if unverified := [run_id for check, (run_id, _) in imported if check.unverified]:
+        line += f"; {_id_ranges(unverified)}: no requests in the file, summary unverified"
+    if failed := [run_id for check, (run_id, _) in imported if check.run.status != "ok"]:
+        line += f"; {_id_ranges(failed)} did not finish ok (kept, never gated as ok)"
+    return line
 
 
 def _id_ranges(ids: list[int]) -> str:
@@ -138,28 +157,43 @@ def plot(
 @cli_errors
 def gate(
     baseline: Annotated[Path, typer.Option("--baseline", help="Baseline JSON (profiles/baselines/).")],
-    results: Annotated[Optional[list[int]], typer.Option("--results", help="Run ids to judge (repeatable; default: newest runs).")] = None,
+    results: Annotated[Optional[list[str]], typer.Option("--results", help="Run ids to judge: 1,2,3 or repeated (default: the newest pass of each backend and point).")] = None,
     tolerance: Annotated[str, typer.Option(help="Allowed drop, e.g. 5% or 0.05.")] = "5%",
     write_baseline: Annotated[bool, typer.Option("--write-baseline", help="Write the baseline from the runs instead of judging.")] = False,
     benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write github-action-benchmark files with this prefix.")] = None,
     allow_caveats: Annotated[bool, typer.Option("--allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
+    allow_missing: Annotated[bool, typer.Option("--allow-missing", help="Pass although baseline entries have no current result or only failed runs.")] = False,
     scenario: ScenarioFilter = None, db: DbOption = None,
 ) -> None:
-    """Fail (exit 1) when a metric dropped by more than the tolerance and the confidence intervals separate."""
+    """Judge the runs against a baseline: a regression is a drop beyond the tolerance with separated 95% CIs (the
+    tolerance alone where a side has a single repeat; each row says which rule decided it).
+
+    Exit codes: 0 passed; 1 a regression, or a baseline entry missing or failed (unless --allow-missing);
+    2 bad usage or bad input (a malformed baseline, an unknown run id, incomparable runs).
+    """
     from mpfa.harness import gate as gating
 
+    named = distinct_ids([i for text in results or [] for i in number_list(text, "--results")])
     with open_store(db) as store:
-        selected = selected_runs(store, results, scenario, None)
+        runs = store.get_runs(named) if named else gating.newest_passes(store.list_runs(scenario=scenario))
         if benchmark_json:
             gating.write_github_benchmark(
-                selected, Path(f"{benchmark_json}-bigger.json"), Path(f"{benchmark_json}-smaller.json")
+                runs, Path(f"{benchmark_json}-bigger.json"), Path(f"{benchmark_json}-smaller.json")
             )
         if write_baseline:
-            written = gating.write_baseline(selected, baseline, allow_caveats)
+            written = gating.write_baseline(runs, baseline, allow_caveats)
             console.print(f"wrote {len(written.entries)} baseline entries to {baseline}")
             return
-        result = gating.run_gate(gating.read_baseline(baseline), selected, gating.parse_tolerance(tolerance),
-                                 allow_caveats)
+        judged = gating.read_baseline(baseline)
+        if scenario:
+            judged.entries = [e for e in judged.entries if e.scenario == scenario]
+        if not named:
+            runs = [r for r in runs if (r.gpu, r.model, r.simulated) == (judged.gpu, judged.model, judged.simulated)]
+        if not runs:
+            raise UserError(f"no runs of {judged.gpu}, {judged.model} in {store.path}: every baseline entry is "
+                            "missing", exit_code=1)
+        result = gating.run_gate(judged, runs, gating.parse_tolerance(tolerance), allow_caveats, allow_missing)
     console.print(gating.gate_table(result))
     if not result.ok:
-        raise UserError(f"{len(result.regressions)} regression(s) beyond {tolerance}", exit_code=1)
+        raise UserError(result.failure(), exit_code=1)
+

@@ -17,10 +17,18 @@ BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only ru
 AccuracyFlag = Annotated[bool, typer.Option("--accuracy", help="The ids are stored `mpfa accuracy task` results (default: the newest), not runs.")]
 
 
+def distinct_ids(run_ids: list[int] | None) -> list[int] | None:
+    """The ids as given; one named twice is refused (it would count as two repeats)."""
+    if run_ids and (twice := sorted({i for i in run_ids if run_ids.count(i) > 1})):
+        raise UserError(f"run {', '.join(map(str, twice))} named more than once: each run counts once")
+    return run_ids
+
+
 def selected_runs(store: ResultStore, run_ids: list[int] | None, scenario: str | None,
                   backend: str | None) -> list[StoredRun]:
     """The runs named, else the newest successful run of each configuration (optionally filtered)."""
-    runs = store.get_runs(run_ids) if run_ids else store.latest_runs(scenario=scenario, backend=backend)
+    runs = (store.get_runs(distinct_ids(run_ids)) if run_ids
+            else store.latest_runs(scenario=scenario, backend=backend))
     if runs:
         return runs
     matching = "".join(f" {flag} {value}" for flag, value in (("--scenario", scenario), ("--backend", backend))

@@ -1,5 +1,6 @@
 """The committed H200 baseline (profiles/baselines/h200.json) gated through the CLI against the committed exports
-it was written from: they pass, and a copy with one backend degraded fails. A change to the gate's logic, its
+it was written from: they pass, and a copy with one backend's requests degraded fails whatever its stale summary
+says. A change to the gate's logic, its
 aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
 
 The baseline is written (docs/performance.md, "The CI gate's baseline") by
@@ -40,19 +41,27 @@ def imported(db: Path, *exports: Path) -> list[str]:
 
 
 def degraded_copy(path: Path, dest: Path, factor: float = 0.7) -> Path:
-    """`path` with the OTPS of DEGRADED's runs times `factor` and their TPOT (every statistic) divided by it."""
+    """`path` with DEGRADED's runs slowed down in their requests (every time stretched by 1 / `factor` from the
+    first dispatch: OTPS times `factor`, TTFT and TPOT divided by it) and their summaries left as they were: a
+    stale summary that import must not trust."""
     doc = json.loads(path.read_text())
     hit = 0
     for run in doc["runs"]:
         if (run["scenario"], run["backend"]) == DEGRADED:
-            summary = run["summary"]
-            summary["otps"] *= factor
-            for key in [k for k in summary if k.startswith("tpot_ms_")]:
-                summary[key] /= factor
+            start = min(r["dispatch_s"] for r in run["requests"])
+            stretch = lambda t: start + (t - start) / factor  # noqa: E731
+            for request in run["requests"]:
+                request["dispatch_s"] = stretch(request["dispatch_s"])
+                request["chunk_s"] = [stretch(t) for t in request["chunk_s"]]
+                request["completion_s"] = stretch(request["completion_s"])
             hit += 1
-    assert hit, f"no {DEGRADED} run in {path}"
+    assert hit, f"no {DEGRADED} run with requests in {path}"
     dest.write_text(json.dumps(doc))
     return dest
+
+
+def regression_lines(output: str) -> list[str]:
+    return [line for line in output.splitlines() if "│ regression " in line]
 
 
 def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
@@ -82,21 +91,32 @@ def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
     assert gated == {(b, m) for b in ("fa4-bf16", "flashinfer-fp8", "mpfa", "mpfa-direct") for m in GATED_METRICS}
 
 
-def test_gate_fails_when_a_stored_result_is_degraded(tmp_path):
+def test_gate_fails_on_a_drop_hidden_behind_a_stale_summary(tmp_path):
     worse = degraded_copy(EXPORTS[1], tmp_path / "degraded.json")
     results = imported(tmp_path / "r.db", EXPORTS[0], worse)
-    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing")
     assert result.exit_code == 1, result.output
-    assert "2 regression(s) beyond 5%" in result.stderr
-    regressions = [line for line in result.stdout.splitlines() if line.rstrip(" │").endswith("regression")]
-    assert len(regressions) == 2 and all("mpfa-direct" in line for line in regressions)
+    assert "3 regression(s) beyond 5.0%" in result.stderr
+    regressions = regression_lines(result.stdout)
+    assert len(regressions) == 3 and all("mpfa-direct" in line for line in regressions)
     assert any("otps" in line and "-30.0%" in line for line in regressions)
     assert any("tpot_ms_median" in line and "+42.9%" in line for line in regressions)
+    assert any("ttft_ms_median" in line and "+42.9%" in line for line in regressions)
+
+
+@pytest.mark.parametrize("factor, exit_code", [(0.8, 1), (0.99, 0)])
+def test_a_20_percent_drop_fails_and_a_1_percent_drop_passes(tmp_path, factor, exit_code):
+    worse = degraded_copy(EXPORTS[1], tmp_path / "degraded.json", factor)
+    results = imported(tmp_path / "r.db", *EXPORTS[::2], worse, EXPORTS[3])
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
+    assert result.exit_code == exit_code, result.output
+    assert len(regression_lines(result.stdout)) == (3 if exit_code else 0)
 
 
 def test_runs_of_another_workload_are_not_judged(tmp_path):
     """The same configuration measured with another output length / request count (another workload hash), even
-    30% worse, is reported as "other workload", not judged against the baseline's numbers."""
+    30% worse, is reported as "other workload", not judged against the baseline's numbers: it fails the gate as
+    a missing entry unless --allow-missing."""
     worse = degraded_copy(EXPORTS[1], tmp_path / "degraded.json")
     doc = json.loads(worse.read_text())
     for run in doc["runs"]:
@@ -105,6 +125,9 @@ def test_runs_of_another_workload_are_not_judged(tmp_path):
     worse.write_text(json.dumps(doc))
     results = imported(tmp_path / "r.db", EXPORTS[0], worse)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
+    assert result.exit_code == 1, result.output  # no comparable result for mpfa-direct (nor the 128K points)
+    assert "missing or failed" in result.stderr
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing")
     assert result.exit_code == 0, result.output
     other = [line for line in result.stdout.splitlines() if line.rstrip(" │").endswith("other workload")]
     assert len(other) == len(GATED_METRICS) and all("mpfa-direct" in line for line in other)

@@ -56,6 +56,7 @@ def test_every_field_survives_including_nan_unfinished_failed_and_simulated(tmp_
     requests = random_requests(5)
     runs = [
         make_run("mpfa", 0, metrics.summarize(requests), id=7, requests=requests, caveat="reference prefill",
+                 status="failed", error="1 request(s) failed",
                  server_info={"attention_backend": "mpfa"}, environment={"torch": "2.13.0"},
                  backend_flags=["--kv-cache-dtype", "fp8_e4m3"],
                  kernels={"prefill": "fp8", "decode": "split-kv", "source": "dispatch"}),
@@ -83,7 +84,7 @@ def test_importing_a_run_twice_skips_it_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("content, reason", [
-    ("id,scenario,backend\n1,long32k,mpfa\n", "not JSON"),
+    ("id,scenario,backend\n1,long32k,mpfa\n", "not UTF-8 JSON"),
     ('[{"scenario": "long32k"}]', 'no top-level "runs" list'),
     ('{"runs": [{"scenario": "long32k"}]}', "a run lacks field(s) backend"),
     ('{"runs": [42]}', "a run is int, not an object"),
