@@ -176,11 +176,16 @@ class ResultStore:
     def __init__(self, path: str | Path | None = None, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
         self.path = Path(path).expanduser() if path is not None else default_db_path()
         # A file this process may not write is opened read-only: listing and comparing its runs still work.
-        self.read_only = self.path.is_file() and not os.access(self.path, os.W_OK)
+        self.read_only = self.path.is_file() and not _may_write(self.path)
         try:
             self.path.parent.mkdir(parents=True, exist_ok=True)
             # Autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE) in `_transaction`.
             self._conn = sqlite3.connect(self._uri(), timeout=busy_timeout_s, isolation_level=None, uri=True)
+            if self.read_only and not self._readable():
+                # A WAL database whose directory we cannot write either (no -shm file can be made): read the
+                # file as it is, as nothing here can change it.
+                self._conn.close()
+                self._conn = sqlite3.connect(self._uri() + "&immutable=1", isolation_level=None, uri=True)
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open results database {self.path}: {_reason(exc)}") from None
         self._conn.row_factory = sqlite3.Row
@@ -195,6 +200,13 @@ class ResultStore:
             # In WAL mode NORMAL loses no committed transaction when the process dies (only on power loss).
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._ensure_schema()
+
+    def _readable(self) -> bool:
+        try:
+            self._conn.execute("PRAGMA user_version")
+        except sqlite3.OperationalError:
+            return False
+        return True
 
     def _uri(self) -> str:
         return f"{self.path.resolve().as_uri()}?mode={'ro' if self.read_only else 'rwc'}"
@@ -474,6 +486,10 @@ class ResultStore:
             raise StoreError(f"cannot {what} in results database {self.path}: {_reason(exc)}") from None
         except sqlite3.DatabaseError as exc:
             raise StoreError(f"cannot {what} in results database {self.path}: {_reason(exc)}") from None
+
+
+def _may_write(path: Path) -> bool:
+    return os.access(path, os.W_OK)
 
 
 _MAX_ROW_ID = 2**63 - 1

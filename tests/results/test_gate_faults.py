@@ -1,0 +1,105 @@
+"""The gate cannot pass a regression: a failed backend, a missing point and superseded repeats fail it or are left
+out; each row says which rule decided it; baselines record n, GPU, kernels and revision (docs/reliability.md)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from typer.testing import CliRunner
+
+from mpfa.cli.app import app
+from mpfa.harness.gate import baseline_from_runs, newest_passes, read_baseline, run_gate, write_baseline
+from mpfa.harness.store import ResultStore
+
+KERNELS = {"prefill": "fp8", "decode": "split-kv", "source": "dispatch"}
+
+
+def mpfa(*args: str | Path):
+    return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "250"})
+
+
+def stored(db: Path, runs: list) -> list[int]:
+    """The runs stored in `db` as they are (summaries as set), in order; their ids."""
+    with ResultStore(db) as store:
+        return [run_id for run_id, _ in store.import_runs(runs)]
+
+
+def otps_runs(make_run, backend: str, values: list[float], offset: float = 0, **overrides) -> list:
+    """One pass: a run per repeat with these OTPS values, started `offset` seconds after the first pass."""
+    return [make_run(backend, i, {"otps": v}, kernels=KERNELS, environment={"mpfa_revision": "abc123"},
+                     started_at=1_700_000_000.0 + offset + i, **overrides)
+            for i, v in enumerate(values)]
+
+
+@pytest.fixture
+def gated(tmp_path, make_run):
+    """A database holding a baseline pass of mpfa and fa4-bf16 (3 repeats each) and the baseline written from it."""
+    db, baseline = tmp_path / "r.db", tmp_path / "baseline.json"
+    stored(db, otps_runs(make_run, "mpfa", [1000, 1002, 998]) + otps_runs(make_run, "fa4-bf16", [500, 501, 499]))
+    assert mpfa("gate", "--write-baseline", "--baseline", baseline, "--db", db).exit_code == 0
+    return db, baseline
+
+
+def test_baseline_records_n_gpu_kernels_and_revision(gated):
+    _, path = gated
+    baseline = read_baseline(path)
+    assert baseline.gpu == "NVIDIA H200"
+    entry = next(e for e in baseline.entries if e.backend == "mpfa")
+    assert (entry.n, entry.kernels, entry.revision) == (3, KERNELS, "abc123")
+
+
+def test_a_backend_whose_newest_runs_all_failed_fails_the_gate(gated, make_run):
+    db, baseline = gated
+    stored(db, otps_runs(make_run, "mpfa", [1000, 1001, 999], offset=100)
+           + [make_run("fa4-bf16", i, {}, status="failed", error="server died", started_at=1_700_000_100.0 + i)
+              for i in range(3)])
+    result = mpfa("gate", "--baseline", baseline, "--db", db)
+    assert result.exit_code == 1, result.output
+    assert "1 baseline entr(y/ies) missing or failed" in result.stderr
+    assert "failed" in result.stdout and "server died" in result.stdout
+    assert mpfa("gate", "--baseline", baseline, "--db", db, "--allow-missing").exit_code == 0
+
+
+def test_a_baseline_point_with_no_run_fails_unless_allowed(gated, make_run):
+    db, baseline = gated
+    stored(db, otps_runs(make_run, "mpfa", [1000, 1001, 999], offset=100))
+    result = mpfa("gate", "--baseline", baseline, "--results", "7,8", "--results", "9", "--db", db)
+    assert result.exit_code == 1 and "missing" in result.stdout and "no run of this backend" in result.stdout
+    assert "Traceback" not in result.output
+    assert mpfa("gate", "--baseline", baseline, "--results", "7,8,9", "--db", db, "--allow-missing").exit_code == 0
+    other_point = otps_runs(make_run, "mpfa", [1000], offset=200, load={"concurrency": 1})
+    result = mpfa("gate", "--baseline", baseline, "--results", str(stored(db, other_point)[0]), "--db", db,
+                  "--allow-missing")
+    assert result.exit_code == 1 and "every baseline entry is missing" in result.stderr
+
+
+def test_only_the_newest_pass_counts_unless_runs_are_named(gated, make_run):
+    """An older pass's good repeats do not pool with (and dilute) a newer, 20% slower pass."""
+    db, baseline = gated
+    stored(db, otps_runs(make_run, "mpfa", [800, 801], offset=100) + otps_runs(make_run, "fa4-bf16", [500, 501],
+                                                                               offset=100))
+    with ResultStore(db) as store:
+        current = newest_passes(store.list_runs())
+    assert sorted(r.id for r in current) == [7, 8, 9, 10]
+    result = mpfa("gate", "--baseline", baseline, "--db", db)
+    assert result.exit_code == 1 and "1 regression(s) beyond 5.0%" in result.stderr
+    # Named, the runs are judged as given: here the old pass alone, which passes.
+    assert mpfa("gate", "--baseline", baseline, "--results", "1,2,3,4,5,6", "--db", db).exit_code == 0
+
+
+def test_each_row_says_which_rule_decided_it(make_run, runs_with):
+    single = baseline_from_runs(runs_with("otps", {"mpfa": [1000.0]}))
+    (check,) = run_gate(single, runs_with("otps", {"mpfa": [1000.0, 1001.0]})).checks
+    assert check.decided_by == "5.0% alone: baseline n=1"
+    pooled = baseline_from_runs(runs_with("otps", {"mpfa": [1000.0, 1001.0]}))
+    (check,) = run_gate(pooled, runs_with("otps", {"mpfa": [1000.0, 1001.0]})).checks
+    assert check.decided_by == "5.0% and 95% CIs"
+
+
+def test_one_run_named_twice_is_refused(gated):
+    db, baseline = gated
+    for args in (("compare", "1", "1"), ("gate", "--baseline", baseline, "--results", "1,1"), ("export", "2", "2")):
+        result = mpfa(*args, "--db", db)
+        assert result.exit_code == 2 and "named more than once" in result.stderr, result.output
+
