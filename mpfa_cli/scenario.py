@@ -134,8 +134,9 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
     if "points" in raw and {"input_len", "concurrency", "rate"} & set(given):
         raise UserError(f"{path}: lists its own [[points]]; --input-len, --concurrency and --rate do not apply")
     raw.update(given)
-    if "concurrency" in given:
-        raw.pop("rate", None)
+    for load, other in (("concurrency", "rate"), ("rate", "concurrency")):  # a load flag replaces the file's load
+        if load in given:
+            raw.pop(other, None)
     known = {f.name for f in dataclasses.fields(Scenario)} - {"name", "explicit_points"} | {"points"}
     unknown = sorted(set(raw) - known)
     if unknown:

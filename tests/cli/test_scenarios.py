@@ -24,6 +24,11 @@ def test_overrides_replace_fields() -> None:
     assert s.repeats == 2 and s.seed == 0
 
 
+def test_a_load_flag_replaces_the_files_load_of_either_kind() -> None:
+    assert [p.load for p in load_scenario("long32k", {"rate": [2.0]}).points()] == [{"rate": 2.0, "burstiness": 1.0}]
+    assert [p.load for p in load_scenario("poisson-32k", {"concurrency": [4]}).points()] == [{"concurrency": 4}]
+
+
 def test_rate_scenario_expands_to_arrival_points() -> None:
     points = load_scenario("poisson-32k").points()
     assert [p.load for p in points] == [{"rate": 0.5, "burstiness": 1.0}, {"rate": 1.0, "burstiness": 1.0}]

@@ -17,7 +17,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpfa.cli.app import app
-from mpfa.harness.gate import GATED_METRICS, baseline_from_runs, read_baseline
+from mpfa.harness.gate import GATED_METRICS, baseline_from_runs, newest_passes, read_baseline
 from mpfa.harness.store import ResultStore
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
@@ -77,7 +77,7 @@ def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
     imported(tmp_path / "r.db", *EXPORTS)
     committed = read_baseline(BASELINE)
     with ResultStore(tmp_path / "r.db") as store:
-        fresh = baseline_from_runs(store.latest_runs())
+        fresh = baseline_from_runs(newest_passes(store.list_runs()))  # what `mpfa gate --write-baseline` judges
     assert (committed.gpu, committed.model, committed.simulated) == ("NVIDIA H200", "llama-3.1-8b", False)
     assert [(e.scenario, e.backend, e.input_len, e.load, e.metric, e.n, e.workload) for e in committed.entries] == [
         (e.scenario, e.backend, e.input_len, e.load, e.metric, e.n, e.workload) for e in fresh.entries]
