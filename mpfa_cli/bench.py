@@ -5,6 +5,11 @@ says what it simulates), else what the backend runs for the model's shape with t
 MpFA's servers are given as a server argument.
 Every finished request is written to the store as it completes, so a server crash or Ctrl-C loses only the
 requests in flight; the run is then marked failed or interrupted.
+
+On the simulator, unless `real_time`, requests are timed on the latency model's clock: before each repeat the
+server is told how the load arrives (`sim_server.LoadHint`), so it runs as fast as `time_scale` lets it and each
+request still joins the same batch step; every finished request's arrival and token times are then read from the
+server in modelled seconds. The stored numbers are the same at any speed-up.
 """
 from __future__ import annotations
 
@@ -35,11 +40,13 @@ from mpfa.harness.engines import (
 )
 from mpfa.harness.environment import collect_environment
 from mpfa.harness.errors import UserError
+from mpfa.harness.latency_model import latency_model, point_seconds
 from mpfa.harness.records import RequestRecord, RunRecord
 from mpfa.harness.run_tables import CAVEAT_MARK
 from mpfa.harness.scenario import (LoadPoint, Scenario, is_bundled_model, load_model_shape,
                                    without_bundled_model_paths)
 from mpfa.harness.served_kernels import kernel_server_args, launch_page_size, served_kernels
+from mpfa.harness.sim_server import prompt_digest
 from mpfa.harness.server import ServerError, ServerProcess, pick_port
 from mpfa.harness.store import ResultStore
 
@@ -52,6 +59,7 @@ class BenchOptions:
     api: str = "sglang"
     port: int | None = None
     time_scale: float = 1.0
+    real_time: bool = False  # simulator: time requests on the client's clock, not the latency model's
     ready_timeout_s: float | None = None
     tp: int = 1
     dp: int = 1
@@ -59,9 +67,20 @@ class BenchOptions:
     slo: dict[str, float] | None = None
     prefill_kernel: str | None = None  # MpFA's prefill kernel (`dispatch.PREFILL_KERNELS`); None: the shape's default
 
+    @property
+    def modelled_clock(self) -> bool:
+        """Requests are timed on the simulator's latency model, not on the client's clock."""
+        return self.engine == "sim" and not self.real_time
+
     def server_args_for(self, spec: BackendSpec) -> list[str]:
         """The extra server flags of ``spec``'s server: the user's, and the prefill kernel for MpFA's."""
         return [*kernel_server_args(spec, self.prefill_kernel), *self.server_args]
+
+
+# For `estimated_seconds`: the simulator's cost per prompt token sent (serialized, parsed, hashed) on a 2-core CPU,
+# and how long a server takes to get ready.
+SIM_SECONDS_PER_PROMPT_TOKEN = 0.7e-6
+SERVER_START_S = {"sim": 1.0, "sglang": 90.0}
 
 
 class RunInterrupted(Exception):
@@ -73,8 +92,15 @@ class RunInterrupted(Exception):
 
 
 def _get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
+    return _post_json(url, None, timeout)
+
+
+def _post_json(url: str, body: dict[str, Any] | None, timeout: float = 10.0) -> dict[str, Any]:
+    """The JSON answer to a GET, or to a POST of `body`."""
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
-        with urllib.request.urlopen(url, timeout=timeout) as response:
+        with urllib.request.urlopen(request, timeout=timeout) as response:
             return json.loads(response.read())
     except (urllib.error.URLError, OSError, ValueError) as exc:
         raise UserError(f"could not read {url}: {exc}", exit_code=1) from None
@@ -180,7 +206,8 @@ def run_bench(
                             num_requests=point.num_requests, load=point.load,
                         ),
                         started_at=time.time(), model=model_name(scenario.model), gpu=gpu,
-                        server_info=without_bundled_model_paths(info, scenario.model),
+                        server_info={**without_bundled_model_paths(info, scenario.model),
+                                     "metrics_clock": "modelled" if opts.modelled_clock else "wall"},
                         backend_flags=_flags(spec, opts), kernels=kernels, environment=environment,
                     )
                     run_id = store.begin_run(run)
@@ -199,11 +226,16 @@ def _measure(
         serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
         if point.rate is not None else None
     )
+    digests = {r: prompt_digest(p) for r, p in [*enumerate(prompts), *((-1 - i, p) for i, p in enumerate(warmup_prompts))]}
+    if opts.modelled_clock:
+        arrivals = _send_load_hint(url, point, arrivals, digests)
     label = f"{run.backend} {point.label} #{run.repeat + 1}"
     task = progress.add_task(label, total=point.num_requests + warmup)
     records: list[RequestRecord] = []
 
     def on_complete(record: RequestRecord) -> None:
+        if opts.modelled_clock and record.error is None:
+            _use_modelled_times(record, url, digests[record.index])
         store.add_request(run_id, record)
         records.append(record)
         progress.advance(task)
@@ -227,6 +259,45 @@ def _measure(
     else:
         store.finish_run(run_id, "ok", summary=summary)
     progress.update(task, description=f"{label} [{'ok' if not failed else f'{len(failed)} failed'}]")
+
+
+def _send_load_hint(url: str, point: LoadPoint, arrivals: list[float] | None,
+                    digests: dict[int, str]) -> list[float] | None:
+    """Tell the simulator how this repeat's load arrives; returns the client's arrival schedule: an open loop's
+    requests are all sent at once, the simulator holding each until its modelled arrival."""
+    hint: dict[str, Any] = {"expected": point.concurrency or point.num_requests}
+    if arrivals is not None:
+        hint["arrivals"] = {digests[i]: offset for i, offset in enumerate(arrivals)}
+    _post_json(f"{url}/sim_load", hint)
+    return None if arrivals is None else [0.0] * len(arrivals)
+
+
+def _use_modelled_times(record: RequestRecord, url: str, digest: str) -> None:
+    """Replace the client's timestamps of a finished request by the simulator's modelled ones (one token each)."""
+    times = _get_json(f"{url}/sim_clock/{digest}")
+    record.dispatch_s = times["arrival_s"]
+    record.chunk_s = times["token_s"]
+    record.chunk_tokens = [1] * len(record.chunk_s)
+    record.completion_s = record.chunk_s[-1]
+
+
+def estimated_seconds(scenario: Scenario, specs: list[BackendSpec], opts: BenchOptions) -> float:
+    """A rough wall-clock duration of the whole bench, from the latency model (one H200): modelled time at the
+    pace the engine runs, plus the simulator's cost of moving the prompts or a real server's start."""
+    shape = load_model_shape(scenario.model)
+    pace = opts.time_scale if opts.engine == "sim" else 1.0
+    total = 0.0
+    for spec in specs:
+        model = latency_model(spec.name, shape)
+        for point in scenario.points():
+            requests = point.num_requests + scenario.warmup_requests
+            modelled = point_seconds(model, point.input_len, scenario.output_len, requests, point.concurrency,
+                                     point.rate)
+            prompt_tokens = requests * point.input_len
+            cost = SIM_SECONDS_PER_PROMPT_TOKEN * prompt_tokens if opts.engine == "sim" else 0.0
+            total += scenario.repeats * (modelled * pace + cost)
+        total += SERVER_START_S.get(opts.engine, 0.0)
+    return total
 
 
 def _flags(spec: BackendSpec, opts: BenchOptions) -> list[str]:

@@ -165,3 +165,19 @@ def latency_model(backend: str, model: ModelShape) -> LatencyModel:
     if backend not in SIM_BACKENDS:
         raise ValueError(f"unknown simulated backend '{backend}'; valid: {', '.join(SIM_BACKENDS)}")
     return LatencyModel(SIM_BACKENDS[backend], model)
+
+
+def point_seconds(model: LatencyModel, input_len: int, output_len: int, num_requests: int,
+                  concurrency: int | None, rate: float | None) -> float:
+    """Rough modelled duration of one load point: closed loops run in rounds of `concurrency` requests, each a
+    batched prefill and `output_len - 1` decode steps at the mean context; an open loop lasts its arrivals plus
+    one request's service time. An estimate for planning, not what a run will measure."""
+    def round_seconds(batch: int) -> float:
+        contexts = [input_len + output_len // 2] * batch
+        return model.prefill_seconds([input_len] * batch) + (output_len - 1) * model.decode_step_seconds(contexts)
+
+    if rate is not None:
+        return num_requests / rate + round_seconds(1)
+    batch = min(concurrency or num_requests, num_requests)
+    full, rest = divmod(num_requests, batch)
+    return full * round_seconds(batch) + (round_seconds(rest) if rest else 0.0)

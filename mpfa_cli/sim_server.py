@@ -47,7 +47,33 @@ SIM_LOGPROB_PERTURBATION = {"fa4-bf16": 0.0, "triton-bf16": 1e-3, "flashinfer-fp
                             "mpfa-direct": 4e-2}
 LATE_TOLERANCE_S = 2e-3  # a step that starts later than this behind schedule starts from now (no catch-up burst)
 DIE_EXIT_CODE = 3
+# With a load hint (wall seconds): how long a phase's first burst of requests, or a closed loop's replacement of a
+# finished request, may take to arrive; longer gaps end the wait (the load sent nothing more).
+SETTLE_S = 0.2
+REPLACE_WAIT_S = 0.5
+YIELD_EVERY_S = 0.005
 
+
+@dataclass(frozen=True)
+class LoadHint:
+    """How the benchmark's load arrives, so the modelled clock need not follow the wall clock.
+
+    expected: how many requests a phase sends at once (a closed loop's concurrency); arrivals: an open loop's
+    requests by prompt digest, each at its offset in modelled seconds from the first of them to arrive.
+    """
+
+    expected: int = 1
+    arrivals: dict[str, float] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls, body: Any) -> "LoadHint":
+        try:
+            hint = cls(int(body.get("expected", 1)), {str(k): float(v) for k, v in body.get("arrivals", {}).items()})
+        except (AttributeError, TypeError, ValueError):
+            raise BadRequest("a load hint is {\"expected\": int, \"arrivals\": {digest: seconds}}") from None
+        if hint.expected < 1:
+            raise BadRequest(f"'expected' must be >= 1, got {hint.expected}")
+        return hint
 
 
 def reported_server_args(spec: BackendSpec) -> dict[str, Any]:
@@ -71,6 +97,7 @@ class SimRequest:
     input_len: int
     output_ids: list[int]
     received_s: float  # time.perf_counter() when the handler started
+    digest: str  # of the prompt (`prompt_digest`)
     emitted: int = 0
     aborted: bool = False
     progress: asyncio.Event = field(default_factory=asyncio.Event)
@@ -78,6 +105,8 @@ class SimRequest:
     # a write is the send() itself, so on loopback the bytes are in the client's socket by the second stamp.
     sent: list[tuple[float, float, int]] | None = None
     logprobs: "SimLogprobs | None" = None  # when the request set return_logprob
+    arrival_v: float = 0.0  # modelled time it arrived
+    token_v: list[float] = field(default_factory=list)  # modelled time each output token was made
 
     @property
     def finished(self) -> bool:
@@ -90,7 +119,16 @@ class SimRequest:
 
 
 class BatchScheduler:
-    """Continuous batching: prefill newly admitted requests first, else decode every running request."""
+    """Continuous batching: prefill newly admitted requests first, else decode every running request.
+
+    Besides pacing its steps on the wall clock (`time_scale` wall seconds per modelled second), it keeps the
+    modelled clock (`clock`): every step advances it by the step's modelled time, and each request notes when it
+    arrived and when each of its tokens was made on that clock (`arrival_v`, `token_v`). Those times do not
+    depend on the pacing once a `LoadHint` says how the load arrives: the scheduler then waits (on the wall
+    clock) for a closed loop's replacements before the next step, and holds an open loop's requests until their
+    modelled arrival, so each request joins the same step at any speed-up. Without a hint it runs as SGLang
+    does: whatever has arrived joins the next step.
+    """
 
     def __init__(self, latency: LatencyModel, time_scale: float, max_running: int = MAX_RUNNING_REQUESTS) -> None:
         self.latency = latency
@@ -100,7 +138,14 @@ class BatchScheduler:
         self.kv_used = 0
         self.waiting: deque[SimRequest] = deque()
         self.running: list[SimRequest] = []
+        self.scheduled: list[SimRequest] = []  # open loop: received, sorted by modelled arrival, not yet due
+        self.clock = 0.0  # modelled seconds
+        self.hint: LoadHint | None = None
+        self._owed = 0  # closed loop: requests finished whose replacements have not arrived
+        self._phase_start: float | None = None  # open loop: the modelled time its arrival offsets count from
+        self._idle_since = time.perf_counter()
         self._wakeup = asyncio.Event()
+        self._arrived = asyncio.Event()
 
     def check_fits(self, input_len: int, max_new_tokens: int) -> None:
         if input_len + max_new_tokens > self.kv_capacity:
@@ -109,10 +154,57 @@ class BatchScheduler:
                 f"simulated KV cache capacity of {self.kv_capacity} tokens"
             )
 
-    def submit(self, request: SimRequest) -> None:
+    @property
+    def idle(self) -> bool:
+        return not (self.waiting or self.running or self.scheduled)
+
+    def set_hint(self, hint: LoadHint | None) -> None:
+        """Take a load hint; the modelled clock restarts at 0 with one, so that repeats time alike."""
+        self.hint, self._owed, self._phase_start = hint, 0, None
+        if hint is not None:
+            self.clock = 0.0
+
+    def submit(self, request: SimRequest, digest: str) -> None:
         self.check_fits(request.input_len, len(request.output_ids))
-        self.waiting.append(request)
+        if self.hint is None and self.idle:  # without a hint, idle wall time passes on the modelled clock too
+            self.clock += (time.perf_counter() - self._idle_since) / self.time_scale
+        offset = self.hint.arrivals.get(digest) if self.hint is not None else None
+        if offset is None:
+            request.arrival_v = self.clock
+            self.waiting.append(request)
+        else:
+            if self._phase_start is None:
+                self._phase_start = self.clock
+            request.arrival_v = self._phase_start + offset
+            self.scheduled.append(request)
+            self.scheduled.sort(key=lambda r: r.arrival_v)
+        self._owed = max(0, self._owed - 1)
+        self._arrived.set()
         self._wakeup.set()
+
+    async def _quiet(self, done: Callable[[], bool], quiet_s: float) -> None:
+        """Wait until `done()` or no request arrived for `quiet_s` (wall)."""
+        while not done():
+            self._arrived.clear()
+            try:
+                await asyncio.wait_for(self._arrived.wait(), quiet_s)
+            except TimeoutError:
+                return
+
+    async def _settle(self) -> None:
+        """With a hint, before stepping: let the requests the load sends at this point arrive."""
+        hint = self.hint
+        if hint is None:
+            return
+        if self.idle or not self.running:  # a phase starts: its first requests come as a burst
+            await self._quiet(lambda: len(self.waiting) + len(self.scheduled) >= hint.expected, SETTLE_S)
+        await self._quiet(lambda: self._owed == 0, REPLACE_WAIT_S)
+        self._owed = 0
+        while self.scheduled and self.scheduled[0].arrival_v <= self.clock:
+            self.waiting.append(self.scheduled.pop(0))
+        if not self.waiting and not self.running and self.scheduled:  # nothing to do until the next arrival
+            self.clock = self.scheduled[0].arrival_v
+            self.waiting.append(self.scheduled.pop(0))
 
     def _admit(self) -> list[SimRequest]:
         admitted = []
@@ -131,12 +223,14 @@ class BatchScheduler:
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
-        deadline = loop.time()
+        deadline = yielded = loop.time()
         while True:
-            if not self.waiting and not self.running:
+            if self.idle:
+                self._idle_since = time.perf_counter()
                 self._wakeup.clear()
                 await self._wakeup.wait()
                 deadline = loop.time()
+            await self._settle()
             admitted = self._admit()
             if admitted:
                 stepped = admitted
@@ -146,22 +240,33 @@ class BatchScheduler:
                 seconds = self.latency.decode_step_seconds([r.input_len + r.emitted for r in self.running])
             else:  # only aborted requests were waiting
                 continue
+            self.clock += seconds
             now = loop.time()
             deadline = (deadline if now - deadline < LATE_TOLERANCE_S else now) + seconds * self.time_scale
-            await asyncio.sleep(deadline - now)
             for request in stepped:
-                request.emitted += 1
+                request.token_v.append(self.clock)
+            # With a hint the modelled times do not depend on when the streams run: yield only to pace, when a
+            # request finishes, or every YIELD_EVERY_S so the server stays responsive.
+            finishing = any(len(r.token_v) == len(r.output_ids) for r in stepped)
+            if self.hint is None or finishing or deadline - now > YIELD_EVERY_S or now - yielded > YIELD_EVERY_S:
+                await asyncio.sleep(deadline - now)
+                yielded = loop.time()
+            for request in stepped:
+                request.emitted = len(request.token_v)
                 request.progress.set()
-            self._retire()
+            self._owed += self._retire()
 
-    def _retire(self) -> None:
-        keep = []
+    def _retire(self) -> int:
+        """Release finished and aborted requests; returns how many finished."""
+        keep, finished = [], 0
         for request in self.running:
             if request.finished or request.aborted:
                 self.kv_used -= request.kv_tokens
+                finished += request.finished
             else:
                 keep.append(request)
         self.running = keep
+        return finished
 
 
 @dataclass(frozen=True)
@@ -257,6 +362,7 @@ class SimServer:
         self.incremental = incremental_streaming_output
         self.trace: dict[str, dict[str, Any]] | None = {} if trace_chunks else None
         self.scheduler: BatchScheduler | None = None
+        self.clocks: dict[str, SimRequest] = {}  # under a load hint: requests by prompt digest, until read
         self.ready_at = 0.0
         self.completed = 0
         self._next_rid = 0
@@ -307,6 +413,24 @@ class SimServer:
     async def sim_trace(self, request: web.Request) -> web.Response:
         return web.json_response(self.trace)
 
+    async def load_hint(self, request: web.Request) -> web.Response:
+        """POST /sim_load: a `LoadHint` for the requests that follow (an empty body clears it)."""
+        try:
+            body = await request.json(loads=orjson.loads)
+            self.scheduler.set_hint(LoadHint.from_json(body) if body else None)
+        except (ValueError, BadRequest) as exc:
+            return _error(400, str(exc) if isinstance(exc, BadRequest) else "request body is not valid JSON")
+        self.clocks.clear()
+        return web.json_response({"hint": body or None})
+
+    async def modelled_times(self, request: web.Request) -> web.Response:
+        """GET /sim_clock/{digest}: the modelled arrival and token times of a finished request (once)."""
+        sim = self.clocks.get(request.match_info["digest"])
+        if sim is None or not sim.finished:
+            return _error(404, "no finished request with that prompt since the load hint")
+        del self.clocks[sim.digest]
+        return web.json_response({"arrival_s": sim.arrival_v, "token_s": sim.token_v})
+
     # --- generation ------------------------------------------------------------------------------------------
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
@@ -330,7 +454,9 @@ class SimServer:
                 raise BadRequest("request body must be a JSON object")
             parsed = parse(body)
             sim = self._new_request(parsed, received)
-            self.scheduler.submit(sim)
+            self.scheduler.submit(sim, sim.digest)
+            if self.scheduler.hint is not None:
+                self.clocks[sim.digest] = sim
         except BadRequest as exc:
             return _error(400, str(exc))
         try:
@@ -346,7 +472,7 @@ class SimServer:
         finally:
             if not sim.finished:
                 sim.aborted = True
-        await self._count_completed(request)
+        await self._count_completed(request, sim.digest)
         return response
 
     def _new_request(self, parsed: _Parsed, received: float) -> SimRequest:
@@ -354,7 +480,7 @@ class SimServer:
         self._next_rid += 1
         digest = prompt_digest(parsed.input_ids)
         output_ids = hashed_token_ids(f"mpfa-sim-output:{digest}".encode(), parsed.max_new_tokens)
-        sim = SimRequest(f"sim-{self._next_rid}", int(parsed.input_ids.size), output_ids, received)
+        sim = SimRequest(f"sim-{self._next_rid}", int(parsed.input_ids.size), output_ids, received, digest)
         if parsed.return_logprob:
             if parsed.logprob_start_len >= parsed.input_ids.size:
                 raise BadRequest(f"logprob_start_len ({parsed.logprob_start_len}) must be < the prompt length "
@@ -391,14 +517,15 @@ class SimServer:
         await response.write_eof()
         return response
 
-    async def _count_completed(self, request: web.Request) -> None:
-        """Count a completed request; with --die-after-requests, exit abruptly once enough have completed."""
+    async def _count_completed(self, request: web.Request, digest: str) -> None:
+        """Count a completed request; with --die-after-requests, exit abruptly once enough have completed (and
+        the last one's response, and under a load hint its modelled times, have left)."""
         self.completed += 1
         if self.die_after_requests is None or self.completed < self.die_after_requests:
             return
         transport = request.transport
-        for _ in range(1000):  # let the last response leave the process (at most ~1 s)
-            if transport is None or transport.get_write_buffer_size() == 0:
+        for _ in range(1000):  # at most ~1 s
+            if (transport is None or transport.get_write_buffer_size() == 0) and digest not in self.clocks:
                 break
             await asyncio.sleep(0.001)
         print(f"sim server: exiting abruptly after {self.completed} completed requests "
@@ -543,6 +670,8 @@ def build_app(
         web.post("/v1/completions", sim.completions),
         web.post("/start_profile", sim.profile),
         web.post("/stop_profile", sim.profile),
+        web.post("/sim_load", sim.load_hint),
+        web.get("/sim_clock/{digest}", sim.modelled_times),
     ])
     if trace_chunks:
         app.add_routes([web.get("/sim_trace", sim.sim_trace)])

@@ -6,9 +6,10 @@ from typing import Annotated, Optional
 import typer
 
 from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
-                              ServerArgOption, TimeScaleOption, cli_errors, console, err_console, number_list,
-                              open_store)
+                              ServerArgOption, cli_errors, console, err_console, number_list, open_store)
 from mpfa.harness.errors import UserError
+
+SIM_TIME_SCALE = 0.001  # the simulator runs 1000x faster than modelled unless asked otherwise
 
 
 @cli_errors
@@ -33,14 +34,15 @@ def bench(
     port: PortOption = None,
     tp: Annotated[int, typer.Option(help="SGLang tensor parallelism.")] = 1,
     dp: Annotated[int, typer.Option(help="SGLang data parallelism.")] = 1,
-    time_scale: TimeScaleOption = 1.0,
+    time_scale: Annotated[float, typer.Option(help="Simulator only: wall seconds per modelled second (metrics are in modelled time at any value).")] = SIM_TIME_SCALE,
+    real_time: Annotated[bool, typer.Option("--real-time", help="Simulator only: run at the modelled speed and time requests on the client's clock.")] = False,
     ready_timeout: ReadyTimeoutOption = None,
     server_arg: ServerArgOption = None,
     run_dir: RunDirOption = None,
     db: DbOption = None,
 ) -> None:
     """Run a scenario against one or more backends and store every request and the kernels each server ran."""
-    from mpfa.harness.bench import BenchOptions, RunInterrupted, run_bench
+    from mpfa.harness.bench import BenchOptions, RunInterrupted, estimated_seconds, run_bench
     from mpfa.harness.engines import resolve_backends, resolve_engine
     from mpfa.harness.run_tables import compare_table
     from mpfa.harness.scenario import load_scenario
@@ -67,12 +69,15 @@ def bench(
     with open_store(db) as store:
         opts = BenchOptions(
             engine=chosen_engine, run_dir=run_dir or store.path.parent / "runs", url=url, api=api, port=port,
-            time_scale=time_scale, ready_timeout_s=ready_timeout, tp=tp, dp=dp, server_args=list(server_arg or []),
+            time_scale=1.0 if real_time else time_scale, real_time=real_time, ready_timeout_s=ready_timeout, tp=tp, dp=dp, server_args=list(server_arg or []),
             slo=_parse_slo(slo) if slo else None,
             prefill_kernel=check_prefill_kernel(prefill_kernel),
         )
         if chosen_engine == "sim":
             console.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
+        console.print(f"{len(specs)} backend(s) x {len(spec.points())} point(s) x {spec.repeats} repeat(s); "
+                      f"estimated duration {_duration(estimated_seconds(spec, specs, opts))} "
+                      f"({_pace(opts)})")
         try:
             run_ids = run_bench(spec, specs, opts, store, console)
         except RunInterrupted as exc:
@@ -83,6 +88,19 @@ def bench(
         if any(r.status != "ok" for r in runs):
             raise UserError("some runs failed: see `mpfa runs` and `mpfa show RUN`", exit_code=1)
         console.print(compare_table(runs, ref_backend=specs[0].name))
+
+
+def _duration(seconds: float) -> str:
+    return f"~{seconds:.0f} s" if seconds < 120 else f"~{seconds / 60:.0f} min"
+
+
+def _pace(opts: "BenchOptions") -> str:
+    if opts.engine != "sim":
+        return "from the latency model of one H200; the server's start is a guess"
+    if opts.real_time:
+        return "real time: requests timed on the client's clock"
+    return (f"{1 / opts.time_scale:.0f}x faster than modelled; metrics in modelled time; "
+            "--real-time for the modelled speed")
 
 
 def _parse_slo(text: str) -> dict[str, float]:
