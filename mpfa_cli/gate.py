@@ -217,7 +217,8 @@ def _entry_from_dict(data: Any, what: str) -> BaselineEntry:
     try:
         load_label(entry.load)
     except (KeyError, TypeError):
-        raise ValueError(f"{what}: load {entry.load!r:.60} is neither {{concurrency}} nor {{rate, burstiness}}") from None
+        raise ValueError(f"{what}: load {entry.load!r:.60} is neither {{concurrency}} nor {{rate, burstiness}}"
+                         ) from None
     return entry
 
 
@@ -346,8 +347,12 @@ def _bounds(est: Estimate) -> tuple[float, float]:
     return est.ci_low, est.ci_high
 
 
-_MISSING_STYLE = "bold red"
 _STATUS_STYLE = {"regression": "bold red", "within noise": "yellow", "ok": "green", "improved": "cyan"}
+
+
+def _missing_style(result: GateResult) -> str:
+    """A missing or failed entry is red where it fails the gate, dim where --allow-missing accepts it."""
+    return "dim" if result.allow_missing else "bold red"
 
 
 def gate_table(result: GateResult) -> Table:
@@ -368,7 +373,7 @@ def gate_table(result: GateResult) -> Table:
             e.scenario, context_label(e.input_len), load_label(e.load), backend_label(e.backend, bool(check.caveat)),
             f"{e.metric} ({metric_unit(e.metric)})", e.estimate.format(),
             check.current.format() if check.current else "—", change,
-            Text(check.status, style=_STATUS_STYLE.get(check.status, "dim" if result.allow_missing else _MISSING_STYLE)),
+            Text(check.status, style=_STATUS_STYLE.get(check.status, _missing_style(result))),
             check.decided_by,
         )
     add_footnotes(table, caveat_notes(result.checks))
