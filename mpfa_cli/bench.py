@@ -226,7 +226,8 @@ def _measure(
         serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
         if point.rate is not None else None
     )
-    digests = {r: prompt_digest(p) for r, p in [*enumerate(prompts), *((-1 - i, p) for i, p in enumerate(warmup_prompts))]}
+    indexed = [*enumerate(prompts), *((-1 - i, prompt) for i, prompt in enumerate(warmup_prompts))]
+    digests = {index: prompt_digest(prompt) for index, prompt in indexed}
     if opts.modelled_clock:
         arrivals = _send_load_hint(url, point, arrivals, digests)
     label = f"{run.backend} {point.label} #{run.repeat + 1}"

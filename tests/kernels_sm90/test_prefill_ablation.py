@@ -63,11 +63,13 @@ def builds(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str
     return found
 
 
+@pytest.mark.slow
 def test_the_full_build_is_the_real_kernel(builds):
     """The explicit `FULL` ablation traces exactly the default path: the same SASS."""
     assert builds[FULL.name][0] == builds["default"][0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("step", [ablation for _label, ablation, _removed in LADDER[1:]], ids=lambda a: a.name)
 def test_each_rung_removes_its_piece(builds, step):
     """The kernel's loops (masked, whole) at each rung: no local memory; exp2 off, no MUFU (one FMNMX clamp each

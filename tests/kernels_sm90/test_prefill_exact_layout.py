@@ -104,6 +104,7 @@ def accumulators():
     return _trace(_accumulators)
 
 
+@pytest.mark.slow
 def test_accumulator_fragment_is_ptx_layout(accumulators):
     """CuTe's C partition of both MMAs, and the register order of the kernel's ``make_rmem_tensor`` fragments, is
     the PTX accumulator layout: register 4 j + 2 r + h = row 16 w + g + 8 r, column 8 j + 2 c + h."""
@@ -115,6 +116,7 @@ def test_accumulator_fragment_is_ptx_layout(accumulators):
         assert every == [(r, col) for r in range(M) for col in range(n)]  # a partition of the tile
 
 
+@pytest.mark.slow
 def test_score_init_and_softmax_rows(accumulators):
     """(a) ``acc_s[4 block + i] = score_init(...)[i]``: score_init's value i is row g + 8 (i // 2), key
     8 block + 2c + i % 2 (masked iff the key is past ``limits[i // 2]``); M row 16 h + i is head h (= warp,
@@ -141,6 +143,7 @@ def test_score_init_and_softmax_rows(accumulators):
                 assert keys == list(range(TILE_KEYS))
 
 
+@pytest.mark.slow
 def test_output_rescale_and_store(accumulators):
     """(c) O: ``acc_o[i] *= alphas[(i >> 1) & 1]`` rescales by the alpha of the register's row, and `_store_rows`
     writes ``acc_o[4 j + 2 r + {0, 1}]`` to row g + 8 r, dimensions 8 j + 2 c + {0, 1}."""
@@ -177,6 +180,7 @@ def a_fragment():
     return _trace(_a_fragment)
 
 
+@pytest.mark.slow
 def test_register_a_fragment_is_ptx_layout(a_fragment):
     """CuTe's RS A fragment of the PV MMA (the kernel's ``t_p``): 4 k-steps of 8 FP16, element 8 k + i of thread
     t = PTX's a_i of k-step k: A[16 w + g + 8 ((i >> 1) & 1), 16 k + 2 c + (i & 1) + 8 (i >> 2)]."""
@@ -189,6 +193,7 @@ def test_register_a_fragment_is_ptx_layout(a_fragment):
             assert coord == (row, 16 * k + col), (t, e, coord)
 
 
+@pytest.mark.slow
 def test_p_operand_places_p_where_pv_reads_it(a_fragment, accumulators, monkeypatch):
     """`p_operand` on symbolic P: P of (row, key) -- at S accumulator register 4 block + i -- lands in the f16x2
     word of ``t_p`` (recast to 32 bits: elements 2 word, 2 word + 1) that the PV wgmma reads as A[row, key],
@@ -235,6 +240,7 @@ def _written(row: int, col: int) -> int:
     return exact.operand_offset(row, col // 8) + 2 * (col % 8)
 
 
+@pytest.mark.slow
 def test_q_and_k_are_k_major_at_operand_offset(operands):
     """QK's A (Q [16 h + i][dim]) and B (K [key][dim]) operands: the K-major tile element (row, dim) is the byte
     the expansion wrote it at, in the canonical K-major SW128 form (8-row x 128-byte atoms: SBO 1024 bytes, second
@@ -246,6 +252,7 @@ def test_q_and_k_are_k_major_at_operand_offset(operands):
     assert "K" in operands["majors"][0] and "K" in operands["majors"][1]
 
 
+@pytest.mark.slow
 def test_v_transposed_is_mn_major_at_operand_offset(operands):
     """PV's B operand V^T (n = dim, k = key), read MN-major (``tnspB``): element (dim, key) is the byte where the V
     expansion wrote V[key][dim]; the view is the canonical MN-major SW128 form (64 contiguous dims x 8 keys atoms:

@@ -32,7 +32,9 @@ from mpfa.kernels.sm90.sass import instructions, mma_loops  # noqa: E402
 CONFIG = (8, 4, 128, True, "BFloat16")
 
 
-@pytest.fixture(scope="module", params=[(4, True), (5, True), (4, False)], ids=["32:8", "40:8", "32:8-direct"])
+@pytest.fixture(scope="module", params=[(4, True), pytest.param((5, True), marks=pytest.mark.slow),
+                                        pytest.param((4, False), marks=pytest.mark.slow)],
+                ids=["32:8", "40:8", "32:8-direct"])
 def fp8_cubins(request, tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict:
     """The two kernels of GQA 32:8 or 40:8 (at 40:8 the pass stages 5 heads' Delta_S, a CTA reads one) and the
     direct build (no Delta_S copied, staged or read)."""

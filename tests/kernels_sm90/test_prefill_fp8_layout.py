@@ -279,6 +279,7 @@ def _a_fragment(found):
     found["a"] = coords
 
 
+@pytest.mark.slow
 def test_p_fragment_times_vt_is_pv(monkeypatch):
     """`p_operand_fp8` on symbolic P (each S accumulator register's (row, key), PTX's accumulator layout): byte b
     of word w is element 4 w + b of CuTe's e4m3 A fragment of the PV MMA, which holds A[row, p]; it must be
