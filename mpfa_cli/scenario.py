@@ -137,6 +137,17 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
     for load, other in (("concurrency", "rate"), ("rate", "concurrency")):  # a load flag replaces the file's load
         if load in given:
             raw.pop(other, None)
+    try:
+        return _parse(raw, path)
+    except UserError as exc:
+        if not given:
+            raise
+        flags = ", ".join(f"--{key.replace('_', '-')}" for key in given)
+        raise UserError(f"{exc} (with {flags} given)") from None
+
+
+def _parse(raw: dict[str, Any], path: Path) -> Scenario:
+    """A scenario from its fields (the file's, flags applied), validated."""
     known = {f.name for f in dataclasses.fields(Scenario)} - {"name", "explicit_points"} | {"points"}
     unknown = sorted(set(raw) - known)
     if unknown:

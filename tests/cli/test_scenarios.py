@@ -29,6 +29,16 @@ def test_a_load_flag_replaces_the_files_load_of_either_kind() -> None:
     assert [p.load for p in load_scenario("poisson-32k", {"concurrency": [4]}).points()] == [{"concurrency": 4}]
 
 
+@pytest.mark.parametrize("overrides, message", [
+    ({"seed": -1}, r"smoke\.toml: seed must be in \[0, .* \(with --seed given\)"),
+    ({"rate": [float("inf")]}, r"rate must be in \(0, 1e\+06\] requests/s \(with --rate given\)"),
+    ({"input_len": [10**9], "repeats": 2}, r"input_len must be in \[1, .* \(with --input-len, --repeats given\)"),
+])
+def test_a_bad_flag_value_names_the_flag(overrides: dict, message: str) -> None:
+    with pytest.raises(UserError, match=message):
+        load_scenario("smoke", overrides)
+
+
 def test_rate_scenario_expands_to_arrival_points() -> None:
     points = load_scenario("poisson-32k").points()
     assert [p.load for p in points] == [{"rate": 0.5, "burstiness": 1.0}, {"rate": 1.0, "burstiness": 1.0}]
