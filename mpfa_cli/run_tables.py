@@ -7,6 +7,8 @@ request count, seed: the `workload_hash`); compare and plot mark one whose runs 
 """
 from __future__ import annotations
 
+import csv
+import io
 import json
 import math
 import re
@@ -32,7 +34,11 @@ THROUGHPUT_METRICS = frozenset({"otps", "req_per_s", "goodput_req_per_s"})
 SERVER_METRICS = {"kv_tokens": "max_total_num_tokens"}
 _LATENCY = re.compile(r"(ttft_ms|tpot_ms|itl_ms|e2e_s)_(mean|median|p90|p99|std)")
 _DISTRIBUTION_STATS = ("mean", "median", "p90", "p99")
+ROUNDING = 1e-9  # relative: a CI narrower than this is shown as ± 0
+COMPARE_FORMATS = ("table", "json", "csv", "md")
 _SIMULATED = "SIMULATED"
+_STAT_LABELS = {"median": "p50"}
+_METRIC_NAMES = {"otps": "OTPS", "req_per_s": "requests", "goodput_req_per_s": "goodput", "kv_tokens": "KV cache"}
 CAVEAT_MARK = "†"  # marks a backend whose runs carry a caveat; the caveat itself is printed once, as a footnote
 WORKLOAD_MARK = "‡"  # marks a configuration whose runs served different workloads (output length, requests, seed)
 _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
@@ -126,7 +132,9 @@ class Estimate:
     def format(self) -> str:
         if self.half_width is None:
             return f"{format_number(self.mean)} (n=1)"
-        return f"{format_number(self.mean)} ± {format_number(self.half_width)}"
+        # Repeats equal but for rounding (the simulator's) give a half-width of ~1e-15 of the mean: shown as 0.
+        half_width = 0.0 if self.half_width <= ROUNDING * abs(self.mean) else self.half_width
+        return f"{format_number(self.mean)} ± {format_number(half_width)}"
 
 
 @dataclass
@@ -250,19 +258,121 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
         for backend in backends:
             cells.append(row.values[backend].format() if backend in row.values else "—")
             if backend != ref_backend:
-                cells.append(_speedup_text(row.speedups.get(backend)))
+                cells.append(_speedup_text(row, backend, ref_backend))
         table.add_row(*cells)
     left_out = sum(r.status != "ok" for r in runs)
     notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
     add_footnotes(table, [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed)])
-    return table
+    return folding(table)
 
 
-def _speedup_text(value: float | None) -> Text:
+def _speedup_text(row: CompareRow, backend: str, ref_backend: str) -> Text:
+    """The speed-up, green or red only where the two 95% CIs do not overlap; dim with '≈' where they do (or where
+    a single repeat gives no CI)."""
+    value = row.speedups.get(backend)
     if value is None or not math.isfinite(value):
         return Text("—")
-    style = "green" if value > 1 else "red" if value < 1 else ""
-    return Text(f"{value:.2f}×", style=style)
+    if not separated(row.values[ref_backend], row.values[backend]):
+        return Text(f"≈{value:.2f}×", style="dim")
+    return Text(f"{value:.2f}×", style="green" if value > 1 else "red" if value < 1 else "")
+
+
+def separated(a: Estimate, b: Estimate) -> bool:
+    """Whether two estimates' 95% CIs are disjoint (never, without a CI)."""
+    if a.ci_low is None or b.ci_low is None:
+        return False
+    return a.ci_high < b.ci_low or b.ci_high < a.ci_low
+
+
+# --- compare, one table per configuration: metrics as rows, backends as columns ------------------------------------
+
+
+def metric_label(metric: str) -> str:
+    """'TTFT p50 (ms)' for ttft_ms_median: the name a table prints, with its unit."""
+    if match := _LATENCY.fullmatch(metric):
+        prefix, stat = match.groups()
+        name = f"{prefix.split('_')[0].upper()} {_STAT_LABELS.get(stat, stat)}"
+    else:
+        name = _METRIC_NAMES.get(metric, metric)
+    return f"{name} ({metric_unit(metric)})"
+
+
+def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
+                   metric_names: Sequence[str] = COMPARE_METRICS) -> Group:
+    """`compare_rows` as one narrow table per configuration (metrics as rows, one column per backend, each
+    non-reference value with its speed-up under it), a heading and the footnotes once."""
+    backends, rows = compare_rows(runs, ref_backend, metric_names)
+    marked = caveated_backends(r for r in runs if r.status == "ok")
+    mixed = mixed_workloads(runs)
+    heading = (f"Backends vs {ref_backend}: mean ± 95% CI over repeats; under each value its speed-up (>1 is "
+               "better), coloured only where the CIs do not overlap, else ≈")
+    parts: list[RenderableType] = [Text(_simulated_title(heading, runs), style="bold")]
+    for config in dict.fromkeys(row.config for row in rows):
+        mark = f" {WORKLOAD_MARK}" if config in mixed else ""
+        title = f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}{mark}"
+        table = Table(title=title, title_justify="left")
+        table.add_column("metric")
+        for backend in backends:
+            table.add_column(backend_label(backend, backend in marked), justify="right")
+        for row in (r for r in rows if r.config == config):
+            table.add_row(metric_label(row.metric), *(_cell(row, b, ref_backend) for b in backends))
+        parts.append(folding(table))
+    left_out = sum(r.status != "ok" for r in runs)
+    notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
+    parts.extend(Text(line) for line in
+                 [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed)])
+    return Group(*parts)
+
+
+def compare_records(runs: Sequence[StoredRun], ref_backend: str,
+                    metric_names: Sequence[str] = COMPARE_METRICS) -> list[dict[str, Any]]:
+    """`compare_rows` flat, one record per (configuration, metric, backend), for JSON and CSV."""
+    _, rows = compare_rows(runs, ref_backend, metric_names)
+    simulated = any(r.simulated for r in runs if r.status == "ok")
+    return [
+        {"scenario": row.config.scenario, "input_len": row.config.input_len, "load": row.config.load_label,
+         "metric": row.metric, "unit": metric_unit(row.metric), "backend": backend, "mean": value.mean,
+         "ci95_half_width": value.half_width, "repeats": value.n, "reference": ref_backend,
+         "speedup": row.speedups.get(backend),
+         "cis_separate": separated(row.values[ref_backend], value) if backend in row.speedups else None,
+         "simulated": simulated}
+        for row in rows for backend, value in row.values.items()
+    ]
+
+
+def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
+                   metric_names: Sequence[str] = COMPARE_METRICS) -> str:
+    """The comparison as JSON (records), CSV (the same, one per line) or Markdown (a table per configuration)."""
+    if fmt == "json":
+        return json.dumps(compare_records(runs, ref_backend, metric_names), indent=1)
+    if fmt == "csv":
+        records = compare_records(runs, ref_backend, metric_names)
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=list(records[0]) if records else ["scenario"], lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+        return out.getvalue()
+    if fmt != "md":
+        raise UserError(f"unknown format '{fmt}'; valid: {', '.join(COMPARE_FORMATS)}")
+    backends, rows = compare_rows(runs, ref_backend, metric_names)
+    heading = f"Backends vs {ref_backend}: mean ± 95% CI over repeats (speed-up: >1 is better, ≈ where CIs overlap)"
+    lines = [f"**{_simulated_title(heading, runs)}**"]
+    for config in dict.fromkeys(row.config for row in rows):
+        lines += ["", f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}", "",
+                  "| metric | " + " | ".join(backends) + " |", "|---|" + "---:|" * len(backends)]
+        for row in (r for r in rows if r.config == config):
+            cells = (_cell(row, b, ref_backend).plain.replace("\n", " ") for b in backends)
+            lines.append(f"| {metric_label(row.metric)} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def _cell(row: CompareRow, backend: str, ref_backend: str) -> Text:
+    if backend not in row.values:
+        return Text("—")
+    value = Text(row.values[backend].format())
+    if backend == ref_backend or backend not in row.speedups:
+        return value
+    return Text.assemble(value, "\n", _speedup_text(row, backend, ref_backend))
 
 
 def _simulated_title(title: str, runs: Sequence[RunRecord]) -> str:
@@ -313,6 +423,13 @@ def caveat_notes(runs: Iterable[Any]) -> list[str]:
     return [f"{CAVEAT_MARK} {', '.join(sorted(names))}: {caveat}" for caveat, names in sorted(backends.items())]
 
 
+def folding(table: Table) -> Table:
+    """The table with every column folding what does not fit onto more lines, never cutting it short with '…'."""
+    for column in table.columns:
+        column.overflow = "fold"
+    return table
+
+
 def add_footnotes(table: Table, lines: Sequence[str]) -> None:
     """Print `lines` under the table, left-aligned (nothing when there are none)."""
     if lines:
@@ -330,22 +447,23 @@ def engine_label(run: RunRecord) -> str:
 def runs_table(runs: Sequence[StoredRun]) -> Table:
     """The `mpfa runs` listing: one line per run with its key metrics."""
     table = Table(title=_simulated_title("Runs", runs), title_justify="left")
-    for column in ("id", "when", "scenario", "backend", "engine", "context", "load", "repeat", "status"):
-        table.add_column(column, justify="right" if column in ("id", "repeat") else "left")
-    for column in ("OTPS (tok/s)", "TTFT p50 (ms)", "TPOT p50 (ms)"):
-        table.add_column(column, justify="right")
+    for column in ("id", "when", "scenario", "backend", "engine", "point", "rep", "status"):
+        table.add_column(column, justify="right" if column in ("id", "rep") else "left")
+    for metric in ("otps", "ttft_ms_median", "tpot_ms_median"):
+        table.add_column(metric_label(metric), justify="right")
     for run in runs:
         table.add_row(
-            str(run.id), _when(run.started_at), run.scenario, backend_label(run.backend, bool(run.caveat)),
+            str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)), run.scenario,
+            backend_label(run.backend, bool(run.caveat)),
             Text(engine_label(run), style="magenta" if run.simulated else ""),
-            context_label(run.input_len), load_label(run.load), str(run.repeat),
+            f"{context_label(run.input_len)} {load_label(run.load)}", str(run.repeat),
             Text(run.status, style=_STATUS_STYLE.get(run.status, "")),
             *(format_number(run.summary.get(m)) for m in ("otps", "ttft_ms_median", "tpot_ms_median")),
         )
     simulated = ["simulated runs come from the latency model (engine sim), not from a GPU"] if any(
         r.simulated for r in runs) else []
     add_footnotes(table, [*simulated, *caveat_notes(runs)])
-    return table
+    return folding(table)
 
 
 def show_run(run: StoredRun) -> RenderableType:
@@ -379,7 +497,7 @@ def show_run(run: StoredRun) -> RenderableType:
     if run.simulated:
         parts.append(Text(f"{_SIMULATED}: every number below comes from the latency model, not a GPU",
                           style="bold magenta"))
-    parts.append(meta)
+    parts.append(folding(meta))
     summary, note = _display_summary(run)
     if summary:
         parts.extend(_summary_tables(summary))
@@ -413,7 +531,7 @@ def _summary_tables(summary: dict[str, float]) -> list[Table]:
     totals.add_column("value", justify="right")
     for key in sorted(k for k in summary if not _LATENCY.fullmatch(k)):
         totals.add_row(key, format_number(summary[key]))
-    return [latencies, totals]
+    return [folding(latencies), folding(totals)]
 
 
 def format_number(value: float | None) -> str:

@@ -40,11 +40,13 @@ def bench(
     server_arg: ServerArgOption = None,
     run_dir: RunDirOption = None,
     db: DbOption = None,
+    wide: Annotated[bool, typer.Option("--wide", help="One flat table of every point (needs ~140+ columns).")] = False,
+    output_format: Annotated[str, typer.Option("--format", help="The summary as a table, json, csv or md (Markdown); json/csv/md go to stdout, the rest to stderr.")] = "table",
 ) -> None:
     """Run a scenario against one or more backends and store every request and the kernels each server ran."""
     from mpfa.harness.bench import BenchOptions, RunInterrupted, estimated_seconds, run_bench
     from mpfa.harness.engines import resolve_backends, resolve_engine
-    from mpfa.harness.run_tables import compare_table
+    from mpfa.harness.run_tables import COMPARE_FORMATS, compare_table, compare_tables, format_compare
     from mpfa.harness.scenario import load_scenario
     from mpfa.harness.served_kernels import check_prefill_kernel
 
@@ -54,6 +56,9 @@ def bench(
         "concurrency": number_list(concurrency, "--concurrency"), "rate": number_list(rate, "--rate", float),
         "input_len": number_list(input_len, "--input-len"),
     }
+    if output_format not in COMPARE_FORMATS:
+        raise UserError(f"--format: '{output_format}' is not one of {', '.join(COMPARE_FORMATS)}")
+    info = console if output_format == "table" else err_console  # keep stdout for the data
     if overrides["rate"] is not None:
         overrides["concurrency"] = None
     spec = load_scenario(scenario, overrides)
@@ -74,20 +79,23 @@ def bench(
             prefill_kernel=check_prefill_kernel(prefill_kernel),
         )
         if chosen_engine == "sim":
-            console.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
-        console.print(f"{len(specs)} backend(s) x {len(spec.points())} point(s) x {spec.repeats} repeat(s); "
+            info.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
+        info.print(f"{len(specs)} backend(s) x {len(spec.points())} point(s) x {spec.repeats} repeat(s); "
                       f"estimated duration {_duration(estimated_seconds(spec, specs, opts))} "
                       f"({_pace(opts)})")
         try:
-            run_ids = run_bench(spec, specs, opts, store, console)
+            run_ids = run_bench(spec, specs, opts, store, info)
         except RunInterrupted as exc:
             err_console.print(f"[yellow]{exc}[/]")
             raise typer.Exit(130) from None
         runs = store.get_runs(run_ids)
-        console.print(f"stored runs {run_ids[0]}–{run_ids[-1]} in {store.path}")
+        info.print(f"stored runs {run_ids[0]}–{run_ids[-1]} in {store.path}")
         if any(r.status != "ok" for r in runs):
             raise UserError("some runs failed: see `mpfa runs` and `mpfa show RUN`", exit_code=1)
-        console.print(compare_table(runs, ref_backend=specs[0].name))
+        if output_format != "table":
+            print(format_compare(runs, specs[0].name, output_format), end="")
+        else:
+            console.print(compare_table(runs, specs[0].name) if wide else compare_tables(runs, specs[0].name))
 
 
 def _duration(seconds: float) -> str:

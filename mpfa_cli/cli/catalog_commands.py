@@ -17,6 +17,7 @@ def backends(
     from rich.table import Table
 
     from mpfa.backends.specs import BACKENDS
+    from mpfa.harness.run_tables import folding
     from mpfa.harness.scenario import load_model_shape
     from mpfa.harness.served_kernels import check_prefill_kernel, describe_kernels, launch_page_size, served_kernels
 
@@ -37,7 +38,7 @@ def backends(
             state = "[green]available[/]"
         kernels = served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec), prefill_kernel)
         table.add_row(spec.name, spec.description, describe_kernels(kernels), " ".join(spec.sglang_args), state)
-    console.print(table)
+    console.print(folding(table))
 
 
 @cli_errors
@@ -45,6 +46,7 @@ def scenarios() -> None:
     """List the bundled scenarios."""
     from rich.table import Table
 
+    from mpfa.harness.run_tables import folding
     from mpfa.harness.scenario import available_scenarios, load_scenario
 
     table = Table(title="Scenarios")
@@ -54,7 +56,7 @@ def scenarios() -> None:
         s = load_scenario(name)
         table.add_row(name, s.model, ", ".join(p.label for p in s.points()), str(s.output_len),
                       "/".join(sorted({str(p.num_requests) for p in s.points()}, key=int)), str(s.repeats), s.description)
-    console.print(table)
+    console.print(folding(table))
 
 
 @cli_errors
