@@ -25,7 +25,6 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.text import Text
 
 from mpfa.backends.specs import BackendSpec
@@ -41,6 +40,7 @@ from mpfa.harness.engines import (
 from mpfa.harness.environment import collect_environment
 from mpfa.harness.errors import UserError
 from mpfa.harness.latency_model import latency_model, point_seconds
+from mpfa.harness.progress import BenchProgress, ServerBar
 from mpfa.harness.records import RequestRecord, RunRecord
 from mpfa.harness.run_tables import CAVEAT_MARK
 from mpfa.harness.scenario import (LoadPoint, Scenario, is_bundled_model, load_model_shape,
@@ -66,6 +66,7 @@ class BenchOptions:
     server_args: list[str] = field(default_factory=list)
     slo: dict[str, float] | None = None
     prefill_kernel: str | None = None  # MpFA's prefill kernel (`dispatch.PREFILL_KERNELS`); None: the shape's default
+    verbose: bool = False  # progress: a line or bar per step's requests, not only the overall one
 
     @property
     def modelled_clock(self) -> bool:
@@ -141,7 +142,7 @@ def verify_weights(info: dict[str, Any], model: str) -> None:
 
 @contextmanager
 def served(
-    spec: BackendSpec, model: str, context_len: int, opts: BenchOptions, progress: Progress
+    spec: BackendSpec, model: str, context_len: int, opts: BenchOptions, progress: BenchProgress | ServerBar
 ) -> Iterator[tuple[str, dict[str, Any], ServerProcess | None]]:
     """A ready server for `spec` (launched, or the one at --url): yields its URL, server info and process."""
     if opts.engine == "url":
@@ -156,10 +157,10 @@ def served(
     url = f"http://127.0.0.1:{port}"
     log = opts.run_dir / f"server-{spec.name}-{int(time.time())}.log"
     with ServerProcess(launch.command, log, url, launch.env) as server:
-        task = progress.add_task(f"{spec.name}: starting server", total=None)
+        progress.server(f"{spec.name}: starting server")
         timeout = opts.ready_timeout_s or READY_TIMEOUT_S[opts.engine]
-        took = server.wait_ready(timeout, on_tick=lambda _: progress.refresh())
-        progress.update(task, description=f"{spec.name}: ready after {took:.0f} s", total=1, completed=1)
+        took = server.wait_ready(timeout, on_tick=lambda _: progress.tick())
+        progress.server(f"{spec.name}: server ready after {took:.0f} s")
         info = _get_json(f"{url}/get_server_info")
         verify_server(info, spec)
         if opts.engine != "sim":  # the simulator loads no weights
@@ -181,44 +182,65 @@ def run_bench(
     gpu = "simulated" if opts.engine == "sim" else (gpu_names() or ["unknown"])[0]
     context_len = max(scenario.input_len) + scenario.output_len + 64
     run_ids: list[int] = []
-    for spec in specs:
-        with progress_bar(console) as progress, served(spec, scenario.model, context_len, opts, progress) as (
-            url, info, server,
-        ):
-            simulated = opts.engine == "sim" or bool(info.get("simulated"))
-            # A simulated run's numbers come from the latency model, not from the code the caveat is about.
-            caveat = None if simulated else spec.caveat_for(os.environ)
-            if caveat:
-                console.print(Text(f"{spec.name} {CAVEAT_MARK} caveat: {caveat}", style="yellow"))
-            kernels = info.get("kernels") or expected[spec.name]
-            warmed: set[int] = set()
-            for point in scenario.points():
-                for repeat in range(scenario.repeats):
-                    warmup = scenario.warmup_requests if point.input_len not in warmed else 0
-                    warmed.add(point.input_len)
-                    run = RunRecord(
-                        scenario=scenario.name, backend=spec.name, engine=opts.engine, simulated=simulated,
-                        caveat=caveat, load=point.load, repeat=repeat, input_len=point.input_len,
-                        output_len=scenario.output_len,
-                        num_requests=point.num_requests, seed=scenario.seed,
-                        workload_hash=serving_workload.workload_hash(
-                            seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,
-                            num_requests=point.num_requests, load=point.load,
-                        ),
-                        started_at=time.time(), model=model_name(scenario.model), gpu=gpu,
-                        server_info={**without_bundled_model_paths(info, scenario.model),
-                                     "metrics_clock": "modelled" if opts.modelled_clock else "wall"},
-                        backend_flags=_flags(spec, opts), kernels=kernels, environment=environment,
-                    )
-                    run_id = store.begin_run(run)
-                    run_ids.append(run_id)
-                    _measure(run, run_id, point, warmup, scenario, opts, url, store, progress, server)
+    plan = run_plan(scenario)
+    requests = len(specs) * sum(point.num_requests + warmup for point, _, warmup in plan)
+    with BenchProgress(console, len(specs) * len(plan), requests, opts.verbose) as progress:
+        for spec in specs:
+            run_ids += _run_backend(spec, scenario, plan, opts, store, console, progress, expected[spec.name],
+                                    environment, gpu, context_len)
+    return run_ids
+
+
+def run_plan(scenario: Scenario) -> list[tuple[LoadPoint, int, int]]:
+    """(point, repeat, warmup requests) in the order each backend runs them: warmup before the first repeat at each
+    input length."""
+    warmed: set[int] = set()
+    plan = []
+    for point in scenario.points():
+        for repeat in range(scenario.repeats):
+            plan.append((point, repeat, scenario.warmup_requests if point.input_len not in warmed else 0))
+            warmed.add(point.input_len)
+    return plan
+
+
+def _run_backend(
+    spec: BackendSpec, scenario: Scenario, plan: list[tuple[LoadPoint, int, int]], opts: BenchOptions,
+    store: ResultStore, console: Console, progress: BenchProgress, expected_kernels: dict[str, str],
+    environment: dict[str, Any], gpu: str, context_len: int,
+) -> list[int]:
+    """One backend's server and every step of the plan on it; returns the ids of the runs it stored."""
+    run_ids: list[int] = []
+    with served(spec, scenario.model, context_len, opts, progress) as (url, info, server):
+        simulated = opts.engine == "sim" or bool(info.get("simulated"))
+        # A simulated run's numbers come from the latency model, not from the code the caveat is about.
+        caveat = None if simulated else spec.caveat_for(os.environ)
+        if caveat:
+            console.print(Text(f"{spec.name} {CAVEAT_MARK} caveat: {caveat}", style="yellow"))
+        kernels = info.get("kernels") or expected_kernels
+        for point, repeat, warmup in plan:
+            run = RunRecord(
+                scenario=scenario.name, backend=spec.name, engine=opts.engine, simulated=simulated,
+                caveat=caveat, load=point.load, repeat=repeat, input_len=point.input_len,
+                output_len=scenario.output_len,
+                num_requests=point.num_requests, seed=scenario.seed,
+                workload_hash=serving_workload.workload_hash(
+                    seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,
+                    num_requests=point.num_requests, load=point.load,
+                ),
+                started_at=time.time(), model=model_name(scenario.model), gpu=gpu,
+                server_info={**without_bundled_model_paths(info, scenario.model),
+                             "metrics_clock": "modelled" if opts.modelled_clock else "wall"},
+                backend_flags=_flags(spec, opts), kernels=kernels, environment=environment,
+            )
+            run_id = store.begin_run(run)
+            run_ids.append(run_id)
+            _measure(run, run_id, point, warmup, scenario, opts, url, store, progress, server)
     return run_ids
 
 
 def _measure(
     run: RunRecord, run_id: int, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
-    url: str, store: ResultStore, progress: Progress, server: ServerProcess | None,
+    url: str, store: ResultStore, progress: BenchProgress, server: ServerProcess | None,
 ) -> None:
     prompts = serving_workload.make_prompts(scenario.seed, point.num_requests, point.input_len)
     warmup_prompts = serving_workload.make_prompts(scenario.seed + 1, warmup, point.input_len)
@@ -231,7 +253,7 @@ def _measure(
     if opts.modelled_clock:
         arrivals = _send_load_hint(url, point, arrivals, digests)
     label = f"{run.backend} {point.label} #{run.repeat + 1}"
-    task = progress.add_task(label, total=point.num_requests + warmup)
+    progress.step_started(label, point.num_requests + warmup)
     records: list[RequestRecord] = []
 
     def on_complete(record: RequestRecord) -> None:
@@ -239,7 +261,7 @@ def _measure(
             _use_modelled_times(record, url, digests[record.index])
         store.add_request(run_id, record)
         records.append(record)
-        progress.advance(task)
+        progress.request_done()
 
     try:
         client.run(client.run_load(
@@ -259,7 +281,7 @@ def _measure(
         store.finish_run(run_id, "failed", error=f"{len(failed)} request(s) failed: {failed[0].error}", summary=summary)
     else:
         store.finish_run(run_id, "ok", summary=summary)
-    progress.update(task, description=f"{label} [{'ok' if not failed else f'{len(failed)} failed'}]")
+    progress.step_done(label, "ok" if not failed else f"{len(failed)} failed")
 
 
 def _send_load_hint(url: str, point: LoadPoint, arrivals: list[float] | None,
@@ -307,8 +329,6 @@ def _flags(spec: BackendSpec, opts: BenchOptions) -> list[str]:
     return [*spec.sglang_args, *parallel, *opts.server_args_for(spec)]
 
 
-def progress_bar(console: Console) -> Progress:
-    return Progress(
-        TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-        console=console, transient=False,
-    )
+def progress_bar(console: Console) -> ServerBar:
+    """The progress display of commands that start one server at a time and add their own tasks."""
+    return ServerBar(console)

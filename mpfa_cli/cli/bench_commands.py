@@ -41,6 +41,7 @@ def bench(
     run_dir: RunDirOption = None,
     db: DbOption = None,
     wide: Annotated[bool, typer.Option("--wide", help="One flat table of every point (needs ~140+ columns).")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Progress of every step's requests too, not only the overall one.")] = False,
     output_format: Annotated[str, typer.Option("--format", help="The summary as a table, json, csv or md (Markdown); json/csv/md go to stdout, the rest to stderr.")] = "table",
 ) -> None:
     """Run a scenario against one or more backends and store every request and the kernels each server ran."""
@@ -76,7 +77,7 @@ def bench(
             engine=chosen_engine, run_dir=run_dir or store.path.parent / "runs", url=url, api=api, port=port,
             time_scale=1.0 if real_time else time_scale, real_time=real_time, ready_timeout_s=ready_timeout, tp=tp, dp=dp, server_args=list(server_arg or []),
             slo=_parse_slo(slo) if slo else None,
-            prefill_kernel=check_prefill_kernel(prefill_kernel),
+            prefill_kernel=check_prefill_kernel(prefill_kernel), verbose=verbose,
         )
         if chosen_engine == "sim":
             info.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")

@@ -49,7 +49,10 @@ def test_bench_two_backends_stores_simulated_runs(mpfa, scenario_file) -> None:
     path = scenario_file(concurrency=[1, 3], repeats=2)
     result = mpfa("bench", "--scenario", str(path), "--backend", "fa4-bf16,mpfa", *FAST)
     assert result.returncode == 0, result.stderr
-    assert "SIMULATED" in result.stdout
+    assert "SIMULATED" in result.stdout and "estimated duration" in result.stdout
+    # In a pipe the progress is plain text, one line per step with the requests done so far.
+    assert "[1/8] fa4-bf16 256 c=1 #1: ok; requests 7/" in result.stdout and "[8/8] mpfa 256 c=3 #2" in result.stdout
+    assert "\x1b" not in result.stdout
     runs = _runs(mpfa.db)
     assert len(runs) == 2 * 2 * 2  # backends x loads x repeats
     for run in runs:
