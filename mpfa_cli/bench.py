@@ -251,7 +251,7 @@ def _measure(
     indexed = [*enumerate(prompts), *((-1 - i, prompt) for i, prompt in enumerate(warmup_prompts))]
     digests = {index: prompt_digest(prompt) for index, prompt in indexed}
     if opts.modelled_clock:
-        arrivals = _send_load_hint(url, point, arrivals, digests)
+        arrivals = _send_load_hint(url, point, arrivals, digests, warmup)
     label = f"{run.backend} {point.label} #{run.repeat + 1}"
     progress.step_started(label, point.num_requests + warmup)
     records: list[RequestRecord] = []
@@ -284,11 +284,12 @@ def _measure(
     progress.step_done(label, "ok" if not failed else f"{len(failed)} failed")
 
 
-def _send_load_hint(url: str, point: LoadPoint, arrivals: list[float] | None,
-                    digests: dict[int, str]) -> list[float] | None:
+def _send_load_hint(url: str, point: LoadPoint, arrivals: list[float] | None, digests: dict[int, str],
+                    warmup: int) -> list[float] | None:
     """Tell the simulator how this repeat's load arrives; returns the client's arrival schedule: an open loop's
     requests are all sent at once, the simulator holding each until its modelled arrival."""
-    hint: dict[str, Any] = {"expected": point.concurrency or point.num_requests}
+    hint: dict[str, Any] = {"expected": point.concurrency or point.num_requests,
+                            "requests": point.num_requests + warmup}
     if arrivals is not None:
         hint["arrivals"] = {digests[i]: offset for i, offset in enumerate(arrivals)}
     _post_json(f"{url}/sim_load", hint)

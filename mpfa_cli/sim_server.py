@@ -58,21 +58,25 @@ YIELD_EVERY_S = 0.005
 class LoadHint:
     """How the benchmark's load arrives, so the modelled clock need not follow the wall clock.
 
-    expected: how many requests a phase sends at once (a closed loop's concurrency); arrivals: an open loop's
+    expected: how many requests a phase sends at once (a closed loop's concurrency); requests: how many it sends in
+    all, warmup included (0: not said), so that nothing is waited for once all have come; arrivals: an open loop's
     requests by prompt digest, each at its offset in modelled seconds from the first of them to arrive.
     """
 
     expected: int = 1
+    requests: int = 0
     arrivals: dict[str, float] = field(default_factory=dict)
 
     @classmethod
     def from_json(cls, body: Any) -> "LoadHint":
         try:
-            hint = cls(int(body.get("expected", 1)), {str(k): float(v) for k, v in body.get("arrivals", {}).items()})
+            hint = cls(int(body.get("expected", 1)), int(body.get("requests", 0)),
+                       {str(k): float(v) for k, v in body.get("arrivals", {}).items()})
         except (AttributeError, TypeError, ValueError):
-            raise BadRequest("a load hint is {\"expected\": int, \"arrivals\": {digest: seconds}}") from None
-        if hint.expected < 1:
-            raise BadRequest(f"'expected' must be >= 1, got {hint.expected}")
+            raise BadRequest("a load hint is {\"expected\": int, \"requests\": int, "
+                             "\"arrivals\": {digest: seconds}}") from None
+        if hint.expected < 1 or hint.requests < 0:
+            raise BadRequest(f"'expected' must be >= 1 and 'requests' >= 0, got {hint.expected}, {hint.requests}")
         return hint
 
 
@@ -142,6 +146,7 @@ class BatchScheduler:
         self.clock = 0.0  # modelled seconds
         self.hint: LoadHint | None = None
         self._owed = 0  # closed loop: requests finished whose replacements have not arrived
+        self._arrived_count = 0  # since the hint
         self._phase_start: float | None = None  # open loop: the modelled time its arrival offsets count from
         self._idle_since = time.perf_counter()
         self._wakeup = asyncio.Event()
@@ -160,7 +165,7 @@ class BatchScheduler:
 
     def set_hint(self, hint: LoadHint | None) -> None:
         """Take a load hint; the modelled clock restarts at 0 with one, so that repeats time alike."""
-        self.hint, self._owed, self._phase_start = hint, 0, None
+        self.hint, self._owed, self._phase_start, self._arrived_count = hint, 0, None, 0
         if hint is not None:
             self.clock = 0.0
 
@@ -179,6 +184,7 @@ class BatchScheduler:
             self.scheduled.append(request)
             self.scheduled.sort(key=lambda r: r.arrival_v)
         self._owed = max(0, self._owed - 1)
+        self._arrived_count += 1
         self._arrived.set()
         self._wakeup.set()
 
@@ -191,14 +197,18 @@ class BatchScheduler:
             except TimeoutError:
                 return
 
+    def _all_arrived(self) -> bool:
+        return self.hint is not None and 0 < self.hint.requests <= self._arrived_count
+
     async def _settle(self) -> None:
         """With a hint, before stepping: let the requests the load sends at this point arrive."""
         hint = self.hint
         if hint is None:
             return
-        if self.idle or not self.running:  # a phase starts: its first requests come as a burst
-            await self._quiet(lambda: len(self.waiting) + len(self.scheduled) >= hint.expected, SETTLE_S)
-        await self._quiet(lambda: self._owed == 0, REPLACE_WAIT_S)
+        if not self.running:  # a phase starts: its first requests come as a burst
+            await self._quiet(lambda: self._all_arrived() or len(self.waiting) + len(self.scheduled) >= hint.expected,
+                              SETTLE_S)
+        await self._quiet(lambda: self._all_arrived() or self._owed == 0, REPLACE_WAIT_S)
         self._owed = 0
         while self.scheduled and self.scheduled[0].arrival_v <= self.clock:
             self.waiting.append(self.scheduled.pop(0))
