@@ -13,6 +13,7 @@ server in modelled seconds. The stored numbers are the same at any speed-up.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 import time
@@ -80,8 +81,8 @@ class BenchOptions:
 
 # For `estimated_seconds`: the simulator's cost per prompt token sent (serialized, parsed, hashed) on a 2-core CPU,
 # and how long a server takes to get ready.
-SIM_SECONDS_PER_PROMPT_TOKEN = 0.7e-6
-SERVER_START_S = {"sim": 1.0, "sglang": 90.0}
+SIM_SECONDS_PER_PROMPT_TOKEN = 0.3e-6
+SERVER_START_S = {"sim": 1.5, "sglang": 90.0}
 
 
 class RunInterrupted(Exception):
@@ -242,14 +243,13 @@ def _measure(
     run: RunRecord, run_id: int, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
     url: str, store: ResultStore, progress: BenchProgress, server: ServerProcess | None,
 ) -> None:
-    prompts = serving_workload.make_prompts(scenario.seed, point.num_requests, point.input_len)
-    warmup_prompts = serving_workload.make_prompts(scenario.seed + 1, warmup, point.input_len)
+    prompts, measured_digests = _workload(scenario.seed, point.num_requests, point.input_len)
+    warmup_prompts, warmup_digests = _workload(scenario.seed + 1, warmup, point.input_len)
     arrivals = (
         serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
         if point.rate is not None else None
     )
-    indexed = [*enumerate(prompts), *((-1 - i, prompt) for i, prompt in enumerate(warmup_prompts))]
-    digests = {index: prompt_digest(prompt) for index, prompt in indexed}
+    digests = {**dict(enumerate(measured_digests)), **{-1 - i: d for i, d in enumerate(warmup_digests)}}
     if opts.modelled_clock:
         arrivals = _send_load_hint(url, point, arrivals, digests, warmup)
     label = f"{run.backend} {point.label} #{run.repeat + 1}"
@@ -282,6 +282,14 @@ def _measure(
     else:
         store.finish_run(run_id, "ok", summary=summary)
     progress.step_done(label, "ok" if not failed else f"{len(failed)} failed")
+
+
+@functools.lru_cache(maxsize=4)
+def _workload(seed: int, count: int, input_len: int) -> tuple[list[list[int]], list[str]]:
+    """A workload's prompts and their digests, made once for every repeat and backend (a 128K-token prompt takes
+    ~20 ms)."""
+    prompts = serving_workload.make_prompts(seed, count, input_len)
+    return prompts, [prompt_digest(prompt) for prompt in prompts]
 
 
 def _send_load_hint(url: str, point: LoadPoint, arrivals: list[float] | None, digests: dict[int, str],

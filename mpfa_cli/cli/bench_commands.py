@@ -9,7 +9,7 @@ from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOp
                               ServerArgOption, cli_errors, console, err_console, number_list, open_store)
 from mpfa.harness.errors import UserError
 
-SIM_TIME_SCALE = 0.001  # the simulator runs 1000x faster than modelled unless asked otherwise
+SIM_TIME_SCALE = 1e-4  # the simulator runs 10000x faster than modelled unless asked otherwise
 
 
 @cli_errors
