@@ -17,6 +17,10 @@ One scheduler task runs the batch: it admits waiting requests while the KV cache
 plus `max_new_tokens`, runs a prefill step for newly admitted requests (which yields their first token),
 and otherwise runs a decode step that yields one token for every running request. Output tokens are a
 deterministic function of the prompt.
+
+Two endpoints of its own let `mpfa bench` run it faster than modelled with unchanged numbers: `POST /sim_load`
+takes a `LoadHint` (how the next requests arrive), and `GET /sim_clock/{prompt digest}` answers a finished
+request's arrival and token times on the latency model's clock (see `BatchScheduler`).
 """
 from __future__ import annotations
 
