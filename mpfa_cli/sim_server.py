@@ -173,11 +173,11 @@ class BatchScheduler:
         if hint is not None:
             self.clock = 0.0
 
-    def submit(self, request: SimRequest, digest: str) -> None:
+    def submit(self, request: SimRequest) -> None:
         self.check_fits(request.input_len, len(request.output_ids))
         if self.hint is None and self.idle:  # without a hint, idle wall time passes on the modelled clock too
             self.clock += (time.perf_counter() - self._idle_since) / self.time_scale
-        offset = self.hint.arrivals.get(digest) if self.hint is not None else None
+        offset = self.hint.arrivals.get(request.digest) if self.hint is not None else None
         if offset is None:
             request.arrival_v = self.clock
             self.waiting.append(request)
@@ -468,7 +468,7 @@ class SimServer:
                 raise BadRequest("request body must be a JSON object")
             parsed = parse(body)
             sim = self._new_request(parsed, received)
-            self.scheduler.submit(sim, sim.digest)
+            self.scheduler.submit(sim)
             if self.scheduler.hint is not None:
                 self.clocks[sim.digest] = sim
         except BadRequest as exc:
