@@ -67,5 +67,13 @@ def metrics(explain: Annotated[bool, typer.Option("--explain", help="Print each 
     if not explain:
         console.print("metrics: " + ", ".join(EXPLANATIONS) + "  (use --explain for definitions)")
         return
+    from mpfa.harness.run_tables import COMPARE_METRICS, SERVER_METRICS, metric_label
+
     for name, text in EXPLANATIONS.items():
         console.print(f"[bold]{name}[/]: {text}")
+    for name, key in SERVER_METRICS.items():
+        console.print(f"[bold]{name}[/]: tokens the server's KV cache holds, as it reports them ({key}); more "
+                      "means more context fits at once.")
+    console.print("[bold]column names[/]: a latency is <metric>_<unit>_<stat> (ttft_ms_p99), stat one of mean, "
+                  "median (printed p50), p90, p99, std; tables print " +
+                  ", ".join(f"{metric_label(m)} for {m}" for m in COMPARE_METRICS) + ".")

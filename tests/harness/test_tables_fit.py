@@ -66,3 +66,14 @@ def test_catalog_tables_fit_without_truncation(command: str, width: int) -> None
                             env={"COLUMNS": str(width), "PATH": "/usr/bin:/bin", "TERM": "dumb"}, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "…" not in result.stdout, result.stdout
+
+
+def test_metrics_explain_names_every_compare_label() -> None:
+    from mpfa.harness.run_tables import COMPARE_METRICS, metric_label
+
+    result = subprocess.run([sys.executable, "-m", "mpfa.cli", "metrics", "--explain"], capture_output=True, text=True,
+                            env={"COLUMNS": "1000", "PATH": "/usr/bin:/bin", "TERM": "dumb"}, timeout=60)
+    assert result.returncode == 0, result.stderr
+    for metric in COMPARE_METRICS:
+        assert f"{metric_label(metric)} for {metric}" in result.stdout
+    assert "kv_tokens:" in result.stdout
