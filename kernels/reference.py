@@ -90,6 +90,8 @@ VARIANTS: dict[str, VariantSpec] = {
         VariantSpec("float64", "exact", "exact", "exact", "exact", False, "float64 throughout, no quantization"),
         VariantSpec("bf16", "bf16", "bf16", "bf16", "bf16", False, "BF16 operands, FP32 accumulation (FA2/FA3)"),
         VariantSpec("fp8", "bf16", "fp8", "bf16", "fp8", False, "FlashInfer-FP8 analogue: FP8 K/V cache, BF16 Q and P"),
+        VariantSpec("fp8-qkpv", "fp8", "fp8", "fp8", "fp8", False,
+                    "FA3-FP8 analogue: Q cast to e4m3 beside the FP8 K/V cache, P in e4m3 (here scaled by 448)"),
         VariantSpec("qk4-pv16", "nvfp4", "nvfp4", "bf16", "bf16", True, "centered NVFP4 Q/K + Delta_S, BF16 P/V"),
         VariantSpec("qk4-pv8-direct", "nvfp4", "nvfp4", "fp8", "fp8", False, "NVFP4 Q/K without smoothing, FP8 P/V"),
         VariantSpec("mpfa", "nvfp4", "nvfp4", "fp8", "fp8", True, "MpFA: centered NVFP4 Q/K + Delta_S, FP8 P and V"),

@@ -47,8 +47,8 @@ from mpfa.harness.serving_workload import hashed_token_ids
 
 MAX_RUNNING_REQUESTS = 1024
 # Half-width of the simulator's per-backend logprob perturbation: arbitrary, only so that backends differ.
-SIM_LOGPROB_PERTURBATION = {"fa4-bf16": 0.0, "triton-bf16": 1e-3, "flashinfer-fp8": 1e-2, "mpfa": 2e-2,
-                            "mpfa-direct": 4e-2}
+SIM_LOGPROB_PERTURBATION = {"fa4-bf16": 0.0, "fa3-bf16": 0.0, "triton-bf16": 1e-3, "flashinfer-fp8": 1e-2,
+                            "fa3-fp8": 1.5e-2, "mpfa": 2e-2, "mpfa-direct": 4e-2}
 LATE_TOLERANCE_S = 2e-3  # a step that starts later than this behind schedule starts from now (no catch-up burst)
 DIE_EXIT_CODE = 3
 # With a load hint (wall seconds): how long a phase's first burst of requests, or a closed loop's replacement of a

@@ -120,6 +120,7 @@ def test_registry_matches_the_spec() -> None:
         "float64": ("exact", "exact", "exact", "exact", False),
         "bf16": ("bf16", "bf16", "bf16", "bf16", False),
         "fp8": ("bf16", "fp8", "bf16", "fp8", False),
+        "fp8-qkpv": ("fp8", "fp8", "fp8", "fp8", False),
         "qk4-pv16": ("nvfp4", "nvfp4", "bf16", "bf16", True),
         "qk4-pv8-direct": ("nvfp4", "nvfp4", "fp8", "fp8", False),
         "mpfa": ("nvfp4", "nvfp4", "fp8", "fp8", True),
