@@ -343,17 +343,9 @@ def compare_records(runs: Sequence[StoredRun], ref_backend: str,
 def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
                    metric_names: Sequence[str] = COMPARE_METRICS) -> str:
     """The comparison as JSON (records), CSV (the same, one per line) or Markdown (a table per configuration)."""
-    if fmt == "json":
-        return json.dumps(compare_records(runs, ref_backend, metric_names), indent=1)
-    if fmt == "csv":
-        records = compare_records(runs, ref_backend, metric_names)
-        out = io.StringIO()
-        writer = csv.DictWriter(out, fieldnames=list(records[0]) if records else ["scenario"], lineterminator="\n")
-        writer.writeheader()
-        writer.writerows(records)
-        return out.getvalue()
-    if fmt != "md":
-        raise UserError(f"unknown format '{fmt}'; valid: {', '.join(COMPARE_FORMATS)}")
+    check_format(fmt)
+    if fmt in ("json", "csv"):
+        return format_records(compare_records(runs, ref_backend, metric_names), fmt)
     backends, rows = compare_rows(runs, ref_backend, metric_names)
     heading = f"Backends vs {ref_backend}: mean ± 95% CI over repeats (speed-up: >1 is better, ≈ where CIs overlap)"
     lines = [f"**{_simulated_title(heading, runs)}**"]
@@ -364,6 +356,34 @@ def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
             cells = (_cell(row, b, ref_backend).plain.replace("\n", " ") for b in backends)
             lines.append(f"| {metric_label(row.metric)} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
+
+
+def check_format(fmt: str) -> None:
+    """Refuse a --format that is not one of COMPARE_FORMATS."""
+    if fmt not in COMPARE_FORMATS:
+        raise UserError(f"--format: '{fmt}' is not one of {', '.join(COMPARE_FORMATS)}")
+
+
+def format_records(records: Sequence[dict[str, Any]], fmt: str) -> str:
+    """Flat records as JSON (a list), CSV (a header, then one line each) or Markdown (one table)."""
+    if fmt == "json":
+        return json.dumps(list(records), indent=1) + "\n"
+    columns = list(records[0]) if records else []
+    if fmt == "csv":
+        out = io.StringIO()
+        writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(records)
+        return out.getvalue()
+    lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+    lines += ["| " + " | ".join(_md_cell(r[c]) for c in columns) + " |" for r in records]
+    return "\n".join(lines) + "\n"
+
+
+def _md_cell(value: Any) -> str:
+    if isinstance(value, float):
+        return format_number(value)
+    return "—" if value is None else str(value).replace("|", "\\|")
 
 
 def _cell(row: CompareRow, backend: str, ref_backend: str) -> Text:
@@ -440,6 +460,14 @@ def add_footnotes(table: Table, lines: Sequence[str]) -> None:
 # --- runs and show -----------------------------------------------------------------------------------------------
 
 
+def time_scale(run: RunRecord) -> str | None:
+    """A simulated run's pace and the clock its metrics are on ('x0.01, modelled clock'); None for a measured run."""
+    if not run.simulated:
+        return None
+    info = run.server_info or {}
+    return f"x{info.get('time_scale', 1.0):g}, {info.get('metrics_clock', 'wall')} clock"
+
+
 def engine_label(run: RunRecord) -> str:
     return f"{run.engine} (simulated)" if run.simulated else run.engine
 
@@ -466,6 +494,37 @@ def runs_table(runs: Sequence[StoredRun]) -> Table:
     return folding(table)
 
 
+RUNS_METRICS = ("otps", "ttft_ms_median", "tpot_ms_median")
+
+
+def runs_records(runs: Sequence[StoredRun]) -> list[dict[str, Any]]:
+    """The `mpfa runs` listing flat, one record per run, for --format json|csv|md."""
+    return [
+        {"id": run.id, "started_at": _when(run.started_at), "scenario": run.scenario, "backend": run.backend,
+         "engine": run.engine, "simulated": run.simulated, "time_scale": time_scale(run),
+         "input_len": run.input_len, "load": load_label(run.load), "repeat": run.repeat, "status": run.status,
+         "caveat": run.caveat, **{m: _finite(run.summary.get(m)) for m in RUNS_METRICS}}
+        for run in runs
+    ]
+
+
+def show_record(run: StoredRun) -> dict[str, Any]:
+    """`mpfa show RUN` flat: its metadata and every summary metric, for --format json|csv|md."""
+    summary, _ = _display_summary(run)
+    return {"id": run.id, "scenario": run.scenario, "backend": run.backend, "engine": run.engine,
+            "simulated": run.simulated, "time_scale": time_scale(run), "caveat": run.caveat,
+            "input_len": run.input_len, "output_len": run.output_len, "load": load_label(run.load),
+            "num_requests": run.num_requests, "repeat": run.repeat, "seed": run.seed,
+            "workload_hash": run.workload_hash, "model": run.model, "gpu": run.gpu,
+            "kernels": describe_kernels(run.kernels), "started_at": _when(run.started_at),
+            "finished_at": _when(run.finished_at) if run.finished_at else None, "status": run.status,
+            "error": run.error, **{k: _finite(v) for k, v in sorted(summary.items())}}
+
+
+def _finite(value: float | None) -> float | None:
+    return value if value is not None and math.isfinite(value) else None
+
+
 def show_run(run: StoredRun) -> RenderableType:
     """`mpfa show RUN`: the run's metadata (the kernels its server ran included), then its metrics
     (mean/median/p90/p99 per latency)."""
@@ -482,6 +541,7 @@ def show_run(run: StoredRun) -> RenderableType:
         ("workload", run.workload_hash),
         ("model", run.model or "—"),
         ("gpu", run.gpu or "—"),
+        *([("time scale", scale)] if (scale := time_scale(run)) else []),
         ("kernels", describe_kernels(run.kernels)),
         ("started", _when(run.started_at)),
         ("finished", _when(run.finished_at) if run.finished_at else "—"),

@@ -1,6 +1,7 @@
 """Stored runs: `mpfa runs`, `show`, `compare`, `export`, `import`, `plot` and `gate`."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -8,38 +9,54 @@ from typing import Annotated, Optional
 import typer
 
 from mpfa.cli.common import DbOption, cli_errors, console, number_list, open_store
-from mpfa.cli.selection import (AccuracyFlag, BackendFilter, RunIds, ScenarioFilter, accuracy_reports,
-                                distinct_ids, selected_runs)
+from mpfa.cli.selection import (AccuracyFlag, BackendFilter, FormatOption, RunIds, ScenarioFilter, WideFlag,
+                                accuracy_reports, distinct_ids, selected_runs)
 from mpfa.harness.errors import UserError
 
 
 @cli_errors
 def runs(
     scenario: ScenarioFilter = None, backend: BackendFilter = None,
-    limit: Annotated[int, typer.Option(help="Newest N runs.")] = 50, db: DbOption = None,
+    limit: Annotated[int, typer.Option(help="Newest N runs.")] = 50, output_format: FormatOption = "table",
+    db: DbOption = None,
 ) -> None:
     """List stored runs, newest first."""
-    from mpfa.harness.run_tables import runs_table
+    from mpfa.harness.run_tables import check_format, format_records, runs_records, runs_table
 
+    check_format(output_format)
     with open_store(db) as store:
-        console.print(runs_table(store.list_runs(scenario=scenario, backend=backend, limit=limit)))
+        listed = store.list_runs(scenario=scenario, backend=backend, limit=limit)
+    if output_format == "table":
+        console.print(runs_table(listed))
+    else:
+        print(format_records(runs_records(listed), output_format), end="")
 
 
 @cli_errors
-def show(run_id: Annotated[int, typer.Argument(help="Run id (see `mpfa runs`).")], db: DbOption = None) -> None:
+def show(run_id: Annotated[int, typer.Argument(help="Run id (see `mpfa runs`).")],
+         output_format: FormatOption = "table", db: DbOption = None) -> None:
     """One run: metadata, the kernels its server ran, server and environment, and its metrics."""
-    from mpfa.harness.run_tables import show_run
+    from mpfa.harness.run_tables import check_format, format_records, show_record, show_run
 
+    check_format(output_format)
     with open_store(db) as store:
-        console.print(show_run(store.get_run(run_id)))
+        run = store.get_run(run_id)
+    if output_format == "table":
+        console.print(show_run(run))
+    elif output_format == "json":
+        print(json.dumps(show_record(run), indent=1))
+    else:
+        print(format_records([show_record(run)], output_format), end="")
 
 
 @cli_errors
 def compare(
     run_ids: RunIds = None, ref: Annotated[str, typer.Option("--ref", help="Reference backend.")] = "fa4-bf16",
-    scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, db: DbOption = None,
+    scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, wide: WideFlag = False,
+    output_format: FormatOption = "table", db: DbOption = None,
 ) -> None:
-    """Backends side by side: mean ± 95% CI across repeats and the speedup vs the reference backend.
+    """Backends side by side, one table per point: mean ± 95% CI across repeats and the speedup vs the reference
+    backend (coloured only where the CIs separate).
 
     With --accuracy: the task-accuracy table of each stored `mpfa accuracy task` result named (default: the newest).
     """
@@ -49,10 +66,15 @@ def compare(
         for report in accuracy_reports(db, run_ids, scenario):
             render_task_accuracy(report, console)
         return
-    from mpfa.harness.run_tables import compare_table
+    from mpfa.harness.run_tables import check_format, compare_table, compare_tables, format_compare
 
+    check_format(output_format)
     with open_store(db) as store:
-        console.print(compare_table(selected_runs(store, run_ids, scenario, None), ref_backend=ref))
+        runs = selected_runs(store, run_ids, scenario, None)
+    if output_format != "table":
+        print(format_compare(runs, ref, output_format), end="")
+    else:
+        console.print(compare_table(runs, ref) if wide else compare_tables(runs, ref))
 
 
 @cli_errors

@@ -14,6 +14,8 @@ from mpfa.harness.store import ResultStore, StoredProfile, StoredRun
 RunIds = Annotated[Optional[list[int]], typer.Argument(help="Run ids (default: the newest run of each configuration).")]
 ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only runs of this scenario.")]
 BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
+FormatOption = Annotated[str, typer.Option("--format", help="table, json, csv or md (Markdown).")]
+WideFlag = Annotated[bool, typer.Option("--wide/--narrow", help="One flat table of every point (needs ~140+ columns) instead of one table per point.")]
 AccuracyFlag = Annotated[bool, typer.Option("--accuracy", help="The ids are stored `mpfa accuracy task` results (default: the newest), not runs.")]
 
 
