@@ -41,6 +41,9 @@ APIS = ("sglang", "openai")
 CONNECT_TIMEOUT_S = 30.0
 READ_TIMEOUT_S = 1800.0  # longest silence tolerated on a stream: a queued 128K prefill under load can be minutes
 ERROR_BODY_CHARS = 300
+ERROR_BODY_BYTES = 4 * ERROR_BODY_CHARS  # read of an error body; the rest is dropped with the connection
+MAX_LINE_BYTES = 1024 * 1024  # longest stream line parsed; a longer one fails the request
+MAX_COUNT = 2**31  # token counts at or above this in an event make it unreadable
 PARSE_BATCH_BYTES = 32 * 1024  # stream bytes parsed per turn (~0.1-0.3 ms), and kept unparsed before one is due
 
 T = TypeVar("T")
@@ -78,11 +81,19 @@ def _error_message(event: dict[str, Any]) -> str | None:
     return None
 
 
+def _count(value: Any) -> int:
+    """A token count from an event: a non-negative integer that fits the store's 64-bit columns."""
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNT:
+        raise ValueError(f"token count {value!r} is not an integer in [0, {MAX_COUNT})")
+    return value
+
+
 def _sglang_event(event: dict[str, Any], state: "_EventStream") -> int:
     """Update `state` from one `/generate` chunk; returns the new tokens it carries."""
     meta = event["meta_info"]
-    total = int(meta["completion_tokens"])
-    state.prompt_tokens = meta.get("prompt_tokens", state.prompt_tokens)
+    total = _count(meta["completion_tokens"])
+    if (prompt := meta.get("prompt_tokens")) is not None:
+        state.prompt_tokens = _count(prompt)
     state.server_total = total
     finish = meta.get("finish_reason")
     if finish is not None:
@@ -100,8 +111,9 @@ def _openai_event(event: dict[str, Any], state: "_EventStream") -> int:
     """
     usage = event.get("usage")
     if usage:
-        state.server_total = int(usage["completion_tokens"])
-        state.prompt_tokens = usage.get("prompt_tokens", state.prompt_tokens)
+        state.server_total = _count(usage["completion_tokens"])
+        if (prompt := usage.get("prompt_tokens")) is not None:
+            state.prompt_tokens = _count(prompt)
     choices = event.get("choices") or []
     if not choices:
         return 0
@@ -138,6 +150,7 @@ class _EventStream:
     line. A request's task sleeps until `end`, then wakes at its next turn."""
 
     __slots__ = ("_handle_event", "_on_backlog", "_pieces", "_parsed", "_backlog_bytes", "_pending",
+                 "_pending_bytes",
                  "last_read_s", "ended", "failure", "on_end", "parse_scheduled", "chunk_s", "chunk_tokens",
                  "done_s", "counted", "server_total", "prompt_tokens", "finished", "error", "stopped")
 
@@ -148,7 +161,8 @@ class _EventStream:
         self._pieces: list[tuple[float, bytes] | None] = []  # (stamp, body bytes) per read; None once parsed
         self._parsed = 0
         self._backlog_bytes = 0
-        self._pending = b""  # the start of an unfinished line
+        self._pending: list[bytes] = []  # the start of an unfinished line, piece by piece
+        self._pending_bytes = 0
         self.last_read_s = time.perf_counter()  # made when the response head arrives
         self.ended = False
         self.failure: BaseException | None = None  # what broke the body, if it did not end cleanly
@@ -173,6 +187,8 @@ class _EventStream:
             self._on_backlog(self)
 
     def end(self, failure: BaseException | None = None) -> None:
+        if self.ended:  # already ended by `_stop`: the connection's later end changes nothing
+            return
         self.ended, self.failure = True, failure
         if self.on_end is not None:
             self.on_end()
@@ -194,12 +210,21 @@ class _EventStream:
         self._backlog_bytes -= done
 
     def _parse_piece(self, arrived: float, data: bytes) -> None:
-        *lines, self._pending = (self._pending + data).split(b"\n")
+        """Parse the lines `data` completes; an unfinished line is kept in pieces (joined once, when it ends)."""
+        *lines, tail = data.split(b"\n")
+        if lines:
+            lines[0] = b"".join(self._pending) + lines[0]
+            self._pending, self._pending_bytes = [], 0
+        self._pending.append(tail)
+        self._pending_bytes += len(tail)
+        if self._pending_bytes > MAX_LINE_BYTES or any(len(line) > MAX_LINE_BYTES for line in lines):
+            self._stop(f"stream line longer than {MAX_LINE_BYTES} bytes")
+            return
         try:
             for line in lines:
                 if line.startswith(b"data:"):
                     self._event(arrived, line[5:].strip())
-        except (ValueError, KeyError, TypeError) as exc:  # malformed JSON or an event without the expected fields
+        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # malformed JSON, wrong fields
             self._stop(f"unreadable stream chunk: {type(exc).__name__}: {exc}")
 
     def _event(self, arrived: float, data: bytes) -> None:
@@ -218,7 +243,10 @@ class _EventStream:
             self.counted += new_tokens
 
     def _stop(self, error: str) -> None:
+        """Stop parsing and end the stream: its request fails and drops the connection (unread bytes and all)."""
         self.error, self.stopped = error, True
+        self._pending, self._pending_bytes = [], 0
+        self.end()
 
 
 async def _wait_end(stream: _EventStream, turns: Turns, timeout_s: float) -> None:
@@ -246,6 +274,14 @@ async def _wait_end(stream: _EventStream, turns: Turns, timeout_s: float) -> Non
         raise stream.failure
 
 
+async def _error_text(content: aiohttp.StreamReader) -> str:
+    """The start of an error body: at most ERROR_BODY_BYTES are read, however long the body is."""
+    head = bytearray()
+    while len(head) < ERROR_BODY_BYTES and (data := await content.read(ERROR_BODY_BYTES - len(head))):
+        head += data
+    return head.decode(errors="replace")[:ERROR_BODY_CHARS].strip()
+
+
 async def _send(
     session: aiohttp.ClientSession, connector: StampingConnector, turns: Turns, url: str, api: str,
     model: str | None, record: RequestRecord, prompt: list[int], read_timeout_s: float,
@@ -256,8 +292,7 @@ async def _send(
         async with session.post(url, data=body, headers={"Content-Type": "application/json"},
                                 trace_request_ctx=record) as response:
             if response.status != 200:
-                text = (await response.text(errors="replace"))[:ERROR_BODY_CHARS]
-                record.error = f"HTTP {response.status}: {text.strip()}"
+                record.error = f"HTTP {response.status}: {await _error_text(response.content)}"
                 return None
             stream = connector.take_sink(response.content)
             await _wait_end(stream, turns, read_timeout_s)

@@ -1,0 +1,108 @@
+"""The load client against a hostile HTTP server (aiohttp on 127.0.0.1): every fault becomes a failed
+request with its reason, in seconds, never a traceback or a hang."""
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Awaitable, Callable
+
+import pytest
+from aiohttp import web
+
+from mpfa.harness.client import MAX_LINE_BYTES, run_load
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+MB = 1024 * 1024
+
+
+async def against(handler: Handler, **load_options) -> tuple[object, float]:
+    """Run one request of 4 tokens against a server answering with `handler`: (its record, seconds taken)."""
+    app = web.Application()
+    app.router.add_post("/generate", handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1, handler_cancellation=True)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]
+    began = time.perf_counter()
+    try:
+        async with asyncio.timeout(20):  # a hang fails the test instead of stalling the suite
+            (record,) = await run_load(f"http://127.0.0.1:{port}", [[1, 2, 3, 4]], 4, concurrency=1, **load_options)
+    finally:
+        await runner.cleanup()
+    return record, time.perf_counter() - began
+
+
+async def stream_of(request: web.Request, pieces: list[bytes], then_s: float = 0.0) -> web.StreamResponse:
+    """Write `pieces` as an SSE body, then stay silent for `then_s` before ending it."""
+    await request.read()
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+    await response.prepare(request)
+    for piece in pieces:
+        await response.write(piece)
+    await asyncio.sleep(then_s)
+    await response.write_eof()
+    return response
+
+
+def event(payload: object) -> bytes:
+    return b"data: " + json.dumps(payload).encode() + b"\n\n"
+
+
+def streaming(pieces: list[bytes], then_s: float = 0.0) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        return await stream_of(request, pieces, then_s)
+    return handler
+
+
+def test_an_oversized_error_body_is_not_read_whole():
+    async def huge_500(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(status=500)
+        response.content_length = 200 * MB
+        await response.prepare(request)
+        with_a_reason = b"out of memory " + b"x" * (MB - 14)
+        try:
+            for _ in range(200):
+                await response.write(with_a_reason)
+        except (ConnectionError, RuntimeError):  # the client hung up after the start of the body
+            pass
+        return response
+
+    record, took_s = asyncio.run(against(huge_500))
+    assert record.error.startswith("HTTP 500: out of memory xxx") and len(record.error) < 400
+    assert took_s < 5
+
+
+def test_an_endless_line_fails_the_request_in_linear_time():
+    async def endless(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            await response.write(b'data: {"meta_info": "')
+            for _ in range(200):  # 200 MB, never a newline
+                await response.write(b"y" * MB)
+        except (ConnectionError, RuntimeError):
+            pass
+        return response
+
+    record, took_s = asyncio.run(against(endless))
+    assert record.error == f"stream line longer than {MAX_LINE_BYTES} bytes"
+    assert took_s < 5
+
+
+@pytest.mark.parametrize("payload, words", [
+    ([1, 2, 3], "unreadable stream chunk"),
+    ({"meta_info": ["completion_tokens"]}, "unreadable stream chunk"),
+    ({"meta_info": {"completion_tokens": "4"}}, "token count '4' is not an integer"),
+    ({"meta_info": {"completion_tokens": 2**63}}, f"token count {2**63} is not an integer"),
+    ({"meta_info": {"completion_tokens": -1}}, "token count -1 is not an integer"),
+    ({"meta_info": {"completion_tokens": 4, "prompt_tokens": [4]}}, "token count [4] is not an integer"),
+    ("just a string", "unreadable stream chunk"),
+])
+def test_wrong_types_in_an_event_fail_the_request(payload, words):
+    record, took_s = asyncio.run(against(streaming([event(payload)])))
+    assert not record.ok and words in record.error and record.output_tokens == 0
+    assert took_s < 5
