@@ -8,9 +8,10 @@ from typing import Annotated, Optional
 
 import typer
 
-from mpfa.cli.common import DbOption, cli_errors, console, number_list, open_store
+from mpfa.cli.common import DbOption, cli_errors, console, err_console, number_list, open_store
 from mpfa.cli.selection import (AccuracyFlag, BackendFilter, FormatOption, RunIds, ScenarioFilter, WideFlag,
-                                accuracy_reports, distinct_ids, selected_runs)
+                                accuracy_reports, compared_runs, distinct_ids, id_ranges, selected_runs,
+                                used_line)
 from mpfa.harness.errors import UserError
 
 
@@ -70,7 +71,8 @@ def compare(
 
     check_format(output_format)
     with open_store(db) as store:
-        runs = selected_runs(store, run_ids, scenario, None)
+        runs = compared_runs(store, run_ids, scenario)
+    (console if output_format == "table" else err_console).print(used_line(runs), highlight=False)
     if output_format != "table":
         print(format_compare(runs, ref, output_format), end="")
     else:
@@ -126,29 +128,18 @@ def _import_line(path: Path, imported: list) -> str:
     """What became of one file's runs: ids added and skipped, summaries recomputed, unverified, failed."""
     added = [run_id for _, (run_id, new) in imported if new]
     skipped = [run_id for _, (run_id, new) in imported if not new]
-    line = f"{path}: imported {len(added)} run(s)" + (f" as {_id_ranges(added)}" if added else "")
+    line = f"{path}: imported {len(added)} run(s)" + (f" as {id_ranges(added)}" if added else "")
     if skipped:
-        line += f"; skipped {len(skipped)} already stored (as {_id_ranges(skipped)})"
+        line += f"; skipped {len(skipped)} already stored (as {id_ranges(skipped)})"
     for check, (run_id, _) in imported:
         if check.stale:
             line += (f"; run {check.run.id} (here {run_id}): stale summary ({', '.join(check.stale[:4])}"
                      f"{', ...' if len(check.stale) > 4 else ''}) replaced by the one its requests give")
     if unverified := [run_id for check, (run_id, _) in imported if check.unverified]:
-        line += f"; {_id_ranges(unverified)}: no requests in the file, summary unverified"
+        line += f"; {id_ranges(unverified)}: no requests in the file, summary unverified"
     if failed := [run_id for check, (run_id, _) in imported if check.run.status != "ok"]:
-        line += f"; {_id_ranges(failed)} did not finish ok (kept, never gated as ok)"
+        line += f"; {id_ranges(failed)} did not finish ok (kept, never gated as ok)"
     return line
-
-
-def _id_ranges(ids: list[int]) -> str:
-    """[1, 2, 3, 7] -> 'runs 1–3, 7'."""
-    parts: list[list[int]] = []
-    for i in sorted(ids):
-        if parts and i == parts[-1][-1] + 1:
-            parts[-1].append(i)
-        else:
-            parts.append([i])
-    return "runs " + ", ".join(f"{p[0]}–{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
 
 
 @cli_errors
@@ -171,8 +162,9 @@ def plot(
         path = plot_task_accuracy(report, output or Path("mpfa-accuracy.png"))
     else:
         with open_store(db) as store:
-            selected = selected_runs(store, run_ids, scenario, None)
-            path = plot_runs(selected, ref_backend=ref, out_png=output or Path("mpfa-serving.png"))
+            selected = compared_runs(store, run_ids, scenario)
+        console.print(used_line(selected), highlight=False)
+        path = plot_runs(selected, ref_backend=ref, out_png=output or Path("mpfa-serving.png"))
     console.print(f"wrote {path}")
 
 

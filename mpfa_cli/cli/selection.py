@@ -1,18 +1,19 @@
-"""What the ids a command is given select: stored runs (default: the newest of each configuration) and stored
-`mpfa accuracy task` results (default: the newest)."""
+"""What the ids a command is given select: stored runs (default: the newest of each configuration; for compare and
+plot of one scenario and one setup) and stored `mpfa accuracy task` results (default: the newest)."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Callable, Optional
 
 import typer
 
 from mpfa.cli.common import open_store
 from mpfa.harness.errors import UserError
+from mpfa.harness.run_tables import time_scale
 from mpfa.harness.store import ResultStore, StoredProfile, StoredRun
 
-RunIds = Annotated[Optional[list[int]], typer.Argument(help="Run ids (default: the newest run of each configuration).")]
-ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only runs of this scenario.")]
+RunIds = Annotated[Optional[list[int]], typer.Argument(help="Run ids (default: the newest run of each configuration of the scenario).")]
+ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only runs of this scenario (compare, plot: default the newest run's).")]
 BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
 FormatOption = Annotated[str, typer.Option("--format", help="table, json, csv or md (Markdown).")]
 WideFlag = Annotated[bool, typer.Option("--wide/--narrow", help="One flat table of every point (needs ~140+ columns) instead of one table per point.")]
@@ -41,6 +42,52 @@ def selected_runs(store: ResultStore, run_ids: list[int] | None, scenario: str |
         raise UserError(f"no run{matching} finished ok in {store.path}; runs that did not: {statuses}; name them "
                         f"by id, e.g. `mpfa export {unfinished[0].id}` (their completed requests are kept)")
     raise UserError(f"no runs{matching} in {store.path}; run `mpfa bench` first")
+
+
+# What runs must share to be compared or plotted together, by the name a refusal gives it.
+SETUP: dict[str, Callable[[StoredRun], Any]] = {
+    "engine": lambda run: run.engine, "GPU": lambda run: run.gpu or "unknown", "model": lambda run: run.model or "unknown",
+    "time scale": lambda run: time_scale(run) or "real time",
+}
+
+
+def compared_runs(store: ResultStore, run_ids: list[int] | None, scenario: str | None) -> list[StoredRun]:
+    """`compare`/`plot`: the runs named, else the newest of each configuration of `scenario` (default: the scenario
+    of the newest run that finished ok). Runs of different engines, GPUs, models or time scales are refused."""
+    if not run_ids and scenario is None and (newest := store.list_runs(status="ok", limit=1)):
+        scenario = newest[0].scenario
+    runs = selected_runs(store, run_ids, scenario, None)
+    refuse_mixed_setups(runs)
+    return runs
+
+
+def refuse_mixed_setups(runs: list[StoredRun]) -> None:
+    """One line naming the first setup field (engine, GPU, model, time scale) in which the runs differ, with the
+    ids of each value."""
+    for name, value_of in SETUP.items():
+        ids: dict[Any, list[int]] = {}
+        for run in sorted(runs, key=lambda r: r.id):
+            ids.setdefault(value_of(run), []).append(run.id)
+        if len(ids) > 1:
+            groups = "; ".join(f"{value} ({id_ranges(group)})" for value, group in ids.items())
+            raise UserError(f"these runs differ in {name}: {groups}; name the runs of one {name} to compare")
+
+
+def used_line(runs: list[StoredRun]) -> str:
+    """'runs 1–4, 9 (scenario paper)': which runs a comparison or plot used."""
+    scenarios = ", ".join(dict.fromkeys(run.scenario for run in runs))
+    return f"using {id_ranges([run.id for run in runs])} (scenario {scenarios})"
+
+
+def id_ranges(ids: list[int]) -> str:
+    """[1, 2, 3, 7] -> 'runs 1–3, 7'."""
+    parts: list[list[int]] = []
+    for i in sorted(ids):
+        if parts and i == parts[-1][-1] + 1:
+            parts[-1].append(i)
+        else:
+            parts.append([i])
+    return "runs " + ", ".join(f"{p[0]}–{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
 
 
 def accuracy_results(store: ResultStore, ids: list[int] | None) -> list[StoredProfile]:

@@ -39,13 +39,13 @@ def test_json_and_csv_parse_and_md_is_a_table(db, command):
     as_json = mpfa(db, *command, "--format", "json")
     as_csv = mpfa(db, *command, "--format", "csv")
     as_md = mpfa(db, *command, "--format", "md")
-    assert json.loads(as_json.output)
-    assert list(csv.DictReader(io.StringIO(as_csv.output)))
+    assert json.loads(as_json.stdout)
+    assert list(csv.DictReader(io.StringIO(as_csv.stdout)))
     assert "|---" in as_md.output
 
 
 def test_compare_json_holds_speedups(db):
-    records = json.loads(mpfa(db, "compare", "1", "2", "3", "4", "--format", "json").output)
+    records = json.loads(mpfa(db, "compare", "1", "2", "3", "4", "--format", "json").stdout)
     otps = next(r for r in records if r["backend"] == "mpfa" and r["metric"] == "otps")
     assert otps["speedup"] == pytest.approx(1500.5 / 1000.5)
 
