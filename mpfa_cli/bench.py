@@ -68,6 +68,7 @@ class BenchOptions:
     slo: dict[str, float] | None = None
     prefill_kernel: str | None = None  # MpFA's prefill kernel (`dispatch.PREFILL_KERNELS`); None: the shape's default
     verbose: bool = False  # progress: a line or bar per step's requests, not only the overall one
+    timeouts: client.Timeouts = field(default_factory=client.Timeouts)  # per request: a stalled server fails it
 
     @property
     def modelled_clock(self) -> bool:
@@ -267,6 +268,7 @@ def _measure(
         client.run(client.run_load(
             url, prompts, scenario.output_len, concurrency=point.concurrency, arrivals=arrivals,
             warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
+            timeouts=opts.timeouts,
         ))
     except KeyboardInterrupt:
         store.finish_run(run_id, "interrupted", error="Ctrl-C", summary=metrics.summarize(records, opts.slo))

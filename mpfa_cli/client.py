@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import functools
 import gc
 import time
@@ -38,8 +39,6 @@ from mpfa.harness.records import RequestRecord
 from mpfa.harness.stamped_reads import LastRead, StampingConnector, Turns, request_trace
 
 APIS = ("sglang", "openai")
-CONNECT_TIMEOUT_S = 30.0
-READ_TIMEOUT_S = 1800.0  # longest silence tolerated on a stream: a queued 128K prefill under load can be minutes
 ERROR_BODY_CHARS = 300
 ERROR_BODY_BYTES = 4 * ERROR_BODY_CHARS  # read of an error body; the rest is dropped with the connection
 MAX_LINE_BYTES = 1024 * 1024  # longest stream line parsed; a longer one fails the request
@@ -51,6 +50,30 @@ _Job = tuple[int, list[int]]  # (record index, prompt)
 _Started = tuple[RequestRecord, "_EventStream | None"]
 _Start = Callable[[int, list[int], bool], Awaitable[_Started]]  # (index, prompt, warmup) -> sent and ended
 _Finish = Callable[[RequestRecord, "_EventStream | None"], Awaitable[RequestRecord]]
+
+
+class BadTimeout(ValueError):
+    """A timeout that is not a positive, finite number of seconds; `field` names it."""
+
+    def __init__(self, field: str, value: float) -> None:
+        super().__init__(f"timeout {field} must be a positive number of seconds, got {value}")
+        self.field = field
+
+
+@dataclasses.dataclass(frozen=True)
+class Timeouts:
+    """Seconds a request may wait before it fails with the reason (all > 0)."""
+
+    connect_s: float = 30.0
+    first_token_s: float = 1800.0  # from dispatch to the first body bytes: a queued 128K prefill can be minutes
+    chunk_s: float = 600.0  # silence between reads once the body has started
+    request_s: float = 7200.0  # the whole request, from dispatch to the end of its body
+
+    def __post_init__(self) -> None:
+        for field in dataclasses.fields(self):
+            value = getattr(self, field.name)
+            if not 0 < value < float("inf"):
+                raise BadTimeout(field.name, value)
 
 
 def _sglang_payload(prompt: list[int], output_len: int, model: str | None) -> dict[str, Any]:
@@ -194,6 +217,11 @@ class _EventStream:
             self.on_end()
 
     @property
+    def started(self) -> bool:
+        """Whether any body bytes have arrived."""
+        return bool(self._pieces)
+
+    @property
     def unparsed(self) -> bool:
         return self._parsed < len(self._pieces)
 
@@ -249,19 +277,21 @@ class _EventStream:
         self.end()
 
 
-async def _wait_end(stream: _EventStream, turns: Turns, timeout_s: float) -> None:
+async def _wait_end(stream: _EventStream, turns: Turns, timeouts: Timeouts) -> None:
     """Return at the first turn after the body ended (raising what broke it, if anything). A server silent
-    for `timeout_s` since the last read is an error: one timer per request, where aiohttp's sock_read
-    re-arms one on every read."""
+    too long since the last read is an error (`first_token_s` before the first body bytes, `chunk_s` after):
+    one timer per request, where aiohttp's sock_read re-arms one on every read."""
     waiter = asyncio.get_running_loop().create_future()
     stream.on_end = functools.partial(turns.give, waiter)
     if stream.ended:
         turns.give(waiter)
     try:
         while True:
+            timeout_s = timeouts.chunk_s if stream.started else timeouts.first_token_s
             silent_until = stream.last_read_s + timeout_s
             if silent_until <= time.perf_counter():
-                raise aiohttp.SocketTimeoutError(f"no data from the server for {timeout_s:g} s")
+                what = "data" if stream.started else "first token"
+                raise aiohttp.SocketTimeoutError(f"no {what} from the server for {timeout_s:g} s")
             try:
                 async with asyncio.timeout(silent_until - time.perf_counter()):
                     await asyncio.shield(waiter)
@@ -284,21 +314,28 @@ async def _error_text(content: aiohttp.StreamReader) -> str:
 
 async def _send(
     session: aiohttp.ClientSession, connector: StampingConnector, turns: Turns, url: str, api: str,
-    model: str | None, record: RequestRecord, prompt: list[int], read_timeout_s: float,
+    model: str | None, record: RequestRecord, prompt: list[int], timeouts: Timeouts,
 ) -> _EventStream | None:
     """Run one request to the end of its response: its stream (at a turn), or None with `record.error`."""
     body = orjson.dumps(_EVENT_PARSERS[api][0](prompt, record.max_new_tokens, model))
+    whole = asyncio.timeout(timeouts.request_s)
+    stream: _EventStream | None = None
     try:
-        async with session.post(url, data=body, headers={"Content-Type": "application/json"},
-                                trace_request_ctx=record) as response:
+        async with whole, session.post(url, data=body, headers={"Content-Type": "application/json"},
+                                       trace_request_ctx=record) as response:
             if response.status != 200:
                 record.error = f"HTTP {response.status}: {await _error_text(response.content)}"
                 return None
             stream = connector.take_sink(response.content)
-            await _wait_end(stream, turns, read_timeout_s)
+            await _wait_end(stream, turns, timeouts)
             record.completion_s = stream.last_read_s  # a stream that ends without [DONE] completes at its end
     except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-        record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+        if whole.expired():
+            record.error = f"request not done after {timeouts.request_s:g} s"
+        elif stream is None and isinstance(exc, aiohttp.SocketTimeoutError):  # aiohttp's, waiting for the head
+            record.error = f"no response from the server for {timeouts.first_token_s:g} s"
+        else:
+            record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         return None
     return stream
 
@@ -353,7 +390,7 @@ async def run_load(
     on_complete: Callable[[RequestRecord], None] | None = None,
     api: str = "sglang",
     model: str | None = None,
-    read_timeout_s: float = READ_TIMEOUT_S,
+    timeouts: Timeouts = Timeouts(),
 ) -> list[RequestRecord]:
     """Send every prompt and return one record per request: warmup records first, then measured ones by index.
 
@@ -361,7 +398,7 @@ async def run_load(
     start, one per prompt) dispatches on that schedule (open loop), capped at `concurrency` in flight if both
     are given. Warmup prompts run first, at `concurrency` (or all at once), and are marked `warmup=True`
     with indices -1, -2, ... so they never collide with measured indices. `on_complete` gets each record as
-    it finishes, warmup included.
+    it finishes, warmup included. A request that waits longer than `timeouts` allows fails with the reason.
     """
     if api not in APIS:
         raise ValueError(f"unknown api '{api}'; valid: {', '.join(APIS)}")
@@ -376,7 +413,7 @@ async def run_load(
     endpoint = url.rstrip("/") + _EVENT_PARSERS[api][2]
     with _CyclicGcPause() as gc_pause:
         return await _run_load(endpoint, prompts, output_len, concurrency, arrivals, warmup_prompts, on_complete,
-                               api, model, read_timeout_s, gc_pause)
+                               api, model, timeouts, gc_pause)
 
 
 class _CyclicGcPause:
@@ -409,7 +446,7 @@ class _CyclicGcPause:
 async def _run_load(
     endpoint: str, prompts: Sequence[list[int]], output_len: int, concurrency: int | None,
     arrivals: Sequence[float] | None, warmup_prompts: Sequence[list[int]],
-    on_complete: Callable[[RequestRecord], None] | None, api: str, model: str | None, read_timeout_s: float,
+    on_complete: Callable[[RequestRecord], None] | None, api: str, model: str | None, timeouts: Timeouts,
     gc_pause: _CyclicGcPause,
 ) -> list[RequestRecord]:
     last_read = LastRead()
@@ -429,7 +466,7 @@ async def _run_load(
 
     new_stream = functools.partial(_EventStream, _EVENT_PARSERS[api][1], on_backlog)
     connector = StampingConnector(new_stream, last_read, limit=0, limit_per_host=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S, sock_read=read_timeout_s)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.first_token_s)
     async with aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
                                      trace_configs=[request_trace(turns)]) as session:
 
@@ -437,7 +474,7 @@ async def _run_load(
             """Send a request (at a turn the caller holds) and return at a turn once its response has ended."""
             record = RequestRecord(index=index, input_len=len(prompt), max_new_tokens=output_len,
                                    dispatch_s=0.0, warmup=warmup)
-            stream = await _send(session, connector, turns, endpoint, api, model, record, prompt, read_timeout_s)
+            stream = await _send(session, connector, turns, endpoint, api, model, record, prompt, timeouts)
             if stream is None:
                 await turns.take()
             return record, stream

@@ -43,6 +43,10 @@ def bench(
     wide: Annotated[bool, typer.Option("--wide", help="One flat table of every point (needs ~140+ columns).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose", "-v", help="Progress of every step's requests too, not only the overall one.")] = False,
     output_format: Annotated[str, typer.Option("--format", help="The summary as a table, json, csv or md (Markdown); json/csv/md go to stdout, the rest to stderr.")] = "table",
+    connect_timeout: Annotated[Optional[float], typer.Option(help="Seconds a request may take to connect [default: 30].")] = None,
+    first_token_timeout: Annotated[Optional[float], typer.Option(help="Seconds from a request's dispatch to its first streamed bytes [default: 1800].")] = None,
+    chunk_timeout: Annotated[Optional[float], typer.Option(help="Seconds of silence tolerated between a stream's chunks [default: 600].")] = None,
+    request_timeout: Annotated[Optional[float], typer.Option(help="Seconds a whole request may take [default: 7200]; a request over any timeout fails with the reason.")] = None,
 ) -> None:
     """Run a scenario against one or more backends and store every request and the kernels each server ran."""
     from mpfa.harness.bench import BenchOptions, RunInterrupted, estimated_seconds, run_bench
@@ -78,6 +82,7 @@ def bench(
             time_scale=1.0 if real_time else time_scale, real_time=real_time, ready_timeout_s=ready_timeout, tp=tp, dp=dp, server_args=list(server_arg or []),
             slo=_parse_slo(slo) if slo else None,
             prefill_kernel=check_prefill_kernel(prefill_kernel), verbose=verbose,
+            timeouts=_timeouts(connect_timeout, first_token_timeout, chunk_timeout, request_timeout),
         )
         if chosen_engine == "sim":
             info.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
@@ -110,6 +115,19 @@ def _pace(opts: "BenchOptions") -> str:
         return "real time: requests timed on the client's clock"
     return (f"{1 / opts.time_scale:.0f}x faster than modelled; metrics in modelled time; "
             "--real-time for the modelled speed")
+
+
+def _timeouts(connect: float | None, first_token: float | None, chunk: float | None,
+              request: float | None) -> "Timeouts":
+    """The request timeouts from their flags (`first_token_s` is `--first-token-timeout`); None: the default."""
+    from mpfa.harness.client import BadTimeout, Timeouts
+
+    given = {"connect_s": connect, "first_token_s": first_token, "chunk_s": chunk, "request_s": request}
+    try:
+        return Timeouts(**{name: value for name, value in given.items() if value is not None})
+    except BadTimeout as exc:
+        flag = exc.field.removesuffix("_s").replace("_", "-")
+        raise UserError(f"--{flag}-timeout: expected a positive number of seconds") from None
 
 
 def _parse_slo(text: str) -> dict[str, float]:

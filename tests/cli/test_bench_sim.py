@@ -125,6 +125,24 @@ def test_server_never_ready_times_out_without_orphans(mpfa, scenario_file) -> No
     assert not _sim_servers(mpfa.db)
 
 
+@pytest.mark.parametrize("flag", ["--connect-timeout", "--first-token-timeout", "--chunk-timeout", "--request-timeout"])
+def test_a_timeout_that_is_not_positive_is_one_line(mpfa, flag) -> None:
+    result = mpfa("bench", flag, "0")
+    assert result.returncode == 2 and f"{flag}: expected a positive number of seconds" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_requests_over_the_request_timeout_fail_with_the_reason(mpfa, scenario_file) -> None:
+    path = scenario_file(num_requests=3, concurrency=[1], warmup_requests=0, output_len=16)
+    result = mpfa("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--time-scale", "1",
+                  "--request-timeout", "0.001")
+    assert result.returncode == 1 and "Traceback" not in result.stderr
+    (run,) = _runs(mpfa.db)
+    assert run["status"] == "failed" and "request not done after 0.001 s" in run["error"]
+    assert [r["error"] for r in _requests(mpfa.db, run["id"])] == ["request not done after 0.001 s"] * 3
+    assert not _sim_servers(mpfa.db)
+
+
 def test_server_death_mid_run_keeps_completed_requests(mpfa, scenario_file) -> None:
     path = scenario_file(num_requests=12, concurrency=[1], warmup_requests=0)
     result = mpfa("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--server-arg=--die-after-requests=5", *FAST)

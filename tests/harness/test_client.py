@@ -11,7 +11,7 @@ import pytest
 from aiohttp import web
 
 from mpfa.harness import metrics
-from mpfa.harness.client import run, run_load
+from mpfa.harness.client import Timeouts, run, run_load
 from mpfa.harness.serving_workload import arrival_times, make_prompts
 from mpfa.harness.sim_server import prompt_digest
 
@@ -156,7 +156,7 @@ def test_chunks_are_stamped_when_they_arrive_not_when_the_stream_ends():
 def test_silent_stream_times_out():
     pieces = [sglang_event(1), sglang_event(2)]
     started = time.perf_counter()
-    record = asyncio.run(scripted_run(pieces, gaps_s=[5.0, 0.0], read_timeout_s=0.3))
+    record = asyncio.run(scripted_run(pieces, gaps_s=[5.0, 0.0], chunk_s=0.3))
     assert not record.ok and "no data from the server for 0.3 s" in record.error
     assert time.perf_counter() - started < 3.0
 
@@ -206,7 +206,7 @@ def sglang_event(total: int, prompt: int = 4, finished: bool = False) -> bytes:
 
 
 async def scripted_run(pieces: list[bytes], output_len: int = 4, gaps_s: list[float] | None = None,
-                       read_timeout_s: float = 30.0, written_s: list[float] | None = None):
+                       chunk_s: float = 30.0, written_s: list[float] | None = None):
     """Serve one SSE response written as `pieces` (after each, a pause: `gaps_s` or 10 ms) and run one
     request against it; `written_s` collects when each piece was written."""
     gaps_s = gaps_s or [0.01] * len(pieces)
@@ -232,7 +232,7 @@ async def scripted_run(pieces: list[bytes], output_len: int = 4, gaps_s: list[fl
     port = site._server.sockets[0].getsockname()[1]
     try:
         (record,) = await run_load(f"http://127.0.0.1:{port}", [[1, 2, 3, 4]], output_len, concurrency=1,
-                                   read_timeout_s=read_timeout_s)
+                                   timeouts=Timeouts(chunk_s=chunk_s))
     finally:
         await runner.cleanup()
     return record

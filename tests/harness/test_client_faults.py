@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 from aiohttp import web
 
-from mpfa.harness.client import MAX_LINE_BYTES, run_load
+from mpfa.harness.client import MAX_LINE_BYTES, Timeouts, run_load
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MB = 1024 * 1024
@@ -106,3 +106,42 @@ def test_wrong_types_in_an_event_fail_the_request(payload, words):
     record, took_s = asyncio.run(against(streaming([event(payload)])))
     assert not record.ok and words in record.error and record.output_tokens == 0
     assert took_s < 5
+
+
+async def never_answers(request: web.Request) -> web.StreamResponse:
+    await request.read()
+    await asyncio.sleep(30)  # accepted, no response head (cancelled with the server)
+    raise AssertionError("the client should have given up")
+
+
+def slow_tokens(gap_s: float) -> Handler:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for total in range(1, 5):
+            await asyncio.sleep(gap_s)
+            await response.write(event({"meta_info": {"completion_tokens": total}}))
+        await response.write_eof()
+        return response
+    return handler
+
+
+@pytest.mark.parametrize("handler, timeouts, reason", [
+    (never_answers, Timeouts(first_token_s=0.5), "no response from the server for 0.5 s"),
+    (streaming([], then_s=30), Timeouts(first_token_s=0.5), "no first token from the server for 0.5 s"),
+    (streaming([event({"meta_info": {"completion_tokens": 1}})], then_s=30), Timeouts(chunk_s=0.5),
+     "no data from the server for 0.5 s"),
+    (slow_tokens(0.3), Timeouts(chunk_s=0.5, request_s=0.8), "request not done after 0.8 s"),
+], ids=["stall before headers", "stall before the first token", "stall mid-stream", "too slow overall"])
+def test_a_stalled_server_fails_the_request_with_the_reason(handler, timeouts, reason):
+    record, took_s = asyncio.run(against(handler, timeouts=timeouts))
+    assert not record.ok and reason in record.error
+    assert took_s < 3
+
+
+@pytest.mark.parametrize("field", ["connect_s", "first_token_s", "chunk_s", "request_s"])
+@pytest.mark.parametrize("value", [0, -1, float("inf"), float("nan")])
+def test_a_timeout_must_be_positive_and_finite(field, value):
+    with pytest.raises(ValueError, match=f"timeout {field} must be a positive number"):
+        Timeouts(**{field: value})
