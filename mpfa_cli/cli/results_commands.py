@@ -145,27 +145,30 @@ def _import_line(path: Path, imported: list) -> str:
 @cli_errors
 def plot(
     run_ids: RunIds = None, ref: Annotated[str, typer.Option("--ref", help="Reference backend.")] = "fa4-bf16",
-    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="PNG file (default: mpfa-serving.png; with --accuracy mpfa-accuracy.png).")] = None,
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Figure file; its suffix follows --format, and with several scenarios each gets its name appended (default: mpfa-serving.png; with --accuracy mpfa-accuracy.png).")] = None,
+    figure_format: Annotated[str, typer.Option("--format", help="png, svg or both.")] = "png",
     scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, db: DbOption = None,
 ) -> None:
-    """Paper-style PNG: OTPS and TTFT/TPOT speedup vs context length, per backend and load.
+    """Paper-style figures, one per scenario: OTPS and TTFT/TPOT speedup vs context length for every backend and
+    load, error bars the 95% CI over repeats, the model, GPU, engine and dates in the title.
 
     With --accuracy ID: one stored `mpfa accuracy task` result (default: the newest), per task each variant's
     score, its loss vs bf16 and MpFA's recovery.
     """
-    from mpfa.harness.plot import plot_runs, plot_task_accuracy
+    from mpfa.harness.plot import check_figure_format, plot_runs, plot_task_accuracy
 
+    check_figure_format(figure_format)
     if accuracy:
         if run_ids and len(run_ids) > 1:
             raise UserError(f"--accuracy plots one result at a time, got {len(run_ids)} ids")
         (report,) = accuracy_reports(db, run_ids, scenario)
-        path = plot_task_accuracy(report, output or Path("mpfa-accuracy.png"))
+        paths = plot_task_accuracy(report, output or Path("mpfa-accuracy.png"), figure_format)
     else:
         with open_store(db) as store:
             selected = compared_runs(store, run_ids, scenario)
         console.print(used_line(selected), highlight=False)
-        path = plot_runs(selected, ref_backend=ref, out_png=output or Path("mpfa-serving.png"))
-    console.print(f"wrote {path}")
+        paths = plot_runs(selected, ref, output or Path("mpfa-serving.png"), figure_format)
+    console.print(f"wrote {', '.join(map(str, paths))}", highlight=False)
 
 
 @cli_errors

@@ -64,11 +64,39 @@ def test_plot_writes_png(tmp_path, rng, make_run):
         for backend, scale in (("fa4-bf16", 1.0), ("mpfa", 1.4), ("flashinfer-fp8", 1.2))
         for n in (16384, 32768, 65536) for c in (1, 8) for repeat in range(2)
     ]
-    out = plot_runs(runs, "fa4-bf16", tmp_path / "figs" / "sweep.png")
-    data = out.read_bytes()
+    png, svg = plot_runs(runs, "fa4-bf16", tmp_path / "figs" / "sweep.png", "both")
+    data = png.read_bytes()
     assert data.startswith(b"\x89PNG\r\n\x1a\n") and len(data) > 10_000
+    assert svg == tmp_path / "figs" / "sweep.svg" and b"<svg" in svg.read_bytes()[:1000]
+
+
+def test_plot_draws_one_figure_per_scenario(tmp_path, make_run):
+    runs = [make_run(b, 0, {"otps": 1.0, "ttft_ms_median": 1.0, "tpot_ms_median": 1.0}, scenario=name)
+            for name in ("long", "short") for b in ("fa4-bf16", "mpfa")]
+    paths = plot_runs(runs, "fa4-bf16", tmp_path / "serving.svg", "svg")
+    assert paths == [tmp_path / "serving-long.svg", tmp_path / "serving-short.svg"]
 
 
 def test_plot_without_reference_is_a_clear_error(tmp_path, make_run):
     with pytest.raises(UserError, match="reference backend"):
         plot_runs([make_run("mpfa", 0, {"otps": 1.0})], "fa4-bf16", tmp_path / "x.png")
+
+
+def test_plot_title_names_the_setup_axes_start_at_zero_and_speedups_have_error_bars(tmp_path, make_run,
+                                                                                     monkeypatch):
+    import matplotlib.pyplot as plt
+
+    drawn = []
+    monkeypatch.setattr(plt, "close", drawn.append)
+    runs = [make_run(b, rep, {"otps": otps + rep, "ttft_ms_median": 50.0 + rep, "tpot_ms_median": 5.0 + rep})
+            for b, otps in (("fa4-bf16", 100.0), ("mpfa", 150.0)) for rep in range(3)]
+    plot_runs(runs, "fa4-bf16", tmp_path / "s.png")
+    (fig,) = drawn
+    title = fig._suptitle.get_text()
+    assert "paper:" in title and "llama-3.1-8b on NVIDIA H200" in title and "engine sglang" in title
+    assert "2023-11-14" in title
+    assert all(ax.get_ylim()[0] == 0 for ax in fig.axes)
+    speedup_bars = [c for c in fig.axes[1].containers if c.has_yerr]
+    (low, high), = [(seg[0][1], seg[1][1]) for seg in speedup_bars[0].lines[2][0].get_segments()]
+    assert low < 1.0 < high
+    plt.close(fig)
