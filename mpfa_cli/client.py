@@ -472,8 +472,9 @@ async def _run_load(
 
         async def start(index: int, prompt: list[int], warmup: bool) -> _Started:
             """Send a request (at a turn the caller holds) and return at a turn once its response has ended."""
+            # dispatch_s: when the send began; the trace moves it to when the bytes went to the socket
             record = RequestRecord(index=index, input_len=len(prompt), max_new_tokens=output_len,
-                                   dispatch_s=0.0, warmup=warmup)
+                                   dispatch_s=time.perf_counter(), warmup=warmup)
             stream = await _send(session, connector, turns, endpoint, api, model, record, prompt, timeouts)
             if stream is None:
                 await turns.take()

@@ -23,8 +23,8 @@ EXPLANATIONS: dict[str, str] = {
            "carrying k tokens that arrives dt after the previous chunk contributes k gaps of dt/k; extra tokens "
            "in the first chunk contribute none (they arrive with the first token).",
     "e2e": "End-to-end latency: from dispatch to the end of the response stream.",
-    "otps": "Output tokens per second: output tokens of successful requests divided by the time from the first "
-            "measured dispatch to the last completion.",
+    "otps": "Output tokens per second: output tokens of successful requests divided by the time from the "
+            "first successful request's dispatch to the last completion.",
     "req_per_s": "Request throughput: successful requests over the same span as OTPS.",
     "goodput": "Goodput: requests per second that finished and met every given SLO (TTFT and/or TPOT, in ms); "
                "a request without a TPOT (one output token) meets any TPOT SLO.",
@@ -108,7 +108,9 @@ def summarize(records: Iterable[RequestRecord], slo: dict[str, float] | None = N
     summary |= _stats("tpot_ms", tpots, 1e3)
     summary |= _stats("itl_ms", [g for r in ok for g in itl_gaps_s(r)], 1e3)
     summary |= _stats("e2e_s", [e2e_s(r) for r in ok], 1.0)
-    span = max(r.completion_s for r in ok) - min(r.dispatch_s for r in runs)
+    # The completed requests' span: a failed request's dispatch may be on another clock (the simulator's
+    # modelled times replace only completed ones) or an attempt that never reached the server.
+    span = max(r.completion_s for r in ok) - min(r.dispatch_s for r in ok)
     if span > 0:
         summary["duration_s"] = span
         summary["otps"] = sum(r.output_tokens for r in ok) / span

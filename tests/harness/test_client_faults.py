@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import time
 from collections.abc import Awaitable, Callable
 
@@ -145,3 +146,13 @@ def test_a_stalled_server_fails_the_request_with_the_reason(handler, timeouts, r
 def test_a_timeout_must_be_positive_and_finite(field, value):
     with pytest.raises(ValueError, match=f"timeout {field} must be a positive number"):
         Timeouts(**{field: value})
+
+
+def test_a_request_that_never_connects_is_dispatched_when_it_was_tried():
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    tried = time.perf_counter()
+    (record,) = asyncio.run(run_load(f"http://127.0.0.1:{port}", [[1, 2, 3, 4]], 4, concurrency=1))
+    assert not record.ok and "ClientConnectorError" in record.error
+    assert tried <= record.dispatch_s <= time.perf_counter()

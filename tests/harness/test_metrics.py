@@ -66,8 +66,14 @@ def test_warmup_and_failed_requests_are_excluded_from_statistics():
     s = metrics.summarize([warm, A, B, C, failed])
     assert s["n_ok"] == 3 and s["n_failed"] == 1
     assert s["ttft_ms_mean"] == pytest.approx((500 + 700 + 200) / 3)
-    # the failed request was dispatched first (9.5), so the measured span starts there: 12.5 - 9.5 = 3 s
-    assert s["otps"] == pytest.approx(8 / 3.0)
+    # the span is the completed requests': from A's dispatch (10.0) to B's completion (12.5)
+    assert s["duration_s"] == pytest.approx(2.5) and s["otps"] == pytest.approx(8 / 2.5)
+
+
+def test_a_request_that_never_connected_does_not_stretch_the_duration():
+    never_sent = rec(0.0, [], None, index=3, error="ClientConnectorError: refused")
+    s = metrics.summarize([A, B, C, never_sent])
+    assert s["duration_s"] == pytest.approx(2.5) and s["n_failed"] == 1
 
 
 def test_goodput_under_slo():
