@@ -60,7 +60,7 @@ def scenarios() -> None:
 
 
 @cli_errors
-def metrics(explain: Annotated[bool, typer.Option("--explain", help="Print each metric's definition.")] = False) -> None:
+def metrics(explain: Annotated[bool, typer.Option("--explain/--no-explain", help="Print each metric's definition.")] = False) -> None:
     """Explain the metrics every run reports."""
     from mpfa.harness.metrics import EXPLANATIONS
 

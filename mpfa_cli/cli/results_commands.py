@@ -84,7 +84,7 @@ def export(
     run_ids: RunIds = None,
     fmt: Annotated[str, typer.Option("--format", help="json or csv.")] = "json",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="File to write (default: stdout).")] = None,
-    requests: Annotated[bool, typer.Option("--requests", help="Include every request (json only).")] = False,
+    requests: Annotated[bool, typer.Option("--requests/--no-requests", help="Include every request (json only).")] = False,
     scenario: ScenarioFilter = None, backend: BackendFilter = None, db: DbOption = None,
 ) -> None:
     """Export runs (with their `simulated` flag and kernels) as JSON or CSV."""
@@ -176,10 +176,10 @@ def gate(
     baseline: Annotated[Path, typer.Option("--baseline", help="Baseline JSON (profiles/baselines/).")],
     results: Annotated[Optional[list[str]], typer.Option("--results", help="Run ids to judge: 1,2,3 or repeated (default: the newest pass of each backend and point).")] = None,
     tolerance: Annotated[str, typer.Option(help="Allowed drop, e.g. 5% or 0.05.")] = "5%",
-    write_baseline: Annotated[bool, typer.Option("--write-baseline", help="Write the baseline from the runs instead of judging.")] = False,
+    write_baseline: Annotated[bool, typer.Option("--write-baseline/--no-write-baseline", help="Write the baseline from the runs instead of judging.")] = False,
     benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write github-action-benchmark files with this prefix.")] = None,
-    allow_caveats: Annotated[bool, typer.Option("--allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
-    allow_missing: Annotated[bool, typer.Option("--allow-missing", help="Pass although baseline entries have no current result or only failed runs.")] = False,
+    allow_caveats: Annotated[bool, typer.Option("--allow-caveats/--no-allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
+    allow_missing: Annotated[bool, typer.Option("--allow-missing/--no-allow-missing", help="Pass although baseline entries have no current result or only failed runs.")] = False,
     scenario: ScenarioFilter = None, db: DbOption = None,
 ) -> None:
     """Judge the runs against a baseline: a regression is a drop beyond the tolerance with separated 95% CIs (the

@@ -17,7 +17,7 @@ ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only 
 BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
 FormatOption = Annotated[str, typer.Option("--format", help="table, json, csv or md (Markdown).")]
 WideFlag = Annotated[bool, typer.Option("--wide/--narrow", help="One flat table of every point (needs ~140+ columns) instead of one table per point.")]
-AccuracyFlag = Annotated[bool, typer.Option("--accuracy", help="The ids are stored `mpfa accuracy task` results (default: the newest), not runs.")]
+AccuracyFlag = Annotated[bool, typer.Option("--accuracy/--no-accuracy", help="The ids are stored `mpfa accuracy task` results (default: the newest), not runs.")]
 
 
 def distinct_ids(run_ids: list[int] | None) -> list[int] | None:
