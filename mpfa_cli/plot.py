@@ -98,7 +98,7 @@ def _serving_figure(runs: Sequence[StoredRun], ref_backend: str) -> Figure:
         if is_speedup:
             ax.axhline(1.0, color="grey", linewidth=0.8)
             ylabel = f"{ylabel} vs {ref_backend}"
-        ax.set_ylim(bottom=0)
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1.0 if is_speedup else 0.0) * 1.1)  # room above the 1× line
         ax.set_xscale("log", base=2)
         ax.set_xticks(contexts, [context_label(c) for c in contexts])
         ax.minorticks_off()
