@@ -46,7 +46,9 @@ def selected_runs(store: ResultStore, run_ids: list[int] | None, scenario: str |
 
 # What runs must share to be compared or plotted together, by the name a refusal gives it.
 SETUP: dict[str, Callable[[StoredRun], Any]] = {
-    "engine": lambda run: run.engine, "GPU": lambda run: run.gpu or "unknown", "model": lambda run: run.model or "unknown",
+    "engine": lambda run: run.engine,
+    "GPU": lambda run: run.gpu or "unknown",
+    "model": lambda run: run.model or "unknown",
     "time scale": lambda run: time_scale(run) or "real time",
 }
 
@@ -70,7 +72,7 @@ def refuse_mixed_setups(runs: list[StoredRun]) -> None:
             ids.setdefault(value_of(run), []).append(run.id)
         if len(ids) > 1:
             groups = "; ".join(f"{value} ({id_ranges(group)})" for value, group in ids.items())
-            raise UserError(f"these runs differ in {name}: {groups}; name the runs of one {name} to compare")
+            raise UserError(f"these runs differ in {name}: {groups}; name the runs of one {name} by id")
 
 
 def used_line(runs: list[StoredRun]) -> str:
