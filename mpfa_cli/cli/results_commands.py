@@ -57,7 +57,8 @@ def compare(
     output_format: FormatOption = "table", db: DbOption = None,
 ) -> None:
     """Backends side by side, one table per point: mean ± 95% CI across repeats and the speedup vs the reference
-    backend (coloured only where the CIs separate).
+    backend (coloured only where the CIs separate). Default: the newest scenario's runs; runs of different engines,
+    GPUs, models or time scales are refused; the first line names the runs used.
 
     With --accuracy: the task-accuracy table of each stored `mpfa accuracy task` result named (default: the newest).
     """
@@ -150,7 +151,8 @@ def plot(
     scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, db: DbOption = None,
 ) -> None:
     """Paper-style figures, one per scenario: OTPS and TTFT/TPOT speedup vs context length for every backend and
-    load, error bars the 95% CI over repeats, the model, GPU, engine and dates in the title.
+    load, error bars the 95% CI over repeats, the model, GPU, engine and dates in the title. Runs are selected as by
+    `mpfa compare`.
 
     With --accuracy ID: one stored `mpfa accuracy task` result (default: the newest), per task each variant's
     score, its loss vs bf16 and MpFA's recovery.
