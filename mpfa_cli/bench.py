@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import signal
 import time
 import urllib.error
 import urllib.request
@@ -87,11 +88,29 @@ SERVER_START_S = {"sim": 1.5, "sglang": 90.0}
 
 
 class RunInterrupted(Exception):
-    """Ctrl-C during a run; the partial run is saved under `run_id`."""
+    """Ctrl-C (or SIGTERM, SIGHUP) during a run; the partial run is saved under `run_id`."""
 
     def __init__(self, run_id: int | None) -> None:
         super().__init__(f"interrupted; partial results saved (run {run_id})" if run_id else "interrupted")
         self.run_id = run_id
+
+
+INTERRUPTING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # handled as Ctrl-C is, their name the reason
+
+
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(signal.Signals(signum).name)
+
+
+@contextmanager
+def _signals_interrupt() -> Iterator[None]:
+    """SIGTERM and SIGHUP raise KeyboardInterrupt (named after the signal) for as long as the bench runs."""
+    previous = {sig: signal.signal(sig, _interrupt) for sig in INTERRUPTING_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def _get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
@@ -186,7 +205,7 @@ def run_bench(
     run_ids: list[int] = []
     plan = run_plan(scenario)
     requests = len(specs) * sum(point.num_requests + warmup for point, _, warmup in plan)
-    with BenchProgress(console, len(specs) * len(plan), requests, opts.verbose) as progress:
+    with _signals_interrupt(), BenchProgress(console, len(specs) * len(plan), requests, opts.verbose) as progress:
         for spec in specs:
             run_ids += _run_backend(spec, scenario, plan, opts, store, console, progress, expected[spec.name],
                                     environment, gpu, context_len)
@@ -270,9 +289,14 @@ def _measure(
             warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
             timeouts=opts.timeouts,
         ))
-    except KeyboardInterrupt:
-        store.finish_run(run_id, "interrupted", error="Ctrl-C", summary=metrics.summarize(records, opts.slo))
+    except KeyboardInterrupt as exc:
+        reason = str(exc) or "Ctrl-C"
+        store.finish_run(run_id, "interrupted", error=reason, summary=metrics.summarize(records, opts.slo))
         raise RunInterrupted(run_id) from None
+    except Exception as exc:  # the run ends failed with the requests it has, whatever broke it
+        error = f"{type(exc).__name__}: {exc}"
+        store.finish_run(run_id, "failed", error=error, summary=metrics.summarize(records, opts.slo))
+        raise UserError(f"run {run_id} failed: {error}", exit_code=1) from exc
     summary = metrics.summarize(records, opts.slo)
     if server is not None and not server.alive:
         error = f"server died during the run; last log lines ({server.log_path}):\n{server.log_tail()}"

@@ -6,8 +6,10 @@ detokenizer processes); descendants that left the group are found with psutil an
 """
 from __future__ import annotations
 
+import ctypes
 import os
 import signal
+import sys
 import socket
 import subprocess
 import time
@@ -21,6 +23,8 @@ import psutil
 from mpfa.harness.errors import UserError
 
 LOG_TAIL_LINES = 30
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # held back while a server is being stopped
+PR_SET_PDEATHSIG = 1
 
 
 class ServerError(UserError):
@@ -74,7 +78,12 @@ class ServerProcess:
         return self
 
     def __exit__(self, *exc_info: object) -> None:
-        self.stop()
+        """Stop the server; a second Ctrl-C (or SIGTERM, SIGHUP) meanwhile waits until it is stopped."""
+        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+        try:
+            self.stop()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -82,7 +91,7 @@ class ServerProcess:
         try:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=self.env, start_new_session=True,
+                env=self.env, start_new_session=True, preexec_fn=_die_with_parent,
             )
         except OSError as exc:
             raise ServerError(f"could not start server ({self.command[0]}): {exc}") from None
@@ -141,6 +150,12 @@ class ServerProcess:
             _signal(proc, signal.SIGKILL)
         psutil.wait_procs(alive, timeout=5)
         self.process.poll()
+
+
+def _die_with_parent() -> None:
+    """In the child, before it runs the server (Linux): SIGKILL it when the bench dies, even by SIGKILL."""
+    if sys.platform == "linux":
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
 
 
 def _signal_group(pid: int, sig: int) -> None:

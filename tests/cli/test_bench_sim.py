@@ -155,29 +155,59 @@ def test_server_death_mid_run_keeps_completed_requests(mpfa, scenario_file) -> N
     assert not _sim_servers(mpfa.db)
 
 
-def test_ctrl_c_saves_partial_results_and_kills_server(mpfa, scenario_file) -> None:
-    path = scenario_file(num_requests=200, concurrency=[1], warmup_requests=0, output_len=16)
-    proc = mpfa.popen("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--time-scale", "0.2")
+def _wait_for_requests(db, count: int, proc) -> None:
+    """Until the first run has `count` requests stored (the bench is killed and the test fails after 60 s)."""
     deadline = time.time() + 60
     while time.time() < deadline:
         try:
-            runs = _runs(mpfa.db) if mpfa.db.exists() else []
+            runs = _runs(db) if db.exists() else []
         except sqlite3.OperationalError:  # the schema is being created
             runs = []
-        if runs and len(_requests(mpfa.db, runs[0]["id"])) >= 3:
-            break
+        if runs and len(_requests(db, runs[0]["id"])) >= count:
+            return
         time.sleep(0.2)
-    else:
-        proc.kill()
-        pytest.fail("no requests completed within 60 s")
-    proc.send_signal(signal.SIGINT)
+    proc.kill()
+    pytest.fail(f"{count} requests not completed within 60 s")
+
+
+def _interrupted_bench(mpfa, scenario_file, sig: signal.Signals) -> sqlite3.Row:
+    """A bench stopped by `sig` after 3 requests: exit 130, its run interrupted with the requests kept."""
+    path = scenario_file(num_requests=200, concurrency=[1], warmup_requests=0, output_len=16)
+    proc = mpfa.popen("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--time-scale", "0.2")
+    _wait_for_requests(mpfa.db, 3, proc)
+    proc.send_signal(sig)
     _, stderr = proc.communicate(timeout=60)
     assert proc.returncode == 130, stderr
-    assert "partial results saved" in stderr
+    assert "partial results saved" in stderr and "Traceback" not in stderr
     (run,) = _runs(mpfa.db)
     assert run["status"] == "interrupted"
     assert 3 <= len(_requests(mpfa.db, run["id"])) < 200
     assert not _sim_servers(mpfa.db)
+    return run
+
+
+@pytest.mark.parametrize("sig, reason", [(signal.SIGTERM, "SIGTERM"), (signal.SIGHUP, "SIGHUP")])
+def test_sigterm_and_sighup_interrupt_like_ctrl_c(mpfa, scenario_file, sig, reason) -> None:
+    assert _interrupted_bench(mpfa, scenario_file, sig)["error"] == reason
+
+
+def test_the_server_dies_with_a_killed_bench(mpfa, scenario_file) -> None:
+    path = scenario_file(num_requests=200, concurrency=[1], warmup_requests=0, output_len=16)
+    proc = mpfa.popen("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--time-scale", "0.2")
+    _wait_for_requests(mpfa.db, 1, proc)
+    (server,) = _sim_servers(mpfa.db)
+    proc.kill()
+    proc.communicate(timeout=10)
+    try:
+        server.wait(timeout=10)
+    except psutil.TimeoutExpired:
+        server.kill()
+        pytest.fail("the server outlived the bench")
+
+
+def test_ctrl_c_saves_partial_results_and_kills_server(mpfa, scenario_file) -> None:
+    run = _interrupted_bench(mpfa, scenario_file, signal.SIGINT)
+    assert run["error"] == "Ctrl-C"
     # the default selection (runs that finished ok) is empty: the error names the partial run and how to export it
     result = mpfa("export", "--backend", "fa4-bf16", "--requests")
     assert result.returncode != 0 and f"{run['id']} (interrupted)" in result.stderr, result.stderr
