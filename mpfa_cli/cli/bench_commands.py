@@ -50,6 +50,7 @@ def bench(
 ) -> None:
     """Run a scenario against one or more backends and store every request and the kernels each server ran."""
     from mpfa.harness.bench import BenchOptions, RunInterrupted, estimated_seconds, run_bench
+    from mpfa.harness.client import APIS
     from mpfa.harness.engines import resolve_backends, resolve_engine
     from mpfa.harness.run_tables import COMPARE_FORMATS, compare_table, compare_tables, format_compare
     from mpfa.harness.scenario import load_scenario
@@ -63,6 +64,8 @@ def bench(
     }
     if output_format not in COMPARE_FORMATS:
         raise UserError(f"--format: '{output_format}' is not one of {', '.join(COMPARE_FORMATS)}")
+    if api not in APIS:
+        raise UserError(f"--api: '{api}' is not one of {', '.join(APIS)}")
     info = console if output_format == "table" else err_console  # keep stdout for the data
     if overrides["rate"] is not None:
         overrides["concurrency"] = None

@@ -91,6 +91,12 @@ def test_unknown_backend_and_scenario_exit_2(mpfa) -> None:
     assert result.returncode == 2 and "unknown scenario 'huge'; valid:" in result.stderr
 
 
+def test_unknown_api_is_one_line(mpfa) -> None:
+    result = mpfa("bench", "--api", "nope")
+    assert result.returncode == 2 and "--api: 'nope' is not one of sglang, openai" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_malformed_scenario_one_line_error(mpfa, tmp_path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("input_len = [1,\n")
