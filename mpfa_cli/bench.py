@@ -165,10 +165,13 @@ def verify_weights(info: dict[str, Any], model: str) -> None:
 def served(
     spec: BackendSpec, model: str, context_len: int, opts: BenchOptions, progress: BenchProgress | ServerBar
 ) -> Iterator[tuple[str, dict[str, Any], ServerProcess | None]]:
-    """A ready server for `spec` (launched, or the one at --url): yields its URL, server info and process."""
+    """A ready server for `spec` (launched, or the one at --url): yields its URL, server info and process. A
+    server whose `/get_server_info` contradicts the backend is refused."""
     if opts.engine == "url":
         url = opts.url.rstrip("/")
-        yield url, _get_json(f"{url}/get_server_info"), None
+        info = _get_json(f"{url}/get_server_info")
+        verify_server(info, spec)
+        yield url, info, None
         return
     port = pick_port(opts.port, highest=65535 if opts.engine == "sim" else SGLANG_HIGHEST_PORT)
     if opts.engine == "sim":

@@ -149,6 +149,29 @@ def test_requests_over_the_request_timeout_fail_with_the_reason(mpfa, scenario_f
     assert not _sim_servers(mpfa.db)
 
 
+def test_url_refuses_a_backend_the_server_contradicts(mpfa, scenario_file) -> None:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    server = mpfa.popen("serve-sim", "--port", str(port), "--backend", "fa4-bf16", "--time-scale", "0.01")
+    try:
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.time() + 30
+        while time.time() < deadline:
+            with socket.socket() as probe:
+                if probe.connect_ex(("127.0.0.1", port)) == 0:
+                    break
+            time.sleep(0.1)
+        path = scenario_file(num_requests=2, concurrency=[1], warmup_requests=0)
+        result = mpfa("bench", "--scenario", str(path), "--url", url, "--backend", "fa4-bf16,flashinfer-fp8")
+        assert result.returncode == 1 and "Traceback" not in result.stderr
+        assert "server reports attention_backend=fa4, but backend 'flashinfer-fp8' asks for flashinfer" in result.stderr
+        assert [(r["backend"], r["status"]) for r in _runs(mpfa.db)] == [("fa4-bf16", "ok")]
+    finally:
+        server.terminate()
+        server.communicate(timeout=10)
+
+
 def test_server_death_mid_run_keeps_completed_requests(mpfa, scenario_file) -> None:
     path = scenario_file(num_requests=12, concurrency=[1], warmup_requests=0)
     result = mpfa("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--server-arg=--die-after-requests=5", *FAST)
