@@ -49,7 +49,7 @@ from mpfa.harness.scenario import (LoadPoint, Scenario, is_bundled_model, load_m
                                    without_bundled_model_paths)
 from mpfa.harness.served_kernels import kernel_server_args, launch_page_size, served_kernels
 from mpfa.harness.sim_server import prompt_digest
-from mpfa.harness.server import ServerError, ServerProcess, pick_port
+from mpfa.harness.server import ServerError, ServerProcess, pick_port, stop_signals_held
 from mpfa.harness.store import ResultStore
 
 
@@ -293,12 +293,14 @@ def _measure(
             timeouts=opts.timeouts,
         ))
     except KeyboardInterrupt as exc:
-        reason = str(exc) or "Ctrl-C"
-        store.finish_run(run_id, "interrupted", error=reason, summary=metrics.summarize(records, opts.slo))
+        with stop_signals_held():
+            store.finish_run(run_id, "interrupted", error=str(exc) or "Ctrl-C",
+                             summary=metrics.summarize(records, opts.slo))
         raise RunInterrupted(run_id) from None
     except Exception as exc:  # the run ends failed with the requests it has, whatever broke it
         error = f"{type(exc).__name__}: {exc}"
-        store.finish_run(run_id, "failed", error=error, summary=metrics.summarize(records, opts.slo))
+        with stop_signals_held():
+            store.finish_run(run_id, "failed", error=error, summary=metrics.summarize(records, opts.slo))
         raise UserError(f"run {run_id} failed: {error}", exit_code=1) from exc
     summary = metrics.summarize(records, opts.slo)
     if server is not None and not server.alive:

@@ -15,7 +15,8 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
@@ -79,11 +80,8 @@ class ServerProcess:
 
     def __exit__(self, *exc_info: object) -> None:
         """Stop the server; a second Ctrl-C (or SIGTERM, SIGHUP) meanwhile waits until it is stopped."""
-        held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
-        try:
+        with stop_signals_held():
             self.stop()
-        finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
     def start(self) -> None:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -150,6 +148,16 @@ class ServerProcess:
             _signal(proc, signal.SIGKILL)
         psutil.wait_procs(alive, timeout=5)
         self.process.poll()
+
+
+@contextmanager
+def stop_signals_held() -> Iterator[None]:
+    """SIGINT, SIGTERM and SIGHUP arriving in the block are delivered after it: cleanup is not cut short."""
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)
 
 
 def _die_with_parent() -> None:

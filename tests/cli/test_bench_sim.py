@@ -220,6 +220,20 @@ def test_sigterm_and_sighup_interrupt_like_ctrl_c(mpfa, scenario_file, sig, reas
     assert _interrupted_bench(mpfa, scenario_file, sig)["error"] == reason
 
 
+@pytest.mark.parametrize("gap_s", [0.0, 0.05, 0.3])
+def test_two_quick_ctrl_cs_leave_no_server_and_no_running_run(mpfa, scenario_file, gap_s) -> None:
+    path = scenario_file(num_requests=200, concurrency=[1], warmup_requests=0, output_len=16)
+    proc = mpfa.popen("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--time-scale", "0.2")
+    _wait_for_requests(mpfa.db, 2, proc)
+    proc.send_signal(signal.SIGINT)
+    time.sleep(gap_s)
+    proc.send_signal(signal.SIGINT)
+    _, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130 and "Traceback" not in stderr, stderr
+    assert [run["status"] for run in _runs(mpfa.db)] == ["interrupted"]
+    assert not _sim_servers(mpfa.db)
+
+
 def test_the_server_dies_with_a_killed_bench(mpfa, scenario_file) -> None:
     path = scenario_file(num_requests=200, concurrency=[1], warmup_requests=0, output_len=16)
     proc = mpfa.popen("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--time-scale", "0.2")
