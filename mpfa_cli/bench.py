@@ -70,6 +70,7 @@ class BenchOptions:
     prefill_kernel: str | None = None  # MpFA's prefill kernel (`dispatch.PREFILL_KERNELS`); None: the shape's default
     verbose: bool = False  # progress: a line or bar per step's requests, not only the overall one
     timeouts: client.Timeouts = field(default_factory=client.Timeouts)  # per request: a stalled server fails it
+    labelled: bool = False  # --url: the backend names were given as labels, not checked against the server
 
     @property
     def modelled_clock(self) -> bool:
@@ -141,12 +142,18 @@ def _find_key(tree: Any, key: str) -> Any:
     return None
 
 
-def verify_server(info: dict[str, Any], spec: BackendSpec) -> None:
-    """Refuse to measure a server that runs something other than what the backend spec asked for."""
+def verify_server(info: dict[str, Any], spec: BackendSpec, must_report: bool = False) -> None:
+    """Refuse to measure a server that runs something other than what the backend spec asked for (or, when
+    `must_report`, one that does not say what it runs)."""
+    reported = {key: _find_key(info, key) for key in spec.expect}
     for key, want in spec.expect.items():
-        got = _find_key(info, key)
+        got = reported[key]
         if got is not None and str(got) != want:
             raise UserError(f"server reports {key}={got}, but backend '{spec.name}' asks for {want}", exit_code=1)
+    if must_report and all(got is None for got in reported.values()):
+        raise UserError(f"the server reports no {', '.join(spec.expect)} to check backend '{spec.name}' against; "
+                        f"name it with --backend-label {spec.name} to store its runs under that name unchecked",
+                        exit_code=1)
 
 
 def verify_weights(info: dict[str, Any], model: str) -> None:
@@ -170,7 +177,8 @@ def served(
     if opts.engine == "url":
         url = opts.url.rstrip("/")
         info = _get_json(f"{url}/get_server_info")
-        verify_server(info, spec)
+        if not opts.labelled:
+            verify_server(info, spec, must_report=True)
         yield url, info, None
         return
     port = pick_port(opts.port, highest=65535 if opts.engine == "sim" else SGLANG_HIGHEST_PORT)

@@ -17,7 +17,8 @@ def bench(
     scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario name or .toml path (see `mpfa scenarios`).")] = "smoke",
     backend: Annotated[Optional[str], typer.Option("--backend", "-b", help="Comma-separated backends (see `mpfa backends`).")] = None,
     engine: EngineOption = "auto",
-    url: Annotated[Optional[str], typer.Option(help="Benchmark a server someone else started.")] = None,
+    url: Annotated[Optional[str], typer.Option(help="Benchmark a server someone else started; its /get_server_info must confirm --backend.")] = None,
+    backend_label: Annotated[Optional[str], typer.Option("--backend-label", help="With --url, instead of --backend: the backend to store the runs under, unchecked (for servers that report none).")] = None,
     api: Annotated[str, typer.Option(help="With --url: sglang (native /generate) or openai (/v1/completions).")] = "sglang",
     model: Annotated[Optional[str], typer.Option(help="Bundled config name (dummy weights) or a model directory.")] = None,
     concurrency: Annotated[Optional[str], typer.Option(help="Override: comma-separated concurrency list.")] = None,
@@ -74,6 +75,9 @@ def bench(
         spec.concurrency = []
     if points is not None:
         spec = spec.only([p for p in points.split(",") if p.strip()])
+    if backend_label is not None and (url is None or backend is not None):
+        raise UserError("--backend-label names the backend of a --url server, instead of --backend")
+    backend = backend_label or backend
     chosen_engine = resolve_engine(engine, url)
     default = "fa4-bf16,flashinfer-fp8,mpfa" if chosen_engine == "sim" else "fa4-bf16,flashinfer-fp8"
     specs = resolve_backends(backend or default, chosen_engine)
@@ -86,6 +90,7 @@ def bench(
             slo=_parse_slo(slo) if slo else None,
             prefill_kernel=check_prefill_kernel(prefill_kernel), verbose=verbose,
             timeouts=_timeouts(connect_timeout, first_token_timeout, chunk_timeout, request_timeout),
+            labelled=backend_label is not None,
         )
         if chosen_engine == "sim":
             info.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 import signal
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import socket
 import sqlite3
 import time
@@ -170,6 +172,44 @@ def test_url_refuses_a_backend_the_server_contradicts(mpfa, scenario_file) -> No
     finally:
         server.terminate()
         server.communicate(timeout=10)
+
+
+class _ReportsNothing(BaseHTTPRequestHandler):
+    """A server whose /get_server_info is `{}` and which serves nothing else."""
+
+    def do_GET(self) -> None:
+        self._answer(200 if self.path == "/get_server_info" else 404, b"{}")
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers.get("Content-Length", 0)))
+        self._answer(404, b"not here")
+
+    def _answer(self, status: int, body: bytes) -> None:
+        self.send_response(status)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *args: object) -> None:
+        pass
+
+
+def test_url_of_a_server_that_reports_nothing_needs_a_backend_label(mpfa, scenario_file) -> None:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _ReportsNothing)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}"
+    path = scenario_file(num_requests=2, concurrency=[1], warmup_requests=0)
+    try:
+        refused = mpfa("bench", "--scenario", str(path), "--url", url, "--backend", "fa4-bf16")
+        assert refused.returncode == 1 and "--backend-label fa4-bf16" in refused.stderr and not _runs(mpfa.db)
+        labelled = mpfa("bench", "--scenario", str(path), "--url", url, "--backend-label", "fa4-bf16")
+        assert labelled.returncode == 1 and "Traceback" not in labelled.stderr  # stored; its requests got 404s
+        assert [(r["backend"], r["status"]) for r in _runs(mpfa.db)] == [("fa4-bf16", "failed")]
+        both = mpfa("bench", "--url", url, "--backend", "fa4-bf16", "--backend-label", "fa4-bf16")
+        assert both.returncode == 2 and "instead of --backend" in both.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
 
 
 def test_server_death_mid_run_keeps_completed_requests(mpfa, scenario_file) -> None:
