@@ -10,8 +10,6 @@ from typer.testing import CliRunner
 
 from mpfa.cli.app import app
 
-# bench_commands.py (bench, serve-sim) is being edited elsewhere: its options get help text there.
-PENDING = {"bench", "serve-sim"}
 
 
 def commands(command=typer.main.get_command(app), path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
@@ -34,8 +32,7 @@ def options(path: tuple[str, ...]) -> list[TyperOption]:
     return [p for p in command_at(path).params if isinstance(p, TyperOption)]
 
 
-@pytest.mark.parametrize("path", [pytest.param(p, marks=pytest.mark.xfail(reason="bench_commands.py: pending"))
-                                  if p[0] in PENDING else p for p in commands()], ids=" ".join)
+@pytest.mark.parametrize("path", list(commands()), ids=" ".join)
 def test_every_option_has_help_and_every_boolean_a_negation(path):
     assert not [o.opts for o in options(path) if not o.help]
     assert not [o.opts for o in options(path) if o.is_flag and not o.secondary_opts]
