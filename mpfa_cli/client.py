@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import functools
 import gc
 import time
@@ -36,6 +35,7 @@ except ImportError:  # not built for Windows
     uvloop = None
 
 from mpfa.harness.records import RequestRecord
+from mpfa.harness.request_timeouts import Timeouts
 from mpfa.harness.stamped_reads import LastRead, StampingConnector, Turns, request_trace
 
 APIS = ("sglang", "openai")
@@ -50,30 +50,6 @@ _Job = tuple[int, list[int]]  # (record index, prompt)
 _Started = tuple[RequestRecord, "_EventStream | None"]
 _Start = Callable[[int, list[int], bool], Awaitable[_Started]]  # (index, prompt, warmup) -> sent and ended
 _Finish = Callable[[RequestRecord, "_EventStream | None"], Awaitable[RequestRecord]]
-
-
-class BadTimeout(ValueError):
-    """A timeout that is not a positive, finite number of seconds; `field` names it."""
-
-    def __init__(self, field: str, value: float) -> None:
-        super().__init__(f"timeout {field} must be a positive number of seconds, got {value}")
-        self.field = field
-
-
-@dataclasses.dataclass(frozen=True)
-class Timeouts:
-    """Seconds a request may wait before it fails with the reason (all > 0)."""
-
-    connect_s: float = 30.0
-    first_token_s: float = 1800.0  # from dispatch to the first body bytes: a queued 128K prefill can be minutes
-    chunk_s: float = 600.0  # silence between reads once the body has started
-    request_s: float = 7200.0  # the whole request, from dispatch to the end of its body
-
-    def __post_init__(self) -> None:
-        for field in dataclasses.fields(self):
-            value = getattr(self, field.name)
-            if not 0 < value < float("inf"):
-                raise BadTimeout(field.name, value)
 
 
 def _sglang_payload(prompt: list[int], output_len: int, model: str | None) -> dict[str, Any]:

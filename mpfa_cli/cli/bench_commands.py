@@ -8,6 +8,9 @@ import typer
 from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
                               ServerArgOption, cli_errors, console, err_console, number_list, open_store)
 from mpfa.harness.errors import UserError
+from mpfa.harness.request_timeouts import BadTimeout, Timeouts
+
+DEFAULT_TIMEOUTS = Timeouts()
 
 SIM_TIME_SCALE = 1e-4  # the simulator runs 10000x faster than modelled unless asked otherwise
 
@@ -44,10 +47,10 @@ def bench(
     wide: Annotated[bool, typer.Option("--wide/--narrow", help="One flat table of every point (needs ~140+ columns).")] = False,
     verbose: Annotated[bool, typer.Option("--verbose/--quiet", "-v", help="Progress of every step's requests too, not only the overall one.")] = False,
     output_format: Annotated[str, typer.Option("--format", help="The summary as a table, json, csv or md (Markdown); json/csv/md go to stdout, the rest to stderr.")] = "table",
-    connect_timeout: Annotated[Optional[float], typer.Option(help="Seconds a request may take to connect [default: 30].")] = None,
-    first_token_timeout: Annotated[Optional[float], typer.Option(help="Seconds from a request's dispatch to its first streamed bytes [default: 1800].")] = None,
-    chunk_timeout: Annotated[Optional[float], typer.Option(help="Seconds of silence tolerated between a stream's chunks [default: 600].")] = None,
-    request_timeout: Annotated[Optional[float], typer.Option(help="Seconds a whole request may take [default: 7200]; a request over any timeout fails with the reason.")] = None,
+    connect_timeout: Annotated[float, typer.Option(help="Seconds a request may take to connect.")] = DEFAULT_TIMEOUTS.connect_s,
+    first_token_timeout: Annotated[float, typer.Option(help="Seconds from a request's dispatch to its first streamed bytes.")] = DEFAULT_TIMEOUTS.first_token_s,
+    chunk_timeout: Annotated[float, typer.Option(help="Seconds of silence tolerated between a stream's chunks.")] = DEFAULT_TIMEOUTS.chunk_s,
+    request_timeout: Annotated[float, typer.Option(help="Seconds a whole request may take; a request over any timeout fails with the reason.")] = DEFAULT_TIMEOUTS.request_s,
 ) -> None:
     """Run a scenario against one or more backends and store every request and the kernels each server ran."""
     from mpfa.harness.bench import BenchOptions, RunInterrupted, estimated_seconds, run_bench
@@ -125,14 +128,10 @@ def _pace(opts: "BenchOptions") -> str:
             "--real-time for the modelled speed")
 
 
-def _timeouts(connect: float | None, first_token: float | None, chunk: float | None,
-              request: float | None) -> "Timeouts":
-    """The request timeouts from their flags (`first_token_s` is `--first-token-timeout`); None: the default."""
-    from mpfa.harness.client import BadTimeout, Timeouts
-
-    given = {"connect_s": connect, "first_token_s": first_token, "chunk_s": chunk, "request_s": request}
+def _timeouts(connect: float, first_token: float, chunk: float, request: float) -> Timeouts:
+    """The request timeouts from their flags (`first_token_s` is `--first-token-timeout`)."""
     try:
-        return Timeouts(**{name: value for name, value in given.items() if value is not None})
+        return Timeouts(connect_s=connect, first_token_s=first_token, chunk_s=chunk, request_s=request)
     except BadTimeout as exc:
         flag = exc.field.removesuffix("_s").replace("_", "-")
         raise UserError(f"--{flag}-timeout: expected a positive number of seconds") from None
