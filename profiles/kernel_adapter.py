@@ -46,3 +46,23 @@ class KernelAdapter(Protocol):
                 seed: int) -> PreparedKernel:
         """Build the inputs; raises KernelNotBuilt when the backend has no kernel yet."""
         ...
+
+
+def paged_slots(workload: AttentionWorkload, page_size: int) -> int:
+    """Token slots of K (and V) when every sequence takes whole pages of ``page_size`` tokens."""
+    return workload.batch * -(-workload.seq // page_size) * page_size
+
+
+def sequential_page_table(batch: int, pages_per_seq: int, device: "torch.device") -> "torch.Tensor":
+    """Page table [batch, pages_per_seq]: each sequence's pages in order, sequence after sequence."""
+    import torch
+
+    return torch.arange(batch * pages_per_seq, dtype=torch.int32, device=device).view(batch, -1)
+
+
+def unpaged(cache: "torch.Tensor", workload: AttentionWorkload) -> "torch.Tensor":
+    """A K or V cache laid out by `sequential_page_table` (whole pages per sequence, any page size) -> the packed
+    [batch * seq, kv_heads, head_dim] tokens, padding slots dropped."""
+    w = workload
+    by_seq = cache.reshape(w.batch, -1, w.kv_heads, w.head_dim)[:, :w.seq]
+    return by_seq.reshape(w.batch * w.seq, w.kv_heads, w.head_dim)

@@ -9,12 +9,11 @@ what a server runs.
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from mpfa.harness.errors import ProfileError
 from mpfa.profiles.inputs import random_tensor
-from mpfa.profiles.kernel_adapter import PreparedKernel
+from mpfa.profiles.kernel_adapter import PreparedKernel, paged_slots, sequential_page_table, unpaged
 from mpfa.profiles.attention_workload import BF16, FP8_Q_FP8_KV, AttentionWorkload
 
 if TYPE_CHECKING:
@@ -39,11 +38,8 @@ class Fa3:
     def set_bytes(self, workload: AttentionWorkload) -> int:
         w = workload
         element = 1 if self.kv_fp8 else 2
-        return int(w.q_elements() * (element + 2) + 2 * self._kv_slots(w) * w.kv_heads * w.head_dim * element)
-
-    def _kv_slots(self, workload: AttentionWorkload) -> int:
-        """Token slots of K (and V): whole pages per sequence."""
-        return workload.batch * math.ceil(workload.seq / self.page_size) * self.page_size
+        slots = paged_slots(w, self.page_size)
+        return int(w.q_elements() * (element + 2) + 2 * slots * w.kv_heads * w.head_dim * element)
 
     def prepare(self, workload: AttentionWorkload, num_sets: int, device: "torch.device",
                 seed: int) -> PreparedKernel:
@@ -55,8 +51,7 @@ class Fa3:
 
         dtype = torch.float8_e4m3fn if self.kv_fp8 else torch.bfloat16
         generator = torch.Generator(device=device).manual_seed(seed)
-        slots = self._kv_slots(w)
-        per_seq = slots // w.batch
+        slots = paged_slots(w, self.page_size)
         kv_shape = (slots // self.page_size, self.page_size, w.kv_heads, w.head_dim)
 
         def make_set() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -66,18 +61,14 @@ class Fa3:
 
         sets = [make_set() for _ in range(num_sets)]
 
-        def packed(cache: torch.Tensor) -> torch.Tensor:
-            by_seq = cache.reshape(w.batch, per_seq, w.kv_heads, w.head_dim)[:, :w.seq]
-            return by_seq.reshape(w.batch * w.seq, w.kv_heads, w.head_dim)
-
         def dense_inputs(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             q, k, v = sets[i]
-            return q, packed(k), packed(v)
+            return q, unpaged(k, w), unpaged(v, w)
 
         cu_seqlens_q = torch.arange(0, (w.batch + 1) * w.q_len, w.q_len, dtype=torch.int32, device=device)
         dtype_note = "FP8 e4m3 Q and KV cache" if self.kv_fp8 else "BF16"
         if self.contiguous:
-            dense = [(q, packed(k), packed(v)) for q, k, v in sets]
+            dense = [dense_inputs(i) for i in range(num_sets)]
             cu_seqlens_k = torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device)
 
             def run_contiguous(i: int) -> torch.Tensor:
@@ -89,8 +80,7 @@ class Fa3:
             return PreparedKernel(run_contiguous, dense_inputs, num_sets,
                                   f"sgl_kernel flash_attn_varlen_func, contiguous {dtype_note} K/V, causal")
 
-        pages_per_seq = per_seq // self.page_size
-        page_table = torch.arange(w.batch * pages_per_seq, dtype=torch.int32, device=device).view(w.batch, -1)
+        page_table = sequential_page_table(w.batch, slots // self.page_size // w.batch, device)
         cache_seqlens = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
 
         def run(i: int) -> torch.Tensor:

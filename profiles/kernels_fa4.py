@@ -5,12 +5,11 @@ and `seqused_k`, one query per sequence, causal).
 """
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING
 
 from mpfa.profiles.attention_workload import BF16, AttentionWorkload
 from mpfa.profiles.inputs import random_tensor
-from mpfa.profiles.kernel_adapter import PreparedKernel
+from mpfa.profiles.kernel_adapter import PreparedKernel, paged_slots, sequential_page_table, unpaged
 
 if TYPE_CHECKING:
     import torch
@@ -47,13 +46,7 @@ class Fa4Bf16:
 
         def dense_inputs(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             q, k, v = sets[i]
-            per_seq = slots // w.batch
-
-            def packed(cache: torch.Tensor) -> torch.Tensor:
-                by_seq = cache.reshape(w.batch, per_seq, w.kv_heads, w.head_dim)[:, :w.seq]
-                return by_seq.reshape(w.batch * w.seq, w.kv_heads, w.head_dim)
-
-            return q, packed(k), packed(v)
+            return q, unpaged(k, w), unpaged(v, w)
 
         if w.kind == "prefill":
             cu_seqlens = torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device)
@@ -66,8 +59,7 @@ class Fa4Bf16:
 
             return PreparedKernel(run, dense_inputs, num_sets, "flash_attn.cute varlen, contiguous BF16 K/V, causal")
 
-        pages_per_seq = slots // PAGE_SIZE // w.batch
-        page_table = torch.arange(w.batch * pages_per_seq, dtype=torch.int32, device=device).view(w.batch, -1)
+        page_table = sequential_page_table(w.batch, slots // PAGE_SIZE // w.batch, device)
         cu_seqlens_q = torch.arange(w.batch + 1, dtype=torch.int32, device=device)
         seqused_k = torch.full((w.batch,), w.seq, dtype=torch.int32, device=device)
 
@@ -83,6 +75,4 @@ class Fa4Bf16:
 
 def _kv_slots(workload: AttentionWorkload) -> int:
     """Token slots of K (and V) allocated: exact for prefill, whole pages per sequence for decode."""
-    if workload.kind == "prefill":
-        return workload.batch * workload.seq
-    return workload.batch * math.ceil(workload.seq / PAGE_SIZE) * PAGE_SIZE
+    return paged_slots(workload, 1 if workload.kind == "prefill" else PAGE_SIZE)

@@ -16,7 +16,7 @@ from mpfa.harness.errors import ProfileError
 from mpfa.kernels.kv_capacity import kv_bytes_per_token
 from mpfa.profiles.attention_workload import MPFA, AttentionWorkload
 from mpfa.profiles.inputs import random_tensor
-from mpfa.profiles.kernel_adapter import PreparedKernel
+from mpfa.profiles.kernel_adapter import PreparedKernel, sequential_page_table
 
 if TYPE_CHECKING:
     import torch
@@ -28,10 +28,8 @@ PAGE_SIZE = 128
 def paged_layout(w: AttentionWorkload, device: "torch.device") -> tuple["torch.Tensor", Callable, int]:
     """(page table [batch, pages per sequence], token -> cache slot, number of pages): each request's pages in
     order, request after request (token t of the packed batch is request t // seq)."""
-    import torch
-
     pages_per_seq = -(-w.seq // PAGE_SIZE)
-    page_table = torch.arange(w.batch * pages_per_seq, dtype=torch.int32, device=device).view(w.batch, -1)
+    page_table = sequential_page_table(w.batch, pages_per_seq, device)
 
     def slots_of_token(token: "torch.Tensor") -> "torch.Tensor":
         return (token // w.seq) * pages_per_seq * PAGE_SIZE + token % w.seq
