@@ -56,7 +56,7 @@ def bench(
     from mpfa.harness.bench import BenchOptions, RunInterrupted, estimated_seconds, run_bench
     from mpfa.harness.client import APIS
     from mpfa.harness.engines import resolve_backends, resolve_engine
-    from mpfa.harness.run_tables import COMPARE_FORMATS, compare_table, compare_tables, format_compare
+    from mpfa.harness.run_tables import check_format, compare_table, compare_tables, format_compare
     from mpfa.harness.scenario import load_scenario
     from mpfa.harness.served_kernels import check_prefill_kernel
 
@@ -66,8 +66,7 @@ def bench(
         "concurrency": number_list(concurrency, "--concurrency"), "rate": number_list(rate, "--rate", float),
         "input_len": number_list(input_len, "--input-len"),
     }
-    if output_format not in COMPARE_FORMATS:
-        raise UserError(f"--format: '{output_format}' is not one of {', '.join(COMPARE_FORMATS)}")
+    check_format(output_format)
     if api not in APIS:
         raise UserError(f"--api: '{api}' is not one of {', '.join(APIS)}")
     info = console if output_format == "table" else err_console  # keep stdout for the data
