@@ -89,10 +89,10 @@ def export(
     scenario: ScenarioFilter = None, backend: BackendFilter = None, db: DbOption = None,
 ) -> None:
     """Export runs (with their `simulated` flag and kernels) as JSON or CSV."""
-    from mpfa.harness.export import export_runs
+    from mpfa.harness.export import EXPORT_FORMATS, export_runs
 
-    if fmt not in ("json", "csv"):
-        raise UserError(f"unknown format '{fmt}'; valid: json, csv")
+    if fmt not in EXPORT_FORMATS:  # before the store opens
+        raise UserError(f"unknown format '{fmt}'; valid: {', '.join(EXPORT_FORMATS)}")
     with open_store(db) as store:
         ids = distinct_ids(run_ids) or [r.id for r in selected_runs(store, None, scenario, backend)]
         export_runs(store.get_runs(ids, with_requests=requests), fmt, output or sys.stdout, include_requests=requests)
