@@ -106,8 +106,8 @@ SIM_BACKENDS: dict[str, SimBackendModel] = {
     for m in [
         SimBackendModel("fa4-bf16", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
                         attention_efficiency=0.55, kv_bandwidth_efficiency=0.80, step_overhead_s=0.5e-3),
-        # FA3 as SGLang serves it on Hopper: BF16 decode near the copy bandwidth; its FP8 decode path reads at
-        # 41-71% of it, its FP8 prefill through a page table runs ~1.1x FA3-BF16's (H100 kernel measurements).
+        # FA3 as SGLang serves it on Hopper, assumed (not measured by this project yet): BF16 decode near the copy
+        # bandwidth, a less efficient FP8 decode path, FP8 prefill through a page table a little faster than BF16.
         SimBackendModel("fa3-bf16", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
                         attention_efficiency=0.60, kv_bandwidth_efficiency=0.90, step_overhead_s=0.5e-3),
         SimBackendModel("fa3-fp8", FP8_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
