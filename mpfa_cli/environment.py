@@ -1,7 +1,8 @@
-"""What a result was measured on: GPU, driver, CUDA, package versions and the mpfa revision. (The kernels a server
-ran are the run's own record: `RunRecord.kernels`.)"""
+"""What a result was measured on: GPU, driver, CUDA, package versions, the mpfa revision and the machine (lease).
+(The kernels a server ran are the run's own record: `RunRecord.kernels`.)"""
 from __future__ import annotations
 
+import os
 import subprocess
 from importlib import metadata
 from pathlib import Path
@@ -38,6 +39,19 @@ def git_revision(checkout: Path = _HERE) -> str | None:
     return revision
 
 
+def machine_id() -> str | None:
+    """Names one start of this machine: the kernel's boot id and the start time of process 1. Two runs with the same
+    id ran on the same machine without a restart between them, i.e. in one lease of a lent GPU machine (a fresh
+    machine, or a fresh container on a host that was not rebooted, gets a new one)."""
+    try:
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        # /proc/1/stat: field 22 is the start time in clock ticks since boot; the name in field 2 may hold spaces.
+        started = Path("/proc/1/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+    return f"{boot_id}/{started}"
+
+
 def collect_environment() -> dict[str, Any]:
     driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
     smi = _run(["nvidia-smi"]) or ""
@@ -47,5 +61,13 @@ def collect_environment() -> dict[str, Any]:
         "driver": driver.splitlines()[0] if driver else None,
         "cuda": cuda,
         "packages": {name: _version(name) for name in PACKAGES},
-        "mpfa_revision": git_revision(),
+        # A tree copied to a GPU host may carry a stale .git: whoever copies it can name the revision instead.
+        "mpfa_revision": os.environ.get("MPFA_REVISION") or git_revision(),
+        "gpu_uuids": _gpu_uuids(),
+        "machine": machine_id(),
     }
+
+
+def _gpu_uuids() -> list[str]:
+    out = _run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"])
+    return out.splitlines() if out else []

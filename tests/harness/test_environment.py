@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.harness.environment import collect_environment, git_revision
+from mpfa.harness.environment import collect_environment, git_revision, machine_id
 
 
 def _git(repo: Path, *args: str) -> str:
@@ -53,3 +53,16 @@ def test_environment_names_what_a_result_was_measured_on():
     environment = collect_environment()
     assert set(environment) == {"gpus", "driver", "cuda", "packages", "mpfa_revision"}
     assert "mpfa" in environment["packages"]
+
+
+def test_the_machine_id_is_stable_within_a_start_and_recorded():
+    environment = collect_environment()
+    assert environment["machine"] == machine_id()
+    if Path("/proc/sys/kernel/random/boot_id").exists():
+        boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+        assert environment["machine"].startswith(boot_id + "/")
+
+
+def test_a_named_revision_overrides_a_copied_checkout(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MPFA_REVISION", "0123456789ab")
+    assert collect_environment()["mpfa_revision"] == "0123456789ab"
