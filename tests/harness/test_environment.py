@@ -51,7 +51,7 @@ def test_outside_a_checkout_there_is_no_revision(tmp_path: Path):
 
 def test_environment_names_what_a_result_was_measured_on():
     environment = collect_environment()
-    assert set(environment) == {"gpus", "driver", "cuda", "packages", "mpfa_revision"}
+    assert set(environment) == {"gpus", "driver", "cuda", "packages", "mpfa_revision", "gpu_uuids", "machine"}
     assert "mpfa" in environment["packages"]
 
 
