@@ -9,6 +9,7 @@ from typing import Annotated, Callable, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from typer.core import TyperOption
 
 from mpfa.harness.errors import UserError
 from mpfa.harness.store import ResultStore
@@ -25,6 +26,17 @@ ReadyTimeoutOption = Annotated[Optional[float], typer.Option(help="Seconds to wa
 ServerArgOption = Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag, SGLang's or serve-sim's (repeatable).")]
 RunDirOption = Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")]
 PrefillKernelOption = Annotated[Optional[str], typer.Option("--prefill-kernel", help="MpFA prefill kernel: fp8, exact or mma-sync (default: the best for the model's shape; also $MPFA_PREFILL_KERNEL).")]
+
+_typer_display_type = TyperOption.display_type_rich
+
+
+def _flag_display_type(option: TyperOption, ctx: typer.Context) -> str | None:
+    """A flag takes no value, so its help shows no type: `--wide/--narrow`, not `--wide --narrow <bool>` (Typer's
+    Rich help prints every option's type, flags' included)."""
+    return None if option.is_flag else _typer_display_type(option, ctx)
+
+
+TyperOption.display_type_rich = _flag_display_type
 
 
 def cli_errors(fn: Callable) -> Callable:

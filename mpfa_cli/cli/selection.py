@@ -12,7 +12,17 @@ from mpfa.harness.errors import UserError
 from mpfa.harness.run_tables import time_scale
 from mpfa.harness.store import ResultStore, StoredProfile, StoredRun
 
-RunIds = Annotated[Optional[list[int]], typer.Argument(help="Run ids (default: the newest run of each configuration of the scenario).")]
+
+def run_id(text: str) -> int:
+    """A run id; a word there is most likely a value given to a flag (`--requests true`), so the message says so."""
+    try:
+        return int(text)
+    except ValueError:
+        raise typer.BadParameter(f"'{text}' is not a run id (flags take no value: --flag or --no-flag, "
+                                 f"not --flag {text})") from None
+
+
+RunIds = Annotated[Optional[list[int]], typer.Argument(parser=run_id, help="Run ids (default: the newest run of each configuration of the scenario).")]
 ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only runs of this scenario (compare, plot: default the newest run's).")]
 BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
 FormatOption = Annotated[str, typer.Option("--format", help="table, json, csv or md (Markdown).")]

@@ -1,4 +1,5 @@
-"""Every option of every command has help text, booleans read --flag/--no-flag and defaults are shown."""
+"""Every option of every command has help text, booleans read --flag/--no-flag (no `<bool>` type) and defaults are
+shown; a word where run ids go is refused with a message about flags."""
 from __future__ import annotations
 
 from collections.abc import Iterator
@@ -11,14 +12,16 @@ from typer.testing import CliRunner
 from mpfa.cli.app import app
 
 
+def command_paths(command=typer.main.get_command(app), path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    """The path of every command: the groups (`mpfa`, `mpfa accuracy`) and the leaves (`accuracy task` included)."""
+    yield path
+    for name, sub in getattr(command, "commands", {}).items():
+        yield from command_paths(sub, (*path, name))
 
-def commands(command=typer.main.get_command(app), path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
-    """The path of every leaf command, `accuracy task` included."""
-    if hasattr(command, "commands"):
-        for name, sub in command.commands.items():
-            yield from commands(sub, (*path, name))
-    else:
-        yield path
+
+def commands() -> list[tuple[str, ...]]:
+    """The path of every leaf command."""
+    return [path for path in command_paths() if not hasattr(command_at(path), "commands")]
 
 
 def command_at(path: tuple[str, ...]):
@@ -32,16 +35,32 @@ def options(path: tuple[str, ...]) -> list[TyperOption]:
     return [p for p in command_at(path).params if isinstance(p, TyperOption)]
 
 
-@pytest.mark.parametrize("path", list(commands()), ids=" ".join)
+@pytest.mark.parametrize("path", commands(), ids=" ".join)
 def test_every_option_has_help_and_every_boolean_a_negation(path):
     assert not [o.opts for o in options(path) if not o.help]
     assert not [o.opts for o in options(path) if o.is_flag and not o.secondary_opts]
 
 
-@pytest.mark.parametrize("path", list(commands()), ids=" ".join)
+@pytest.mark.parametrize("path", commands(), ids=" ".join)
 def test_help_shows_the_defaults(path):
     result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "200"})
     assert result.exit_code == 0, result.output
     shown = [o for o in options(path) if o.default not in (None, False) and o.show_default is not False]
     assert result.output.count("[default: ") >= len(shown)
 
+
+@pytest.mark.parametrize("path", list(command_paths()), ids=lambda path: " ".join(("mpfa", *path)))
+def test_help_shows_booleans_as_flag_and_negation_without_a_type(path):
+    result = CliRunner().invoke(app, [*path, "--help"], env={"COLUMNS": "100"})
+    assert result.exit_code == 0, result.output
+    assert "<bool>" not in result.output
+    for flag in options(path):
+        if flag.is_flag:
+            assert all(name in result.output for name in (*flag.opts, *flag.secondary_opts))
+
+
+@pytest.mark.parametrize("args", [["compare", "--wide"], ["export", "--requests"], ["plot", "--accuracy"]], ids=" ".join)
+def test_a_flag_given_a_value_is_refused_with_a_message_about_flags(args):
+    result = CliRunner().invoke(app, [*args, "true"], env={"COLUMNS": "200"})
+    assert result.exit_code == 2
+    assert "'true' is not a run id (flags take no value: --flag or --no-flag, not --flag true)" in result.output
