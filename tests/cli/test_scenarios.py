@@ -83,10 +83,10 @@ def test_model_dir_needs_config_json(tmp_path: Path) -> None:
 
 def test_explicit_points_carry_their_own_request_counts() -> None:
     s = load_scenario("serving-matrix")
-    assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()][:2] == [(131072, 1, 2), (32768, 8, 8)]
+    assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()][:2] == [(131072, 1, 3), (32768, 1, 3)]
     assert {(p.input_len, p.concurrency) for p in s.points()} == {(n, c) for n in (16384, 32768, 65536, 131072)
                                                                     for c in (1, 8)}
-    assert all(p.num_requests == {1: 2, 8: 8}[p.concurrency] for p in s.points())
+    assert all(p.num_requests == {1: 3, 8: 16}[p.concurrency] for p in s.points())
     assert s.input_len == [16384, 32768, 65536, 131072] and s.output_len == 1024
 
 
@@ -127,7 +127,7 @@ def test_points_scenario_refuses_point_overrides() -> None:
 
 def test_only_cuts_a_scenario_to_named_points() -> None:
     s = load_scenario("serving-matrix").only(["32k:c=8"])
-    assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()] == [(32768, 8, 8)]
+    assert [(p.input_len, p.concurrency, p.num_requests) for p in s.points()] == [(32768, 8, 16)]
     assert max(s.input_len) == 131072  # the server stays sized as for the whole scenario
     sweep = load_scenario("paper-sweep").only(["128K c=8", "16K:c=1", "128K:c=8"])
     assert [p.label for p in sweep.points()] == ["128K c=8", "16K c=1"]
