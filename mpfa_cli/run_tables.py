@@ -41,6 +41,7 @@ _STAT_LABELS = {"median": "p50"}
 _METRIC_NAMES = {"otps": "OTPS", "req_per_s": "requests", "goodput_req_per_s": "goodput", "kv_tokens": "KV cache"}
 CAVEAT_MARK = "†"  # marks a backend whose runs carry a caveat; the caveat itself is printed once, as a footnote
 WORKLOAD_MARK = "‡"  # marks a configuration whose runs served different workloads (output length, requests, seed)
+APART_MARK = "§"  # marks a speed-up whose runs were not measured together: different leases, GPUs or mpfa revisions
 _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
 
 
@@ -208,6 +209,7 @@ class CompareRow:
     metric: str
     values: dict[str, Estimate]  # by backend
     speedups: dict[str, float]  # by non-reference backend; absent where either side was not measured
+    apart: dict[str, tuple[str, ...]]  # by non-reference backend: what its runs and the reference's do not share
 
 
 def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
@@ -232,8 +234,34 @@ def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
             ref = values.get(ref_backend)
             speedups = {b: speedup(name, ref.mean, v.mean) for b, v in values.items()
                         if ref is not None and b != ref_backend}
-            rows.append(CompareRow(config, name, values, speedups))
+            apart = {b: differences([*results[(config, ref_backend)].runs, *results[(config, b)].runs])
+                     for b in speedups}
+            rows.append(CompareRow(config, name, values, speedups, apart))
     return backends, rows
+
+
+def differences(runs: Sequence[RunRecord]) -> tuple[str, ...]:
+    """What the runs behind one ratio do not share: "lease" (the machine id `environment.machine`, of measured runs
+    only: the simulator's numbers do not depend on the machine), "GPU", "revision" (`environment.mpfa_revision`,
+    "-dirty" ignored). A value one run lacks and another has counts as different. Empty: measured together."""
+    measured = [r for r in runs if not r.simulated]
+    kinds = {
+        "lease": {r.environment.get("machine") for r in measured},
+        "GPU": {r.gpu for r in runs},
+        "revision": {str(r.environment.get("mpfa_revision") or "").removesuffix("-dirty") for r in runs},
+    }
+    return tuple(kind for kind, values in kinds.items() if len(values) > 1)
+
+
+def apart_notes(rows: Sequence[CompareRow]) -> list[str]:
+    """One footnote per kind of difference of `CompareRow.apart`, naming the backends and points it marks."""
+    marked: dict[tuple[str, ...], dict[str, None]] = defaultdict(dict)
+    for row in rows:
+        for backend, apart in row.apart.items():
+            if apart:
+                marked[apart][f"{backend} at {context_label(row.config.input_len)} {row.config.load_label}"] = None
+    return [f"{APART_MARK} not measured side by side (different {', '.join(kinds)}), the ratio mixes more than the "
+            f"backends: {', '.join(where)}" for kinds, where in marked.items()]
 
 
 def compare_table(runs: Sequence[StoredRun], ref_backend: str,
@@ -260,9 +288,7 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
             if backend != ref_backend:
                 cells.append(_speedup_text(row, backend, ref_backend))
         table.add_row(*cells)
-    left_out = sum(r.status != "ok" for r in runs)
-    notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
-    add_footnotes(table, [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed)])
+    add_footnotes(table, _compare_notes(runs, rows, mixed))
     return folding(table)
 
 
@@ -272,9 +298,10 @@ def _speedup_text(row: CompareRow, backend: str, ref_backend: str) -> Text:
     value = row.speedups.get(backend)
     if value is None or not math.isfinite(value):
         return Text("—")
+    mark = f" {APART_MARK}" if row.apart.get(backend) else ""
     if not separated(row.values[ref_backend], row.values[backend]):
-        return Text(f"≈{value:.2f}×", style="dim")
-    return Text(f"{value:.2f}×", style="green" if value > 1 else "red" if value < 1 else "")
+        return Text(f"≈{value:.2f}×{mark}", style="dim")
+    return Text(f"{value:.2f}×{mark}", style="green" if value > 1 else "red" if value < 1 else "")
 
 
 def separated(a: Estimate, b: Estimate) -> bool:
@@ -317,11 +344,15 @@ def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
         for row in (r for r in rows if r.config == config):
             table.add_row(metric_label(row.metric), *(_cell(row, b, ref_backend) for b in backends))
         parts.append(folding(table))
+    parts.extend(Text(line) for line in _compare_notes(runs, rows, mixed))
+    return Group(*parts)
+
+
+def _compare_notes(runs: Sequence[StoredRun], rows: Sequence[CompareRow],
+                   mixed: dict[Config, dict[str, set[str]]]) -> list[str]:
     left_out = sum(r.status != "ok" for r in runs)
     notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
-    parts.extend(Text(line) for line in
-                 [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed)])
-    return Group(*parts)
+    return [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed), *apart_notes(rows)]
 
 
 def compare_records(runs: Sequence[StoredRun], ref_backend: str,
@@ -335,7 +366,7 @@ def compare_records(runs: Sequence[StoredRun], ref_backend: str,
          "ci95_half_width": value.half_width, "repeats": value.n, "reference": ref_backend,
          "speedup": row.speedups.get(backend),
          "cis_separate": separated(row.values[ref_backend], value) if backend in row.speedups else None,
-         "simulated": simulated}
+         "apart": ",".join(row.apart.get(backend, ())), "simulated": simulated}
         for row in rows for backend, value in row.values.items()
     ]
 
@@ -355,6 +386,8 @@ def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
         for row in (r for r in rows if r.config == config):
             cells = (_cell(row, b, ref_backend).plain.replace("\n", " ") for b in backends)
             lines.append(f"| {metric_label(row.metric)} | " + " | ".join(cells) + " |")
+    if notes := apart_notes(rows):
+        lines += ["", *notes]
     return "\n".join(lines) + "\n"
 
 

@@ -8,7 +8,9 @@ from rich.console import Console
 
 from mpfa.harness import metrics
 from mpfa.harness.errors import UserError
-from mpfa.harness.run_tables import compare_rows, compare_table, runs_table, show_run, speedup
+from mpfa.harness.run_tables import (
+    compare_records, compare_rows, compare_table, compare_tables, format_compare, runs_table, show_run, speedup,
+)
 
 T975_DF2 = 4.302652729911275  # Student t 0.975 quantile, 2 degrees of freedom
 
@@ -131,3 +133,39 @@ def test_kv_capacity_comes_from_the_servers_own_report(make_run):
     assert set(row.values) == {"fa4-bf16", "mpfa"}
     assert row.speedups == {"mpfa": pytest.approx(2_179_840 / 905_984)}  # more tokens is better
     assert "kv_tokens (tokens)" in render(compare_table(runs, "fa4-bf16", ["kv_tokens"]))
+
+
+def _measured_on(machine: str, revision: str = "abc123") -> dict[str, str]:
+    return {"machine": machine, "mpfa_revision": revision}
+
+
+def test_ratios_of_runs_measured_together_carry_no_mark(make_run):
+    runs = two_backends(make_run, environment=_measured_on("boot-1/42"))
+    _, rows = compare_rows(runs, "fa4-bf16", ["otps"])
+    assert rows[0].apart == {"mpfa": ()}
+    assert "§" not in render(compare_tables(runs, "fa4-bf16", ["otps"]))
+
+
+@pytest.mark.parametrize(("change", "kind"), [
+    ({"environment": _measured_on("boot-2/42", "def456")}, "lease"),
+    ({"environment": _measured_on("boot-1/42", "0123ab")}, "revision"),
+    ({"gpu": "NVIDIA H100 80GB HBM3"}, "GPU"),
+])
+def test_a_ratio_across_leases_gpus_or_revisions_is_flagged(make_run, change, kind):
+    runs = two_backends(make_run, environment=_measured_on("boot-1/42", "def456"))
+    runs[0] = make_run("fa4-bf16", 0, runs[0].summary, environment=_measured_on("boot-1/42", "def456-dirty"))
+    mpfa_last = {**{"environment": runs[-1].environment}, **change}
+    runs[-1] = make_run("mpfa", 2, runs[-1].summary, **mpfa_last)  # one of mpfa's three repeats comes from elsewhere
+    _, rows = compare_rows(runs, "fa4-bf16", ["otps"])
+    assert rows[0].apart == {"mpfa": (kind,)}
+    text = render(compare_tables(runs, "fa4-bf16", ["otps"]))
+    assert "2.00× §" in text and f"§ not measured side by side (different {kind})" in text and "mpfa at 16K c=8" in text
+    assert compare_records(runs, "fa4-bf16", ["otps"])[1]["apart"] == kind
+    assert "§ not measured side by side" in format_compare(runs, "fa4-bf16", "md", ["otps"])
+
+
+def test_simulated_runs_are_not_flagged_for_their_machine(make_run):
+    runs = two_backends(make_run, simulated=True, engine="sim", environment=_measured_on("boot-1/42"))
+    runs[-1] = make_run("mpfa", 2, runs[-1].summary, simulated=True, engine="sim",
+                        environment=_measured_on("boot-9/7"))
+    assert compare_rows(runs, "fa4-bf16", ["otps"])[1][0].apart == {"mpfa": ()}
