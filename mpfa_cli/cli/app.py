@@ -1,15 +1,25 @@
 """The `mpfa` Typer application: every command, registered from its command group's module."""
 from __future__ import annotations
 
+from typing import Annotated
+
 import typer
 
 from mpfa.cli import accuracy_commands, bench_commands, catalog_commands, logits_commands, profile_commands
-from mpfa.cli import results_commands
+from mpfa.cli import common, results_commands
 
 app = typer.Typer(
     help="Benchmark and profile LLM serving across attention backends (FA4-BF16, FlashInfer-FP8, MpFA).",
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
 )
+
+
+@app.callback()
+def main(debug: Annotated[bool, typer.Option("--debug/--no-debug", help="On an error, print the Python traceback "
+                                             "before the one-line message.")] = False) -> None:
+    """The global options."""
+    common.set_debug(debug)
+
 
 app.command()(bench_commands.bench)
 app.command()(results_commands.runs)

@@ -3,13 +3,15 @@ of comma-separated option values."""
 from __future__ import annotations
 
 import functools
+import traceback
 from pathlib import Path
-from typing import Annotated, Callable, Optional
+from typing import Annotated, Callable, NoReturn, Optional
 
 import typer
 from rich.console import Console
 from rich.markup import escape
 from typer.core import TyperOption
+from typer.exceptions import TyperException
 
 from mpfa.harness.errors import UserError
 from mpfa.harness.store import ResultStore
@@ -40,20 +42,47 @@ TyperOption.display_type_rich = _flag_display_type
 
 
 def cli_errors(fn: Callable) -> Callable:
-    """Bad input and unusable environments end in one line on stderr and a non-zero exit, not a traceback."""
+    """Every error ends in one line on stderr and a non-zero exit: a `UserError` (bad input, an unusable
+    environment) with its own exit code, Ctrl-C with 130, anything unexpected with 1, naming the exception. The
+    global `--debug` prints the traceback before that line."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, TyperException):
+            raise  # Typer's own ends: usage errors (exit 2) and explicit exits
         except UserError as exc:
-            err_console.print(f"[bold red]error:[/] {escape(str(exc))}", highlight=False, soft_wrap=True)
-            raise typer.Exit(exc.exit_code) from None
+            _fail(str(exc), exc.exit_code)
         except KeyboardInterrupt:
-            err_console.print("interrupted")
-            raise typer.Exit(130) from None
+            _fail("interrupted", 130, prefix="")
+        except Exception as exc:
+            first_line = next(iter(str(exc).splitlines()), "")
+            hint = "" if debug_requested() else " (run `mpfa --debug ...` for the traceback)"
+            _fail(f"unexpected {type(exc).__name__}: {first_line}{hint}", 1)
 
     return wrapper
+
+
+_debug = False  # the global --debug, set by the app's callback before any command runs
+
+
+def set_debug(enabled: bool) -> None:
+    global _debug
+    _debug = enabled
+
+
+def debug_requested() -> bool:
+    """Whether the command line began `mpfa --debug`."""
+    return _debug
+
+
+def _fail(message: str, exit_code: int, prefix: str = "[bold red]error:[/] ") -> NoReturn:
+    """Print the error (after its traceback, with --debug) and exit with `exit_code`."""
+    if debug_requested():
+        traceback.print_exc()
+    err_console.print(prefix + escape(message), highlight=False, soft_wrap=True)
+    raise typer.Exit(exit_code) from None
 
 
 def open_store(db: Path | None) -> ResultStore:
