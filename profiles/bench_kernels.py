@@ -1,4 +1,5 @@
-"""Side-by-side benchmark of the sm90 MpFA kernels against FlashInfer-FP8 and FA4-BF16, one process.
+"""Side-by-side benchmark of the sm90 MpFA kernels against FA3 (SGLang's Hopper default), FlashInfer-FP8 and
+FA4-BF16, one process.
 
     python -m mpfa.profiles.bench_kernels decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
     python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
@@ -11,8 +12,10 @@ bytes read and their rate against the copy bandwidth measured in the same run. "
 actually has to move: the KV cache in the backend's format, the page table / indices it walks, Q and O, and for
 MpFA the split-KV partials it writes and merges ("parts": MpFA's partitions per request and KV head). Prefill
 (causal, every token a query) is compute-bound: the table gives the FLOP rate of the two matmuls over the causal
-pairs (`AttentionWorkload.flops`) and the speedups over FA4-BF16 and FlashInfer-FP8 (decode: over FlashInfer-FP8).
-A backend that fails prints an error row; the others still run.
+pairs (`AttentionWorkload.flops`: FlashAttention's convention, 4·H·D per (query, key) pair, 2·S²·H·D for one
+causal sequence) and the speedups over FA3-FP8 as SGLang serves it (paged), FA3-FP8 on contiguous K/V (its best
+case) and FA4-BF16; decode: over FA3-FP8 and FlashInfer-FP8. A backend that fails prints an error row; the others
+still run.
 """
 from __future__ import annotations
 
@@ -27,8 +30,10 @@ from mpfa.profiles.peaks import copy_gbps
 from mpfa.profiles.registry import adapter_for
 from mpfa.profiles.results import OK, BackendResult
 
-DEFAULT_BACKENDS = ("mpfa", "flashinfer-fp8", "fa4-bf16")
-REFERENCE = "flashinfer-fp8"
+DEFAULT_BACKENDS = ("mpfa", "fa3-fp8", "flashinfer-fp8", "fa4-bf16")
+# The speed-up columns: (backend, column label) per kind.
+PREFILL_REFERENCES = (("fa3-fp8", "x FA3-FP8"), ("fa3-fp8-contiguous", "x FA3c"), ("fa4-bf16", "x FA4"))
+DECODE_REFERENCES = (("fa3-fp8", "x FA3-FP8"), ("flashinfer-fp8", "x FI-FP8"))
 DEFAULTS = {"decode": ("8192,32768,131072", "1,8"), "prefill": ("16k,64k", "1")}  # (--seq, --batch)
 _INDEX_BYTES = 4
 
@@ -62,7 +67,7 @@ def _bytes_read(backend: str, workload: AttentionWorkload, partitions: int | Non
 
 
 def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], lines: list[str],
-                references: tuple[str, ...] = (REFERENCE,)):
+                references: tuple[tuple[str, str], ...]):
     """(workload, row, line prefix, speedup columns vs each of ``references``) of every timed row; the others are
     appended to ``lines`` as error lines, in order."""
     for workload, rows in results:
@@ -73,7 +78,7 @@ def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], li
                 lines.append(f"{prefix} {row.status.upper()}: {row.error}")
                 continue
             speedups = []
-            for name in references:
+            for name, _ in references:
                 reference = by_name.get(name)
                 speedups.append(f"{reference.timing.median_ms / row.timing.median_ms:8.2f}"
                                 if reference is not None and reference.timing is not None else "       -")
@@ -83,10 +88,10 @@ def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], li
 def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], copy_bandwidth: float | None,
                  num_sms: int) -> str:
     header = (f"{'context':>8} {'batch':>5}  {'backend':<15} {'median us':>10} {'read MB':>9} {'TB/s':>6} "
-              f"{'% copy':>7} {'x FI-FP8':>8} {'parts':>6}")
+              f"{'% copy':>7} {_labels(DECODE_REFERENCES)} {'parts':>6}")
     lines = [f"copy bandwidth (read + write, measured in this run): "
              f"{copy_bandwidth / 1e3:.2f} TB/s" if copy_bandwidth else "copy bandwidth: not measured", header]
-    for workload, row, prefix, speedup in _timed_rows(results, lines):
+    for workload, row, prefix, speedup in _timed_rows(results, lines, DECODE_REFERENCES):
         parts = mpfa_partitions(row.backend, workload, num_sms)
         read = _bytes_read(row.backend, workload, parts)
         rate = read / (row.timing.median_ms / 1e3)
@@ -96,12 +101,15 @@ def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], c
     return "\n".join(lines)
 
 
+def _labels(references: tuple[tuple[str, str], ...]) -> str:
+    return " ".join(f"{label:>8}" for _, label in references)
+
+
 def format_prefill_table(results: list[tuple[AttentionWorkload, list[BackendResult]]]) -> str:
-    """Median time, TFLOP/s of the causal matmuls and the speedups over FA4-BF16 (the prefill goal's baseline) and
-    FlashInfer-FP8 per (context, batch)."""
-    lines = [f"{'context':>8} {'batch':>5}  {'backend':<15} {'median ms':>10} {'TFLOP/s':>8} {'x FA4':>8} "
-             f"{'x FI-FP8':>8}"]
-    for workload, row, prefix, speedup in _timed_rows(results, lines, ("fa4-bf16", REFERENCE)):
+    """Median time, TFLOP/s of the causal matmuls and the speedups over `PREFILL_REFERENCES` per (context, batch)."""
+    lines = [f"{'context':>8} {'batch':>5}  {'backend':<15} {'median ms':>10} {'TFLOP/s':>8} "
+             f"{_labels(PREFILL_REFERENCES)}"]
+    for workload, row, prefix, speedup in _timed_rows(results, lines, PREFILL_REFERENCES):
         rate = workload.flops() / (row.timing.median_ms / 1e3)
         lines.append(f"{prefix} {row.timing.median_ms:>10.3f} {rate / 1e12:>8.1f} {speedup}")
     return "\n".join(lines)
@@ -136,14 +144,15 @@ def run_bench(kind: str, seqs: list[int], batches: list[int], heads: tuple[int, 
 
 def table_title(kind: str, device_name: str, num_sms: int, heads: tuple[int, int]) -> str:
     """The table's first line: what ran where (timings on different GPUs are not comparable)."""
-    causal = ", causal" if kind == "prefill" else ""
-    return (f"{kind} on {device_name} ({num_sms} SMs), GQA {heads[0]}:{heads[1]}, head dim 128{causal}; "
+    rates = (", causal; TFLOP/s in FlashAttention's convention (2·S²·H·D per causal sequence)" if kind == "prefill"
+             else "; TB/s of the bytes each kernel must read")
+    return (f"{kind} on {device_name} ({num_sms} SMs), GQA {heads[0]}:{heads[1]}, head dim 128{rates}; "
             "medians of repeated timings, all backends in this one run")
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.bench_kernels",
-                                     description="MpFA sm90 kernels vs FlashInfer-FP8 and FA4-BF16, side by side.")
+                                     description="MpFA sm90 kernels vs FA3, FlashInfer-FP8 and FA4-BF16, side by side.")
     parser.add_argument("kind", choices=list(DEFAULTS))
     parser.add_argument("--seq", help="comma-separated KV (decode) or prompt (prefill) lengths, e.g. 8k,128k "
                         f"(default: decode {DEFAULTS['decode'][0]}, prefill {DEFAULTS['prefill'][0]})")

@@ -46,7 +46,8 @@ def _row(backend: str, median_ms: float | None, error: str | None = None,
 
 
 def test_table_has_rates_speedups_and_error_rows():
-    rows = [_row("mpfa", 0.066), _row("flashinfer-fp8", 0.132), _row("fa4-bf16", None, "ImportError: no flash_attn")]
+    rows = [_row("mpfa", 0.066), _row("fa3-fp8", 0.099), _row("flashinfer-fp8", 0.132),
+            _row("fa4-bf16", None, "ImportError: no flash_attn")]
     table = format_table([(WORKLOAD, rows)], copy_bandwidth=4250.0, num_sms=132)
     lines = table.splitlines()
     assert "4.25 TB/s" in lines[0]
@@ -55,8 +56,9 @@ def test_table_has_rates_speedups_and_error_rows():
     assert fields[3] == "66.0"  # median us
     rate = bytes_read("mpfa", WORKLOAD, 132) / 66e-6
     assert fields[5] == f"{rate / 1e12:.2f}" and fields[6] == f"{100 * rate / 4.25e12:.1f}%"
-    assert fields[7] == "2.00"  # 132 us / 66 us against FlashInfer-FP8
-    assert fields[8] == "98"  # 128K x 1: 1,344-key partitions at the default 6 warps per SM
+    assert fields[7:9] == ["1.50", "2.00"]  # 99 us / 66 us against FA3-FP8, 132 us / 66 us against FlashInfer-FP8
+    assert fields[9] == "98"  # 128K x 1: 1,344-key partitions at the default 6 warps per SM
+    assert lines[1].split()[-5:] == ["x", "FA3-FP8", "x", "FI-FP8", "parts"]
     assert next(line for line in lines if "flashinfer-fp8" in line).split()[-1] == "-"
     assert "ERROR: ImportError: no flash_attn" in table
 
@@ -65,24 +67,24 @@ PREFILL = AttentionWorkload("prefill", 65536, 1, 32, 8, 128)
 
 
 def test_prefill_table_has_flop_rates_and_speedups():
-    rows = [_row("mpfa", 100.0, workload=PREFILL), _row("flashinfer-fp8", 150.0, workload=PREFILL),
+    rows = [_row("mpfa", 100.0, workload=PREFILL), _row("fa3-fp8", 125.0, workload=PREFILL),
             _row("fa4-bf16", None, "ImportError: no flash_attn", workload=PREFILL)]
     lines = format_prefill_table([(PREFILL, rows)]).splitlines()
     fields = next(line for line in lines if " mpfa " in line).split()
     assert fields[3] == "100.000"  # median ms
     assert fields[4] == f"{PREFILL.flops() / 0.1 / 1e12:.1f}"  # 4 * 32 * 128 * 65536 * 65537 / 2 FLOPs in 100 ms
-    assert fields[5:] == ["-", "1.50"]  # x FA4 (not timed), x FlashInfer-FP8
+    assert fields[5:] == ["1.25", "-", "-"]  # x FA3-FP8, x FA3-FP8 contiguous (not run), x FA4 (not timed)
     assert any("ERROR: ImportError: no flash_attn" in line for line in lines)
     rows[2] = _row("fa4-bf16", 120.0, workload=PREFILL)
     lines = format_prefill_table([(PREFILL, rows)]).splitlines()
-    assert lines[0].split()[-4:] == ["x", "FA4", "x", "FI-FP8"]
-    assert next(line for line in lines if " mpfa " in line).split()[5:] == ["1.20", "1.50"]
+    assert lines[0].split()[-6:] == ["x", "FA3-FP8", "x", "FA3c", "x", "FA4"]
+    assert next(line for line in lines if " mpfa " in line).split()[5:] == ["1.25", "-", "1.20"]
 
 
 def test_table_title_names_the_gpu_and_the_shape():
     assert table_title("prefill", "NVIDIA H100 80GB HBM3", 132, (40, 8)) == (
-        "prefill on NVIDIA H100 80GB HBM3 (132 SMs), GQA 40:8, head dim 128, causal; medians of repeated timings, "
-        "all backends in this one run")
+        "prefill on NVIDIA H100 80GB HBM3 (132 SMs), GQA 40:8, head dim 128, causal; TFLOP/s in FlashAttention's "
+        "convention (2·S²·H·D per causal sequence); medians of repeated timings, all backends in this one run")
     assert table_title("decode", "NVIDIA H200", 132, (32, 8)).startswith("decode on NVIDIA H200 (132 SMs), GQA 32:8,")
 
 
