@@ -22,7 +22,7 @@ def profile(
     batch: Annotated[int, typer.Option(help="Requests in the batch.")] = 1,
     heads: Annotated[str, typer.Option(help="Query:KV heads.")] = "32:8",
     head_dim: Annotated[int, typer.Option("--head-dim", help="Head dimension of the attention shape.")] = 128,
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends (serving: one).")] = "fa4-bf16,flashinfer-fp8,mpfa",
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends (serving: one).")] = "fa3-fp8,fa4-bf16,flashinfer-fp8,mpfa",
     ncu: Annotated[bool, typer.Option("--ncu/--no-ncu", help="Also profile each kernel with Nsight Compute.")] = False,
     ncu_full: Annotated[bool, typer.Option("--ncu-full/--no-ncu-full", help="Also run Nsight Compute's full set per kernel: what bounds it (issue, occupancy, bank conflicts) and where its warps wait (stall samples per hot loop).")] = False,
     nsys: Annotated[bool, typer.Option("--nsys/--no-nsys", help="Also trace (Nsight Systems, else the PyTorch profiler).")] = False,
