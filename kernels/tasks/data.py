@@ -9,12 +9,10 @@ archive. Nothing third-party is committed.
 from __future__ import annotations
 
 import json
-import random
 import subprocess
 import sys
 import tarfile
 import tempfile
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -141,27 +139,3 @@ def load_multiple_choice(path: Path) -> list[ChoiceExample]:
         raise TaskDataError(f"{path}: not a BIG-bench multiple-choice task (missing {exc})") from None
     return examples
 
-
-def pad_context(
-    example: SquadExample,
-    others: Sequence[str],
-    target_tokens: int,
-    count_tokens: Callable[[str], int],
-    seed: int = 0,
-) -> str:
-    """The example's passage hidden among other passages until the text has at least `target_tokens` tokens.
-
-    Distractors are the passages of `others` that differ from the example's, in an order and with an insertion
-    point drawn from `seed` and the example id, so every variant (and every rerun) sees the same text."""
-    rng = random.Random(f"{seed}:{example.id}")
-    pool = [p for p in dict.fromkeys(others) if p != example.context]
-    rng.shuffle(pool)
-    chosen: list[str] = []
-    total = count_tokens(example.context)
-    while total < target_tokens:
-        if not pool:
-            raise TaskDataError(f"not enough distinct passages to pad to {target_tokens} tokens")
-        chosen.append(pool.pop())
-        total += count_tokens(chosen[-1])
-    chosen.insert(rng.randint(0, len(chosen)), example.context)
-    return "\n\n".join(chosen)

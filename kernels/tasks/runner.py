@@ -16,9 +16,12 @@ from collections.abc import Callable, Sequence
 from mpfa.kernels.reference import VARIANTS
 from mpfa.kernels.tasks import data
 from mpfa.kernels.tasks.attention_swap import install
-from mpfa.kernels.tasks.generation import LoadedModel, batch_choice_logprobs, greedy_answers, load_model
+from mpfa.kernels.tasks.generation import batch_choice_logprobs, greedy_answers, load_model
+from mpfa.kernels.tasks.items import choice_items, squad_items
+from mpfa.kernels.tasks.long_context import squad_long_items
 from mpfa.kernels.tasks.task_report import AGREEMENT, BASELINE, TaskAccuracyReport, TaskScores
 from mpfa.kernels.tasks.scoring import best_choice, choice_grade, squad_exact_match, squad_f1
+from mpfa.kernels.tasks.tokens import HFTokenizer
 
 TASKS = ("squad", "squad-long", *data.MULTIPLE_CHOICE_TASKS)
 DEFAULT_TASKS = ("squad", "social_iqa")
@@ -26,47 +29,9 @@ DEFAULT_VARIANTS = ("bf16", "fp8", "qk4-pv8-direct", "mpfa")
 DEFAULT_CONTEXT_PAD = 1024
 DEFAULT_MAX_NEW_TOKENS = 16
 DEFAULT_BATCH_SIZE = 16
-_SQUAD_INSTRUCTION = (
-    "Answer the question with a short span copied from the passage. "
-    "Reply with the answer only, in at most five words."
-)
 
 # (task, variant, examples done, examples total) -> None
 ProgressFn = Callable[[str, str, int, int], None]
-
-
-def _chat_ids(lm: LoadedModel, text: str) -> list[int]:
-    """Token ids of `text` as a user turn followed by the assistant prompt (plain text without a chat template)."""
-    tok = lm.tokenizer
-    if tok.chat_template:
-        chat = tok.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=False)
-        return tok(chat, add_special_tokens=False).input_ids
-    return tok(text + "\nAnswer:").input_ids
-
-
-def squad_prompts(
-    lm: LoadedModel, examples: Sequence[data.SquadExample], context_pad: int | None, others: Sequence[str] = ()
-) -> list[list[int]]:
-    """Prompt ids per question; with `context_pad` the passage is hidden among passages of `others` until it has
-    that many tokens."""
-    count = lambda text: len(lm.tokenizer(text, add_special_tokens=False).input_ids)  # noqa: E731
-    prompts = []
-    for ex in examples:
-        passage = ex.context if context_pad is None else data.pad_context(ex, others, context_pad, count)
-        prompts.append(_chat_ids(lm, f"{_SQUAD_INSTRUCTION}\n\nPassage: {passage}\n\nQuestion: {ex.question}"))
-    return prompts
-
-
-def choice_prompts(lm: LoadedModel, examples: Sequence[data.ChoiceExample]) -> list[tuple[list[int], list[list[int]]]]:
-    """(context ids, ids of each choice) per question, the choices listed in the context (BIG-bench style)."""
-    out = []
-    for ex in examples:
-        context = f"{ex.question}\nOptions: {'; '.join(ex.choices)}\nAnswer:"
-        out.append((
-            lm.tokenizer(context).input_ids,
-            [lm.tokenizer(" " + c, add_special_tokens=False).input_ids for c in ex.choices],
-        ))
-    return out
 
 
 def _check_request(
@@ -171,7 +136,7 @@ def run_task_accuracy(
 ) -> TaskAccuracyReport:
     """Score every variant on every task with the same prompts; `offset` and `limit` select examples
     [offset, offset + limit) of each task in file order (shards of one run, see `report.merge_reports`);
-    `context_pad` is the token length `squad-long` pads each passage to; `batch_size` questions run per forward
+    `context_pad` is the exact token length of a `squad-long` prompt; `batch_size` questions run per forward
     call (1: one at a time; the scores do not depend on it beyond FP32 summation order)."""
     tasks, variants = list(tasks), list(variants)
     _check_request(tasks, variants, limit, offset, context_pad, max_new_tokens, batch_size)
@@ -179,17 +144,20 @@ def run_task_accuracy(
     lm = load_model(model, device)
     report_progress = progress or (lambda *_: None)
     results = []
+    tok = HFTokenizer(lm.tokenizer, lm.name)
     for task in tasks:
         if task in ("squad", "squad-long"):
             everything = data.load_squad(data.task_file("squad"))
             examples = _select(task, everything, offset, end)
-            pad = context_pad if task == "squad-long" else None
-            prompts = squad_prompts(lm, examples, pad, [ex.context for ex in everything])
+            items = (squad_long_items(tok, examples, everything, context_pad) if task == "squad-long"
+                     else squad_items(tok, examples))
+            prompts = [list(item.prompt) for item in items]
             results.append(_run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size,
                                       report_progress))
         else:
             examples = _select(task, data.load_multiple_choice(data.task_file(task)), offset, end)
-            prompts = choice_prompts(lm, examples)
+            prompts = [(list(item.context), [list(c) for c in item.choices])
+                       for item in choice_items(tok, examples, task, offset)]
             results.append(_run_choice(lm, task, examples, prompts, variants, batch_size, report_progress))
     params = {"tasks": tasks, "variants": variants, "offset": offset, "limit": limit, "context_pad": context_pad,
               "max_new_tokens": max_new_tokens, "batch_size": batch_size}

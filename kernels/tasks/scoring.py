@@ -8,8 +8,10 @@ import re
 import string
 from collections import Counter
 from collections.abc import Collection, Sequence
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:  # torch is imported where logits are scored, so that text scoring does not load it
+    import torch
 
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = frozenset(string.punctuation)
@@ -57,6 +59,8 @@ def continuation_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> float:
 def continuation_logprobs(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[float]:
     """`continuation_logprob` of B right-padded rows: logits [B, n, vocab] predicting tokens [B, n], summed over the
     positions where ``valid`` [B, n] is True (None: all), in float64."""
+    import torch
+
     logprobs = torch.log_softmax(logits.double(), dim=-1).gather(2, tokens.long()[..., None])[..., 0]
     if valid is not None:
         logprobs = torch.where(valid, logprobs, torch.zeros_like(logprobs))

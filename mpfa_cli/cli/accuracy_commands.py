@@ -44,7 +44,7 @@ def accuracy_task(
     variants: Annotated[str, typer.Option(help="Comma-separated attention variants.")] = "bf16,fp8,qk4-pv8-direct,mpfa",
     limit: Annotated[Optional[int], typer.Option(help="Examples per task (default: all).")] = None,
     offset: Annotated[int, typer.Option(help="Skip the first N examples of each task (run a long job as shards; `mpfa accuracy results --merge` joins them).")] = 0,
-    context_pad: Annotated[int, typer.Option("--context-pad", help="squad-long: pad each passage to this many tokens.")] = 1024,
+    context_pad: Annotated[int, typer.Option("--context-pad", help="squad-long: the exact length of each prompt in tokens (the passage hidden among other articles' passages).")] = 1024,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     batch_size: Annotated[int, typer.Option("--batch-size", help="Questions per forward call (padded batches; scores do not depend on it beyond FP32 rounding order).")] = 16,
     db: DbOption = None,

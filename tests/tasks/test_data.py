@@ -68,24 +68,6 @@ def test_load_multiple_choice(tmp_path):
         data.load_multiple_choice(_write_json(tmp_path / "task.json", task))
 
 
-def _count_words(text: str) -> int:
-    return len(text.split())
-
-
-def test_pad_context_hides_the_passage_among_others_deterministically():
-    ex = SquadExample("q1", "t", "the true passage here", "q?", ("a",))
-    others = [f"distractor number {i} words" for i in range(20)] + [ex.context]
-    padded = data.pad_context(ex, others, target_tokens=30, count_tokens=_count_words)
-    parts = padded.split("\n\n")
-    assert parts.count(ex.context) == 1
-    assert _count_words(padded) >= 30
-    assert len(set(parts)) == len(parts)
-    assert data.pad_context(ex, others, 30, _count_words) == padded  # same text for every variant / rerun
-    assert data.pad_context(ex, others, 30, _count_words, seed=1) != padded
-    with pytest.raises(TaskDataError, match="not enough distinct passages"):
-        data.pad_context(ex, others, 10_000, _count_words)
-
-
 def test_extract_task_files_streams_only_the_wanted_members(tmp_path):
     archive = tmp_path / "bigbench-1.0.0.tar.gz"
     members = {f"bigbench-1.0.0/bigbench/benchmark_tasks/{rel}": json.dumps({"rel": rel}).encode()
