@@ -25,6 +25,7 @@ from rich.text import Text
 from mpfa.harness import metrics
 from mpfa.harness.errors import UserError
 from mpfa.harness.records import RunRecord
+from mpfa.harness.run_owner import status_label
 from mpfa.harness.served_kernels import describe_kernels
 from mpfa.harness.store import StoredRun, load_key
 
@@ -505,6 +506,11 @@ def engine_label(run: RunRecord) -> str:
     return f"{run.engine} (simulated)" if run.simulated else run.engine
 
 
+def _status_text(run: RunRecord) -> Text:
+    """The run's status, coloured; a running run says whether it runs elsewhere or was killed."""
+    return Text(status_label(run.status, run.environment), style=_STATUS_STYLE.get(run.status, ""))
+
+
 def runs_table(runs: Sequence[StoredRun]) -> Table:
     """The `mpfa runs` listing: one line per run with its key metrics."""
     table = Table(title=_simulated_title("Runs", runs), title_justify="left")
@@ -518,7 +524,7 @@ def runs_table(runs: Sequence[StoredRun]) -> Table:
             backend_label(run.backend, bool(run.caveat)),
             Text(engine_label(run), style="magenta" if run.simulated else ""),
             f"{context_label(run.input_len)} {load_label(run.load)}", str(run.repeat),
-            Text(run.status, style=_STATUS_STYLE.get(run.status, "")),
+            _status_text(run),
             *(format_number(run.summary.get(m)) for m in ("otps", "ttft_ms_median", "tpot_ms_median")),
         )
     simulated = ["simulated runs come from the latency model (engine sim), not from a GPU"] if any(
@@ -578,7 +584,7 @@ def show_run(run: StoredRun) -> RenderableType:
         ("kernels", describe_kernels(run.kernels)),
         ("started", _when(run.started_at)),
         ("finished", _when(run.finished_at) if run.finished_at else "—"),
-        ("status", Text(run.status, style=_STATUS_STYLE.get(run.status, ""))),
+        ("status", _status_text(run)),
     ]
     if run.error:
         rows.append(("error", Text(run.error, style="red")))

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from mpfa.backends.specs import PLUGIN_PREFILL_CAVEAT
+from mpfa.harness import metrics, run_owner
 from mpfa.harness.errors import UserError
 from mpfa.harness.records import RequestRecord, RunRecord
 
@@ -200,6 +201,7 @@ class ResultStore:
             # In WAL mode NORMAL loses no committed transaction when the process dies (only on power loss).
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._ensure_schema()
+        self._close_abandoned_runs()
 
     def _readable(self) -> bool:
         try:
@@ -223,7 +225,9 @@ class ResultStore:
     # --- writing -----------------------------------------------------------------------------------
 
     def begin_run(self, run: RunRecord) -> int:
-        """Insert `run` with status "running" (plus any requests it already holds); sets and returns its id."""
+        """Insert `run` with status "running" (plus any requests it already holds); sets and returns its id. The
+        run records this process in `environment["process"]`: if it is killed, the run is closed later."""
+        run.environment = {**run.environment, "process": run_owner.this_process()}
         with self._transaction("record a new run"):
             run_id = self._insert_run(run, "running")
         run.id = run_id
@@ -360,6 +364,21 @@ class ResultStore:
         return self._with_requests(runs) if with_requests else runs
 
     # --- internals ---------------------------------------------------------------------------------
+
+    def _close_abandoned_runs(self) -> None:
+        """Close `interrupted` each running run of this machine whose process is gone: a bench that was killed
+        could not close it. Its summary is its stored requests'. Runs of other machines are left as they are."""
+        with self._errors("read running runs"):
+            rows = self._conn.execute("SELECT id, environment FROM runs WHERE status = 'running'").fetchall()
+        for row in rows:
+            if run_owner.holder(json.loads(row["environment"])) is not run_owner.Holder.GONE:
+                continue
+            try:
+                requests = self.get_run(row["id"]).requests
+                self.finish_run(row["id"], "interrupted", error=run_owner.KILLED_REASON,
+                                summary=metrics.summarize(requests))
+            except StoreError:  # locked by a writer: the next store opened closes it; this one still reads
+                return
 
     def _ensure_schema(self) -> None:
         if self._schema_version() == SCHEMA_VERSION:

@@ -274,7 +274,7 @@ def test_two_quick_ctrl_cs_leave_no_server_and_no_running_run(mpfa, scenario_fil
     assert not _sim_servers(mpfa.db)
 
 
-def test_the_server_dies_with_a_killed_bench(mpfa, scenario_file) -> None:
+def test_a_killed_bench_takes_its_server_and_its_run_is_closed_later(mpfa, scenario_file) -> None:
     path = scenario_file(num_requests=200, concurrency=[1], warmup_requests=0, output_len=16)
     proc = mpfa.popen("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--time-scale", "0.2")
     _wait_for_requests(mpfa.db, 1, proc)
@@ -286,6 +286,12 @@ def test_the_server_dies_with_a_killed_bench(mpfa, scenario_file) -> None:
     except psutil.TimeoutExpired:
         server.kill()
         pytest.fail("the server outlived the bench")
+    assert [run["status"] for run in _runs(mpfa.db)] == ["running"]  # nothing ran in the killed bench
+    listed = json.loads(mpfa("runs", "--format", "json").stdout)  # opens the store: the run is closed
+    assert [run["status"] for run in listed] == ["interrupted"]
+    (run,) = _runs(mpfa.db)
+    assert run["error"] == "bench process ended without closing the run (killed)"
+    assert json.loads(run["summary"])["n_ok"] >= 1  # the requests it stored
 
 
 def test_ctrl_c_saves_partial_results_and_kills_server(mpfa, scenario_file) -> None:
