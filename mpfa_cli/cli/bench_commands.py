@@ -13,12 +13,14 @@ from mpfa.harness.request_timeouts import BadTimeout, Timeouts
 DEFAULT_TIMEOUTS = Timeouts()
 
 SIM_TIME_SCALE = 1e-4  # the simulator runs 10000x faster than modelled unless asked otherwise
+SIM_BACKENDS = "fa4-bf16,flashinfer-fp8,mpfa"  # bench's default backends on the simulator
+SERVER_BACKENDS = "fa4-bf16,flashinfer-fp8"  # and on SGLang or a --url server
 
 
 @cli_errors
 def bench(
     scenario: Annotated[str, typer.Option("--scenario", "-s", help="Scenario name or .toml path (see `mpfa scenarios`).")] = "smoke",
-    backend: Annotated[Optional[str], typer.Option("--backend", "-b", help="Comma-separated backends (see `mpfa backends`).")] = None,
+    backend: Annotated[Optional[str], typer.Option("--backend", "-b", help=f"Comma-separated backends (see `mpfa backends`; default: {SIM_BACKENDS} on the simulator, {SERVER_BACKENDS} on a server).")] = None,
     engine: EngineOption = "auto",
     url: Annotated[Optional[str], typer.Option(help="Benchmark a server someone else started; its /get_server_info must confirm --backend.")] = None,
     backend_label: Annotated[Optional[str], typer.Option("--backend-label", help="With --url, instead of --backend: the backend to store the runs under, unchecked (for servers that report none).")] = None,
@@ -81,8 +83,7 @@ def bench(
         raise UserError("--backend-label names the backend of a --url server, instead of --backend")
     backend = backend_label or backend
     chosen_engine = resolve_engine(engine, url)
-    default = "fa4-bf16,flashinfer-fp8,mpfa" if chosen_engine == "sim" else "fa4-bf16,flashinfer-fp8"
-    specs = resolve_backends(backend or default, chosen_engine)
+    specs = resolve_backends(backend or (SIM_BACKENDS if chosen_engine == "sim" else SERVER_BACKENDS), chosen_engine)
     if chosen_engine != "sglang" and (tp, dp) != (1, 1):
         raise UserError("--tp/--dp apply to the sglang engine only")
     with open_store(db) as store:
