@@ -16,7 +16,9 @@ so that `mpfa logits` has deterministic, backend-dependent numbers to compare on
 One scheduler task runs the batch: it admits waiting requests while the KV cache has room for their prompt
 plus `max_new_tokens`, runs a prefill step for newly admitted requests (which yields their first token),
 and otherwise runs a decode step that yields one token for every running request. Output tokens are a
-deterministic function of the prompt.
+deterministic function of the prompt (`echoed_ids`): a span of the prompt's own ids, so that they are ids of
+whatever tokenizer built the prompt and decode to deterministic text (`mpfa accuracy serve` scores it; the scores
+are SIMULATED, meaningless as accuracy).
 
 Two endpoints of its own let `mpfa bench` run it faster than modelled with unchanged numbers: `POST /sim_load`
 takes a `LoadHint` (how the next requests arrive), and `GET /sim_clock/{prompt digest}` answers a finished
@@ -493,7 +495,7 @@ class SimServer:
         self.scheduler.check_fits(int(parsed.input_ids.size), parsed.max_new_tokens)
         self._next_rid += 1
         digest = prompt_digest(parsed.input_ids)
-        output_ids = hashed_token_ids(f"mpfa-sim-output:{digest}".encode(), parsed.max_new_tokens)
+        output_ids = echoed_ids(parsed.input_ids.tolist(), digest, parsed.max_new_tokens)
         sim = SimRequest(f"sim-{self._next_rid}", int(parsed.input_ids.size), output_ids, received, digest)
         if parsed.return_logprob:
             if parsed.logprob_start_len >= parsed.input_ids.size:
@@ -584,6 +586,12 @@ class _SglangFormat:
 def _hash_unit(key: bytes, count: int) -> np.ndarray:
     """`count` floats in [0, 1) from SHAKE-256(key)."""
     return np.frombuffer(hashlib.shake_256(key).digest(4 * count), dtype="<u4") / 2.0**32
+
+
+def echoed_ids(prompt: list[int], digest: str, count: int) -> list[int]:
+    """`count` of the prompt's ids, from a position drawn from its digest on, wrapping around."""
+    start = int(digest[:16], 16) % len(prompt)
+    return [prompt[(start + i) % len(prompt)] for i in range(count)]
 
 
 class SimLogprobs:
