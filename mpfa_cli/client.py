@@ -308,6 +308,8 @@ async def _send(
     except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
         if whole.expired():
             record.error = f"request not done after {timeouts.request_s:g} s"
+        elif isinstance(exc, aiohttp.ConnectionTimeoutError):
+            record.error = f"no connection to the server within {timeouts.connect_s:g} s"
         elif stream is None and isinstance(exc, aiohttp.SocketTimeoutError):  # aiohttp's, waiting for the head
             record.error = f"no response from the server for {timeouts.first_token_s:g} s"
         else:

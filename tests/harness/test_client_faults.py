@@ -3,10 +3,11 @@ request with its reason, in seconds, never a traceback or a hang."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import socket
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Iterator
 
 import pytest
 from aiohttp import web
@@ -156,3 +157,32 @@ def test_a_request_that_never_connects_is_dispatched_when_it_was_tried():
     (record,) = asyncio.run(run_load(f"http://127.0.0.1:{port}", [[1, 2, 3, 4]], 4, concurrency=1))
     assert not record.ok and "ClientConnectorError" in record.error
     assert tried <= record.dispatch_s <= time.perf_counter()
+
+
+
+@contextlib.contextmanager
+def unanswered_port() -> Iterator[int]:
+    """A loopback port whose accept queue is full: the kernel drops further connection attempts (SYNs), so a
+    connect waits as it would for a host that never answers."""
+    with contextlib.ExitStack() as sockets:
+        listener = sockets.enter_context(socket.socket())
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)  # never accepted: the queue holds one connection
+        port = listener.getsockname()[1]
+        for _ in range(2):
+            filler = sockets.enter_context(socket.socket())
+            filler.setblocking(False)
+            filler.connect_ex(("127.0.0.1", port))
+        time.sleep(0.05)  # their handshakes complete and fill the queue
+        yield port
+
+
+def test_a_server_that_accepts_no_connection_fails_the_request_at_the_connect_timeout():
+    with unanswered_port() as port:
+        tried = time.perf_counter()
+        (record,) = asyncio.run(asyncio.wait_for(run_load(
+            f"http://127.0.0.1:{port}", [[1, 2, 3, 4]], 4, concurrency=1, timeouts=Timeouts(connect_s=0.5)), 20))
+        took = time.perf_counter() - tried
+    assert record.error == "no connection to the server within 0.5 s"
+    assert 0.5 <= took < 2.0
+    assert tried <= record.dispatch_s <= tried + took
