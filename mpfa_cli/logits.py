@@ -150,8 +150,13 @@ def _top_ids(tops: Any, n_prompt: int) -> list[int] | None:
 
 
 def generate(url: str, prompt: list[int], max_new_tokens: int, timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
-    """POST one request to `url`/generate; the JSON answer (an HTTP error becomes ResponseError)."""
-    data = json.dumps(request_body(prompt, max_new_tokens)).encode()
+    """POST one logprob request to `url`/generate; the JSON answer (an HTTP error becomes ResponseError)."""
+    return post_generate(url, request_body(prompt, max_new_tokens), timeout)
+
+
+def post_generate(url: str, body: dict[str, Any], timeout: float = REQUEST_TIMEOUT_S) -> dict[str, Any]:
+    """POST `body` to `url`/generate; the JSON answer (an HTTP error becomes ResponseError)."""
+    data = json.dumps(body).encode()
     request = urllib.request.Request(f"{url.rstrip('/')}/generate", data=data,
                                      headers={"Content-Type": "application/json"})
     try:

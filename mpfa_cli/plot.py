@@ -51,7 +51,7 @@ def plot_runs(runs: Sequence[StoredRun], ref_backend: str, out: Path, fmt: str =
     for scenario in scenarios:
         named = out if len(scenarios) == 1 else out.with_name(f"{out.stem}-{scenario}{out.suffix}")
         fig = _serving_figure([r for r in runs if scenario is None or r.scenario == scenario], ref_backend)
-        paths += _save(fig, figure_paths(named, fmt))
+        paths += save_figure(fig, figure_paths(named, fmt))
     return paths
 
 
@@ -135,7 +135,7 @@ def _title(runs: Sequence[StoredRun], ref_backend: str) -> str:
     return f"SIMULATED (latency model, no GPU) — {title}" if any(r.simulated for r in runs) else title
 
 
-def _save(fig: Figure, paths: Sequence[Path]) -> list[Path]:
+def save_figure(fig: Figure, paths: Sequence[Path]) -> list[Path]:
     """Write the figure to each path in the format its suffix names (creating folders) and close it; a path that
     cannot be written is a UserError."""
     try:
@@ -194,4 +194,4 @@ def plot_task_accuracy(report: TaskAccuracyReport, out: Path, fmt: str = "png") 
     per_task = ", ".join(f"{t.task} {t.examples}" for t in report.tasks)
     fig.suptitle(f"Task accuracy per attention variant: {report.model} on {report.device} (n per task: {per_task})"
                  f"\nscore (loss vs {BASELINE}, dashed); \"same\": outputs identical to {BASELINE}'s", fontsize="medium")
-    return _save(fig, figure_paths(out, fmt))
+    return save_figure(fig, figure_paths(out, fmt))

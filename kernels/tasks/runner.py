@@ -19,6 +19,7 @@ from mpfa.kernels.tasks.attention_swap import install
 from mpfa.kernels.tasks.generation import batch_choice_logprobs, greedy_answers, load_model
 from mpfa.kernels.tasks.items import choice_items, squad_items
 from mpfa.kernels.tasks.long_context import squad_long_items
+from mpfa.kernels.tasks.task_sets import select_examples
 from mpfa.kernels.tasks.task_report import AGREEMENT, BASELINE, TaskAccuracyReport, TaskScores
 from mpfa.kernels.tasks.scoring import best_choice, choice_grade, squad_exact_match, squad_f1
 from mpfa.kernels.tasks.tokens import HFTokenizer
@@ -56,12 +57,6 @@ def _check_request(
         raise ValueError(f"--max-new-tokens must be at least 1, got {max_new_tokens}")
     if batch_size < 1:
         raise ValueError(f"--batch-size must be at least 1, got {batch_size}")
-
-
-def _select(task: str, everything: Sequence, offset: int, end: int | None) -> Sequence:
-    if offset >= len(everything):
-        raise ValueError(f"{task} has {len(everything)} examples: --offset {offset} selects none")
-    return everything[offset:end]
 
 
 def _add_agreement(result: TaskScores, outputs: dict[str, list]) -> None:
@@ -140,7 +135,6 @@ def run_task_accuracy(
     call (1: one at a time; the scores do not depend on it beyond FP32 summation order)."""
     tasks, variants = list(tasks), list(variants)
     _check_request(tasks, variants, limit, offset, context_pad, max_new_tokens, batch_size)
-    end = None if limit is None else offset + limit
     lm = load_model(model, device)
     report_progress = progress or (lambda *_: None)
     results = []
@@ -148,14 +142,14 @@ def run_task_accuracy(
     for task in tasks:
         if task in ("squad", "squad-long"):
             everything = data.load_squad(data.task_file("squad"))
-            examples = _select(task, everything, offset, end)
+            examples = select_examples(task, everything, offset, limit)
             items = (squad_long_items(tok, examples, everything, context_pad) if task == "squad-long"
                      else squad_items(tok, examples))
             prompts = [list(item.prompt) for item in items]
             results.append(_run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size,
                                       report_progress))
         else:
-            examples = _select(task, data.load_multiple_choice(data.task_file(task)), offset, end)
+            examples = select_examples(task, data.load_multiple_choice(data.task_file(task)), offset, limit)
             prompts = [(list(item.context), [list(c) for c in item.choices])
                        for item in choice_items(tok, examples, task, offset)]
             results.append(_run_choice(lm, task, examples, prompts, variants, batch_size, report_progress))

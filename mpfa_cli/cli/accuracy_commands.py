@@ -1,12 +1,14 @@
-"""`mpfa accuracy`: the attention variants' accuracy on real model data (kernel outputs, task scores), and the
-stored task results."""
+"""`mpfa accuracy`: the attention variants' accuracy on real model data (kernel outputs, task scores), task scores
+of any backend through its server, and the stored results."""
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
-from mpfa.cli.common import DbOption, cli_errors, console, number_list, open_store
+from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
+                              ServerArgOption, TimeScaleOption, cli_errors, console, number_list, open_store)
 from mpfa.cli.selection import accuracy_results as stored_accuracy_results
 from mpfa.harness.errors import UserError
 
@@ -112,4 +114,138 @@ def _list_accuracy_results(stored: list) -> None:
         tasks = ", ".join(f"{t['task']} ({t['examples']})" for t in p.result["tasks"])
         table.add_row(str(p.id), p.result["model"], p.result["device"], tasks, ", ".join(p.params["variants"]),
                       ", ".join(map(str, p.params.get("merged_from", []))))
+    console.print(table)
+
+
+@accuracy_app.command("serve")
+@cli_errors
+def accuracy_serve(
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends (the reference runs first).")] = "fa4-bf16,fa3-fp8,flashinfer-fp8,mpfa-direct,mpfa",
+    ref: Annotated[str, typer.Option("--ref", help="Reference backend (added to --backend if missing).")] = "fa4-bf16",
+    model: Annotated[str, typer.Option(help="A model directory (real weights; its tokenizer builds the prompts) or a bundled config (dummy weights: plumbing only).")] = "llama-3.1-8b",
+    tokenizer: Annotated[Optional[str], typer.Option(help="'bytes' or a model directory (default: --model's directory; 'bytes' for a bundled config).")] = None,
+    tasks: Annotated[str, typer.Option(help="Comma-separated: niah-single, niah-multikey, squad-long (at every --lengths), squad, social_iqa.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks.")] = "4096,8192,16384,32768",
+    limit: Annotated[int, typer.Option(help="Questions per task and length (needles: question i at depth i % 10).")] = 100,
+    offset: Annotated[int, typer.Option(help="Skip the first N questions of each task and length.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the haystacks, needles, distractor order and the bootstrap.")] = 0,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer.")] = 16,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight per server (1: every question runs alone).")] = 8,
+    engine: EngineOption = "auto",
+    url: Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")] = None,
+    prefill_kernel: PrefillKernelOption = None,
+    port: PortOption = None,
+    time_scale: TimeScaleOption = 1.0,
+    ready_timeout: ReadyTimeoutOption = None,
+    server_arg: ServerArgOption = None,
+    run_dir: RunDirOption = None,
+    db: DbOption = None,
+) -> None:
+    """Task accuracy of each backend through its server: the same token-id prompts, greedy answers scored here,
+    each backend's difference to the reference with a paired 95% interval; stored beside the speed runs."""
+    from mpfa.harness.accuracy_serve import run_served_accuracy
+    from mpfa.harness.bench import BenchOptions
+    from mpfa.harness.engines import gpu_names, resolve_backends, resolve_engine
+    from mpfa.harness.scenario import is_bundled_model
+    from mpfa.harness.served_accuracy import KIND, render
+    from mpfa.harness.served_kernels import check_prefill_kernel
+    from mpfa.kernels.tasks.task_sets import build_cells
+    from mpfa.kernels.tasks.tokens import ByteTokenizer, load_tokenizer
+
+    if max_new_tokens < 1 or concurrency < 1:
+        raise UserError("--max-new-tokens and --concurrency must be >= 1")
+    prefill_kernel = check_prefill_kernel(prefill_kernel)
+    urls = [u.strip() for u in url.split(",")] if url else None
+    chosen_engine = resolve_engine(engine, urls[0] if urls else None)
+    names = [n.strip() for n in backend.split(",") if n.strip()]
+    resolve_backends(ref, chosen_engine)  # a bad --ref fails like a bad --backend
+    if urls and ref not in names:
+        raise UserError(f"--ref {ref} must be one of --backend when --url gives the servers")
+    if urls and len(urls) != len(names):
+        raise UserError(f"--url: {len(urls)} URL(s) for {len(names)} backend(s); give one per backend")
+    url_of = dict(zip(names, urls)) if urls else {}
+    specs = resolve_backends(",".join([ref] + [n for n in names if n != ref]), chosen_engine)
+    try:
+        tok = load_tokenizer(tokenizer or (ByteTokenizer.name if is_bundled_model(model) else model))
+        cells = build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()],
+                            number_list(lengths, "--lengths"), limit=limit, offset=offset, seed=seed)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+    with open_store(db) as store:
+        def options_for(spec) -> BenchOptions:
+            return BenchOptions(engine=chosen_engine, run_dir=run_dir or store.path.parent / "runs",
+                                url=url_of.get(spec.name), port=port, time_scale=time_scale,
+                                ready_timeout_s=ready_timeout, server_args=list(server_arg or []),
+                                prefill_kernel=prefill_kernel)
+
+        if chosen_engine == "sim":
+            console.print("[yellow]engine: sim — every score below is SIMULATED (the simulator echoes prompt spans, "
+                          "no model runs)[/]")
+        result = run_served_accuracy(specs, ref, cells, tok, model, options_for, console, seed=seed,
+                                     max_new_tokens=max_new_tokens, concurrency=concurrency)
+        render(result, console)
+        gpu = "simulated" if result.simulated else (gpu_names() or ["unknown"])[0]
+        params = {"backends": result.backends, "ref": ref, "model": model, "tokenizer": tok.name,
+                  "tasks": [c.key for c in result.cells], "limit": limit, "offset": offset, "seed": seed,
+                  "max_new_tokens": max_new_tokens, "concurrency": concurrency, "engine": chosen_engine,
+                  "prefill_kernel": prefill_kernel, "server_args": list(server_arg or [])}
+        stored = store.add_profile(KIND, gpu, params, result.to_json(), simulated=result.simulated)
+    console.print(f"stored served accuracy result {stored} in {store.path}")
+    if result.errors:
+        name, error = next(iter(result.errors.items()))
+        raise UserError(f"{len(result.errors)} backend(s) failed: {name}: {error}", exit_code=1)
+
+
+@accuracy_app.command("served")
+@cli_errors
+def accuracy_served(
+    ids: Annotated[Optional[str], typer.Argument(help="Comma-separated result ids (default: list them all).")] = None,
+    format: Annotated[str, typer.Option("--format", help="table, json or csv (csv: one row per backend and question).")] = "table",
+    output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write json / csv here instead of stdout.")] = None,
+    plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG: score vs context length per backend, one panel per task (one result).")] = None,
+    db: DbOption = None,
+) -> None:
+    """Stored `mpfa accuracy serve` results: a list, their tables, JSON / CSV exports, or a figure."""
+    import json
+
+    from mpfa.harness.served_accuracy import KIND, ServedAccuracy, export_csv, export_json, render
+
+    if format not in ("table", "json", "csv"):
+        raise UserError(f"--format must be table, json or csv, got '{format}'")
+    with open_store(db) as store:
+        if ids is None:
+            _list_served(store.list_profiles(KIND))
+            return
+        stored = stored_accuracy_results(store, number_list(ids, "ids"), KIND)
+    results = [(p.id, ServedAccuracy.from_json(p.result)) for p in stored]
+    if plot is not None:
+        from mpfa.harness.accuracy_plot import plot_served_accuracy
+
+        if len(results) != 1:
+            raise UserError(f"--plot draws one result at a time, got {len(results)} ids")
+        console.print(f"wrote {plot_served_accuracy(results[0][1], plot)}")
+        return
+    if format == "table":
+        for _, result in results:
+            render(result, console)
+        return
+    text = (json.dumps([export_json(r, i) for i, r in results], indent=1) if format == "json"
+            else "".join(export_csv(r) for _, r in results))
+    if output is None:
+        print(text, end="" if text.endswith("\n") else "\n")
+    else:
+        output.write_text(text)
+        console.print(f"wrote {output}")
+
+
+def _list_served(stored: list) -> None:
+    from rich.table import Table
+
+    table = Table(title="Served accuracy results", title_justify="left")
+    for column in ("id", "model", "GPU", "backends", "cells", "simulated", "failed"):
+        table.add_column(column)
+    for p in stored:
+        table.add_row(str(p.id), p.result["model"], p.gpu, ", ".join(p.result["backends"]),
+                      str(len(p.result["cells"])), "SIMULATED" if p.simulated else "", ", ".join(p.result["errors"]))
     console.print(table)

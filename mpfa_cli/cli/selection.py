@@ -102,15 +102,20 @@ def id_ranges(ids: list[int]) -> str:
     return "runs " + ", ".join(f"{p[0]}–{p[-1]}" if len(p) > 1 else str(p[0]) for p in parts)
 
 
-def accuracy_results(store: ResultStore, ids: list[int] | None) -> list[StoredProfile]:
-    """The stored `mpfa accuracy task` results named, else the newest one; ids of another kind are refused."""
+# Stored accuracy results: kind -> the command that makes them.
+ACCURACY_COMMANDS = {"accuracy-task": "mpfa accuracy task", "accuracy-serve": "mpfa accuracy serve"}
+
+
+def accuracy_results(store: ResultStore, ids: list[int] | None, kind: str = "accuracy-task") -> list[StoredProfile]:
+    """The stored accuracy results (`ACCURACY_COMMANDS`) of `kind` named, else the newest one; ids of another kind
+    are refused."""
     if not ids:
-        if not (newest := store.list_profiles("accuracy-task", limit=1)):
-            raise UserError(f"no accuracy-task results in {store.path}; run `mpfa accuracy task` first")
+        if not (newest := store.list_profiles(kind, limit=1)):
+            raise UserError(f"no {kind} results in {store.path}; run `{ACCURACY_COMMANDS[kind]}` first")
         return newest
     stored = [store.get_profile(i) for i in ids]
-    if bad := [p for p in stored if p.kind != "accuracy-task"]:
-        raise UserError("not accuracy-task results: " + ", ".join(f"{p.id} (a {p.kind} result)" for p in bad))
+    if bad := [p for p in stored if p.kind != kind]:
+        raise UserError(f"not {kind} results: " + ", ".join(f"{p.id} (a {p.kind} result)" for p in bad))
     return stored
 
 

@@ -1,0 +1,82 @@
+"""Every question of a task list as ids, grouped into cells (task, context length): what a served run sends.
+
+Tasks: `squad` and `social_iqa` at their natural length; `squad-long`, `niah-single` and `niah-multikey` at each
+of `lengths` (exact prompt tokens). `offset` / `limit` select questions [offset, offset + limit) of each cell: in
+file order for the SQuAD and BIG-bench tasks, by index for the needle tasks (question i has its needle at depth
+DEPTHS[i % 10]).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from mpfa.kernels.tasks import data
+from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem, choice_items, squad_items
+from mpfa.kernels.tasks.long_context import CONTEXT_LENGTHS, LONG_TASKS, NEEDLE_TASKS, Haystack, needle_items, \
+    squad_long_items
+from mpfa.kernels.tasks.tokens import TaskTokenizer
+
+SHORT_TASKS = ("squad", *data.MULTIPLE_CHOICE_TASKS)
+SERVED_TASKS = (*NEEDLE_TASKS, "squad-long", *SHORT_TASKS)
+DEFAULT_LIMIT = 100
+
+
+@dataclass(frozen=True)
+class Cell:
+    """One task at one context length (None: the task's natural length) and its questions."""
+
+    task: str
+    length: int | None
+    items: tuple[GenerationItem | ChoiceItem, ...]
+
+    @property
+    def key(self) -> str:
+        return cell_key(self.task, self.length)
+
+
+def cell_key(task: str, length: int | None) -> str:
+    return task if length is None else f"{task}@{length}"
+
+
+def check_selection(tasks: Sequence[str], lengths: Sequence[int], limit: int, offset: int) -> None:
+    if not tasks:
+        raise ValueError("pass at least one task")
+    if bad := [t for t in tasks if t not in SERVED_TASKS]:
+        raise ValueError(f"unknown task {', '.join(bad)}; choose from {', '.join(SERVED_TASKS)}")
+    if len(set(tasks)) != len(tasks) or len(set(lengths)) != len(lengths):
+        raise ValueError("tasks and lengths must not repeat")
+    if any(t in LONG_TASKS for t in tasks) and (not lengths or min(lengths) < 256):
+        raise ValueError("long-context tasks need lengths of at least 256 tokens")
+    if limit < 1 or offset < 0:
+        raise ValueError(f"--limit must be >= 1 and --offset >= 0, got {limit} and {offset}")
+
+
+def build_cells(
+    tok: TaskTokenizer, tasks: Sequence[str], lengths: Sequence[int] = CONTEXT_LENGTHS, *, limit: int = DEFAULT_LIMIT,
+    offset: int = 0, seed: int = 0,
+) -> list[Cell]:
+    """The cells of `tasks` (long ones at every length), task data from the package cache (downloaded once)."""
+    check_selection(tasks, lengths, limit, offset)
+    cells: list[Cell] = []
+    squad = data.load_squad(data.task_file("squad")) if {"squad", "squad-long"} & set(tasks) else []
+    haystack = Haystack.from_text(tok, data.essay_text()) if set(NEEDLE_TASKS) & set(tasks) else None
+    for task in tasks:
+        if task in NEEDLE_TASKS:
+            cells += [Cell(task, n, tuple(needle_items(tok, task, haystack, n, limit, seed, offset))) for n in lengths]
+        elif task == "squad-long":
+            chosen = select_examples(task, squad, offset, limit)
+            cells += [Cell(task, n, tuple(squad_long_items(tok, chosen, squad, n, seed))) for n in lengths]
+        elif task == "squad":
+            cells.append(Cell(task, None, tuple(squad_items(tok, select_examples(task, squad, offset, limit)))))
+        else:
+            chosen = select_examples(task, data.load_multiple_choice(data.task_file(task)), offset, limit)
+            cells.append(Cell(task, None, tuple(choice_items(tok, chosen, task, offset))))
+    return cells
+
+
+def select_examples(task: str, everything: Sequence, offset: int, limit: int | None) -> Sequence:
+    """Examples [offset, offset + limit) of a task in file order (limit None: to the end)."""
+    if offset >= len(everything):
+        raise ValueError(f"{task} has {len(everything)} examples: --offset {offset} selects none")
+    return everything[offset:] if limit is None else everything[offset : offset + limit]

@@ -1,0 +1,46 @@
+"""The served-accuracy figure: per task (one panel each) every backend's score against the context length, the
+reference's interval-free line and each other backend's paired 95% interval of the difference as an error bar."""
+from __future__ import annotations
+
+from pathlib import Path
+
+from mpfa.harness.errors import UserError
+from mpfa.harness.plot import ACCURACY_PANEL_SIZE, figure_paths, plt, save_figure
+from mpfa.harness.served_accuracy import ServedAccuracy, SummaryRow
+
+
+def plot_served_accuracy(result: ServedAccuracy, out: Path) -> Path:
+    """Write the figure as PNG to `out`; returns the path."""
+    rows = result.summary()
+    if not rows:
+        raise UserError(f"served accuracy result of {result.model} holds no scores: nothing to plot")
+    tasks = list(dict.fromkeys(r.task for r in rows))
+    width, height = ACCURACY_PANEL_SIZE
+    fig, axes = plt.subplots(1, len(tasks), figsize=(width * len(tasks), height), squeeze=False,
+                             constrained_layout=True)
+    colours = plt.get_cmap("tab10")
+    for ax, task in zip(axes[0], tasks):
+        of_task = [r for r in rows if r.task == task]
+        lengths = list(dict.fromkeys(r.length for r in of_task))
+        for index, backend in enumerate(result.backends):
+            points: list[SummaryRow] = [r for r in of_task if r.backend == backend]
+            if not points:
+                continue
+            x = [lengths.index(r.length) for r in points]
+            y = [100 * r.score for r in points]
+            below = [100 * (r.difference.mean - r.difference.low) if r.difference else 0 for r in points]
+            above = [100 * (r.difference.high - r.difference.mean) if r.difference else 0 for r in points]
+            style = "--" if backend == result.ref else "-"
+            ax.errorbar(x, y, yerr=[below, above], marker="o", linestyle=style, capsize=3,
+                        color=colours(index % 10), label=backend)
+        ax.set_xticks(range(len(lengths)), ["natural" if n is None else f"{n // 1024}K" for n in lengths])
+        ax.set_ylim(0, 105)
+        ax.set_xlabel("prompt tokens")
+        ax.set_ylabel("score (%)")
+        ax.set_title(f"{task} ({of_task[0].n} questions per point)", fontsize="medium")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    title = (f"Task accuracy through the server: {result.model}; error bars: paired 95% interval of the "
+             f"difference to {result.ref}")
+    fig.suptitle(f"SIMULATED (no model ran) — {title}" if result.simulated else title, fontsize="medium")
+    return save_figure(fig, figure_paths(out, "png"))[0]

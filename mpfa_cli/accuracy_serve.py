@@ -1,0 +1,144 @@
+"""`mpfa accuracy serve`: task questions through a backend's server, scored on the client.
+
+Every backend's server gets the same prompts as token ids on SGLang's native `/generate` (`--skip-tokenizer-init`:
+ids in, ids out), so the prompt lengths are exact and the answers are decoded by the model's tokenizer here:
+
+* a question answered by greedy decoding (`GenerationItem`):
+  `{"input_ids": [...], "sampling_params": {"max_new_tokens": N, "temperature": 0, "stop_token_ids": [...]}}`;
+  the output ids up to the first stop id, decoded, first line, are the answer (`tokens.answer_text`);
+* a multiple-choice question (`ChoiceItem`): one request per choice, context + choice ids with
+  `"return_logprob": true, "logprob_start_len": len(context) - 1` and one new token; the choice's log-likelihood
+  is the sum of the `input_token_logprobs` of its tokens (the last len(choice) entries, checked against the ids).
+
+A server that counts another prompt length than was sent, or whose logprob entries are not for the ids sent, fails
+the backend (`ResponseError`). Requests go `concurrency` at a time (SGLang batches them; 1 makes every request run
+alone). The simulator answers with a span of the prompt (`sim_server.echoed_ids`): its scores are SIMULATED.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+from mpfa.harness.logits import SERVER_KEYS, ResponseError, post_generate
+from mpfa.harness.served_accuracy import ServedAccuracy
+from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
+from mpfa.kernels.tasks.scoring import best_choice
+from mpfa.kernels.tasks.task_sets import Cell
+from mpfa.kernels.tasks.tokens import TaskTokenizer, answer_text
+
+DEFAULT_MAX_NEW_TOKENS = 16
+DEFAULT_CONCURRENCY = 8
+
+
+def generation_body(item: GenerationItem, max_new_tokens: int, stop_ids: Sequence[int]) -> dict[str, Any]:
+    return {"input_ids": list(item.prompt), "stream": False,
+            "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0,
+                                "stop_token_ids": sorted(stop_ids)}}
+
+
+def choice_body(context: Sequence[int], choice: Sequence[int]) -> dict[str, Any]:
+    return {"input_ids": [*context, *choice], "stream": False, "return_logprob": True,
+            "logprob_start_len": len(context) - 1, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
+
+
+def _meta(body: dict[str, Any], sent: int) -> dict[str, Any]:
+    if "error" in body:
+        err = body["error"]
+        raise ResponseError(f"server error: {err.get('message', err) if isinstance(err, dict) else err}")
+    meta = body.get("meta_info")
+    if not isinstance(meta, dict):
+        raise ResponseError("response has no meta_info")
+    if meta.get("prompt_tokens") is not None and int(meta["prompt_tokens"]) != sent:
+        raise ResponseError(f"server counted {meta['prompt_tokens']} prompt tokens, {sent} were sent")
+    return meta
+
+
+def answer(url: str, item: GenerationItem, tok: TaskTokenizer, max_new_tokens: int) -> tuple[float, str]:
+    """(score, answer text) of one greedy answer from the server."""
+    body = post_generate(url, generation_body(item, max_new_tokens, tok.stop_ids()))
+    _meta(body, len(item.prompt))
+    ids = body.get("output_ids")
+    if not isinstance(ids, list) or len(ids) > max_new_tokens:
+        raise ResponseError(f"response carries output_ids {ids!r:.80} for at most {max_new_tokens} new tokens")
+    text = answer_text(tok, ids)
+    return item.score(text), text
+
+
+def choice_logprob(url: str, context: Sequence[int], choice: Sequence[int]) -> float:
+    """Summed log-likelihood of `choice` after `context`, from the server's prompt logprobs."""
+    meta = _meta(post_generate(url, choice_body(context, choice)), len(context) + len(choice))
+    entries = meta.get("input_token_logprobs")
+    if not isinstance(entries, list) or len(entries) < len(choice):
+        raise ResponseError("response has too few input_token_logprobs (did the server ignore return_logprob?)")
+    total = 0.0
+    for entry, token in zip(entries[-len(choice):], choice):
+        if not isinstance(entry, (list, tuple)) or len(entry) < 2 or int(entry[1]) != token:
+            raise ResponseError(f"input_token_logprobs entry {entry!r} is not for choice token {token}")
+        if not isinstance(entry[0], (int, float)) or not math.isfinite(entry[0]):
+            raise ResponseError(f"input_token_logprobs entry {entry!r} has no finite logprob")
+        total += float(entry[0])
+    return total
+
+
+def choose(url: str, item: ChoiceItem) -> tuple[float, int]:
+    """(grade, index of the chosen option) of one multiple-choice question."""
+    picked = best_choice([choice_logprob(url, item.context, choice) for choice in item.choices])
+    return float(picked in item.correct), picked
+
+
+def score_cell(
+    url: str, cell: Cell, tok: TaskTokenizer, max_new_tokens: int, concurrency: int, on_done: Callable[[], None]
+) -> tuple[list[float], list[str | int]]:
+    """Per-question scores and answers (text, or chosen option) of one cell, in question order."""
+    def one(item: GenerationItem | ChoiceItem) -> tuple[float, str | int]:
+        try:
+            result = choose(url, item) if isinstance(item, ChoiceItem) else answer(url, item, tok, max_new_tokens)
+        except ResponseError as exc:
+            raise ResponseError(f"{cell.key} question {item.id}: {exc}") from None
+        on_done()
+        return result
+
+    with ThreadPoolExecutor(max_workers=concurrency) as pool:
+        results = list(pool.map(one, cell.items))
+    return [score for score, _ in results], [said for _, said in results]
+
+
+def context_length(cells: Sequence[Cell], max_new_tokens: int) -> int:
+    """The server context the longest request needs, with a margin."""
+    longest = max(len(item.prompt) + max_new_tokens if isinstance(item, GenerationItem)
+                  else len(item.context) + max(len(c) for c in item.choices) + 1
+                  for cell in cells for item in cell.items)
+    return longest + 64
+
+
+def run_served_accuracy(
+    specs: list, ref: str, cells: list[Cell], tok: TaskTokenizer, model: str, options_for: Callable[[Any], Any],
+    console, *, seed: int, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, concurrency: int = DEFAULT_CONCURRENCY,
+) -> ServedAccuracy:
+    """Serve each backend in turn (`bench.served`) and score every cell on it; a backend whose server fails a
+    request keeps the error and the cells scored before it."""
+    from mpfa.harness.bench import _find_key, progress_bar, served, verify_server
+
+    result = ServedAccuracy.empty(model, tok.name, ref, [s.name for s in specs], cells, seed, max_new_tokens)
+    for spec in specs:
+        opts = options_for(spec)
+        with progress_bar(console) as progress, \
+                served(spec, model, context_length(cells, max_new_tokens), opts, progress) as (url, info, _):
+            if opts.engine == "url":
+                verify_server(info, spec)  # `served` checks the servers it launches itself
+            result.simulated = result.simulated or opts.engine == "sim" or bool(info.get("simulated"))
+            result.server_info[spec.name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
+            for cell in cells:
+                bar = progress.add_task(f"{spec.name} {cell.key}", total=len(cell.items))
+                try:
+                    scores, answers = score_cell(url, cell, tok, max_new_tokens, concurrency,
+                                                 lambda: progress.advance(bar))
+                except ResponseError as exc:
+                    result.errors[spec.name] = str(exc)
+                    break
+                result.scores.setdefault(spec.name, {})[cell.key] = scores
+                result.answers.setdefault(spec.name, {})[cell.key] = answers
+    return result

@@ -1,0 +1,165 @@
+"""Results of `mpfa accuracy serve`: per-question scores of every backend, their paired difference to the reference
+backend with a 95% interval, as a table, JSON or CSV.
+
+Stored in the results database as a profile of kind `accuracy-serve` (with the simulated flag of the servers), the
+per-question scores and answers included, so the statistics can be recomputed from the database alone.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from mpfa.kernels.tasks.paired_stats import HALF_WIDTH, PairedDifference, paired_difference
+from mpfa.kernels.tasks.task_sets import cell_key
+
+KIND = "accuracy-serve"
+
+
+@dataclass
+class CellInfo:
+    """What a cell asked: its task, context length (None: natural), metric, question ids and needle depths."""
+
+    task: str
+    length: int | None
+    metric: str
+    ids: list[str]
+    depths: list[float | None]
+
+    @property
+    def key(self) -> str:
+        return cell_key(self.task, self.length)
+
+
+@dataclass
+class SummaryRow:
+    """One backend on one cell: mean score, and for a backend other than the reference the paired difference."""
+
+    task: str
+    length: int | None
+    backend: str
+    n: int
+    score: float
+    difference: PairedDifference | None
+
+
+@dataclass
+class ServedAccuracy:
+    model: str
+    tokenizer: str
+    ref: str
+    backends: list[str]
+    cells: list[CellInfo]
+    seed: int
+    max_new_tokens: int
+    simulated: bool = False
+    scores: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # backend -> cell key -> per question
+    answers: dict[str, dict[str, list[str | int]]] = field(default_factory=dict)  # answer text or chosen option
+    server_info: dict[str, dict[str, Any]] = field(default_factory=dict)
+    errors: dict[str, str] = field(default_factory=dict)  # backend -> the request error that stopped it
+
+    @classmethod
+    def empty(cls, model: str, tokenizer: str, ref: str, backends: list[str], cells: list, seed: int,
+              max_new_tokens: int) -> ServedAccuracy:
+        """A result with no scores yet for the `task_sets.Cell`s to be asked."""
+        infos = [CellInfo(c.task, c.length, c.items[0].metric, [i.id for i in c.items], [i.depth for i in c.items])
+                 for c in cells]
+        return cls(model, tokenizer, ref, backends, infos, seed, max_new_tokens)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_json(cls, doc: dict[str, Any]) -> ServedAccuracy:
+        cells = [CellInfo(**c) for c in doc["cells"]]
+        return cls(**{**doc, "cells": cells})
+
+    def summary(self) -> list[SummaryRow]:
+        """Every scored (cell, backend), cells in order, the reference first."""
+        rows = []
+        ordered = [self.ref, *(b for b in self.backends if b != self.ref)]
+        for cell in self.cells:
+            ref_scores = self.scores.get(self.ref, {}).get(cell.key)
+            for backend in ordered:
+                scores = self.scores.get(backend, {}).get(cell.key)
+                if scores is None:
+                    continue
+                diff = (paired_difference(scores, ref_scores, seed=self.seed)
+                        if backend != self.ref and ref_scores is not None else None)
+                rows.append(SummaryRow(cell.task, cell.length, backend, len(scores), sum(scores) / len(scores), diff))
+        return rows
+
+    def question_rows(self) -> list[dict[str, Any]]:
+        """One row per backend and question: the CSV export."""
+        rows = []
+        for backend in self.backends:
+            for cell in self.cells:
+                scores = self.scores.get(backend, {}).get(cell.key)
+                if scores is None:
+                    continue
+                said = self.answers[backend][cell.key]
+                for qid, depth, score, answer in zip(cell.ids, cell.depths, scores, said):
+                    rows.append({"backend": backend, "task": cell.task, "length": cell.length, "question": qid,
+                                 "depth": depth, "metric": cell.metric, "score": score, "answer": answer,
+                                 "simulated": self.simulated})
+        return rows
+
+
+def export_json(result: ServedAccuracy, stored_id: int | None = None) -> dict[str, Any]:
+    """The stored result with its summary (means and paired differences) added."""
+    summary = [{**asdict(r), "difference": r.difference.to_json() if r.difference else None}
+               for r in result.summary()]
+    return {"id": stored_id, **result.to_json(), "summary": summary}
+
+
+def export_csv(result: ServedAccuracy) -> str:
+    out = io.StringIO()
+    rows = result.question_rows()
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["backend"], lineterminator="\n")
+    writer.writeheader()
+    writer.writerows(rows)
+    return out.getvalue()
+
+
+def _points(value: float) -> str:
+    return f"{100 * value:.1f}"
+
+
+def render(result: ServedAccuracy, console) -> None:
+    """One table: a row per cell, per backend its score and (not the reference) Δ with the 95% interval; the
+    questions a ±3-point interval needs at the spread seen (the largest over the backends)."""
+    from rich.table import Table
+
+    ordered = [result.ref, *(b for b in result.backends if b != result.ref)]
+    title = f"Task accuracy through the server ({result.model}, tokenizer {result.tokenizer}; Δ vs {result.ref}, " \
+            "paired bootstrap 95% interval, points)"
+    if result.simulated:
+        title = f"SIMULATED — {title} — the simulator echoes prompt spans: meaningless as accuracy"
+    table = Table(title=title, title_justify="left")
+    for column in ("task", "length", "metric", "n", *ordered, f"n for ±{100 * HALF_WIDTH:.0f}"):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+    by_cell: dict[str, dict[str, SummaryRow]] = {}
+    for row in result.summary():
+        by_cell.setdefault(cell_key(row.task, row.length), {})[row.backend] = row
+    for cell in result.cells:
+        rows = by_cell.get(cell.key, {})
+        cells, needed = [], []
+        for backend in ordered:
+            row = rows.get(backend)
+            if row is None:
+                cells.append("–")
+            elif row.difference is None:
+                cells.append(_points(row.score))
+            else:
+                d = row.difference
+                cells.append(f"{_points(row.score)} ({100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}])")
+                if d.n_needed is not None:
+                    needed.append(d.n_needed)
+        n = max((r.n for r in rows.values()), default=len(cell.ids))
+        table.add_row(cell.task, "natural" if cell.length is None else str(cell.length), cell.metric, str(n), *cells,
+                      str(max(needed)) if needed else "–")
+    console.print(table)
+    for backend, error in result.errors.items():
+        console.print(f"[red]{backend}: {error}[/]", highlight=False)

@@ -1,0 +1,112 @@
+"""`mpfa accuracy serve` end to end on the simulator (real HTTP, real subprocess servers) with task data planted in
+the cache: every answer and grade the command stores is recomputed here from the simulator's documented
+deterministic outputs, so a wrong prompt, decode, request or score fails; then the stored result's exports."""
+from __future__ import annotations
+
+import csv
+import io
+import json
+
+import pytest
+
+from mpfa.harness.sim_server import SimLogprobs, echoed_ids, prompt_digest
+from mpfa.harness.store import ResultStore
+from mpfa.kernels.tasks.items import ChoiceItem
+from mpfa.kernels.tasks.scoring import best_choice
+from mpfa.kernels.tasks.task_sets import build_cells
+from mpfa.kernels.tasks.tokens import ByteTokenizer, answer_text
+
+BACKENDS = ("fa4-bf16", "mpfa")
+MAX_NEW = 12
+
+
+@pytest.fixture
+def task_cache(tmp_path, monkeypatch):
+    """SQuAD, social_iqa and the essays where `data.task_file` / `data.essay_text` look, so nothing downloads."""
+    root = tmp_path / "cache"
+    bigbench = root / "datasets" / "bigbench-1.0.0"
+    (bigbench / "squad_shifts").mkdir(parents=True)
+    (bigbench / "social_iqa").mkdir(parents=True)
+    (root / "models" / "text").mkdir(parents=True)
+    articles = [{"title": f"article {a}", "paragraphs": [{
+        "context": f"River {a} flows north past the town of Rivet {a}. " * 3,
+        "qas": [{"id": f"q{a}", "question": f"Where does river {a} flow?",
+                 "answers": [{"answer_start": 9, "text": "flows north"}]}]}]} for a in range(30)]
+    (bigbench / "squad_shifts" / "squaddev_v1.1.json").write_text(json.dumps({"data": articles}))
+    (bigbench / "social_iqa" / "task.json").write_text(json.dumps({"examples": [
+        {"input": f"Question {i}?", "target_scores": {"yes": 1, "no": 0, "maybe so": 0}} for i in range(10)]}))
+    (root / "models" / "text" / "paul_graham_essays.txt").write_text(
+        " ".join(f"Sentence {i} is about painters and hackers." for i in range(600)))
+    monkeypatch.setenv("MPFA_CACHE", str(root))
+    return root
+
+
+def _expected(cell, backend: str, tok: ByteTokenizer) -> tuple[list[float], list]:
+    """What the simulator's answers must score: generation echoes a prompt span; a choice's log-likelihood sums the
+    simulated logprobs of its tokens."""
+    scores, said = [], []
+    for item in cell.items:
+        if isinstance(item, ChoiceItem):
+            sums = []
+            for choice in item.choices:
+                ids = [*item.context, *choice]
+                lp = SimLogprobs(backend, prompt_digest(ids), ids, echoed_ids(ids, prompt_digest(ids), 1),
+                                 len(item.context) - 1, 0)
+                sums.append(sum(lp.values[len(item.context):len(ids)]))
+            pick = best_choice(sums)
+            scores.append(float(pick in item.correct))
+            said.append(pick)
+        else:
+            text = answer_text(tok, echoed_ids(list(item.prompt), prompt_digest(list(item.prompt)), MAX_NEW))
+            scores.append(item.score(text))
+            said.append(text)
+    return scores, said
+
+
+def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, task_cache):
+    run = mpfa("accuracy", "serve", "--engine", "sim", "--time-scale", "0.02", "-b", ",".join(BACKENDS),
+               "--tasks", "niah-multikey,squad-long,social_iqa", "--lengths", "600,900", "--limit", "6",
+               "--max-new-tokens", str(MAX_NEW), "--seed", "2", "--concurrency", "3", timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "SIMULATED" in run.stdout and "niah-multikey" in run.stdout
+
+    with ResultStore(mpfa.db) as store:
+        (stored,) = store.list_profiles("accuracy-serve")
+    assert stored.simulated and stored.gpu == "simulated"
+    doc = stored.result
+    tok = ByteTokenizer()
+    cells = build_cells(tok, ["niah-multikey", "squad-long", "social_iqa"], [600, 900], limit=6, seed=2)
+    assert [c["task"] for c in doc["cells"]] == [c.task for c in cells]
+    assert all(len(item.prompt) == c.length for c in cells if c.length for item in c.items)
+    for backend in BACKENDS:
+        for cell in cells:
+            scores, said = _expected(cell, backend, tok)
+            assert doc["answers"][backend][cell.key] == said, (backend, cell.key)
+            assert doc["scores"][backend][cell.key] == scores, (backend, cell.key)
+    assert any(s > 0 for s in doc["scores"]["fa4-bf16"]["squad-long@900"])  # some echoed spans hit the answer
+
+    listed = mpfa("accuracy", "served")
+    assert listed.returncode == 0 and "SIMULATED" in listed.stdout
+    exported = mpfa("accuracy", "served", str(stored.id), "--format", "csv")
+    rows = list(csv.DictReader(io.StringIO(exported.stdout)))
+    assert len(rows) == len(BACKENDS) * sum(len(c.items) for c in cells)
+    assert {r["simulated"] for r in rows} == {"True"}
+    summary = json.loads(mpfa("accuracy", "served", str(stored.id), "--format", "json").stdout)[0]["summary"]
+    other = [r for r in summary if r["backend"] == "mpfa"]
+    assert len(other) == len(cells) and all(r["difference"]["n"] == 6 for r in other)
+    plot = mpfa("accuracy", "served", str(stored.id), "--plot", str(mpfa.tmp / "served.png"))
+    assert plot.returncode == 0 and (mpfa.tmp / "served.png").stat().st_size > 0
+
+
+def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):
+    for args, message in [
+        (("--tasks", "bogus"), "unknown task bogus"),
+        (("--tasks", "niah-single", "--lengths", "100"), "at least 256 tokens"),
+        (("--tokenizer", "/nonexistent"), "neither 'bytes' nor a model directory"),
+    ]:
+        run = mpfa("accuracy", "serve", "--engine", "sim", *args)
+        assert run.returncode == 2, (args, run.stderr)
+        assert message in run.stderr and "Traceback" not in run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1, run.stderr
+    run = mpfa("accuracy", "served", "1")
+    assert run.returncode == 2 and "no profile with id 1" in run.stderr

@@ -1,0 +1,72 @@
+"""The served-accuracy client against canned `/generate` answers: counts and ids checked, answers decoded and
+scored; the stored result's summary, JSON round trip and CSV rows."""
+from __future__ import annotations
+
+import pytest
+
+from mpfa.harness import accuracy_serve
+from mpfa.harness.logits import ResponseError
+from mpfa.harness.served_accuracy import ServedAccuracy, export_csv
+from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
+from mpfa.kernels.tasks.task_sets import Cell
+from mpfa.kernels.tasks.tokens import ByteTokenizer
+
+TOK = ByteTokenizer()
+ITEM = GenerationItem("niah-single", "n-0", tuple(TOK.encode("prompt")), ("4711",), "contains", 4096, 0.5)
+CHOICE = ChoiceItem("social_iqa", "s-0", (1, 50, 51), ((60, 61), (70,)), frozenset({1}))
+
+
+def _canned(monkeypatch, answer):
+    sent = []
+    monkeypatch.setattr(accuracy_serve, "post_generate", lambda url, body: sent.append(body) or answer(body))
+    return sent
+
+
+def test_answer_sends_ids_greedy_and_scores_the_decoded_first_line(monkeypatch):
+    sent = _canned(monkeypatch, lambda body: {
+        "output_ids": TOK.encode(" 4711\nmore") + [TOK.EOS], "meta_info": {"prompt_tokens": len(ITEM.prompt)}})
+    assert accuracy_serve.answer("http://x", ITEM, TOK, 16) == (1.0, "4711")
+    assert sent[0]["input_ids"] == list(ITEM.prompt)
+    assert sent[0]["sampling_params"] == {"max_new_tokens": 16, "temperature": 0, "stop_token_ids": [TOK.EOS]}
+
+
+@pytest.mark.parametrize("body, message", [
+    ({"output_ids": [], "meta_info": {"prompt_tokens": 5}}, "counted 5 prompt tokens, 6 were sent"),
+    ({"error": {"message": "boom"}}, "server error: boom"),
+    ({"output_ids": [5] * 17, "meta_info": {}}, "at most 16"),
+])
+def test_answer_refuses_a_response_that_does_not_fit_the_request(monkeypatch, body, message):
+    _canned(monkeypatch, lambda _: body)
+    with pytest.raises(ResponseError, match=message):
+        accuracy_serve.answer("http://x", ITEM, TOK, 16)
+
+
+def test_choose_sums_the_choice_tokens_logprobs(monkeypatch):
+    logprob = {60: -1.0, 61: -2.5, 70: -3.0}
+
+    def reply(body):
+        ids = body["input_ids"]
+        start = body["logprob_start_len"]
+        return {"meta_info": {"prompt_tokens": len(ids), "input_token_logprobs": [
+            [None if p == 0 else logprob.get(ids[p], -0.1), ids[p], None] for p in range(start, len(ids))]}}
+
+    sent = _canned(monkeypatch, reply)
+    assert accuracy_serve.choose("http://x", CHOICE) == (1.0, 1)  # -3.0 beats -3.5
+    assert [b["logprob_start_len"] for b in sent] == [2, 2]
+    _canned(monkeypatch, lambda body: {"meta_info": {"input_token_logprobs": [[-1.0, 99, None]] * 3}})
+    with pytest.raises(ResponseError, match="not for choice token"):
+        accuracy_serve.choose("http://x", CHOICE)
+
+
+def test_result_summary_round_trip_and_csv():
+    cell = Cell("niah-single", 4096, tuple(GenerationItem("niah-single", f"n-{i}", (1,), ("1",), "contains", 4096,
+                                                          0.0) for i in range(40)))
+    result = ServedAccuracy.empty("m", "bytes", "fa4-bf16", ["fa4-bf16", "mpfa"], [cell], 0, 16)
+    result.scores = {"fa4-bf16": {cell.key: [1.0] * 40}, "mpfa": {cell.key: [1.0] * 30 + [0.0] * 10}}
+    result.answers = {b: {cell.key: ["x"] * 40} for b in result.backends}
+    ref, other = result.summary()
+    assert (ref.backend, ref.score, ref.difference) == ("fa4-bf16", 1.0, None)
+    assert other.score == 0.75 and other.difference.mean == pytest.approx(-0.25) and other.difference.high < 0
+    assert ServedAccuracy.from_json(result.to_json()) == result
+    lines = export_csv(result).splitlines()
+    assert len(lines) == 81 and lines[0].startswith("backend,task,length,question,depth")
