@@ -99,7 +99,7 @@ def bench(
             info.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
         info.print(f"{len(specs)} backend(s) x {len(spec.points())} point(s) x {spec.repeats} repeat(s); "
                       f"estimated duration {_duration(estimated_seconds(spec, specs, opts))} "
-                      f"({_pace(opts)})")
+                      f"({_pace(opts)})", highlight=False)  # Rich would colour '0x' of '10000x' as hex
         try:
             run_ids = run_bench(spec, specs, opts, store, info)
         except RunInterrupted as exc:
