@@ -23,9 +23,9 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from mpfa.harness import metrics
-from mpfa.harness.errors import UserError
+from mpfa.harness.errors import UserError, field_names
 from mpfa.harness.records import RequestRecord
-from mpfa.harness.scenario import MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REPEATS, MAX_REQUESTS
+from mpfa.harness.scenario import MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REPEATS, MAX_REQUESTS, load_problem
 from mpfa.harness.served_kernels import describe_kernels
 from mpfa.harness.store import FINAL_STATUSES, StoredRun, load_key
 
@@ -105,6 +105,8 @@ def run_from_dict(data: Any) -> StoredRun:
     run = dataclass_from_dict(StoredRun, data, "run", optional={"caveat", "requests", "kernels"}, ranges=_RUN_RANGES)
     if run.status not in (*FINAL_STATUSES, "running"):
         raise ValueError(f"run {run.id} has status {run.status!r}, not one of {', '.join(FINAL_STATUSES)}, running")
+    if (problem := load_problem(run.load)) is not None:
+        raise ValueError(f"run {run.id}: {problem}")
     run.requests = [_request_from_dict(r, f"run {run.id} request") for r in run.requests]
     indices = [r.index for r in run.requests]
     if len(set(indices)) < len(indices):
@@ -135,7 +137,7 @@ def dataclass_from_dict(cls: type, data: Any, what: str, optional: set[str] = fr
     fields = {f.name: f for f in dataclasses.fields(cls)}
     hints = typing.get_type_hints(cls)
     if unknown := sorted(set(data) - set(fields) - derived):
-        raise ValueError(f"a {what} has unknown field(s) {', '.join(unknown)}")
+        raise ValueError(f"a {what} has unknown field(s) {field_names(unknown)}")
     if missing := sorted(n for n in fields if n not in data and n not in optional):
         raise ValueError(f"a {what} lacks field(s) {', '.join(missing)}")
     for name, value in data.items():

@@ -42,7 +42,7 @@ from mpfa.harness.run_tables import (
     CAVEAT_MARK, BackendResult, Config, Estimate, add_footnotes, aggregate, backend_label, caveat_notes, context_label,
     format_number, higher_is_better, id_list, load_label, metric_unit,
 )
-from mpfa.harness.scenario import MAX_INPUT_LEN, MAX_REPEATS
+from mpfa.harness.scenario import MAX_INPUT_LEN, MAX_REPEATS, load_problem
 from mpfa.harness.store import StoredRun, load_key
 
 GATED_METRICS = ("otps", "ttft_ms_median", "tpot_ms_median")
@@ -214,11 +214,8 @@ def _entry_from_dict(data: Any, what: str) -> BaselineEntry:
         raise ValueError(f"{what}: ci_low and ci_high must both be null exactly when n is 1 (n={entry.n})")
     if entry.ci_low is not None and not entry.ci_low <= entry.mean <= entry.ci_high:
         raise ValueError(f"{what}: mean {entry.mean} lies outside [ci_low, ci_high]")
-    try:
-        load_label(entry.load)
-    except (KeyError, TypeError):
-        raise ValueError(f"{what}: load {entry.load!r:.60} is neither {{concurrency}} nor {{rate, burstiness}}"
-                         ) from None
+    if (problem := load_problem(entry.load)) is not None:
+        raise ValueError(f"{what}: {problem}")
     return entry
 
 

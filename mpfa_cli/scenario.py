@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from mpfa.harness.errors import UserError
+from mpfa.harness.errors import UserError, field_names
 from mpfa.harness.latency_model import ModelShape
 from mpfa.scenarios import MODEL_DIR, SCENARIO_DIR
 
@@ -35,6 +35,7 @@ class LoadPoint:
     def label(self) -> str:
         load = f"c={self.concurrency}" if self.concurrency is not None else f"rate={self.rate}/s"
         return f"{self.input_len // 1024}K {load}" if self.input_len >= 1024 else f"{self.input_len} {load}"
+
 
 
 @dataclass
@@ -89,6 +90,28 @@ MAX_REPEATS = 1000
 MAX_CONCURRENCY = 100_000
 MAX_RATE = 1e6
 MAX_SEED = 2**63 - 1
+
+
+
+def load_problem(load: Any) -> str | None:
+    """Why a load as stored with a run or a baseline entry is not one a scenario makes, if it is not: it must be
+    {"concurrency": c} or {"rate": r[, "burstiness": b]}, within the scenario bounds."""
+    def number(value: Any) -> bool:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    if isinstance(load, dict) and load.keys() == {"concurrency"}:
+        concurrency = load["concurrency"]
+        if isinstance(concurrency, int) and not isinstance(concurrency, bool) and 1 <= concurrency <= MAX_CONCURRENCY:
+            return None
+        return f"load concurrency {concurrency!r:.40} is not an integer in [1, {MAX_CONCURRENCY}]"
+    if isinstance(load, dict) and "rate" in load and load.keys() <= {"rate", "burstiness"}:
+        rate, burstiness = load["rate"], load.get("burstiness", 1.0)
+        if not (number(rate) and 0 < rate <= MAX_RATE):
+            return f"load rate {rate!r:.40} is not a number in (0, {MAX_RATE:g}]"
+        if not (number(burstiness) and 0 < burstiness < math.inf):
+            return f"load burstiness {burstiness!r:.40} is not a finite number > 0"
+        return None
+    return f"load {load!r:.60} is neither {{concurrency}} nor {{rate, burstiness}}"
 
 
 def available_scenarios() -> list[str]:
@@ -151,7 +174,7 @@ def _parse(raw: dict[str, Any], path: Path) -> Scenario:
     known = {f.name for f in dataclasses.fields(Scenario)} - {"name", "explicit_points"} | {"points"}
     unknown = sorted(set(raw) - known)
     if unknown:
-        raise UserError(f"{path}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(known))}")
+        raise UserError(f"{path}: unknown field(s) {field_names(unknown)}; valid: {', '.join(sorted(known))}")
     if "points" in raw:
         return _with_points(raw, path)
     missing = [f for f in ("model", "input_len", "output_len", "num_requests") if f not in raw]
@@ -229,7 +252,7 @@ def _with_points(raw: dict[str, Any], path: Path) -> Scenario:
 def _point(table: dict[str, Any], num_requests: int | None, burstiness: float, where: str) -> LoadPoint:
     unknown = sorted(set(table) - _POINT_FIELDS)
     if unknown:
-        raise UserError(f"{where}: unknown field(s) {', '.join(unknown)}; valid: {', '.join(sorted(_POINT_FIELDS))}")
+        raise UserError(f"{where}: unknown field(s) {field_names(unknown)}; valid: {', '.join(sorted(_POINT_FIELDS))}")
     if ("concurrency" in table) == ("rate" in table):
         raise UserError(f"{where}: give either concurrency or rate")
     for key in ("input_len", "concurrency", "num_requests"):
