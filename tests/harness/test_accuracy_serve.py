@@ -70,3 +70,11 @@ def test_result_summary_round_trip_and_csv():
     assert ServedAccuracy.from_json(result.to_json()) == result
     lines = export_csv(result).splitlines()
     assert len(lines) == 81 and lines[0].startswith("backend,task,length,question,depth")
+
+
+def test_window_check_names_the_longest_length_that_fits():
+    cell = Cell("niah-single", 100, (GenerationItem("niah-single", "n", (1,) * 100, ("1",), "contains", 100),))
+    assert accuracy_serve.context_length([cell], 28) == 128
+    accuracy_serve.check_window([cell], 28, 128)
+    with pytest.raises(ValueError, match="needs 129 positions, the model's window is 128: use lengths of at most 99"):
+        accuracy_serve.check_window([cell], 29, 128)
