@@ -19,7 +19,7 @@ from rich.text import Text
 
 IMAGES = Path(__file__).resolve().parent
 COLUMNS, ROWS = 100, 80
-SOCKET = "mpfa-screenshots"  # a tmux server of its own, so no one else's sessions are touched
+SOCKET = "mpfa-screenshots"  # a tmux server of its own, so no one else's panes are touched
 DB = "results.db"  # $MPFA_DB, relative to a scratch directory, so the pictures name no path
 
 SCREENSHOTS = {
@@ -41,7 +41,7 @@ def tmux(*args: str) -> str:
 def pane_text(command: str, cwd: str) -> str:
     """What `command` leaves in a fresh pane, its prompt line first, with colours as ANSI codes."""
     shell = f"printf '$ %s\\n' {shlex.quote(command)}; {command}; tmux wait-for -S done; exec sleep 600"
-    tmux("new-session", "-d", "-s", "shot", "-x", str(COLUMNS), "-y", str(ROWS), "-c", cwd, f"-eMPFA_DB={DB}", shell)
+    tmux("new", "-d", "-s", "shot", "-x", str(COLUMNS), "-y", str(ROWS), "-c", cwd, f"-eMPFA_DB={DB}", shell)
     try:
         tmux("wait-for", "done")
         return tmux("capture-pane", "-t", "shot", "-e", "-p", "-S", "-", "-E", "-").rstrip() + "\n"
