@@ -512,6 +512,8 @@ def prepare_batch(
     means: SmoothingMeans | None = None,
     query_lengths: torch.Tensor | None = None,
     key_lengths: torch.Tensor | None = None,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> Operands:
     """`prepare_one_sequence` of B right-padded rows at once: q [B, Sq, Hq, d], k, v [B, Lk, Hkv, d] -> operands in the
     same layouts, Delta_S [B, Lk, Hq]. Row b's valid queries / keys are its first ``query_lengths[b]`` /
@@ -519,9 +521,12 @@ def prepare_batch(
     row's first key), so keys past a row's length are set to zero first: its blocks then see the zeros the
     one-sequence form pads with, and the valid operands equal that row's `prepare_one_sequence`. Padding operands
     are finite and must be masked (`attend_prepared_batch`). Smoothing variants without ``means`` [B, ...] use each
-    row's means over its valid queries and keys (`masked_means`). ``float64`` returns the inputs in float64."""
+    row's means over its valid queries and keys (`masked_means`). ``float64`` returns the inputs in float64.
+    ``k_scale`` / ``v_scale``: FP8 K / V scales, one FP32 value per KV head [Hkv] (calibrated; default 1.0)."""
     spec = _variant(variant)
-    _check_options(spec, means, None)
+    _check_options(spec, means, v_scale)
+    if k_scale is not None and spec.k != "fp8":
+        raise ValueError(f"k_scale applies to FP8 K; variant {spec.name!r} stores K as {spec.k}")
     if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0]:
         raise ValueError(
             f"q must be [B, Sq, Hq, d] and k, v [B, Lk, Hkv, d], got {tuple(q.shape)} and {tuple(k.shape)}")
@@ -549,10 +554,22 @@ def prepare_batch(
     if spec.v == "nvfp4":
         v_op = _fake_quant_along_tokens(v)
     elif spec.v == "fp8":
-        v_op = fake_quant_fp8(v, _v_scale(None, v))
+        v_op = fake_quant_fp8(v, _head_scale(v_scale, v, "v_scale"))
     else:
         v_op = _operand(v, spec.v)
-    return Operands(_operand(q, spec.q), _operand(k, spec.k), v_op, ds)
+    k_op = fake_quant_fp8(k, _head_scale(k_scale, k, "k_scale")) if spec.k == "fp8" else _operand(k, spec.k)
+    return Operands(_operand(q, spec.q), k_op, v_op, ds)
+
+
+def _head_scale(scale: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | float:
+    """A per-KV-head scale [Hkv] broadcast over x [B, L, Hkv, d]; 1.0 when None."""
+    if scale is None:
+        return 1.0
+    scale = torch.as_tensor(scale, dtype=torch.float32, device=x.device)
+    if tuple(scale.shape) != (x.shape[2],) or not bool((scale > 0).all() & torch.isfinite(scale).all()):
+        raise ValueError(f"{name} must hold one positive finite value per KV head [{x.shape[2]}], "
+                         f"got {tuple(scale.shape)}")
+    return scale.view(1, 1, -1, 1)
 
 
 def _requantize_key_tiles(k_op: torch.Tensor, block_n: int, key_lengths: torch.Tensor | None) -> torch.Tensor:

@@ -25,6 +25,11 @@ BF16 Q/K of the row's valid prompt tokens (`masked_means`) and keeps them; later
 steps, or continuations scored on top of the prompts' cache) reuse them. Call `reset()` before each new batch, and
 `select_rows(index)` when the cache's rows are selected or repeated (`Cache.batch_select_indices`).
 
+FP8 with calibrated scales (`fp8-calibrated`): the `fp8` variant with one K and one V scale per layer and KV head,
+amax / 448 over a calibration text (`calibrate_kv_scales`: one BF16 forward pass, the largest |K| and |V| each KV
+head saw), fixed for every request as a calibrated checkpoint's scales are; `fp8` itself uses scale 1.0, what a
+server does without calibrated scales.
+
 Limits: causal decoder self-attention, no sliding window.
 """
 
@@ -34,12 +39,21 @@ from dataclasses import dataclass
 
 import torch
 
+from mpfa.kernels.formats import E4M3_MAX
 from mpfa.kernels.reference import VARIANTS, attend_prepared_batch, piecewise_keys, prepare_batch
 from mpfa.kernels.smoothing import SmoothingMeans, masked_means
 
 
 class AttentionSwapError(ValueError):
     """The model or the call does not fit what the swapped attention supports."""
+
+
+# Swap-only variants: name -> (reference variant, needs calibrated K/V scales).
+CALIBRATED = {"fp8-calibrated": "fp8"}
+SWAP_VARIANTS = (*VARIANTS, *CALIBRATED)
+
+# (K scale, V scale) per layer, each one FP32 value per KV head [Hkv].
+KVScales = dict[int, tuple[torch.Tensor, torch.Tensor]]
 
 
 def implementation_name(variant: str) -> str:
@@ -100,12 +114,18 @@ class VariantAttention:
 
     block_n = 128
 
-    def __init__(self, variant: str):
-        if variant not in VARIANTS:
-            raise AttentionSwapError(f"unknown attention variant {variant!r}; choose one of {', '.join(VARIANTS)}")
-        self.variant = variant
-        self.smoothing = VARIANTS[variant].smoothing
-        self.keep_keys = piecewise_keys(variant)
+    def __init__(self, variant: str, kv_scales: KVScales | None = None):
+        if variant not in SWAP_VARIANTS:
+            raise AttentionSwapError(f"unknown attention variant {variant!r}; choose one of {', '.join(SWAP_VARIANTS)}")
+        if (variant in CALIBRATED) != (kv_scales is not None):
+            raise AttentionSwapError(f"{variant}: calibrated K/V scales go with {', '.join(CALIBRATED)} only, "
+                                     "and these need them (calibrate_kv_scales)")
+        self.name = variant
+        self.variant = CALIBRATED.get(variant, variant)
+        self.kv_scales = kv_scales or {}
+        self.kv_amax: KVScales | None = None  # when a dict: record each layer's per-head amax of K and V (bf16 only)
+        self.smoothing = VARIANTS[self.variant].smoothing
+        self.keep_keys = piecewise_keys(self.variant)
         self._means: dict[int, SmoothingMeans] = {}
         self._keys: dict[int, _KeyOperands] = {}
         self._key_mask: torch.Tensor | None = None
@@ -179,13 +199,15 @@ class VariantAttention:
         # [B, H, S, d] -> [B, S, H, d], the reference's padded-batch layout
         q, k, v = (t.transpose(1, 2) for t in (query, key, value))
         means = self._layer_means(module.layer_idx, q, k, layout)
+        if self.kv_amax is not None:
+            self._record_amax(module.layer_idx, layout.compact(k), layout.compact(v), layout.key_lengths)
         sm_scale = module.scaling if scaling is None else scaling
         if self.keep_keys:
             q_op, kept = self._operands(module.layer_idx, q, k, v, means)
             k_op, v_op, ds = layout.compact(kept.k), layout.compact(kept.v), layout.compact(kept.delta_s)
         else:  # float64, NVFP4 V (blocked along tokens): compact the raw keys, then prepare them
             ops = prepare_batch(q, layout.compact(k), layout.compact(v), variant=self.variant, means=means,
-                                key_lengths=layout.key_lengths)
+                                key_lengths=layout.key_lengths, **self._scales(module.layer_idx))
             q_op, k_op, v_op, ds = ops.q, ops.k, ops.v, ops.delta_s
         out = attend_prepared_batch(q_op, k_op, v_op, ds, variant=self.variant, sm_scale=sm_scale,
                                     block_n=self.block_n, key_lengths=layout.key_lengths,
@@ -201,7 +223,7 @@ class VariantAttention:
         reuse = (kept is not None and kept.keys.shape[0] == k.shape[0] and kept.keys.shape[1] >= start > 0
                  and torch.equal(kept.keys[:, :start], k[:, :start]))
         new = prepare_batch(q, k[:, start:] if reuse else k, v[:, start:] if reuse else v, variant=self.variant,
-                            means=means)
+                            means=means, **self._scales(layer))
         if reuse:
             ds = None if new.delta_s is None else torch.cat([kept.delta_s[:, :start], new.delta_s], 1)
             ops = _KeyOperands(k, torch.cat([kept.k[:, :start], new.k], 1), torch.cat([kept.v[:, :start], new.v], 1),
@@ -212,19 +234,53 @@ class VariantAttention:
         return new.q, ops
 
 
+    def _scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The calibrated K/V scales of `layer` as `prepare_batch` arguments; none for uncalibrated variants."""
+        if not self.kv_scales:
+            return {}
+        if layer not in self.kv_scales:
+            raise AttentionSwapError(f"no calibrated K/V scales for layer {layer}")
+        k_scale, v_scale = self.kv_scales[layer]
+        return {"k_scale": k_scale, "v_scale": v_scale}
+
+    def _record_amax(self, layer: int, k: torch.Tensor, v: torch.Tensor, lengths: torch.Tensor | None) -> None:
+        """Fold the largest |K| and |V| of each KV head over the valid keys [B, L, Hkv, d] into `kv_amax`."""
+        if lengths is not None:
+            valid = (torch.arange(k.shape[1], device=k.device)[None] < lengths[:, None])[..., None, None]
+            k, v = k.masked_fill(~valid, 0), v.masked_fill(~valid, 0)
+        new = tuple(x.to(torch.bfloat16).float().abs().amax(dim=(0, 1, 3)).cpu() for x in (k, v))
+        old = self.kv_amax.get(layer)
+        self.kv_amax[layer] = new if old is None else (torch.maximum(old[0], new[0]), torch.maximum(old[1], new[1]))
+
+
+def calibrate_kv_scales(model, ids: list[int]) -> KVScales:
+    """Per layer, K and V scales per KV head, amax / 448 of the BF16 keys and values of one forward pass over `ids`
+    (all-zero heads get 1.0)."""
+    fn = install(model, "bf16")
+    fn.kv_amax = {}
+    device = next(model.parameters()).device
+    with torch.inference_mode():
+        model(input_ids=torch.tensor([ids], device=device), use_cache=False)
+    if not fn.kv_amax:
+        raise AttentionSwapError("the calibration pass reached no attention layer")
+    return {layer: tuple(torch.where(a > 0, a / E4M3_MAX, torch.ones_like(a)) for a in amax)
+            for layer, amax in fn.kv_amax.items()}
+
+
 def _no_mask(*_args, **_kwargs) -> None:
     """transformers' mask function for the swapped attention: none is built (the slot mask does the masking)."""
     return None
 
 
-def install(model, variant: str) -> VariantAttention:
-    """Register `variant` with transformers and switch `model` to it; returns the function (for `reset()`)."""
+def install(model, variant: str, kv_scales: KVScales | None = None) -> VariantAttention:
+    """Register `variant` (with its calibrated `kv_scales`, for `CALIBRATED` variants) with transformers and switch
+    `model` to it; returns the function (for `reset()`)."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     if getattr(model.config, "use_sliding_window", False):
         raise AttentionSwapError("models with sliding-window attention are not supported")
-    fn = VariantAttention(variant)
+    fn = VariantAttention(variant, kv_scales)
     name = implementation_name(variant)
     AttentionInterface.register(name, fn)
     AttentionMaskInterface.register(name, _no_mask)

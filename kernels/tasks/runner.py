@@ -13,9 +13,9 @@ import statistics
 import time
 from collections.abc import Callable, Sequence
 
-from mpfa.kernels.reference import VARIANTS
 from mpfa.kernels.tasks import data
-from mpfa.kernels.tasks.attention_swap import install
+from mpfa.kernels.tasks.attention_swap import (CALIBRATED, SWAP_VARIANTS, KVScales, VariantAttention,
+                                               calibrate_kv_scales, install)
 from mpfa.kernels.tasks.generation import batch_choice_logprobs, greedy_answers, load_model
 from mpfa.kernels.tasks.items import choice_items, squad_items
 from mpfa.kernels.tasks.long_context import squad_long_items
@@ -30,6 +30,7 @@ DEFAULT_VARIANTS = ("bf16", "fp8", "qk4-pv8-direct", "mpfa")
 DEFAULT_CONTEXT_PAD = 1024
 DEFAULT_MAX_NEW_TOKENS = 16
 DEFAULT_BATCH_SIZE = 16
+CALIBRATION_TOKENS = 2048  # of the essays: the text the FP8 K/V scales of `fp8-calibrated` are calibrated on
 
 # (task, variant, examples done, examples total) -> None
 ProgressFn = Callable[[str, str, int, int], None]
@@ -43,8 +44,8 @@ def _check_request(
         raise ValueError("pass at least one task and one variant")
     if bad := [t for t in tasks if t not in TASKS]:
         raise ValueError(f"unknown task {', '.join(bad)}; choose from {', '.join(TASKS)}")
-    if bad := [v for v in variants if v not in VARIANTS]:
-        raise ValueError(f"unknown variant {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
+    if bad := [v for v in variants if v not in SWAP_VARIANTS]:
+        raise ValueError(f"unknown variant {', '.join(bad)}; choose from {', '.join(SWAP_VARIANTS)}")
     if len(set(tasks)) != len(tasks) or len(set(variants)) != len(variants):
         raise ValueError("tasks and variants must not repeat")
     if limit is not None and limit < 1:
@@ -83,11 +84,15 @@ def _in_order(batches: Sequence[list[int]], run: Callable[[list[int]], Sequence]
     return [found[i] for i in range(len(found))]
 
 
-def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size, progress) -> TaskScores:
+def _install(lm, variant: str, kv_scales: KVScales | None) -> VariantAttention:
+    return install(lm.model, variant, kv_scales if variant in CALIBRATED else None)
+
+
+def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size, progress, kv_scales) -> TaskScores:
     result, answers = TaskScores(task, "f1", len(examples)), {}
     batches = _batches([len(p) for p in prompts], batch_size)
     for variant in variants:
-        attention, start = install(lm.model, variant), time.perf_counter()
+        attention, start = _install(lm, variant, kv_scales), time.perf_counter()
         answers[variant] = _in_order(
             batches, lambda batch: greedy_answers(lm, [prompts[i] for i in batch], attention, max_new_tokens),
             lambda done: progress(task, variant, done, len(examples)))
@@ -100,11 +105,11 @@ def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size
     return result
 
 
-def _run_choice(lm, task, examples, prompts, variants, batch_size, progress) -> TaskScores:
+def _run_choice(lm, task, examples, prompts, variants, batch_size, progress, kv_scales) -> TaskScores:
     result, picks = TaskScores(task, "grade", len(examples)), {}
     batches = _batches([len(context) for context, _ in prompts], batch_size)
     for variant in variants:
-        attention, start = install(lm.model, variant), time.perf_counter()
+        attention, start = _install(lm, variant, kv_scales), time.perf_counter()
         logprobs = _in_order(
             batches, lambda batch: batch_choice_logprobs(lm, [prompts[i] for i in batch], attention),
             lambda done: progress(task, variant, done, len(examples)))
@@ -139,6 +144,8 @@ def run_task_accuracy(
     report_progress = progress or (lambda *_: None)
     results = []
     tok = HFTokenizer(lm.tokenizer, lm.name)
+    kv_scales = (calibrate_kv_scales(lm.model, tok.encode(data.essay_text())[:CALIBRATION_TOKENS])
+                 if any(v in CALIBRATED for v in variants) else None)
     for task in tasks:
         if task in ("squad", "squad-long"):
             everything = data.load_squad(data.task_file("squad"))
@@ -147,14 +154,16 @@ def run_task_accuracy(
                      else squad_items(tok, examples))
             prompts = [list(item.prompt) for item in items]
             results.append(_run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size,
-                                      report_progress))
+                                      report_progress, kv_scales))
         else:
             examples = select_examples(task, data.load_multiple_choice(data.task_file(task)), offset, limit)
             prompts = [(list(item.context), [list(c) for c in item.choices])
                        for item in choice_items(tok, examples, task, offset)]
-            results.append(_run_choice(lm, task, examples, prompts, variants, batch_size, report_progress))
+            results.append(_run_choice(lm, task, examples, prompts, variants, batch_size, report_progress, kv_scales))
     params = {"tasks": tasks, "variants": variants, "offset": offset, "limit": limit, "context_pad": context_pad,
               "max_new_tokens": max_new_tokens, "batch_size": batch_size}
+    if kv_scales is not None:
+        params["kv_calibration"] = f"first {CALIBRATION_TOKENS} tokens of {data.ESSAYS_SOURCE}"
     return TaskAccuracyReport(lm.name, str(lm.device), params, results)
 
 

@@ -44,7 +44,7 @@ def accuracy_kernel(
 def accuracy_task(
     model: Annotated[str, typer.Option("--model", help="qwen2.5-coder-1.5b, smollm2-135m, a .gguf file or a model directory.")],
     tasks: Annotated[str, typer.Option(help="Comma-separated: squad, squad-long, social_iqa.")] = "squad,social_iqa",
-    variants: Annotated[str, typer.Option(help="Comma-separated attention variants.")] = "bf16,fp8,qk4-pv8-direct,mpfa",
+    variants: Annotated[str, typer.Option(help="Comma-separated attention variants; also mpfa-qk8tile-psum (what the shipped fp8 prefill kernel computes) and fp8-calibrated (FP8 K/V with per-head scales calibrated on the essays).")] = "bf16,fp8,qk4-pv8-direct,mpfa",
     limit: Annotated[Optional[int], typer.Option(help="Examples per task (default: all).")] = None,
     offset: Annotated[int, typer.Option(help="Skip the first N examples of each task (run a long job as shards; `mpfa accuracy results --merge` joins them).")] = 0,
     context_pad: Annotated[int, typer.Option("--context-pad", help="squad-long: the exact length of each prompt in tokens (the passage hidden among other articles' passages).")] = 1024,

@@ -163,7 +163,7 @@ def _padded_run(model, fn, rows: list[torch.Tensor], steps: torch.Tensor,
 
 
 @torch.inference_mode()
-@pytest.mark.parametrize("variant", ["bf16", "fp8", "mpfa", "qk4-pv4"])
+@pytest.mark.parametrize("variant", ["bf16", "fp8", "mpfa", "qk4-pv4", "mpfa-qk8tile-psum"])
 def test_padded_batch_logits_equal_each_row_alone_and_kept_keys_stay_exact(variant, monkeypatch):
     """A padded batch (prefill + decode steps with a finished row) gives each row's logits as run alone without any
     mask, and the per-slot kept key operands give bit-identical logits to preparing every key at every call."""
@@ -207,3 +207,29 @@ def test_select_rows_must_follow_the_cache():
             model(input_ids=_ids(19, 3).view(3, 1), cache=out.cache, use_cache=True)
         fn.select_rows(torch.tensor([0, 0, 1]))
         assert torch.isfinite(model(input_ids=_ids(19, 3).view(3, 1), cache=out.cache, use_cache=True).logits).all()
+
+
+@torch.inference_mode()
+def test_calibrated_fp8_scales_each_kv_head_by_its_calibration_amax():
+    """`calibrate_kv_scales` records amax / 448 per layer and KV head from one BF16 pass; fp8-calibrated runs the
+    fp8 reference with those scales (a saturating K, here 5000x, clips at scale 1 and not with them)."""
+    from mpfa.kernels.tasks.attention_swap import calibrate_kv_scales
+
+    model, ids = _tiny_model(21), _ids(22, 48)
+    for layer in model.model.layers:  # push K far past e4m3's 448
+        layer.self_attn.k_proj.weight.mul_(5000.0)
+    scales = calibrate_kv_scales(model, ids[0].tolist())
+    assert sorted(scales) == list(range(len(model.model.layers)))
+    heads = model.config.num_key_value_heads
+    assert all(k.shape == (heads,) and v.shape == (heads,) for k, v in scales.values())
+    assert all(bool((k > 1).all()) for k, _ in scales.values())  # amax well above 448
+    logits = {}
+    for variant, kv in (("bf16", None), ("fp8", None), ("fp8-calibrated", scales)):
+        install(model, variant, kv_scales=kv).reset()
+        logits[variant] = model(input_ids=ids).logits
+    error = {v: float((logits[v] - logits["bf16"]).norm()) for v in ("fp8", "fp8-calibrated")}
+    assert error["fp8-calibrated"] < error["fp8"] / 2
+    with pytest.raises(AttentionSwapError, match="calibrated K/V scales"):
+        VariantAttention("fp8-calibrated")
+    with pytest.raises(AttentionSwapError, match="calibrated K/V scales"):
+        VariantAttention("fp8", scales)
