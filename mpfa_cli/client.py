@@ -3,9 +3,10 @@
 One aiohttp session serves the whole run (no connection cap, so 512+ concurrent streams are fine). The
 timestamps are taken where the bytes are (`stamped_reads`), not where a request's task happens to run:
 a chunk's arrival is stamped by the connection on the socket read that delivered it, before any parsing,
-and a request's dispatch right before its bytes are written to the socket. Everything else the client does
-(parsing the SSE events, building the next request, the caller's `on_complete`) waits for quiet sockets
-(`stamped_reads.Turns`), and Python's cyclic garbage collector is paused for the run.
+and a request's dispatch right before its bytes are written to the socket. The client's own work runs one step
+per event-loop iteration (`stamped_reads.Turns`): a freed slot's next request first, everything else (parsing
+the SSE events, the caller's `on_complete`) when the sockets are quiet; Python's cyclic garbage collector is
+paused for the run.
 
 Tokens per chunk come from the server's running count (`meta_info.completion_tokens` on `/generate`,
 `usage.completion_tokens` on `/v1/completions` with continuous usage stats), which is right whether the
@@ -258,9 +259,9 @@ async def _wait_end(stream: _EventStream, turns: Turns, timeouts: Timeouts) -> N
     too long since the last read is an error (`first_token_s` before the first body bytes, `chunk_s` after):
     one timer per request, where aiohttp's sock_read re-arms one on every read."""
     waiter = asyncio.get_running_loop().create_future()
-    stream.on_end = functools.partial(turns.give, waiter)
+    stream.on_end = functools.partial(turns.give, waiter, send=True)  # the freed slot's next request goes at once
     if stream.ended:
-        turns.give(waiter)
+        turns.give(waiter, send=True)
     try:
         while True:
             timeout_s = timeouts.chunk_s if stream.started else timeouts.first_token_s
@@ -455,7 +456,7 @@ async def _run_load(
                                    dispatch_s=time.perf_counter(), warmup=warmup)
             stream = await _send(session, connector, turns, endpoint, api, model, record, prompt, timeouts)
             if stream is None:
-                await turns.take()
+                await turns.take(send=True)
             return record, stream
 
         async def finish(record: RequestRecord, stream: _EventStream | None) -> RequestRecord:
@@ -504,7 +505,7 @@ async def _closed_loop(
                 worker_task.cancel()
 
     async def worker() -> None:
-        await turns.take()
+        await turns.take(send=True)
         for index, prompt in queue:
             record, stream = await start(index, prompt, warmup)
             finishing.append(task := asyncio.create_task(finish(record, stream)))
@@ -534,7 +535,7 @@ async def _open_loop(
 
     async def one(index: int, prompt: list[int]) -> RequestRecord:
         async with slots:
-            await turns.take()
+            await turns.take(send=True)
             record, stream = await start(index, prompt, False)
         return await finish(record, stream)
 
