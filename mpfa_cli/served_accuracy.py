@@ -76,13 +76,16 @@ class ServedAccuracy:
         cells = [CellInfo(**c) for c in doc["cells"]]
         return cls(**{**doc, "cells": cells})
 
+    def ordered(self) -> list[str]:
+        """The backends, the reference first (when it ran)."""
+        return sorted(self.backends, key=lambda b: b != self.ref)
+
     def summary(self) -> list[SummaryRow]:
         """Every scored (cell, backend), cells in order, the reference first."""
         rows = []
-        ordered = [self.ref, *(b for b in self.backends if b != self.ref)]
         for cell in self.cells:
             ref_scores = self.scores.get(self.ref, {}).get(cell.key)
-            for backend in ordered:
+            for backend in self.ordered():
                 scores = self.scores.get(backend, {}).get(cell.key)
                 if scores is None:
                     continue
@@ -132,7 +135,7 @@ def render(result: ServedAccuracy, console) -> None:
     questions a ±3-point interval needs at the spread seen (the largest over the backends)."""
     from rich.table import Table
 
-    ordered = [result.ref, *(b for b in result.backends if b != result.ref)]
+    ordered = result.ordered()
     title = f"Task accuracy through the server ({result.model}, tokenizer {result.tokenizer}; Δ vs {result.ref}, " \
             "paired bootstrap 95% interval, points)"
     if result.simulated:
@@ -163,3 +166,30 @@ def render(result: ServedAccuracy, console) -> None:
     console.print(table)
     for backend, error in result.errors.items():
         console.print(f"[red]{backend}: {error}[/]", highlight=False)
+
+
+# What results must share to be joined: the same model, tokenizer and settings (and, checked apart, questions).
+_SAME_RUN = ("model", "tokenizer", "ref", "seed", "max_new_tokens")
+
+
+def merge_served(parts: list[ServedAccuracy]) -> ServedAccuracy:
+    """One result from runs of different backends on the same questions (e.g. the reference's and another's)."""
+    if len(parts) < 2:
+        raise ValueError("--merge needs two or more results")
+    first = parts[0]
+    merged = ServedAccuracy.from_json(first.to_json())
+    for part in parts[1:]:
+        for key in _SAME_RUN:
+            if getattr(part, key) != getattr(first, key):
+                raise ValueError(f"cannot merge results with different {key}: {getattr(part, key)} and "
+                                 f"{getattr(first, key)}")
+        if part.cells != first.cells:
+            raise ValueError("cannot merge results that asked different questions (tasks, lengths, --limit, --offset)")
+        if twice := [b for b in part.backends if b in merged.backends]:
+            raise ValueError(f"backend {twice[0]} is in more than one of the results")
+        merged.backends += part.backends
+        for mine, theirs in ((merged.scores, part.scores), (merged.answers, part.answers),
+                             (merged.server_info, part.server_info), (merged.errors, part.errors)):
+            mine.update(theirs)
+        merged.simulated = merged.simulated or part.simulated
+    return merged

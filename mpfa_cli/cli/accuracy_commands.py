@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
-                              ServerArgOption, TimeScaleOption, cli_errors, console, number_list, open_store)
+                              ServerArgOption, TimeScaleOption, cli_errors, console, err_console, number_list,
+                              open_store)
 from mpfa.cli.selection import accuracy_results as stored_accuracy_results
 from mpfa.harness.accuracy_serve import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
 from mpfa.harness.errors import UserError
@@ -141,8 +142,8 @@ def accuracy_convert(
 @accuracy_app.command("serve")
 @cli_errors
 def accuracy_serve(
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends (the reference runs first).")] = "fa4-bf16,fa3-fp8,flashinfer-fp8,mpfa-direct,mpfa",
-    ref: Annotated[str, typer.Option("--ref", help="Reference backend (added to --backend if missing).")] = "fa4-bf16",
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends, served one after another (the reference first).")] = "fa4-bf16,fa3-fp8,flashinfer-fp8,mpfa-direct,mpfa",
+    ref: Annotated[str, typer.Option("--ref", help="The backend the others are compared with; runs only if in --backend (split a long job by backend, then join: `mpfa accuracy served A,B --merge`).")] = "fa4-bf16",
     model: Annotated[str, typer.Option(help="A model directory (real weights; its tokenizer builds the prompts) or a bundled config (dummy weights: plumbing only).")] = "llama-3.1-8b",
     tokenizer: Annotated[Optional[str], typer.Option(help="'bytes' or a model directory (default: --model's directory; 'bytes' for a bundled config).")] = None,
     tasks: Annotated[str, typer.Option(help="Comma-separated: niah-single, niah-multikey, squad-long (at every --lengths), squad, social_iqa.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
@@ -182,12 +183,10 @@ def accuracy_serve(
     chosen_engine = resolve_engine(engine, urls[0] if urls else None)
     names = [n.strip() for n in backend.split(",") if n.strip()]
     resolve_backends(ref, chosen_engine)  # a bad --ref fails like a bad --backend
-    if urls and ref not in names:
-        raise UserError(f"--ref {ref} must be one of --backend when --url gives the servers")
     if urls and len(urls) != len(names):
         raise UserError(f"--url: {len(urls)} URL(s) for {len(names)} backend(s); give one per backend")
     url_of = dict(zip(names, urls)) if urls else {}
-    specs = resolve_backends(",".join([ref] + [n for n in names if n != ref]), chosen_engine)
+    specs = resolve_backends(",".join(sorted(names, key=lambda n: n != ref)), chosen_engine)
     try:
         tok = load_tokenizer(tokenizer or (ByteTokenizer.name if is_bundled_model(model) else model))
         cells = build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()],
@@ -231,12 +230,14 @@ def accuracy_served(
     format: Annotated[str, typer.Option("--format", help="table, json or csv (csv: one row per backend and question).")] = "table",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write json / csv here instead of stdout.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG: score vs context length per backend, one panel per task (one result).")] = None,
+    merge: Annotated[bool, typer.Option(help="Join results of other backends on the same questions into one (stored), e.g. the reference's run and another backend's.")] = False,
     db: DbOption = None,
 ) -> None:
-    """Stored `mpfa accuracy serve` results: a list, their tables, JSON / CSV exports, or a figure."""
+    """Stored `mpfa accuracy serve` results: a list, their tables, JSON / CSV exports, a figure, or runs of
+    different backends joined into one."""
     import json
 
-    from mpfa.harness.served_accuracy import KIND, ServedAccuracy, export_csv, export_json, render
+    from mpfa.harness.served_accuracy import KIND, ServedAccuracy, export_csv, export_json, merge_served, render
 
     if format not in ("table", "json", "csv"):
         raise UserError(f"--format must be table, json or csv, got '{format}'")
@@ -245,7 +246,18 @@ def accuracy_served(
             _list_served(store.list_profiles(KIND))
             return
         stored = stored_accuracy_results(store, number_list(ids, "ids"), KIND)
-    results = [(p.id, ServedAccuracy.from_json(p.result)) for p in stored]
+        results = [(p.id, ServedAccuracy.from_json(p.result)) for p in stored]
+        if merge:
+            if len(gpus := {p.gpu for p in stored}) > 1:
+                raise UserError(f"cannot merge results from different GPUs: {', '.join(sorted(gpus))}")
+            try:
+                merged = merge_served([r for _, r in results])
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            params = {**stored[0].params, "backends": merged.backends, "merged_from": [p.id for p in stored]}
+            merged_id = store.add_profile(KIND, stored[0].gpu, params, merged.to_json(), simulated=merged.simulated)
+            results = [(merged_id, merged)]
+            err_console.print(f"stored merged served accuracy result {merged_id} in {store.path}")
     if plot is not None:
         from mpfa.harness.accuracy_plot import plot_served_accuracy
 
@@ -270,9 +282,10 @@ def _list_served(stored: list) -> None:
     from rich.table import Table
 
     table = Table(title="Served accuracy results", title_justify="left")
-    for column in ("id", "model", "GPU", "backends", "cells", "simulated", "failed"):
+    for column in ("id", "model", "GPU", "backends", "cells", "simulated", "failed", "merged from"):
         table.add_column(column)
     for p in stored:
         table.add_row(str(p.id), p.result["model"], p.gpu, ", ".join(p.result["backends"]),
-                      str(len(p.result["cells"])), "SIMULATED" if p.simulated else "", ", ".join(p.result["errors"]))
+                      str(len(p.result["cells"])), "SIMULATED" if p.simulated else "", ", ".join(p.result["errors"]),
+                      ", ".join(map(str, p.params.get("merged_from", []))))
     console.print(table)

@@ -78,3 +78,28 @@ def test_window_check_names_the_longest_length_that_fits():
     accuracy_serve.check_window([cell], 28, 128)
     with pytest.raises(ValueError, match="needs 129 positions, the model's window is 128: use lengths of at most 99"):
         accuracy_serve.check_window([cell], 29, 128)
+
+
+def test_merge_joins_backends_run_apart_on_the_same_questions():
+    from mpfa.harness.served_accuracy import merge_served
+
+    cell = Cell("squad", None, tuple(GenerationItem("squad", f"q{i}", (1,), ("a",), "f1") for i in range(20)))
+
+    def run(backend: str, scores: list[float]) -> ServedAccuracy:
+        result = ServedAccuracy.empty("m", "bytes", "fa4-bf16", [backend], [cell], 0, 32)
+        result.scores, result.answers = {backend: {cell.key: scores}}, {backend: {cell.key: ["x"] * 20}}
+        return result
+
+    other = run("mpfa", [1.0] * 15 + [0.0] * 5)
+    assert [r.difference for r in other.summary()] == [None]  # no reference in this run
+    merged = merge_served([other, run("fa4-bf16", [1.0] * 20)])
+    assert merged.ordered() == ["fa4-bf16", "mpfa"]
+    ref, diff = merged.summary()
+    assert ref.backend == "fa4-bf16" and diff.difference.mean == pytest.approx(-0.25)
+    with pytest.raises(ValueError, match="more than one"):
+        merge_served([other, other])
+    fewer = ServedAccuracy.empty("m", "bytes", "fa4-bf16", ["fa4-bf16"], [Cell("squad", None, cell.items[:5])], 0, 32)
+    with pytest.raises(ValueError, match="different questions"):
+        merge_served([other, fewer])
+    with pytest.raises(ValueError, match="different seed"):
+        merge_served([other, ServedAccuracy.empty("m", "bytes", "fa4-bf16", ["x"], [cell], 1, 32)])
