@@ -24,6 +24,7 @@ from typing import Any
 
 from mpfa.harness.logits import SERVER_KEYS, ResponseError, post_generate
 from mpfa.harness.served_accuracy import ServedAccuracy
+from mpfa.harness.served_kernels import runs_mpfa_kernels
 from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
 from mpfa.kernels.tasks.scoring import best_choice
 from mpfa.kernels.tasks.task_sets import Cell
@@ -128,23 +129,30 @@ def run_served_accuracy(
     request keeps the error and the cells scored before it."""
     from mpfa.harness.bench import _find_key, progress_bar, served, verify_server
 
-    result = ServedAccuracy.empty(model, tok.name, ref, [s.name for s in specs], cells, seed, max_new_tokens)
-    for spec in specs:
-        opts = options_for(spec)
+    options = [options_for(spec) for spec in specs]
+    names = [served_name(spec, opts.prefill_kernel) for spec, opts in zip(specs, options)]
+    result = ServedAccuracy.empty(model, tok.name, ref, names, cells, seed, max_new_tokens)
+    for spec, opts, name in zip(specs, options, names):
         with progress_bar(console) as progress, \
                 served(spec, model, context_length(cells, max_new_tokens), opts, progress) as (url, info, _):
             if opts.engine == "url":
                 verify_server(info, spec)  # `served` checks the servers it launches itself
             result.simulated = result.simulated or opts.engine == "sim" or bool(info.get("simulated"))
-            result.server_info[spec.name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
+            result.server_info[name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
             for cell in cells:
-                bar = progress.add_task(f"{spec.name} {cell.key}", total=len(cell.items))
+                bar = progress.add_task(f"{name} {cell.key}", total=len(cell.items))
                 try:
                     scores, answers = score_cell(url, cell, tok, max_new_tokens, concurrency,
                                                  lambda: progress.advance(bar))
                 except ResponseError as exc:
-                    result.errors[spec.name] = str(exc)
+                    result.errors[name] = str(exc)
                     break
-                result.scores.setdefault(spec.name, {})[cell.key] = scores
-                result.answers.setdefault(spec.name, {})[cell.key] = answers
+                result.scores.setdefault(name, {})[cell.key] = scores
+                result.answers.setdefault(name, {})[cell.key] = answers
     return result
+
+
+def served_name(spec, prefill_kernel: str | None) -> str:
+    """The backend's name in results: with the prefill kernel asked for where it applies (`mpfa+exact`), so that
+    runs of one backend with different kernels can be joined and compared."""
+    return f"{spec.name}+{prefill_kernel}" if prefill_kernel and runs_mpfa_kernels(spec) else spec.name

@@ -103,3 +103,11 @@ def test_merge_joins_backends_run_apart_on_the_same_questions():
         merge_served([other, fewer])
     with pytest.raises(ValueError, match="different seed"):
         merge_served([other, ServedAccuracy.empty("m", "bytes", "fa4-bf16", ["x"], [cell], 1, 32)])
+
+
+def test_a_prefill_kernel_names_the_mpfa_backends_it_applies_to():
+    from mpfa.backends.specs import BACKENDS
+
+    assert accuracy_serve.served_name(BACKENDS["mpfa"], "exact") == "mpfa+exact"
+    assert accuracy_serve.served_name(BACKENDS["fa4-bf16"], "exact") == "fa4-bf16"
+    assert accuracy_serve.served_name(BACKENDS["mpfa"], None) == "mpfa"
