@@ -40,7 +40,6 @@ def plot_served_accuracy(result: ServedAccuracy, out: Path) -> Path:
         ax.set_title(f"{task} ({of_task[0].n} questions per point)", fontsize="medium")
         ax.grid(True, alpha=0.3)
         ax.legend(fontsize="small")
-    title = (f"Task accuracy through the server: {result.model}; error bars: paired 95% interval of the "
-             f"difference to {result.ref}")
+    title = f"Task accuracy: {result.model}; error bars: paired 95% interval of the difference to {result.ref}"
     fig.suptitle(f"SIMULATED (no model ran) — {title}" if result.simulated else title, fontsize="medium")
     return save_figure(fig, figure_paths(out, "png"))[0]

@@ -136,7 +136,7 @@ def render(result: ServedAccuracy, console) -> None:
     from rich.table import Table
 
     ordered = result.ordered()
-    title = f"Task accuracy through the server ({result.model}, tokenizer {result.tokenizer}; Δ vs {result.ref}, " \
+    title = f"Task accuracy ({result.model}, tokenizer {result.tokenizer}; Δ vs {result.ref}, " \
             "paired bootstrap 95% interval, points)"
     if result.simulated:
         title = f"SIMULATED — {title} — the simulator echoes prompt spans: meaningless as accuracy"
@@ -168,8 +168,9 @@ def render(result: ServedAccuracy, console) -> None:
         console.print(f"[red]{backend}: {error}[/]", highlight=False)
 
 
-# What results must share to be joined: the same model, tokenizer and settings (and, checked apart, questions).
-_SAME_RUN = ("model", "tokenizer", "ref", "seed", "max_new_tokens")
+# What results must share to be joined: the same model, tokenizer and settings (and, checked apart, questions); the
+# first result's reference stays the reference.
+_SAME_RUN = ("model", "tokenizer", "seed", "max_new_tokens")
 
 
 def merge_served(parts: list[ServedAccuracy]) -> ServedAccuracy:

@@ -16,7 +16,7 @@ from collections.abc import Callable, Sequence
 from mpfa.kernels.tasks import data
 from mpfa.kernels.tasks.attention_swap import (CALIBRATED, SWAP_VARIANTS, KVScales, VariantAttention,
                                                calibrate_kv_scales, install)
-from mpfa.kernels.tasks.generation import batch_choice_logprobs, greedy_answers, load_model
+from mpfa.kernels.tasks.generation import LoadedModel, batch_choice_logprobs, greedy_answers, load_model
 from mpfa.kernels.tasks.items import choice_items, squad_items
 from mpfa.kernels.tasks.long_context import squad_long_items
 from mpfa.kernels.tasks.task_sets import select_examples
@@ -68,13 +68,13 @@ def _add_agreement(result: TaskScores, outputs: dict[str, list]) -> None:
             result.metrics[variant][AGREEMENT] = statistics.fmean(a == b for a, b in zip(outs, outputs[BASELINE]))
 
 
-def _batches(sizes: Sequence[int], batch_size: int) -> list[list[int]]:
+def length_batches(sizes: Sequence[int], batch_size: int) -> list[list[int]]:
     """Example indices in batches of `batch_size`, longest first (less padding; results do not depend on it)."""
     order = sorted(range(len(sizes)), key=lambda i: -sizes[i])
     return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _in_order(batches: Sequence[list[int]], run: Callable[[list[int]], Sequence], done: Callable[[int], None]) -> list:
+def in_order(batches: Sequence[list[int]], run: Callable[[list[int]], Sequence], done: Callable[[int], None]) -> list:
     """``run(batch)`` (the outputs of those examples) over every batch, reporting the count done after each; the
     outputs in example order."""
     found: dict[int, object] = {}
@@ -84,16 +84,21 @@ def _in_order(batches: Sequence[list[int]], run: Callable[[list[int]], Sequence]
     return [found[i] for i in range(len(found))]
 
 
-def _install(lm, variant: str, kv_scales: KVScales | None) -> VariantAttention:
-    return install(lm.model, variant, kv_scales if variant in CALIBRATED else None)
+def installer(lm: LoadedModel, tok: HFTokenizer, variants: Sequence[str]) -> Callable[[str], VariantAttention]:
+    """`install(variant)` on the run's model; the scales of calibrated variants (`fp8-calibrated`) are calibrated
+    once, on the first CALIBRATION_TOKENS tokens of the essays."""
+    kv_scales: KVScales | None = None
+    if any(v in CALIBRATED for v in variants):
+        kv_scales = calibrate_kv_scales(lm.model, tok.encode(data.essay_text())[:CALIBRATION_TOKENS])
+    return lambda variant: install(lm.model, variant, kv_scales if variant in CALIBRATED else None)
 
 
-def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size, progress, kv_scales) -> TaskScores:
+def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size, progress, attach) -> TaskScores:
     result, answers = TaskScores(task, "f1", len(examples)), {}
-    batches = _batches([len(p) for p in prompts], batch_size)
+    batches = length_batches([len(p) for p in prompts], batch_size)
     for variant in variants:
-        attention, start = _install(lm, variant, kv_scales), time.perf_counter()
-        answers[variant] = _in_order(
+        attention, start = attach(variant), time.perf_counter()
+        answers[variant] = in_order(
             batches, lambda batch: greedy_answers(lm, [prompts[i] for i in batch], attention, max_new_tokens),
             lambda done: progress(task, variant, done, len(examples)))
         result.seconds[variant] = time.perf_counter() - start
@@ -105,12 +110,12 @@ def _run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size
     return result
 
 
-def _run_choice(lm, task, examples, prompts, variants, batch_size, progress, kv_scales) -> TaskScores:
+def _run_choice(lm, task, examples, prompts, variants, batch_size, progress, attach) -> TaskScores:
     result, picks = TaskScores(task, "grade", len(examples)), {}
-    batches = _batches([len(context) for context, _ in prompts], batch_size)
+    batches = length_batches([len(context) for context, _ in prompts], batch_size)
     for variant in variants:
-        attention, start = _install(lm, variant, kv_scales), time.perf_counter()
-        logprobs = _in_order(
+        attention, start = attach(variant), time.perf_counter()
+        logprobs = in_order(
             batches, lambda batch: batch_choice_logprobs(lm, [prompts[i] for i in batch], attention),
             lambda done: progress(task, variant, done, len(examples)))
         picks[variant] = [best_choice(scores) for scores in logprobs]
@@ -144,8 +149,7 @@ def run_task_accuracy(
     report_progress = progress or (lambda *_: None)
     results = []
     tok = HFTokenizer(lm.tokenizer, lm.name)
-    kv_scales = (calibrate_kv_scales(lm.model, tok.encode(data.essay_text())[:CALIBRATION_TOKENS])
-                 if any(v in CALIBRATED for v in variants) else None)
+    attach = installer(lm, tok, variants)
     for task in tasks:
         if task in ("squad", "squad-long"):
             everything = data.load_squad(data.task_file("squad"))
@@ -154,15 +158,15 @@ def run_task_accuracy(
                      else squad_items(tok, examples))
             prompts = [list(item.prompt) for item in items]
             results.append(_run_squad(lm, task, examples, prompts, variants, max_new_tokens, batch_size,
-                                      report_progress, kv_scales))
+                                      report_progress, attach))
         else:
             examples = select_examples(task, data.load_multiple_choice(data.task_file(task)), offset, limit)
             prompts = [(list(item.context), [list(c) for c in item.choices])
                        for item in choice_items(tok, examples, task, offset)]
-            results.append(_run_choice(lm, task, examples, prompts, variants, batch_size, report_progress, kv_scales))
+            results.append(_run_choice(lm, task, examples, prompts, variants, batch_size, report_progress, attach))
     params = {"tasks": tasks, "variants": variants, "offset": offset, "limit": limit, "context_pad": context_pad,
               "max_new_tokens": max_new_tokens, "batch_size": batch_size}
-    if kv_scales is not None:
+    if any(v in CALIBRATED for v in variants):
         params["kv_calibration"] = f"first {CALIBRATION_TOKENS} tokens of {data.ESSAYS_SOURCE}"
     return TaskAccuracyReport(lm.name, str(lm.device), params, results)
 

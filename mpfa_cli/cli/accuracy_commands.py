@@ -223,6 +223,82 @@ def accuracy_serve(
         raise UserError(f"{len(result.errors)} backend(s) failed: {name}: {error}", exit_code=1)
 
 
+@accuracy_app.command("emulate")
+@cli_errors
+def accuracy_emulate(
+    model: Annotated[str, typer.Option("--model", help="A model directory (as given to `accuracy serve --model`), a .gguf file, or qwen2.5-coder-1.5b / smollm2-135m.")],
+    variants: Annotated[str, typer.Option(help="Comma-separated attention variants of the numerics reference (mpfa-qk8tile-psum: the shipped fp8 prefill kernel; fp8-calibrated).")] = "bf16,fp8,fp8-calibrated,mpfa,mpfa-qk8tile-psum",
+    ref: Annotated[str, typer.Option("--ref", help="The variant the others are compared with.")] = "bf16",
+    tasks: Annotated[str, typer.Option(help="Comma-separated, as for `accuracy serve`.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks.")] = "4096,8192,16384,32736",
+    limit: Annotated[int, typer.Option(help="Questions per task and length.")] = 100,
+    offset: Annotated[int, typer.Option(help="Skip the first N questions of each task and length.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts and the bootstrap (the same as the served run's to compare).")] = 0,
+    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer.")] = DEFAULT_MAX_NEW_TOKENS,
+    batch_size: Annotated[int, typer.Option("--batch-size", help="Questions per forward call.")] = 16,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+    db: DbOption = None,
+) -> None:
+    """The questions of `accuracy serve` answered by the numerics reference swapped into the model, one variant at a
+    time; stored like a served run, so `accuracy served A,B --merge` compares emulation and server question by
+    question."""
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        raise UserError("`mpfa accuracy emulate` needs the accuracy extra: pip install -e '.[accuracy]'")
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+    from mpfa.harness.accuracy_serve import check_window
+    from mpfa.harness.engines import gpu_names
+    from mpfa.harness.served_accuracy import KIND, ServedAccuracy, render
+    from mpfa.kernels.tasks.attention_swap import SWAP_VARIANTS
+    from mpfa.kernels.tasks.emulate import emulate_cells
+    from mpfa.kernels.tasks.generation import load_model
+    from mpfa.kernels.tasks.runner import installer
+    from mpfa.kernels.tasks.task_sets import build_cells
+    from mpfa.kernels.tasks.tokens import HFTokenizer
+
+    chosen = [v.strip() for v in variants.split(",") if v.strip()]
+    if bad := [v for v in chosen if v not in SWAP_VARIANTS]:
+        raise UserError(f"unknown variant {', '.join(bad)}; choose from {', '.join(SWAP_VARIANTS)}")
+    if max_new_tokens < 1 or batch_size < 1:
+        raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    try:
+        lm = load_model(model, device)
+        tok = HFTokenizer(lm.tokenizer, lm.name)
+        cells = build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()],
+                            number_list(lengths, "--lengths"), limit=limit, offset=offset, seed=seed)
+        if window := getattr(lm.model.config, "max_position_embeddings", None):
+            check_window(cells, max_new_tokens, int(window))
+        attach = installer(lm, tok, chosen)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=console, transient=True) as bar:
+        bars: dict[tuple[str, str], int] = {}
+
+        def advance(variant: str, key: str, done: int, total: int) -> None:
+            if (variant, key) not in bars:
+                bars[(variant, key)] = bar.add_task(f"{variant} {key}", total=total)
+            bar.update(bars[(variant, key)], completed=done)
+
+        answers = emulate_cells(lm, cells, chosen, attach, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                progress=advance)
+    result = ServedAccuracy.empty(model, tok.name, ref, chosen, cells, seed, max_new_tokens)
+    for variant, by_cell in answers.items():
+        result.scores[variant] = {key: scores for key, (scores, _) in by_cell.items()}
+        result.answers[variant] = {key: said for key, (_, said) in by_cell.items()}
+        result.server_info[variant] = {"engine": "emulate", "variant": variant}
+    render(result, console)
+    gpu = (gpu_names() or ["unknown"])[0] if device.startswith("cuda") else "cpu"
+    params = {"backends": chosen, "ref": ref, "model": model, "tokenizer": tok.name, "tasks": [c.key for c in cells],
+              "limit": limit, "offset": offset, "seed": seed, "max_new_tokens": max_new_tokens, "engine": "emulate",
+              "device": device, "batch_size": batch_size}
+    with open_store(db) as store:
+        stored = store.add_profile(KIND, gpu, params, result.to_json())
+    console.print(f"stored emulated accuracy result {stored} in {store.path}")
+
+
 @accuracy_app.command("served")
 @cli_errors
 def accuracy_served(
@@ -231,6 +307,7 @@ def accuracy_served(
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write json / csv here instead of stdout.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG: score vs context length per backend, one panel per task (one result).")] = None,
     merge: Annotated[bool, typer.Option(help="Join results of other backends on the same questions into one (stored), e.g. the reference's run and another backend's.")] = False,
+    ref: Annotated[Optional[str], typer.Option("--ref", help="Compare with this backend or variant instead of the stored reference.")] = None,
     db: DbOption = None,
 ) -> None:
     """Stored `mpfa accuracy serve` results: a list, their tables, JSON / CSV exports, a figure, or runs of
@@ -248,8 +325,8 @@ def accuracy_served(
         stored = stored_accuracy_results(store, number_list(ids, "ids"), KIND)
         results = [(p.id, ServedAccuracy.from_json(p.result)) for p in stored]
         if merge:
-            if len(gpus := {p.gpu for p in stored}) > 1:
-                raise UserError(f"cannot merge results from different GPUs: {', '.join(sorted(gpus))}")
+            if len(gpus := {p.gpu for p in stored if p.params.get("engine") != "emulate"}) > 1:
+                raise UserError(f"cannot merge served results from different GPUs: {', '.join(sorted(gpus))}")
             try:
                 merged = merge_served([r for _, r in results])
             except ValueError as exc:
@@ -258,6 +335,11 @@ def accuracy_served(
             merged_id = store.add_profile(KIND, stored[0].gpu, params, merged.to_json(), simulated=merged.simulated)
             results = [(merged_id, merged)]
             err_console.print(f"stored merged served accuracy result {merged_id} in {store.path}")
+    if ref is not None:
+        for _, result in results:
+            if ref not in result.backends:
+                raise UserError(f"--ref {ref} is not among the result's backends: {', '.join(result.backends)}")
+            result.ref = ref
     if plot is not None:
         from mpfa.harness.accuracy_plot import plot_served_accuracy
 
@@ -282,10 +364,10 @@ def _list_served(stored: list) -> None:
     from rich.table import Table
 
     table = Table(title="Served accuracy results", title_justify="left")
-    for column in ("id", "model", "GPU", "backends", "cells", "simulated", "failed", "merged from"):
+    for column in ("id", "engine", "model", "GPU", "backends", "cells", "simulated", "failed", "merged from"):
         table.add_column(column)
     for p in stored:
-        table.add_row(str(p.id), p.result["model"], p.gpu, ", ".join(p.result["backends"]),
+        table.add_row(str(p.id), p.params.get("engine", ""), p.result["model"], p.gpu, ", ".join(p.result["backends"]),
                       str(len(p.result["cells"])), "SIMULATED" if p.simulated else "", ", ".join(p.result["errors"]),
                       ", ".join(map(str, p.params.get("merged_from", []))))
     console.print(table)
