@@ -163,8 +163,7 @@ def accuracy_serve(
     run_dir: RunDirOption = None,
     db: DbOption = None,
 ) -> None:
-    """Task accuracy of each backend through its server: the same token-id prompts, greedy answers scored here,
-    each backend's difference to the reference with a paired 95% interval; stored beside the speed runs."""
+    """Task scores of each backend through its server, each vs the reference with a paired 95% interval."""
     import json
 
     from mpfa.harness.accuracy_serve import check_window, run_served_accuracy
@@ -239,9 +238,7 @@ def accuracy_emulate(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     db: DbOption = None,
 ) -> None:
-    """The questions of `accuracy serve` answered by the numerics reference swapped into the model, one variant at a
-    time; stored like a served run, so `accuracy served A,B --merge` compares emulation and server question by
-    question."""
+    """The questions of `accuracy serve` answered by the numerics reference, stored like a served run."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
@@ -310,8 +307,7 @@ def accuracy_served(
     ref: Annotated[Optional[str], typer.Option("--ref", help="Compare with this backend or variant instead of the stored reference.")] = None,
     db: DbOption = None,
 ) -> None:
-    """Stored `mpfa accuracy serve` results: a list, their tables, JSON / CSV exports, a figure, or runs of
-    different backends joined into one."""
+    """Stored `accuracy serve` / `emulate` results: list, table, JSON / CSV, figure, or --merge."""
     import json
 
     from mpfa.harness.served_accuracy import KIND, ServedAccuracy, export_csv, export_json, merge_served, render
