@@ -29,7 +29,8 @@ ServerArgOption = Annotated[Optional[list[str]], typer.Option("--server-arg", he
 RunDirOption = Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")]
 PrefillKernelOption = Annotated[Optional[str], typer.Option("--prefill-kernel", help="MpFA prefill kernel: fp8, exact or mma-sync (default: the best for the model's shape; also $MPFA_PREFILL_KERNEL).")]
 
-_typer_display_type = TyperOption.display_type_rich
+# Typer releases without Rich type display (the GPU host's pinned stack has one) keep their own help.
+_typer_display_type = getattr(TyperOption, "display_type_rich", None)
 
 
 def _flag_display_type(option: TyperOption, ctx: typer.Context) -> str | None:
@@ -38,7 +39,8 @@ def _flag_display_type(option: TyperOption, ctx: typer.Context) -> str | None:
     return None if option.is_flag else _typer_display_type(option, ctx)
 
 
-TyperOption.display_type_rich = _flag_display_type
+if _typer_display_type is not None:
+    TyperOption.display_type_rich = _flag_display_type
 
 
 def cli_errors(fn: Callable) -> Callable:
