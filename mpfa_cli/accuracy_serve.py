@@ -125,13 +125,15 @@ def run_served_accuracy(
     specs: list, ref: str, cells: list[Cell], tok: TaskTokenizer, model: str, options_for: Callable[[Any], Any],
     console, *, seed: int, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, concurrency: int = DEFAULT_CONCURRENCY,
 ) -> ServedAccuracy:
-    """Serve each backend in turn (`bench.served`) and score every cell on it; a backend whose server fails a
-    request keeps the error and the cells scored before it."""
+    """Serve each backend in turn (`bench.served`; `model`: a bundled config or a model directory) and score every
+    cell on it; a backend whose server fails a request keeps the error and the cells scored before it. The result
+    names the model as bench does (a directory by its name)."""
     from mpfa.harness.bench import _find_key, progress_bar, served, verify_server
+    from mpfa.harness.engines import model_name
 
     options = [options_for(spec) for spec in specs]
     names = [served_name(spec, opts.prefill_kernel) for spec, opts in zip(specs, options)]
-    result = ServedAccuracy.empty(model, tok.name, ref, names, cells, seed, max_new_tokens)
+    result = ServedAccuracy.empty(model_name(model), tok.name, ref, names, cells, seed, max_new_tokens)
     for spec, opts, name in zip(specs, options, names):
         with progress_bar(console) as progress, \
                 served(spec, model, context_length(cells, max_new_tokens), opts, progress) as (url, info, _):

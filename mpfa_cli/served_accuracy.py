@@ -47,6 +47,9 @@ class SummaryRow:
 
 @dataclass
 class ServedAccuracy:
+    """One run (or several merged) of `mpfa accuracy serve` / `emulate`: the questions asked (`cells`) and, per backend
+    or variant, every question's score and answer."""
+
     model: str
     tokenizer: str
     ref: str

@@ -168,7 +168,7 @@ def accuracy_serve(
 
     from mpfa.harness.accuracy_serve import check_window, run_served_accuracy
     from mpfa.harness.bench import BenchOptions
-    from mpfa.harness.engines import gpu_names, resolve_backends, resolve_engine
+    from mpfa.harness.engines import gpu_names, model_name, resolve_backends, resolve_engine
     from mpfa.harness.scenario import is_bundled_model, model_dir
     from mpfa.harness.served_accuracy import KIND, render
     from mpfa.harness.served_kernels import check_prefill_kernel
@@ -211,7 +211,7 @@ def accuracy_serve(
                                      max_new_tokens=max_new_tokens, concurrency=concurrency)
         render(result, console)
         gpu = "simulated" if result.simulated else (gpu_names() or ["unknown"])[0]
-        params = {"backends": result.backends, "ref": ref, "model": model, "tokenizer": tok.name,
+        params = {"backends": result.backends, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
                   "tasks": [c.key for c in result.cells], "limit": limit, "offset": offset, "seed": seed,
                   "max_new_tokens": max_new_tokens, "concurrency": concurrency, "engine": chosen_engine,
                   "prefill_kernel": prefill_kernel, "server_args": list(server_arg or [])}
@@ -246,7 +246,7 @@ def accuracy_emulate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from mpfa.harness.accuracy_serve import check_window
-    from mpfa.harness.engines import gpu_names
+    from mpfa.harness.engines import gpu_names, model_name
     from mpfa.harness.served_accuracy import KIND, ServedAccuracy, render
     from mpfa.kernels.tasks.attention_swap import SWAP_VARIANTS
     from mpfa.kernels.tasks.emulate import emulate_cells
@@ -281,14 +281,15 @@ def accuracy_emulate(
 
         answers = emulate_cells(lm, cells, chosen, attach, max_new_tokens=max_new_tokens, batch_size=batch_size,
                                 progress=advance)
-    result = ServedAccuracy.empty(model, tok.name, ref, chosen, cells, seed, max_new_tokens)
+    result = ServedAccuracy.empty(model_name(model), tok.name, ref, chosen, cells, seed, max_new_tokens)
     for variant, by_cell in answers.items():
         result.scores[variant] = {key: scores for key, (scores, _) in by_cell.items()}
         result.answers[variant] = {key: said for key, (_, said) in by_cell.items()}
         result.server_info[variant] = {"engine": "emulate", "variant": variant}
     render(result, console)
     gpu = (gpu_names() or ["unknown"])[0] if device.startswith("cuda") else "cpu"
-    params = {"backends": chosen, "ref": ref, "model": model, "tokenizer": tok.name, "tasks": [c.key for c in cells],
+    params = {"backends": chosen, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
+              "tasks": [c.key for c in cells],
               "limit": limit, "offset": offset, "seed": seed, "max_new_tokens": max_new_tokens, "engine": "emulate",
               "device": device, "batch_size": batch_size}
     with open_store(db) as store:
@@ -328,7 +329,8 @@ def accuracy_served(
             except ValueError as exc:
                 raise UserError(str(exc)) from None
             params = {**stored[0].params, "backends": merged.backends, "merged_from": [p.id for p in stored]}
-            merged_id = store.add_profile(KIND, stored[0].gpu, params, merged.to_json(), simulated=merged.simulated)
+            gpu = next((p.gpu for p in stored if p.params.get("engine") != "emulate"), stored[0].gpu)
+            merged_id = store.add_profile(KIND, gpu, params, merged.to_json(), simulated=merged.simulated)
             results = [(merged_id, merged)]
             err_console.print(f"stored merged served accuracy result {merged_id} in {store.path}")
     if ref is not None:
