@@ -73,7 +73,7 @@ def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], li
     for workload, rows in results:
         by_name = {row.backend: row for row in rows}
         for row in rows:
-            prefix = f"{workload.seq:>8} {workload.batch:>5}  {row.backend:<15}"
+            prefix = f"{workload.seq:>8} {workload.batch:>5}  {row.backend:<18}"
             if row.status != OK or row.timing is None:
                 lines.append(f"{prefix} {row.status.upper()}: {row.error}")
                 continue
@@ -87,7 +87,7 @@ def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], li
 
 def format_table(results: list[tuple[AttentionWorkload, list[BackendResult]]], copy_bandwidth: float | None,
                  num_sms: int) -> str:
-    header = (f"{'context':>8} {'batch':>5}  {'backend':<15} {'median us':>10} {'read MB':>9} {'TB/s':>6} "
+    header = (f"{'context':>8} {'batch':>5}  {'backend':<18} {'median us':>10} {'read MB':>9} {'TB/s':>6} "
               f"{'% copy':>7} {_labels(DECODE_REFERENCES)} {'parts':>6}")
     lines = [f"copy bandwidth (read + write, measured in this run): "
              f"{copy_bandwidth / 1e3:.2f} TB/s" if copy_bandwidth else "copy bandwidth: not measured", header]
@@ -107,7 +107,7 @@ def _labels(references: tuple[tuple[str, str], ...]) -> str:
 
 def format_prefill_table(results: list[tuple[AttentionWorkload, list[BackendResult]]]) -> str:
     """Median time, TFLOP/s of the causal matmuls and the speedups over `PREFILL_REFERENCES` per (context, batch)."""
-    lines = [f"{'context':>8} {'batch':>5}  {'backend':<15} {'median ms':>10} {'TFLOP/s':>8} "
+    lines = [f"{'context':>8} {'batch':>5}  {'backend':<18} {'median ms':>10} {'TFLOP/s':>8} "
              f"{_labels(PREFILL_REFERENCES)}"]
     for workload, row, prefix, speedup in _timed_rows(results, lines, PREFILL_REFERENCES):
         rate = workload.flops() / (row.timing.median_ms / 1e3)

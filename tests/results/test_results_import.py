@@ -13,9 +13,9 @@ from mpfa.harness import metrics
 from mpfa.harness.export import export_runs, run_to_dict
 from mpfa.harness.store import ResultStore
 
-RESULTS = Path(__file__).resolve().parents[2] / "profiles" / "results"
-OLD_EXPORT = RESULTS / "serve-long32k-c1-fa4-bf16-flashinfer-fp8-h200.json"  # fa4-bf16, flashinfer-fp8: no `caveat`, no requests
-NEW_EXPORT = RESULTS / "serve-long32k-c1-mixed-mpfa-mpfa-direct-h200.json"  # mpfa, mpfa-direct: with requests
+FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+OLD_EXPORT = FIXTURES / "serve-long32k-c1-fa4-bf16-flashinfer-fp8-h200.json"  # fa4-bf16, flashinfer-fp8: no `caveat`, no requests
+NEW_EXPORT = FIXTURES / "serve-long32k-c1-mixed-mpfa-mpfa-direct-h200.json"  # mpfa, mpfa-direct: with requests
 
 
 def mpfa(*args: str | Path):

@@ -1,12 +1,11 @@
-"""The committed H200 baseline (profiles/baselines/h200.json) gated through the CLI against the committed exports
-it was written from: they pass, and a copy with one backend's requests degraded fails whatever its stale summary
-says. A change to the gate's logic, its
-aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
+"""The committed H100 baseline (profiles/baselines/h100.json) gated through the CLI against the committed export it
+was written from (fa3-bf16, fa3-fp8 and mpfa side by side in one lease): it passes, and a copy with one backend's
+requests degraded fails whatever its stale summary says. A change to the gate's logic, its aggregation or the
+baseline format that breaks either fails here, on CPU, without a GPU.
 
 The baseline is written (docs/performance.md, "The CI gate's baseline") by
-    mpfa import profiles/results/serve-long32k-c1-{fa4-bf16-flashinfer-fp8,mixed-mpfa-mpfa-direct}-h200.json \
-        profiles/results/serve-long128k-c1-{fa4-bf16,mpfa}-h200.json --db DB
-    mpfa gate --write-baseline --baseline profiles/baselines/h200.json --db DB
+    mpfa import profiles/results/serve-serving-matrix-c1-fa3-bf16-fa3-fp8-mpfa-h100.json --db DB
+    mpfa gate --write-baseline --baseline profiles/baselines/h100.json --db DB
 """
 from __future__ import annotations
 
@@ -21,11 +20,10 @@ from mpfa.harness.gate import GATED_METRICS, baseline_from_runs, newest_passes, 
 from mpfa.harness.store import ResultStore
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
-BASELINE = PROFILES / "baselines" / "h200.json"
-EXPORTS = [PROFILES / "results" / name for name in (
-    "serve-long32k-c1-fa4-bf16-flashinfer-fp8-h200.json", "serve-long32k-c1-mixed-mpfa-mpfa-direct-h200.json",
-    "serve-long128k-c1-fa4-bf16-h200.json", "serve-long128k-c1-mpfa-h200.json")]
-DEGRADED = ("long32k", "mpfa-direct")  # scenario and backend made worse in the degraded copy
+BASELINE = PROFILES / "baselines" / "h100.json"
+EXPORT = PROFILES / "results" / "serve-serving-matrix-c1-fa3-bf16-fa3-fp8-mpfa-h100.json"
+DEGRADED = ("serving-matrix", "mpfa")  # scenario and backend made worse in the degraded copy
+POINTS = 3  # mpfa's points in the export: 16K, 32K and 128K at c=1
 
 
 def mpfa(*args: str | Path):
@@ -65,7 +63,7 @@ def regression_lines(output: str) -> list[str]:
 
 
 def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
-    results = imported(tmp_path / "r.db", *EXPORTS)
+    results = imported(tmp_path / "r.db", EXPORT)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 0, result.output
     assert "Gate passed" in result.output
@@ -74,11 +72,11 @@ def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
 
 def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
     """Regenerate with the commands in this module's docstring when the gate's metrics or aggregation change."""
-    imported(tmp_path / "r.db", *EXPORTS)
+    imported(tmp_path / "r.db", EXPORT)
     committed = read_baseline(BASELINE)
     with ResultStore(tmp_path / "r.db") as store:
         fresh = baseline_from_runs(newest_passes(store.list_runs()))  # what `mpfa gate --write-baseline` judges
-    assert (committed.gpu, committed.model, committed.simulated) == ("NVIDIA H200", "llama-3.1-8b", False)
+    assert (committed.gpu, committed.model, committed.simulated) == ("NVIDIA H100 80GB HBM3", "llama-3.1-8b", False)
     assert [(e.scenario, e.backend, e.input_len, e.load, e.metric, e.n, e.workload) for e in committed.entries] == [
         (e.scenario, e.backend, e.input_len, e.load, e.metric, e.n, e.workload) for e in fresh.entries]
     assert all(e.workload for e in committed.entries)
@@ -87,18 +85,20 @@ def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
         assert [v is None for v in stored] == [v is None for v in fresh_values]  # no CI with a single repeat
         assert [v for v in stored if v is not None] == pytest.approx([v for v in fresh_values if v is not None],
                                                                      rel=1e-12)
-    gated = {(e.backend, e.metric) for e in committed.entries if e.scenario == "long32k"}
-    assert gated == {(b, m) for b in ("fa4-bf16", "flashinfer-fp8", "mpfa", "mpfa-direct") for m in GATED_METRICS}
+    gated = {(e.backend, e.input_len, e.metric) for e in committed.entries}
+    assert gated == {(b, n, m) for b in ("fa3-bf16", "fa3-fp8", "mpfa") for n in (16384, 32768, 131072)
+                     for m in GATED_METRICS if (b, n) != ("fa3-bf16", 16384)}
+    assert all(e.n == 2 and e.ci_low is not None for e in committed.entries)  # two repeats: every entry has a CI
 
 
 def test_gate_fails_on_a_drop_hidden_behind_a_stale_summary(tmp_path):
-    worse = degraded_copy(EXPORTS[1], tmp_path / "degraded.json")
-    results = imported(tmp_path / "r.db", EXPORTS[0], worse)
-    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing")
+    worse = degraded_copy(EXPORT, tmp_path / "degraded.json")
+    results = imported(tmp_path / "r.db", worse)
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 1, result.output
-    assert "3 regression(s) beyond 5.0%" in result.stderr
+    assert f"{3 * POINTS} regression(s) beyond 5.0%" in result.stderr
     regressions = regression_lines(result.stdout)
-    assert len(regressions) == 3 and all("mpfa-direct" in line for line in regressions)
+    assert len(regressions) == 3 * POINTS and all(" mpfa " in line for line in regressions)
     assert any("otps" in line and "-30.0%" in line for line in regressions)
     assert any("tpot_ms_median" in line and "+42.9%" in line for line in regressions)
     assert any("ttft_ms_median" in line and "+42.9%" in line for line in regressions)
@@ -106,28 +106,28 @@ def test_gate_fails_on_a_drop_hidden_behind_a_stale_summary(tmp_path):
 
 @pytest.mark.parametrize("factor, exit_code", [(0.8, 1), (0.99, 0)])
 def test_a_20_percent_drop_fails_and_a_1_percent_drop_passes(tmp_path, factor, exit_code):
-    worse = degraded_copy(EXPORTS[1], tmp_path / "degraded.json", factor)
-    results = imported(tmp_path / "r.db", *EXPORTS[::2], worse, EXPORTS[3])
+    worse = degraded_copy(EXPORT, tmp_path / "degraded.json", factor)
+    results = imported(tmp_path / "r.db", worse)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == exit_code, result.output
-    assert len(regression_lines(result.stdout)) == (3 if exit_code else 0)
+    assert len(regression_lines(result.stdout)) == (3 * POINTS if exit_code else 0)
 
 
 def test_runs_of_another_workload_are_not_judged(tmp_path):
     """The same configuration measured with another output length / request count (another workload hash), even
     30% worse, is reported as "other workload", not judged against the baseline's numbers: it fails the gate as
     a missing entry unless --allow-missing."""
-    worse = degraded_copy(EXPORTS[1], tmp_path / "degraded.json")
+    worse = degraded_copy(EXPORT, tmp_path / "degraded.json")
     doc = json.loads(worse.read_text())
     for run in doc["runs"]:
         if (run["scenario"], run["backend"]) == DEGRADED:
             run["workload_hash"] = "0" * len(run["workload_hash"])
     worse.write_text(json.dumps(doc))
-    results = imported(tmp_path / "r.db", EXPORTS[0], worse)
+    results = imported(tmp_path / "r.db", worse)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
-    assert result.exit_code == 1, result.output  # no comparable result for mpfa-direct (nor the 128K points)
+    assert result.exit_code == 1, result.output  # no comparable result for mpfa
     assert "missing or failed" in result.stderr
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing")
     assert result.exit_code == 0, result.output
     other = [line for line in result.stdout.splitlines() if line.rstrip(" │").endswith("other workload")]
-    assert len(other) == len(GATED_METRICS) and all("mpfa-direct" in line for line in other)
+    assert len(other) == POINTS * len(GATED_METRICS) and all(" mpfa " in line for line in other)
