@@ -50,8 +50,9 @@ def mpfa_partitions(backend: str, workload: AttentionWorkload, num_sms: int) -> 
 
 def bytes_read(backend: str, workload: AttentionWorkload, num_sms: int) -> float:
     """Bytes the decode kernel(s) move: KV cache in the backend's format + Q + O (`workload.bytes_needed`), the
-    page-table entries it walks (FlashInfer: page size 1, one per token; FA4 and MpFA: one per 128-token page), and
-    MpFA's partials (written once, read once by the merge: m, l and O in FP32 per partition)."""
+    page-table entries it walks (one per page of each sequence: FA3 and FlashInfer's fa2 at page size 1, one per
+    token; FlashInfer's XQA at 64; FA4 and MpFA at 128), and MpFA's partials (written once, read once by the merge:
+    m, l and O in FP32 per partition)."""
     return _bytes_read(backend, workload, mpfa_partitions(backend, workload, num_sms))
 
 
@@ -62,8 +63,9 @@ def _bytes_read(backend: str, workload: AttentionWorkload, partitions: int | Non
     if partitions is not None:
         partial_bytes = 2 * w.batch * w.q_heads * partitions * (w.head_dim + 2) * 4
         return w.bytes_needed(MPFA) + tokens // 128 * _INDEX_BYTES + partial_bytes
-    base = w.bytes_needed(adapter_for(backend).tensor_format)
-    return base + (tokens // 128 if backend == "fa4-bf16" else tokens) * _INDEX_BYTES
+    adapter = adapter_for(backend)
+    page_size = 128 if backend == "fa4-bf16" else getattr(adapter, "page_size", 1)
+    return w.bytes_needed(adapter.tensor_format) + w.batch * -(-w.seq // page_size) * _INDEX_BYTES
 
 
 def _timed_rows(results: list[tuple[AttentionWorkload, list[BackendResult]]], lines: list[str],
