@@ -213,6 +213,18 @@ class CompareRow:
     apart: dict[str, tuple[str, ...]]  # by non-reference backend: what its runs and the reference's do not share
 
 
+# The baselines an inference engineer runs today, strongest first: the default reference of compare and plot.
+REFERENCE_ORDER = ("fa3-fp8", "fa3-bf16", "flashinfer-fp8", "fa4-bf16")
+
+
+def default_reference(runs: Sequence[RunRecord]) -> str:
+    """The strongest baseline of `REFERENCE_ORDER` with an ok run among `runs`; else the first backend by name."""
+    measured = sorted({r.backend for r in runs if r.status == "ok"})
+    if not measured:
+        raise UserError("no run among these finished ok: nothing to compare")
+    return next((name for name in REFERENCE_ORDER if name in measured), measured[0])
+
+
 def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
                  metric_names: Sequence[str] = COMPARE_METRICS) -> tuple[list[str], list[CompareRow]]:
     """The backends (reference first) and one row per (configuration, metric) with speedups vs the reference."""

@@ -9,7 +9,7 @@ from typing import Annotated, Optional
 import typer
 
 from mpfa.cli.common import DbOption, cli_errors, console, err_console, number_list, open_store
-from mpfa.cli.selection import (AccuracyFlag, BackendFilter, FormatOption, RunIds, ScenarioFilter, WideFlag,
+from mpfa.cli.selection import (AccuracyFlag, BackendFilter, FormatOption, RefOption, RunIds, ScenarioFilter, WideFlag,
                                 accuracy_reports, compared_runs, distinct_ids, id_ranges, selected_runs,
                                 used_line)
 from mpfa.harness.errors import UserError
@@ -52,7 +52,7 @@ def show(run_id: Annotated[int, typer.Argument(help="Run id (see `mpfa runs`).")
 
 @cli_errors
 def compare(
-    run_ids: RunIds = None, ref: Annotated[str, typer.Option("--ref", help="Reference backend.")] = "fa4-bf16",
+    run_ids: RunIds = None, ref: RefOption = None,
     scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, wide: WideFlag = False,
     output_format: FormatOption = "table", db: DbOption = None,
 ) -> None:
@@ -68,12 +68,13 @@ def compare(
         for report in accuracy_reports(db, run_ids, scenario):
             render_task_accuracy(report, console)
         return
-    from mpfa.harness.run_tables import check_format, compare_table, compare_tables, format_compare
+    from mpfa.harness.run_tables import check_format, compare_table, compare_tables, default_reference, format_compare
 
     check_format(output_format)
     with open_store(db) as store:
         runs = compared_runs(store, run_ids, scenario)
     (console if output_format == "table" else err_console).print(used_line(runs), highlight=False)
+    ref = ref or default_reference(runs)
     if output_format != "table":
         print(format_compare(runs, ref, output_format), end="")
     else:
@@ -145,7 +146,7 @@ def _import_line(path: Path, imported: list) -> str:
 
 @cli_errors
 def plot(
-    run_ids: RunIds = None, ref: Annotated[str, typer.Option("--ref", help="Reference backend.")] = "fa4-bf16",
+    run_ids: RunIds = None, ref: RefOption = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Figure file; its suffix follows --format, and with several scenarios each gets its name appended (default: mpfa-serving.png; with --accuracy mpfa-accuracy.png).")] = None,
     figure_format: Annotated[str, typer.Option("--format", help="png, svg or both.")] = "png",
     scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, db: DbOption = None,
@@ -158,6 +159,7 @@ def plot(
     score, its loss vs bf16 and MpFA's recovery.
     """
     from mpfa.harness.plot import check_figure_format, plot_runs, plot_task_accuracy
+    from mpfa.harness.run_tables import default_reference
 
     check_figure_format(figure_format)
     if accuracy:
@@ -169,7 +171,7 @@ def plot(
         with open_store(db) as store:
             selected = compared_runs(store, run_ids, scenario)
         console.print(used_line(selected), highlight=False)
-        paths = plot_runs(selected, ref, output or Path("mpfa-serving.png"), figure_format)
+        paths = plot_runs(selected, ref or default_reference(selected), output or Path("mpfa-serving.png"), figure_format)
     console.print(f"wrote {', '.join(map(str, paths))}", highlight=False)
 
 

@@ -9,7 +9,7 @@ import typer
 
 from mpfa.cli.common import open_store
 from mpfa.harness.errors import UserError
-from mpfa.harness.run_tables import time_scale
+from mpfa.harness.run_tables import REFERENCE_ORDER, time_scale
 from mpfa.harness.store import ResultStore, StoredProfile, StoredRun
 
 
@@ -27,6 +27,7 @@ ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only 
 BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
 FormatOption = Annotated[str, typer.Option("--format", help="table, json, csv or md (Markdown).")]
 WideFlag = Annotated[bool, typer.Option("--wide/--narrow", help="One flat table of every point (needs ~140+ columns) instead of one table per point.")]
+RefOption = Annotated[Optional[str], typer.Option("--ref", help=f"Reference backend (default: the first of {', '.join(REFERENCE_ORDER)} among the runs).")]
 AccuracyFlag = Annotated[bool, typer.Option("--accuracy/--no-accuracy", help="The ids are stored `mpfa accuracy task` results (default: the newest), not runs.")]
 
 

@@ -9,7 +9,8 @@ from rich.console import Console
 from mpfa.harness import metrics
 from mpfa.harness.errors import UserError
 from mpfa.harness.run_tables import (
-    compare_records, compare_rows, compare_table, compare_tables, format_compare, runs_table, show_run, speedup,
+    compare_records, compare_rows, compare_table, compare_tables, default_reference, format_compare, runs_table,
+    show_run, speedup,
 )
 
 T975_DF2 = 4.302652729911275  # Student t 0.975 quantile, 2 degrees of freedom
@@ -169,3 +170,13 @@ def test_simulated_runs_are_not_flagged_for_their_machine(make_run):
     runs[-1] = make_run("mpfa", 2, runs[-1].summary, simulated=True, engine="sim",
                         environment=_measured_on("boot-9/7"))
     assert compare_rows(runs, "fa4-bf16", ["otps"])[1][0].apart == {"mpfa": ()}
+
+
+def test_the_default_reference_is_the_strongest_baseline_measured(make_run):
+    runs = [make_run(b) for b in ("mpfa", "fa4-bf16", "flashinfer-fp8")]
+    assert default_reference(runs) == "flashinfer-fp8"
+    assert default_reference([*runs, make_run("fa3-fp8")]) == "fa3-fp8"
+    assert default_reference([*runs, make_run("fa3-fp8", status="failed")]) == "flashinfer-fp8"  # ok runs only
+    assert default_reference([make_run("mpfa-direct"), make_run("mpfa")]) == "mpfa"
+    with pytest.raises(UserError, match="no run among these finished ok"):
+        default_reference([make_run("mpfa", status="failed")])
