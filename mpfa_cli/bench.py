@@ -49,7 +49,7 @@ from mpfa.harness.scenario import (LoadPoint, Scenario, is_bundled_model, load_m
                                    without_bundled_model_paths)
 from mpfa.harness.served_kernels import kernel_server_args, launch_page_size, served_kernels
 from mpfa.harness.sim_server import prompt_digest
-from mpfa.harness.server import ServerError, ServerProcess, pick_port, stop_signals_held
+from mpfa.harness.server import STOP_SIGNALS, ServerError, ServerProcess, pick_port, stop_signals_held
 from mpfa.harness.store import ResultStore
 
 
@@ -97,21 +97,44 @@ class RunInterrupted(Exception):
 
 
 INTERRUPTING_SIGNALS = (signal.SIGTERM, signal.SIGHUP)  # handled as Ctrl-C is, their name the reason
+_received: list[str] = []  # the names of those received while the bench runs, oldest first
 
 
 def _interrupt(signum: int, frame: Any) -> None:
-    raise KeyboardInterrupt(signal.Signals(signum).name)
+    """Deliver SIGTERM or SIGHUP as a Ctrl-C. While the client's event loop runs, its Ctrl-C handler cancels the
+    load (`client.run`); a KeyboardInterrupt raised here could land inside an event-loop callback instead, which
+    the loop takes for a broken connection."""
+    _received.append(signal.Signals(signum).name)
+    signal.raise_signal(signal.SIGINT)
+
+
+def _interruption() -> str:
+    """What interrupted the bench: the first signal delivered as a Ctrl-C, else Ctrl-C itself."""
+    return _received[0] if _received else "Ctrl-C"
 
 
 @contextmanager
 def _signals_interrupt() -> Iterator[None]:
-    """SIGTERM and SIGHUP raise KeyboardInterrupt (named after the signal) for as long as the bench runs."""
+    """SIGTERM and SIGHUP interrupt the bench as Ctrl-C does (their name the reason) for as long as it runs."""
+    _received.clear()
     previous = {sig: signal.signal(sig, _interrupt) for sig in INTERRUPTING_SIGNALS}
     try:
         yield
+    except (KeyboardInterrupt, RunInterrupted):
+        _ignore_stop_signals()
+        raise
     finally:
         for sig, handler in previous.items():
-            signal.signal(sig, handler)
+            if signal.getsignal(sig) is _interrupt:
+                signal.signal(sig, handler)
+
+
+def _ignore_stop_signals() -> None:
+    """Once interrupted, the bench is stopping: further SIGINT, SIGTERM and SIGHUP are ignored until the process
+    exits. One arriving as Python exits would kill it mid-exit (Python resets its handlers to the default action
+    then); the cleanup before is bounded (`ServerProcess.stop`)."""
+    for sig in STOP_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
@@ -300,9 +323,10 @@ def _measure(
             warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
             timeouts=opts.timeouts,
         ))
-    except KeyboardInterrupt as exc:
+    except KeyboardInterrupt:
+        _ignore_stop_signals()
         with stop_signals_held():
-            store.finish_run(run_id, "interrupted", error=str(exc) or "Ctrl-C",
+            store.finish_run(run_id, "interrupted", error=_interruption(),
                              summary=metrics.summarize(records, opts.slo))
         raise RunInterrupted(run_id) from None
     except Exception as exc:  # the run ends failed with the requests it has, whatever broke it

@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import functools
 import gc
+import signal
+import threading
 import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
@@ -338,9 +340,40 @@ def new_event_loop() -> asyncio.AbstractEventLoop:
 
 
 def run(main: Coroutine[Any, Any, T]) -> T:
-    """`asyncio.run` on `new_event_loop()`; use it to drive `run_load`."""
+    """`asyncio.run` on `new_event_loop()`; use it to drive `run_load`. Ctrl-C (SIGINT) cancels `main`, which
+    cancels its requests and waits for them, then raises KeyboardInterrupt here; another Ctrl-C meanwhile is
+    ignored (asyncio's own handler would raise it inside an event-loop callback: a connection's, say, which the
+    loop would report as a broken connection)."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
-        return runner.run(main)
+        interrupted, result = runner.run(_until_ctrl_c(main))
+    if interrupted:
+        raise KeyboardInterrupt
+    return result  # type: ignore[return-value]
+
+
+async def _until_ctrl_c(main: Coroutine[Any, Any, T]) -> tuple[bool, T | None]:
+    """(whether a Ctrl-C came, what `main` returned); (True, None) once a Ctrl-C has cancelled it."""
+    loop, task = asyncio.get_running_loop(), asyncio.current_task()
+    interrupted = False
+
+    def on_ctrl_c() -> None:
+        nonlocal interrupted
+        if not interrupted:
+            interrupted = True
+            task.cancel()
+
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return False, await main
+    loop.add_signal_handler(signal.SIGINT, on_ctrl_c)
+    try:
+        result = await main
+    except asyncio.CancelledError:
+        if not interrupted:
+            raise
+        return True, None
+    finally:
+        loop.remove_signal_handler(signal.SIGINT)
+    return interrupted, result
 
 
 async def _cancel_all(tasks: list[asyncio.Task]) -> None:
