@@ -114,6 +114,20 @@ def context_length(cells: Sequence[Cell], max_new_tokens: int) -> int:
                for cell in cells for item in cell.items)
 
 
+def workload(cells: Sequence[Cell]) -> tuple[int, int]:
+    """(requests, prompt tokens) one backend is sent: a request per question, one per choice."""
+    requests = tokens = 0
+    for cell in cells:
+        for item in cell.items:
+            if isinstance(item, ChoiceItem):
+                requests += len(item.choices)
+                tokens += sum(len(item.context) + len(c) for c in item.choices)
+            else:
+                requests += 1
+                tokens += len(item.prompt)
+    return requests, tokens
+
+
 def check_window(cells: Sequence[Cell], max_new_tokens: int, window: int) -> None:
     """Refuse requests longer than the model's trained window (positions past it are extrapolated RoPE)."""
     if (needed := context_length(cells, max_new_tokens)) > window:

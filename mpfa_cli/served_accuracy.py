@@ -197,3 +197,29 @@ def merge_served(parts: list[ServedAccuracy]) -> ServedAccuracy:
             mine.update(theirs)
         merged.simulated = merged.simulated or part.simulated
     return merged
+
+
+def render_by_depth(result: ServedAccuracy, console, bins: int = 10) -> None:
+    """Per backend, the score of every cell whose questions have an evidence depth (needles, squad-long's passage) in
+    `bins` bins from the context's start (0%) to its end (100%); the needle tasks' depths are the bins' centres."""
+    from rich.table import Table
+
+    deep = [c for c in result.cells if c.depths and all(d is not None for d in c.depths)]
+    if not deep:
+        console.print("no cell of this result has evidence depths")
+        return
+    for backend in result.ordered():
+        title = f"{backend}: score by evidence depth (points; questions in brackets)"
+        table = Table(title=f"SIMULATED — {title}" if result.simulated else title, title_justify="left")
+        for column in ("task", "length", *(f"{100 * b / (bins - 1):.0f}%" for b in range(bins))):
+            table.add_column(column, justify="left" if column == "task" else "right")
+        for cell in deep:
+            scores = result.scores.get(backend, {}).get(cell.key)
+            if scores is None:
+                continue
+            by_bin: dict[int, list[float]] = {}
+            for depth, score in zip(cell.depths, scores):
+                by_bin.setdefault(round(depth * (bins - 1)), []).append(score)
+            table.add_row(cell.task, str(cell.length), *(
+                f"{100 * sum(v) / len(v):.0f} ({len(v)})" if (v := by_bin.get(b)) else "–" for b in range(bins)))
+        console.print(table)

@@ -166,7 +166,7 @@ def accuracy_serve(
     """Task scores of each backend through its server, each vs the reference with a paired 95% interval."""
     import json
 
-    from mpfa.harness.accuracy_serve import check_window, run_served_accuracy
+    from mpfa.harness.accuracy_serve import check_window, run_served_accuracy, workload
     from mpfa.harness.bench import BenchOptions
     from mpfa.harness.engines import gpu_names, model_name, resolve_backends, resolve_engine
     from mpfa.harness.scenario import is_bundled_model, model_dir
@@ -207,6 +207,9 @@ def accuracy_serve(
         if chosen_engine == "sim":
             console.print("[yellow]engine: sim — every score below is SIMULATED (the simulator echoes prompt spans, "
                           "no model runs)[/]")
+        requests, tokens = workload(cells)
+        console.print(f"{len(cells)} cells, {sum(len(c.items) for c in cells)} questions: {requests} requests and "
+                      f"{tokens:,} prompt tokens per backend, {len(specs)} backend(s)", highlight=False)
         result = run_served_accuracy(specs, ref, cells, tok, model, options_for, console, seed=seed,
                                      max_new_tokens=max_new_tokens, concurrency=concurrency)
         render(result, console)
@@ -306,12 +309,14 @@ def accuracy_served(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG: score vs context length per backend, one panel per task (one result).")] = None,
     merge: Annotated[bool, typer.Option(help="Join results of other backends on the same questions into one (stored), e.g. the reference's run and another backend's.")] = False,
     ref: Annotated[Optional[str], typer.Option("--ref", help="Compare with this backend or variant instead of the stored reference.")] = None,
+    by_depth: Annotated[bool, typer.Option("--by-depth", help="Also the needle tasks' scores at each depth, per backend.")] = False,
     db: DbOption = None,
 ) -> None:
     """Stored `accuracy serve` / `emulate` results: list, table, JSON / CSV, figure, or --merge."""
     import json
 
-    from mpfa.harness.served_accuracy import KIND, ServedAccuracy, export_csv, export_json, merge_served, render
+    from mpfa.harness.served_accuracy import (KIND, ServedAccuracy, export_csv, export_json, merge_served, render,
+                                              render_by_depth)
 
     if format not in ("table", "json", "csv"):
         raise UserError(f"--format must be table, json or csv, got '{format}'")
@@ -348,6 +353,8 @@ def accuracy_served(
     if format == "table":
         for _, result in results:
             render(result, console)
+            if by_depth:
+                render_by_depth(result, console)
         return
     text = (json.dumps([export_json(r, i) for i, r in results], indent=1) if format == "json"
             else "".join(export_csv(r) for _, r in results))

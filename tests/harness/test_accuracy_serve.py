@@ -111,3 +111,22 @@ def test_a_prefill_kernel_names_the_mpfa_backends_it_applies_to():
     assert accuracy_serve.served_name(BACKENDS["mpfa"], "exact") == "mpfa+exact"
     assert accuracy_serve.served_name(BACKENDS["fa4-bf16"], "exact") == "fa4-bf16"
     assert accuracy_serve.served_name(BACKENDS["mpfa"], None) == "mpfa"
+
+
+def test_workload_counts_a_request_per_question_and_per_choice():
+    cells = [Cell("niah-single", 6, (ITEM, ITEM)), Cell("social_iqa", None, (CHOICE,))]
+    assert accuracy_serve.workload(cells) == (2 + 2, 2 * 6 + (3 + 2) + (3 + 1))
+
+
+def test_scores_by_depth_bin_the_evidence_position():
+    from rich.console import Console
+
+    from mpfa.harness.served_accuracy import render_by_depth
+
+    items = tuple(GenerationItem("niah-single", f"n{i}", (1,), ("1",), "contains", 64, i / 9) for i in range(10))
+    result = ServedAccuracy.empty("m", "bytes", "fa4-bf16", ["fa4-bf16"], [Cell("niah-single", 64, items)], 0, 32)
+    result.scores = {"fa4-bf16": {"niah-single@64": [1.0] * 9 + [0.0]}}
+    console = Console(record=True, width=200)
+    render_by_depth(result, console)
+    row = next(line for line in console.export_text().splitlines() if "niah-single" in line)
+    assert row.count("100 (1)") == 9 and row.rstrip(" │").endswith("0 (1)")
