@@ -120,10 +120,11 @@ def export_json(result: ServedAccuracy, stored_id: int | None = None) -> dict[st
     return {"id": stored_id, **result.to_json(), "summary": summary}
 
 
-def export_csv(result: ServedAccuracy) -> str:
+def export_csv(results: list[tuple[int | None, ServedAccuracy]]) -> str:
+    """One row per stored result, backend and question (`question_rows`), the result's id first."""
+    rows = [{"result": result_id, **row} for result_id, result in results for row in result.question_rows()]
     out = io.StringIO()
-    rows = result.question_rows()
-    writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["backend"], lineterminator="\n")
+    writer = csv.DictWriter(out, fieldnames=list(rows[0]) if rows else ["result"], lineterminator="\n")
     writer.writeheader()
     writer.writerows(rows)
     return out.getvalue()

@@ -309,7 +309,7 @@ def accuracy_served(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG: score vs context length per backend, one panel per task (one result).")] = None,
     merge: Annotated[bool, typer.Option(help="Join results of other backends on the same questions into one (stored), e.g. the reference's run and another backend's.")] = False,
     ref: Annotated[Optional[str], typer.Option("--ref", help="Compare with this backend or variant instead of the stored reference.")] = None,
-    by_depth: Annotated[bool, typer.Option("--by-depth", help="Also the needle tasks' scores at each depth, per backend.")] = False,
+    by_depth: Annotated[bool, typer.Option("--by-depth", help="Also each backend's score per evidence depth (the needles', squad-long's passage's).")] = False,
     db: DbOption = None,
 ) -> None:
     """Stored `accuracy serve` / `emulate` results: list, table, JSON / CSV, figure, or --merge."""
@@ -357,7 +357,7 @@ def accuracy_served(
                 render_by_depth(result, console)
         return
     text = (json.dumps([export_json(r, i) for i, r in results], indent=1) if format == "json"
-            else "".join(export_csv(r) for _, r in results))
+            else export_csv(results))
     if output is None:
         print(text, end="" if text.endswith("\n") else "\n")
     else:

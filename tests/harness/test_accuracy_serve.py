@@ -68,8 +68,9 @@ def test_result_summary_round_trip_and_csv():
     assert (ref.backend, ref.score, ref.difference) == ("fa4-bf16", 1.0, None)
     assert other.score == 0.75 and other.difference.mean == pytest.approx(-0.25) and other.difference.high < 0
     assert ServedAccuracy.from_json(result.to_json()) == result
-    lines = export_csv(result).splitlines()
-    assert len(lines) == 81 and lines[0].startswith("backend,task,length,question,depth")
+    lines = export_csv([(7, result)]).splitlines()
+    assert len(lines) == 81 and lines[0].startswith("result,backend,task,length,question,depth")
+    assert lines[1].startswith("7,fa4-bf16,niah-single,4096,n-0,")
 
 
 def test_window_check_names_the_longest_length_that_fits():
