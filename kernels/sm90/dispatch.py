@@ -7,8 +7,12 @@ Prefill kernels, named for what they compute:
   pass per prefill expands from the cache; numerics ``mpfa-qk8tile-psum`` of `mpfa.kernels.reference`.
 * ``exact``: the paper's numerics (``mpfa``): NVFP4 Q and K dequantized exactly to FP16 for the QKᵀ wgmma, ΔS as an
   extra K column, FP8 PV.
-* ``mma-sync``: the fallback for the shapes the wgmma kernels refuse (GQA groups other than 4 and 5, pages of fewer
-  than 64 keys, odd head counts): warp-level mma.sync, the paper's numerics.
+* ``mma-sync``: the fallback for the shapes the wgmma kernels do not run by default (GQA groups other than 4 and 5,
+  pages of fewer than 64 keys, odd head counts): warp-level mma.sync, the paper's numerics.
+
+The wgmma kernels take every GQA group from 1 to 8 (a CTA holds gcd(group, 4) heads of the group); by default they
+run only for the groups their GPU tests have passed on (``DEFAULT_WGMMA_GROUPS``). The others run them only when
+asked for by name, until their GPU tests pass.
 
 Decode has one kernel, ``split-kv`` (split-KV partitions, then a merge kernel), with the paper's numerics.
 
@@ -29,16 +33,17 @@ DEFAULT_PREFILL_KERNEL = "fp8"
 DECODE_KERNEL = "split-kv"
 PREFILL_KERNEL_ENV = "MPFA_PREFILL_KERNEL"
 WGMMA_KERNELS = ("fp8", "exact")
-WGMMA_GROUPS = (4, 5)  # a warpgroup's 64 rows are 4 heads x 16 rows or 1 head x 64 rows (32:8 and 40:8 models)
+WGMMA_GROUPS = tuple(range(1, 9))  # a warpgroup's 64 rows: gcd(group, 4) heads x 64 / gcd(group, 4) rows
+DEFAULT_WGMMA_GROUPS = (4, 5)  # passed tests/kernels_sm90/test_prefill_{fp8,exact}_gpu.py (32:8 and 40:8 models)
 WGMMA_MIN_PAGE = 64  # the wgmma kernels' 64-key tiles never straddle a page
 NUMERICS = {"fp8": "mpfa-qk8tile-psum", "exact": "mpfa", "mma-sync": "mpfa"}
 SOFTMAX_KEYS = {"fp8": 128, "exact": 64, "mma-sync": 32}
 
 
-def wgmma_fits(num_q_heads: int, num_kv_heads: int, page_size: int) -> bool:
-    """Whether the wgmma kernels (``fp8``, ``exact``) take this shape."""
+def wgmma_fits(num_q_heads: int, num_kv_heads: int, page_size: int, groups: tuple[int, ...] = WGMMA_GROUPS) -> bool:
+    """Whether the wgmma kernels (``fp8``, ``exact``) take this shape (``groups``: the GQA groups allowed)."""
     return (num_q_heads % 2 == 0 and num_q_heads % num_kv_heads == 0
-            and num_q_heads // num_kv_heads in WGMMA_GROUPS and page_size >= WGMMA_MIN_PAGE)
+            and num_q_heads // num_kv_heads in groups and page_size >= WGMMA_MIN_PAGE)
 
 
 def requested_prefill_kernel(kernel: str | None = None) -> str | None:
@@ -55,10 +60,12 @@ def requested_prefill_kernel(kernel: str | None = None) -> str | None:
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
     """The prefill kernel that runs for this shape: ``kernel`` or ``MPFA_PREFILL_KERNEL`` if given (a wgmma kernel
-    the shape does not fit is a ValueError), else ``fp8`` where it fits and ``mma-sync`` elsewhere."""
+    the shape does not fit is a ValueError), else ``fp8`` where it fits a GPU-tested group and ``mma-sync``
+    elsewhere."""
     choice = requested_prefill_kernel(kernel)
     if choice is None:
-        return DEFAULT_PREFILL_KERNEL if wgmma_fits(num_q_heads, num_kv_heads, page_size) else "mma-sync"
+        tested = wgmma_fits(num_q_heads, num_kv_heads, page_size, DEFAULT_WGMMA_GROUPS)
+        return DEFAULT_PREFILL_KERNEL if tested else "mma-sync"
     if choice in WGMMA_KERNELS:
         check_wgmma_shape(choice, num_q_heads, num_kv_heads, page_size)
     return choice
@@ -68,7 +75,7 @@ def check_wgmma_shape(kernel: str, num_q_heads: int, num_kv_heads: int, page_siz
     """A ValueError naming the limits unless the wgmma kernel ``kernel`` takes this shape (`wgmma_fits`)."""
     if not wgmma_fits(num_q_heads, num_kv_heads, page_size):
         raise ValueError(
-            f"the {kernel} prefill kernel needs GQA group {' or '.join(map(str, WGMMA_GROUPS))}, an even number of "
+            f"the {kernel} prefill kernel needs a GQA group of {WGMMA_GROUPS[0]} to {WGMMA_GROUPS[-1]}, an even number of "
             f"query heads and pages of >= {WGMMA_MIN_PAGE} keys; got {num_q_heads}:{num_kv_heads} heads, pages of "
             f"{page_size}: use mma-sync")
 

@@ -77,13 +77,14 @@ def test_the_launcher_refuses_a_kernel_the_model_does_not_take(monkeypatch):
     _launch(48, 8, 128)  # GQA 6: mma-sync by default
     monkeypatch.setenv(PREFILL_KERNEL_ENV, "exact")
     _launch(40, 8, 64)
+    _launch(48, 8, 128)  # GQA 6 by name: taken (its GPU tests pending)
     with pytest.raises(MpfaSetupError) as info:
-        _launch(48, 8, 128)
-    assert "\n" not in str(info.value) and "the exact prefill kernel needs GQA group 4 or 5" in str(info.value)
+        _launch(40, 8, 32)  # pages of 32 keys
+    assert "\n" not in str(info.value) and "the exact prefill kernel needs a GQA group of 1 to 8" in str(info.value)
     with pytest.raises(MpfaSetupError, match="pages of 1: use mma-sync"):
         _launch(32, 8, None)  # SGLang's default page of 1 key
     monkeypatch.setenv("MPFA_PREFILL", "reference")  # the reference path runs no prefill kernel
-    _launch(48, 8, 128)
+    _launch(40, 8, 32)
 
 
 def test_the_backend_logs_its_kernels_once_per_shape(monkeypatch, caplog):

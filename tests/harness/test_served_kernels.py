@@ -31,8 +31,9 @@ def test_the_override_is_recorded_with_the_kernel_it_chose(monkeypatch: pytest.M
     monkeypatch.setenv("MPFA_PREFILL_KERNEL", "mma-sync")  # inherited by the servers
     assert served_kernels(mpfa, 32, 8, 128)["prefill"] == "mma-sync"
     assert served_kernels(mpfa, 32, 8, 128, "fp8")["prefill"] == "fp8"  # the server argument wins
-    with pytest.raises(UserError, match="mpfa: the fp8 prefill kernel needs GQA group 4 or 5"):
-        served_kernels(mpfa, 64, 8, 128, "fp8")
+    assert served_kernels(mpfa, 64, 8, 128, "fp8")["prefill"] == "fp8"  # GQA 8 by name (default: mma-sync)
+    with pytest.raises(UserError, match="mpfa: the fp8 prefill kernel needs a GQA group of 1 to 8"):
+        served_kernels(mpfa, 72, 8, 128, "fp8")
 
 
 def test_the_reference_prefill_path_runs_no_prefill_kernel(monkeypatch: pytest.MonkeyPatch):

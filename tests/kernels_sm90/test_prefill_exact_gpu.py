@@ -44,6 +44,13 @@ SHAPES = [(32, *case) for case in CASES] + [(40, *case) for case in CASES] + [(4
 SHAPE_IDS = [f"32:8-{name}" for name in IDS] + [f"40:8-{name}" for name in IDS] + ["40:8-page64-warpgroup-skips-128"]
 
 
+@pytest.mark.parametrize("group", [1, 2, 3, 6, 7, 8])
+def test_other_gqa_groups_match_their_oracle(gen, group):
+    """GQA groups the default dispatch does not yet give to the wgmma kernels (`dispatch.DEFAULT_WGMMA_GROUPS`)."""
+    problem = prefill_tests._problem(gen, [300, 129], [700, 129], 8 * group, 8, 128)
+    prefill_tests.run_against_oracle(problem, True, "exact")
+
+
 @pytest.mark.parametrize("hq,q_lens,kv_lens,page_size,causal", SHAPES, ids=SHAPE_IDS)
 def test_exact_matches_its_oracle_and_the_mma_sync_kernel(gen, hq, q_lens, kv_lens, page_size, causal):
     problem = prefill_tests._problem(gen, q_lens, kv_lens, hq, 8, page_size)

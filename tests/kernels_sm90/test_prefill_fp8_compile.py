@@ -159,9 +159,20 @@ def _check_bulk_producer(sass: str) -> None:
 
 
 def test_limits_are_clear_errors():
-    """GQA groups other than 4 and 5, pages of fewer than 64 keys and an odd number of query heads are the
-    mma-sync kernel's (`dispatch.check_wgmma_shape`), refused before compiling."""
-    for config in ((8, 6, 128, True, "BFloat16"), (8, 4, 32, True, "BFloat16"), (1, 5, 128, True, "BFloat16")):
-        with pytest.raises(ValueError, match="the fp8 prefill kernel needs GQA group 4 or 5, an even number of "
+    """GQA groups above 8, pages of fewer than 64 keys and an odd number of query heads are the mma-sync
+    kernel's (`dispatch.check_wgmma_shape`), refused before compiling."""
+    for config in ((8, 9, 128, True, "BFloat16"), (8, 4, 32, True, "BFloat16"), (1, 5, 128, True, "BFloat16")):
+        with pytest.raises(ValueError, match="the fp8 prefill kernel needs a GQA group of 1 to 8, an even number of "
                                              "query heads and pages of >= 64 keys.*use mma-sync"):
             compile_prefill_kernel(*config, kernel="fp8")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kernel,class_name", [("fp8", "PrefillSm90Fp8"), ("exact", "PrefillSm90Exact")])
+def test_other_gqa_groups_compile_without_local_memory(kernel, class_name, tmp_path, compile_builds, cuobjdump):
+    """Groups 1-3 and 6-8 (taken by name until their GPU tests pass, `dispatch.DEFAULT_WGMMA_GROUPS`): a CTA of 1,
+    2 or 4 of the group's heads; each build fits its registers with no local memory."""
+    builds = [((8, group, 128, True, "BFloat16"), True, kernel) for group in (1, 2, 3, 6, 7, 8)]
+    for build, cubin in compile_builds(builds, class_name, tmp_path).items():
+        usage = cuobjdump("--dump-resource-usage", str(cubin))
+        assert re.search(r"LOCAL:0\b", usage), (build, usage)
