@@ -16,6 +16,7 @@ _PATTERNS = (
     (ATTENTION, re.compile(
         r"FlashAttention|FlashAttn|flash_fwd|flash::|fmha"  # FA4 (CuTe DSL), FA3 (sgl-kernel), FA2, FMHA
         r"|Batch(Prefill|Decode)\w*Kernel|Single(Prefill|Decode)\w*Kernel|MergeStates|merge_state"  # FlashInfer
+        r"|PrefillWithKVCacheKernel|\bkernel_mha\b"  # FlashInfer's sm90 templates (FP8 too), its XQA decode
         r"|^_fwd(_grouped)?_kernel"  # SGLang Triton extend (_fwd_kernel) and decode (_fwd_kernel_stage1/2)
         r"|paged_attention|flash_mla|SplitKVDecodeSm90|DecodeMergeSm90|mpfa",  # vLLM, FlashMLA, MpFA
         re.IGNORECASE)),

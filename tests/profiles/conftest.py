@@ -43,6 +43,10 @@ KERNEL_CATEGORIES = {
     "void flashinfer::BatchDecodeWithPagedKVCacheKernel<(flashinfer::PosEncodingMode)0, 2u, 4u, 8u, 16u, 1u, 8u, "
     "flashinfer::DefaultAttention<false, false, false, false>>(flashinfer::BatchDecodeParams)": ATTENTION,
     "void flashinfer::MergeStatesKernel<8u, 16u, 8u, 4u, __nv_bfloat16, __nv_bfloat16>(...)": ATTENTION,
+    # FlashInfer 0.6.12's sm90 templates (BF16 and FP8) and its XQA decode, as their sources name them
+    "void flashinfer::PrefillWithKVCacheKernel<flashinfer::KernelTraits<...>>(...)": ATTENTION,
+    "void flashinfer::FP8PrefillWithKVCacheKernel<flashinfer::FP8KernelTraits<...>>(...)": ATTENTION,
+    "kernel_mha": ATTENTION,
     "_fwd_kernel": ATTENTION,
     "_fwd_kernel_stage1": ATTENTION,
     "_fwd_grouped_kernel_stage1": ATTENTION,
