@@ -18,6 +18,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from rich import box
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
@@ -525,16 +526,18 @@ def _status_text(run: RunRecord) -> Text:
 
 def runs_table(runs: Sequence[StoredRun]) -> Table:
     """The `mpfa runs` listing: one line per run with its key metrics."""
-    table = Table(title=_simulated_title("Runs", runs), title_justify="left")
+    # One line per run at 100 columns: no vertical rules (a listing, not a grid), the engine without its gloss.
+    table = Table(title=_simulated_title("Runs", runs), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+                  padding=(0, 1), collapse_padding=True)
     for column in ("id", "when", "scenario", "backend", "engine", "point", "rep", "status"):
         table.add_column(column, justify="right" if column in ("id", "rep") else "left")
     for metric in ("otps", "ttft_ms_median", "tpot_ms_median"):
-        table.add_column(metric_label(metric), justify="right")
+        table.add_column(metric_label(metric).replace(" ", "\n"), justify="right")  # "TTFT / p50 / (ms)": narrow
     for run in runs:
         table.add_row(
             str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)), run.scenario,
             backend_label(run.backend, bool(run.caveat)),
-            Text(engine_label(run), style="magenta" if run.simulated else ""),
+            Text(run.engine, style="magenta" if run.simulated else ""),
             f"{context_label(run.input_len)} {load_label(run.load)}", str(run.repeat),
             _status_text(run),
             *(format_number(run.summary.get(m)) for m in ("otps", "ttft_ms_median", "tpot_ms_median")),

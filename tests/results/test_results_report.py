@@ -103,7 +103,8 @@ def test_runs_table_labels_simulated_runs(make_run):
     runs = [make_run("mpfa", 0, {"otps": 1234.5}, id=7, engine="sim", simulated=True),
             make_run("fa4-bf16", 0, {"otps": 99.0}, id=8)]
     text = render(runs_table(runs))
-    assert "SIMULATED" in text and "sim (simulated)" in text and "1234" in text
+    assert "SIMULATED" in text and "simulated runs come from the latency model (engine sim)" in text
+    assert " sim " in text and "1234" in text
     measured = render(runs_table(runs[1:]))
     assert "simulated" not in measured.lower()
 
