@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-from mpfa.harness.logits import SERVER_KEYS, ResponseError, post_generate
+from mpfa.harness.logits import SERVER_KEYS, ResponseError, post_generate, response_meta
 from mpfa.harness.served_accuracy import ServedAccuracy
 from mpfa.harness.served_kernels import runs_mpfa_kernels
 from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
@@ -45,22 +45,10 @@ def choice_body(context: Sequence[int], choice: Sequence[int]) -> dict[str, Any]
             "logprob_start_len": len(context) - 1, "sampling_params": {"max_new_tokens": 1, "temperature": 0}}
 
 
-def _meta(body: dict[str, Any], sent: int) -> dict[str, Any]:
-    if "error" in body:
-        err = body["error"]
-        raise ResponseError(f"server error: {err.get('message', err) if isinstance(err, dict) else err}")
-    meta = body.get("meta_info")
-    if not isinstance(meta, dict):
-        raise ResponseError("response has no meta_info")
-    if meta.get("prompt_tokens") is not None and int(meta["prompt_tokens"]) != sent:
-        raise ResponseError(f"server counted {meta['prompt_tokens']} prompt tokens, {sent} were sent")
-    return meta
-
-
 def answer(url: str, item: GenerationItem, tok: TaskTokenizer, max_new_tokens: int) -> tuple[float, str]:
     """(score, answer text) of one greedy answer from the server."""
     body = post_generate(url, generation_body(item, max_new_tokens, tok.stop_ids()))
-    _meta(body, len(item.prompt))
+    response_meta(body, len(item.prompt))
     ids = body.get("output_ids")
     if not isinstance(ids, list) or len(ids) > max_new_tokens:
         raise ResponseError(f"response carries output_ids {ids!r:.80} for at most {max_new_tokens} new tokens")
@@ -70,7 +58,7 @@ def answer(url: str, item: GenerationItem, tok: TaskTokenizer, max_new_tokens: i
 
 def choice_logprob(url: str, context: Sequence[int], choice: Sequence[int]) -> float:
     """Summed log-likelihood of `choice` after `context`, from the server's prompt logprobs."""
-    meta = _meta(post_generate(url, choice_body(context, choice)), len(context) + len(choice))
+    meta = response_meta(post_generate(url, choice_body(context, choice)), len(context) + len(choice))
     entries = meta.get("input_token_logprobs")
     if not isinstance(entries, list) or len(entries) < len(choice):
         raise ResponseError("response has too few input_token_logprobs (did the server ignore return_logprob?)")

@@ -90,18 +90,25 @@ def _entry(item: Any, where: str) -> tuple[float | None, int]:
     return (None if value is None else float(value)), int(token)
 
 
-def parse_response(body: dict[str, Any], prompt: list[int], max_new_tokens: int) -> Sample:
-    """Check one `/generate` response's counts and ids against the request and pull out its logprobs."""
+def response_meta(body: dict[str, Any], sent: int) -> dict[str, Any]:
+    """The `meta_info` of one non-streamed `/generate` response, after its error and its prompt-token count (against
+    the `sent` ids) are checked."""
     if "error" in body:
         err = body["error"]
         raise ResponseError(f"server error: {err.get('message', err) if isinstance(err, dict) else err}")
     meta = body.get("meta_info")
     if not isinstance(meta, dict):
         raise ResponseError("response has no meta_info")
+    if meta.get("prompt_tokens") is not None and int(meta["prompt_tokens"]) != sent:
+        raise ResponseError(f"server counted {meta['prompt_tokens']} prompt tokens, {sent} were sent")
+    return meta
+
+
+def parse_response(body: dict[str, Any], prompt: list[int], max_new_tokens: int) -> Sample:
+    """Check one `/generate` response's counts and ids against the request and pull out its logprobs."""
+    meta = response_meta(body, len(prompt))
     output_ids = list(body.get("output_ids") or [])
     n_prompt, n_out = len(prompt), max_new_tokens
-    if meta.get("prompt_tokens") is not None and int(meta["prompt_tokens"]) != n_prompt:
-        raise ResponseError(f"server counted {meta['prompt_tokens']} prompt tokens, {n_prompt} were sent")
     if meta.get("completion_tokens") is not None and int(meta["completion_tokens"]) != n_out:
         raise ResponseError(f"server generated {meta['completion_tokens']} tokens, {n_out} were requested")
     if len(output_ids) != n_out:
