@@ -3,14 +3,26 @@ reference's interval-free line and each other backend's paired 95% interval of t
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from mpfa.harness.errors import UserError
-from mpfa.harness.plot import ACCURACY_PANEL_SIZE, figure_paths, plt, save_figure
+from mpfa.harness.plot import ACCURACY_PANEL_SIZE, figure_paths, plot_task_accuracy, plt, save_figure
 from mpfa.harness.served_accuracy import ServedAccuracy, SummaryRow
 
+if TYPE_CHECKING:  # importing mpfa.kernels loads torch
+    from mpfa.kernels.tasks.task_report import TaskAccuracyReport
 
-def plot_served_accuracy(result: ServedAccuracy, out: Path) -> Path:
-    """Write the figure as PNG to `out`; returns the path."""
+
+def plot_accuracy(report: ServedAccuracy | TaskAccuracyReport, out: Path, fmt: str = "png") -> list[Path]:
+    """`mpfa plot --accuracy`: the figure of a served result or of an `mpfa accuracy task` report, beside `out` as
+    `fmt` (png, svg or both); returns the paths."""
+    if isinstance(report, ServedAccuracy):
+        return plot_served_accuracy(report, out, fmt)
+    return plot_task_accuracy(report, out, fmt)
+
+
+def plot_served_accuracy(result: ServedAccuracy, out: Path, fmt: str = "png") -> list[Path]:
+    """Write the figure beside `out` as `fmt` (png, svg or both); returns the paths."""
     rows = result.summary()
     if not rows:
         raise UserError(f"served accuracy result of {result.model} holds no scores: nothing to plot")
@@ -42,4 +54,4 @@ def plot_served_accuracy(result: ServedAccuracy, out: Path) -> Path:
         ax.legend(fontsize="small")
     title = f"Task accuracy: {result.model}; error bars: paired 95% interval of the difference to {result.ref}"
     fig.suptitle(f"SIMULATED (no model ran) — {title}" if result.simulated else title, fontsize="medium")
-    return save_figure(fig, figure_paths(out, "png"))[0]
+    return save_figure(fig, figure_paths(out, fmt))

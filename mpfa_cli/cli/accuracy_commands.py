@@ -309,7 +309,7 @@ def accuracy_served(
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG: score vs context length per backend, one panel per task (one result).")] = None,
     merge: Annotated[bool, typer.Option(help="Join results of other backends on the same questions into one (stored), e.g. the reference's run and another backend's.")] = False,
     ref: Annotated[Optional[str], typer.Option("--ref", help="Compare with this backend or variant instead of the stored reference.")] = None,
-    by_depth: Annotated[bool, typer.Option("--by-depth", help="Also each backend's score per evidence depth (the needles', squad-long's passage's).")] = False,
+    by_depth: Annotated[bool, typer.Option("--by-depth/--no-by-depth", help="Also each backend's score per evidence depth (the needles', squad-long's passage's).")] = False,
     db: DbOption = None,
 ) -> None:
     """Stored `accuracy serve` / `emulate` results: list, table, JSON / CSV, figure, or --merge."""
@@ -324,7 +324,7 @@ def accuracy_served(
         if ids is None:
             _list_served(store.list_profiles(KIND))
             return
-        stored = stored_accuracy_results(store, number_list(ids, "ids"), KIND)
+        stored = stored_accuracy_results(store, number_list(ids, "ids"), (KIND,))
         results = [(p.id, ServedAccuracy.from_json(p.result)) for p in stored]
         if merge:
             if len(gpus := {p.gpu for p in stored if p.params.get("engine") != "emulate"}) > 1:
@@ -348,7 +348,7 @@ def accuracy_served(
 
         if len(results) != 1:
             raise UserError(f"--plot draws one result at a time, got {len(results)} ids")
-        console.print(f"wrote {plot_served_accuracy(results[0][1], plot)}")
+        console.print(f"wrote {', '.join(map(str, plot_served_accuracy(results[0][1], plot)))}")
         return
     if format == "table":
         for _, result in results:

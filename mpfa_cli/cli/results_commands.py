@@ -63,10 +63,11 @@ def compare(
     With --accuracy: the task-accuracy table of each stored `mpfa accuracy task` result named (default: the newest).
     """
     if accuracy:
+        from mpfa.harness.served_accuracy import ServedAccuracy, render
         from mpfa.kernels.tasks.task_report import render_task_accuracy
 
         for report in accuracy_reports(db, run_ids, scenario):
-            render_task_accuracy(report, console)
+            (render if isinstance(report, ServedAccuracy) else render_task_accuracy)(report, console)
         return
     from mpfa.harness.run_tables import check_format, compare_table, compare_tables, default_reference, format_compare
 
@@ -158,7 +159,8 @@ def plot(
     With --accuracy ID: one stored `mpfa accuracy task` result (default: the newest), per task each variant's
     score, its loss vs bf16 and MpFA's recovery.
     """
-    from mpfa.harness.plot import check_figure_format, plot_runs, plot_task_accuracy
+    from mpfa.harness.accuracy_plot import plot_accuracy
+    from mpfa.harness.plot import check_figure_format, plot_runs
     from mpfa.harness.run_tables import default_reference
 
     check_figure_format(figure_format)
@@ -166,7 +168,7 @@ def plot(
         if run_ids and len(run_ids) > 1:
             raise UserError(f"--accuracy plots one result at a time, got {len(run_ids)} ids")
         (report,) = accuracy_reports(db, run_ids, scenario)
-        paths = plot_task_accuracy(report, output or Path("mpfa-accuracy.png"), figure_format)
+        paths = plot_accuracy(report, output or Path("mpfa-accuracy.png"), figure_format)
     else:
         with open_store(db) as store:
             selected = compared_runs(store, run_ids, scenario)

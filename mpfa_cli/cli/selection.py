@@ -107,24 +107,30 @@ def id_ranges(ids: list[int]) -> str:
 ACCURACY_COMMANDS = {"accuracy-task": "mpfa accuracy task", "accuracy-serve": "mpfa accuracy serve"}
 
 
-def accuracy_results(store: ResultStore, ids: list[int] | None, kind: str = "accuracy-task") -> list[StoredProfile]:
-    """The stored accuracy results (`ACCURACY_COMMANDS`) of `kind` named, else the newest one; ids of another kind
-    are refused."""
+def accuracy_results(store: ResultStore, ids: list[int] | None,
+                     kinds: tuple[str, ...] = ("accuracy-task",)) -> list[StoredProfile]:
+    """The stored accuracy results (`ACCURACY_COMMANDS`) of `kinds` named, else the newest one of them; ids of
+    another kind are refused."""
     if not ids:
-        if not (newest := store.list_profiles(kind, limit=1)):
-            raise UserError(f"no {kind} results in {store.path}; run `{ACCURACY_COMMANDS[kind]}` first")
-        return newest
+        newest = [p for kind in kinds for p in store.list_profiles(kind, limit=1)]
+        if not newest:
+            runs = " or ".join(f"`{ACCURACY_COMMANDS[kind]}`" for kind in kinds)
+            raise UserError(f"no {' or '.join(kinds)} results in {store.path}; run {runs} first")
+        return [max(newest, key=lambda p: p.id)]
     stored = [store.get_profile(i) for i in ids]
-    if bad := [p for p in stored if p.kind != kind]:
-        raise UserError(f"not {kind} results: " + ", ".join(f"{p.id} (a {p.kind} result)" for p in bad))
+    if bad := [p for p in stored if p.kind not in kinds]:
+        raise UserError(f"not {' or '.join(kinds)} results: " + ", ".join(f"{p.id} (a {p.kind} result)" for p in bad))
     return stored
 
 
 def accuracy_reports(db: Path | None, ids: list[int] | None, scenario: str | None) -> list:
-    """`compare`/`plot --accuracy`: the reports of the results named (default: the newest)."""
+    """`compare`/`plot --accuracy`: the results named (default: the newest), each a `TaskAccuracyReport` (`mpfa
+    accuracy task`) or a `ServedAccuracy` (`mpfa accuracy serve` / `emulate`)."""
+    from mpfa.harness.served_accuracy import KIND as SERVED, ServedAccuracy
     from mpfa.kernels.tasks.task_report import TaskAccuracyReport
 
     if scenario is not None:
         raise UserError("--scenario selects serving runs; it does not apply with --accuracy")
     with open_store(db) as store:
-        return [TaskAccuracyReport.from_json(p.result) for p in accuracy_results(store, ids)]
+        stored = accuracy_results(store, ids, tuple(ACCURACY_COMMANDS))
+    return [(ServedAccuracy if p.kind == SERVED else TaskAccuracyReport).from_json(p.result) for p in stored]

@@ -96,6 +96,11 @@ def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, ta
     assert len(other) == len(cells) and all(r["difference"]["n"] == 6 for r in other)
     plot = mpfa("accuracy", "served", str(stored.id), "--plot", str(mpfa.tmp / "served.png"))
     assert plot.returncode == 0 and (mpfa.tmp / "served.png").stat().st_size > 0
+    # beside speed results: compare and plot --accuracy take it (the newest accuracy result by default)
+    compared = mpfa("compare", "--accuracy")
+    assert compared.returncode == 0 and "SIMULATED" in compared.stdout and "niah-multikey" in compared.stdout
+    figure = mpfa("plot", "--accuracy", str(stored.id), "--format", "both", "-o", str(mpfa.tmp / "acc.png"))
+    assert figure.returncode == 0 and all((mpfa.tmp / f"acc.{kind}").stat().st_size > 0 for kind in ("png", "svg"))
 
 
 def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):

@@ -79,8 +79,8 @@ def test_plot_accuracy_writes_one_panel_per_task(db, tmp_path):
     [
         (("compare", "--accuracy", "9"), "no profile with id 9"),
         (("plot", "--accuracy", "9"), "no profile with id 9"),
-        (("compare", "--accuracy", "3"), "not accuracy-task results: 3 (a prefill result)"),
-        (("plot", "--accuracy", "3"), "not accuracy-task results: 3 (a prefill result)"),
+        (("compare", "--accuracy", "3"), "not accuracy-task or accuracy-serve results: 3 (a prefill result)"),
+        (("plot", "--accuracy", "3"), "not accuracy-task or accuracy-serve results: 3 (a prefill result)"),
         (("plot", "--accuracy", "1", "2"), "one result at a time"),
         (("compare", "--accuracy", "--scenario", "smoke"), "--scenario"),
     ],
@@ -99,5 +99,5 @@ def test_accuracy_without_results_says_so(tmp_path, command):
     output = ["-o", tmp_path / "x.png"] if command == "plot" else []
     result = mpfa(command, "--accuracy", *output, "--db", empty)
     assert result.exit_code == 2
-    assert "no accuracy-task results in" in result.output and "mpfa accuracy task" in result.output
+    assert "no accuracy-task or accuracy-serve results in" in result.output and "mpfa accuracy serve" in result.output
     assert len(result.output.strip().splitlines()) == 1
