@@ -43,3 +43,17 @@ def gen(request: pytest.FixtureRequest) -> torch.Generator:
 def device(request: pytest.FixtureRequest) -> str:
     """Where the Triton kernels run: the GPU (a ``gpu`` test) or, without one, Triton's CPU interpreter."""
     return request.param
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """The skips in one line, counted by reason (-ra would list every skipping test file)."""
+    skipped = terminalreporter.stats.get("skipped", [])
+    if not skipped:
+        return
+    reasons: dict[str, int] = {}
+    for report in skipped:
+        reason = str(report.longrepr[2] if isinstance(report.longrepr, tuple) else report.longrepr)
+        reason = reason.removeprefix("Skipped: ")
+        reasons[reason] = reasons.get(reason, 0) + 1
+    counted = "; ".join(f"{reason}: {count}" for reason, count in sorted(reasons.items(), key=lambda r: -r[1]))
+    terminalreporter.write_line(f"skipped {len(skipped)} ({counted})")

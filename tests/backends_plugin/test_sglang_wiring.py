@@ -8,7 +8,9 @@ import pkgutil
 import pytest
 import torch
 
-sglang = pytest.importorskip("sglang")
+# SGLang's serving stack is installed where the GPUs are (the devkit), never on a CPU machine.
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
+sglang = pytest.importorskip("sglang") if torch.cuda.is_available() else None
 
 from mpfa.backends.sglang_plugin import BACKEND_NAMES, register  # noqa: E402
 from mpfa.backends.sglang_plugin.pool_sizing import cell_size  # noqa: E402
