@@ -142,8 +142,8 @@ def accuracy_convert(
 @accuracy_app.command("serve")
 @cli_errors
 def accuracy_serve(
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends, served one after another (the reference first).")] = "fa4-bf16,fa3-fp8,flashinfer-fp8,mpfa-direct,mpfa",
-    ref: Annotated[str, typer.Option("--ref", help="The backend the others are compared with; runs only if in --backend (split a long job by backend, then join: `mpfa accuracy served A,B --merge`).")] = "fa4-bf16",
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends, served one after another (the reference first).")] = "fa3-bf16,fa3-fp8,flashinfer-fp8,mpfa-direct,mpfa",
+    ref: Annotated[str, typer.Option("--ref", help="The backend the others are compared with; runs only if in --backend (split a long job by backend, then join: `mpfa accuracy served A,B --merge`).")] = "fa3-bf16",
     model: Annotated[str, typer.Option(help="A model directory (real weights; its tokenizer builds the prompts) or a bundled config (dummy weights: plumbing only).")] = "llama-3.1-8b",
     tokenizer: Annotated[Optional[str], typer.Option(help="'bytes' or a model directory (default: --model's directory; 'bytes' for a bundled config).")] = None,
     tasks: Annotated[str, typer.Option(help="Comma-separated: niah-single, niah-multikey, squad-long (at every --lengths), squad, social_iqa.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",

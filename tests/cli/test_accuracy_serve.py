@@ -16,7 +16,7 @@ from mpfa.kernels.tasks.scoring import best_choice
 from mpfa.kernels.tasks.task_sets import build_cells
 from mpfa.kernels.tasks.tokens import ByteTokenizer, answer_text
 
-BACKENDS = ("fa4-bf16", "mpfa")
+BACKENDS = ("fa3-bf16", "mpfa")
 MAX_NEW = 12
 
 
@@ -83,7 +83,7 @@ def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, ta
             scores, said = _expected(cell, backend, tok)
             assert doc["answers"][backend][cell.key] == said, (backend, cell.key)
             assert doc["scores"][backend][cell.key] == scores, (backend, cell.key)
-    assert any(s > 0 for s in doc["scores"]["fa4-bf16"]["squad-long@900"])  # some echoed spans hit the answer
+    assert any(s > 0 for s in doc["scores"]["fa3-bf16"]["squad-long@900"])  # some echoed spans hit the answer
 
     listed = mpfa("accuracy", "served")
     assert listed.returncode == 0 and "SIMULATED" in listed.stdout
