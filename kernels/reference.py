@@ -78,7 +78,6 @@ class VariantSpec:
     smoothing: bool
     description: str
     l_sums_p_operand: bool = False  # l sums P in its operand format (as the PV GEMM sees it), not the FP32 P
-    ds_from_cache: bool = False  # Delta_S from the cached NVFP4 K (computed when read), not stored from BF16 K
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -105,9 +104,6 @@ VARIANTS: dict[str, VariantSpec] = {
                     "mpfa-qk8tile with l summing the FP8 P (row sums on the PV MMA)", l_sums_p_operand=True),
         VariantSpec("qk8tile-psum-direct", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", False,
                     "mpfa-qk8tile-psum without smoothing (the fp8 prefill kernel's direct build)", l_sums_p_operand=True),
-        VariantSpec("mpfa-qk8tile-psum-ds-cache", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", True,
-                    "mpfa-qk8tile-psum with Delta_S computed from the cached NVFP4 K instead of stored (8 B less per "
-                    "token and KV head)", l_sums_p_operand=True, ds_from_cache=True),
     )
 }
 
@@ -286,7 +282,7 @@ def _prepare(
             means = SmoothingMeans(sequence_means(q, seqs.cu_q), sequence_means(k, seqs.cu_k))
         _check_means(means, seqs.cu_q.numel() - 1, q, k)
         q, k = center(q, means.q_mean, seqs.cu_q), center(k, means.k_mean, seqs.cu_k)
-        ds = delta_s(means.q_mean, _operand(k, "nvfp4") if spec.ds_from_cache else k, seqs.cu_k).float()
+        ds = delta_s(means.q_mean, k, seqs.cu_k).float()
     if spec.v == "nvfp4":
         bounds = seqs.cu_k.tolist()
         v_op = torch.cat([_fake_quant_along_tokens(v[a:b]) for a, b in zip(bounds, bounds[1:])])
@@ -554,7 +550,7 @@ def prepare_batch(
         _check_means(means, batch, q[0], k[0])
         q = q - means.q_mean.to(q.device, torch.float32)[:, None]  # `center`, per row
         k = k - means.k_mean.to(k.device, torch.float32)[:, None]
-        ds = delta_s_padded(means.q_mean, _operand(k, "nvfp4") if spec.ds_from_cache else k).float()
+        ds = delta_s_padded(means.q_mean, k).float()
     if spec.v == "nvfp4":
         v_op = _fake_quant_along_tokens(v)
     elif spec.v == "fp8":

@@ -129,11 +129,8 @@ def test_registry_matches_the_spec() -> None:
         "mpfa-qk8tile": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
         "mpfa-qk8tile-psum": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
         "qk8tile-psum-direct": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", False),
-        "mpfa-qk8tile-psum-ds-cache": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
     }
-    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == [
-        "mpfa-qk8tile-psum", "qk8tile-psum-direct", "mpfa-qk8tile-psum-ds-cache"]
-    assert [name for name, s in VARIANTS.items() if s.ds_from_cache] == ["mpfa-qk8tile-psum-ds-cache"]
+    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == ["mpfa-qk8tile-psum", "qk8tile-psum-direct"]
 
 
 def test_fp8_variant_quantizes_only_k_and_v(make_batch) -> None:
@@ -164,7 +161,7 @@ def emulate_one_tile(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if spec.smoothing:
         q_mean, k_mean = sequence_means(q, cu_q), sequence_means(k, cu_k)
         q, k = center(q, q_mean, cu_q), center(k, k_mean, cu_k)
-        shift = delta_s(q_mean, fake_quant_nvfp4(k) if spec.ds_from_cache else k, cu_k).float().T[:, None, :]
+        shift = delta_s(q_mean, k, cu_k).float().T[:, None, :]
     formats = {
         "bf16": lambda x: x,
         "fp8": fake_quant_fp8,
