@@ -78,7 +78,6 @@ class VariantSpec:
     smoothing: bool
     description: str
     l_sums_p_operand: bool = False  # l sums P in its operand format (as the PV GEMM sees it), not the FP32 P
-    ds_fp8_tile: bool = False  # Delta_S stored in e4m3 with a power-of-two scale per 64-key tile and head
 
     @property
     def compute_dtype(self) -> torch.dtype:
@@ -105,9 +104,6 @@ VARIANTS: dict[str, VariantSpec] = {
                     "mpfa-qk8tile with l summing the FP8 P (row sums on the PV MMA)", l_sums_p_operand=True),
         VariantSpec("qk8tile-psum-direct", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", False,
                     "mpfa-qk8tile-psum without smoothing (the fp8 prefill kernel's direct build)", l_sums_p_operand=True),
-        VariantSpec("mpfa-qk8tile-psum-ds8", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", True,
-                    "mpfa-qk8tile-psum with Delta_S stored in e4m3, one power-of-two scale per 64-key tile and head "
-                    "(4 B less per token and KV head)", l_sums_p_operand=True, ds_fp8_tile=True),
     )
 }
 
@@ -287,9 +283,6 @@ def _prepare(
         _check_means(means, seqs.cu_q.numel() - 1, q, k)
         q, k = center(q, means.q_mean, seqs.cu_q), center(k, means.k_mean, seqs.cu_k)
         ds = delta_s(means.q_mean, k, seqs.cu_k).float()
-        if spec.ds_fp8_tile:
-            bounds = seqs.cu_k.tolist()
-            ds = torch.cat([_fp8_key_tiles(ds[None, a:b])[0] for a, b in zip(bounds, bounds[1:])])
     if spec.v == "nvfp4":
         bounds = seqs.cu_k.tolist()
         v_op = torch.cat([_fake_quant_along_tokens(v[a:b]) for a, b in zip(bounds, bounds[1:])])
@@ -298,14 +291,6 @@ def _prepare(
     else:
         v_op = _operand(v, spec.v)
     return Operands(_operand(q, spec.q), _operand(k, spec.k), v_op, ds)
-
-
-def _fp8_key_tiles(ds: torch.Tensor, tile: int = 64) -> torch.Tensor:
-    """Delta_S [B, Lk, Hq] through e4m3 with one power-of-two scale per ``tile`` keys (from each row's first) and
-    head."""
-    batch, keys, heads = ds.shape
-    padded = torch.nn.functional.pad(ds, (0, 0, 0, -keys % tile)).unflatten(1, (-1, tile))
-    return fake_quant_fp8_pow2(padded, 2).flatten(1, 2)[:, :keys]
 
 
 def _p_operand(p: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -566,8 +551,6 @@ def prepare_batch(
         q = q - means.q_mean.to(q.device, torch.float32)[:, None]  # `center`, per row
         k = k - means.k_mean.to(k.device, torch.float32)[:, None]
         ds = delta_s_padded(means.q_mean, k).float()
-        if spec.ds_fp8_tile:
-            ds = _fp8_key_tiles(ds)
     if spec.v == "nvfp4":
         v_op = _fake_quant_along_tokens(v)
     elif spec.v == "fp8":

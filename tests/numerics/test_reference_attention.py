@@ -129,11 +129,8 @@ def test_registry_matches_the_spec() -> None:
         "mpfa-qk8tile": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
         "mpfa-qk8tile-psum": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
         "qk8tile-psum-direct": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", False),
-        "mpfa-qk8tile-psum-ds8": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
     }
-    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == [
-        "mpfa-qk8tile-psum", "qk8tile-psum-direct", "mpfa-qk8tile-psum-ds8"]
-    assert [name for name, s in VARIANTS.items() if s.ds_fp8_tile] == ["mpfa-qk8tile-psum-ds8"]
+    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == ["mpfa-qk8tile-psum", "qk8tile-psum-direct"]
 
 
 def test_fp8_variant_quantizes_only_k_and_v(make_batch) -> None:
@@ -164,11 +161,7 @@ def emulate_one_tile(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     if spec.smoothing:
         q_mean, k_mean = sequence_means(q, cu_q), sequence_means(k, cu_k)
         q, k = center(q, q_mean, cu_q), center(k, k_mean, cu_k)
-        shift = delta_s(q_mean, k, cu_k).float()
-        if spec.ds_fp8_tile:  # one e4m3 power-of-two scale per 64 keys and head
-            tiles = torch.nn.functional.pad(shift, (0, 0, 0, -shift.shape[0] % 64)).unflatten(0, (-1, 64))
-            shift = fake_quant_fp8_pow2(tiles, 1).flatten(0, 1)[: k.shape[0]]
-        shift = shift.T[:, None, :]
+        shift = delta_s(q_mean, k, cu_k).float().T[:, None, :]
     formats = {
         "bf16": lambda x: x,
         "fp8": fake_quant_fp8,
