@@ -98,6 +98,7 @@ def test_chunked_prefill_freezes_means_from_the_first_chunk(device, paged):
     _check(out, *_reference(p, [(48, 80), (0, 30)], "mpfa", means))
 
 
+@pytest.mark.slow  # on a CPU: Triton's interpreter, ~8 s; GPU runs (-m gpu) include it
 def test_later_chunks_take_no_means(device, paged, monkeypatch):
     """A batch of later chunks only (no request starts): the means stay frozen and none are computed."""
     from mpfa.kernels.sm90 import sequence_means as kernel_module
@@ -114,6 +115,7 @@ def test_later_chunks_take_no_means(device, paged, monkeypatch):
                                                                  store.k_mean[1][rows].cpu())))
 
 
+@pytest.mark.slow  # on a CPU: Triton's interpreter, ~8 s; GPU runs (-m gpu) include it
 def test_direct_variant_has_no_means(device, paged):
     lengths = [40, 21]
     p, store, core = _setup(paged, lengths, "mpfa-direct", device)
