@@ -115,6 +115,21 @@ def _paged_bytes(workload: AttentionWorkload, q_bytes: int, page_size: int) -> i
     return int(w.q_elements() * (q_bytes + 2) + 2 * paged_slots(w, page_size) * w.kv_heads * w.head_dim)
 
 
+def _fp8_sets(workload: AttentionWorkload, kv_shapes: list[tuple[int, ...]], num_sets: int, device: "torch.device",
+              seed: int) -> tuple[list[tuple["torch.Tensor", ...]], list["torch.Tensor"]]:
+    """``num_sets`` input sets of the FP8 prefill baselines, each an e4m3 Q [tokens, Hq, d] and an e4m3 tensor of
+    each of ``kv_shapes``, and a BF16 output per set."""
+    import torch
+
+    w = workload
+    fp8 = torch.float8_e4m3fn
+    generator = torch.Generator(device=device).manual_seed(seed)
+    q_shape = (w.batch * w.seq, w.q_heads, w.head_dim)
+    sets = [(random_tensor(q_shape, fp8, device, generator),
+             *(random_tensor(shape, fp8, device, generator) for shape in kv_shapes)) for _ in range(num_sets)]
+    return sets, [torch.empty(q_shape, dtype=torch.bfloat16, device=device) for _ in range(num_sets)]
+
+
 def _check_kind(name: str, workload: AttentionWorkload, kind: str, why: str) -> None:
     if workload.kind != kind:
         raise ProfileError(f"{name} is a {kind} baseline: {why}")
@@ -189,14 +204,9 @@ class FlashInferFa3Fp8:
         import torch
 
         fp8 = torch.float8_e4m3fn
-        generator = torch.Generator(device=device).manual_seed(seed)
         tokens = w.batch * w.seq
         kv_shape = (tokens, self.page_size, w.kv_heads, w.head_dim)
-        sets = [(random_tensor((tokens, w.q_heads, w.head_dim), fp8, device, generator),
-                 random_tensor(kv_shape, fp8, device, generator),
-                 random_tensor(kv_shape, fp8, device, generator)) for _ in range(num_sets)]
-        outputs = [torch.empty((tokens, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
-                   for _ in range(num_sets)]
+        sets, outputs = _fp8_sets(w, [kv_shape, kv_shape], num_sets, device, seed)
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         indptr = torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device)
         kv_indices = torch.arange(tokens, dtype=torch.int32, device=device)
@@ -245,15 +255,9 @@ class FlashInferFmhaV2Fp8:
         import torch
 
         logging.getLogger().addFilter(_STALE_WARNING_FILTER)  # flashinfer.prefill warns through the root logger
-        fp8 = torch.float8_e4m3fn
-        generator = torch.Generator(device=device).manual_seed(seed)
-        tokens = w.batch * w.seq
         pages = paged_slots(w, self.page_size) // self.page_size
         kv_shape = (pages, 2, w.kv_heads, self.page_size, w.head_dim)  # [page, K|V, head, token, dim]
-        sets = [(random_tensor((tokens, w.q_heads, w.head_dim), fp8, device, generator),
-                 random_tensor(kv_shape, fp8, device, generator)) for _ in range(num_sets)]
-        outputs = [torch.empty((tokens, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
-                   for _ in range(num_sets)]
+        sets, outputs = _fp8_sets(w, [kv_shape], num_sets, device, seed)
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         page_table = sequential_page_table(w.batch, pages // w.batch, device)
         cu_seqlens = torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device)
