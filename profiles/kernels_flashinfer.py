@@ -184,17 +184,23 @@ class FlashInferXqaFp8:
                               "FP8 e4m3 KV cache")
 
 
-class FlashInferFa3Fp8:
-    """FlashInfer's FA3 template for sm_90a with FP8 Q and K/V (see the module docstring)."""
+class _Fp8Prefill:
+    """What the FP8 prefill baselines share: e4m3 Q and K/V, FP8 MMAs, whole pages of ``page_size`` keys."""
 
-    name = "flashinfer-fp8-fa3"
     tensor_format = FP8_Q_FP8_KV
     math_dtype = "fp8"
-    kernel_regex = "FP8PrefillWithKVCacheKernel"
-    page_size = PAGE_SIZE
+    page_size: int
 
     def set_bytes(self, workload: AttentionWorkload) -> int:
         return _paged_bytes(workload, 1, self.page_size)
+
+
+class FlashInferFa3Fp8(_Fp8Prefill):
+    """FlashInfer's FA3 template for sm_90a with FP8 Q and K/V (see the module docstring)."""
+
+    name = "flashinfer-fp8-fa3"
+    kernel_regex = "FP8PrefillWithKVCacheKernel"
+    page_size = PAGE_SIZE
 
     def prepare(self, workload: AttentionWorkload, num_sets: int, device: "torch.device",
                 seed: int) -> PreparedKernel:
@@ -235,17 +241,12 @@ class _DropStaleFmhaV2Warning(logging.Filter):
 _STALE_WARNING_FILTER = _DropStaleFmhaV2Warning()
 
 
-class FlashInferFmhaV2Fp8:
+class FlashInferFmhaV2Fp8(_Fp8Prefill):
     """TRT-LLM's FMHAv2 paged prefill with FP8 Q and K/V (see the module docstring)."""
 
     name = "flashinfer-fp8-fmha-v2"
-    tensor_format = FP8_Q_FP8_KV
-    math_dtype = "fp8"
     kernel_regex = "fmha_v2_flash_attention_e4m3"
     page_size = FMHA_V2_PAGE_SIZE
-
-    def set_bytes(self, workload: AttentionWorkload) -> int:
-        return _paged_bytes(workload, 1, self.page_size)
 
     def prepare(self, workload: AttentionWorkload, num_sets: int, device: "torch.device",
                 seed: int) -> PreparedKernel:
