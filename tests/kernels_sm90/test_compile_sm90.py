@@ -37,20 +37,24 @@ def _python(code: str, **env: str) -> str:
 @pytest.fixture(scope="module")
 def decode_cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[tuple[int, int, int], str], list[Path]]:
     """Compile the split and merge kernels of every config (the first also with an FP32 output and as the direct
-    build) -> the cubins of each (config, build)."""
-    found = {}
-    for config in CONFIGS:
-        for build in BUILDS if config == CONFIGS[0] else BUILDS[:1]:
-            dump = tmp_path_factory.mktemp("hkv{}-g{}-page{}-".format(*config) + build)
-            dtypes = ("BFloat16", "Float32") if config == CONFIGS[0] and build == "compensated" else ("BFloat16",)
-            _python(f"""
-                from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
-                for out_dtype in {dtypes!r}:
-                    compile_decode_kernels({config[0]}, {config[1]}, {config[2]}, out_dtype,
-                                           compensate={build == "compensated"})
-                """, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
-            found[config, build] = sorted(dump.glob("*.cubin"))
-    return found
+    build), all in one interpreter -> the cubins of each (config, build)."""
+    dump = tmp_path_factory.mktemp("decode")
+    builds = [(config, build) for config in CONFIGS for build in (BUILDS if config == CONFIGS[0] else BUILDS[:1])]
+    _python(f"""
+        from pathlib import Path
+        from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
+        dump = Path({str(dump)!r})
+        for config, build in {builds!r}:
+            first = config == {CONFIGS[0]!r} and build == "compensated"
+            for out_dtype in ("BFloat16", "Float32") if first else ("BFloat16",):
+                compile_decode_kernels(*config, out_dtype, compensate=build == "compensated")
+            folder = dump / ("hkv{{}}-g{{}}-page{{}}-".format(*config) + build)
+            folder.mkdir()
+            for path in [*dump.glob("*.cubin"), *dump.glob("*.ptx")]:  # this build's files, out of the next one's way
+                path.rename(folder / path.name)
+        """, CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
+    return {(config, build): sorted((dump / ("hkv{}-g{}-page{}-".format(*config) + build)).glob("*.cubin"))
+            for config, build in builds}
 
 
 def _cuobjdump(*args: str) -> str:
