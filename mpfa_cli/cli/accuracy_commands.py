@@ -166,9 +166,9 @@ def accuracy_serve(
     """Task scores of each backend through its server, each vs the reference with a paired 95% interval."""
     import json
 
+    from mpfa.cli.side_by_side import options_per_backend, served_backends
     from mpfa.harness.accuracy_serve import check_window, run_served_accuracy, workload
-    from mpfa.harness.bench import BenchOptions
-    from mpfa.harness.engines import gpu_names, model_name, resolve_backends, resolve_engine
+    from mpfa.harness.engines import gpu_names, model_name, resolve_backends
     from mpfa.harness.scenario import is_bundled_model, model_dir
     from mpfa.harness.served_accuracy import KIND, render
     from mpfa.harness.served_kernels import check_prefill_kernel
@@ -178,13 +178,7 @@ def accuracy_serve(
     if max_new_tokens < 1 or concurrency < 1:
         raise UserError("--max-new-tokens and --concurrency must be >= 1")
     prefill_kernel = check_prefill_kernel(prefill_kernel)
-    urls = [u.strip() for u in url.split(",")] if url else None
-    chosen_engine = resolve_engine(engine, urls[0] if urls else None)
-    names = [n.strip() for n in backend.split(",") if n.strip()]
-    resolve_backends(ref, chosen_engine)  # a bad --ref fails like a bad --backend
-    if urls and len(urls) != len(names):
-        raise UserError(f"--url: {len(urls)} URL(s) for {len(names)} backend(s); give one per backend")
-    url_of = dict(zip(names, urls)) if urls else {}
+    chosen_engine, names, url_of = served_backends(backend, ref, url, engine)
     specs = resolve_backends(",".join(sorted(names, key=lambda n: n != ref)), chosen_engine)
     try:
         tok = load_tokenizer(tokenizer or (ByteTokenizer.name if is_bundled_model(model) else model))
@@ -198,12 +192,8 @@ def accuracy_serve(
         raise UserError(str(exc)) from None
 
     with open_store(db) as store:
-        def options_for(spec) -> BenchOptions:
-            return BenchOptions(engine=chosen_engine, run_dir=run_dir or store.path.parent / "runs",
-                                url=url_of.get(spec.name), port=port, time_scale=time_scale,
-                                ready_timeout_s=ready_timeout, server_args=list(server_arg or []),
-                                prefill_kernel=prefill_kernel)
-
+        options_for = options_per_backend(chosen_engine, url_of, run_dir or store.path.parent / "runs", port,
+                                          time_scale, ready_timeout, server_arg or [], prefill_kernel)
         if chosen_engine == "sim":
             console.print("[yellow]engine: sim — every score below is SIMULATED (the simulator echoes prompt spans, "
                           "no model runs)[/]")

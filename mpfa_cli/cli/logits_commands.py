@@ -35,8 +35,8 @@ def logits(
     db: DbOption = None,
 ) -> None:
     """Do backends compute the same model? Prompt (prefill) and greedy output (decode) logprobs vs a reference."""
-    from mpfa.harness.bench import BenchOptions
-    from mpfa.harness.engines import gpu_names, resolve_backends, resolve_engine
+    from mpfa.cli.side_by_side import options_per_backend, served_backends
+    from mpfa.harness.engines import gpu_names, resolve_backends
     from mpfa.harness.logits import render, run_logits, workload_params
     from mpfa.harness.logits_check import check_against_prediction, load_prediction, render_checks, served_numerics
     from mpfa.harness.served_kernels import check_prefill_kernel
@@ -50,15 +50,7 @@ def logits(
         raise UserError(f"--predicted-factor must be > 1, got {predicted_factor}")
     prefill_kernel = check_prefill_kernel(prefill_kernel)
     prediction = load_prediction(predicted) if predicted is not None else None  # a bad file fails before any server
-    urls = [u.strip() for u in url.split(",")] if url else None
-    chosen_engine = resolve_engine(engine, urls[0] if urls else None)
-    names = [n.strip() for n in backend.split(",") if n.strip()]
-    resolve_backends(ref, chosen_engine)  # a bad --ref fails like a bad --backend
-    if urls and ref not in names:
-        raise UserError(f"--ref {ref} must be one of --backend when --url gives the servers")
-    if urls and len(urls) != len(names):
-        raise UserError(f"--url: {len(urls)} URL(s) for {len(names)} backend(s); give one per backend")
-    url_of = dict(zip(names, urls)) if urls else {}
+    chosen_engine, names, url_of = served_backends(backend, ref, url, engine, ref_with_urls=True)
     ordered = [ref] + [n for n in names if n != ref]
     specs = resolve_backends(",".join(ordered), chosen_engine)
     if len(specs) < 2:
@@ -69,11 +61,8 @@ def logits(
         extra += ["--random-seed", str(seed)]  # dummy weights are seeded by SGLang itself (1234); this fixes the rest
 
     with open_store(db) as store:
-        def options_for(spec) -> BenchOptions:
-            return BenchOptions(engine=chosen_engine, run_dir=run_dir or store.path.parent / "runs",
-                                url=url_of.get(spec.name), port=port, time_scale=time_scale,
-                                ready_timeout_s=ready_timeout, server_args=extra, prefill_kernel=prefill_kernel)
-
+        options_for = options_per_backend(chosen_engine, url_of, run_dir or store.path.parent / "runs", port,
+                                          time_scale, ready_timeout, extra, prefill_kernel)
         if chosen_engine == "sim":
             console.print("[yellow]engine: sim — every number below is SIMULATED (hash values, not a model)[/]")
         result = run_logits(specs, ref, lengths, prompts, output_len, seed, model, options_for, console)
