@@ -80,9 +80,7 @@ class FlashInferPaged:
         outputs = [torch.empty_like(q) for q, _, _ in sets]
 
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        kv_indptr = torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device)
-        kv_indices = torch.arange(tokens, dtype=torch.int32, device=device)
-        last_page_len = torch.ones(w.batch, dtype=torch.int32, device=device)
+        kv_indptr, kv_indices, last_page_len = _page1_table(w, device)
         if w.kind == "prefill":
             wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa2")
             wrapper.plan(kv_indptr, kv_indptr, kv_indices, last_page_len, w.q_heads, w.kv_heads, w.head_dim,
@@ -107,6 +105,18 @@ class FlashInferPaged:
             return q, k.squeeze(1), v.squeeze(1)
 
         return PreparedKernel(run, dense_inputs, num_sets, f"{description}, {dtype_note} KV cache")
+
+
+def _page1_table(workload: AttentionWorkload, device: "torch.device"
+                 ) -> tuple["torch.Tensor", "torch.Tensor", "torch.Tensor"]:
+    """FlashInfer's page table of pages of one key, each sequence's keys in order: (indptr, page indices, last page
+    lengths); the indptr also serves as the query indptr of a prefill whose every key is a query."""
+    import torch
+
+    w = workload
+    indptr = torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device)
+    return (indptr, torch.arange(w.batch * w.seq, dtype=torch.int32, device=device),
+            torch.ones(w.batch, dtype=torch.int32, device=device))
 
 
 def _paged_bytes(workload: AttentionWorkload, q_bytes: int, page_size: int) -> int:
@@ -214,9 +224,7 @@ class FlashInferFa3Fp8(_Fp8Prefill):
         kv_shape = (tokens, self.page_size, w.kv_heads, w.head_dim)
         sets, outputs = _fp8_sets(w, [kv_shape, kv_shape], num_sets, device, seed)
         workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        indptr = torch.arange(0, (w.batch + 1) * w.seq, w.seq, dtype=torch.int32, device=device)
-        kv_indices = torch.arange(tokens, dtype=torch.int32, device=device)
-        last_page_len = torch.ones(w.batch, dtype=torch.int32, device=device)
+        indptr, kv_indices, last_page_len = _page1_table(w, device)
         wrapper = flashinfer.BatchPrefillWithPagedKVCacheWrapper(workspace, "NHD", backend="fa3")
         wrapper.plan(indptr, indptr, kv_indices, last_page_len, w.q_heads, w.kv_heads, w.head_dim, self.page_size,
                      causal=True, q_data_type=fp8, kv_data_type=fp8, o_data_type=torch.bfloat16)
