@@ -240,6 +240,9 @@ def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
     backends.insert(0, ref_backend)
     rows = []
     for config in sorted({c for c, _ in results}, key=Config.sort_key):
+        ref_runs = results[(config, ref_backend)].runs if (config, ref_backend) in results else []
+        apart_of = {b: differences([*ref_runs, *results[(config, b)].runs]) for b in backends[1:]
+                    if ref_runs and (config, b) in results}  # per backend, whichever metric
         for name in metric_names:
             values = {b: results[(config, b)].estimates[name] for b in backends
                       if (config, b) in results and name in results[(config, b)].estimates}
@@ -248,9 +251,7 @@ def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
             ref = values.get(ref_backend)
             speedups = {b: speedup(name, ref.mean, v.mean) for b, v in values.items()
                         if ref is not None and b != ref_backend}
-            apart = {b: differences([*results[(config, ref_backend)].runs, *results[(config, b)].runs])
-                     for b in speedups}
-            rows.append(CompareRow(config, name, values, speedups, apart))
+            rows.append(CompareRow(config, name, values, speedups, {b: apart_of[b] for b in speedups}))
     return backends, rows
 
 
