@@ -53,21 +53,18 @@ def machine_id() -> str | None:
 
 
 def collect_environment() -> dict[str, Any]:
-    driver = _run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"])
+    # One query for every GPU's driver and UUID: "driver, uuid" per line.
+    per_gpu = [line.split(", ") for line in (_run(["nvidia-smi", "--query-gpu=driver_version,uuid",
+                                                   "--format=csv,noheader"]) or "").splitlines()]
     smi = _run(["nvidia-smi"]) or ""
     cuda = next((line.split("CUDA Version:")[1].split()[0] for line in smi.splitlines() if "CUDA Version:" in line), None)
     return {
         "gpus": gpu_names(),
-        "driver": driver.splitlines()[0] if driver else None,
+        "driver": per_gpu[0][0] if per_gpu else None,
         "cuda": cuda,
         "packages": {name: _version(name) for name in PACKAGES},
         # A tree copied to a GPU host may carry a stale .git: whoever copies it can name the revision instead.
         "mpfa_revision": os.environ.get("MPFA_REVISION") or git_revision(),
-        "gpu_uuids": _gpu_uuids(),
+        "gpu_uuids": [fields[-1] for fields in per_gpu],
         "machine": machine_id(),
     }
-
-
-def _gpu_uuids() -> list[str]:
-    out = _run(["nvidia-smi", "--query-gpu=uuid", "--format=csv,noheader"])
-    return out.splitlines() if out else []

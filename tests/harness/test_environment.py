@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import subprocess
 from pathlib import Path
@@ -66,3 +67,17 @@ def test_the_machine_id_is_stable_within_a_start_and_recorded():
 def test_a_named_revision_overrides_a_copied_checkout(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("MPFA_REVISION", "0123456789ab")
     assert collect_environment()["mpfa_revision"] == "0123456789ab"
+
+
+def test_driver_and_gpu_uuids_come_from_nvidia_smi(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A stand-in nvidia-smi with two GPUs, answering the queries as the real one does."""
+    smi = tmp_path / "nvidia-smi"
+    smi.write_text('#!/bin/sh\ncase "$1" in\n'
+                   '  --query-gpu=driver_version,uuid) printf "580.82.07, GPU-aaa\\n580.82.07, GPU-bbb\\n";;\n'
+                   '  --query-gpu=name) printf "NVIDIA H100 80GB HBM3\\nNVIDIA H100 80GB HBM3\\n";;\n'
+                   '  *) echo "| NVIDIA-SMI 580.82.07   Driver Version: 580.82.07   CUDA Version: 13.0 |";;\nesac\n')
+    smi.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    environment = collect_environment()
+    assert environment["driver"] == "580.82.07" and environment["gpu_uuids"] == ["GPU-aaa", "GPU-bbb"]
+    assert environment["cuda"] == "13.0" and environment["gpus"] == ["NVIDIA H100 80GB HBM3"] * 2
