@@ -1,12 +1,12 @@
 """The load generator: stream requests to an SGLang-compatible server and record when each token arrived.
 
-One aiohttp session serves the whole run (no connection cap, so 512+ concurrent streams are fine). The
-timestamps are taken where the bytes are (`stamped_reads`), not where a request's task happens to run:
-a chunk's arrival is stamped by the connection on the socket read that delivered it, before any parsing,
-and a request's dispatch right before its bytes are written to the socket. The client's own work runs one step
-per event-loop iteration (`stamped_reads.Turns`): a freed slot's next request first, everything else (parsing
-the SSE events, the caller's `on_complete`) when the sockets are quiet; Python's cyclic garbage collector is
-paused for the run.
+Requests go over keep-alive HTTP/1.1 connections (`stamped_reads`; no cap, so 512+ concurrent streams are fine),
+and the timestamps are taken where the bytes are, not where a request's task happens to run: a chunk's arrival is
+stamped by the connection on the socket read that delivered it, before any parsing, and a request's dispatch right
+before its bytes are written to the socket. A freed slot's next request is written in the event-loop iteration
+its response ended, on the connection that carried it; the client's other work (parsing the SSE events, the
+caller's `on_complete`) runs one step per iteration when the sockets are quiet (`client_turns.Turns`). Python's
+cyclic garbage collector is paused for the run.
 
 Tokens per chunk come from the server's running count (`meta_info.completion_tokens` on `/generate`,
 `usage.completion_tokens` on `/v1/completions` with continuous usage stats), which is right whether the
@@ -25,11 +25,9 @@ import functools
 import gc
 import signal
 import threading
-import time
 from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from typing import Any, TypeVar
 
-import aiohttp
 import orjson
 
 try:
@@ -37,21 +35,19 @@ try:
 except ImportError:  # not built for Windows
     uvloop = None
 
+from mpfa.harness.client_requests import Flight, Requests
+from mpfa.harness.client_turns import Turns
 from mpfa.harness.records import RequestRecord
 from mpfa.harness.request_timeouts import Timeouts
-from mpfa.harness.stamped_reads import LastRead, StampingConnector, Turns, request_trace
+from mpfa.harness.stamped_reads import Connection, Connections, Endpoint, LastRead
 
 APIS = ("sglang", "openai")
-ERROR_BODY_CHARS = 300
-ERROR_BODY_BYTES = 4 * ERROR_BODY_CHARS  # read of an error body; the rest is dropped with the connection
 MAX_LINE_BYTES = 1024 * 1024  # longest stream line parsed; a longer one fails the request
 MAX_COUNT = 2**31  # token counts at or above this in an event make it unreadable
 PARSE_BATCH_BYTES = 32 * 1024  # stream bytes parsed per turn (~0.1-0.3 ms), and kept unparsed before one is due
 
 T = TypeVar("T")
 _Job = tuple[int, list[int]]  # (record index, prompt)
-_Started = tuple[RequestRecord, "_EventStream | None"]
-_Start = Callable[[int, list[int], bool], Awaitable[_Started]]  # (index, prompt, warmup) -> sent and ended
 _Finish = Callable[[RequestRecord, "_EventStream | None"], Awaitable[RequestRecord]]
 
 
@@ -149,26 +145,22 @@ class _EventStream:
     """One SSE response body (a `stamped_reads.BodySink`). The connection only keeps each read with its
     stamp (`add`, about a microsecond); `parse` turns them into events later, in a turn of the client's.
     Each event that carries new tokens is noted with the stamp of the read that delivered the end of its
-    line. A request's task sleeps until `end`, then wakes at its next turn."""
+    line. An error in the stream ends its request at once (`end_early`), without the rest of the body."""
 
-    __slots__ = ("_handle_event", "_on_backlog", "_pieces", "_parsed", "_backlog_bytes", "_pending",
-                 "_pending_bytes",
-                 "last_read_s", "ended", "failure", "on_end", "parse_scheduled", "chunk_s", "chunk_tokens",
-                 "done_s", "counted", "server_total", "prompt_tokens", "finished", "error", "stopped")
+    __slots__ = ("_handle_event", "_on_backlog", "_end_early", "_pieces", "_parsed", "_backlog_bytes", "_pending",
+                 "_pending_bytes", "parse_scheduled", "chunk_s", "chunk_tokens", "done_s", "counted",
+                 "server_total", "prompt_tokens", "finished", "error", "stopped")
 
     def __init__(self, handle_event: Callable[[dict[str, Any], "_EventStream"], int],
-                 on_backlog: Callable[["_EventStream"], None]) -> None:
+                 on_backlog: Callable[["_EventStream"], None], end_early: Callable[[], None]) -> None:
         self._handle_event = handle_event
         self._on_backlog = on_backlog  # called once the unparsed reads pass PARSE_BATCH_BYTES
+        self._end_early = end_early
         self._pieces: list[tuple[float, bytes] | None] = []  # (stamp, body bytes) per read; None once parsed
         self._parsed = 0
         self._backlog_bytes = 0
         self._pending: list[bytes] = []  # the start of an unfinished line, piece by piece
         self._pending_bytes = 0
-        self.last_read_s = time.perf_counter()  # made when the response head arrives
-        self.ended = False
-        self.failure: BaseException | None = None  # what broke the body, if it did not end cleanly
-        self.on_end: Callable[[], None] | None = None  # set by the request's task
         self.parse_scheduled = False
         self.chunk_s: list[float] = []
         self.chunk_tokens: list[int] = []
@@ -181,24 +173,11 @@ class _EventStream:
         self.stopped = False  # by an error event or an unreadable chunk: the rest is not parsed
 
     def add(self, arrived: float, data: bytes) -> None:
-        self.last_read_s = arrived
         self._pieces.append((arrived, data))
         self._backlog_bytes += len(data)
         if self._backlog_bytes > PARSE_BATCH_BYTES and not self.parse_scheduled:
             self.parse_scheduled = True
             self._on_backlog(self)
-
-    def end(self, failure: BaseException | None = None) -> None:
-        if self.ended:  # already ended by `_stop`: the connection's later end changes nothing
-            return
-        self.ended, self.failure = True, failure
-        if self.on_end is not None:
-            self.on_end()
-
-    @property
-    def started(self) -> bool:
-        """Whether any body bytes have arrived."""
-        return bool(self._pieces)
 
     @property
     def unparsed(self) -> bool:
@@ -253,72 +232,7 @@ class _EventStream:
         """Stop parsing and end the stream: its request fails and drops the connection (unread bytes and all)."""
         self.error, self.stopped = error, True
         self._pending, self._pending_bytes = [], 0
-        self.end()
-
-
-async def _wait_end(stream: _EventStream, turns: Turns, timeouts: Timeouts) -> None:
-    """Return at the first turn after the body ended (raising what broke it, if anything). A server silent
-    too long since the last read is an error (`first_token_s` before the first body bytes, `chunk_s` after):
-    one timer per request, where aiohttp's sock_read re-arms one on every read."""
-    waiter = asyncio.get_running_loop().create_future()
-    stream.on_end = functools.partial(turns.give, waiter, send=True)  # the freed slot's next request goes at once
-    if stream.ended:
-        turns.give(waiter, send=True)
-    try:
-        while True:
-            timeout_s = timeouts.chunk_s if stream.started else timeouts.first_token_s
-            silent_until = stream.last_read_s + timeout_s
-            if silent_until <= time.perf_counter():
-                what = "data" if stream.started else "first token"
-                raise aiohttp.SocketTimeoutError(f"no {what} from the server for {timeout_s:g} s")
-            try:
-                async with asyncio.timeout(silent_until - time.perf_counter()):
-                    await asyncio.shield(waiter)
-                break
-            except TimeoutError:
-                continue  # reads may have come since the timer was set: measure the silence again
-    finally:
-        waiter.cancel()  # no-op once resolved; otherwise it gives up its place in the turns
-    if stream.failure is not None:
-        raise stream.failure
-
-
-async def _error_text(content: aiohttp.StreamReader) -> str:
-    """The start of an error body: at most ERROR_BODY_BYTES are read, however long the body is."""
-    head = bytearray()
-    while len(head) < ERROR_BODY_BYTES and (data := await content.read(ERROR_BODY_BYTES - len(head))):
-        head += data
-    return head.decode(errors="replace")[:ERROR_BODY_CHARS].strip()
-
-
-async def _send(
-    session: aiohttp.ClientSession, connector: StampingConnector, turns: Turns, url: str, api: str,
-    model: str | None, record: RequestRecord, prompt: list[int], timeouts: Timeouts,
-) -> _EventStream | None:
-    """Run one request to the end of its response: its stream (at a turn), or None with `record.error`."""
-    body = orjson.dumps(_EVENT_PARSERS[api][0](prompt, record.max_new_tokens, model))
-    whole = asyncio.timeout(timeouts.request_s)
-    stream: _EventStream | None = None
-    try:
-        async with whole, session.post(url, data=body, headers={"Content-Type": "application/json"},
-                                       trace_request_ctx=record) as response:
-            if response.status != 200:
-                record.error = f"HTTP {response.status}: {await _error_text(response.content)}"
-                return None
-            stream = connector.take_sink(response.content)
-            await _wait_end(stream, turns, timeouts)
-            record.completion_s = stream.last_read_s  # a stream that ends without [DONE] completes at its end
-    except (aiohttp.ClientError, asyncio.TimeoutError, ConnectionError) as exc:
-        if whole.expired():
-            record.error = f"request not done after {timeouts.request_s:g} s"
-        elif isinstance(exc, aiohttp.ConnectionTimeoutError):
-            record.error = f"no connection to the server within {timeouts.connect_s:g} s"
-        elif stream is None and isinstance(exc, aiohttp.SocketTimeoutError):  # aiohttp's, waiting for the head
-            record.error = f"no response from the server for {timeouts.first_token_s:g} s"
-        else:
-            record.error = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
-        return None
-    return stream
+        self._end_early()
 
 
 def _fill(record: RequestRecord, stream: _EventStream) -> None:
@@ -422,7 +336,7 @@ async def run_load(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if arrivals is not None and len(arrivals) != len(prompts):
         raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
-    endpoint = url.rstrip("/") + _EVENT_PARSERS[api][2]
+    endpoint = Endpoint(url.rstrip("/") + _EVENT_PARSERS[api][2])
     with _CyclicGcPause() as gc_pause:
         return await _run_load(endpoint, prompts, output_len, concurrency, arrivals, warmup_prompts, on_complete,
                                api, model, timeouts, gc_pause)
@@ -431,9 +345,10 @@ async def run_load(
 class _CyclicGcPause:
     """Pauses Python's cyclic garbage collector for a run, as `timeit` does: with thousands of live objects a
     collection stalls the event loop for milliseconds to tens of milliseconds, and every read waiting
-    meanwhile is stamped late. A successful request leaves no reference cycles (measured: the same few dozen
-    cyclic objects after 1024 or 2048 requests); a failed one leaves ~80 (its exception and traceback), so
-    they are collected after every FAILURES_PER_COLLECTION failures, at a turn of the client's."""
+    meanwhile is stamped late. A completed request leaves no reference cycles (measured: the same ~450 cyclic
+    objects, the connections' own, after 256, 1024 or 2048 requests over 64 connections); a failed one leaves a
+    few (its exception and traceback: ~7 for a refused connection), so they are collected after every
+    FAILURES_PER_COLLECTION failures, at a turn of the client's."""
 
     FAILURES_PER_COLLECTION = 1000
 
@@ -456,7 +371,7 @@ class _CyclicGcPause:
 
 
 async def _run_load(
-    endpoint: str, prompts: Sequence[list[int]], output_len: int, concurrency: int | None,
+    endpoint: Endpoint, prompts: Sequence[list[int]], output_len: int, concurrency: int | None,
     arrivals: Sequence[float] | None, warmup_prompts: Sequence[list[int]],
     on_complete: Callable[[RequestRecord], None] | None, api: str, model: str | None, timeouts: Timeouts,
     gc_pause: _CyclicGcPause,
@@ -476,56 +391,48 @@ async def _run_load(
         parsers.add(task)
         task.add_done_callback(parsers.discard)
 
-    new_stream = functools.partial(_EventStream, _EVENT_PARSERS[api][1], on_backlog)
-    connector = StampingConnector(new_stream, last_read, limit=0, limit_per_host=0)
-    timeout = aiohttp.ClientTimeout(total=None, sock_connect=timeouts.connect_s, sock_read=timeouts.first_token_s)
-    async with aiohttp.ClientSession(connector=connector, timeout=timeout, cookie_jar=aiohttp.DummyCookieJar(),
-                                     trace_configs=[request_trace(turns)]) as session:
+    make_payload = _EVENT_PARSERS[api][0]
+    connections = Connections(endpoint, last_read)
+    requests = Requests(connections, endpoint, lambda prompt: orjson.dumps(make_payload(prompt, output_len, model)),
+                        output_len, functools.partial(_EventStream, _EVENT_PARSERS[api][1], on_backlog), timeouts)
 
-        async def start(index: int, prompt: list[int], warmup: bool) -> _Started:
-            """Send a request (at a turn the caller holds) and return at a turn once its response has ended."""
-            # dispatch_s: when the send began; the trace moves it to when the bytes went to the socket
-            record = RequestRecord(index=index, input_len=len(prompt), max_new_tokens=output_len,
-                                   dispatch_s=time.perf_counter(), warmup=warmup)
-            stream = await _send(session, connector, turns, endpoint, api, model, record, prompt, timeouts)
-            if stream is None:
-                await turns.take(send=True)
-            return record, stream
-
-        async def finish(record: RequestRecord, stream: _EventStream | None) -> RequestRecord:
-            """Parse the stream, fill in the record and hand it to `on_complete`, each at a turn."""
-            if stream is not None:
-                while stream.unparsed:
-                    await turns.take()
-                    stream.parse()
-                _fill(record, stream)
-            if record.error is not None and gc_pause.note_failure():
+    async def finish(record: RequestRecord, stream: _EventStream | None) -> RequestRecord:
+        """Parse the stream, fill in the record and hand it to `on_complete`, each at a turn."""
+        if stream is not None:
+            while stream.unparsed:
                 await turns.take()
-                gc.collect()
-            if on_complete is not None:
-                await turns.take()
-                on_complete(record)
-            return record
+                stream.parse()
+            _fill(record, stream)
+        if record.error is not None and gc_pause.note_failure():
+            await turns.take()
+            gc.collect()
+        if on_complete is not None:
+            await turns.take()
+            on_complete(record)
+        return record
 
-        try:
-            warm = [(-1 - i, p) for i, p in enumerate(warmup_prompts)]
-            records = await _closed_loop(turns, start, finish, warm, concurrency or max(len(warm), 1), warmup=True)
-            jobs = list(enumerate(prompts))
-            if arrivals is None:
-                records += await _closed_loop(turns, start, finish, jobs, concurrency, warmup=False)
-            else:
-                records += await _open_loop(turns, start, finish, jobs, arrivals, concurrency)
-        finally:
-            await _cancel_all(list(parsers))
+    try:
+        warm = [(-1 - i, p) for i, p in enumerate(warmup_prompts)]
+        records = await _closed_loop(requests, finish, warm, concurrency or max(len(warm), 1), warmup=True)
+        jobs = list(enumerate(prompts))
+        if arrivals is None:
+            records += await _closed_loop(requests, finish, jobs, concurrency, warmup=False)
+        else:
+            records += await _open_loop(requests, finish, jobs, arrivals, concurrency)
+    finally:
+        await _cancel_all(list(parsers))
+        connections.close()
     return records
 
 
 async def _closed_loop(
-    turns: Turns, start: _Start, finish: _Finish, jobs: list[_Job], concurrency: int, warmup: bool
+    requests: Requests, finish: _Finish, jobs: list[_Job], concurrency: int, warmup: bool
 ) -> list[RequestRecord]:
-    """`concurrency` workers, each sending its next job at the turn its previous response ended; the ended
-    ones are finished (parsed, handed to `on_complete`) at later turns, off the workers' path. A failure
-    while finishing (say, in `on_complete`) stops the workers and is raised."""
+    """`concurrency` workers, each with one request in flight. A response that ends cleanly has the next job
+    written on its connection by the connection's callback, in the iteration it ended (`Exchange.then`); after
+    any other outcome the worker sends the next job itself. The ended ones are finished (parsed, handed to
+    `on_complete`) at later turns, off the workers' path. A failure while finishing (say, in `on_complete`)
+    stops the workers and is raised."""
     queue = iter(jobs)
     workers: list[asyncio.Task] = []
     finishing: list[asyncio.Task] = []
@@ -538,10 +445,27 @@ async def _closed_loop(
                 worker_task.cancel()
 
     async def worker() -> None:
-        await turns.take(send=True)
-        for index, prompt in queue:
-            record, stream = await start(index, prompt, warmup)
-            finishing.append(task := asyncio.create_task(finish(record, stream)))
+        written: list[Flight] = []  # the next request, once the completion path has written it
+        unsent: list[_Job] = []  # a job the completion path could not write: sent here, where an error can raise
+
+        def refill(connection: Connection) -> None:
+            if (job := next(queue, None)) is not None:
+                try:
+                    written.append(requests.write(connection, *job, warmup))
+                except Exception:
+                    unsent.append(job)
+
+        while True:
+            if written:
+                flight = written.pop()
+            elif (job := unsent.pop() if unsent else next(queue, None)) is not None:
+                flight = await requests.start(*job, warmup)
+            else:
+                return
+            if flight.exchange is not None:
+                flight.exchange.then = refill
+            stream = await requests.end(flight)
+            finishing.append(task := asyncio.create_task(finish(flight.record, stream)))  # type: ignore[arg-type]
             task.add_done_callback(stop_on_failure)
 
     workers.extend(asyncio.create_task(worker()) for _ in range(min(concurrency, len(jobs))))
@@ -557,8 +481,7 @@ async def _closed_loop(
 
 
 async def _open_loop(
-    turns: Turns, start: _Start, finish: _Finish, jobs: list[_Job], arrivals: Sequence[float],
-    concurrency: int | None,
+    requests: Requests, finish: _Finish, jobs: list[_Job], arrivals: Sequence[float], concurrency: int | None,
 ) -> list[RequestRecord]:
     """Dispatch each job at its arrival time (waiting for a free slot when `concurrency` caps the load)."""
     slots = asyncio.Semaphore(concurrency) if concurrency is not None else contextlib.nullcontext()
@@ -568,9 +491,9 @@ async def _open_loop(
 
     async def one(index: int, prompt: list[int]) -> RequestRecord:
         async with slots:
-            await turns.take(send=True)
-            record, stream = await start(index, prompt, False)
-        return await finish(record, stream)
+            flight = await requests.start(index, prompt, False)
+            stream = await requests.end(flight)
+        return await finish(flight.record, stream)  # type: ignore[arg-type]
 
     try:
         for (index, prompt), offset in zip(jobs, arrivals):

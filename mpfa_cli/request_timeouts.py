@@ -1,5 +1,5 @@
-"""How long a request may wait, in one place: the client enforces it, the CLI shows its defaults (no aiohttp here,
-so `mpfa --help` stays quick)."""
+"""How long a request may wait, in one place: the client's connections enforce it (`stamped_reads`), the CLI shows
+its defaults (nothing else is imported here, so `mpfa --help` stays quick)."""
 from __future__ import annotations
 
 import dataclasses

@@ -1,51 +1,46 @@
-"""aiohttp connections that timestamp every socket read before anything else runs, and the scheduling that
-keeps the client's own work from delaying those stamps.
+"""HTTP/1.1 keep-alive connections that timestamp every socket read before anything else runs.
 
-A benchmark client is only as precise as the moment it notes that bytes arrived. With aiohttp's streaming
-API that moment is when the request's task wakes up and reads the body, which waits behind every other
-callback of the event loop; with hundreds of streams receiving a chunk per decode step, that wait is
-milliseconds. Here the connection protocol stamps `time.perf_counter()` on entering `data_received` and
-hands the body bytes of each 200 response, with that stamp, to a `BodySink` made for the response.
-Nothing else runs per read: no task wakes up until the body has ended.
+A benchmark client is only as precise as the moment it notes that bytes arrived. Here a connection is an asyncio
+`Protocol`: `data_received` stamps `time.perf_counter()` first, then feeds the bytes to `httptools` (llhttp, the C
+parser uvicorn uses), whose callbacks hand the body of a 200 response, read by read and with that stamp, to a
+`BodySink` made for the response. Nothing else runs per read: the request's task sleeps until its `Exchange` is
+done. A request is one prebuilt `write()` (the write buffer limit is 0, so it is the `send()` itself), stamped
+right before; a connection whose response ended cleanly carries the next request at once.
 
-aiohttp has no public hook at this level. `StampingHandler` subclasses its connection protocol
-(`aiohttp.client_proto.ResponseHandler`) and relies on its `_payload` (the body being received) and
-`feed_data((message, payload))` (called once per response head); `StampingConnector` replaces the
-connector's protocol factory (`_factory`). The client tests check stamps, ends and failures against real
-servers, so an aiohttp release that changes these fails the tests rather than skewing numbers.
+Bounds a server cannot get past: a response head of at most MAX_HEAD_BYTES, an error body kept up to the caller's
+limit (then the connection is dropped), silence limits from the last read (`Exchange.wait`), and a deadline for
+the whole request.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
-import functools
+import socket
+import ssl
 import time
+import urllib.parse
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
-import aiohttp
-from aiohttp.client_proto import ResponseHandler
-from aiohttp.streams import StreamReader
+import httptools
 
-QUIET_S = 100e-6  # sockets without a read for this long are quiet (see `Turns`)
-RECHECK_S = 1e-3  # how soon a turn looks again at sockets that were not quiet
-MAX_TURN_DEFERRAL_S = 20e-3  # longest a step waits for quiet sockets
+from mpfa.harness.request_timeouts import Timeouts
+
+MAX_HEAD_BYTES = 64 * 1024  # response bytes without a complete head; more fails the request
 
 
 class BodySink(Protocol):
     """Where a 200 response's body goes as it arrives."""
 
-    ended: bool
-
     def add(self, arrived: float, data: bytes) -> None:
         """Body bytes from one socket read, stamped when the read arrived."""
 
-    def end(self, failure: BaseException | None = None) -> None:
-        """The body is complete, or broken by `failure`; called once."""
+
+class RequestFailed(Exception):
+    """A request that could not be sent; the message says why."""
 
 
 class LastRead:
-    """When any connection of a session last read from its socket."""
+    """When any connection of a run last read from its socket."""
 
     __slots__ = ("at_s",)
 
@@ -53,161 +48,246 @@ class LastRead:
         self.at_s = 0.0
 
 
-class StampingHandler(ResponseHandler):
-    """aiohttp's connection protocol, plus: every read is stamped first, and the body of a 200 response goes,
-    read by read, to the sink that `new_sink()` made for it (kept in `sinks[payload]` for the request)."""
+class Endpoint:
+    """Where requests go (`http://host:port/path`, or https) and the bytes of a JSON POST there."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, sinks: dict[StreamReader, BodySink],
-                 new_sink: Callable[[], BodySink], last_read: LastRead) -> None:
-        super().__init__(loop)
-        self._sinks = sinks
-        self._new_sink = new_sink
-        self._last_read = last_read
-        self._sink: BodySink | None = None  # of the response being received, when it is a 200
+    def __init__(self, url: str) -> None:
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {url!r}")
+        self.host = parts.hostname
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nUser-Agent: mpfa\r\n"
+                      f"Accept: */*\r\nContent-Type: application/json\r\nContent-Length: ").encode()
 
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        super().connection_made(transport)
-        transport.set_write_buffer_limits(high=0)  # send on write(); uvloop would defer it to the loop's end
+    def post(self, body: bytes) -> bytes:
+        return b"%s%d\r\n\r\n%s" % (self._head, len(body), body)
 
-    def feed_data(self, data: tuple[Any, StreamReader], size: int = 0) -> None:
-        message, payload = data
-        if message.code == 200:
-            self._sink = self._sinks[payload] = self._new_sink()
-            self.read_timeout = None  # the sink's owner watches for silence: no timer re-armed on every read
+
+class Exchange:
+    """One request and its response. `done` resolves once the caller can go on: the response ended, the sink
+    needs no more of it, the error body was read as far as it is kept, or it failed (`failure` says why)."""
+
+    __slots__ = ("_new_sink", "_error_bytes", "_timer", "done", "status", "sink", "error_body", "body_started",
+                 "failure", "last_read_s", "then")
+
+    def __init__(self, new_sink: Callable[[Callable[[], None]], BodySink], error_bytes: int) -> None:
+        self._new_sink = new_sink  # called with `end` for a 200 response: the sink may end it early
+        self._error_bytes = error_bytes  # error body bytes kept
+        self._timer: asyncio.TimerHandle | None = None
+        self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self.status: int | None = None
+        self.sink: BodySink | None = None
+        self.error_body = bytearray()
+        self.body_started = False
+        self.failure: str | None = None
+        self.last_read_s = 0.0  # the request's write, then each read
+        self.then: Callable[[Connection], None] | None = None  # called with the connection once it can carry another
+
+    def head(self, status: int) -> None:
+        self.status = status
+        if status == 200:
+            self.sink = self._new_sink(self.end)
+
+    def body(self, arrived: float, data: bytes) -> None:
+        self.body_started = True
+        if self.sink is not None:
+            self.sink.add(arrived, data)
         else:
-            self._sink = None
-        super().feed_data(data, size)
+            self.error_body += data[:self._error_bytes - len(self.error_body)]
+            if len(self.error_body) >= self._error_bytes:
+                self.end()
 
-    def data_received(self, data: bytes) -> None:
-        if not data:  # aiohttp resuming a paused parser; the read that is draining collects what it yields
-            super().data_received(data)
-            return
-        self._last_read.at_s = arrived = time.perf_counter()
-        super().data_received(data)
-        sink = self._sink
-        if sink is not None and not sink.ended:
-            self._drain(sink, arrived)
+    def end(self) -> None:
+        """Done: the response ended, or no more of it is wanted (then its connection is dropped)."""
+        if not self.done.done():
+            self.done.set_result(None)
 
-    def connection_lost(self, exc: BaseException | None) -> None:
-        super().connection_lost(exc)  # ends a body read until EOF, or marks an unfinished one failed
-        sink = self._sink
-        if sink is not None and not sink.ended:
-            self._drain(sink, time.perf_counter())
-            if not sink.ended:
-                sink.end(aiohttp.ServerDisconnectedError("connection closed before the response ended"))
+    def fail(self, reason: str) -> None:
+        if not self.done.done():
+            self.failure = reason
+            self.done.set_result(None)
 
-    def _drain(self, sink: BodySink, arrived: float) -> None:
-        payload = self._payload
-        if payload is None:
-            return
-        if (failure := payload.exception()) is not None:
-            sink.end(failure)
-            return
-        while body := payload.read_nowait():  # draining can resume a paused parser, which yields more
-            sink.add(arrived, body)
-        if payload.is_eof():
-            sink.end()
+    async def wait(self, limits: Timeouts, deadline_s: float) -> None:
+        """Until `done`; silence past the limit since the last read, or `deadline_s`, fails the exchange. One
+        timer per request, looked at only when it fires."""
+        self._watch(limits, deadline_s)
+        try:
+            await self.done
+        finally:
+            if self._timer is not None:
+                self._timer.cancel()
+                self._timer = None  # its callback refers back to this exchange: no reference cycle left behind
 
-    def resume_reading(self, *args: Any, **kwargs: Any) -> None:
-        if self._reading_paused:  # aiohttp calls this on every buffer read, and re-parses even when not paused
-            super().resume_reading(*args, **kwargs)
-
-
-class StampingConnector(aiohttp.TCPConnector):
-    """A connector whose connections are `StampingHandler`s; `take_sink` hands a response's sink over."""
-
-    def __init__(self, new_sink: Callable[[], BodySink], last_read: LastRead, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        if not hasattr(self, "_factory"):
-            raise RuntimeError(f"aiohttp {aiohttp.__version__} has no connection protocol factory to replace")
-        self._sinks: dict[StreamReader, BodySink] = {}
-        self._factory = functools.partial(StampingHandler, self._loop, self._sinks, new_sink, last_read)
-
-    def take_sink(self, payload: StreamReader) -> BodySink:
-        """The sink of a 200 response (`response.content`); it keeps filling until the body ends."""
-        return self._sinks.pop(payload)
+    def _watch(self, limits: Timeouts, deadline_s: float) -> None:
+        now = time.perf_counter()
+        limit_s = limits.chunk_s if self.body_started else limits.first_token_s
+        if now >= deadline_s:
+            self.fail(f"request not done after {limits.request_s:g} s")
+        elif now >= self.last_read_s + limit_s:
+            what = "data" if self.body_started else "first token" if self.status is not None else "response"
+            self.fail(f"no {what} from the server for {limit_s:g} s")
+        else:  # looked at again by then, and within the shorter limit (the body may start meanwhile)
+            next_s = min(deadline_s, self.last_read_s + limit_s, now + min(limits.chunk_s, limits.first_token_s))
+            self._timer = asyncio.get_running_loop().call_later(next_s - now, self._watch, limits, deadline_s)
 
 
-def request_trace(turns: "Turns") -> aiohttp.TraceConfig:
-    """aiohttp tracing for the client's requests, which pass their record as `trace_request_ctx`:
-
-    - `dispatch_s` is set right before the request body goes to the socket: aiohttp fires
-      `on_request_chunk_sent` before the write, and a bytes body is one write. With the connections' zero
-      write-buffer limit, that write is the `send()`.
-    - a request that had to open a connection takes another turn (see `Turns`) once it is open: building
-      and sending it then resumes in a later iteration, and a wave of new connections (the first requests
-      of a run) would otherwise resume all at once.
-    """
-    async def stamp_dispatch(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
-        context.trace_request_ctx.dispatch_s = time.perf_counter()
-
-    async def take_turn(session: aiohttp.ClientSession, context: Any, params: Any) -> None:
-        await turns.take(send=True)
-
-    trace = aiohttp.TraceConfig()
-    trace.on_request_chunk_sent.append(stamp_dispatch)
-    trace.on_connection_create_end.append(take_turn)
-    return trace
-
-
-class Turns:
-    """Runs the client's steps one at a time, each in its own event-loop iteration: sending a request (aiohttp's
-    request path, 0.05-0.09 ms) first, then the others (parsing a finished stream, ~0.1-0.3 ms; the caller's
-    per-record callback) when the sockets are quiet.
-
-    Reads are stamped when the loop polls its sockets, between iterations, and an iteration runs every
-    callback that was ready when it began. When 512 streams end on one decode step, their follow-up work
-    would otherwise run in a few long iterations while the other streams' last chunks wait unstamped. A
-    send (`take(send=True)`: a freed slot's refill) is handed its turn at once, ahead of the others: a read
-    waits at most one send to be stamped, and the slot is busy again. Any other turn is handed on when no
-    read has arrived for QUIET_S, else looked at again RECHECK_S later (a timer, not a busy loop), and given
-    anyway to a step that has waited MAX_TURN_DEFERRAL_S, so that a client whose sockets never go quiet still
-    makes progress.
-    """
+class Connection(asyncio.Protocol):
+    """One keep-alive HTTP/1.1 connection: `send` writes a request, the response goes to its `Exchange`."""
 
     def __init__(self, last_read: LastRead) -> None:
         self._last_read = last_read
-        self._sends: collections.deque[asyncio.Future[None]] = collections.deque()
-        self._waiting: collections.deque[tuple[asyncio.Future[None], float]] = collections.deque()
-        self._handing_on = False
-        self._loop = asyncio.get_running_loop()
+        self._parser = httptools.HttpResponseParser(self)
+        self._transport: asyncio.Transport | None = None
+        self._exchange: Exchange | None = None
+        self._arrived = 0.0  # stamp of the read being parsed
+        self._head_bytes = 0
+        self._sized = False  # the response has a Content-Length or is chunked (else its body ends with the connection)
+        self._keep_alive = True
 
-    def give(self, waiter: asyncio.Future[None], send: bool = False) -> None:
-        """Resolve `waiter` at its turn (sends first, then first come, first served); a cancelled waiter loses
-        its turn."""
-        if send:
-            self._sends.append(waiter)
+    @property
+    def exchange(self) -> Exchange | None:
+        """The exchange whose response this connection is receiving."""
+        return self._exchange
+
+    @property
+    def reusable(self) -> bool:
+        """Open, its last response complete, and the server keeps it alive."""
+        transport = self._transport
+        return transport is not None and not transport.is_closing() and self._exchange is None and self._keep_alive
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.set_write_buffer_limits(high=0)  # send on write(); uvloop would defer it to the iteration's end
+        sock = transport.get_extra_info("socket")
+        if sock is not None:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._transport = transport  # type: ignore[assignment]
+
+    def send(self, request: bytes, exchange: Exchange) -> float:
+        """Write `request`, its response going to `exchange`; returns the stamp taken right before the write."""
+        self._exchange, self._head_bytes = exchange, 0
+        exchange.last_read_s = sent = time.perf_counter()
+        if self._transport is None:  # the server closed it before the request could go
+            exchange.fail("server closed the connection before the response ended")
         else:
-            self._waiting.append((waiter, time.perf_counter()))
-        if not self._handing_on:
-            self._handing_on = True
-            self._loop.call_soon(self._hand_on)
+            self._transport.write(request)
+        return sent
 
-    async def take(self, send: bool = False) -> None:
-        """Return at this task's turn; the step that follows should not await before its work is done. `send`:
-        the step sends a request."""
-        waiter = self._loop.create_future()
-        self.give(waiter, send)
-        await waiter
+    def close(self) -> None:
+        if self._transport is not None:
+            self._transport.abort()
 
-    def _hand_on(self) -> None:
-        sends, waiting = self._sends, self._waiting
-        while sends and sends[0].done():
-            sends.popleft()
-        if sends:
-            sends.popleft().set_result(None)
-            self._loop.call_soon(self._hand_on)
+    def data_received(self, data: bytes) -> None:
+        self._last_read.at_s = self._arrived = arrived = time.perf_counter()
+        exchange = self._exchange
+        if exchange is None:  # bytes nobody asked for
+            self.close()
             return
-        while waiting and waiting[0][0].done():
-            waiting.popleft()
-        if not waiting:
-            self._handing_on = False
+        exchange.last_read_s = arrived
+        try:
+            self._parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(f"malformed HTTP response: {exc}")
             return
-        now = time.perf_counter()
-        waiter, since = waiting[0]
-        if now - self._last_read.at_s < QUIET_S and now - since < MAX_TURN_DEFERRAL_S:
-            self._loop.call_later(RECHECK_S, self._hand_on)
+        if exchange.status is None and self._exchange is exchange:
+            self._head_bytes += len(data)
+            if self._head_bytes > MAX_HEAD_BYTES:
+                self._fail(f"response head longer than {MAX_HEAD_BYTES} bytes")
+
+    def eof_received(self) -> bool:
+        return False  # close: a response the EOF cuts short fails in connection_lost
+
+    def connection_lost(self, exc: BaseException | None) -> None:
+        self._transport = None
+        exchange, self._exchange = self._exchange, None
+        if exchange is None:
             return
-        waiting.popleft()
-        waiter.set_result(None)  # its task runs in the next iteration; the next turn is looked for after it
-        self._loop.call_soon(self._hand_on)
+        if exchange.status is not None and not self._sized:  # a body delimited by the connection's end
+            exchange.end()
+        else:
+            exchange.fail("server closed the connection before the response ended")
+
+    def _fail(self, reason: str) -> None:
+        if self._exchange is not None:
+            self._exchange.fail(reason)
+        self.close()
+
+    # httptools callbacks: none raises, and each ignores a response no request waits for
+
+    def on_message_begin(self) -> None:
+        self._sized = False
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if name.lower() in (b"content-length", b"transfer-encoding"):
+            self._sized = True
+
+    def on_headers_complete(self) -> None:
+        status = self._parser.get_status_code()
+        if self._exchange is not None and status >= 200:  # 1xx: an interim response, the real one follows
+            self._exchange.head(status)
+
+    def on_body(self, body: bytes) -> None:
+        if self._exchange is not None:
+            self._exchange.body(self._arrived, body)
+
+    def on_message_complete(self) -> None:
+        exchange = self._exchange
+        if exchange is None or exchange.status is None:
+            return
+        self._exchange, self._keep_alive = None, self._parser.should_keep_alive()
+        if not self._keep_alive:
+            self.close()
+        exchange.end()
+        if exchange.then is not None and self.reusable:
+            exchange.then(self)  # the next request goes in the iteration, and the callback, this one ended
+
+
+class Connections:
+    """Keep-alive connections to one endpoint: a request takes the connection freed last, or opens one."""
+
+    def __init__(self, endpoint: Endpoint, last_read: LastRead) -> None:
+        self._endpoint = endpoint
+        self._last_read = last_read
+        self._idle: list[Connection] = []
+        self._open: set[Connection] = set()
+
+    async def take(self, limits: Timeouts, deadline_s: float) -> Connection:
+        """A connection for one request; raises `RequestFailed` if none opens in time."""
+        while self._idle:
+            connection = self._idle.pop()
+            if connection.reusable:
+                return connection
+            self._open.discard(connection)
+        remaining_s = deadline_s - time.perf_counter()
+        endpoint, loop = self._endpoint, asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(min(limits.connect_s, remaining_s)):
+                _, connection = await loop.create_connection(
+                    lambda: Connection(self._last_read), endpoint.host, endpoint.port, ssl=endpoint.ssl,
+                    server_hostname=endpoint.host if endpoint.ssl else None)
+        except TimeoutError:
+            if remaining_s < limits.connect_s:
+                raise RequestFailed(f"request not done after {limits.request_s:g} s") from None
+            raise RequestFailed(f"no connection to the server within {limits.connect_s:g} s") from None
+        except OSError as exc:
+            raise RequestFailed(f"cannot connect to the server: {type(exc).__name__}: {exc}") from None
+        self._open.add(connection)
+        return connection
+
+    def give_back(self, connection: Connection, exchange: Exchange) -> None:
+        """After `exchange`: keep `connection` for the next request if the response ended cleanly, else drop it;
+        one that already carries the next request (`Exchange.then`) stays with it."""
+        if connection.exchange not in (None, exchange):
+            return
+        if connection.reusable:
+            self._idle.append(connection)
+        else:
+            connection.close()
+            self._open.discard(connection)
+
+    def close(self) -> None:
+        for connection in self._open:
+            connection.close()
+        self._open.clear()
+        self._idle.clear()

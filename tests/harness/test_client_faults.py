@@ -13,6 +13,7 @@ import pytest
 from aiohttp import web
 
 from mpfa.harness.client import MAX_LINE_BYTES, Timeouts, run_load
+from mpfa.harness.stamped_reads import MAX_HEAD_BYTES
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MB = 1024 * 1024
@@ -155,7 +156,7 @@ def test_a_request_that_never_connects_is_dispatched_when_it_was_tried():
         port = sock.getsockname()[1]
     tried = time.perf_counter()
     (record,) = asyncio.run(run_load(f"http://127.0.0.1:{port}", [[1, 2, 3, 4]], 4, concurrency=1))
-    assert not record.ok and "ClientConnectorError" in record.error
+    assert not record.ok and record.error.startswith("cannot connect to the server: ConnectionRefusedError")
     assert tried <= record.dispatch_s <= time.perf_counter()
 
 
@@ -186,3 +187,106 @@ def test_a_server_that_accepts_no_connection_fails_the_request_at_the_connect_ti
     assert record.error == "no connection to the server within 0.5 s"
     assert 0.5 <= took < 2.0
     assert tried <= record.dispatch_s <= tried + took
+
+
+# --- raw servers: bytes no HTTP library would send ------------------------------------------------------------
+
+Reply = Callable[[asyncio.StreamWriter], Awaitable[None]]
+FOUR_TOKENS = event({"meta_info": {"completion_tokens": 4, "prompt_tokens": 4, "finish_reason": {"type": "length"}}})
+
+
+async def read_request(reader: asyncio.StreamReader) -> bool:
+    """Read one request (head and Content-Length body); False at the end of the connection."""
+    try:
+        head = await reader.readuntil(b"\r\n\r\n")
+    except asyncio.IncompleteReadError:
+        return False
+    lengths = [line.split(b":")[1] for line in head.split(b"\r\n") if line.lower().startswith(b"content-length")]
+    await reader.readexactly(int(lengths[0]))
+    return True
+
+
+async def raw_against(reply: Reply, requests: int = 1, **load_options) -> tuple[list, float, int]:
+    """Run `requests` requests of 4 tokens, one at a time, against a server that answers each with `reply`
+    (which may close the connection): (their records, seconds taken, connections accepted)."""
+    accepted = 0
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal accepted
+        accepted += 1
+        try:
+            while not writer.is_closing() and await read_request(reader):
+                await reply(writer)
+        except (ConnectionError, asyncio.CancelledError):
+            pass
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    began = time.perf_counter()
+    try:
+        async with asyncio.timeout(20):
+            records = await run_load(f"http://127.0.0.1:{port}", [[1, 2, 3, 4]] * requests, 4, concurrency=1,
+                                     **load_options)
+    finally:
+        server.close()
+    return records, time.perf_counter() - began, accepted
+
+
+def writing(*pieces: bytes, close: bool = False) -> Reply:
+    async def reply(writer: asyncio.StreamWriter) -> None:
+        for piece in pieces:
+            writer.write(piece)
+            await writer.drain()
+        if close:
+            writer.close()
+    return reply
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+SSE_HEAD = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n"
+
+
+def test_an_endless_response_head_fails_the_request():
+    async def endless_head(writer: asyncio.StreamWriter) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Pad: ")
+        for _ in range(200):  # 200 MB, never the end of the head
+            writer.write(b"y" * MB)
+            await writer.drain()
+
+    (record,), took_s, _ = asyncio.run(raw_against(endless_head))
+    assert record.error == f"response head longer than {MAX_HEAD_BYTES} bytes"
+    assert took_s < 5
+
+
+@pytest.mark.parametrize("reply", [b"hello\r\n\r\n", b"HTTP/1.1 2OO OK\r\n\r\n",
+                                   SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\nzz\r\n"],
+                         ids=["not HTTP", "bad status", "bad chunk size"])
+def test_a_malformed_response_fails_the_request(reply):
+    (record,), took_s, _ = asyncio.run(raw_against(writing(reply)))
+    assert record.error.startswith("malformed HTTP response: ") and took_s < 5
+
+
+def test_a_body_cut_short_by_the_server_fails_the_request():
+    first = chunk(event({"meta_info": {"completion_tokens": 1}}))
+    cut = writing(SSE_HEAD + b"Transfer-Encoding: chunked\r\n\r\n", first, close=True)
+    (record,), _, _ = asyncio.run(raw_against(cut))
+    assert record.error == "server closed the connection before the response ended"
+
+
+def test_a_body_that_ends_with_the_connection_is_complete():
+    until_close = writing(SSE_HEAD + b"\r\n", FOUR_TOKENS, b"data: [DONE]\n\n", close=True)
+    records, _, accepted = asyncio.run(raw_against(until_close, requests=3))
+    assert all(r.ok and r.output_tokens == 4 for r in records) and accepted == 3
+
+
+def test_keep_alive_connections_carry_one_request_after_another_unless_the_server_says_close():
+    body = FOUR_TOKENS + b"data: [DONE]\n\n"
+    for close, connections in [(b"", 1), (b"Connection: close\r\n", 4)]:
+        reply = writing(SSE_HEAD + close + b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        records, _, accepted = asyncio.run(raw_against(reply, requests=4))
+        assert all(r.ok for r in records) and accepted == connections

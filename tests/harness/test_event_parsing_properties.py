@@ -21,7 +21,7 @@ VALUES = st.recursive(SCALARS, lambda inner: st.lists(inner, max_size=3)
 
 def _parsed(pieces: list[bytes], api: str = "sglang") -> _EventStream:
     """A stream fed `pieces` as reads stamped 0, 1, 2, ... and parsed to the end."""
-    stream = _EventStream(_EVENT_PARSERS[api][1], lambda _: None)
+    stream = _EventStream(_EVENT_PARSERS[api][1], lambda _: None, lambda: None)
     for stamp, piece in enumerate(pieces):
         stream.add(float(stamp), piece)
     while stream.unparsed:
