@@ -58,8 +58,12 @@ _TO_BASE = {
 
 
 def _one_launch(kernel_regex: str, launch_skip: int) -> list[str]:
-    """ncu options selecting one launch of the kernels matching `kernel_regex`, at the clocks it runs at."""
-    return ["--clock-control", "none", "--target-processes", "all", "--kernel-name", f"regex:{kernel_regex}",
+    """ncu options selecting one launch of the kernels matching `kernel_regex`, at the clocks it runs at.
+
+    The regex is matched against demangled names: ncu's default base, the bare function name, is `device_kernel`
+    for every CUTLASS-launched kernel (FA3's FlashAttnFwdSm90 is a template argument of it)."""
+    return ["--clock-control", "none", "--target-processes", "all", "--kernel-name-base", "demangled",
+            "--kernel-name", f"regex:{kernel_regex}",
             "--launch-skip", str(launch_skip), "--launch-count", "1"]
 
 

@@ -27,8 +27,9 @@ def test_command_line():
     command = ncu.ncu_command("/opt/ncu", "A|B", 3, ("m1.sum", "m2.avg"), ["python", "-m", "x"])
     assert command[0] == "/opt/ncu"
     joined = " ".join(command)
-    for part in ("--clock-control none", "--target-processes all", "--kernel-name regex:A|B", "--launch-skip 3",
-                 "--launch-count 1", "--csv", "--page raw", "--print-units base", "--metrics m1.sum,m2.avg"):
+    for part in ("--clock-control none", "--target-processes all", "--kernel-name-base demangled",
+                 "--kernel-name regex:A|B", "--launch-skip 3", "--launch-count 1", "--csv", "--page raw",
+                 "--print-units base", "--metrics m1.sum,m2.avg"):
         assert part in joined
     assert command[-3:] == ["python", "-m", "x"]  # the target comes last, after every ncu option
 

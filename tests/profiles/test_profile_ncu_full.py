@@ -29,9 +29,9 @@ def _rendered(results: list[NcuFullResult]) -> str:
 def test_export_command_line():
     command = ncu.export_command("/opt/ncu", "A|B", 3, Path("/out/ncu-full-mpfa"), ["python", "-m", "x"])
     joined = " ".join(command)
-    for part in ("--clock-control none", "--target-processes all", "--kernel-name regex:A|B", "--launch-skip 3",
-                 "--launch-count 1", "--set full", "--import-source no", "--export /out/ncu-full-mpfa",
-                 "--force-overwrite"):
+    for part in ("--clock-control none", "--target-processes all", "--kernel-name-base demangled",
+                 "--kernel-name regex:A|B", "--launch-skip 3", "--launch-count 1", "--set full", "--import-source no",
+                 "--export /out/ncu-full-mpfa", "--force-overwrite"):
         assert part in joined
     assert not {"--metrics", "--csv", "--page", "raw"} & set(command)
     assert command[0] == "/opt/ncu" and command[-3:] == ["python", "-m", "x"]
