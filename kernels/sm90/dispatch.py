@@ -7,12 +7,13 @@ Prefill kernels, named for what they compute:
   pass per prefill expands from the cache; numerics ``mpfa-qk8tile-psum`` of `mpfa.kernels.reference`.
 * ``exact``: the paper's numerics (``mpfa``): NVFP4 Q and K dequantized exactly to FP16 for the QKᵀ wgmma, ΔS as an
   extra K column, FP8 PV.
-* ``mma-sync``: the fallback for the shapes the wgmma kernels do not run by default (GQA groups other than 4 and 5,
-  pages of fewer than 64 keys, odd head counts): warp-level mma.sync, the paper's numerics.
+* ``mma-sync``: the fallback for the shapes neither wgmma kernel runs (pages of fewer than 64 keys, odd head counts,
+  GQA groups above 8): warp-level mma.sync, the paper's numerics.
 
-The wgmma kernels take every GQA group from 1 to 8 (a CTA holds gcd(group, 4) heads of the group); by default they
-run only for the groups their GPU tests have passed on (``DEFAULT_WGMMA_GROUPS``). The others run them only when
-asked for by name, until their GPU tests pass.
+The wgmma kernels compile for every GQA group from 1 to 8 (a CTA holds gcd(group, 4) heads of the group) but run
+only on the groups where their GPU tests pass (``GPU_TESTED_GROUPS``): ``fp8`` by default where it passes, else
+``exact`` (the numerics of ``mma-sync``, at ~2.5x its speed), else ``mma-sync``. Naming a wgmma kernel for a group
+where it fails is an error unless ``MPFA_UNTESTED_GROUPS=1`` (for testing a fix on the GPU).
 
 Decode has one kernel, ``split-kv`` (split-KV partitions, then a merge kernel), with the paper's numerics.
 
@@ -29,12 +30,14 @@ PREFILL_KERNELS: dict[str, str] = {
     "exact": "NVFP4 QK dequantized exactly to FP16 wgmma, FP8 PV: the paper's numerics (mpfa)",
     "mma-sync": "warp-level mma.sync fallback for shapes the wgmma kernels refuse, the paper's numerics (mpfa)",
 }
-DEFAULT_PREFILL_KERNEL = "fp8"
 DECODE_KERNEL = "split-kv"
 PREFILL_KERNEL_ENV = "MPFA_PREFILL_KERNEL"
-WGMMA_KERNELS = ("fp8", "exact")
+WGMMA_KERNELS = ("fp8", "exact")  # in the order the default prefers them
 WGMMA_GROUPS = tuple(range(1, 9))  # a warpgroup's 64 rows: gcd(group, 4) heads x 64 / gcd(group, 4) rows
-DEFAULT_WGMMA_GROUPS = (4, 5)  # passed tests/kernels_sm90/test_prefill_{fp8,exact}_gpu.py (32:8 and 40:8 models)
+# Where tests/kernels_sm90/test_prefill_{fp8,exact}_gpu.py pass (H100, 2026-12-06); fp8 at groups 6-8 and exact at
+# 1-2 miss their oracles there.
+GPU_TESTED_GROUPS = {"fp8": (1, 2, 3, 4, 5), "exact": (3, 4, 5, 6, 7, 8)}
+UNTESTED_GROUPS_ENV = "MPFA_UNTESTED_GROUPS"
 WGMMA_MIN_PAGE = 64  # the wgmma kernels' 64-key tiles never straddle a page
 NUMERICS = {"fp8": "mpfa-qk8tile-psum", "exact": "mpfa", "mma-sync": "mpfa"}
 SOFTMAX_KEYS = {"fp8": 128, "exact": 64, "mma-sync": 32}
@@ -60,15 +63,28 @@ def requested_prefill_kernel(kernel: str | None = None) -> str | None:
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:
     """The prefill kernel that runs for this shape: ``kernel`` or ``MPFA_PREFILL_KERNEL`` if given (a wgmma kernel
-    the shape does not fit is a ValueError), else ``fp8`` where it fits a GPU-tested group and ``mma-sync``
-    elsewhere."""
+    the shape does not fit, or whose GPU tests fail at its group, is a ValueError), else the first wgmma kernel
+    whose GPU tests pass at this shape (``fp8``, then ``exact``), else ``mma-sync``."""
     choice = requested_prefill_kernel(kernel)
     if choice is None:
-        tested = wgmma_fits(num_q_heads, num_kv_heads, page_size, DEFAULT_WGMMA_GROUPS)
-        return DEFAULT_PREFILL_KERNEL if tested else "mma-sync"
+        tested = [k for k in WGMMA_KERNELS if wgmma_fits(num_q_heads, num_kv_heads, page_size, GPU_TESTED_GROUPS[k])]
+        return tested[0] if tested else "mma-sync"
     if choice in WGMMA_KERNELS:
         check_wgmma_shape(choice, num_q_heads, num_kv_heads, page_size)
+        _check_tested_group(choice, num_q_heads // num_kv_heads)
     return choice
+
+
+def _check_tested_group(kernel: str, group: int) -> None:
+    """A ValueError unless ``kernel`` passes its GPU tests at GQA ``group`` or ``MPFA_UNTESTED_GROUPS=1``."""
+    tested = GPU_TESTED_GROUPS[kernel]
+    if group in tested or os.environ.get(UNTESTED_GROUPS_ENV) == "1":
+        return
+    others = [k for k in WGMMA_KERNELS if k != kernel and group in GPU_TESTED_GROUPS[k]]
+    raise ValueError(
+        f"the {kernel} prefill kernel fails its GPU tests at GQA group {group} (it passes groups "
+        f"{', '.join(map(str, tested))}): use {' or '.join([*others, 'mma-sync'])} "
+        f"({UNTESTED_GROUPS_ENV}=1 runs it anyway, to test a fix)")
 
 
 def check_wgmma_shape(kernel: str, num_q_heads: int, num_kv_heads: int, page_size: int) -> None:

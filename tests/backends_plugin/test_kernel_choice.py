@@ -97,7 +97,7 @@ def test_the_backend_logs_its_kernels_once_per_shape(monkeypatch, caplog):
         kernel_choice.log_kernels("mpfa-direct", 32, 8, 128, "reference")
     assert [r.getMessage() for r in caplog.records] == [
         "MpFA backend mpfa, 32:8 heads, pages of 128: decode = sm90 split-kv, prefill = sm90 fp8",
-        "MpFA backend mpfa, 48:8 heads, pages of 128: decode = sm90 split-kv, prefill = sm90 mma-sync",
+        "MpFA backend mpfa, 48:8 heads, pages of 128: decode = sm90 split-kv, prefill = sm90 exact",
         "MpFA backend mpfa-direct, 32:8 heads, pages of 128: decode = sm90 split-kv, prefill = SLOW REFERENCE PATH "
         "($MPFA_PREFILL=reference; its timings are not MpFA's)",
     ]
