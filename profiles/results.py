@@ -74,7 +74,7 @@ def _percent(value: float | None, peak: float | None) -> float | None:
 @dataclass
 class NcuKernel:
     name: str
-    metrics: dict[str, float | None]  # in the units of `units` (base units: byte, nsecond, %, ...)
+    metrics: dict[str, float | None]  # in the units of `units` (base units: byte, ns or nsecond, %, ...)
     units: dict[str, str]
 
 

@@ -169,3 +169,24 @@ def test_missing_ncu(monkeypatch, tmp_path):
     monkeypatch.delenv("CUDA_HOME", raising=False)
     result = ncu.profile_with_ncu(adapter_for("fa4-bf16"), WORKLOAD, tmp_path)
     assert result.error.startswith("ncu not found on PATH") and "Nsight Compute" in result.error
+
+
+RESULTS = Path(__file__).resolve().parents[2] / "profiles" / "results"
+
+
+@pytest.mark.parametrize(("capture", "kernel", "expected"), [
+    ("ncu-decode-32k-b1-mpfa-h100.csv", "SplitKVDecodeSm90",
+     {"gpu__time_duration.sum": 25408.0, "dram__throughput.avg.pct_of_peak_sustained_elapsed": 66.91,
+      "launch__grid_size": 752.0, "launch__block_size": 32.0,
+      "sm__warps_active.avg.pct_of_peak_sustained_active": 8.01}),
+    ("ncu-prefill-64k-mpfa-exact-h100.csv", "prefill_exactPrefillSm90",
+     {"gpu__time_duration.sum": 78348928.0, "launch__registers_per_thread": 128.0,
+      "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": 48.27}),
+])
+def test_parses_the_captured_h100_profiles_docs_cite(capture, kernel, expected):
+    """The raw pages ncu printed on the H100 (its warning lines before the CSV included) give the numbers
+    docs/kernels.md quotes: one kernel, every metric in base units."""
+    (profiled,) = ncu.parse_raw_csv((RESULTS / capture).read_text())
+    assert kernel in profiled.name
+    assert {name: profiled.metrics[name] for name in expected} == expected
+    assert profiled.units["gpu__time_duration.sum"] == "ns"  # this ncu's base unit (older ones: nsecond)
