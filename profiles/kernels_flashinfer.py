@@ -187,7 +187,9 @@ class FlashInferXqaFp8:
 
         def dense_inputs(i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
             q, k, v = sets[i]
-            return q, unpaged(k, w), unpaged(v, w)
+            # XQA's sm90 kernel loads Q as its math type, the cache's e4m3 (unscaled, round to nearest): the
+            # attention it computes is that of e4m3(Q). (Checked against the BF16 Q, it missed the float64 bounds.)
+            return q.to(torch.float8_e4m3fn).to(q.dtype), unpaged(k, w), unpaged(v, w)
 
         return PreparedKernel(run, dense_inputs, num_sets,
                               f"trtllm_batch_decode_with_kv_cache (XQA), page {self.page_size}, BF16 Q, "
