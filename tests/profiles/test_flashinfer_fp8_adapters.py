@@ -110,7 +110,10 @@ def test_xqa_is_called_as_sglang_trtllm_mha_decode_on_hopper(fake_flashinfer):
     assert kw["window_left"] == -1 and kw["out_dtype"] == torch.bfloat16
     assert kw["workspace_buffer"].dtype == torch.uint8 and not kw["workspace_buffer"].any()
     dq, dk, dv = prepared.dense_inputs(1)
-    assert dq is q and dk.shape == dv.shape == (200, 2, 64)
+    # the reference's Q is what XQA computes with: e4m3(Q), each value the nearest e4m3 to the BF16 one
+    assert dq.dtype == torch.bfloat16 and torch.equal(dq, q.to(torch.float8_e4m3fn).to(torch.bfloat16))
+    assert not torch.equal(dq, q) and torch.allclose(dq.float(), q.float(), rtol=2 ** -4, atol=2 ** -9)
+    assert dk.shape == dv.shape == (200, 2, 64)
     # Token t of sequence b sits in page table[b][t // 64], slot t % 64
     assert torch.equal(dk[100 + 70].float(), k.permute(0, 2, 1, 3)[3, 6].float())
     assert not torch.equal(prepared.dense_inputs(0)[0], dq)
