@@ -129,6 +129,14 @@ def extra_layout():
     return cute.tile_to_shape(atom, (TILE_KEYS, DS_COLUMNS), order=(0, 1))
 
 
+def ds_first_column(heads: int, group: int, first_head):
+    """Column of the Delta_S tiles holding the Delta_S of the CTA's first head ``first_head`` (head h of the CTA:
+    this + h): the tile's columns are the BF16 of the ring's Delta_S words, from the word holding the CTA's first
+    head (`prefill_staged_layout.ds_first_word` of its index in the group), so 1 where a one-head CTA's head is its
+    word's second half (an even number of heads starts word-aligned)."""
+    return 0 if heads % 2 == 0 else sl.ds_lead(first_head % group) >> 1
+
+
 def p_operand(probs: list, words: cute.Tensor) -> None:
     """P of the tile (already times 448) -> the PV A operand (``words``: the A fragment as 16 f16x2 words):
     e4m3(P), exactly in FP16. Word ``r + 2 b + 4 k`` of k-step k holds row g + 8 r at keys 16 k + 8 b + 2c, + 1:
@@ -257,9 +265,7 @@ class PrefillSm90Exact(PrefillSm90Wgmma):
         smem_ptr = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=OPERAND_ALIGN)
         wg = cute.arch.thread_idx()[0] // THREADS
         one_hot = self._extra_tile(smem_ptr, wg)
-        # the column of the CTA's first head: 1 where it is the second BF16 of its Delta_S word (an even number
-        # of heads starts word-aligned)
-        lead = 0 if self.heads % 2 == 0 else sl.ds_lead(first_head % self.group) >> 1
+        lead = ds_first_column(self.heads, self.group, first_head)  # the CTA's first head's column
         for r in cutlass.range_constexpr(TILE_KEYS * DS_COLUMNS // THREADS):
             unit = wg_tid + THREADS * r
             row, column = unit // DS_COLUMNS, unit % DS_COLUMNS

@@ -10,7 +10,8 @@ the query rows ``wg_rows w`` .. + ``wg_rows`` - 1 of the CTA's heads (`prefill_w
 
 * Producer (one thread): walk step p (64-key tiles last to first) waits for ``empty[s]`` (s = p mod 8), arms
   ``full[s]`` with the image's bytes and copies step p's operand image into operand stage s with one bulk copy
-  (the TMA's non-tensor form: up to 8 x 18 KB in flight, written through the async proxy that wgmma reads).
+  (the TMA's non-tensor form: up to 8 images of 18 KB (19 KB at GQA groups 6-8) in flight, written through the
+  async proxy that wgmma reads).
 * Consumers: 128-key steps, the sequence's 128-key tiles (`wide_walk`: an odd walk's first 64-key tile goes alone).
   A step waits for its two stages' ``full`` and issues both QK wgmmas (e4m3 ``m64n64k32`` from 0, -inf where
   masked) into two accumulators, folds the previous step's PV into O under them (O = O alpha + P V, one FFMA per
@@ -30,7 +31,8 @@ the query rows ``wg_rows w`` .. + ``wg_rows`` - 1 of the CTA's heads (`prefill_w
 ``ablation`` (`ablation.Ablation`, timing only; `FULL` is the real kernel): ``exp2`` off, exp2 by `ablation.no_exp2`;
 ``rowstats`` off, P = exp2(lam S) with no maximum, sum or rescale; ``pv`` off, each P word into one accumulator
 register (`ablation.fold_p_words`) and an empty wgmma group in place of PV. Shared memory: 2 Q tiles (8 KB each),
-8 operand stages (18 KB each) and the mbarriers: ~160 KB, 1 CTA per SM whatever the ablation.
+8 operand stages (18 KB each, 19 KB at groups 6-8) and the mbarriers: ~160 KB (~168 KB), 1 CTA per SM whatever
+the ablation.
 """
 
 from __future__ import annotations
@@ -50,10 +52,10 @@ from mpfa.kernels.sm90 import prefill_tile as tile_math
 from mpfa.kernels.sm90.ablation import FULL, Ablation, fold_p_words, no_exp2, plain_probs
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
 from mpfa.kernels.sm90.prefill_base import HEAD_DIM
-from mpfa.kernels.sm90.prefill_fp8_layout import (EXPONENT_OFFSET, FP8_OPERAND_BYTES, IMAGE_BYTES, PV_N, VT_BYTES,
-                                                  ds_staged_read, f32_pow2, fold_max, fp8_chunk_words,
-                                                  fp8_operand_layout, fp8_operand_offset, image_row, max_scale_pairs,
-                                                  p_operand_fp8, pow2_factors, vt_layout)
+from mpfa.kernels.sm90.prefill_fp8_layout import (FP8_OPERAND_BYTES, PV_N, VT_BYTES, ds_staged_read,
+                                                  exponent_offset, f32_pow2, fold_max, fp8_chunk_words,
+                                                  fp8_operand_layout, fp8_operand_offset, image_bytes, image_row,
+                                                  max_scale_pairs, p_operand_fp8, pow2_factors, vt_layout)
 from mpfa.kernels.sm90.prefill_wgmma import (N_BLOCKS, OPERAND_ALIGN, P_SCALE_LOG2, THREADS, TILE_KEYS, WARPGROUPS,
                                              PrefillSm90Wgmma, gemm, softmax_update)
 from mpfa.kernels.sm90.ptx import (bits_to_f32, bulk_copy_g2s, e4m3_pow2_exponent, load_shared_u32,
@@ -134,10 +136,12 @@ class PrefillSm90Fp8(PrefillSm90Wgmma):
         launch_regs = REGISTER_FILE // self.threads // 8 * 8  # ptxas' cap under ``.reqntid``: 168 for 384 threads
         assert PRODUCER_REGS + WARPGROUPS * CONSUMER_REGS <= self.threads // THREADS * launch_regs
         q_bytes = WARPGROUPS * FP8_OPERAND_BYTES
+        self.image_bytes = image_bytes(group)  # an operand stage: 18 KB, 19 KB at groups 6-8
+        self.exponent_offset = exponent_offset(group)
         # (Q tile of consumer 0 (consumer w's: + w FP8_OPERAND_BYTES), K and V^T of operand stage 0 (stage s:
-        # + s IMAGE_BYTES)); then the full[0..7] and empty[0..7] mbarriers, 8 bytes each
+        # + s image_bytes)); then the full[0..7] and empty[0..7] mbarriers, 8 bytes each
         self.offsets = (0, q_bytes, q_bytes + FP8_OPERAND_BYTES)
-        self.barrier_offset = q_bytes + OPERAND_STAGES * IMAGE_BYTES
+        self.barrier_offset = q_bytes + OPERAND_STAGES * self.image_bytes
         self.smem_bytes = self.barrier_offset + 8 * 2 * OPERAND_STAGES
 
     def _qk_layout(self):
@@ -200,20 +204,20 @@ class PrefillSm90Fp8(PrefillSm90Wgmma):
             for step in cutlass.range(cta_tiles, unroll=1):
                 s, parity = stage_parity(step)
                 cute.arch.mbarrier_wait(bars + OPERAND_STAGES + s, parity ^ 1)  # both consumers done with step - 8
-                cute.arch.mbarrier_arrive_and_expect_tx(bars + s, IMAGE_BYTES)
-                bulk_copy_g2s(self._stage_address(smem, s), first + Int64(cta_tiles - 1 - step) * IMAGE_BYTES,
-                              IMAGE_BYTES, smem + self.barrier_offset + 8 * s)
+                cute.arch.mbarrier_arrive_and_expect_tx(bars + s, self.image_bytes)
+                bulk_copy_g2s(self._stage_address(smem, s), first + Int64(cta_tiles - 1 - step) * self.image_bytes,
+                              self.image_bytes, smem + self.barrier_offset + 8 * s)
 
     def _first_image(self, inputs, batch, block_head, warp):
         """Address of the CTA's KV head's first image of sequence ``batch`` (``inputs``: images, their starts, rows
         per KV head); step p copies image ``cta_tiles - 1 - p`` after it."""
         images, image_starts, rows_per_head = inputs
         _, kv_head, _ = self._heads(block_head, warp)
-        return images.iterator.toint() + image_row(image_starts[batch], kv_head, 0, rows_per_head) * IMAGE_BYTES
+        return images.iterator.toint() + image_row(image_starts[batch], kv_head, 0, rows_per_head) * self.image_bytes
 
     def _stage_address(self, smem, s):
         """Shared-memory address of operand stage ``s`` (its image's first byte)."""
-        return smem + self.offsets[1] + s * IMAGE_BYTES
+        return smem + self.offsets[1] + s * self.image_bytes
 
     # --- the consumers -----------------------------------------------------------------------------------------
 
@@ -363,7 +367,8 @@ class PrefillSm90Fp8(PrefillSm90Wgmma):
         """Wait for walk step ``step``'s stage and issue its QK wgmma into ``acc_s`` (from 0, -inf where masked),
         committed, not waited for -> (its stage, its tile scale)."""
         s, tile = self._await_step(step, cta_tiles, pipe.state, pipe.smem_ptr, pipe.bars)
-        k_offset = cute.assume(self.offsets[1] + s * IMAGE_BYTES, divby=math.gcd(self.offsets[1], IMAGE_BYTES))
+        k_offset = cute.assume(self.offsets[1] + s * self.image_bytes,
+                               divby=math.gcd(self.offsets[1], self.image_bytes))
         _, _, s_k = self._qk_operands(pipe.smem_ptr, self.offsets[0], k_offset)
         frag_k = pipe.thr_qk.make_fragment_B(pipe.thr_qk.partition_B(s_k))
         key0 = tile * TILE_KEYS
@@ -384,7 +389,7 @@ class PrefillSm90Fp8(PrefillSm90Wgmma):
         s, parity = stage_parity(step)
         cute.arch.mbarrier_wait(bars + s, parity)
         stage = self._stage_address(smem_ptr.toint(), s)
-        state[TILE_SCALE] = bits_to_f32(load_shared_u32(stage + EXPONENT_OFFSET))
+        state[TILE_SCALE] = bits_to_f32(load_shared_u32(stage + self.exponent_offset))
         return s, cta_tiles - 1 - step
 
     def _ds_words(self, s, ds_lane, smem) -> list | None:
@@ -392,7 +397,7 @@ class PrefillSm90Fp8(PrefillSm90Wgmma):
         direct build."""
         if not self.compensate:
             return None
-        base = smem + self.offsets[2] + VT_BYTES + s * IMAGE_BYTES + ds_lane
+        base = smem + self.offsets[2] + VT_BYTES + s * self.image_bytes + ds_lane
         return [load_shared_v4_u32(base, ds_staged_read(0, 0, i)) for i in range(N_BLOCKS // 2)]
 
     def _staged_scores(self, s, acc_s: cute.Tensor, state: cute.Tensor, ds_lane, smem, words=None) -> list:
@@ -434,7 +439,8 @@ class PrefillSm90Fp8(PrefillSm90Wgmma):
 
     def _vt_fragment(self, thr_pv, smem_ptr, s):
         """PV's B operand: the V^T tile of operand stage ``s``."""
-        v_offset = cute.assume(self.offsets[2] + s * IMAGE_BYTES, divby=math.gcd(self.offsets[2], IMAGE_BYTES))
+        v_offset = cute.assume(self.offsets[2] + s * self.image_bytes,
+                               divby=math.gcd(self.offsets[2], self.image_bytes))
         _, s_vt = self._pv_operands(smem_ptr, v_offset)
         return thr_pv.make_fragment_B(thr_pv.partition_B(s_vt))
 

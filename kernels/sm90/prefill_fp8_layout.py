@@ -24,9 +24,10 @@ operand pass trace (`prefill_fp8`, `prefill_fp8_pass`) and the CPU tests run on 
   135 zeros (`ROW_SUM_COLUMNS`), so column 128 of the PV accumulator is the row's sum of the e4m3 P the MMA
   consumed (the reference's ``mpfa-qk8tile-psum``).
 * Delta_S in FP32, in the consumers' order (`ds_staged_offset`): one 16-byte word per (head, 16 keys, lane c).
-* The operand image (`IMAGE_BYTES`): one 64-key tile of one KV head as the attention kernel's consumers read it: e4m3
-  K [64 keys][128], e4m3 V^T [136 rows][64 keys], the group's FP32 Delta_S, the tile's 2**e_k as FP32 bits
-  (`EXPONENT_OFFSET`).
+* The operand image (`image_bytes`): one 64-key tile of one KV head as the attention kernel's consumers read it: e4m3
+  K [64 keys][128], e4m3 V^T [136 rows][64 keys], the group's FP32 Delta_S, the tile's 2**e_k as FP32 bits in the
+  image's last 16 bytes (`exponent_offset`). 18 KB for GQA groups 1-5 (`IMAGE_BYTES`), 19 KB for groups 6-8, whose
+  Delta_S (256 bytes a head) reaches the 18 KB image's end (group 6) or runs past it (groups 7, 8).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
 from mpfa.kernels.sm90 import decode_layout as lay
+from mpfa.kernels.sm90 import dispatch
 from mpfa.kernels.sm90.prefill_base import HEAD_DIM
 from mpfa.kernels.sm90.prefill_wgmma import N_BLOCKS, OPERAND_ALIGN, TILE_KEYS, warpgroup_half
 from mpfa.kernels.sm90.ptx import (bits_to_f32, e4m3x2_to_f16x2, f16x2x2_to_e4m3x4, f32x4_to_e4m3x4, max_u16x2,
@@ -66,7 +68,7 @@ BLOCKS = (TILE_KEYS // BLOCK) * (HEAD_DIM // BLOCK)  # 32 per tile
 BLOCKS_PER_WARP_STEP = 2  # one ldmatrix.x4 / stmatrix.x4
 EVEN_BYTES, ODD_BYTES = 0x6420, 0x7531  # prmt selectors: bytes 0, 2, 4, 6 / 1, 3, 5, 7 of {b, a}
 
-GROUPS = (4, 5)  # the GQA groups the kernel takes: one image size for both
+GROUPS = dispatch.WGMMA_GROUPS  # the GQA groups the kernel takes (1 .. 8)
 
 
 # --- the requantization ---------------------------------------------------------------------------------------
@@ -267,15 +269,32 @@ def image_ds_bytes(group: int) -> int:
     return 4 * group * TILE_KEYS
 
 
-def image_bytes(group: int) -> int:
-    """Bytes of one operand image: K, V^T with the row-sum rows, the group's Delta_S, 1 KB-aligned (K's swizzle)."""
-    stage = FP8_OPERAND_BYTES + VT_BYTES + image_ds_bytes(group)
+def _aligned_image(group: int) -> int:
+    """K, V^T with the row-sum rows, the group's Delta_S and the exponent's 16 bytes, 1 KB-aligned (K's swizzle)."""
+    stage = FP8_OPERAND_BYTES + VT_BYTES + image_ds_bytes(group) + EXPONENT_BYTES
     return -(-stage // OPERAND_ALIGN) * OPERAND_ALIGN
 
 
-IMAGE_BYTES = image_bytes(GROUPS[0])  # 18432
-assert all(image_bytes(group) == IMAGE_BYTES for group in GROUPS)
-EXPONENT_OFFSET = IMAGE_BYTES - 16  # the tile's 2**e_k as FP32 bits, in the image's padding
+EXPONENT_BYTES = 16  # the image's last 16 bytes: the tile's 2**e_k as FP32 bits (4 used)
+IMAGE_BYTES = _aligned_image(5)  # 18432: the image of GQA groups 1-5
+
+
+def image_bytes(group: int) -> int:
+    """Bytes of one operand image of GQA ``group`` (module docstring): 18 KB (`IMAGE_BYTES`) for groups 1-5, 19 KB
+    for groups 6-8, whose Delta_S ends at byte 18,432, 18,688 or 18,944 of the image: over the 18 KB image's
+    exponent (bytes 18,416 .. 18,419) and, at groups 7 and 8, past its end."""
+    return max(IMAGE_BYTES, _aligned_image(group))
+
+
+def exponent_offset(group: int) -> int:
+    """Byte offset in an image of GQA ``group`` of the tile's 2**e_k (FP32 bits): the image's last 16 bytes, after
+    the whole group's Delta_S."""
+    return image_bytes(group) - EXPONENT_BYTES
+
+
+EXPONENT_OFFSET = exponent_offset(5)  # groups 1-5
+assert all(image_bytes(group) == IMAGE_BYTES for group in GROUPS if group <= 5)
+assert all(FP8_OPERAND_BYTES + VT_BYTES + image_ds_bytes(group) <= exponent_offset(group) for group in GROUPS)
 
 
 def image_row(start, kv_head, tile, rows_per_head):

@@ -1,5 +1,5 @@
 """The fp8 prefill kernel's operand pass: once per prefill, every 64-key tile of every KV head expanded from the
-cache into an **operand image** in global memory (`prefill_fp8_layout.IMAGE_BYTES`), which the attention kernel
+cache into an **operand image** in global memory (`prefill_fp8_layout.image_bytes`), which the attention kernel
 (`prefill_fp8`) copies into its operand stages as it is.
 
 One 128-thread CTA per (tile, KV head, sequence): cp.async of the raw tile into a ring stage (the 4-warp copy plan
@@ -7,7 +7,7 @@ of `prefill_staged_layout`, both 32-key halves, the whole group's Delta_S), then
 tile with the tile's power-of-two exponent (`prefill_fp8_layout.fp8_chunk_words`, e2m1 decoded by table look-up),
 the V transpose to V^T (``ldmatrix.trans`` / byte permutes / ``stmatrix``), the Delta_S of every query head of the
 KV head widened to FP32 in the consumers' order, V^T's row-sum rows and the exponent, all in shared memory; then the
-image is stored to global memory. The images: uint8 [KV heads x ``rows_per_head``, `IMAGE_BYTES`]
+image is stored to global memory. The images: uint8 [KV heads x ``rows_per_head``, `image_bytes`(group)]
 (`prefill_fp8_layout.image_row`): each KV head's block holds every sequence's tiles, sequence b's from row
 ``image_starts[b]`` = the tiles of the sequences before it (int32 [B], on the device:
 `prefill_launch.image_layout`). A tile past a sequence's end is not written and never read. The direct build
@@ -25,17 +25,17 @@ from cutlass import Int32, Int64, Uint32
 from mpfa.kernels.sm90 import prefill_staged_layout as sl
 from mpfa.kernels.sm90.prefill_base import HEAD_DIM
 from mpfa.kernels.sm90.prefill_fp8_layout import (BLOCKS, BLOCKS_PER_WARP_STEP, E4M3_ONES, EVEN_BYTES,
-                                                  EXPONENT_OFFSET, FP8_OPERAND_BYTES, IMAGE_BYTES, ODD_BYTES,
-                                                  ROW_SUM_UNITS, VT_BYTES, ds_staged_offset, e2m1_word_f16x2_lut,
-                                                  fold_max, fp8_chunk_words, fp8_operand_offset, image_row,
-                                                  k_expand_unit, max_scale_pairs, pow2_factors, v_load_lane,
-                                                  v_store_lane, vt_offset)
+                                                  FP8_OPERAND_BYTES, IMAGE_BYTES, ODD_BYTES, ROW_SUM_UNITS,
+                                                  VT_BYTES, ds_staged_offset, e2m1_word_f16x2_lut, exponent_offset,
+                                                  fold_max, fp8_chunk_words, fp8_operand_offset, image_bytes,
+                                                  image_row, k_expand_unit, max_scale_pairs, pow2_factors,
+                                                  v_load_lane, v_store_lane, vt_offset)
 from mpfa.kernels.sm90.prefill_wgmma import HALVES, OPERAND_ALIGN, THREADS, TILE_KEYS, PrefillSm90Wgmma
 from mpfa.kernels.sm90.ptx import (cp_async_commit, cp_async_wait, e4m3_pow2_exponent, ldmatrix_x4_trans,
                                    load_shared_v4_u32, load_u32, prmt, stmatrix_x4, store_v4_u32)
 from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_u32, store_shared_v2_u32, store_shared_v4_u32
 
-UNITS_PER_THREAD = IMAGE_BYTES // 16 // THREADS  # 16-byte units of an image per thread: 9
+UNITS_PER_THREAD = IMAGE_BYTES // 16 // THREADS  # 16-byte units of an 18 KB image per thread: 9 (groups 1-5)
 PASS_BARRIER = 1  # the CTA's named barrier (128 threads)
 
 
@@ -52,11 +52,13 @@ class OperandPass(PrefillSm90Wgmma):
         super().__init__(num_kv_heads, group, page_size, True, compensate=compensate)
         assert IMAGE_BYTES == 16 * THREADS * UNITS_PER_THREAD
         self.heads = group  # the ring copies and stages the whole group's Delta_S
+        self.image_bytes = image_bytes(group)  # 18 KB, 19 KB at groups 6-8: a multiple of 1 KB, not of 2 KB
+        self.image_units = self.image_bytes // 16  # 16-byte units, stored by the threads in turn
         self.stage_bytes = sl.stage_bytes(self.heads, self.compensate)
         self.tile_bytes = HALVES * self.stage_bytes
         self.fill_warpgroups = 1
-        self.offsets = (0, 0, FP8_OPERAND_BYTES, IMAGE_BYTES)  # (-, the image's K, its V^T, the ring stage)
-        self.smem_bytes = IMAGE_BYTES + self.tile_bytes
+        self.offsets = (0, 0, FP8_OPERAND_BYTES, self.image_bytes)  # (-, the image's K, its V^T, the ring stage)
+        self.smem_bytes = self.image_bytes + self.tile_bytes
 
     @cute.jit
     def __call__(self, k_codes: cute.Tensor, k_scales: cute.Tensor, v: cute.Tensor, delta_s: cute.Tensor,
@@ -91,14 +93,22 @@ class OperandPass(PrefillSm90Wgmma):
             if tid < ROW_SUM_UNITS:
                 self._store_row_sum_unit(smem, tid)
             if tid == 0:
-                store_shared_u32(smem + EXPONENT_OFFSET, (e + Uint32(127)) << 23)
+                store_shared_u32(smem + exponent_offset(self.group), (e + Uint32(127)) << 23)
             cute.arch.barrier(barrier_id=PASS_BARRIER, number_of_threads=THREADS)  # the image is whole
             row = images.iterator.toint() + image_row(image_starts[batch], kv_head, tile_index,
-                                                      rows_per_head) * IMAGE_BYTES
-            for r in cutlass.range_constexpr(UNITS_PER_THREAD):
-                unit = 16 * (tid + THREADS * r)
-                words = load_shared_v4_u32(smem + unit)
-                store_v4_u32(row + unit, words[0], words[1], words[2], words[3])
+                                                      rows_per_head) * self.image_bytes
+            for r in cutlass.range_constexpr(-(-self.image_units // THREADS)):
+                if cutlass.const_expr(THREADS * (r + 1) <= self.image_units):
+                    self._store_image_unit(smem, row, tid + THREADS * r)
+                else:
+                    if tid + THREADS * r < self.image_units:  # the 19 KB image's last half round
+                        self._store_image_unit(smem, row, tid + THREADS * r)
+
+    def _store_image_unit(self, smem, row, unit):
+        """16-byte unit ``unit`` of the image, shared memory -> global row ``row``."""
+        offset = 16 * unit
+        words = load_shared_v4_u32(smem + offset)
+        store_v4_u32(row + offset, words[0], words[1], words[2], words[3])
 
     def _expand_k(self, stage, threads, smem) -> Uint32:
         """The tile's K to e4m3 with the tile's power-of-two scale: each warp reduces the tile's 512 block scales

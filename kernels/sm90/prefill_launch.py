@@ -86,12 +86,12 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     kernel_class = getattr(importlib.import_module(module), class_name)
     if kernel == "fp8":
         from mpfa.kernels.sm90.ablation import FULL
-        from mpfa.kernels.sm90.prefill_fp8_layout import IMAGE_BYTES
+        from mpfa.kernels.sm90.prefill_fp8_layout import image_bytes
         from mpfa.kernels.sm90.prefill_fp8_pass import OperandPass
         from mpfa.kernels.sm90.prefill_wgmma import TILE_KEYS as WGMMA_TILE_KEYS
 
         assert WGMMA_TILE_KEYS == IMAGE_TILE_KEYS
-        images = fake_tensor(u8, (None, IMAGE_BYTES)), fake_tensor(Int32, (None,), align=4)  # (+ image_starts)
+        images = fake_tensor(u8, (None, image_bytes(group))), fake_tensor(Int32, (None,), align=4)  # (+ starts)
         operand_pass = OperandPass(num_kv_heads, group, page_size, compensate)
         attention = kernel_class(num_kv_heads, group, page_size, causal, out_dtype, compensate,
                                  ablation=FULL if ablation is None else ablation)
@@ -251,13 +251,13 @@ def image_layout(seq_lens_k: torch.Tensor, page_tiles: int,
 def _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out, lam_scaled: float,
                        num_m_blocks: int, seq_lens_k_host: Sequence[int] | None) -> None:
     """The fp8 kernel: the operand pass into a fresh images buffer (KV heads x `image_layout`'s rows per head,
-    `prefill_fp8_layout.IMAGE_BYTES` each), then the attention on it."""
-    from mpfa.kernels.sm90.prefill_fp8_layout import IMAGE_BYTES
+    `prefill_fp8_layout.image_bytes` of the group each), then the attention on it."""
+    from mpfa.kernels.sm90.prefill_fp8_layout import image_bytes
 
     operand_pass, attention = compiled
     image_starts, rows_per_head, grid_tiles = image_layout(
         seq_lens_k, page_table.shape[1] * cache.page_size // IMAGE_TILE_KEYS, seq_lens_k_host)
-    images = torch.empty((max(1, cache.num_kv_heads * rows_per_head), IMAGE_BYTES), dtype=torch.uint8,
+    images = torch.empty((max(1, cache.num_kv_heads * rows_per_head), image_bytes(cache.group)), dtype=torch.uint8,
                          device=out.device)
     u8 = torch.uint8
     operand_pass(cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8), cache.delta_s, page_table, seq_lens_k,

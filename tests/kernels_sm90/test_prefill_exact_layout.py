@@ -30,6 +30,7 @@ from cutlass import Float32  # noqa: E402
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup  # noqa: E402
 
 from mpfa.kernels.sm90 import prefill_exact as exact  # noqa: E402
+from mpfa.kernels.sm90.dispatch import WGMMA_GROUPS  # noqa: E402
 from mpfa.kernels.sm90 import prefill_staged_layout as sl  # noqa: E402
 from mpfa.kernels.sm90 import prefill_wgmma as wgmma  # noqa: E402
 
@@ -396,7 +397,7 @@ def test_each_warpgroup_walks_its_own_rows_tiles(monkeypatch: pytest.MonkeyPatch
     assert skipped > 0 if causal else skipped == 0  # the skip is exercised (causal only)
 
 
-@pytest.mark.parametrize("group", [4, 5, 2])
+@pytest.mark.parametrize("group", WGMMA_GROUPS)
 def test_tile_rows_are_the_4_warp_ctas_warps(group):
     """A 64-row wgmma tile's rows (`tile_row_query`) cover each (query row, head) of the warpgroup once, and row
     16 w + i is warp w's row i in the 4-warp CTA (head ``w % heads``, rows from ``16 (w // heads)``)."""
@@ -406,6 +407,29 @@ def test_tile_rows_are_the_4_warp_ctas_warps(group):
     for row, (query, head) in enumerate(coords):
         warp = row // 16
         assert (head, query - row % 16) == (warp % heads, 16 * (warp // heads))
+
+
+@pytest.mark.parametrize("group", WGMMA_GROUPS)
+def test_each_row_weights_its_own_heads_delta_s(group):
+    """The Delta_S k-step at every GQA group: a CTA's ring holds per key the `prefill_staged_layout.ds_words` 4-byte
+    words of the cache's Delta_S row from the word holding its first head (`PrefillSm90Base._cache_sources`, the
+    head's index in the group), `_widen_ds` widens BF16 j of them into column j of the Delta_S tile (``ds_columns``
+    columns, the rest 0), and a tile row's one-hot column (`_init_ds_column_tiles`: `ds_first_column` + the row's
+    head in the CTA, `tile_row_query`) is its own query head's entry of the row, never a neighbour's or padding."""
+    heads = sl.cta_shape(group)[0]
+    launcher = exact.PrefillSm90Exact(8, group, 128, True)
+    assert launcher.ds_columns == 2 * sl.ds_words(heads) <= exact.DS_COLUMNS
+    for block_head in range(8 * group // heads):
+        first_head = block_head * heads
+        kv_head = first_head // group
+        in_group = first_head - kv_head * group  # `_cache_sources`' group_first
+        lead = exact.ds_first_column(heads, group, first_head)
+        for row in range(M):
+            _, head_in_cta = wgmma.tile_row_query(row, heads)
+            column = lead + head_in_cta
+            assert column < launcher.ds_columns
+            entry = 2 * sl.ds_first_word(in_group) + column  # BF16 entry of the cache's Delta_S row
+            assert entry == in_group + head_in_cta < group and (first_head + head_in_cta) // group == kv_head
 
 
 def test_operand_offset_is_cutes_layout():

@@ -327,19 +327,79 @@ def test_staged_delta_s_layout(group):
 
 
 def test_images_layout():
-    """An image: K, V^T with its row-sum rows, every head's Delta_S, then the exponent in the padding; 18 KB, 9
-    16-byte units per pass thread; the attention kernel's 8 stages of images and its mbarriers fit a CTA."""
-    from mpfa.kernels.sm90.prefill_fp8_pass import UNITS_PER_THREAD
+    """An image: K, V^T with its row-sum rows, every head's Delta_S, then the exponent in the last 16 bytes; 18 KB
+    (9 16-byte units per pass thread) for GQA groups 1-5, 19 KB for 6-8; the attention kernel's 8 stages of images
+    and its mbarriers fit a CTA."""
+    from mpfa.kernels.sm90.prefill_fp8_pass import UNITS_PER_THREAD, OperandPass
 
     assert fp8.IMAGE_BYTES == 18432 == 16 * THREADS * UNITS_PER_THREAD
+    assert fp8.GROUPS == tuple(range(1, 9))
     for group in fp8.GROUPS:  # the whole group's Delta_S before the exponent
-        assert fp8.FP8_OPERAND_BYTES + fp8.VT_BYTES + fp8.image_ds_bytes(group) <= fp8.EXPONENT_OFFSET
+        image = fp8.image_bytes(group)
+        assert image == (18432 if group <= 5 else 19456) and image % 1024 == 0
+        assert fp8.FP8_OPERAND_BYTES + fp8.VT_BYTES + fp8.image_ds_bytes(group) <= fp8.exponent_offset(group)
+        assert fp8.exponent_offset(group) + 4 <= image
         attention = kernel.PrefillSm90Fp8(8, group, 128, True)
+        assert (attention.image_bytes, attention.exponent_offset) == (image, fp8.exponent_offset(group))
         assert attention.smem_bytes <= 227 * 1024
-        assert attention.offsets[1] + kernel.OPERAND_STAGES * fp8.IMAGE_BYTES == attention.barrier_offset
-    assert fp8.EXPONENT_OFFSET < fp8.IMAGE_BYTES
+        assert attention.offsets[1] + kernel.OPERAND_STAGES * image == attention.barrier_offset
+        operand_pass = OperandPass(8, group, 128)
+        assert 16 * operand_pass.image_units == image == operand_pass.offsets[3]
+        assert operand_pass.smem_bytes == image + operand_pass.tile_bytes
+    assert (fp8.EXPONENT_OFFSET, fp8.exponent_offset(4)) == (18416, 18416) and fp8.EXPONENT_OFFSET < fp8.IMAGE_BYTES
     assert [fp8.image_row(start, h, t, 10) for start, h, t in ((0, 0, 0), (3, 0, 4), (0, 1, 0), (5, 1, 2))] == [
         0, 7, 10, 17]
+
+
+def _image_bytes_written(group: int) -> dict:
+    """Byte -> what the operand pass writes there in an image of GQA ``group`` (`OperandPass`: K, V^T with its
+    row-sum rows, each (head, key)'s FP32 Delta_S by `_stage_keys`, the exponent), failing on a byte written twice."""
+    from mpfa.kernels.sm90.prefill_fp8_pass import OperandPass
+
+    operand_pass = OperandPass(8, group, 128)
+    written = {}
+
+    def write(offset: int, size: int, what) -> None:
+        for byte in range(offset, offset + size):
+            assert byte not in written, (group, byte, written.get(byte), what)
+            written[byte] = what
+
+    write(operand_pass.offsets[1], fp8.FP8_OPERAND_BYTES, "k")
+    write(operand_pass.offsets[2], fp8.VT_BYTES, "vt")
+    ds = operand_pass.offsets[2] + fp8.VT_BYTES
+    for unit in range(group * TILE_KEYS // 2):  # `_stage_keys`: head unit / 32, keys 2 (unit % 32), + 1
+        head, key = unit >> 5, (unit & 31) << 1
+        write(ds + fp8.ds_staged_offset(head, key), 4, ("ds", head, key))
+        write(ds + fp8.ds_staged_offset(head, key + 1), 4, ("ds", head, key + 1))
+    write(fp8.exponent_offset(group), 4, "exponent")
+    return written
+
+
+@pytest.mark.parametrize("group", fp8.GROUPS)
+def test_every_head_of_the_group_reads_its_own_delta_s_from_the_image(group):
+    """Byte-level, per GQA group: everything the operand pass writes lies in the bytes it stores (the image), once
+    (the 18 KB image had no room at groups 6-8: head 5's Delta_S of key 54 on the exponent at group 6, heads 6 and 7
+    past the image's end at 7 and 8); every CTA's consumer lanes (`prefill_staged_layout.cta_shape`: gcd(group, 4)
+    heads, numbered in the group from the CTA's first) read their head's Delta_S of the keys of their scores, and
+    the tile's exponent, from an operand stage of the attention kernel."""
+    written = _image_bytes_written(group)
+    attention = kernel.PrefillSm90Fp8(8, group, 128, True)
+    assert max(written) < attention.image_bytes  # the pass stores the image's bytes, the producer copies them
+    assert written[attention.exponent_offset] == "exponent"
+    heads = sl.cta_shape(group)[0]
+    ds = attention.offsets[2] - attention.offsets[1] + fp8.VT_BYTES  # in an operand stage
+    for block_head in range(8 * group // heads):
+        first_head = block_head * heads
+        for head_in_cta in range(heads):
+            head = first_head % group + head_in_cta  # in the group: the kernel's ds_lane (`PrefillSm90Fp8._consume`)
+            for c in range(4):
+                lane = fp8.ds_staged_read(head, c, 0)
+                for i in range(N_BLOCKS // 2):
+                    word = ds + lane + fp8.ds_staged_read(0, 0, i)
+                    for b in range(2):
+                        for half in range(2):
+                            key = 16 * i + 8 * b + 2 * c + half
+                            assert written[word + 4 * (2 * b + half)] == ("ds", head, key), (group, head, c, i)
 
 
 def test_image_layout_packs_the_sequences_tiles():
