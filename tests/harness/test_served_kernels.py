@@ -20,7 +20,8 @@ def test_mpfa_runs_the_dispatched_prefill_kernel_and_the_split_kv_decode():
     for name in ("mpfa", "mpfa-direct"):
         assert served_kernels(BACKENDS[name], 32, 8, 128) == {"prefill": "fp8", "decode": "split-kv",
                                                               "source": "dispatch"}
-    assert served_kernels(BACKENDS["mpfa"], 64, 8, 128)["prefill"] == "mma-sync"  # GQA 8: no wgmma kernel
+    assert served_kernels(BACKENDS["mpfa"], 64, 8, 128)["prefill"] == "exact"  # GQA 8: fp8 fails its GPU tests
+    assert served_kernels(BACKENDS["mpfa"], 5, 1, 128)["prefill"] == "mma-sync"  # odd head count: no wgmma kernel
     assert served_kernels(BACKENDS["mpfa"], 40, 8, 16)["prefill"] == "mma-sync"  # pages of 16 keys
 
 
@@ -31,7 +32,9 @@ def test_the_override_is_recorded_with_the_kernel_it_chose(monkeypatch: pytest.M
     monkeypatch.setenv("MPFA_PREFILL_KERNEL", "mma-sync")  # inherited by the servers
     assert served_kernels(mpfa, 32, 8, 128)["prefill"] == "mma-sync"
     assert served_kernels(mpfa, 32, 8, 128, "fp8")["prefill"] == "fp8"  # the server argument wins
-    assert served_kernels(mpfa, 64, 8, 128, "fp8")["prefill"] == "fp8"  # GQA 8 by name (default: mma-sync)
+    assert served_kernels(mpfa, 64, 8, 128, "exact")["prefill"] == "exact"  # GQA 8 by name (the default too)
+    with pytest.raises(UserError, match="mpfa: the fp8 prefill kernel fails its GPU tests at GQA group 8"):
+        served_kernels(mpfa, 64, 8, 128, "fp8")
     with pytest.raises(UserError, match="mpfa: the fp8 prefill kernel needs a GQA group of 1 to 8"):
         served_kernels(mpfa, 72, 8, 128, "fp8")
 
