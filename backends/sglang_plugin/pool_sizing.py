@@ -11,8 +11,8 @@ per KV head; restated here to keep this module free of torch, and checked agains
 tests/backends_plugin/test_pool_sizing.py).
 
 Both backends store Delta_S: the decode kernel always reads it (``mpfa-direct`` writes zeros there). The frozen
-per-request means are not per token: ``(Hq + Hkv) * d`` FP32 per layer for every request slot SGLang can
-allocate (``mpfa`` only). They are reserved from the available bytes before the token capacity is computed.
+per-request means are not per token: ``(Hq + Hkv) * d`` BF16 per layer for every request slot SGLang can
+allocate (``mpfa`` only; `kv_store.MEANS_DTYPE`). They are reserved from the available bytes before the token capacity is computed.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 NVFP4_BLOCK = 16
 DELTA_S_ROW_ALIGN = 4  # BF16 entries (`cache_layout.DELTA_S_ROW_ALIGN`)
 BF16_BYTES = 2
-FP32_BYTES = 4
+MEANS_BYTES = BF16_BYTES  # one mean element (`kv_store.MEANS_DTYPE`)
 DEFAULT_MAX_REQUEST_SLOTS = 4096  # SGLang's cap on max_running_requests when it is not given (_resolve_max_num_reqs)
 
 
@@ -60,8 +60,8 @@ def cell_size(g: PoolGeometry) -> int:
 
 
 def means_bytes_per_request(g: PoolGeometry, smoothing: bool) -> int:
-    """Frozen Q/K means of one request over all layers (FP32); 0 without smoothing."""
-    return (g.num_q_heads + g.num_kv_heads) * g.head_dim * FP32_BYTES * g.num_layers if smoothing else 0
+    """Frozen Q/K means of one request over all layers; 0 without smoothing."""
+    return (g.num_q_heads + g.num_kv_heads) * g.head_dim * MEANS_BYTES * g.num_layers if smoothing else 0
 
 
 def request_slot_bound(max_running_requests: int | None, dp_size: int = 1) -> int:

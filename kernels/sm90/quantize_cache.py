@@ -4,7 +4,7 @@ For every new token and KV head: center K with the request's frozen K mean and w
 scales, FP8 V (scale 1), and Delta_S[j, h] = Q_bar[h] . K_c[j] for the group's query heads into the token's slot
 (`cache_layout`: K codes and V token-major, K scales and Delta_S head-major, Delta_S padding left unwritten);
 center the group's query heads with Q_bar and return them in NVFP4 (this step's attention operand). Formats are
-bit-exact with `mpfa.kernels.formats` applied to ``bf16(x) - mean`` in FP32; Delta_S is an FP32 dot product
+bit-exact with `mpfa.kernels.formats` applied to ``bf16(x) - mean`` in FP32 (a BF16 mean widened exactly); Delta_S is an FP32 dot product
 rounded to BF16, so it can differ from the reference's summation order by one BF16 ulp where the FP32 sums
 straddle a rounding boundary. K blocks whose scale would overflow e4m3 saturate at 448 (the reference raises).
 """
@@ -21,19 +21,21 @@ from mpfa.kernels.smoothing import SmoothingMeans
 from mpfa.kernels.sm90.triton_formats import bf16_bits, e4m3_code, nvfp4_block
 
 _HALF_BLOCK = NVFP4_BLOCK // 2
+_MEAN_DTYPES = (torch.bfloat16, torch.float32)
 
 
 @triton.jit
 def _load_centered(x_ptr, mean_ptr, rows, row_mask, NUM_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows [R] of BF16 x minus their FP32 means, split into even and odd elements [R, NUM_BLOCKS, 8]."""
+    """Rows [R] of BF16 x minus their means (BF16 or FP32, widened), in FP32, split into even and odd elements
+    [R, NUM_BLOCKS, 8]."""
     blk = tl.arange(0, NUM_BLOCKS)[None, :, None]
     pair = tl.arange(0, 8)[None, None, :]
     even = rows[:, None, None] * HEAD_DIM + blk * 16 + 2 * pair
     mask = row_mask[:, None, None] & (blk >= 0) & (pair >= 0)
     x_even = tl.load(x_ptr + even, mask=mask, other=0.0).to(tl.float32)
     x_odd = tl.load(x_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
-    mean_even = tl.load(mean_ptr + even, mask=mask, other=0.0)
-    mean_odd = tl.load(mean_ptr + even + 1, mask=mask, other=0.0)
+    mean_even = tl.load(mean_ptr + even, mask=mask, other=0.0).to(tl.float32)
+    mean_odd = tl.load(mean_ptr + even + 1, mask=mask, other=0.0).to(tl.float32)
     return x_even - mean_even, x_odd - mean_odd
 
 
@@ -77,8 +79,8 @@ def _quantize_cache_kernel(
     pair = tl.arange(0, 8)[None, None, :]
     mean_idx = (req * num_q_heads + heads)[:, None, None] * HEAD_DIM + blk * 16 + 2 * pair
     head_mask = valid[:, None, None] & (blk >= 0) & (pair >= 0)
-    qm_even = tl.load(q_mean_ptr + mean_idx, mask=head_mask, other=0.0)
-    qm_odd = tl.load(q_mean_ptr + mean_idx + 1, mask=head_mask, other=0.0)
+    qm_even = tl.load(q_mean_ptr + mean_idx, mask=head_mask, other=0.0).to(tl.float32)
+    qm_odd = tl.load(q_mean_ptr + mean_idx + 1, mask=head_mask, other=0.0).to(tl.float32)
     ds = tl.sum(tl.sum(qm_even * k_even + qm_odd * k_odd, axis=2), axis=1)
     tl.store(delta_s_ptr + head_row * DS_ROW + g, bf16_bits(ds).to(tl.int16), mask=valid)
 
@@ -113,7 +115,8 @@ def quantize_to_cache(
 
     q [T, Hq, d], k / v [T, Hkv, d] BF16 (token stride free); ``slots`` [T] the cache slot of each token
     (SGLang's ``out_cache_loc``); ``request_index`` [T] int32, the request each token belongs to (row of the
-    means); ``means`` the requests' frozen means (q_mean [B, Hq, d], k_mean [B, Hkv, d], FP32, contiguous).
+    means); ``means`` the requests' frozen means (q_mean [B, Hq, d], k_mean [B, Hkv, d], contiguous, BF16 as the
+    SGLang plugin stores them or FP32, widened to FP32 either way).
     ``out`` may be preallocated (CUDA-graph capture); no host synchronisation happens here."""
     tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = cache.num_kv_heads
@@ -128,8 +131,9 @@ def quantize_to_cache(
         raise ValueError(f"slots and request_index must both be [{tokens}], got {tuple(slots.shape)} and "
                          f"{tuple(request_index.shape)}")
     for name, mean, heads in (("q_mean", means.q_mean, num_q_heads), ("k_mean", means.k_mean, num_kv_heads)):
-        if mean.dim() != 3 or mean.shape[1:] != (heads, head_dim) or mean.dtype != torch.float32 or not mean.is_contiguous():
-            raise ValueError(f"{name} must be contiguous FP32 [batch, {heads}, {head_dim}], got {mean.dtype} "
+        if (mean.dim() != 3 or mean.shape[1:] != (heads, head_dim) or mean.dtype not in _MEAN_DTYPES
+                or not mean.is_contiguous()):
+            raise ValueError(f"{name} must be contiguous BF16 or FP32 [batch, {heads}, {head_dim}], got {mean.dtype} "
                              f"{tuple(mean.shape)}")
     out = out if out is not None else CenteredQuery.allocate(tokens, num_q_heads, head_dim, q.device)
     if tokens == 0:

@@ -64,15 +64,17 @@ def _assert_written_exactly(cache, query, q, k, v, slots, means, cu):
     assert torch.equal(_bits(query.scales), _bits(q_ref.scales))
 
 
+@pytest.mark.parametrize("means_dtype", [torch.bfloat16, torch.float32], ids=["bf16-means", "fp32-means"])
 @pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (10, 2)], ids=["gqa4", "gqa5"])
-def test_cache_write_is_bit_exact(device, gen, num_q_heads, num_kv_heads):
+def test_cache_write_is_bit_exact(device, gen, num_q_heads, num_kv_heads, means_dtype):
+    """BF16 means (as the SGLang plugin stores them) are widened exactly: the formats of ``bf16(x) - mean``."""
     lengths = [5, 1, 9]
     tokens = sum(lengths)
     q = _random_rows(gen, tokens, num_q_heads, 1.0, 4.0)
     k = _random_rows(gen, tokens, num_kv_heads, 1.5, 8.0)
     v = _random_rows(gen, tokens, num_kv_heads, 1.0, 0.0)
     cu = _cumulative(lengths)
-    means = SmoothingMeans(reference_means(q, cu).float(), reference_means(k, cu).float())
+    means = SmoothingMeans(reference_means(q, cu).to(means_dtype), reference_means(k, cu).to(means_dtype))
     slots = torch.randperm(8 * 16, generator=gen)[:tokens]
     cache, query = _write(q, k, v, lengths, slots, means, num_q_heads, num_kv_heads, device)
 
@@ -145,7 +147,7 @@ def test_bad_inputs_raise_clear_errors(device):
         quantize_to_cache(q, kv.float(), kv, slots, request, means, cache)
     with pytest.raises(ValueError, match="slots and request_index"):
         quantize_to_cache(q, kv, kv, slots[:2], request, means, cache)
-    with pytest.raises(ValueError, match="k_mean must be contiguous FP32"):
+    with pytest.raises(ValueError, match="k_mean must be contiguous BF16 or FP32"):
         quantize_to_cache(q, kv, kv, slots, request, SmoothingMeans(means.q_mean, means.k_mean[:, :1]), cache)
     with pytest.raises(ValueError, match="head_dim"):
         MpfaKVCache.allocate(2, 16, 8, 2, 64, device)
