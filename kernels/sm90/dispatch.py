@@ -15,10 +15,14 @@ only on the groups where their GPU tests pass (``GPU_TESTED_GROUPS``): ``fp8`` b
 ``exact`` (the numerics of ``mma-sync``, at ~2.5x its speed), else ``mma-sync``. Naming a wgmma kernel for a group
 where it fails is an error unless ``MPFA_UNTESTED_GROUPS=1`` (for testing a fix on the GPU).
 
-Decode has one kernel, ``split-kv`` (split-KV partitions, then a merge kernel), with the paper's numerics.
+Decode kernels, both with the paper's numerics: ``split-kv`` (the default: split-KV partitions, then a merge kernel)
+and ``split-kv-fused``, a variant under test: the same split kernel, whose last warp per (request, KV head) merges
+that head's partitions (an arrival counter per (request, KV head) in the workspace), no second kernel, with the merge
+kernel's operations in its order, to equal ``split-kv``'s output bit for bit (tests/kernels_sm90/test_decode_gpu.py;
+not yet run on a GPU).
 
-The override is ``MPFA_PREFILL_KERNEL`` (the SGLang plugin's ``--mpfa-prefill-kernel`` sets it for every process of
-the server). Host-side only: importing this module imports no CuTe DSL.
+The overrides are ``MPFA_PREFILL_KERNEL`` (the SGLang plugin's ``--mpfa-prefill-kernel`` sets it for every process
+of the server) and ``MPFA_DECODE_KERNEL``. Host-side only: importing this module imports no CuTe DSL.
 """
 
 from __future__ import annotations
@@ -30,7 +34,12 @@ PREFILL_KERNELS: dict[str, str] = {
     "exact": "NVFP4 QK dequantized exactly to FP16 wgmma, FP8 PV: the paper's numerics (mpfa)",
     "mma-sync": "warp-level mma.sync fallback for shapes the wgmma kernels refuse, the paper's numerics (mpfa)",
 }
-DECODE_KERNEL = "split-kv"
+DECODE_KERNELS: dict[str, str] = {
+    "split-kv": "split-KV partitions, then a merge kernel launched with programmatic dependent launch",
+    "split-kv-fused": "split-KV partitions, the last warp of each (request, KV head) merges them (variant under test)",
+}
+DECODE_KERNEL = "split-kv"  # the default
+DECODE_KERNEL_ENV = "MPFA_DECODE_KERNEL"
 PREFILL_KERNEL_ENV = "MPFA_PREFILL_KERNEL"
 WGMMA_KERNELS = ("fp8", "exact")  # in the order the default prefers them
 WGMMA_GROUPS = tuple(range(1, 9))  # a warpgroup's 64 rows: gcd(group, 4) heads x 64 / gcd(group, 4) rows
@@ -94,6 +103,19 @@ def check_wgmma_shape(kernel: str, num_q_heads: int, num_kv_heads: int, page_siz
             f"the {kernel} prefill kernel needs a GQA group of {WGMMA_GROUPS[0]} to {WGMMA_GROUPS[-1]}, an even number of "
             f"query heads and pages of >= {WGMMA_MIN_PAGE} keys; got {num_q_heads}:{num_kv_heads} heads, pages of "
             f"{page_size}: use mma-sync")
+
+
+def decode_kernel(kernel: str | None = None) -> str:
+    """The decode kernel that runs: ``kernel``, else ``MPFA_DECODE_KERNEL``, else `DECODE_KERNEL`; checked,
+    case-insensitive."""
+    source = "kernel" if kernel is not None else DECODE_KERNEL_ENV
+    choice = kernel if kernel is not None else os.environ.get(DECODE_KERNEL_ENV) or None
+    if choice is None:
+        return DECODE_KERNEL
+    choice = choice.strip().lower()
+    if choice not in DECODE_KERNELS:
+        raise ValueError(f"{source} must be one of {', '.join(DECODE_KERNELS)}, got {choice!r}")
+    return choice
 
 
 def prefill_numerics(kernel: str) -> str:

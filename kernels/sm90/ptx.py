@@ -450,3 +450,87 @@ def movmatrix_trans(a: Uint32, *, loc=None, ip=None) -> Uint32:
     and gets (row g, columns 2c, 2c + 1) of the transpose (``movmatrix.sync.aligned.m8n8.trans.b16``)."""
     value, struct = _asm([T.i32()], [_u32(a, loc, ip)], "movmatrix.sync.aligned.m8n8.trans.b16 $0, $1;", "=r,r")
     return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+# --- the decode's fused merge: a per-(request, KV head) arrival counter, then coherent reads of the partials ------
+# Every lane of a partition's warp stores its partials, then `fence_acq_rel_gpu` and `sync_warp`; lane 0 counts the
+# warp in with `atomic_add_acq_rel_gpu`. The warp that sees the last count syncs and fences again before it reads the
+# other warps' partials, through L2 (`load_rows_cg`: never the read-only ``.nc`` path, which may not see writes made
+# during the kernel).
+
+@dsl_user_op
+def fence_acq_rel_gpu(*, loc=None, ip=None) -> None:
+    """``fence.acq_rel.gpu``: this thread's earlier memory operations are ordered before its later ones at GPU scope."""
+    _side_effect_asm([], "fence.acq_rel.gpu;", "")
+
+
+@dsl_user_op
+def sync_warp(*, loc=None, ip=None) -> None:
+    """``bar.warp.sync`` over the full warp (orders the lanes' memory operations across the barrier)."""
+    _side_effect_asm([], "bar.warp.sync 0xffffffff;", "")
+
+
+@dsl_user_op
+def atomic_add_acq_rel_gpu(address: Int64, value: Uint32, predicate: Uint32, *, loc=None, ip=None) -> Uint32:
+    """``atom.acq_rel.gpu.global.add.u32`` of ``value`` at ``address`` -> the old value, where ``predicate`` is
+    non-zero; else nothing is done and the result is 0."""
+    result, struct = _asm(
+        [T.i32()],
+        [Int64(address).ir_value(loc=loc, ip=ip), _u32(value, loc, ip), _u32(predicate, loc, ip)],
+        "{\n .reg .pred p;\n setp.ne.u32 p, $3, 0;\n mov.b32 $0, 0;\n"
+        " @p atom.acq_rel.gpu.global.add.u32 $0, [$1], $2;\n}",
+        "=&r,l,r,r",
+        pinned=True,
+    )
+    return _unpack(result, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def store_u32_if(address: Int64, value: Uint32, predicate: Uint32, *, loc=None, ip=None) -> None:
+    """4 bytes to global memory where ``predicate`` is non-zero."""
+    _side_effect_asm([Int64(address).ir_value(loc=loc, ip=ip), _u32(value, loc, ip), _u32(predicate, loc, ip)],
+                     "{\n .reg .pred p;\n setp.ne.u32 p, $2, 0;\n @p st.global.b32 [$0], $1;\n}", "l,r,r")
+
+
+@dsl_user_op
+def shuffle_idx_u32(x: Uint32, lane: Uint32, *, loc=None, ip=None) -> Uint32:
+    """The value of ``x`` held by ``lane`` (all 32 lanes must take part)."""
+    value, struct = _asm(
+        [T.i32()], [_u32(x, loc, ip), _u32(lane, loc, ip)], "shfl.sync.idx.b32 $0, $1, $2, 0x1f, 0xffffffff;", "=r,r,r"
+    )
+    return _unpack(value, struct, 1, T.i32(), Uint32)
+
+
+@dsl_user_op
+def load_rows_cg(address: Int64, stride: int, count: int, rows: Int32, vector: int = 1, *, loc=None,
+                 ip=None) -> list:
+    """``count`` rows of ``vector`` (1 or 4) u32 at ``address + i * stride`` (compile-time offsets), through L2
+    (``ld.global.cg``), all loads in one asm block; rows ``i >= rows`` read nothing and give zeros -> one list of
+    ``vector`` words per row."""
+    lines = [".reg .pred p<%d>;" % count]
+    outs_per_row = []
+    for i in range(count):
+        outs = [f"${vector * i + j}" for j in range(vector)]
+        outs_per_row.append(outs)
+        lines += [f"mov.b32 {o}, 0;" for o in outs]
+        lines.append(f"setp.gt.s32 p{i}, ${vector * count + 1}, {i};")
+        target = f"{{{', '.join(outs)}}}" if vector == 4 else outs[0]
+        kind = "v4.u32" if vector == 4 else "u32"
+        lines.append(f"@p{i} ld.global.cg.{kind} {target}, [${vector * count}{_plus(i * stride)}];")
+    value, struct = _asm([T.i32()] * (vector * count),
+                         [Int64(address).ir_value(loc=loc, ip=ip), Int32(rows).ir_value(loc=loc, ip=ip)],
+                         "{\n" + "\n".join(lines) + "\n}", ",".join(["=&r"] * (vector * count) + ["l", "r"]),
+                         pinned=True)
+    words = _unpack(value, struct, vector * count, T.i32(), Uint32)
+    if vector * count == 1:
+        words = [words]
+    return [words[vector * i:vector * (i + 1)] for i in range(count)]
+
+
+@dsl_user_op
+def store_shared_v4_f32(smem_address: Int32, offset: int, a: Float32, b: Float32, c: Float32, d: Float32, *,
+                        loc=None, ip=None) -> None:
+    """16 bytes (4 x FP32) to shared memory at ``smem_address + offset`` (a compile-time offset)."""
+    _side_effect_asm([Int32(smem_address).ir_value(loc=loc, ip=ip), _f32(a, loc, ip), _f32(b, loc, ip),
+                      _f32(c, loc, ip), _f32(d, loc, ip)],
+                     f"st.shared.v4.f32 [$0{_plus(offset)}], {{$1, $2, $3, $4}};", "r,f,f,f,f")

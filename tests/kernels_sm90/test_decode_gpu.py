@@ -234,3 +234,98 @@ def test_bad_inputs_raise_clear_errors(gen):
     with pytest.raises(ValueError, match="workspace is for"):
         mpfa_decode(problem.query, problem.cache, problem.page_table, problem.seq_lens,
                     DecodeWorkspace.allocate(2, 8, 2, 64, "cuda", 32))
+
+
+# --- split-kv-fused: the merge folded into the split kernel (`dispatch.decode_kernel`) ----------------------------
+# Its partials are the split kernel's and its merging warp adds them in the merge kernel's order with the same
+# operations, so its output equals the two-kernel path's bit for bit; and both stay within the oracle's bounds above.
+
+FUSED_CASES = CASES + [
+    ([32768], 32, 8, 128, None),  # batch 1 at long context, the default partitions (~94 at 6 warps per SM)
+    ([32768], 40, 8, 128, None),  # GQA 5
+    ([32768, 5, 1000, 64, 4097], 32, 8, 128, None),  # ragged, short requests next to a long one
+]
+
+
+def _fused_and_split(problem: Problem, partition_size: int | None, out_dtype: torch.dtype):
+    split = _run(problem, partition_size, out_dtype)
+    fused = _run(problem, partition_size, out_dtype, kernel="split-kv-fused")
+    assert not fused[0].counters.any(), "every merging warp must leave its counter at 0"
+    return split, fused
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,partition_size", FUSED_CASES,
+                         ids=["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16", "32k-b1-32x8",
+                              "32k-b1-40x8", "ragged-32x8"])
+def test_fused_merge_equals_the_two_kernel_path(gen, lengths, num_q_heads, num_kv_heads, page_size, partition_size,
+                                                 out_dtype):
+    problem = _problem(gen, lengths, num_q_heads, num_kv_heads, page_size)
+    (split_ws, split_out), (fused_ws, fused_out) = _fused_and_split(problem, partition_size, out_dtype)
+    assert bool(torch.isfinite(fused_out).all())
+    assert torch.equal(fused_out, split_out), "the fused merge must equal the merge kernel bit for bit"
+    size = fused_ws.partition_size
+    parts = torch.tensor([-(-n // size) for n in lengths])
+    valid = (torch.arange(fused_ws.num_partitions)[None, None, :] < parts[:, None, None]).expand(fused_ws.m.shape)
+    for got, expected in ((fused_ws.m, split_ws.m), (fused_ws.l, split_ws.l), (fused_ws.o, split_ws.o)):
+        assert torch.equal(got.cpu()[valid], expected.cpu()[valid])
+    ref = decode_partials(**problem.reference_inputs, variant="mpfa", partition_size=size, block_n=TILE_KEYS)
+    expected = merge_partials(ref)
+    bound = 1e-3 if out_dtype == torch.float32 else 4e-3  # + BF16 output rounding (2**-9)
+    assert _rms_ratio(fused_out.float().cpu(), expected) <= bound
+
+
+def test_fused_merge_counts_with_many_launches_in_a_row(gen):
+    """Counters stay consistent launch after launch on one workspace (each launch's merging warps reset them),
+    lengths changing between launches."""
+    problem = _problem(gen, [900, 300, 64], 8, 2, 128)
+    workspace = DecodeWorkspace.allocate(3, 8, 2, 1024, "cuda", 128, min_partition=32)
+    out = torch.empty((3, 8, HEAD_DIM), dtype=torch.float32, device="cuda")
+    for lengths in ([900, 300, 64], [1, 1, 1], [640, 257, 33], [900, 300, 64]):  # within the pages written
+        seq_lens = torch.tensor(lengths, dtype=torch.int32, device="cuda")
+        expected = mpfa_decode(problem.query, problem.cache, problem.page_table, seq_lens, workspace,
+                               out=torch.empty_like(out)).clone()
+        for _ in range(3):
+            out.fill_(float("nan"))
+            mpfa_decode(problem.query, problem.cache, problem.page_table, seq_lens, workspace, out=out,
+                        kernel="split-kv-fused")
+            torch.cuda.synchronize()
+            assert torch.equal(out, expected) and not workspace.counters.any()
+
+
+@pytest.mark.parametrize("page_size", [1, 128], ids=["page1", "page128"])
+def test_fused_cuda_graph_replay_equals_the_two_kernel_path(gen, page_size):
+    """Captured once, replayed twice with new lengths on the device: each replay equals the two-kernel path's
+    eager output bit for bit and leaves every counter at 0."""
+    problem = _problem(gen, [900, 300, 64], 8, 2, page_size)
+    batch, heads = problem.query.codes.shape[:2]
+    workspace = DecodeWorkspace.allocate(batch, heads, 2, 1024, "cuda", 128, min_partition=32)
+    out = torch.empty((batch, heads, HEAD_DIM), dtype=torch.bfloat16, device="cuda")
+    shorter = torch.tensor([512, 1, 64], dtype=torch.int32, device="cuda")
+    eager = [mpfa_decode(problem.query, problem.cache, problem.page_table, lengths, workspace, out=out).clone()
+             for lengths in (problem.seq_lens, shorter)]
+    mpfa_decode(problem.query, problem.cache, problem.page_table, problem.seq_lens, workspace, out=out,
+                kernel="split-kv-fused")  # compile outside the capture
+    torch.cuda.synchronize()
+    assert not workspace.counters.any()
+
+    seq_lens = problem.seq_lens.clone()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        mpfa_decode(problem.query, problem.cache, problem.page_table, seq_lens, workspace, out=out,
+                    kernel="split-kv-fused")
+    for lengths, expected in ((problem.seq_lens, eager[0]), (shorter, eager[1]), (problem.seq_lens, eager[0])):
+        seq_lens.copy_(lengths)  # new lengths on the device, no re-capture
+        out.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, expected)
+        assert not workspace.counters.any(), "a replay must leave the counters at 0"
+
+
+def test_fused_decode_needs_the_counters(gen):
+    problem = _problem(gen, [40], 8, 2, 1)
+    workspace = DecodeWorkspace.allocate(1, 8, 2, 64, "cuda", 32)
+    bare = DecodeWorkspace(workspace.partition_size, workspace.m, workspace.l, workspace.o, workspace.min_partition)
+    with pytest.raises(ValueError, match="split-kv-fused decode needs the workspace's int32 counters"):
+        mpfa_decode(problem.query, problem.cache, problem.page_table, problem.seq_lens, bare, kernel="split-kv-fused")
