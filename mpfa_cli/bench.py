@@ -131,10 +131,23 @@ def _signals_interrupt() -> Iterator[None]:
 
 def _ignore_stop_signals() -> None:
     """Once interrupted, the bench is stopping: further SIGINT, SIGTERM and SIGHUP are ignored until the process
-    exits. One arriving as Python exits would kill it mid-exit (Python resets its handlers to the default action
-    then); the cleanup before is bounded (`ServerProcess.stop`)."""
+    exits; the cleanup before is bounded (`ServerProcess.stop`). They are blocked, so one sent later stays pending
+    and ends with the process (a handler would not do: Python resets them to the default action as it exits), and
+    one caught just before the block runs a no-op handler (with SIG_IGN, Python reports such a signal as "ignored
+    due to race condition", with a traceback). A handler it runs while the no-op is being set raises at most one
+    KeyboardInterrupt per signal caught; it is the interruption already being handled."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     for sig in STOP_SIGNALS:
-        signal.signal(sig, signal.SIG_IGN)
+        for _ in range(len(STOP_SIGNALS) + 1):
+            try:
+                signal.signal(sig, _stopping)
+                break
+            except KeyboardInterrupt:
+                continue
+
+
+def _stopping(signum: int, frame: Any) -> None:
+    """The handler of a stop signal caught as the bench stops: nothing to do, it is stopping."""
 
 
 def _get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
