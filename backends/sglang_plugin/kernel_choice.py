@@ -54,5 +54,9 @@ def log_kernels(backend: str, num_q_heads: int, num_kv_heads: int, page_size: in
     """Log once per process and shape which kernels the backend runs."""
     prefill = (f"sm90 {check_prefill_kernel(num_q_heads, num_kv_heads, page_size)}" if prefill_path == "kernel"
                else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
+    try:
+        decode = dispatch.decode_kernel()
+    except ValueError as error:
+        raise MpfaSetupError(f"MpFA attention backend: {error}") from None
     logger.info("MpFA backend %s, %d:%d heads, pages of %d: decode = sm90 %s, prefill = %s", backend, num_q_heads,
-                num_kv_heads, page_size, dispatch.DECODE_KERNEL, prefill)
+                num_kv_heads, page_size, decode, prefill)

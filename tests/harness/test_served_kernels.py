@@ -13,6 +13,7 @@ from mpfa.harness.served_kernels import (check_prefill_kernel, describe_kernels,
 @pytest.fixture(autouse=True)
 def no_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
+    monkeypatch.delenv("MPFA_DECODE_KERNEL", raising=False)
     monkeypatch.delenv("MPFA_PREFILL", raising=False)
 
 
@@ -23,6 +24,17 @@ def test_mpfa_runs_the_dispatched_prefill_kernel_and_the_split_kv_decode():
     assert served_kernels(BACKENDS["mpfa"], 64, 8, 128)["prefill"] == "exact"  # GQA 8: fp8 fails its GPU tests
     assert served_kernels(BACKENDS["mpfa"], 5, 1, 128)["prefill"] == "mma-sync"  # odd head count: no wgmma kernel
     assert served_kernels(BACKENDS["mpfa"], 40, 8, 16)["prefill"] == "mma-sync"  # pages of 16 keys
+
+
+def test_the_decode_kernel_the_servers_inherit_is_recorded(monkeypatch: pytest.MonkeyPatch):
+    """``MPFA_DECODE_KERNEL`` (inherited by the servers, as the plugin compiles and runs it) picks the decode kernel
+    a run records; a name that is not a decode kernel is one line."""
+    monkeypatch.setenv("MPFA_DECODE_KERNEL", "split-kv-fused")
+    assert served_kernels(BACKENDS["mpfa"], 32, 8, 128)["decode"] == "split-kv-fused"
+    assert describe_kernels(served_kernels(BACKENDS["mpfa"], 32, 8, 128)) == "prefill fp8, decode split-kv-fused"
+    monkeypatch.setenv("MPFA_DECODE_KERNEL", "fastest")
+    with pytest.raises(UserError, match="mpfa: MPFA_DECODE_KERNEL must be one of split-kv, split-kv-fused"):
+        served_kernels(BACKENDS["mpfa"], 32, 8, 128)
 
 
 def test_the_override_is_recorded_with_the_kernel_it_chose(monkeypatch: pytest.MonkeyPatch):
