@@ -60,13 +60,19 @@ def wgmma_fits(num_q_heads: int, num_kv_heads: int, page_size: int, groups: tupl
 
 def requested_prefill_kernel(kernel: str | None = None) -> str | None:
     """``kernel``, else ``MPFA_PREFILL_KERNEL``, checked (None: neither is set); case-insensitive."""
-    source = "kernel" if kernel is not None else PREFILL_KERNEL_ENV
-    choice = kernel if kernel is not None else os.environ.get(PREFILL_KERNEL_ENV) or None
+    return _requested(kernel, PREFILL_KERNEL_ENV, PREFILL_KERNELS)
+
+
+def _requested(kernel: str | None, env: str, names: dict[str, str]) -> str | None:
+    """``kernel``, else the environment variable ``env`` (unset or empty: None), lower-cased and checked against
+    ``names``; a ValueError naming the choices otherwise."""
+    source = "kernel" if kernel is not None else env
+    choice = kernel if kernel is not None else os.environ.get(env) or None
     if choice is None:
         return None
     choice = choice.strip().lower()
-    if choice not in PREFILL_KERNELS:
-        raise ValueError(f"{source} must be one of {', '.join(PREFILL_KERNELS)}, got {choice!r}")
+    if choice not in names:
+        raise ValueError(f"{source} must be one of {', '.join(names)}, got {choice!r}")
     return choice
 
 
@@ -108,14 +114,7 @@ def check_wgmma_shape(kernel: str, num_q_heads: int, num_kv_heads: int, page_siz
 def decode_kernel(kernel: str | None = None) -> str:
     """The decode kernel that runs: ``kernel``, else ``MPFA_DECODE_KERNEL``, else `DECODE_KERNEL`; checked,
     case-insensitive."""
-    source = "kernel" if kernel is not None else DECODE_KERNEL_ENV
-    choice = kernel if kernel is not None else os.environ.get(DECODE_KERNEL_ENV) or None
-    if choice is None:
-        return DECODE_KERNEL
-    choice = choice.strip().lower()
-    if choice not in DECODE_KERNELS:
-        raise ValueError(f"{source} must be one of {', '.join(DECODE_KERNELS)}, got {choice!r}")
-    return choice
+    return _requested(kernel, DECODE_KERNEL_ENV, DECODE_KERNELS) or DECODE_KERNEL
 
 
 def prefill_numerics(kernel: str) -> str:

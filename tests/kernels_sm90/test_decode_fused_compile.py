@@ -2,34 +2,30 @@
 the split kernel's tile loop unchanged, no local memory, registers within the 12 one-warp CTAs an SM holds, one
 arrival atomic with its fences, and the other warps' partials read through L2 (never the read-only path).
 
-Compiled in a fresh process, as tests/kernels_sm90/test_compile_sm90.py does, next to the default build of the same
+Compiled in a fresh process (`compile_sm90`), next to the default build of the same
 shape (GQA 32:8 and 40:8, pages of 128 as SGLang serves)."""
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
-import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
 pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip install '.[kernels-compile]')")
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
-triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
+pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
 CONFIGS = [(8, 4, 128), (8, 5, 128)]  # (KV heads, group, page size): 32:8 and 40:8
 KERNELS = ("split-kv", "split-kv-fused")
 
 
 @pytest.fixture(scope="module")
-def cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[tuple[int, int, int], str], Path]:
+def cubins(tmp_path_factory: pytest.TempPathFactory, compile_sm90) -> dict[tuple[tuple[int, int, int], str], Path]:
     """The split kernel's cubin of each (config, decode kernel)."""
     dump = tmp_path_factory.mktemp("decode-fused")
     builds = [(config, kernel) for config in CONFIGS for kernel in KERNELS]
-    code = f"""
+    compile_sm90(f"""
         from pathlib import Path
         from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
         dump = Path({str(dump)!r})
@@ -39,22 +35,10 @@ def cubins(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[tuple[int, in
             folder.mkdir()
             for path in [*dump.glob("*.cubin"), *dump.glob("*.ptx")]:
                 path.rename(folder / path.name)
-        """
-    env = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", "MPFA_DECODE_KERNEL")}
-    env.update(CUTE_DSL_ARCH="sm_90a", CUTE_DSL_KEEP="ptx,cubin", CUTE_DSL_DUMP_DIR=str(dump))
-    result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True, text=True,
-                            timeout=900)
-    assert result.returncode == 0, result.stderr[-4000:]
+        """, dump)
     return {(config, kernel): next(c for c in (dump / ("hkv{}-g{}-page{}-".format(*config) + kernel)).glob("*.cubin")
                                    if "SplitKVDecode" in c.name)
             for config, kernel in builds}
-
-
-def _cuobjdump(*args: str) -> str:
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    if not tool.exists():
-        pytest.skip("cuobjdump (shipped with triton) not found to inspect the SASS")
-    return subprocess.run([str(tool), *args], check=True, capture_output=True, text=True).stdout
 
 
 def _tile_loops(sass: str) -> list[list[str]]:
@@ -64,10 +48,10 @@ def _tile_loops(sass: str) -> list[list[str]]:
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}".format(*c))
-def test_fused_decode_compiles_without_local_memory(cubins, config):
+def test_fused_decode_compiles_without_local_memory(cubins, cuobjdump, config):
     from mpfa.kernels.sm90.decode_launch import WARPS_PER_SM
 
-    usage = _cuobjdump("--dump-resource-usage", str(cubins[config, "split-kv-fused"]))
+    usage = cuobjdump("--dump-resource-usage", str(cubins[config, "split-kv-fused"]))
     assert re.search(r"LOCAL:0\b", usage), f"the fused decode spills: {usage}"
     registers = int(re.search(r"REG:(\d+)", usage).group(1))
     print(f"split-kv-fused {config}: {registers} registers, no local memory")
@@ -75,14 +59,14 @@ def test_fused_decode_compiles_without_local_memory(cubins, config):
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "hkv{}-g{}-page{}".format(*c))
-def test_fused_decode_keeps_the_split_loop_and_counts_once(cubins, config):
+def test_fused_decode_keeps_the_split_loop_and_counts_once(cubins, cuobjdump, config):
     """The tile loop is the default build's (same MMAs, within 2% of its instructions); one atomic per warp, with
     a fence before it (release) and after it (acquire); the merge reads each query head's partials as
     2 x `MERGE_ROWS` 16-byte rows through L2 per 32 partitions and writes no partials of its own."""
     from mpfa.kernels.sm90.decode import MERGE_ROWS
 
-    fused = _cuobjdump("--dump-sass", str(cubins[config, "split-kv-fused"]))
-    default = _cuobjdump("--dump-sass", str(cubins[config, "split-kv"]))
+    fused = cuobjdump("--dump-sass", str(cubins[config, "split-kv-fused"]))
+    default = cuobjdump("--dump-sass", str(cubins[config, "split-kv"]))
     assert fused.count("HMMA.16816.F32") == default.count("HMMA.16816.F32") == 64
     [fused_loop], [default_loop] = _tile_loops(fused), _tile_loops(default)
     assert len(fused_loop) <= len(default_loop) * 1.02, (len(fused_loop), len(default_loop))
