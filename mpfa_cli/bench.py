@@ -131,11 +131,12 @@ def _signals_interrupt() -> Iterator[None]:
 
 def _ignore_stop_signals() -> None:
     """Once interrupted, the bench is stopping: further SIGINT, SIGTERM and SIGHUP are ignored until the process
-    exits; the cleanup before is bounded (`ServerProcess.stop`). They are blocked, so one sent later stays pending
-    and ends with the process (a handler would not do: Python resets them to the default action as it exits), and
-    one caught just before the block runs a no-op handler (with SIG_IGN, Python reports such a signal as "ignored
-    due to race condition", with a traceback). A handler it runs while the no-op is being set raises at most one
-    KeyboardInterrupt per signal caught; it is the interruption already being handled."""
+    exits; the cleanup before is bounded (`ServerProcess.stop`). The main thread blocks them, so one sent to it
+    later stays pending and ends with the process (Python resets handlers to the default action as it exits), and
+    any caught meanwhile, here or by another thread, runs a no-op handler. Not SIG_IGN: a signal caught a moment
+    before the switch is then reported by Python as "ignored due to race condition", with a traceback. A handler
+    run while the no-op is being set raises at most one KeyboardInterrupt per signal caught: the interruption
+    already being handled."""
     signal.pthread_sigmask(signal.SIG_BLOCK, STOP_SIGNALS)
     for sig in STOP_SIGNALS:
         for _ in range(len(STOP_SIGNALS) + 1):

@@ -33,8 +33,10 @@ def test_stop_signals_after_an_interruption_are_blocked_and_handled_by_a_no_op(r
     assert set(STOP_SIGNALS) <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
     assert all(signal.getsignal(sig) is bench._stopping for sig in STOP_SIGNALS)
     for sig in STOP_SIGNALS:
-        os.kill(os.getpid(), sig)  # pending: blocked, not delivered
+        signal.raise_signal(sig)  # to this thread, which blocks it: pending, not delivered
     assert set(STOP_SIGNALS) <= signal.sigpending()
+    for sig in STOP_SIGNALS:
+        os.kill(os.getpid(), sig)  # to the process: another thread may take it, the no-op then runs here
     signal.pthread_sigmask(signal.SIG_UNBLOCK, STOP_SIGNALS)  # delivered now, as if caught before the block
     assert not signal.sigpending() & set(STOP_SIGNALS)
     out, err = capfd.readouterr()
