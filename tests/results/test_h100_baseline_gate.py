@@ -1,10 +1,11 @@
-"""The committed H100 baseline (profiles/baselines/h100.json) gated through the CLI against the committed export it
-was written from (fa3-bf16, fa3-fp8 and mpfa side by side in one lease): it passes, and a copy with one backend's
-requests degraded fails whatever its stale summary says. A change to the gate's logic, its aggregation or the
-baseline format that breaks either fails here, on CPU, without a GPU.
+"""The committed H100 baseline (profiles/baselines/h100.json) gated through the CLI against the committed exports it
+was written from (c=1: fa3-bf16, fa3-fp8 and mpfa side by side in one lease; c=8: fa3-fp8 and mpfa in another):
+it passes, and a copy with one backend's requests degraded fails whatever its stale summary says. A change to the
+gate's logic, its aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
 
 The baseline is written (docs/performance.md, "The CI gate's baseline") by
-    mpfa import profiles/results/serve-serving-matrix-c1-fa3-bf16-fa3-fp8-mpfa-h100.json --db DB
+    mpfa import profiles/results/serve-serving-matrix-c1-fa3-bf16-fa3-fp8-mpfa-h100.json \
+        profiles/results/serve-serving-matrix-c8-fa3-fp8-mpfa-h100.json --db DB
     mpfa gate --write-baseline --baseline profiles/baselines/h100.json --db DB
 """
 from __future__ import annotations
@@ -21,9 +22,11 @@ from mpfa.harness.store import ResultStore
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 BASELINE = PROFILES / "baselines" / "h100.json"
-EXPORT = PROFILES / "results" / "serve-serving-matrix-c1-fa3-bf16-fa3-fp8-mpfa-h100.json"
-DEGRADED = ("serving-matrix", "mpfa")  # scenario and backend made worse in the degraded copy
-POINTS = 3  # mpfa's points in the export: 16K, 32K and 128K at c=1
+EXPORTS = (PROFILES / "results" / "serve-serving-matrix-c1-fa3-bf16-fa3-fp8-mpfa-h100.json",
+           PROFILES / "results" / "serve-serving-matrix-c8-fa3-fp8-mpfa-h100.json")
+DEGRADED = ("serving-matrix", "mpfa")  # scenario and backend made worse in the degraded copies
+POINTS = 5  # mpfa's points in the exports: 16K, 32K and 128K at c=1, 32K and 128K at c=8
+SINGLE_REPEAT = {131072: 8}  # input length: the concurrency of the one point measured once (no CI)
 
 
 def mpfa(*args: str | Path):
@@ -36,6 +39,11 @@ def imported(db: Path, *exports: Path) -> list[str]:
     assert result.exit_code == 0, result.output
     with ResultStore(db) as store:
         return [arg for run in store.list_runs() for arg in ("--results", str(run.id))]
+
+
+def degraded_copies(dest: Path, factor: float = 0.7) -> list[Path]:
+    """Every export with DEGRADED's runs slowed down by `factor` (`degraded_copy`), in `dest`."""
+    return [degraded_copy(path, dest / f"degraded-{path.name}", factor) for path in EXPORTS]
 
 
 def degraded_copy(path: Path, dest: Path, factor: float = 0.7) -> Path:
@@ -63,7 +71,7 @@ def regression_lines(output: str) -> list[str]:
 
 
 def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
-    results = imported(tmp_path / "r.db", EXPORT)
+    results = imported(tmp_path / "r.db", *EXPORTS)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 0, result.output
     assert "Gate passed" in result.output
@@ -72,7 +80,7 @@ def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
 
 def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
     """Regenerate with the commands in this module's docstring when the gate's metrics or aggregation change."""
-    imported(tmp_path / "r.db", EXPORT)
+    imported(tmp_path / "r.db", *EXPORTS)
     committed = read_baseline(BASELINE)
     with ResultStore(tmp_path / "r.db") as store:
         fresh = baseline_from_runs(newest_passes(store.list_runs()))  # what `mpfa gate --write-baseline` judges
@@ -85,15 +93,18 @@ def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
         assert [v is None for v in stored] == [v is None for v in fresh_values]  # no CI with a single repeat
         assert [v for v in stored if v is not None] == pytest.approx([v for v in fresh_values if v is not None],
                                                                      rel=1e-12)
-    gated = {(e.backend, e.input_len, e.metric) for e in committed.entries}
-    assert gated == {(b, n, m) for b in ("fa3-bf16", "fa3-fp8", "mpfa") for n in (16384, 32768, 131072)
-                     for m in GATED_METRICS if (b, n) != ("fa3-bf16", 16384)}
-    assert all(e.n == 2 and e.ci_low is not None for e in committed.entries)  # two repeats: every entry has a CI
+    gated = {(e.backend, e.input_len, e.load["concurrency"], e.metric) for e in committed.entries}
+    c1 = {(b, n, 1, m) for b in ("fa3-bf16", "fa3-fp8", "mpfa") for n in (16384, 32768, 131072)
+          for m in GATED_METRICS if (b, n) != ("fa3-bf16", 16384)}
+    c8 = {(b, n, 8, m) for b in ("fa3-fp8", "mpfa") for n in (32768, 131072) for m in GATED_METRICS}
+    assert gated == c1 | c8
+    for e in committed.entries:  # two repeats give a CI; the point measured once has none
+        once = SINGLE_REPEAT.get(e.input_len) == e.load["concurrency"]
+        assert (e.n, e.ci_low is None) == ((1, True) if once else (2, False)), e
 
 
 def test_gate_fails_on_a_drop_hidden_behind_a_stale_summary(tmp_path):
-    worse = degraded_copy(EXPORT, tmp_path / "degraded.json")
-    results = imported(tmp_path / "r.db", worse)
+    results = imported(tmp_path / "r.db", *degraded_copies(tmp_path))
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 1, result.output
     assert f"{3 * POINTS} regression(s) beyond 5.0%" in result.stderr
@@ -106,8 +117,7 @@ def test_gate_fails_on_a_drop_hidden_behind_a_stale_summary(tmp_path):
 
 @pytest.mark.parametrize("factor, exit_code", [(0.8, 1), (0.99, 0)])
 def test_a_20_percent_drop_fails_and_a_1_percent_drop_passes(tmp_path, factor, exit_code):
-    worse = degraded_copy(EXPORT, tmp_path / "degraded.json", factor)
-    results = imported(tmp_path / "r.db", worse)
+    results = imported(tmp_path / "r.db", *degraded_copies(tmp_path, factor))
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == exit_code, result.output
     assert len(regression_lines(result.stdout)) == (3 * POINTS if exit_code else 0)
@@ -117,13 +127,14 @@ def test_runs_of_another_workload_are_not_judged(tmp_path):
     """The same configuration measured with another output length / request count (another workload hash), even
     30% worse, is reported as "other workload", not judged against the baseline's numbers: it fails the gate as
     a missing entry unless --allow-missing."""
-    worse = degraded_copy(EXPORT, tmp_path / "degraded.json")
-    doc = json.loads(worse.read_text())
-    for run in doc["runs"]:
-        if (run["scenario"], run["backend"]) == DEGRADED:
-            run["workload_hash"] = "0" * len(run["workload_hash"])
-    worse.write_text(json.dumps(doc))
-    results = imported(tmp_path / "r.db", worse)
+    worse = degraded_copies(tmp_path)
+    for path in worse:
+        doc = json.loads(path.read_text())
+        for run in doc["runs"]:
+            if (run["scenario"], run["backend"]) == DEGRADED:
+                run["workload_hash"] = "0" * len(run["workload_hash"])
+        path.write_text(json.dumps(doc))
+    results = imported(tmp_path / "r.db", *worse)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 1, result.output  # no comparable result for mpfa
     assert "missing or failed" in result.stderr
