@@ -6,7 +6,7 @@ FlashInfer serves with page 1). Decode: the split-KV decode + merge. Prefill: th
 token of each sequence a query) that `mpfa.kernels.sm90.dispatch` chooses for the shape, or the one the backend
 names (``mpfa-exact``, ``mpfa-mma-sync``), the queries' centered NVFP4 rows as the KV write returns them. The fp8
 kernel's time includes its operand pass. Their correctness lives in tests/kernels_sm90. ``mpfa-direct`` runs the
-direct builds (``compensate=False``: no Delta_S read, inputs quantized uncentered). ``mpfa-decode-fused`` runs the
+direct builds (``compensate=False``: no Delta_S read, inputs quantized uncentered). ``mpfa-split-kv-fused`` runs the
 decode variant under test, ``split-kv-fused`` (`mpfa.kernels.sm90.dispatch`: the merge folded into the split kernel,
 one launch); its prefill is ``mpfa``'s.
 """
@@ -61,7 +61,7 @@ class MpfaAdapter:
         """``prefill_kernel``: "fp8", "exact" or "mma-sync" names the prefill kernel (backend ``mpfa-<kernel>``);
         None: `dispatch.prefill_kernel`'s choice. ``compensate`` False: the direct builds (backend
         ``mpfa-direct``). ``decode_kernel``: "split-kv-fused" names the decode variant (backend
-        ``mpfa-decode-fused``); None: `dispatch.decode_kernel`'s choice."""
+        ``mpfa-split-kv-fused``, named for its kernel as the prefill ones); None: `dispatch.decode_kernel`'s choice."""
         self.prefill_kernel = prefill_kernel
         self.compensate = compensate
         self.decode_kernel = decode_kernel
@@ -70,7 +70,7 @@ class MpfaAdapter:
         elif not compensate:
             self.name = "mpfa-direct"
         elif decode_kernel == "split-kv-fused":
-            self.name = "mpfa-decode-fused"
+            self.name = "mpfa-split-kv-fused"
         elif decode_kernel is not None:
             raise ValueError(f"no backend name for the decode kernel {decode_kernel!r}")
 

@@ -2,7 +2,7 @@
 
 ``mpfa`` runs the kernels `mpfa.kernels.sm90.dispatch` chooses for the shape (``$MPFA_PREFILL_KERNEL`` overrides
 the prefill kernel); ``mpfa-exact`` and ``mpfa-mma-sync`` name the prefill kernel; ``mpfa-direct`` runs the
-default's direct builds (no Delta_S): mpfa over mpfa-direct is the compensation's cost; ``mpfa-decode-fused`` runs
+default's direct builds (no Delta_S): mpfa over mpfa-direct is the compensation's cost; ``mpfa-split-kv-fused`` runs
 the decode variant ``split-kv-fused`` (the merge folded into the split kernel), else as ``mpfa``. ``fa3-bf16`` /
 ``fa3-fp8`` run FlashAttention-3 as SGLang's default Hopper backend does (paged, page 1); ``fa3-fp8-contiguous`` is its
 prefill on contiguous K/V, FA3's best case. ``flashinfer-fp8`` / ``flashinfer-bf16`` run SGLang's `flashinfer`

@@ -27,10 +27,10 @@ def test_bytes_read_counts_cache_indices_and_partials():
 
 def test_mpfa_backends_name_the_prefill_kernel_and_share_the_decode():
     """``mpfa`` runs the dispatched prefill kernel, ``mpfa-exact`` / ``mpfa-mma-sync`` name theirs, ``mpfa-direct``
-    the direct builds, ``mpfa-decode-fused`` the decode variant with the merge folded in; every one runs the same
+    the direct builds, ``mpfa-split-kv-fused`` the decode variant with the merge folded in; every one runs the same
     split-KV partitions, so each reads the same bytes there."""
     mpfa_backends = [name for name in ADAPTERS if name.startswith("mpfa")]
-    assert mpfa_backends == ["mpfa", "mpfa-direct", "mpfa-exact", "mpfa-mma-sync", "mpfa-decode-fused"]
+    assert mpfa_backends == ["mpfa", "mpfa-direct", "mpfa-exact", "mpfa-mma-sync", "mpfa-split-kv-fused"]
     assert [adapter_for(name).prefill_kernel for name in mpfa_backends] == [None, None, "exact", "mma-sync", None]
     assert [adapter_for(name).compensate for name in mpfa_backends] == [True, False, True, True, True]
     assert [adapter_for(name).decode_kernel for name in mpfa_backends] == [None] * 4 + ["split-kv-fused"]
