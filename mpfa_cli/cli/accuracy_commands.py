@@ -8,8 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
-                              ServerArgOption, TimeScaleOption, cli_errors, console, err_console, number_list,
-                              open_store)
+                              ServerArgOption, TimeScaleOption, UrlsOption, cli_errors, console, err_console,
+                              number_list, open_store)
 from mpfa.cli.selection import accuracy_results as stored_accuracy_results
 from mpfa.harness.accuracy_serve import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
 from mpfa.harness.errors import UserError
@@ -154,7 +154,7 @@ def accuracy_serve(
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer (scored: its first line).")] = DEFAULT_MAX_NEW_TOKENS,
     concurrency: Annotated[int, typer.Option(help="Requests in flight per server (1: every question runs alone).")] = DEFAULT_CONCURRENCY,
     engine: EngineOption = "auto",
-    url: Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")] = None,
+    url: UrlsOption = None,
     prefill_kernel: PrefillKernelOption = None,
     port: PortOption = None,
     time_scale: TimeScaleOption = 1.0,

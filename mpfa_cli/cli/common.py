@@ -20,13 +20,15 @@ console = Console()
 err_console = Console(stderr=True)
 
 DbOption = Annotated[Optional[Path], typer.Option("--db", help="Results database (default: $MPFA_DB or ~/.local/share/mpfa/results.db).")]
-# The options of the commands that start servers (`bench`, `logits`).
+# The options of the commands that start servers (`bench`, `logits`, `accuracy serve`).
 EngineOption = Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")]
 PortOption = Annotated[Optional[int], typer.Option(help="Preferred server port (another is picked if it is in use).")]
 TimeScaleOption = Annotated[float, typer.Option(help="Simulator only: multiply modelled times by this.")]
 ReadyTimeoutOption = Annotated[Optional[float], typer.Option(help="Seconds to wait for each server to get ready.")]
 ServerArgOption = Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag, SGLang's or serve-sim's (repeatable).")]
 RunDirOption = Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")]
+# The side-by-side commands (`logits`, `accuracy serve`): one server URL per backend.
+UrlsOption = Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")]
 PrefillKernelOption = Annotated[Optional[str], typer.Option("--prefill-kernel", help="MpFA prefill kernel: fp8, exact or mma-sync (default: the best for the model's shape; also $MPFA_PREFILL_KERNEL).")]
 
 # Typer releases without Rich type display (the GPU host's pinned stack has one) keep their own help.

@@ -8,7 +8,8 @@ from typing import Annotated, Optional
 import typer
 
 from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
-                              ServerArgOption, TimeScaleOption, cli_errors, console, number_list, open_store)
+                              ServerArgOption, TimeScaleOption, UrlsOption, cli_errors, console, number_list,
+                              open_store)
 from mpfa.harness.errors import UserError
 
 
@@ -22,7 +23,7 @@ def logits(
     seed: Annotated[int, typer.Option(help="Prompt seed; on SGLang also --random-seed for every server.")] = 0,
     model: Annotated[str, typer.Option(help="Bundled config name (dummy weights) or a model directory.")] = "llama-3.1-8b",
     engine: EngineOption = "auto",
-    url: Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")] = None,
+    url: UrlsOption = None,
     max_mean_abs_dlogprob: Annotated[Optional[float], typer.Option("--max-mean-abs-dlogprob", help="Exit 1 when a backend's prefill or decode mean |Δ logprob| exceeds this.")] = None,
     predicted: Annotated[Optional[Path], typer.Option("--predicted", help="CPU prediction (python -m mpfa.profiles.logits_prediction --json): exit 1 when a backend's prompt mean |Δ logprob| is not within --predicted-factor of it.")] = None,
     predicted_factor: Annotated[float, typer.Option("--predicted-factor", help="Allowed ratio, either way, of measured to predicted.")] = 1.5,
