@@ -272,3 +272,21 @@ def serve_app():
 @pytest.fixture
 def gz_trace_writer():
     return write_gz_trace
+
+
+@pytest.fixture(scope="session")
+def float64_reference() -> Callable[[Any, Any, int], Any]:
+    """``float64_reference(prepared, workload, index)``: causal attention in float64 of input set ``index`` of a
+    prepared kernel (`PreparedKernel.dense_inputs`, exact for its FP8 and BF16 values), packed as its output."""
+    import torch
+
+    from mpfa.kernels.reference import attention_float64
+
+    def reference(prepared: Any, workload: Any, index: int) -> torch.Tensor:
+        q, k, v = (x.float() for x in prepared.dense_inputs(index))
+        cu_q = torch.arange(0, (workload.batch + 1) * workload.q_len, workload.q_len, dtype=torch.int32,
+                            device=q.device)
+        cu_k = torch.arange(0, (workload.batch + 1) * workload.seq, workload.seq, dtype=torch.int32, device=q.device)
+        return attention_float64(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+
+    return reference

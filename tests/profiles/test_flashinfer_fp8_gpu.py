@@ -9,7 +9,6 @@ import re
 import pytest
 import torch
 
-from mpfa.kernels.reference import attention_float64
 from mpfa.profiles import microbench
 from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.registry import adapter_for
@@ -31,15 +30,12 @@ IDS = ["flashinfer-fp8-xqa", "flashinfer-fp8-fa3", "flashinfer-fp8-fmha-v2"]
 
 
 @pytest.mark.parametrize("backend,workload", CASES, ids=IDS)
-def test_output_matches_float64_reference(backend, workload):
+def test_output_matches_float64_reference(backend, workload, float64_reference):
     prepared = adapter_for(backend).prepare(workload, 2, torch.device("cuda"), seed=1234)
     for index in range(2):
         out = prepared.run(index).double()
         torch.cuda.synchronize()
-        q, k, v = (x.float() for x in prepared.dense_inputs(index))  # exact for FP8 and BF16 values
-        cu_q = torch.arange(0, (workload.batch + 1) * workload.q_len, workload.q_len, dtype=torch.int32, device="cuda")
-        cu_k = torch.arange(0, (workload.batch + 1) * workload.seq, workload.seq, dtype=torch.int32, device="cuda")
-        reference = attention_float64(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        reference = float64_reference(prepared, workload, index)
         assert out.shape == reference.shape and torch.isfinite(out).all()
         # All three round P to e4m3 before the PV MMA: a few % of each value, not BF16's 1%.
         error = (out - reference).abs()

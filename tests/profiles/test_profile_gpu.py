@@ -7,7 +7,6 @@ import shutil
 import pytest
 import torch
 
-from mpfa.kernels.reference import attention_float64
 from mpfa.profiles import microbench
 from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.kernel_categories import ATTENTION, classify
@@ -33,15 +32,12 @@ def _needs(backend):
 
 @pytest.mark.parametrize("workload", WORKLOADS, ids=lambda w: f"{w.kind}-s{w.seq}-h{w.q_heads}x{w.kv_heads}")
 @pytest.mark.parametrize("backend", list(PACKAGE))
-def test_adapter_output_matches_float64_reference(backend, workload):
+def test_adapter_output_matches_float64_reference(backend, workload, float64_reference):
     adapter = _needs(backend)
     prepared = adapter.prepare(workload, 2, torch.device("cuda"), seed=1234)
     for index in range(2):  # both rotated sets hold distinct data and each is computed right
         out = prepared.run(index).double()
-        q, k, v = (x.float() for x in prepared.dense_inputs(index))  # exact for BF16 and FP8 values
-        cu_q = torch.arange(0, (workload.batch + 1) * workload.q_len, workload.q_len, dtype=torch.int32, device="cuda")
-        cu_k = torch.arange(0, (workload.batch + 1) * workload.seq, workload.seq, dtype=torch.int32, device="cuda")
-        reference = attention_float64(q, k, v, causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k)
+        reference = float64_reference(prepared, workload, index)
         assert out.shape == reference.shape and torch.isfinite(out).all()
         error = (out - reference).abs()
         # BF16 P in the PV product and a BF16 output: about 1% of each value, plus a floor for values near 0.
