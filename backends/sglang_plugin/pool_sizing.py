@@ -12,7 +12,8 @@ tests/backends_plugin/test_pool_sizing.py).
 
 Both backends store Delta_S: the decode kernel always reads it (``mpfa-direct`` writes zeros there). The frozen
 per-request means are not per token: ``(Hq + Hkv) * d`` BF16 per layer for every request slot SGLang can
-allocate (``mpfa`` only; `kv_store.MEANS_DTYPE`). They are reserved from the available bytes before the token capacity is computed.
+allocate (``mpfa`` only; `kv_store.MEANS_DTYPE`). They are reserved from the available bytes before the token
+capacity is computed.
 """
 
 from __future__ import annotations

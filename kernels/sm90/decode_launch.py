@@ -225,8 +225,8 @@ def mpfa_decode(
     kernel = dispatch.decode_kernel(kernel)
     if kernel == "split-kv-fused":
         _check_counters(workspace, batch, cache.num_kv_heads)
-    split, merge = compile_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
-                                          _OUT_DTYPES[out.dtype], compensate, kernel)
+    split, merge = _compiled_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
+                                            _OUT_DTYPES[out.dtype], compensate, kernel)  # kernel resolved above
     lam = float(torch.tensor(math.log2(math.e) * (sm_scale or 1.0 / math.sqrt(HEAD_DIM)), dtype=torch.float32))
     u8 = torch.uint8
     inputs = (query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
