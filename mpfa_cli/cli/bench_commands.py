@@ -1,7 +1,7 @@
 """`mpfa bench` (measure scenarios against backends) and `mpfa serve-sim` (the built-in simulated server)."""
 from __future__ import annotations
 
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
@@ -9,6 +9,9 @@ from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOp
                               ServerArgOption, cli_errors, console, err_console, number_list, open_store)
 from mpfa.harness.errors import UserError
 from mpfa.harness.request_timeouts import BadTimeout, Timeouts
+
+if TYPE_CHECKING:  # the bench itself is imported when the command runs
+    from mpfa.harness.bench import BenchOptions
 
 DEFAULT_TIMEOUTS = Timeouts()
 
@@ -119,7 +122,7 @@ def _duration(seconds: float) -> str:
     return f"~{seconds:.0f} s" if seconds < 120 else f"~{seconds / 60:.0f} min"
 
 
-def _pace(opts: "BenchOptions") -> str:
+def _pace(opts: BenchOptions) -> str:
     if opts.engine != "sim":
         return "from the latency model of one H200; the server's start is a guess"
     if opts.real_time:
