@@ -12,8 +12,9 @@ Prefill kernels, named for what they compute:
 
 The wgmma kernels compile for every GQA group from 1 to 8 (a CTA holds gcd(group, 4) heads of the group) but run
 only on the groups where their GPU tests pass (``GPU_TESTED_GROUPS``): ``fp8`` by default where it passes, else
-``exact`` (the numerics of ``mma-sync``, at ~2.5x its speed), else ``mma-sync``. Naming a wgmma kernel for a group
-where it fails is an error unless ``MPFA_UNTESTED_GROUPS=1`` (for testing a fix on the GPU).
+``exact`` (the numerics of ``mma-sync``; ~2.5x its speed at 32:8, each against FA4-BF16: docs/kernels.md), else
+``mma-sync``. Naming a wgmma kernel for a group where it fails is an error unless ``MPFA_UNTESTED_GROUPS=1`` (for
+testing a fix on the GPU).
 
 Decode kernels, both with the paper's numerics: ``split-kv`` (the default: split-KV partitions, then a merge kernel)
 and ``split-kv-fused``, a variant under test: the same split kernel, whose last warp per (request, KV head) merges
