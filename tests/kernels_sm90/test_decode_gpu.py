@@ -109,11 +109,14 @@ CASES = [  # (lengths, Hq, Hkv, page size, partition size)
     ([300, 45, 1000], 10, 2, 16, 128),  # GQA 5, page 16
     ([129, 1500], 32, 8, 128, 256),  # Llama-3.1-8B heads, page 128 (SGLang's FA4 page size)
     ([77, 640], 5, 1, 16, 128),  # Qwen3-14B at tensor parallelism 8: 5 query heads, one KV head (odd Hq)
+    ([300, 4097], 12, 2, 128, 256),  # Qwen2.5-1.5B (the served accuracy model): GQA 6
+    ([129, 2000], 64, 8, 128, 256),  # 70B-class models: GQA 8, the kernel's largest group
 ]
+CASE_IDS = ["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16", "12x2-page128", "64x8-page128"]
 
 
 @pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,partition_size", CASES,
-                         ids=["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16"])
+                         ids=CASE_IDS)
 def test_decode_matches_reference(gen, lengths, num_q_heads, num_kv_heads, page_size, partition_size):
     problem = _problem(gen, lengths, num_q_heads, num_kv_heads, page_size)
     workspace, out = _run(problem, partition_size)
@@ -256,8 +259,7 @@ def _fused_and_split(problem: Problem, partition_size: int | None, out_dtype: to
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("lengths,num_q_heads,num_kv_heads,page_size,partition_size", FUSED_CASES,
-                         ids=["gqa4-page1", "gqa5-page16", "32x8-page128", "5x1-page16", "32k-b1-32x8",
-                              "32k-b1-40x8", "ragged-32x8"])
+                         ids=[*CASE_IDS, "32k-b1-32x8", "32k-b1-40x8", "ragged-32x8"])
 def test_fused_merge_equals_the_two_kernel_path(gen, lengths, num_q_heads, num_kv_heads, page_size, partition_size,
                                                  out_dtype):
     problem = _problem(gen, lengths, num_q_heads, num_kv_heads, page_size)
