@@ -7,6 +7,7 @@ from typing import TYPE_CHECKING
 
 from mpfa.harness.errors import UserError
 from mpfa.harness.plot import ACCURACY_PANEL_SIZE, figure_paths, plot_task_accuracy, plt, save_figure
+from mpfa.harness.run_tables import context_label
 from mpfa.harness.served_accuracy import ServedAccuracy, SummaryRow
 
 if TYPE_CHECKING:  # importing mpfa.kernels loads torch
@@ -45,7 +46,7 @@ def plot_served_accuracy(result: ServedAccuracy, out: Path, fmt: str = "png") ->
             style = "--" if backend == result.ref else "-"
             ax.errorbar(x, y, yerr=[below, above], marker="o", linestyle=style, capsize=3,
                         color=colours(index % 10), label=backend)
-        ax.set_xticks(range(len(lengths)), ["natural" if n is None else f"{n // 1024}K" for n in lengths])
+        ax.set_xticks(range(len(lengths)), ["natural" if n is None else context_label(n) for n in lengths])
         ax.set_ylim(0, 105)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("score (%)")

@@ -182,6 +182,10 @@ RESULTS = Path(__file__).resolve().parents[2] / "profiles" / "results"
     ("ncu-prefill-64k-mpfa-exact-h100.csv", "prefill_exactPrefillSm90",
      {"gpu__time_duration.sum": 78348928.0, "launch__registers_per_thread": 128.0,
       "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": 48.27}),
+    ("ncu-prefill-64k-fa3-fp8-contiguous-h100.csv", "FlashAttnFwdSm90",
+     {"gpu__time_duration.sum": 35135712.0, "launch__registers_per_thread": 168.0, "launch__grid_size": 132.0,
+      "launch__block_size": 384.0, "sm__warps_active.avg.pct_of_peak_sustained_active": 18.75,
+      "sm__pipe_tensor_op_hmma_cycles_active.avg.pct_of_peak_sustained_active": 51.8}),
 ])
 def test_parses_the_captured_h100_profiles_docs_cite(capture, kernel, expected):
     """The raw pages ncu printed on the H100 (its warning lines before the CSV included) give the numbers
