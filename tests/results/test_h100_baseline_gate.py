@@ -78,6 +78,16 @@ def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
     assert "not measured" not in result.output and "regression" not in result.output
 
 
+def test_a_later_lease_reproduces_the_baseline(tmp_path):
+    """The 128K c=1 point re-run side by side in another lease (git 17813754ac9b, one repeat: judged by the
+    tolerance alone) passes the baseline: fa3-fp8 and mpfa within 0.5% of their earlier means."""
+    rerun = PROFILES / "results" / "serve-serving-matrix-128k-c1-fa3-fp8-mpfa-h100.json"
+    results = imported(tmp_path / "r.db", *EXPORTS, rerun)
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
+    assert result.exit_code == 0, result.output
+    assert result.output.count("current n=1") >= 6 and "regression" not in result.output
+
+
 def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
     """Regenerate with the commands in this module's docstring when the gate's metrics or aggregation change."""
     imported(tmp_path / "r.db", *EXPORTS)
