@@ -20,11 +20,13 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime, timezone
 from typing import Any
 
 from mpfa.harness.logits import SERVER_KEYS, ResponseError, post_generate, response_meta
 from mpfa.harness.served_accuracy import ServedAccuracy
-from mpfa.harness.served_kernels import runs_mpfa_kernels
+from mpfa.harness.scenario import load_model_shape
+from mpfa.harness.served_kernels import launch_page_size, runs_mpfa_kernels, served_kernels
 from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
 from mpfa.kernels.tasks.scoring import best_choice
 from mpfa.kernels.tasks.task_sets import Cell
@@ -132,7 +134,9 @@ def run_served_accuracy(
     names the model as bench does (a directory by its name)."""
     from mpfa.harness.bench import _find_key, progress_bar, served, verify_server
     from mpfa.harness.engines import model_name
+    from mpfa.harness.environment import collect_environment
 
+    environment = collect_environment()
     options = [options_for(spec) for spec in specs]
     names = [served_name(spec, opts.prefill_kernel) for spec, opts in zip(specs, options)]
     result = ServedAccuracy.empty(model_name(model), tok.name, ref, names, cells, seed, max_new_tokens)
@@ -143,6 +147,7 @@ def run_served_accuracy(
                 verify_server(info, spec)  # `served` checks the servers it launches itself
             result.simulated = result.simulated or opts.engine == "sim" or bool(info.get("simulated"))
             result.server_info[name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
+            result.provenance[name] = provenance(spec, opts, model, environment)
             for cell in cells:
                 bar = progress.add_task(f"{name} {cell.key}", total=len(cell.items))
                 try:
@@ -154,6 +159,18 @@ def run_served_accuracy(
                 result.scores.setdefault(name, {})[cell.key] = scores
                 result.answers.setdefault(name, {})[cell.key] = answers
     return result
+
+
+def provenance(spec, opts, model: str, environment: dict[str, Any]) -> dict[str, Any]:
+    """Where and when a backend was scored: the date (UTC), the GPU and mpfa revision of `environment`
+    (`environment.collect_environment`), and the kernels its server runs for `model`'s heads."""
+    shape = load_model_shape(model)
+    simulated = opts.engine == "sim"
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+            "gpu": "simulated" if simulated else (environment.get("gpus") or ["unknown"])[0],
+            "mpfa_revision": environment.get("mpfa_revision"),
+            "kernels": served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec), opts.prefill_kernel,
+                                      source="simulated" if simulated else "dispatch")}
 
 
 def served_name(spec, prefill_kernel: str | None) -> str:

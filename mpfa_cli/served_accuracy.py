@@ -62,6 +62,8 @@ class ServedAccuracy:
     answers: dict[str, dict[str, list[str | int]]] = field(default_factory=dict)  # answer text or chosen option
     server_info: dict[str, dict[str, Any]] = field(default_factory=dict)
     errors: dict[str, str] = field(default_factory=dict)  # backend -> the request error that stopped it
+    # backend -> where and when it was scored: date (UTC), GPU, mpfa revision, the kernels its server ran
+    provenance: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     @classmethod
     def empty(cls, model: str, tokenizer: str, ref: str, backends: list[str], cells: list, seed: int,
@@ -168,8 +170,23 @@ def render(result: ServedAccuracy, console) -> None:
         table.add_row(cell.task, "natural" if cell.length is None else str(cell.length), cell.metric, str(n), *cells,
                       str(max(needed)) if needed else "–")
     console.print(table)
+    if note := provenance_note(result):
+        console.print(note, highlight=False)
     for backend, error in result.errors.items():
         console.print(f"[red]{backend}: {error}[/]", highlight=False)
+
+
+def provenance_note(result: ServedAccuracy) -> str:
+    """One line naming the GPU and mpfa revision the backends were scored at; "§" and each backend's where they
+    differ (a merge of runs of different revisions compares different code). Empty without provenance."""
+    known = {b: p for b in result.ordered() if (p := result.provenance.get(b))}
+    if not known:
+        return ""
+    where = {b: (p.get("gpu") or "unknown GPU", p.get("mpfa_revision") or "unknown revision") for b, p in known.items()}
+    if len(set(where.values())) == 1:
+        gpu, revision = next(iter(where.values()))
+        return f"scored on {gpu} at mpfa {revision}"
+    return "§ scored at different GPUs or revisions: " + "; ".join(f"{b} {g} at {r}" for b, (g, r) in where.items())
 
 
 # What results must share to be joined: the same model, tokenizer and settings (and, checked apart, questions); the
@@ -194,7 +211,8 @@ def merge_served(parts: list[ServedAccuracy]) -> ServedAccuracy:
             raise ValueError(f"backend {twice[0]} is in more than one of the results")
         merged.backends += part.backends
         for mine, theirs in ((merged.scores, part.scores), (merged.answers, part.answers),
-                             (merged.server_info, part.server_info), (merged.errors, part.errors)):
+                             (merged.server_info, part.server_info), (merged.errors, part.errors),
+                             (merged.provenance, part.provenance)):
             mine.update(theirs)
         merged.simulated = merged.simulated or part.simulated
     return merged

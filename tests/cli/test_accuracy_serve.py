@@ -84,6 +84,11 @@ def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, ta
             assert doc["answers"][backend][cell.key] == said, (backend, cell.key)
             assert doc["scores"][backend][cell.key] == scores, (backend, cell.key)
     assert any(s > 0 for s in doc["scores"]["fa3-bf16"]["squad-long@900"])  # some echoed spans hit the answer
+    for backend in BACKENDS:  # where and when each backend was scored, and what its server ran, travel with it
+        where = doc["provenance"][backend]
+        assert where["gpu"] == "simulated" and where["date"][:2] == "20" and where["mpfa_revision"]
+        assert where["kernels"]["source"] == "simulated"
+    assert f"scored on simulated at mpfa {doc['provenance']['mpfa']['mpfa_revision']}" in run.stdout
 
     listed = mpfa("accuracy", "served")
     assert listed.returncode == 0 and "SIMULATED" in listed.stdout
@@ -92,6 +97,8 @@ def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, ta
     assert len(rows) == len(BACKENDS) * sum(len(c.items) for c in cells)
     assert {r["simulated"] for r in rows} == {"True"}
     summary = json.loads(mpfa("accuracy", "served", str(stored.id), "--format", "json").stdout)[0]["summary"]
+    assert json.loads(mpfa("accuracy", "served", str(stored.id), "--format", "json").stdout)[0]["provenance"] == \
+        doc["provenance"]
     other = [r for r in summary if r["backend"] == "mpfa"]
     assert len(other) == len(cells) and all(r["difference"]["n"] == 6 for r in other)
     plot = mpfa("accuracy", "served", str(stored.id), "--plot", str(mpfa.tmp / "served.png"))

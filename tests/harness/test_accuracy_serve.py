@@ -106,6 +106,22 @@ def test_merge_joins_backends_run_apart_on_the_same_questions():
         merge_served([other, ServedAccuracy.empty("m", "bytes", "fa4-bf16", ["x"], [cell], 1, 32)])
 
 
+def test_the_table_names_where_the_backends_were_scored_and_flags_a_mix():
+    from mpfa.harness.served_accuracy import provenance_note
+
+    cell = Cell("squad", None, tuple(GenerationItem("squad", f"q{i}", (1,), ("a",), "f1") for i in range(4)))
+    result = ServedAccuracy.empty("m", "bytes", "fa3-bf16", ["fa3-bf16", "mpfa"], [cell], 0, 32)
+    assert provenance_note(result) == ""  # results stored before provenance was recorded
+    h100 = {"gpu": "NVIDIA H100 80GB HBM3", "mpfa_revision": "17813754ac9b"}
+    result.provenance = {"fa3-bf16": h100, "mpfa": dict(h100)}
+    assert provenance_note(result) == "scored on NVIDIA H100 80GB HBM3 at mpfa 17813754ac9b"
+    result.provenance["mpfa"]["mpfa_revision"] = "65b6d144e323"
+    note = provenance_note(result)
+    assert note.startswith("§") and "fa3-bf16 NVIDIA H100 80GB HBM3 at 17813754ac9b" in note and "65b6d144e323" in note
+    again = ServedAccuracy.from_json(result.to_json())  # stored and read back
+    assert again.provenance == result.provenance
+
+
 def test_a_prefill_kernel_names_the_mpfa_backends_it_applies_to():
     from mpfa.backends.specs import BACKENDS
 
