@@ -65,12 +65,11 @@ def served_kernels(spec: BackendSpec, q_heads: int, kv_heads: int, page_size: in
     try:
         choice = dispatch.requested_prefill_kernel(prefill_kernel)  # else $MPFA_PREFILL_KERNEL's
         prefill = dispatch.prefill_kernel(q_heads, kv_heads, page_size, choice)
-        decode = dispatch.decode_kernel()  # $MPFA_DECODE_KERNEL's, which the servers inherit, else the default
     except ValueError as exc:
         raise UserError(f"{spec.name}: {exc}") from None
     if {**os.environ, **spec.env}.get(PREFILL_ENV) == PREFILL_PATHS[1]:
         prefill = REFERENCE_PREFILL
-    kernels = {"prefill": prefill, "decode": decode}
+    kernels = {"prefill": prefill, "decode": dispatch.DECODE_KERNEL}
     if choice is not None:
         kernels["prefill_override"] = choice
     return {**kernels, "source": source}

@@ -6,9 +6,7 @@ FlashInfer serves with page 1). Decode: the split-KV decode + merge. Prefill: th
 token of each sequence a query) that `mpfa.kernels.sm90.dispatch` chooses for the shape, or the one the backend
 names (``mpfa-exact``, ``mpfa-mma-sync``), the queries' centered NVFP4 rows as the KV write returns them. The fp8
 kernel's time includes its operand pass. Their correctness lives in tests/kernels_sm90. ``mpfa-direct`` runs the
-direct builds (``compensate=False``: no Delta_S read, inputs quantized uncentered). ``mpfa-split-kv-fused`` runs the
-decode variant under test, ``split-kv-fused`` (`mpfa.kernels.sm90.dispatch`: the merge folded into the split kernel,
-one launch); its prefill is ``mpfa``'s.
+direct builds (``compensate=False``: no Delta_S read, inputs quantized uncentered).
 """
 from __future__ import annotations
 
@@ -57,22 +55,16 @@ class MpfaAdapter:
     # (~10 of 30 us at 32K x 1 on the H200): profile it with `--kernel-name regex:'SplitKVDecode|DecodeMerge'`.
     kernel_regex = "SplitKVDecode|PrefillSm90"
 
-    def __init__(self, prefill_kernel: str | None = None, compensate: bool = True, decode_kernel: str | None = None):
+    def __init__(self, prefill_kernel: str | None = None, compensate: bool = True):
         """``prefill_kernel``: "fp8", "exact" or "mma-sync" names the prefill kernel (backend ``mpfa-<kernel>``);
         None: `dispatch.prefill_kernel`'s choice. ``compensate`` False: the direct builds (backend
-        ``mpfa-direct``). ``decode_kernel``: "split-kv-fused" names the decode variant (backend
-        ``mpfa-split-kv-fused``, named for its kernel as the prefill ones); None: `dispatch.decode_kernel`'s choice."""
+        ``mpfa-direct``)."""
         self.prefill_kernel = prefill_kernel
         self.compensate = compensate
-        self.decode_kernel = decode_kernel
         if prefill_kernel is not None:
             self.name = f"mpfa-{prefill_kernel}"
         elif not compensate:
             self.name = "mpfa-direct"
-        elif decode_kernel == "split-kv-fused":
-            self.name = "mpfa-split-kv-fused"
-        elif decode_kernel is not None:
-            raise ValueError(f"no backend name for the decode kernel {decode_kernel!r}")
 
     def set_bytes(self, workload: AttentionWorkload) -> int:
         if workload.kind == "prefill":  # never below the roofline bytes, which count Q in BF16 (`MPFA.q`)
@@ -92,7 +84,7 @@ class MpfaAdapter:
             means = SmoothingMeans(torch.zeros_like(means.q_mean), torch.zeros_like(means.k_mean))
         if w.kind == "prefill":
             return _prepare_prefill(w, num_sets, device, generator, means, self.prefill_kernel, self.compensate)
-        return _prepare_decode(w, num_sets, device, generator, means, self.compensate, self.decode_kernel)
+        return _prepare_decode(w, num_sets, device, generator, means, self.compensate)
 
 
 def _fill(w: AttentionWorkload, cache, slots_of_token, means, device, generator, keep_query) -> None:
@@ -116,12 +108,11 @@ def _dense_inputs(i: int):
 
 
 def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means,
-                    compensate: bool = True, kernel: str | None = None) -> PreparedKernel:
+                    compensate: bool = True) -> PreparedKernel:
     import torch
 
     from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
     from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode, partition_warps
-    from mpfa.kernels.sm90.dispatch import decode_kernel
 
     page_table, slots_of_token, num_pages = paged_layout(w, device)
 
@@ -144,18 +135,14 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
     outputs = [torch.empty((w.batch, w.q_heads, w.head_dim), dtype=torch.bfloat16, device=device)
                for _ in range(num_sets)]
 
-    name = decode_kernel(kernel)
-
     def run(i: int) -> torch.Tensor:
         query, cache = sets[i]
-        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i], compensate=compensate,
-                           kernel=name)
+        return mpfa_decode(query, cache, page_table, seq_lens, workspace, out=outputs[i], compensate=compensate)
 
     build = "" if compensate else ", direct build"
-    merge = "merged by each KV head's last warp (split-kv-fused)" if name == "split-kv-fused" else "+ merge"
     return PreparedKernel(run, _dense_inputs, num_sets,
                           f"Triton KV write + CuTe split-KV decode{build} ({workspace.num_partitions} partitions of "
-                          f"{workspace.partition_size} keys, for {partition_warps()} warps per SM) {merge}, "
+                          f"{workspace.partition_size} keys, for {partition_warps()} warps per SM) + merge, "
                           f"page {PAGE_SIZE}")
 
 

@@ -2,9 +2,8 @@
 
 ``mpfa`` runs the kernels `mpfa.kernels.sm90.dispatch` chooses for the shape (``$MPFA_PREFILL_KERNEL`` overrides
 the prefill kernel); ``mpfa-exact`` and ``mpfa-mma-sync`` name the prefill kernel; ``mpfa-direct`` runs the
-default's direct builds (no Delta_S): mpfa over mpfa-direct is the compensation's cost; ``mpfa-split-kv-fused`` runs
-the decode variant ``split-kv-fused`` (the merge folded into the split kernel), else as ``mpfa``. ``fa3-bf16`` /
-``fa3-fp8`` run FlashAttention-3 as SGLang's default Hopper backend does (paged, page 1); ``fa3-fp8-contiguous`` is its
+default's direct builds (no Delta_S): mpfa over mpfa-direct is the compensation's cost. ``fa3-bf16`` / ``fa3-fp8``
+run FlashAttention-3 as SGLang's default Hopper backend does (paged, page 1); ``fa3-fp8-contiguous`` is its
 prefill on contiguous K/V, FA3's best case. ``flashinfer-fp8`` / ``flashinfer-bf16`` run SGLang's `flashinfer`
 backend (fa2 template); FlashInfer's FP8 tensor-core paths on sm_90a are ``flashinfer-fp8-xqa`` (decode, as SGLang's
 `trtllm_mha` decode runs on Hopper), ``flashinfer-fp8-fa3`` and ``flashinfer-fp8-fmha-v2`` (prefill).
@@ -22,8 +21,7 @@ ADAPTERS: dict[str, KernelAdapter] = {
     for adapter in (Fa4Bf16(), Fa3(kv_fp8=False), Fa3(kv_fp8=True), Fa3(kv_fp8=True, contiguous=True),
                     FlashInferPaged(kv_fp8=True), FlashInferPaged(kv_fp8=False), FlashInferXqaFp8(),
                     FlashInferFa3Fp8(), FlashInferFmhaV2Fp8(), MpfaAdapter(),
-                    MpfaAdapter(compensate=False), MpfaAdapter("exact"), MpfaAdapter("mma-sync"),
-                    MpfaAdapter(decode_kernel="split-kv-fused"))
+                    MpfaAdapter(compensate=False), MpfaAdapter("exact"), MpfaAdapter("mma-sync"))
 }
 DEFAULT_BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")
 REFERENCE_BACKEND = {"prefill": "fa4-bf16", "decode": "flashinfer-fp8"}

@@ -8,9 +8,7 @@ column of ``req_to_token`` and never synchronises with the host.
 shared by every captured batch size (graphs replay one at a time on one stream), each batch size viewing it with
 its own partition count, sized for the longest sequence ``req_to_token`` can hold. A replay's requests spread their
 keys over all of those partitions (down to ``MIN_PARTITION`` keys each), so a 32K context in buffers sized for
-128K still fills the GPU: with partitions fixed at the 128K size it ran ~6 warps per request and KV head. The
-buffers also hold the ``split-kv-fused`` decode's arrival counters (int32, zeroed once: every launch leaves them at
-zero, so one set serves every batch size, layer and replay).
+128K still fills the GPU: with partitions fixed at the 128K size it ran ~6 warps per request and KV head.
 """
 
 from __future__ import annotations
@@ -78,7 +76,6 @@ class GraphDecodeBuffers:
         self._m = torch.zeros(rows, dtype=torch.float32, device=device)
         self._l = torch.zeros(rows, dtype=torch.float32, device=device)
         self._o = torch.zeros(rows * HEAD_DIM, dtype=torch.float32, device=device)
-        self._counters = torch.zeros(max_bs * num_kv_heads, dtype=torch.int32, device=device)
         self._workspaces: dict[int, DecodeWorkspace] = {}
 
     def partition_size(self, bs: int) -> int:
@@ -92,8 +89,7 @@ class GraphDecodeBuffers:
             n = bs * self.num_q_heads * parts
             self._workspaces[bs] = DecodeWorkspace(
                 partition, self._m[:n].view(bs, self.num_q_heads, parts), self._l[:n].view(bs, self.num_q_heads, parts),
-                self._o[: n * HEAD_DIM].view(bs, self.num_q_heads, parts, HEAD_DIM), min(MIN_PARTITION, partition),
-                self._counters[: bs * self.num_kv_heads].view(bs, self.num_kv_heads))
+                self._o[: n * HEAD_DIM].view(bs, self.num_q_heads, parts, HEAD_DIM), min(MIN_PARTITION, partition))
         return self._workspaces[bs]
 
     def fill(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,

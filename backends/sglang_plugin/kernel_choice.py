@@ -11,8 +11,6 @@ from __future__ import annotations
 import argparse
 import logging
 import os
-from collections.abc import Iterator
-from contextlib import contextmanager
 from functools import lru_cache
 from typing import Any
 
@@ -45,15 +43,8 @@ def add_server_arguments(parser: argparse.ArgumentParser) -> None:
 def check_prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int) -> str:
     """The prefill kernel the server will run for this shape (per tensor-parallel rank); a requested kernel the
     shape does not take is one line of `MpfaSetupError`."""
-    with _setup_errors():
-        return dispatch.prefill_kernel(num_q_heads, num_kv_heads, page_size)
-
-
-@contextmanager
-def _setup_errors() -> Iterator[None]:
-    """A kernel choice the dispatch refuses (its ValueError) as one line of `MpfaSetupError`."""
     try:
-        yield
+        return dispatch.prefill_kernel(num_q_heads, num_kv_heads, page_size)
     except ValueError as error:
         raise MpfaSetupError(f"MpFA attention backend: {error}") from None
 
@@ -63,7 +54,5 @@ def log_kernels(backend: str, num_q_heads: int, num_kv_heads: int, page_size: in
     """Log once per process and shape which kernels the backend runs."""
     prefill = (f"sm90 {check_prefill_kernel(num_q_heads, num_kv_heads, page_size)}" if prefill_path == "kernel"
                else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
-    with _setup_errors():
-        decode = dispatch.decode_kernel()
     logger.info("MpFA backend %s, %d:%d heads, pages of %d: decode = sm90 %s, prefill = %s", backend, num_q_heads,
-                num_kv_heads, page_size, decode, prefill)
+                num_kv_heads, page_size, dispatch.DECODE_KERNEL, prefill)

@@ -33,12 +33,6 @@ bound by its warps' issue, so a tile costs as few instructions as it can:
   unpacks, and the MMAs accumulate into O.
 
 Exponentials run only for the group's real query heads and keys past the sequence end get S = -inf.
-
-``fused_merge`` (the ``split-kv-fused`` variant under test, `launch_fused`): no merge kernel. After its partials
-every warp of a request's non-empty partitions fences and counts itself in on an int32 counter per (request, KV
-head) (``atom.acq_rel.gpu``); the warp that counts last fences again, resets the counter to 0 (so a CUDA graph
-replays with zeroed counters) and merges the KV head's query heads (`_merge_heads`): the merge kernel's operations
-in its order, the partials read through L2, its 32 warps' sums kept in 16 KB of the ring's shared memory.
 """
 
 from __future__ import annotations
@@ -61,8 +55,6 @@ from mpfa.kernels.sm90.ptx import (
     e4m3x2_to_f16x2,
     exp2_approx,
     f32x2_to_e4m3x2_f16x2,
-    fence_acq_rel_gpu,
-    load_rows_cg,
     load_shared_u32,
     load_shared_v4_u32,
     load_u16,
@@ -74,15 +66,9 @@ from mpfa.kernels.sm90.ptx import (
     prmt,
     prmt_var,
     shuffle_idx,
-    shuffle_idx_u32,
     shuffle_xor,
-    store_shared_v4_f32,
-    store_u32_if,
     store_v4_f32,
-    sync_warp,
-    atomic_add_acq_rel_gpu,
 )
-from mpfa.kernels.sm90.decode_merge import WARPS as MERGE_WARPS
 from mpfa.kernels.sm90.warp_mma import P_SCALE, q_chunk_regs
 
 HEAD_DIM = 128
@@ -98,11 +84,6 @@ WORD_UNITS = lay.N_TILES + 2 * lay.N_TILES  # 4-byte words per lane and stage: K
 WORDS_OFFSET = CHUNK_UNITS * 32 * 16
 STAGE_BYTES = WORDS_OFFSET + WORD_UNITS * 32 * 4
 SMEM_BYTES = STAGES * STAGE_BYTES
-# The fused merge's shared memory (the ring's, free once the tile loop is done): one FP32 row of O sums per virtual
-# merge warp, MERGE_WARPS x 128 x 4 = 16 KB (12 CTAs of 16 KB + the 1 KB CTA reserve still fit an SM's 228 KB).
-MERGE_ROWS = 16  # partitions' O rows a merging warp has in flight
-FUSED_SMEM_BYTES = max(SMEM_BYTES, MERGE_WARPS * HEAD_DIM * 4)
-assert MERGE_WARPS == 32, "the fused merge keeps the merge kernel's sums: virtual merge warp w is lane w"
 
 
 @cute.jit
@@ -119,12 +100,9 @@ class SplitKVDecodeSm90:
 
     smem_bytes = SMEM_BYTES  # dynamic shared memory per CTA: the cp.async ring
 
-    def __init__(self, num_kv_heads: int, group: int, page_size: int, compensate: bool = True,
-                 fused_merge: bool = False) -> None:
+    def __init__(self, num_kv_heads: int, group: int, page_size: int, compensate: bool = True) -> None:
         """``compensate`` False: the direct build, which reads no Delta_S (every score starts at 0, as if the side
-        cache held zeros): what the compensation costs is the time between the two builds. ``fused_merge``: the
-        variant under test (`dispatch` ``split-kv-fused``), launched through `launch_fused`: the last warp of each
-        (request, KV head) merges its partitions, no merge kernel."""
+        cache held zeros): what the compensation costs is the time between the two builds."""
         if not 1 <= group <= MAX_GROUP:
             raise ValueError(f"the sm90 decode kernel packs 1..{MAX_GROUP} query heads per KV head, got {group}")
         if page_size <= 0 or page_size & (page_size - 1):
@@ -136,8 +114,6 @@ class SplitKVDecodeSm90:
         self.ds_row = delta_s_row(group)  # BF16 entries of a (KV head, slot) Delta_S row
         self.compensate = compensate
         self.page_copies = page_size >= lay.TILE_KEYS  # a tile lies in one page: one slot per tile
-        self.fused_merge = fused_merge
-        self.smem_bytes = FUSED_SMEM_BYTES if fused_merge else SMEM_BYTES
 
     @cute.jit
     def __call__(
@@ -163,33 +139,6 @@ class SplitKVDecodeSm90:
         ).launch(grid=(self.num_kv_heads, m_part.shape[2], seq_lens.shape[0]), block=(32, 1, 1), smem=self.smem_bytes,
                  stream=stream)
 
-    @cute.jit
-    def launch_fused(
-        self,
-        q_codes: cute.Tensor,
-        q_scales: cute.Tensor,
-        k_codes: cute.Tensor,
-        k_scales: cute.Tensor,
-        v: cute.Tensor,
-        delta_s: cute.Tensor,
-        page_table: cute.Tensor,
-        seq_lens: cute.Tensor,
-        m_part: cute.Tensor,
-        l_part: cute.Tensor,
-        o_part: cute.Tensor,
-        counters: cute.Tensor,  # int32 [B, Hkv], zero before the launch and zero after it
-        out: cute.Tensor,  # [B, Hq, 128] BF16 or FP32
-        lam_scaled: Float32,
-        min_partition: Int32,
-        stream,
-    ):
-        """The ``fused_merge`` build: `__call__`'s arguments plus the arrival counters and the output."""
-        self.kernel_fused(
-            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part, o_part, counters,
-            out, lam_scaled, min_partition,
-        ).launch(grid=(self.num_kv_heads, m_part.shape[2], seq_lens.shape[0]), block=(32, 1, 1), smem=self.smem_bytes,
-                 stream=stream)
-
     @cute.kernel
     def kernel(
         self,
@@ -209,53 +158,6 @@ class SplitKVDecodeSm90:
     ):
         # the merge (launched with PDL) may be scheduled from now on; it waits for this grid to complete
         cute.arch.griddepcontrol_launch_dependents()
-        self._partition(q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part,
-                        o_part, lam_scaled, min_partition)
-
-    @cute.kernel
-    def kernel_fused(
-        self,
-        q_codes: cute.Tensor,
-        q_scales: cute.Tensor,
-        k_codes: cute.Tensor,
-        k_scales: cute.Tensor,
-        v: cute.Tensor,
-        delta_s: cute.Tensor,
-        page_table: cute.Tensor,
-        seq_lens: cute.Tensor,
-        m_part: cute.Tensor,
-        l_part: cute.Tensor,
-        o_part: cute.Tensor,
-        counters: cute.Tensor,
-        out: cute.Tensor,
-        lam_scaled: Float32,
-        min_partition: Int32,
-    ):
-        """The split kernel with the merge folded in (``fused_merge``): the partition's partials as `kernel`
-        stores them, then the warp counts itself in for its (request, KV head); the last of the request's non-empty
-        partitions (at least partition 0) merges the KV head's query heads (`_merge_heads`) and resets the count."""
-        lane, batch_idx, kv_head, part, valid_parts = self._partition(
-            q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part, o_part,
-            lam_scaled, min_partition)
-        arrivals = cutlass.max(valid_parts, 1)  # a request without keys: partition 0 writes its zeros
-        if part < arrivals:
-            # every lane's partial stores before the count (release), the count before the reads of the others'
-            # partials (acquire)
-            fence_acq_rel_gpu()
-            sync_warp()
-            counter = counters.iterator.toint() + Int64(batch_idx * self.num_kv_heads + kv_head) * 4
-            old = shuffle_idx_u32(atomic_add_acq_rel_gpu(counter, Uint32(1), Uint32(lane == 0)), Uint32(0))
-            if Int32(old) == arrivals - 1:
-                sync_warp()
-                fence_acq_rel_gpu()
-                store_u32_if(counter, Uint32(0), Uint32(lane == 0))  # back to 0 for the next launch (CUDA graphs)
-                self._merge_heads(m_part, l_part, o_part, out, lam_scaled, batch_idx, kv_head, valid_parts, lane)
-
-    @cute.jit
-    def _partition(self, q_codes, q_scales, k_codes, k_scales, v, delta_s, page_table, seq_lens, m_part, l_part,
-                   o_part, lam_scaled: Float32, min_partition: Int32):
-        """The warp's partition: its keys folded into (m, l, O) and stored to the workspace -> (lane, request, KV
-        head, partition, the request's non-empty partitions)."""
         group = self.group
         num_kv_heads = self.num_kv_heads
         num_q_heads = num_kv_heads * group
@@ -288,8 +190,6 @@ class SplitKVDecodeSm90:
                         kv_head, start, end, lane, g, c)
 
         self._store_partials(state, acc, m_part, l_part, o_part, batch_idx, kv_head, part, num_parts, g, c)
-        valid_parts = cutlass.min((seq_len + partition_size - 1) // partition_size, num_parts)
-        return lane, batch_idx, kv_head, part, valid_parts
 
     @cute.jit
     def _run_tiles(self, q_regs, state: cute.Tensor, acc: cute.Tensor, cache, page_table: cute.Tensor,
@@ -567,77 +467,3 @@ class SplitKVDecodeSm90:
                     values = [acc[4 * (2 * quad + pair) + which + 2 * upper] * inv
                               for pair in range(2) for upper in range(2)]
                     store_v4_f32(o_base + (row + 4 * quad) * 4, *values)
-
-    @cute.jit
-    def _merge_heads(self, m_part: cute.Tensor, l_part: cute.Tensor, o_part: cute.Tensor, out: cute.Tensor,
-                     lam_scaled: Float32, batch_idx, kv_head, valid_parts, lane):
-        """`decode_merge.DecodeMergeSm90` in one warp, for each query head of the KV head: the maximum M over the
-        request's non-empty partitions (every head's at once), then lane w sums the weights l_p 2**(lam (m_p - M))
-        of partitions w, w + 32, ... (the merge kernel's warp w) and the O rows of partition p are added, weighted,
-        into shared row p % 32, `MERGE_ROWS` rows in flight; then O = (rows summed in order) / (weights summed in
-        order). The same operations in the same order as the merge kernel, so that the outputs are equal bit for bit
-        (tests/kernels_sm90/test_decode_gpu.py)."""
-        num_parts = m_part.shape[2]
-        num_q_heads = self.num_kv_heads * self.group
-        lam = lam_scaled * Float32(2.0 ** -lay.SCORE_SCALE_LOG2)  # exact: log2(e) * sm_scale, as the merge's
-        lane_o = cute.arch.get_dyn_smem(cutlass.Uint8, alignment=16).toint() + 16 * lane  # dims 4 lane.. of row w
-        row_bytes = HEAD_DIM * 4
-        m_base, l_base, o_base = m_part.iterator.toint(), l_part.iterator.toint(), o_part.iterator.toint()
-        rows = [Int64(batch_idx * num_q_heads + kv_head * self.group + h) * num_parts for h in range(self.group)]
-        # 1. each head's maximum over the partitions (the heads' loads in flight together)
-        m_max = cute.make_rmem_tensor((self.group,), Float32)
-        for h in cutlass.range_constexpr(self.group):
-            m_max[h] = Float32(MINUS_INF)
-        for first in cutlass.range(0, valid_parts, MERGE_WARPS, unroll=1):
-            m_words = [load_rows_cg(m_base + (rows[h] + first + lane) * 4, 0, 1, valid_parts - first - lane)[0][0]
-                       for h in range(self.group)]
-            for h in cutlass.range_constexpr(self.group):
-                m_max[h] = cute.arch.fmax(m_max[h], Float32(cutlass.select_(
-                    first + lane < valid_parts, bits_to_f32(m_words[h]), Float32(MINUS_INF))))
-        for h in cutlass.range_constexpr(self.group):
-            head = kv_head * self.group + h
-            row = rows[h]
-            m_all = cute.arch.warp_reduction_max(m_max[h])
-            m_lam = Float32(cutlass.select_(m_all == MINUS_INF, Float32(0.0), m_all)) * lam
-            for w in cutlass.range_constexpr(MERGE_WARPS):
-                store_shared_v4_f32(lane_o, w * row_bytes, Float32(0.0), Float32(0.0), Float32(0.0), Float32(0.0))
-            # 2. weights (lane w: partition first + w) and the weighted O rows, into shared row p % 32; the first
-            # rows' loads issued with the weights' (first < valid_parts: row first exists)
-            l_sum = Float32(0.0)
-            for first in cutlass.range(0, valid_parts, MERGE_WARPS, unroll=1):
-                vectors = load_rows_cg(o_base + ((row + first) * HEAD_DIM + 4 * lane) * 4, row_bytes, MERGE_ROWS,
-                                       valid_parts - first, vector=4)
-                [[m_bits]] = load_rows_cg(m_base + (row + first + lane) * 4, 0, 1, valid_parts - first - lane)
-                [[l_bits]] = load_rows_cg(l_base + (row + first + lane) * 4, 0, 1, valid_parts - first - lane)
-                weight = Float32(cutlass.select_(first + lane < valid_parts,
-                                                 bits_to_f32(l_bits) * exp2_approx(bits_to_f32(m_bits) * lam - m_lam),
-                                                 Float32(0.0)))
-                l_sum = l_sum + weight
-                self._add_rows(lane_o, vectors, weight, 0)
-                for half in cutlass.range_constexpr(1, MERGE_WARPS // MERGE_ROWS):
-                    rows_first = first + half * MERGE_ROWS
-                    if rows_first < valid_parts:
-                        later = load_rows_cg(o_base + ((row + rows_first) * HEAD_DIM + 4 * lane) * 4, row_bytes,
-                                             MERGE_ROWS, valid_parts - rows_first, vector=4)
-                        self._add_rows(lane_o, later, weight, half * MERGE_ROWS)
-            # 3. the rows and weights summed in order
-            total = Float32(0.0)
-            values = [Float32(0.0)] * 4
-            for w in cutlass.range_constexpr(MERGE_WARPS):
-                total = total + shuffle_idx(l_sum, Uint32(w))
-                sums = load_shared_v4_u32(lane_o, w * row_bytes)
-                values = [values[i] + bits_to_f32(sums[i]) for i in range(4)]
-            for i in cutlass.range_constexpr(4):
-                result = Float32(cutlass.select_(total > Float32(0.0), values[i] / total, Float32(0.0)))
-                out[batch_idx, head, 4 * lane + i] = result.to(out.element_type)
-
-    @cute.jit
-    def _add_rows(self, lane_o, vectors, weight: Float32, first_row: cutlass.Constexpr):
-        """Shared rows ``first_row + u`` (this lane's 4 dimensions) += the weight of lane ``first_row + u`` x
-        ``vectors[u]``, as the merge kernel adds them."""
-        for u in cutlass.range_constexpr(MERGE_ROWS):
-            w = first_row + u
-            weight_u = shuffle_idx(weight, Uint32(w))
-            sums = load_shared_v4_u32(lane_o, w * HEAD_DIM * 4)
-            store_shared_v4_f32(lane_o, w * HEAD_DIM * 4,
-                                *[bits_to_f32(sums[i]) + weight_u * bits_to_f32(vectors[u][i]) for i in range(4)])

@@ -1,5 +1,4 @@
-"""Host side of the sm90 MpFA decode: the split-KV workspace, compiled-kernel cache and the two launches (one for
-the ``split-kv-fused`` variant, `dispatch.decode_kernel`).
+"""Host side of the sm90 MpFA decode: the split-KV workspace, compiled-kernel cache and the two launches.
 
 `mpfa_decode` never synchronises with the device: the grid comes from the workspace, which is sized for the
 largest context on the host (as SGLang sizes its CUDA graphs), and each CTA reads its request's length on the
@@ -16,7 +15,6 @@ from functools import lru_cache
 import torch
 
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
-from mpfa.kernels.sm90 import dispatch
 from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
 from mpfa.kernels.sm90 import decode_layout as lay
 from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
@@ -62,15 +60,13 @@ class DecodeWorkspace:
     ``partition_size`` keys (contents are scratch; sized for ``max_seq_len``). A request of n keys uses
     partitions of ``partition_keys(n)`` keys: ``partition_size`` for every request when ``min_partition`` equals
     it (`allocate`'s default), its keys spread over all P partitions otherwise (CUDA-graph buffers, whose P is
-    fixed by the longest context). ``counters``: int32 [B, Hkv] arrival counts of the ``split-kv-fused`` decode,
-    zero between launches (each launch's merging warps reset theirs; `counters_for` allocates them zeroed)."""
+    fixed by the longest context)."""
 
     partition_size: int
     m: torch.Tensor
     l: torch.Tensor
     o: torch.Tensor
     min_partition: int
-    counters: torch.Tensor | None = None
 
     def partition_keys(self, seq_len: int) -> int:
         return lay.partition_keys(seq_len, self.num_partitions, self.min_partition)
@@ -106,33 +102,24 @@ class DecodeWorkspace:
                              f"({partition_size}), got {min_partition}")
         return cls(partition_size, m, torch.empty_like(m),
                    torch.empty((batch, num_q_heads, parts, HEAD_DIM), dtype=torch.float32, device=device),
-                   min_partition, counters_for(batch, num_kv_heads, device))
+                   min_partition)
 
     @property
     def num_partitions(self) -> int:
         return self.m.shape[2]
 
 
-def counters_for(batch: int, num_kv_heads: int, device: torch.device | str) -> torch.Tensor:
-    """The ``split-kv-fused`` decode's arrival counters, int32 [batch, num_kv_heads], zeroed (once: every launch
-    leaves them at zero)."""
-    return torch.zeros((batch, num_kv_heads), dtype=torch.int32, device=device)
-
-
 def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16",
-                           compensate: bool = True, kernel: str | None = None) -> tuple:
-    """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI. ``kernel``:
-    `dispatch.decode_kernel` (the default ``split-kv``: `decode.SplitKVDecodeSm90`, then the merge
-    `decode_merge.DecodeMergeSm90`; ``split-kv-fused``: the split kernel with the merge folded in, taking the
-    counters and the output, and no merge kernel: None). ``compensate`` False: the direct build (no Delta_S
-    read)."""
-    return _compiled_decode_kernels(num_kv_heads, group, page_size, out_dtype, compensate,
-                                    dispatch.decode_kernel(kernel))
+                           compensate: bool = True) -> tuple:
+    """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI. The split
+    kernel is `dispatch.DECODE_KERNEL` (`decode.SplitKVDecodeSm90`), the merge `decode_merge.DecodeMergeSm90`.
+    ``compensate`` False: the direct build (no Delta_S read)."""
+    return _compiled_decode_kernels(num_kv_heads, group, page_size, out_dtype, compensate)
 
 
 @lru_cache(maxsize=None)
 def _compiled_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str,
-                             compensate: bool, kernel: str = dispatch.DECODE_KERNEL) -> tuple:
+                             compensate: bool) -> tuple:
     """`compile_decode_kernels` once per configuration, however its arguments were passed."""
     target_sm90a()
     import cutlass
@@ -146,21 +133,16 @@ def _compiled_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_
     partials = (fake_tensor(f32, (None, hq, None)), fake_tensor(f32, (None, hq, None)),
                 fake_tensor(f32, (None, hq, None, d)))
     seq_lens = fake_tensor(Int32, (None,), align=4)
-    inputs = (fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
-              fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16)),
-              fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group))),
-              fake_tensor(Int32, (None, None), align=4), seq_lens)
-    out = fake_tensor(getattr(cutlass, out_dtype), (None, hq, d))
-    if kernel == "split-kv-fused":
-        fused = SplitKVDecodeSm90(num_kv_heads, group, page_size, compensate, fused_merge=True)
-        return compile_kernel(fused.launch_fused, *inputs, *partials, fake_tensor(Int32, (None, hkv), align=4), out,
-                              Float32(1.0), Int32(TILE_KEYS)), None
     split = compile_kernel(
-        SplitKVDecodeSm90(num_kv_heads, group, page_size, compensate), *inputs, *partials, Float32(1.0),
-        Int32(TILE_KEYS),
+        SplitKVDecodeSm90(num_kv_heads, group, page_size, compensate),
+        fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
+        fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16)),
+        fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group))),
+        fake_tensor(Int32, (None, None), align=4), seq_lens, *partials, Float32(1.0), Int32(TILE_KEYS),
     )
     merge = compile_kernel(
-        DecodeMergeSm90(getattr(cutlass, out_dtype)), *partials, seq_lens, out, Float32(1.0), Int32(TILE_KEYS),
+        DecodeMergeSm90(getattr(cutlass, out_dtype)), *partials, seq_lens,
+        fake_tensor(getattr(cutlass, out_dtype), (None, hq, d)), Float32(1.0), Int32(TILE_KEYS),
     )
     return split, merge
 
@@ -190,14 +172,6 @@ def _check_inputs(query: CenteredQuery, cache: MpfaKVCache, page_table: torch.Te
         _require(tensor.is_contiguous() and tensor.data_ptr() % 16 == 0, f"{name} must be contiguous and 16-byte aligned")
 
 
-def _check_counters(workspace: DecodeWorkspace, batch: int, num_kv_heads: int) -> None:
-    counters = workspace.counters
-    _require(counters is not None and counters.dtype == torch.int32
-             and tuple(counters.shape) == (batch, num_kv_heads) and counters.is_contiguous(),
-             f"the split-kv-fused decode needs the workspace's int32 counters [{batch}, {num_kv_heads}] (zeroed), got "
-             f"{None if counters is None else (counters.dtype, tuple(counters.shape))}")
-
-
 def mpfa_decode(
     query: CenteredQuery,
     cache: MpfaKVCache,
@@ -208,32 +182,23 @@ def mpfa_decode(
     sm_scale: float | None = None,
     out: torch.Tensor | None = None,
     compensate: bool = True,
-    kernel: str | None = None,
 ) -> torch.Tensor:
     """One decode step: ``query`` [B, Hq] centered NVFP4 (from `quantize_to_cache`), each request's keys
     ``seq_lens[b]`` (int32, on the device; the current token included) through ``page_table`` [B, max_pages]
     (int32, pages of ``cache.page_size`` slots) -> attention output [B, Hq, 128] (``out`` or new BF16).
     Sequences must fit the workspace (``seq_lens <= partition_size * num_partitions``; not checked on the host);
     each request's partitions are ``workspace.partition_keys(seq_len)`` keys long. ``compensate`` False: the direct
-    build, which ignores ``cache.delta_s`` (the same output as with a zero side cache). ``kernel``:
-    `dispatch.decode_kernel` (``split-kv`` by default, or ``MPFA_DECODE_KERNEL``); ``split-kv-fused`` needs the
-    workspace's counters, at zero."""
+    build, which ignores ``cache.delta_s`` (the same output as with a zero side cache)."""
     batch, num_q_heads = query.codes.shape[:2]
     out = out if out is not None else torch.empty((batch, num_q_heads, HEAD_DIM), dtype=torch.bfloat16,
                                                   device=query.codes.device)
     _check_inputs(query, cache, page_table, seq_lens, workspace, out)
-    kernel = dispatch.decode_kernel(kernel)
-    if kernel == "split-kv-fused":
-        _check_counters(workspace, batch, cache.num_kv_heads)
-    split, merge = _compiled_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
-                                            _OUT_DTYPES[out.dtype], compensate, kernel)  # kernel resolved above
+    split, merge = compile_decode_kernels(cache.num_kv_heads, num_q_heads // cache.num_kv_heads, cache.page_size,
+                                          _OUT_DTYPES[out.dtype], compensate)
     lam = float(torch.tensor(math.log2(math.e) * (sm_scale or 1.0 / math.sqrt(HEAD_DIM)), dtype=torch.float32))
     u8 = torch.uint8
-    inputs = (query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
-              cache.delta_s, page_table, seq_lens, workspace.m, workspace.l, workspace.o)
-    if merge is None:  # split-kv-fused: one launch
-        split(*inputs, workspace.counters, out, lam * 2.0**SCORE_SCALE_LOG2, workspace.min_partition)
-        return out
-    split(*inputs, lam * 2.0**SCORE_SCALE_LOG2, workspace.min_partition)
+    split(query.codes, query.scales.view(u8), cache.k_codes, cache.k_scales.view(u8), cache.v.view(u8),
+          cache.delta_s, page_table, seq_lens, workspace.m, workspace.l, workspace.o,
+          lam * 2.0**SCORE_SCALE_LOG2, workspace.min_partition)
     merge(workspace.m, workspace.l, workspace.o, seq_lens, out, lam, workspace.min_partition)
     return out

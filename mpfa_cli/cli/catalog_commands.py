@@ -24,8 +24,7 @@ def backends(
     prefill_kernel = check_prefill_kernel(prefill_kernel)
     shape = load_model_shape(model)
     table = Table(title=f"Attention backends — kernels for {shape.name} ({shape.q_heads}:{shape.kv_heads} heads)",
-                  caption="MpFA's prefill kernel: fp8, else exact, where its GPU tests pass at the shape, else "
-                          "mma-sync; override: "
+                  caption="MpFA's prefill kernel: fp8 where the shape takes it, else mma-sync; override: "
                           "--prefill-kernel or $MPFA_PREFILL_KERNEL (fp8, exact, mma-sync)")
     for col in ("name", "description", "kernels", "SGLang flags", "on this machine"):
         table.add_column(col)

@@ -63,7 +63,7 @@ def test_bench_stores_the_default_kernel_for_the_model(mpfa, scenario_file, gqa8
     result = mpfa("bench", "--scenario", str(scenario_file(model=str(gqa8_model))), "--backend", "mpfa", *FAST)
     assert result.returncode == 0, result.stderr
     [(_, kernels, _)] = _stored(mpfa.db)
-    assert kernels == {"prefill": "exact", "decode": "split-kv", "source": "simulated"}  # GQA 8: fp8 fails there
+    assert kernels == {"prefill": "fp8", "decode": "split-kv", "source": "simulated"}  # GQA 8
 
 
 def test_a_prefill_kernel_the_model_does_not_take_fails_before_any_server(mpfa, scenario_file, gqa9_model) -> None:
@@ -81,11 +81,10 @@ def test_backends_lists_the_kernels_each_runs(mpfa) -> None:
     assert result.returncode == 0, result.stderr
     assert "prefill fp8, decode split-kv" in result.stdout and "SGLang attention backend flashinfer" in result.stdout
     result = mpfa("backends", "--model", "llama-3.1-70b")
-    assert "prefill exact, decode split-kv" in result.stdout and "64:8 heads" in result.stdout
+    assert "prefill fp8, decode split-kv" in result.stdout and "64:8 heads" in result.stdout
     result = mpfa("backends", "--prefill-kernel", "exact")
     assert "prefill exact (override), decode split-kv" in result.stdout
-    result = mpfa("backends", "--model", "llama-3.1-70b", "--prefill-kernel", "fp8")  # GQA 8: fp8 fails its GPU tests
-    assert result.returncode == 2 and "Traceback" not in result.stderr
-    assert "the fp8 prefill kernel fails its GPU tests at GQA group 8" in result.stderr
+    result = mpfa("backends", "--model", "llama-3.1-70b", "--prefill-kernel", "exact")  # GQA 8 by name
+    assert result.returncode == 0 and "prefill exact (override), decode split-kv" in result.stdout
     result = mpfa("backends", "--model", "llama-3.1-70b", "--prefill-kernel", "mma-sync")
     assert result.returncode == 0 and "prefill mma-sync" in result.stdout

@@ -28,13 +28,12 @@ def cuobjdump() -> Callable[..., str]:
 @pytest.fixture(scope="session")
 def compile_sm90() -> Callable[[str, Path], None]:
     """``compile_sm90(code, dump)``: run ``code`` (indented Python source) in a fresh interpreter that compiles for
-    sm_90a and keeps PTX and cubins in ``dump``; neither Triton's CPU interpreter nor a kernel choice from the
-    environment reaches it."""
-    from mpfa.kernels.sm90.dispatch import DECODE_KERNEL_ENV, PREFILL_KERNEL_ENV
+    sm_90a and keeps PTX and cubins in ``dump``; neither Triton's CPU interpreter nor a prefill-kernel choice from
+    the environment reaches it."""
+    from mpfa.kernels.sm90.dispatch import PREFILL_KERNEL_ENV
 
     def run(code: str, dump: Path) -> None:
-        dropped = ("TRITON_INTERPRET", PREFILL_KERNEL_ENV, DECODE_KERNEL_ENV)
-        clean = {k: v for k, v in os.environ.items() if k not in dropped}
+        clean = {k: v for k, v in os.environ.items() if k not in ("TRITON_INTERPRET", PREFILL_KERNEL_ENV)}
         env = {**clean, "CUTE_DSL_ARCH": "sm_90a", "CUTE_DSL_KEEP": "ptx,cubin", "CUTE_DSL_DUMP_DIR": str(dump)}
         result = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], env=env, capture_output=True,
                                 text=True, timeout=900)

@@ -7,22 +7,22 @@ from __future__ import annotations
 import pytest
 
 from mpfa.kernels.sm90 import dispatch
-from mpfa.kernels.sm90.dispatch import PREFILL_KERNEL_ENV, UNTESTED_GROUPS_ENV, prefill_kernel
+from mpfa.kernels.sm90.dispatch import PREFILL_KERNEL_ENV, prefill_kernel
 
 
 @pytest.fixture(autouse=True)
 def _no_override(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.delenv(PREFILL_KERNEL_ENV, raising=False)
-    monkeypatch.delenv(UNTESTED_GROUPS_ENV, raising=False)
 
 
 def test_the_default_for_each_shape():
-    """fp8 for GQA groups 1-5 (8:8 to 40:8) with pages of >= 64 keys and an even number of query heads, where its
-    GPU tests pass; exact for groups 6-8 (48:8 to 64:8, 28:4 of Qwen2.5-7B), where only exact's pass; mma-sync for
-    the rest: pages of 32, an odd number of query heads (5:1, Qwen3-14B at tensor parallelism 8), groups above 8."""
+    """fp8 for GQA groups 1-8 (8:8 to 64:8, 28:4 of Qwen2.5-7B, 12:2 of Qwen2.5-1.5B) with pages of >= 64 keys and
+    an even number of query heads; mma-sync for the rest: pages of 32, an odd number of query heads (5:1, Qwen3-14B
+    at tensor parallelism 8), groups above 8."""
     assert prefill_kernel(32, 8, 128) == prefill_kernel(40, 8, 64) == prefill_kernel(32, 8, 256) == "fp8"
     assert prefill_kernel(8, 8, 128) == prefill_kernel(16, 8, 128) == prefill_kernel(24, 8, 128) == "fp8"
-    assert prefill_kernel(48, 8, 128) == prefill_kernel(28, 4, 128) == prefill_kernel(64, 8, 128) == "exact"
+    assert prefill_kernel(48, 8, 128) == prefill_kernel(28, 4, 128) == prefill_kernel(64, 8, 128) == "fp8"
+    assert prefill_kernel(12, 2, 128) == prefill_kernel(56, 8, 64) == "fp8"
     assert prefill_kernel(32, 8, 32) == prefill_kernel(40, 8, 32) == prefill_kernel(64, 8, 32) == "mma-sync"
     assert prefill_kernel(5, 1, 128) == prefill_kernel(15, 3, 128) == prefill_kernel(72, 8, 128) == "mma-sync"
 
@@ -55,27 +55,13 @@ def test_a_pinned_wgmma_kernel_refuses_other_shapes(monkeypatch: pytest.MonkeyPa
         dispatch.check_wgmma_shape(kernel, *shape)
 
 
-@pytest.mark.parametrize(("kernel", "failing", "others"), [("fp8", (6, 7, 8), "exact or mma-sync"),
-                                                           ("exact", (1, 2), "fp8 or mma-sync")])
-def test_a_wgmma_kernel_named_for_a_group_it_fails_is_refused(monkeypatch: pytest.MonkeyPatch, kernel, failing,
-                                                              others):
-    """Both wgmma kernels compile for groups 1-8; by name, each runs only where its GPU tests pass, unless
-    MPFA_UNTESTED_GROUPS=1 (testing a fix)."""
-    for group in range(1, 9):
-        if group not in failing:
-            assert prefill_kernel(8 * group, 8, 128, kernel) == kernel
-            continue
-        message = (f"the {kernel} prefill kernel fails its GPU tests at GQA group {group} .*: use {others} "
-                   f"\\({UNTESTED_GROUPS_ENV}=1 runs it anyway")
-        with pytest.raises(ValueError, match=message):
-            prefill_kernel(8 * group, 8, 128, kernel)
-        monkeypatch.setenv(PREFILL_KERNEL_ENV, kernel)
-        with pytest.raises(ValueError, match=message):
-            prefill_kernel(8 * group, 8, 128)
-        monkeypatch.setenv(UNTESTED_GROUPS_ENV, "1")
-        assert prefill_kernel(8 * group, 8, 128) == prefill_kernel(8 * group, 8, 128, kernel) == kernel
-        monkeypatch.delenv(PREFILL_KERNEL_ENV)
-        monkeypatch.delenv(UNTESTED_GROUPS_ENV)
+@pytest.mark.parametrize("kernel", dispatch.WGMMA_KERNELS)
+def test_a_wgmma_kernel_runs_by_name_at_every_group(monkeypatch: pytest.MonkeyPatch, kernel):
+    """Both wgmma kernels pass their GPU tests at GQA groups 1-8: by name, each runs at every one."""
+    for group in dispatch.WGMMA_GROUPS:
+        assert prefill_kernel(8 * group, 8, 128, kernel) == kernel
+    monkeypatch.setenv(PREFILL_KERNEL_ENV, kernel)
+    assert [prefill_kernel(8 * group, 8, 128) for group in dispatch.WGMMA_GROUPS] == [kernel] * 8
 
 
 def test_each_kernel_says_what_it_computes():

@@ -25,7 +25,6 @@ pytest.importorskip("cutlass", reason="nvidia-cutlass-dsl is not installed (pip 
 pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip install '.[kernels-compile]')")
 
 from mpfa.kernels.sm90 import prefill_fp8 as fp8  # noqa: E402
-from mpfa.kernels.sm90.dispatch import UNTESTED_GROUPS_ENV  # noqa: E402
 from mpfa.kernels.sm90.prefill_fp8_layout import IMAGE_BYTES  # noqa: E402
 from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel, kernel_block_m  # noqa: E402
 from mpfa.kernels.sm90.sass import instructions, mma_loops  # noqa: E402
@@ -170,11 +169,9 @@ def test_limits_are_clear_errors():
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kernel,class_name", [("fp8", "PrefillSm90Fp8"), ("exact", "PrefillSm90Exact")])
-def test_other_gqa_groups_compile_without_local_memory(kernel, class_name, tmp_path, compile_builds, cuobjdump,
-                                                       monkeypatch):
-    """Groups 1-3 and 6-8 (a CTA of 1, 2 or 4 of the group's heads; some fail their GPU tests,
-    `dispatch.GPU_TESTED_GROUPS`): each build fits its registers with no local memory."""
-    monkeypatch.setenv(UNTESTED_GROUPS_ENV, "1")
+def test_other_gqa_groups_compile_without_local_memory(kernel, class_name, tmp_path, compile_builds, cuobjdump):
+    """Groups 1-3 and 6-8 (a CTA of 1, 2 or 4 of the group's heads): each build fits its registers with no local
+    memory."""
     builds = [((8, group, 128, True, "BFloat16"), True, kernel) for group in (1, 2, 3, 6, 7, 8)]
     for build, cubin in compile_builds(builds, class_name, tmp_path).items():
         usage = cuobjdump("--dump-resource-usage", str(cubin))

@@ -41,16 +41,15 @@ def test_fp8_matches_its_oracle(gen, num_q_heads, q_lens, kv_lens, page_size, ca
     prefill_tests.run_against_oracle(problem, causal, "fp8")
 
 
-OTHER_GROUPS = [1, 2, 3, 6, 7, 8]  # 6-8 fail (dispatch.GPU_TESTED_GROUPS): run with MPFA_UNTESTED_GROUPS=1
+OTHER_GROUPS = [1, 2, 3, 6, 7, 8]
 OTHER_GROUP_CASES = [([300, 129], [700, 129], True), ([200], [200], False)]  # chunked causal + whole; non-causal
 
 
 @pytest.mark.parametrize("q_lens,kv_lens,causal", OTHER_GROUP_CASES, ids=["chunked-causal", "non-causal"])
 @pytest.mark.parametrize("group", OTHER_GROUPS, ids=[f"{8 * g}:8" for g in OTHER_GROUPS])
-def test_other_gqa_groups_match_their_oracle(gen, group, q_lens, kv_lens, causal, monkeypatch):
+def test_other_gqa_groups_match_their_oracle(gen, group, q_lens, kv_lens, causal):
     """GQA groups other than 4 and 5: a CTA then holds gcd(group, 4) heads (2 at groups 2 and 6, 4 of 8 at group 8:
     new row-to-head maps and Delta_S offsets)."""
-    monkeypatch.setenv("MPFA_UNTESTED_GROUPS", "1")
     problem = prefill_tests._problem(gen, q_lens, kv_lens, 8 * group, 8, 128)
     prefill_tests.run_against_oracle(problem, causal, "fp8")
 

@@ -27,18 +27,14 @@ def test_bytes_read_counts_cache_indices_and_partials():
 
 def test_mpfa_backends_name_the_prefill_kernel_and_share_the_decode():
     """``mpfa`` runs the dispatched prefill kernel, ``mpfa-exact`` / ``mpfa-mma-sync`` name theirs, ``mpfa-direct``
-    the direct builds, ``mpfa-split-kv-fused`` the decode variant with the merge folded in; every one runs the same
-    split-KV partitions, so each reads the same bytes there."""
+    the direct builds; every one runs the same split-KV decode, so each reads the same bytes there."""
     mpfa_backends = [name for name in ADAPTERS if name.startswith("mpfa")]
-    assert mpfa_backends == ["mpfa", "mpfa-direct", "mpfa-exact", "mpfa-mma-sync", "mpfa-split-kv-fused"]
-    assert [adapter_for(name).prefill_kernel for name in mpfa_backends] == [None, None, "exact", "mma-sync", None]
-    assert [adapter_for(name).compensate for name in mpfa_backends] == [True, False, True, True, True]
-    assert [adapter_for(name).decode_kernel for name in mpfa_backends] == [None] * 4 + ["split-kv-fused"]
+    assert mpfa_backends == ["mpfa", "mpfa-direct", "mpfa-exact", "mpfa-mma-sync"]
+    assert [adapter_for(name).prefill_kernel for name in mpfa_backends] == [None, None, "exact", "mma-sync"]
+    assert [adapter_for(name).compensate for name in mpfa_backends] == [True, False, True, True]
     assert len({bytes_read(name, WORKLOAD, num_sms=132) for name in mpfa_backends}) == 1
     with pytest.raises(ValueError, match="unknown backend 'mpfa-fastest' \\(choose from fa4-bf16, fa3-bf16"):
         bytes_read("mpfa-fastest", WORKLOAD, num_sms=132)
-    with pytest.raises(ValueError, match="no backend name for the decode kernel 'split-kv'"):
-        MpfaAdapter(decode_kernel="split-kv")
 
 
 def _row(backend: str, median_ms: float | None, error: str | None = None,
