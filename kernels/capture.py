@@ -118,39 +118,13 @@ def select_layers(num_layers: int, layers: Sequence[int] | str | None) -> list[i
     return wanted
 
 
-def capture_qkv(
-    model_name: str,
-    layers: Sequence[int] | str | None = None,
-    *,
-    seq_len: int,
-    kv_heads: Sequence[int] | None = None,
-    q_per_kv: int | None = None,
-    cache_dir: Path | None = None,
-) -> ActivationSet:
-    """Run `model_name` (see models.MODELS) on the first `seq_len` tokens of the essays; return Q/K/V of `layers`
-    (`select_layers`: default `evenly_spaced_layers`, ``"all"`` every layer).
-
-    `kv_heads` keeps a subset of KV heads (default all) and `q_per_kv` the first few query heads of each kept
-    KV head's GQA group (default the whole group), to make small fixtures.
-    """
-    from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+def run_capturing(model, ids: torch.Tensor, wanted: Sequence[int], kv_sel: Sequence[int] | slice = slice(None),
+                  q_sel: Sequence[int] | slice = slice(None)) -> tuple[dict[int, LayerQKV], float]:
+    """One forward pass of the decoder of a transformers `model` (loaded with SDPA attention) on `ids` [1, S]: the
+    post-RoPE Q/K/V (bfloat16) of the layers `wanted`, heads `q_sel` / `kv_sel`, and the softmax scaling."""
+    from transformers import AttentionInterface
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    if seq_len < 2:
-        raise CaptureError(f"seq_len must be at least 2, got {seq_len}")
-    gguf = fetch_model(model_name, cache_dir)
-    text = essay_text(cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(
-        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
-    )
-    config = model.config
-    wanted = select_layers(config.num_hidden_layers, layers)
-    kv_sel, q_sel = _select_heads(config.num_attention_heads, config.num_key_value_heads, kv_heads, q_per_kv)
-    ids = tokenizer(text, return_tensors="pt").input_ids[:, :seq_len]
-    if ids.shape[1] < seq_len:
-        raise CaptureError(f"the text has only {ids.shape[1]} tokens, fewer than seq_len={seq_len}")
 
     captured: dict[int, LayerQKV] = {}
     scalings: set[float] = set()
@@ -170,10 +144,46 @@ def capture_qkv(
         model.model(input_ids=ids, use_cache=False)  # the decoder only: the LM head is not needed
     if len(scalings) != 1:
         raise CaptureError(f"expected one softmax scaling across layers, got {sorted(scalings)}")
+    return captured, scalings.pop()
+
+
+def capture_qkv(
+    model_name: str,
+    layers: Sequence[int] | str | None = None,
+    *,
+    seq_len: int,
+    kv_heads: Sequence[int] | None = None,
+    q_per_kv: int | None = None,
+    cache_dir: Path | None = None,
+) -> ActivationSet:
+    """Run `model_name` (see models.MODELS) on the first `seq_len` tokens of the essays; return Q/K/V of `layers`
+    (`select_layers`: default `evenly_spaced_layers`, ``"all"`` every layer).
+
+    `kv_heads` keeps a subset of KV heads (default all) and `q_per_kv` the first few query heads of each kept
+    KV head's GQA group (default the whole group), to make small fixtures.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if seq_len < 2:
+        raise CaptureError(f"seq_len must be at least 2, got {seq_len}")
+    gguf = fetch_model(model_name, cache_dir)
+    text = essay_text(cache_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(
+        gguf.parent, gguf_file=gguf.name, dtype=torch.float32, attn_implementation="sdpa"
+    )
+    config = model.config
+    wanted = select_layers(config.num_hidden_layers, layers)
+    kv_sel, q_sel = _select_heads(config.num_attention_heads, config.num_key_value_heads, kv_heads, q_per_kv)
+    ids = tokenizer(text, return_tensors="pt").input_ids[:, :seq_len]
+    if ids.shape[1] < seq_len:
+        raise CaptureError(f"the text has only {ids.shape[1]} tokens, fewer than seq_len={seq_len}")
+
+    captured, scaling = run_capturing(model, ids, wanted, kv_sel, q_sel)
     return ActivationSet(
         model=model_name,
         text_source=ESSAYS_SOURCE,
-        scaling=scalings.pop(),
+        scaling=scaling,
         kv_heads=kv_sel,
         q_heads=q_sel,
         layers=[captured[i] for i in wanted],
