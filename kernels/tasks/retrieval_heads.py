@@ -11,13 +11,11 @@ forward pass of the model captures every layer's post-RoPE Q/K/V (`capture.run_c
   float64 attention of the same BF16 Q/K/V.
 
 The served results say that a variant loses multi-key questions; this says in which layers and heads its error falls
-where the model retrieves. Run: ``python -m mpfa.kernels.tasks.retrieval_heads --model DIR --task niah-multikey
---length 8192 --question 13``.
+where the model retrieves. Run: ``mpfa accuracy heads --model DIR --task niah-multikey --length 8192 --question 13``.
 """
 
 from __future__ import annotations
 
-import argparse
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -109,8 +107,11 @@ def retrieval_summary(rows: Sequence[HeadRow], threshold: float = 0.1) -> dict[s
             "error_rest": mean(rest)}
 
 
-def main(argv: Sequence[str] | None = None) -> None:
-    from rich.console import Console
+def print_retrieval_heads(model: str, console, *, task: str = "niah-multikey", length: int = 8192, question: int = 0,
+                          seed: int = 0, variant: str = "mpfa-qk8tile-psum", rows: int = 16, top: int = 12,
+                          device: str = "cpu") -> list[HeadRow]:
+    """Build question `question` of `task` at `length` tokens for `model` (as `accuracy serve` does), capture its
+    Q/K/V, print the `top` heads by needle mass and the mean errors; every head's row is returned."""
     from rich.table import Table
 
     from mpfa.kernels.capture import run_capturing
@@ -119,38 +120,21 @@ def main(argv: Sequence[str] | None = None) -> None:
     from mpfa.kernels.tasks.long_context import Haystack, needle_items
     from mpfa.kernels.tasks.tokens import HFTokenizer
 
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True, help="model directory (as served) or a known GGUF model")
-    parser.add_argument("--task", default="niah-multikey", choices=["niah-single", "niah-multikey"])
-    parser.add_argument("--length", type=int, default=8192)
-    parser.add_argument("--question", type=int, default=0, help="question index (as in the served result's ids)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--variant", default="mpfa-qk8tile-psum", help="reference variant (the shipped fp8 prefill's)")
-    parser.add_argument("--rows", type=int, default=16, help="answer positions the error is taken over")
-    parser.add_argument("--top", type=int, default=12, help="heads listed, by needle mass")
-    parser.add_argument("--device", default="cpu")
-    args = parser.parse_args(argv)
-
-    lm = load_model(args.model, args.device)
+    lm = load_model(model, device)
     tok = HFTokenizer(lm.tokenizer, lm.name)
-    (item,) = needle_items(tok, args.task, Haystack.from_text(tok, essay_text()), args.length, 1, args.seed,
-                           args.question)
+    (item,) = needle_items(tok, task, Haystack.from_text(tok, essay_text()), length, 1, seed, question)
     asked, others = needle_spans(tok, item)
-    ids = torch.tensor([item.prompt], device=lm.device)
-    captured, scaling = run_capturing(lm.model, ids, range(lm.model.config.num_hidden_layers))
-    rows = head_rows([captured[i] for i in sorted(captured)], scaling, asked, others, args.variant, args.rows)
-    console = Console()
+    captured, scaling = run_capturing(lm.model, torch.tensor([item.prompt], device=lm.device),
+                                      range(lm.model.config.num_hidden_layers))
+    result = head_rows([captured[i] for i in sorted(captured)], scaling, asked, others, variant, rows)
     table = Table(title=f"{item.id}: asked {asked.key} ({asked.value}); heads by the last position's needle mass; "
-                        f"{args.variant} error vs float64 over the last {args.rows} positions", title_justify="left")
+                        f"{variant} error vs float64 over the last {rows} positions", title_justify="left")
     for column in ("layer", "head", "mass asked", "mass others", "error"):
         table.add_column(column, justify="right")
-    for r in sorted(rows, key=lambda r: -(r.mass_asked + r.mass_others))[:args.top]:
+    for r in sorted(result, key=lambda r: -(r.mass_asked + r.mass_others))[:top]:
         table.add_row(str(r.layer), str(r.head), f"{r.mass_asked:.3f}", f"{r.mass_others:.3f}", f"{r.error:.4f}")
     console.print(table)
-    s = retrieval_summary(rows)
+    s = retrieval_summary(result)
     console.print(f"mean error: {s['error_retrieving']:.4f} over the {s['retrieving']} heads with >= 10% of the mass "
                   f"on the needles, {s['error_rest']:.4f} over the other {s['rest']}", highlight=False)
-
-
-if __name__ == "__main__":
-    main()
+    return result

@@ -290,6 +290,31 @@ def accuracy_emulate(
     console.print(f"stored emulated accuracy result {stored} in {store.path}")
 
 
+@accuracy_app.command("heads")
+@cli_errors
+def accuracy_heads(
+    model: Annotated[str, typer.Option("--model", help="A model directory (as given to `accuracy serve --model`), a .gguf file, or qwen2.5-coder-1.5b / smollm2-135m.")],
+    task: Annotated[str, typer.Option(help="niah-single or niah-multikey.")] = "niah-multikey",
+    length: Annotated[int, typer.Option(help="Prompt length (tokens), as in `accuracy serve --lengths`.")] = 8192,
+    question: Annotated[int, typer.Option(help="Question index, as in a served result's question ids.")] = 0,
+    seed: Annotated[int, typer.Option(help="Seed of the prompts (the served run's).")] = 0,
+    variant: Annotated[str, typer.Option(help="Reference variant (mpfa-qk8tile-psum: the shipped fp8 prefill's numerics).")] = "mpfa-qk8tile-psum",
+    rows: Annotated[int, typer.Option(help="Answer positions the error is taken over.")] = 16,
+    top: Annotated[int, typer.Option(help="Heads listed, by needle mass.")] = 12,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Per layer and head, one needle question's attention mass on its needles and a variant's error there."""
+    from mpfa.kernels.tasks.retrieval_heads import print_retrieval_heads
+
+    if task not in ("niah-single", "niah-multikey") or rows < 1 or top < 1:
+        raise UserError("--task must be niah-single or niah-multikey, --rows and --top >= 1")
+    try:
+        print_retrieval_heads(model, console, task=task, length=length, question=question, seed=seed,
+                              variant=variant, rows=rows, top=top, device=device)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+
 @accuracy_app.command("served")
 @cli_errors
 def accuracy_served(

@@ -50,3 +50,14 @@ def test_a_head_pointing_at_the_needle_gets_its_mass_and_errors_are_measured():
     summary = retrieval_summary(shipped)
     assert summary["retrieving"] == 1 and summary["rest"] == 3
     assert summary["error_retrieving"] == pytest.approx(shipped[0].error)
+
+
+def test_the_command_refuses_bad_input_in_one_line():
+    from typer.testing import CliRunner
+
+    from mpfa.cli.app import app
+
+    for args in (["--model", "x", "--task", "squad"], ["--model", "/no/such/dir"], ["--model", "x", "--rows", "0"]):
+        result = CliRunner().invoke(app, ["accuracy", "heads", *args])
+        assert result.exit_code != 0 and "Traceback" not in result.output
+        assert len(result.output.strip().splitlines()) == 1 and result.output.startswith("error:"), result.output
