@@ -23,6 +23,8 @@ from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from typing import Any
 
+from mpfa.harness.engines import gpu_label
+from mpfa.harness.latency_model import ModelShape
 from mpfa.harness.logits import SERVER_KEYS, ResponseError, post_generate, response_meta
 from mpfa.harness.served_accuracy import ServedAccuracy
 from mpfa.harness.scenario import load_model_shape
@@ -136,7 +138,7 @@ def run_served_accuracy(
     from mpfa.harness.engines import model_name
     from mpfa.harness.environment import collect_environment
 
-    environment = collect_environment()
+    environment, shape = collect_environment(), load_model_shape(model)
     options = [options_for(spec) for spec in specs]
     names = [served_name(spec, opts.prefill_kernel) for spec, opts in zip(specs, options)]
     result = ServedAccuracy.empty(model_name(model), tok.name, ref, names, cells, seed, max_new_tokens)
@@ -147,7 +149,7 @@ def run_served_accuracy(
                 verify_server(info, spec)  # `served` checks the servers it launches itself
             result.simulated = result.simulated or opts.engine == "sim" or bool(info.get("simulated"))
             result.server_info[name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
-            result.provenance[name] = provenance(spec, opts, model, environment)
+            result.provenance[name] = provenance(spec, opts, shape, environment)
             for cell in cells:
                 bar = progress.add_task(f"{name} {cell.key}", total=len(cell.items))
                 try:
@@ -161,13 +163,12 @@ def run_served_accuracy(
     return result
 
 
-def provenance(spec, opts, model: str, environment: dict[str, Any]) -> dict[str, Any]:
+def provenance(spec, opts, shape: ModelShape, environment: dict[str, Any]) -> dict[str, Any]:
     """Where and when a backend was scored: the date (UTC), the GPU and mpfa revision of `environment`
-    (`environment.collect_environment`), and the kernels its server runs for `model`'s heads."""
-    shape = load_model_shape(model)
+    (`environment.collect_environment`), and the kernels its server runs for the model's heads (`shape`)."""
     simulated = opts.engine == "sim"
     return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
-            "gpu": "simulated" if simulated else (environment.get("gpus") or ["unknown"])[0],
+            "gpu": gpu_label(simulated, environment["gpus"]),
             "mpfa_revision": environment.get("mpfa_revision"),
             "kernels": served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec), opts.prefill_kernel,
                                       source="simulated" if simulated else "dispatch")}

@@ -34,7 +34,7 @@ from mpfa.harness import client, metrics, serving_workload
 from mpfa.harness.engines import (
     READY_TIMEOUT_S,
     SGLANG_HIGHEST_PORT,
-    gpu_names,
+    gpu_label,
     model_name,
     sglang_launch,
     sim_launch,
@@ -248,7 +248,7 @@ def run_bench(
     expected = {spec.name: served_kernels(spec, q_heads, kv_heads, launch_page_size(spec), opts.prefill_kernel)
                 for spec in specs}
     environment = collect_environment()
-    gpu = "simulated" if opts.engine == "sim" else (gpu_names() or ["unknown"])[0]
+    gpu = gpu_label(opts.engine == "sim", environment["gpus"])
     context_len = max(scenario.input_len) + scenario.output_len + 64
     run_ids: list[int] = []
     plan = run_plan(scenario)

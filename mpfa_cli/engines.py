@@ -31,6 +31,14 @@ def gpu_names() -> list[str]:
     return [line.strip() for line in out.splitlines() if line.strip()]
 
 
+def gpu_label(simulated: bool = False, names: list[str] | None = None) -> str:
+    """The GPU a stored result names: "simulated" for the simulator, else the first of `names` (default:
+    `gpu_names()`), "unknown" where there is none."""
+    if simulated:
+        return "simulated"
+    return next(iter(gpu_names() if names is None else names), "unknown")
+
+
 def resolve_engine(engine: str, url: str | None) -> str:
     if url:
         return "url"

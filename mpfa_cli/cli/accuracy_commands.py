@@ -168,7 +168,7 @@ def accuracy_serve(
 
     from mpfa.cli.side_by_side import options_per_backend, served_backends
     from mpfa.harness.accuracy_serve import check_window, run_served_accuracy, workload
-    from mpfa.harness.engines import gpu_names, model_name, resolve_backends
+    from mpfa.harness.engines import gpu_label, model_name, resolve_backends
     from mpfa.harness.scenario import is_bundled_model, model_dir
     from mpfa.harness.served_accuracy import KIND, render
     from mpfa.harness.served_kernels import check_prefill_kernel
@@ -203,7 +203,7 @@ def accuracy_serve(
         result = run_served_accuracy(specs, ref, cells, tok, model, options_for, console, seed=seed,
                                      max_new_tokens=max_new_tokens, concurrency=concurrency)
         render(result, console)
-        gpu = "simulated" if result.simulated else (gpu_names() or ["unknown"])[0]
+        gpu = gpu_label(result.simulated)
         params = {"backends": result.backends, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
                   "tasks": [c.key for c in result.cells], "limit": limit, "offset": offset, "seed": seed,
                   "max_new_tokens": max_new_tokens, "concurrency": concurrency, "engine": chosen_engine,
@@ -239,7 +239,7 @@ def accuracy_emulate(
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from mpfa.harness.accuracy_serve import check_window
-    from mpfa.harness.engines import gpu_names, model_name
+    from mpfa.harness.engines import gpu_label, model_name
     from mpfa.harness.served_accuracy import KIND, ServedAccuracy, render
     from mpfa.kernels.tasks.attention_swap import SWAP_VARIANTS
     from mpfa.kernels.tasks.emulate import emulate_cells
@@ -280,7 +280,7 @@ def accuracy_emulate(
         result.answers[variant] = {key: said for key, (_, said) in by_cell.items()}
         result.server_info[variant] = {"engine": "emulate", "variant": variant}
     render(result, console)
-    gpu = (gpu_names() or ["unknown"])[0] if device.startswith("cuda") else "cpu"
+    gpu = gpu_label() if device.startswith("cuda") else "cpu"
     params = {"backends": chosen, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
               "tasks": [c.key for c in cells],
               "limit": limit, "offset": offset, "seed": seed, "max_new_tokens": max_new_tokens, "engine": "emulate",
@@ -304,10 +304,11 @@ def accuracy_heads(
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
 ) -> None:
     """Per layer and head, one needle question's attention mass on its needles and a variant's error there."""
+    from mpfa.kernels.tasks.long_context import NEEDLE_TASKS
     from mpfa.kernels.tasks.retrieval_heads import print_retrieval_heads
 
-    if task not in ("niah-single", "niah-multikey") or rows < 1 or top < 1:
-        raise UserError("--task must be niah-single or niah-multikey, --rows and --top >= 1")
+    if task not in NEEDLE_TASKS or rows < 1 or top < 1:
+        raise UserError(f"--task must be one of {', '.join(NEEDLE_TASKS)}, --rows and --top >= 1")
     try:
         print_retrieval_heads(model, console, task=task, length=length, question=question, seed=seed,
                               variant=variant, rows=rows, top=top, device=device)

@@ -37,7 +37,7 @@ def logits(
 ) -> None:
     """Do backends compute the same model? Prompt (prefill) and greedy output (decode) logprobs vs a reference."""
     from mpfa.cli.side_by_side import options_per_backend, served_backends
-    from mpfa.harness.engines import gpu_names, resolve_backends
+    from mpfa.harness.engines import gpu_label, resolve_backends
     from mpfa.harness.logits import render, run_logits, workload_params
     from mpfa.harness.logits_check import check_against_prediction, load_prediction, render_checks, served_numerics
     from mpfa.harness.served_kernels import check_prefill_kernel
@@ -71,7 +71,7 @@ def logits(
         if predicted is not None:
             checks = check_against_prediction(result, prediction, numerics)
             render_checks(checks, predicted_factor, console)
-        gpu = "simulated" if result.simulated else (gpu_names() or ["unknown"])[0]
+        gpu = gpu_label(result.simulated)
         params = {**workload_params(seed, prompts, lengths, output_len), "backends": [s.name for s in specs],
                   "ref": ref, "model": model, "engine": chosen_engine, "server_args": extra}
         stored = store.add_profile("logits", gpu, params, result.to_json(), simulated=result.simulated)

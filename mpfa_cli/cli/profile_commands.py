@@ -79,7 +79,7 @@ def _profile_serving(
 ) -> None:
     """Launch SGLang for one backend (or use --url), profile a prefill and a decode window, store the breakdown."""
     from mpfa.harness.bench import BenchOptions, progress_bar, served
-    from mpfa.harness.engines import gpu_names, resolve_backends, resolve_engine
+    from mpfa.harness.engines import gpu_label, resolve_backends, resolve_engine
     from mpfa.profiles.serving import profile_serving
     from mpfa.profiles.serving_report import render_serving
 
@@ -94,7 +94,7 @@ def _profile_serving(
         ):
             result = profile_serving(server_url, input_len, batch, steps, out, progress=progress_line)
         render_serving(result, console)
-        gpu = (gpu_names() or ["unknown"])[0]
+        gpu = gpu_label()
         params = {"backend": spec.name, "input_len": input_len, "batch": batch, "steps": steps,
                   "server": result.server}
         _store_profile(store, "serving", gpu, params, result.to_json())
