@@ -4,7 +4,9 @@ exports back (`mpfa import`).
 Every exported run carries `simulated` and `caveat`, so simulator numbers cannot pass for measurements, nor
 caveated numbers (measured, but not the backend's own) for clean ones, downstream, and the `kernels` its server ran
 (CSV: as one line, `describe_kernels`).
-Non-finite metric values are written as JSON null / an empty CSV cell. A JSON export read back gives the runs
+A file name ending in `.gz` is written gzip-compressed (exports with every request are mostly repeated digits:
+about 6x smaller), and a gzip file is read back as such. Non-finite metric values are written as JSON null / an
+empty CSV cell. A JSON export read back gives the runs
 as exported (null metrics as NaN); exports written before runs had a `caveat` read as caveat None, and those
 written without `--requests` as runs without requests, and those written before runs had `kernels` as runs with none
 recorded.
@@ -13,10 +15,13 @@ from __future__ import annotations
 
 import csv
 import dataclasses
+import gzip
+import io
 import json
 import math
 import types
 import typing
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +55,11 @@ def export_runs(runs: Sequence[StoredRun], fmt: str, dest: Path | TextIO,
         raise UserError(f"unknown export format {fmt!r}: choose one of {', '.join(EXPORT_FORMATS)}")
     if isinstance(dest, Path):
         try:
+            if dest.suffix == ".gz":
+                text = io.StringIO(newline="")
+                _write(runs, fmt, text, include_requests)
+                dest.write_bytes(gzip.compress(text.getvalue().encode("utf-8"), mtime=0))  # same runs, same bytes
+                return
             with dest.open("w", newline="", encoding="utf-8") as stream:
                 _write(runs, fmt, stream, include_requests)
         except OSError as exc:
@@ -73,10 +83,11 @@ def run_to_dict(run: StoredRun, include_requests: bool = False) -> dict[str, Any
 def read_export(path: Path) -> list[StoredRun]:
     """The runs of a JSON export written by `export_runs` (ids as exported); anything else is a UserError."""
     try:
-        doc = json.loads(path.read_bytes().decode("utf-8"))
-    except OSError as exc:
+        raw = path.read_bytes()
+        doc = json.loads((gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8"))
+    except OSError as exc:  # gzip.BadGzipFile is one
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+    except (EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
         raise UserError(f"{path} is not an mpfa JSON export (not UTF-8 JSON; `mpfa export` writes one)") from None
     if not isinstance(doc, dict) or not isinstance(doc.get("runs"), list):
         raise UserError(f"{path} is not an mpfa JSON export (no top-level \"runs\" list)")

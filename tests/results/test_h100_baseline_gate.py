@@ -1,15 +1,18 @@
 """The committed H100 baseline (profiles/baselines/h100.json) gated through the CLI against the committed exports it
-was written from (c=1: fa3-bf16, fa3-fp8 and mpfa side by side in one lease; c=8: fa3-fp8 and mpfa in another):
+was written from (each point's backends side by side in one lease; three leases: 32K and 128K at c=1, 32K and 128K
+at c=8, 16K and 64K):
 it passes, and a copy with one backend's requests degraded fails whatever its stale summary says. A change to the
 gate's logic, its aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
 
 The baseline is written (docs/performance.md, "The CI gate's baseline") by
-    mpfa import profiles/results/serve-serving-matrix-c1-fa3-bf16-fa3-fp8-mpfa-h100.json \
-        profiles/results/serve-serving-matrix-c8-fa3-fp8-mpfa-h100.json --db DB
+    mpfa import profiles/results/serve-serving-matrix-32k-128k-c1-fa3-bf16-fa3-fp8-mpfa-h100.json.gz \
+        profiles/results/serve-serving-matrix-16k-64k-fa3-bf16-fa3-fp8-mpfa-h100.json.gz \
+        profiles/results/serve-serving-matrix-32k-128k-c8-fa3-fp8-mpfa-h100.json.gz --db DB
     mpfa gate --write-baseline --baseline profiles/baselines/h100.json --db DB
 """
 from __future__ import annotations
 
+import gzip
 import json
 from pathlib import Path
 
@@ -22,10 +25,10 @@ from mpfa.harness.store import ResultStore
 
 PROFILES = Path(__file__).resolve().parents[2] / "profiles"
 BASELINE = PROFILES / "baselines" / "h100.json"
-EXPORTS = (PROFILES / "results" / "serve-serving-matrix-c1-fa3-bf16-fa3-fp8-mpfa-h100.json",
-           PROFILES / "results" / "serve-serving-matrix-c8-fa3-fp8-mpfa-h100.json")
+EXPORTS = tuple(PROFILES / "results" / f"serve-serving-matrix-{name}-h100.json.gz" for name in (
+    "32k-128k-c1-fa3-bf16-fa3-fp8-mpfa", "16k-64k-fa3-bf16-fa3-fp8-mpfa", "32k-128k-c8-fa3-fp8-mpfa"))
 DEGRADED = ("serving-matrix", "mpfa")  # scenario and backend made worse in the degraded copies
-POINTS = 5  # mpfa's points in the exports: 16K, 32K and 128K at c=1, 32K and 128K at c=8
+POINTS = 7  # mpfa's points in the exports: 16K, 32K, 64K and 128K at c=1, 16K, 32K and 128K at c=8
 SINGLE_REPEAT = {131072: 8}  # input length: the concurrency of the one point measured once (no CI)
 
 
@@ -43,14 +46,14 @@ def imported(db: Path, *exports: Path) -> list[str]:
 
 def degraded_copies(dest: Path, factor: float = 0.7) -> list[Path]:
     """Every export with DEGRADED's runs slowed down by `factor` (`degraded_copy`), in `dest`."""
-    return [degraded_copy(path, dest / f"degraded-{path.name}", factor) for path in EXPORTS]
+    return [degraded_copy(path, dest / f"degraded-{path.stem}", factor) for path in EXPORTS]  # plain .json
 
 
 def degraded_copy(path: Path, dest: Path, factor: float = 0.7) -> Path:
     """`path` with DEGRADED's runs slowed down in their requests (every time stretched by 1 / `factor` from the
     first dispatch: OTPS times `factor`, TTFT and TPOT divided by it) and their summaries left as they were: a
     stale summary that import must not trust."""
-    doc = json.loads(path.read_text())
+    doc = json.loads(gzip.decompress(path.read_bytes()))
     hit = 0
     for run in doc["runs"]:
         if (run["scenario"], run["backend"]) == DEGRADED:
@@ -81,7 +84,7 @@ def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
 def test_a_later_lease_reproduces_the_baseline(tmp_path):
     """The 128K c=1 point re-run side by side in another lease (git 17813754ac9b, one repeat: judged by the
     tolerance alone) passes the baseline: fa3-fp8 and mpfa within 0.5% of their earlier means."""
-    rerun = PROFILES / "results" / "serve-serving-matrix-128k-c1-fa3-fp8-mpfa-h100.json"
+    rerun = PROFILES / "results" / "serve-serving-matrix-128k-c1-fa3-fp8-mpfa-h100.json.gz"
     results = imported(tmp_path / "r.db", *EXPORTS, rerun)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 0, result.output
@@ -104,9 +107,10 @@ def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
         assert [v for v in stored if v is not None] == pytest.approx([v for v in fresh_values if v is not None],
                                                                      rel=1e-12)
     gated = {(e.backend, e.input_len, e.load["concurrency"], e.metric) for e in committed.entries}
-    c1 = {(b, n, 1, m) for b in ("fa3-bf16", "fa3-fp8", "mpfa") for n in (16384, 32768, 131072)
-          for m in GATED_METRICS if (b, n) != ("fa3-bf16", 16384)}
-    c8 = {(b, n, 8, m) for b in ("fa3-fp8", "mpfa") for n in (32768, 131072) for m in GATED_METRICS}
+    every = ("fa3-bf16", "fa3-fp8", "mpfa")
+    c1 = {(b, n, 1, m) for b in every for n in (16384, 32768, 65536, 131072) for m in GATED_METRICS}
+    c8 = {(b, n, 8, m) for b in every for n in (16384, 32768, 131072) for m in GATED_METRICS
+          if b != "fa3-bf16" or n == 16384}
     assert gated == c1 | c8
     for e in committed.entries:  # two repeats give a CI; the point measured once has none
         once = SINGLE_REPEAT.get(e.input_len) == e.load["concurrency"]

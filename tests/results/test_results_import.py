@@ -1,6 +1,7 @@
 """`mpfa import`: exported runs back into a database as they were, once; anything but an export is refused."""
 from __future__ import annotations
 
+import gzip
 import json
 import math
 from pathlib import Path
@@ -40,6 +41,32 @@ def test_round_trip_export_import_export_is_equal_apart_from_ids(tmp_path):
     assert mpfa("export", "--requests", "-o", out, "--db", db).exit_code == 0
     # The export predates runs' kernel records: its runs import with none recorded.
     assert without_ids(exported(out)) == [{**r, "kernels": {}} for r in without_ids(exported(NEW_EXPORT))]
+
+
+def test_a_gz_export_is_compressed_reproducible_and_imports_as_the_plain_one(tmp_path):
+    db = tmp_path / "r.db"
+    assert mpfa("import", NEW_EXPORT, "--db", db).exit_code == 0
+    plain, packed = tmp_path / "e.json", tmp_path / "e.json.gz"
+    for dest in (plain, packed):
+        assert mpfa("export", "--requests", "-o", dest, "--db", db).exit_code == 0
+    assert gzip.decompress(packed.read_bytes()) == plain.read_bytes()
+    assert packed.stat().st_size < plain.stat().st_size / 4
+    first = packed.read_bytes()
+    assert mpfa("export", "--requests", "-o", packed, "--db", db).exit_code == 0
+    assert packed.read_bytes() == first  # no timestamp in the gzip header: a re-export does not change the file
+    result = mpfa("import", packed, "--db", tmp_path / "other.db")
+    assert result.exit_code == 0 and "imported 8 run(s)" in result.output
+    again = tmp_path / "again.json"
+    assert mpfa("export", "--requests", "-o", again, "--db", tmp_path / "other.db").exit_code == 0
+    assert without_ids(exported(again)) == without_ids(exported(plain))
+
+
+def test_a_truncated_gz_export_is_one_line_error(tmp_path):
+    packed = tmp_path / "e.json.gz"
+    packed.write_bytes(gzip.compress(NEW_EXPORT.read_bytes())[:2000])
+    result = mpfa("import", packed, "--db", tmp_path / "r.db")
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip().count("\n") == 0 and "e.json.gz is not an mpfa JSON export" in result.stderr
 
 
 def test_an_old_export_imports_with_no_caveat_and_no_kernels(tmp_path):
