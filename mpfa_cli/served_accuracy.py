@@ -115,11 +115,42 @@ class ServedAccuracy:
         return rows
 
 
-def export_json(result: ServedAccuracy, stored_id: int | None = None) -> dict[str, Any]:
-    """The stored result with its summary (means and paired differences) added."""
+def export_json(result: ServedAccuracy, stored_id: int | None = None, gpu: str | None = None,
+                params: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The stored result with where it was stored from (`gpu`, `params`) and its summary (means and paired
+    differences) added; `read_export` takes it back."""
     summary = [{**asdict(r), "difference": r.difference.to_json() if r.difference else None}
                for r in result.summary()]
-    return {"id": stored_id, **result.to_json(), "summary": summary}
+    return {"id": stored_id, "gpu": gpu, "params": params or {}, **result.to_json(), "summary": summary}
+
+
+@dataclass
+class ExportedResult:
+    """One result of a JSON export, as `mpfa accuracy import` stores it."""
+
+    result: ServedAccuracy
+    gpu: str | None  # None: exported before exports named it
+    params: dict[str, Any]
+
+
+def read_export(doc: Any) -> list[ExportedResult]:
+    """The results of a parsed `accuracy served --format json` export; the summary is recomputed from the scores,
+    never read. A ValueError names what is wrong."""
+    if not isinstance(doc, list) or not all(isinstance(entry, dict) for entry in doc):
+        raise ValueError("not a list of results (`mpfa accuracy served IDS --format json` writes one)")
+    results = []
+    for number, entry in enumerate(doc, 1):
+        fields = {k: v for k, v in entry.items() if k not in ("id", "gpu", "params", "summary")}
+        try:
+            result = ServedAccuracy.from_json(fields)
+        except (KeyError, TypeError) as exc:  # a field missing, unknown or of the wrong kind
+            raise ValueError(f"result {number}: a field is missing or malformed ({exc})") from None
+        missing = [b for b in result.backends if set(result.scores.get(b, {})) != {c.key for c in result.cells}
+                   and b not in result.errors]
+        if missing:
+            raise ValueError(f"result {number}: backend {missing[0]} has no scores for some cells and no error")
+        results.append(ExportedResult(result, entry.get("gpu"), entry.get("params") or {}))
+    return results
 
 
 def export_csv(results: list[tuple[int | None, ServedAccuracy]]) -> str:
@@ -178,11 +209,13 @@ def render(result: ServedAccuracy, console) -> None:
 
 def provenance_note(result: ServedAccuracy) -> str:
     """One line naming the GPU and mpfa revision the backends were scored at; "§" and each backend's where they
-    differ (a merge of runs of different revisions compares different code). Empty without provenance."""
-    known = {b: p for b in result.ordered() if (p := result.provenance.get(b))}
-    if not known:
+    differ (a merge of runs of different revisions compares different code), or where some backends' were not
+    recorded (results stored before provenance was, merged with later ones). Empty without any provenance."""
+    if not result.provenance:
         return ""
-    where = {b: (p.get("gpu") or "unknown GPU", p.get("mpfa_revision") or "unknown revision") for b, p in known.items()}
+    recorded = {b: result.provenance.get(b, {}) for b in result.ordered()}
+    where = {b: (p.get("gpu") or "unknown GPU", p.get("mpfa_revision") or "unknown revision")
+             for b, p in recorded.items()}
     if len(set(where.values())) == 1:
         gpu, revision = next(iter(where.values()))
         return f"scored on {gpu} at mpfa {revision}"

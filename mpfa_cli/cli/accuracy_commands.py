@@ -342,6 +342,7 @@ def accuracy_served(
             return
         stored = stored_accuracy_results(store, number_list(ids, "ids"), (KIND,))
         results = [(p.id, ServedAccuracy.from_json(p.result)) for p in stored]
+        where = {p.id: (p.gpu, p.params) for p in stored}  # what a JSON export records of each
         if merge:
             if len(gpus := {p.gpu for p in stored if p.params.get("engine") != "emulate"}) > 1:
                 raise UserError(f"cannot merge served results from different GPUs: {', '.join(sorted(gpus))}")
@@ -353,6 +354,7 @@ def accuracy_served(
             gpu = next((p.gpu for p in stored if p.params.get("engine") != "emulate"), stored[0].gpu)
             merged_id = store.add_profile(KIND, gpu, params, merged.to_json(), simulated=merged.simulated)
             results = [(merged_id, merged)]
+            where[merged_id] = (gpu, params)
             err_console.print(f"stored merged served accuracy result {merged_id} in {store.path}")
     if ref is not None:
         for _, result in results:
@@ -372,13 +374,46 @@ def accuracy_served(
             if by_depth:
                 render_by_depth(result, console)
         return
-    text = (json.dumps([export_json(r, i) for i, r in results], indent=1) if format == "json"
-            else export_csv(results))
+    text = (json.dumps([export_json(r, i, *where[i]) for i, r in results], indent=1)
+            if format == "json" else export_csv(results))
     if output is None:
         print(text, end="" if text.endswith("\n") else "\n")
     else:
         output.write_text(text)
         console.print(f"wrote {output}")
+
+
+@accuracy_app.command("import")
+@cli_errors
+def accuracy_import(
+    files: Annotated[list[Path], typer.Argument(help="JSON exports of served / emulated results (`mpfa accuracy served IDS --format json -o FILE`).")],
+    gpu: Annotated[Optional[str], typer.Option("--gpu", help="The GPU of results exported before exports named theirs (e.g. \"NVIDIA H100 80GB HBM3\").")] = None,
+    db: DbOption = None,
+) -> None:
+    """Store exported served-accuracy results (new ids), to table, plot or merge them without the GPU they ran on.
+    Every file is read and checked first; the summaries are recomputed from the per-question scores."""
+    import json
+
+    from mpfa.harness.served_accuracy import KIND, read_export
+
+    entries = []
+    for path in files:
+        try:
+            read = read_export(json.loads(path.read_text(encoding="utf-8")))
+        except OSError as exc:
+            raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
+        except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
+            raise UserError(f"{path} is not a served-accuracy export: {exc}") from None
+        if unnamed := [e for e in read if e.gpu is None and not e.result.simulated] if gpu is None else []:
+            raise UserError(f"{path}: {len(unnamed)} result(s) do not name their GPU: pass --gpu")
+        entries += [(path, e) for e in read]
+    with open_store(db) as store:
+        for path, entry in entries:
+            gpu_name = entry.gpu or ("simulated" if entry.result.simulated else gpu)
+            params = {**entry.params, "imported_from": path.name}
+            stored = store.add_profile(KIND, gpu_name, params, entry.result.to_json(), simulated=entry.result.simulated)
+            console.print(f"{path}: stored {', '.join(entry.result.backends)} as served accuracy result {stored} "
+                          f"({gpu_name}) in {store.path}", highlight=False, soft_wrap=True)
 
 
 def _list_served(stored: list) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+from pathlib import Path
 
 import pytest
 
@@ -18,6 +19,8 @@ from mpfa.kernels.tasks.tokens import ByteTokenizer, answer_text
 
 BACKENDS = ("fa3-bf16", "mpfa")
 MAX_NEW = 12
+SERVED_EXPORT = (Path(__file__).resolve().parents[2] / "profiles" / "results"
+                 / "accuracy-serve-niah-qwen2.5-coder-1.5b-fa3-bf16-fa3-fp8-mpfa-h100.json")
 
 
 @pytest.fixture
@@ -108,6 +111,17 @@ def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, ta
     assert compared.returncode == 0 and "SIMULATED" in compared.stdout and "niah-multikey" in compared.stdout
     figure = mpfa("plot", "--accuracy", str(stored.id), "--format", "both", "-o", str(mpfa.tmp / "acc.png"))
     assert figure.returncode == 0 and all((mpfa.tmp / f"acc.{kind}").stat().st_size > 0 for kind in ("png", "svg"))
+    # exported and imported elsewhere: the same result, simulated, with its summary recomputed from the scores
+    export = mpfa.tmp / "served.json"
+    assert mpfa("accuracy", "served", str(stored.id), "--format", "json", "-o", str(export)).returncode == 0
+    elsewhere = mpfa.tmp / "elsewhere.db"
+    imported = mpfa("accuracy", "import", str(export), "--db", str(elsewhere))
+    assert imported.returncode == 0 and "(simulated)" in imported.stdout, imported.stderr
+    again = json.loads(mpfa("accuracy", "served", "1", "--format", "json", "--db", str(elsewhere)).stdout)[0]
+    first = json.loads(export.read_text())[0]
+    assert {k: v for k, v in again.items() if k not in ("id", "params")} == \
+        {k: v for k, v in first.items() if k not in ("id", "params")}
+    assert again["params"] == {**first["params"], "imported_from": "served.json"}
 
 
 def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):
@@ -122,3 +136,36 @@ def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
     run = mpfa("accuracy", "served", "1")
     assert run.returncode == 2 and "no profile with id 1" in run.stderr
+
+
+def test_the_committed_served_export_imports_with_its_gpu_and_summary(mpfa):
+    """The H100 needle results (docs/accuracy.md) stored from their export alone: GPU named, every backend's
+    per-cell difference to fa3-bf16 recomputed from the scores equal to the export's."""
+    run = mpfa("accuracy", "import", str(SERVED_EXPORT))
+    assert run.returncode == 0 and "(NVIDIA H100 80GB HBM3)" in run.stdout, run.stderr
+    (exported,) = json.loads(SERVED_EXPORT.read_text())
+    (stored,) = json.loads(mpfa("accuracy", "served", "1", "--format", "json").stdout)
+    assert stored["summary"] == exported["summary"]
+    assert stored["backends"] == ["fa3-bf16", "mpfa+fp8", "mpfa+exact", "fa3-fp8", "mpfa-direct"]
+    table = mpfa("accuracy", "served", "1")
+    assert table.returncode == 0 and "§" in table.stdout  # the reference predates recorded provenance
+
+
+def test_import_refuses_a_result_without_gpu_unless_named_and_a_non_export_in_one_line(mpfa):
+    (exported,) = json.loads(SERVED_EXPORT.read_text())
+    older = mpfa.tmp / "older.json"  # as exports were written before they named the GPU
+    older.write_text(json.dumps([{k: v for k, v in exported.items() if k not in ("gpu", "params")}]))
+    refused = mpfa("accuracy", "import", str(older))
+    assert refused.returncode == 2 and "do not name their GPU: pass --gpu" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
+    named = mpfa("accuracy", "import", str(older), "--gpu", "NVIDIA H100 80GB HBM3")
+    assert named.returncode == 0 and "(NVIDIA H100 80GB HBM3)" in named.stdout
+    for content, reason in (("{}", "not a list of results"), ("[{\"model\": 1}]", "result 1:"),
+                            ("not json", "is not a served-accuracy export")):
+        bad = mpfa.tmp / "bad.json"
+        bad.write_text(content)
+        run = mpfa("accuracy", "import", str(bad), "--gpu", "x")
+        assert run.returncode == 2 and reason in run.stderr and "Traceback" not in run.stderr, run.stderr
+        assert len(run.stderr.strip().splitlines()) == 1
+    with ResultStore(mpfa.db) as store:
+        assert len(store.list_profiles("accuracy-serve")) == 1  # nothing stored from the refused files

@@ -120,6 +120,9 @@ def test_the_table_names_where_the_backends_were_scored_and_flags_a_mix():
     assert note.startswith("§") and "fa3-bf16 NVIDIA H100 80GB HBM3 at 17813754ac9b" in note and "65b6d144e323" in note
     again = ServedAccuracy.from_json(result.to_json())  # stored and read back
     assert again.provenance == result.provenance
+    del result.provenance["fa3-bf16"]  # a result stored before provenance was, merged with a later one
+    note = provenance_note(result)
+    assert note.startswith("§") and "fa3-bf16 unknown GPU at unknown revision" in note and "65b6d144e323" in note
 
 
 def test_a_prefill_kernel_names_the_mpfa_backends_it_applies_to():
