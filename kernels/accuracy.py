@@ -28,11 +28,12 @@ from mpfa.kernels.formats import (
     E4M3_MAX,
     NVFP4_BLOCK,
     FormatError,
+    e4m3_amax_scale,
     fake_quant_nvfp4,
     nvfp4_global_scale,
 )
 from mpfa.kernels.models import MODELS
-from mpfa.kernels.reference import VARIANTS, attention, attention_float64
+from mpfa.kernels.reference import CALIBRATED, VARIANTS, attention, attention_float64
 from mpfa.kernels.smoothing import center, sequence_means
 
 DEFAULT_VARIANTS = ("bf16", "fp8", "qk4-pv16", "qk4-pv8-direct", "mpfa", "qk4-pv4")
@@ -54,19 +55,29 @@ def recovery(err_direct: float, err_mpfa: float) -> float:
 
 def _check_variants(variants: Sequence[str]) -> list[str]:
     chosen = list(dict.fromkeys(variants))
-    unknown = [v for v in chosen if v not in VARIANTS or v == "float64"]
+    known = [*(v for v in VARIANTS if v != "float64"), *CALIBRATED]
+    unknown = [v for v in chosen if v not in known]
     if not chosen or unknown:
-        names = ", ".join(v for v in VARIANTS if v != "float64")
-        raise ValueError(f"unknown or missing variants {unknown or '(none)'}; choose from {names}")
+        raise ValueError(f"unknown or missing variants {unknown or '(none)'}; choose from {', '.join(known)}")
     return chosen
+
+
+def _variant_output(name: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scaling: float,
+                    block_n: int) -> torch.Tensor:
+    """One variant's attention output; a `CALIBRATED` one with FP8 scales from this layer's own K and V (amax / 448
+    per KV head over the same tokens: the best any calibration text can give these inputs)."""
+    if name not in CALIBRATED:
+        return attention(q, k, v, variant=name, causal=True, sm_scale=scaling, block_n=block_n)
+    k_scale, v_scale = (e4m3_amax_scale(x.to(torch.bfloat16).float().abs().amax(dim=(0, 2))) for x in (k, v))
+    return attention(q, k, v, variant=CALIBRATED[name], causal=True, sm_scale=scaling, block_n=block_n,
+                     k_scale=k_scale, v_scale=v_scale)
 
 
 def _layer_rows(model: str, lay: LayerQKV, q_heads: list[int], kv_heads: list[int], variants: list[str],
                 scaling: float, device: torch.device, block_n: int) -> list[dict]:
     q, k, v = (x.to(device) for x in (lay.q, lay.k, lay.v))
     ref = attention_float64(q, k, v, causal=True, sm_scale=scaling)
-    outs = {name: attention(q, k, v, variant=name, causal=True, sm_scale=scaling, block_n=block_n)
-            for name in variants}
+    outs = {name: _variant_output(name, q, k, v, scaling, block_n) for name in variants}
     group = len(q_heads) // len(kv_heads)
     rows = []
     for g, kv_head in enumerate(kv_heads):

@@ -197,6 +197,12 @@ def fake_quant_fp8(x: torch.Tensor, scale: float | torch.Tensor = 1.0) -> torch.
     return dequantize_fp8(quantize_fp8(x, scale), scale)
 
 
+def e4m3_amax_scale(amax: torch.Tensor) -> torch.Tensor:
+    """A calibrated e4m3 scale per group from its largest magnitude: ``amax / 448`` (the group's largest value maps
+    to e4m3's largest), 1 for an all-zero group."""
+    return torch.where(amax > 0, amax / E4M3_MAX, torch.ones_like(amax))
+
+
 def e4m3_pow2_scale(x: torch.Tensor, dim: int | tuple[int, ...] = -1) -> torch.Tensor:
     """Power-of-two scale ``2**e`` per group of ``x`` (the elements along ``dim``, kept as size-1 dims): ``e`` the
     smallest integer with ``amax / 2**e <= 448``, at least -126 (the scale stays a normal FP32 number; only groups

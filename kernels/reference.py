@@ -84,6 +84,10 @@ class VariantSpec:
         return torch.float64 if self.q == "exact" else torch.float32
 
 
+# Variants that are another one with calibrated FP8 scales, one K and one V scale per KV head (amax / 448 of what a
+# calibration saw): name -> the variant they run. Calibration is the caller's (`accuracy`, `tasks.attention_swap`).
+CALIBRATED = {"fp8-calibrated": "fp8"}
+
 VARIANTS: dict[str, VariantSpec] = {
     spec.name: spec
     for spec in (
@@ -247,22 +251,25 @@ def _check_means(means: SmoothingMeans, batch: int, q: torch.Tensor, k: torch.Te
         )
 
 
-def _check_options(spec: VariantSpec, means: SmoothingMeans | None, v_scale: float | torch.Tensor | None) -> None:
+def _check_options(spec: VariantSpec, means: SmoothingMeans | None, v_scale: float | torch.Tensor | None,
+                   k_scale: float | torch.Tensor | None = None) -> None:
     """Options a variant does not use are an error rather than silently ignored."""
     if means is not None and not spec.smoothing:
         raise ValueError(f"means apply to smoothing variants; {spec.name!r} does not center Q/K")
     if v_scale is not None and spec.v != "fp8":
         raise ValueError(f"v_scale applies to FP8 V; variant {spec.name!r} stores V as {spec.v}")
+    if k_scale is not None and spec.k != "fp8":
+        raise ValueError(f"k_scale applies to FP8 K; variant {spec.name!r} stores K as {spec.k}")
 
 
-def _v_scale(v_scale: float | torch.Tensor | None, v: torch.Tensor) -> torch.Tensor:
-    """FP8 V scale broadcastable over v [total_k, Hkv, d]: a scalar or one value per KV head."""
-    scale = torch.as_tensor(1.0 if v_scale is None else v_scale, dtype=torch.float32, device=v.device)
-    if scale.dim() == 0:
-        return scale
-    if tuple(scale.shape) != (v.shape[1],):
-        raise ValueError(f"v_scale must be a scalar or one value per KV head [{v.shape[1]}], got {tuple(scale.shape)}")
-    return scale.view(1, -1, 1)
+def _kv_scale(scale: float | torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor:
+    """An FP8 K or V scale broadcastable over x [total_k, Hkv, d]: a scalar or one value per KV head."""
+    value = torch.as_tensor(1.0 if scale is None else scale, dtype=torch.float32, device=x.device)
+    if value.dim() == 0:
+        return value
+    if tuple(value.shape) != (x.shape[1],):
+        raise ValueError(f"{name} must be a scalar or one value per KV head [{x.shape[1]}], got {tuple(value.shape)}")
+    return value.view(1, -1, 1)
 
 
 def _prepare(
@@ -271,6 +278,7 @@ def _prepare(
     seqs: _Sequences,
     means: SmoothingMeans | None,
     v_scale: float | torch.Tensor | None,
+    k_scale: float | torch.Tensor | None = None,
 ) -> Operands:
     """Round inputs to BF16, center (smoothing variants) and pass Q/K/V through the variant's formats."""
     if spec.q == "exact":
@@ -287,10 +295,11 @@ def _prepare(
         bounds = seqs.cu_k.tolist()
         v_op = torch.cat([_fake_quant_along_tokens(v[a:b]) for a, b in zip(bounds, bounds[1:])])
     elif spec.v == "fp8":
-        v_op = fake_quant_fp8(v, _v_scale(v_scale, v))
+        v_op = fake_quant_fp8(v, _kv_scale(v_scale, v, "v_scale"))
     else:
         v_op = _operand(v, spec.v)
-    return Operands(_operand(q, spec.q), _operand(k, spec.k), v_op, ds)
+    k_op = fake_quant_fp8(k, _kv_scale(k_scale, k, "k_scale")) if spec.k == "fp8" else _operand(k, spec.k)
+    return Operands(_operand(q, spec.q), k_op, v_op, ds)
 
 
 def _p_operand(p: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -412,14 +421,16 @@ def attention(
     means: SmoothingMeans | None = None,
     v_scale: float | torch.Tensor | None = None,
     reverse_kv: bool = True,
+    k_scale: float | torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Tiled attention (see the module docstring) of a named variant -> [total_q, Hq, d].
 
     ``means``: smoothing means to use instead of the per-request means of q and k (smoothing variants only).
-    ``v_scale``: FP8 V dequantization scale, a float or one FP32 value per KV head (default 1.0; FP8-V variants).
+    ``v_scale`` / ``k_scale``: FP8 V / K dequantization scale, a float or one FP32 value per KV head (default 1.0;
+    FP8-V / FP8-K variants).
     ``variant='float64'`` is the dense float64 reference (tile sizes and order do not apply)."""
     spec = _variant(variant)
-    _check_options(spec, means, v_scale)
+    _check_options(spec, means, v_scale, k_scale)
     if spec.q == "exact":
         return attention_float64(
             q, k, v, causal=causal, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k,
@@ -429,7 +440,7 @@ def attention(
     _check_block("block_n", block_n)
     seqs = _resolve(q, k, v, cu_seqlens_q, cu_seqlens_k, page_table, page_size)
     lam = _lam(sm_scale, q.shape[-1])
-    ops = _prepare(spec, q, seqs, means, v_scale)
+    ops = _prepare(spec, q, seqs, means, v_scale, k_scale)
     out = torch.full(q.shape, math.nan, dtype=spec.compute_dtype, device=q.device)
     bounds_q, bounds_k = seqs.cu_q.tolist(), seqs.cu_k.tolist()
     for (qa, qb), (ka, kb) in zip(zip(bounds_q, bounds_q[1:]), zip(bounds_k, bounds_k[1:])):
@@ -524,9 +535,7 @@ def prepare_batch(
     row's means over its valid queries and keys (`masked_means`). ``float64`` returns the inputs in float64.
     ``k_scale`` / ``v_scale``: FP8 K / V scales, one FP32 value per KV head [Hkv] (calibrated; default 1.0)."""
     spec = _variant(variant)
-    _check_options(spec, means, v_scale)
-    if k_scale is not None and spec.k != "fp8":
-        raise ValueError(f"k_scale applies to FP8 K; variant {spec.name!r} stores K as {spec.k}")
+    _check_options(spec, means, v_scale, k_scale)
     if q.dim() != 4 or k.dim() != 4 or k.shape[0] != q.shape[0]:
         raise ValueError(
             f"q must be [B, Sq, Hq, d] and k, v [B, Lk, Hkv, d], got {tuple(q.shape)} and {tuple(k.shape)}")

@@ -39,8 +39,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mpfa.kernels.formats import E4M3_MAX
-from mpfa.kernels.reference import VARIANTS, attend_prepared_batch, piecewise_keys, prepare_batch
+from mpfa.kernels.formats import e4m3_amax_scale
+from mpfa.kernels.reference import CALIBRATED, VARIANTS, attend_prepared_batch, piecewise_keys, prepare_batch
 from mpfa.kernels.smoothing import SmoothingMeans, masked_means
 
 
@@ -48,8 +48,6 @@ class AttentionSwapError(ValueError):
     """The model or the call does not fit what the swapped attention supports."""
 
 
-# Swap-only variants: name -> (reference variant, needs calibrated K/V scales).
-CALIBRATED = {"fp8-calibrated": "fp8"}
 SWAP_VARIANTS = (*VARIANTS, *CALIBRATED)
 
 # (K scale, V scale) per layer, each one FP32 value per KV head [Hkv].
@@ -263,8 +261,7 @@ def calibrate_kv_scales(model, ids: list[int]) -> KVScales:
         model(input_ids=torch.tensor([ids], device=device), use_cache=False)
     if not fn.kv_amax:
         raise AttentionSwapError("the calibration pass reached no attention layer")
-    return {layer: tuple(torch.where(a > 0, a / E4M3_MAX, torch.ones_like(a)) for a in amax)
-            for layer, amax in fn.kv_amax.items()}
+    return {layer: tuple(e4m3_amax_scale(a) for a in amax) for layer, amax in fn.kv_amax.items()}
 
 
 def _no_mask(*_args, **_kwargs) -> None:

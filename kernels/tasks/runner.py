@@ -14,8 +14,9 @@ import time
 from collections.abc import Callable, Sequence
 
 from mpfa.kernels.tasks import data
-from mpfa.kernels.tasks.attention_swap import (CALIBRATED, SWAP_VARIANTS, KVScales, VariantAttention,
-                                               calibrate_kv_scales, install)
+from mpfa.kernels.reference import CALIBRATED
+from mpfa.kernels.tasks.attention_swap import (SWAP_VARIANTS, KVScales, VariantAttention, calibrate_kv_scales,
+                                               install)
 from mpfa.kernels.tasks.generation import LoadedModel, batch_choice_logprobs, greedy_answers, load_model
 from mpfa.kernels.tasks.items import choice_items, squad_items
 from mpfa.kernels.tasks.long_context import squad_long_items

@@ -22,7 +22,7 @@ accuracy_app = typer.Typer(help="Accuracy of the attention variants (NVFP4/FP8 n
 @cli_errors
 def accuracy_kernel(
     source: Annotated[str, typer.Argument(help="Model (qwen2.5-coder-1.5b, smollm2-135m: fetched from PyPI wheels) or a captured activation file.")],
-    variants: Annotated[Optional[str], typer.Option(help="Comma-separated variants (default: bf16,fp8,qk4-pv16,qk4-pv8-direct,mpfa,qk4-pv4; also mpfa-qk8row, mpfa-qk8tile).")] = None,
+    variants: Annotated[Optional[str], typer.Option(help="Comma-separated variants (default: bf16,fp8,qk4-pv16,qk4-pv8-direct,mpfa,qk4-pv4; also mpfa-qk8row, mpfa-qk8tile, mpfa-qk8tile-psum, fp8-qkpv, and fp8-calibrated: FP8 K/V with per-head scales amax / 448 of the same tokens).")] = None,
     layers: Annotated[Optional[str], typer.Option(help="Comma-separated layer indices, or 'all' (default: a model's 8 evenly spaced layers; every layer of a captured file).")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens of real text to capture.")] = 2048,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",

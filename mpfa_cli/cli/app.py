@@ -9,7 +9,7 @@ from mpfa.cli import accuracy_commands, bench_commands, catalog_commands, logits
 from mpfa.cli import common, results_commands
 
 app = typer.Typer(
-    help="Benchmark and profile LLM serving across attention backends (FA4-BF16, FlashInfer-FP8, MpFA).",
+    help="Benchmark and profile LLM serving across attention backends (FA3 in BF16 or FP8, FA4-BF16, FlashInfer-FP8, MpFA).",
     no_args_is_help=True, pretty_exceptions_enable=False, add_completion=False,
 )
 

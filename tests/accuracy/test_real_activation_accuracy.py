@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from mpfa.kernels.accuracy import nvfp4_scale_report, run_kernel_accuracy
-from mpfa.kernels.capture import ActivationSet
+from mpfa.kernels.capture import ActivationSet, LayerQKV
 from mpfa.kernels.formats import E4M3_MAX
 from mpfa.kernels.models import MODELS
 
@@ -99,3 +99,34 @@ def test_real_block_scales_fit_e4m3_without_a_global_scale(study):
         assert r["max_block_scale"] < E4M3_MAX and not r["overflow"], r
         assert r["flushed_blocks"] == 0.0, r
         assert 0 < r["err_no_global"] < 0.2 and 0 < r["err_global"] < 0.2, r
+
+
+def test_calibrated_fp8_scales_do_not_rescue_bias_dominated_heads():
+    """e4m3 keeps ~3 mantissa bits whatever the scale: calibrating it (amax / 448 per KV head over the same tokens,
+    the best any calibration can do) moves the range, not the precision, so where the keys are mostly one constant
+    vector FP8 still loses what varies between tokens, and only centering (MpFA) keeps it."""
+    acts = ActivationSet.load(FIXTURES / "qwen2.5-coder-1.5b.pt")
+    rows = run_kernel_accuracy(acts, ["fp8", "fp8-calibrated", "mpfa"])
+    for r in rows:
+        ratio = _k_bias_ratio(next(lay for lay in acts.layers if lay.layer == r["layer"]).k[:, r["kv_head"]])
+        if ratio > BIAS_DOMINATED_MIN:
+            assert r["fp8-calibrated"] > 0.25 and r["fp8-calibrated"] > 5 * r["mpfa"], (r, ratio)
+            assert 0.5 < r["fp8-calibrated"] / r["fp8"] < 1.5, r  # calibration changes little either way
+        else:
+            assert r["fp8-calibrated"] < r["mpfa"], (r, ratio)
+
+
+def test_calibrated_fp8_on_synthetic_biased_keys():
+    """The mechanism on fresh random data: keys = a large constant vector + small per-token parts."""
+    gen = torch.Generator().manual_seed(11)
+    seq, heads, dim = 256, 2, 64
+    q = torch.randn(seq, 2 * heads, dim, generator=gen)
+    bias = 40 * torch.randn(1, heads, dim, generator=gen)
+    k = (bias + torch.randn(seq, heads, dim, generator=gen)).bfloat16()
+    v = torch.randn(seq, heads, dim, generator=gen).bfloat16()
+    acts = ActivationSet("synthetic", "random", dim**-0.5, [0, 1], list(range(2 * heads)),
+                         [LayerQKV(0, q.bfloat16(), k, v)])
+    rows = run_kernel_accuracy(acts, ["bf16", "fp8", "fp8-calibrated", "mpfa"])
+    for r in rows:
+        assert r["bf16"] < 0.01 < r["mpfa"] < 0.2 < r["fp8-calibrated"], r
+        assert all(math.isfinite(r[v]) for v in ("fp8", "fp8-calibrated", "mpfa")), r

@@ -221,6 +221,14 @@ def test_sm_scale_and_v_scale(make_batch) -> None:
     base = attention(b.q, b.k, b.v, variant="fp8", causal=True, **b.varlen)
     scaled = attention(b.q, b.k, scaled_v, variant="fp8", causal=True, v_scale=head_scale, **b.varlen)
     assert torch.equal(scaled, base * head_scale.repeat_interleave(2).view(1, 4, 1))
+    # The same for K: K scaled by 16 with k_scale 16 stores the same e4m3 codes; dequantized they are 16x, which an
+    # sm_scale 16x smaller undoes exactly (powers of two), so both heads' outputs match the unscaled run bit for bit.
+    k_scale = torch.tensor([16.0, 16.0])
+    base = attention(b.q, b.k, b.v, variant="fp8", causal=True, sm_scale=0.25, **b.varlen)
+    out = attention(b.q, b.k * 16, b.v, variant="fp8", causal=True, k_scale=k_scale, sm_scale=0.25 / 16, **b.varlen)
+    assert torch.equal(out, base)
+    unscaled = attention(b.q, b.k * 16, b.v, variant="fp8", causal=True, sm_scale=0.25 / 16, **b.varlen)
+    assert not torch.equal(unscaled, base)  # unscaled, the keys e4m3 held as subnormals now round as normals
 
 
 def _bad_inputs(make_batch, to_paged):
@@ -245,6 +253,8 @@ def _bad_inputs(make_batch, to_paged):
         ({}, dict(v_scale=2.0), "v_scale"),
         ({}, dict(means=SmoothingMeans(torch.zeros(1, 4, 64), torch.zeros(1, 2, 64))), "smoothing variants"),
         ({}, dict(variant="fp8", v_scale=torch.ones(3)), "v_scale"),
+        ({}, dict(k_scale=2.0), "k_scale applies to FP8 K"),
+        ({}, dict(variant="fp8", k_scale=torch.ones(3)), "k_scale must be"),
         ({}, dict(sm_scale=-1.0), "sm_scale"),
     ]
 
