@@ -87,16 +87,28 @@ class ServedAccuracy:
 
     def summary(self) -> list[SummaryRow]:
         """Every scored (cell, backend), cells in order, the reference first."""
-        rows = []
-        for cell in self.cells:
-            ref_scores = self.scores.get(self.ref, {}).get(cell.key)
-            for backend in self.ordered():
-                scores = self.scores.get(backend, {}).get(cell.key)
-                if scores is None:
-                    continue
-                diff = (paired_difference(scores, ref_scores, seed=self.seed)
-                        if backend != self.ref and ref_scores is not None else None)
-                rows.append(SummaryRow(cell.task, cell.length, backend, len(scores), sum(scores) / len(scores), diff))
+        return [row for cell in self.cells for row in self._rows(cell.task, cell.length, [cell.key])]
+
+    def pooled(self) -> list[SummaryRow]:
+        """Per task asked at two or more lengths, every backend over all of them (length None), still paired
+        question by question with the reference: a loss too small for any one cell's 40 questions shows here."""
+        tasks = dict.fromkeys(c.task for c in self.cells)
+        keyed = {task: [c.key for c in self.cells if c.task == task] for task in tasks}
+        return [row for task, keys in keyed.items() if len(keys) > 1 for row in self._rows(task, None, keys)]
+
+    def _rows(self, task: str, length: int | None, keys: list[str]) -> list[SummaryRow]:
+        """A row per backend scored on every cell of `keys` (their questions joined), the reference first."""
+        def joined(backend: str) -> list[float] | None:
+            per = self.scores.get(backend, {})
+            return None if any(k not in per for k in keys) else [s for k in keys for s in per[k]]
+
+        ref_scores, rows = joined(self.ref), []
+        for backend in self.ordered():
+            if (scores := joined(backend)) is None:
+                continue
+            diff = (paired_difference(scores, ref_scores, seed=self.seed)
+                    if backend != self.ref and ref_scores is not None else None)
+            rows.append(SummaryRow(task, length, backend, len(scores), sum(scores) / len(scores), diff))
         return rows
 
     def question_rows(self) -> list[dict[str, Any]]:
@@ -119,9 +131,11 @@ def export_json(result: ServedAccuracy, stored_id: int | None = None, gpu: str |
                 params: dict[str, Any] | None = None) -> dict[str, Any]:
     """The stored result with where it was stored from (`gpu`, `params`) and its summary (means and paired
     differences) added; `read_export` takes it back."""
-    summary = [{**asdict(r), "difference": r.difference.to_json() if r.difference else None}
-               for r in result.summary()]
-    return {"id": stored_id, "gpu": gpu, "params": params or {}, **result.to_json(), "summary": summary}
+    def rows(summary: list[SummaryRow]) -> list[dict[str, Any]]:
+        return [{**asdict(r), "difference": r.difference.to_json() if r.difference else None} for r in summary]
+
+    return {"id": stored_id, "gpu": gpu, "params": params or {}, **result.to_json(), "summary": rows(result.summary()),
+            "pooled": rows(result.pooled())}
 
 
 @dataclass
@@ -140,7 +154,7 @@ def read_export(doc: Any) -> list[ExportedResult]:
         raise ValueError("not a list of results (`mpfa accuracy served IDS --format json` writes one)")
     results = []
     for number, entry in enumerate(doc, 1):
-        fields = {k: v for k, v in entry.items() if k not in ("id", "gpu", "params", "summary")}
+        fields = {k: v for k, v in entry.items() if k not in ("id", "gpu", "params", "summary", "pooled")}
         try:
             result = ServedAccuracy.from_json(fields)
         except (KeyError, TypeError) as exc:  # a field missing, unknown or of the wrong kind
@@ -167,9 +181,27 @@ def _points(value: float) -> str:
     return f"{100 * value:.1f}"
 
 
-def render(result: ServedAccuracy, console) -> None:
-    """One table: a row per cell, per backend its score and (not the reference) Δ with the 95% interval; the
+def _backend_cells(rows: dict[str, SummaryRow], ordered: list[str]) -> list[str]:
+    """A table row's cells after n: per backend its score and (not the reference) Δ with the 95% interval, then the
     questions a ±3-point interval needs at the spread seen (the largest over the backends)."""
+    cells, needed = [], []
+    for backend in ordered:
+        row = rows.get(backend)
+        if row is None:
+            cells.append("–")
+        elif row.difference is None:
+            cells.append(_points(row.score))
+        else:
+            d = row.difference
+            cells.append(f"{_points(row.score)} ({100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}])")
+            if d.n_needed is not None:
+                needed.append(d.n_needed)
+    return [*cells, str(max(needed)) if needed else "–"]
+
+
+def render(result: ServedAccuracy, console) -> None:
+    """One table: a row per cell, then a row per task over all its lengths (`pooled`); per backend its score and
+    (not the reference) Δ with the 95% interval; the questions a ±3-point interval needs at the spread seen."""
     from rich.table import Table
 
     ordered = result.ordered()
@@ -185,21 +217,17 @@ def render(result: ServedAccuracy, console) -> None:
         by_cell.setdefault(cell_key(row.task, row.length), {})[row.backend] = row
     for cell in result.cells:
         rows = by_cell.get(cell.key, {})
-        cells, needed = [], []
-        for backend in ordered:
-            row = rows.get(backend)
-            if row is None:
-                cells.append("–")
-            elif row.difference is None:
-                cells.append(_points(row.score))
-            else:
-                d = row.difference
-                cells.append(f"{_points(row.score)} ({100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}])")
-                if d.n_needed is not None:
-                    needed.append(d.n_needed)
         n = max((r.n for r in rows.values()), default=len(cell.ids))
-        table.add_row(cell.task, "natural" if cell.length is None else str(cell.length), cell.metric, str(n), *cells,
-                      str(max(needed)) if needed else "–")
+        table.add_row(cell.task, "natural" if cell.length is None else str(cell.length), cell.metric, str(n),
+                      *_backend_cells(rows, ordered))
+    by_task: dict[str, dict[str, SummaryRow]] = {}
+    for row in result.pooled():
+        by_task.setdefault(row.task, {})[row.backend] = row
+    if by_task:
+        table.add_section()  # below: each task over all its lengths
+    for task, rows in by_task.items():
+        metric = next(c.metric for c in result.cells if c.task == task)
+        table.add_row(task, "all", metric, str(max(r.n for r in rows.values())), *_backend_cells(rows, ordered))
     console.print(table)
     if note := provenance_note(result):
         console.print(note, highlight=False)

@@ -147,8 +147,13 @@ def test_the_committed_served_export_imports_with_its_gpu_and_summary(mpfa):
     (stored,) = json.loads(mpfa("accuracy", "served", "1", "--format", "json").stdout)
     assert stored["summary"] == exported["summary"]
     assert stored["backends"] == ["fa3-bf16", "mpfa+fp8", "mpfa+exact", "fa3-fp8", "mpfa-direct"]
+    assert stored["pooled"] == exported["pooled"]
+    four = next(r for r in stored["pooled"] if (r["task"], r["backend"]) == ("niah-multikey", "mpfa+fp8"))
+    assert (four["n"], round(100 * four["difference"]["mean"], 1), round(100 * four["difference"]["low"], 1),
+            round(100 * four["difference"]["high"], 1)) == (160, -3.8, -7.5, -0.6)  # docs/accuracy.md's table
     table = mpfa("accuracy", "served", "1")
     assert table.returncode == 0 and "§" in table.stdout  # the reference predates recorded provenance
+    assert sum(" all " in line for line in table.stdout.splitlines()) >= 2  # a pooled row per needle task
 
 
 def test_import_refuses_a_result_without_gpu_unless_named_and_a_non_export_in_one_line(mpfa):

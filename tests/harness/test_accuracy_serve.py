@@ -2,6 +2,8 @@
 scored; the stored result's summary, JSON round trip and CSV rows."""
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from mpfa.harness import accuracy_serve
@@ -150,3 +152,27 @@ def test_scores_by_depth_bin_the_evidence_position():
     render_by_depth(result, console)
     row = next(line for line in console.export_text().splitlines() if "niah-single" in line)
     assert row.count("100 (1)") == 9 and row.rstrip(" │").endswith("0 (1)")
+
+
+def test_pooled_rows_join_a_tasks_lengths_and_stay_paired():
+    """Per task asked at two or more lengths, one row per backend over all its questions: the mean of the joined
+    scores and the paired difference of the joined lists; a task asked at one length gets none."""
+    from mpfa.kernels.tasks.paired_stats import paired_difference
+
+    def cell(task, length, n):
+        return Cell(task, length, tuple(GenerationItem(task, f"{task}{length}-{i}", (1,), ("a",), "contains")
+                                         for i in range(n)))
+
+    cells = [cell("niah-single", 512, 5), cell("niah-single", 1024, 5), cell("squad", None, 4)]
+    result = ServedAccuracy.empty("m", "bytes", "fa3-bf16", ["fa3-bf16", "mpfa"], cells, 7, 32)
+    gen = random.Random(5)
+    for backend in result.backends:
+        result.scores[backend] = {c.key: [float(gen.random() < 0.7) for _ in c.ids] for c in result.cells}
+    (ref_row, mpfa_row) = result.pooled()
+    joined = {b: result.scores[b]["niah-single@512"] + result.scores[b]["niah-single@1024"] for b in result.backends}
+    assert (ref_row.task, ref_row.length, ref_row.backend, ref_row.n) == ("niah-single", None, "fa3-bf16", 10)
+    assert ref_row.score == sum(joined["fa3-bf16"]) / 10 and ref_row.difference is None
+    assert mpfa_row.score == sum(joined["mpfa"]) / 10
+    assert mpfa_row.difference == paired_difference(joined["mpfa"], joined["fa3-bf16"], seed=7)
+    del result.scores["mpfa"]["niah-single@1024"]  # not scored on every length: no pooled row for it
+    assert [r.backend for r in result.pooled()] == ["fa3-bf16"]
