@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import csv
 import io
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -159,8 +160,8 @@ def read_export(doc: Any) -> list[ExportedResult]:
             result = ServedAccuracy.from_json(fields)
         except (KeyError, TypeError) as exc:  # a field missing, unknown or of the wrong kind
             raise ValueError(f"result {number}: a field is missing or malformed ({exc})") from None
-        missing = [b for b in result.backends if set(result.scores.get(b, {})) != {c.key for c in result.cells}
-                   and b not in result.errors]
+        keys = {c.key for c in result.cells}
+        missing = [b for b in result.backends if set(result.scores.get(b, {})) != keys and b not in result.errors]
         if missing:
             raise ValueError(f"result {number}: backend {missing[0]} has no scores for some cells and no error")
         results.append(ExportedResult(result, entry.get("gpu"), entry.get("params") or {}))
@@ -199,6 +200,14 @@ def _backend_cells(rows: dict[str, SummaryRow], ordered: list[str]) -> list[str]
     return [*cells, str(max(needed)) if needed else "–"]
 
 
+def _by_backend(rows: list[SummaryRow], key: Callable[[SummaryRow], str]) -> dict[str, dict[str, SummaryRow]]:
+    """Summary rows grouped by `key` (a cell, a task), each group by backend."""
+    grouped: dict[str, dict[str, SummaryRow]] = {}
+    for row in rows:
+        grouped.setdefault(key(row), {})[row.backend] = row
+    return grouped
+
+
 def render(result: ServedAccuracy, console) -> None:
     """One table: a row per cell, then a row per task over all its lengths (`pooled`); per backend its score and
     (not the reference) Δ with the 95% interval; the questions a ±3-point interval needs at the spread seen."""
@@ -212,17 +221,13 @@ def render(result: ServedAccuracy, console) -> None:
     table = Table(title=title, title_justify="left")
     for column in ("task", "length", "metric", "n", *ordered, f"n for ±{100 * HALF_WIDTH:.0f}"):
         table.add_column(column, justify="left" if column in ("task", "metric") else "right")
-    by_cell: dict[str, dict[str, SummaryRow]] = {}
-    for row in result.summary():
-        by_cell.setdefault(cell_key(row.task, row.length), {})[row.backend] = row
+    by_cell = _by_backend(result.summary(), lambda row: cell_key(row.task, row.length))
     for cell in result.cells:
         rows = by_cell.get(cell.key, {})
         n = max((r.n for r in rows.values()), default=len(cell.ids))
         table.add_row(cell.task, "natural" if cell.length is None else str(cell.length), cell.metric, str(n),
                       *_backend_cells(rows, ordered))
-    by_task: dict[str, dict[str, SummaryRow]] = {}
-    for row in result.pooled():
-        by_task.setdefault(row.task, {})[row.backend] = row
+    by_task = _by_backend(result.pooled(), lambda row: row.task)
     if by_task:
         table.add_section()  # below: each task over all its lengths
     for task, rows in by_task.items():

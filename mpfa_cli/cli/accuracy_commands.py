@@ -404,7 +404,7 @@ def accuracy_import(
             raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
         except (UnicodeDecodeError, json.JSONDecodeError, ValueError) as exc:
             raise UserError(f"{path} is not a served-accuracy export: {exc}") from None
-        if unnamed := [e for e in read if e.gpu is None and not e.result.simulated] if gpu is None else []:
+        if gpu is None and (unnamed := [e for e in read if e.gpu is None and not e.result.simulated]):
             raise UserError(f"{path}: {len(unnamed)} result(s) do not name their GPU: pass --gpu")
         entries += [(path, e) for e in read]
     with open_store(db) as store:
