@@ -83,19 +83,30 @@ class BenchProgress:
 
 class ServerBar(Progress):
     """A plain rich progress display that also shows the server's state as `served` reports it, one line per
-    server (for commands other than `bench` that add their own tasks)."""
+    server (for commands other than `bench` that add their own tasks). In a pipe or a log, where a live display
+    would print nothing until it stops, it prints each server state and each finished task as a line instead."""
 
     def __init__(self, console: Console) -> None:
+        self.plain = not console.is_terminal
         super().__init__(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                         console=console, transient=False)
+                         console=console, transient=False, disable=self.plain)
         self._server: TaskID | None = None
 
     def server(self, state: str) -> None:
+        if self.plain:
+            self.console.print(state, highlight=False)
         if self._server is None:
             self._server = self.add_task(state, total=None)
         else:
             self.update(self._server, description=state, total=1, completed=1)
             self._server = None
+
+    def advance(self, task_id: TaskID, advance: float = 1) -> None:
+        super().advance(task_id, advance)
+        task = self._tasks[task_id]
+        if self.plain and task.finished and task.total is not None and task.completed - advance < task.total:
+            self.console.print(f"{task.description}: {task.completed:.0f}/{task.total:.0f} in "
+                               f"{task.finished_time or 0:.0f} s", highlight=False)
 
     def tick(self) -> None:
         self.refresh()

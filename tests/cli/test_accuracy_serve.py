@@ -72,6 +72,12 @@ def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, ta
                "--max-new-tokens", str(MAX_NEW), "--seed", "2", "--concurrency", "3", timeout=120)
     assert run.returncode == 0, run.stderr
     assert "SIMULATED" in run.stdout and "niah-multikey" in run.stdout
+    # in a pipe, progress comes as lines while it happens: each server's state, then each cell as it finishes
+    lines = run.stdout.splitlines()
+    for backend in BACKENDS:
+        starting = lines.index(f"{backend}: starting server")
+        assert lines[starting + 1].startswith(f"{backend}: server ready after ")
+        assert lines[starting + 2].startswith(f"{backend} niah-multikey@600: 6/6 in ")
 
     with ResultStore(mpfa.db) as store:
         (stored,) = store.list_profiles("accuracy-serve")
