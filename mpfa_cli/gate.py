@@ -82,7 +82,7 @@ class Baseline:
     simulated: bool
     created_at: float
     entries: list[BaselineEntry] = field(default_factory=list)
-    inputs: list[str] = field(default_factory=list)  # the exports it was written from, when noted by hand
+    inputs: list[str] = field(default_factory=list)  # the exports it was written from (`mpfa gate --from`)
 
 
 MISSING_STATUSES = ("missing", "failed", "other workload")  # no current result: fail unless allow_missing
@@ -171,8 +171,11 @@ def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = 
     return Baseline(gpu=gpu, model=model, simulated=simulated, created_at=time.time(), entries=entries)
 
 
-def write_baseline(runs: Sequence[StoredRun], path: Path, allow_caveats: bool = False) -> Baseline:
+def write_baseline(runs: Sequence[StoredRun], path: Path, allow_caveats: bool = False,
+                   inputs: Sequence[str] = ()) -> Baseline:
+    """The baseline of `runs`, written to `path`; `inputs`: the exports the runs were read from."""
     baseline = baseline_from_runs(runs, allow_caveats=allow_caveats)
+    baseline.inputs = list(inputs)
     _write_json(path, asdict(baseline), "baseline")
     return baseline
 

@@ -3,6 +3,9 @@ from __future__ import annotations
 
 import json
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -116,15 +119,30 @@ def import_runs(
     start time (wall clock, exact) is stored. Runs are stored in order of their start time, so the newest of a
     configuration gets the highest id (what compare/plot pick).
     """
-    from mpfa.harness.export import derive_summary, read_export
-
-    checked = [(path, derive_summary(run)) for path in files for run in read_export(path)]
-    checked.sort(key=lambda pc: pc[1].run.started_at)
+    checked = _checked_exports(files)
     with open_store(db) as store:
         outcomes = store.import_runs(check.run for _, check in checked)
     for path in files:
         mine = [(check, outcome) for (p, check), outcome in zip(checked, outcomes) if p == path]
         console.print(f"{_import_line(path, mine)} — {store.path}", highlight=False, soft_wrap=True)
+
+
+def _checked_exports(files: list[Path]) -> list:
+    """(file, `export.derive_summary` of each run) for every run of the exports, oldest start first."""
+    from mpfa.harness.export import derive_summary, read_export
+
+    checked = [(path, derive_summary(run)) for path in files for run in read_export(path)]
+    checked.sort(key=lambda pc: pc[1].run.started_at)
+    return checked
+
+
+@contextmanager
+def _exports_store(files: list[Path]) -> Iterator:
+    """A throw-away database holding the runs of `files`, as `mpfa import` stores them."""
+    checked = _checked_exports(files)
+    with tempfile.TemporaryDirectory(prefix="mpfa-gate-") as tmp, open_store(Path(tmp) / "exports.db") as store:
+        store.import_runs(check.run for _, check in checked)
+        yield store
 
 
 def _import_line(path: Path, imported: list) -> str:
@@ -186,6 +204,7 @@ def gate(
     benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write github-action-benchmark files with this prefix.")] = None,
     allow_caveats: Annotated[bool, typer.Option("--allow-caveats/--no-allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
     allow_missing: Annotated[bool, typer.Option("--allow-missing/--no-allow-missing", help="Pass although baseline entries have no current result or only failed runs.")] = False,
+    from_exports: Annotated[Optional[list[Path]], typer.Option("--from", help="Take the runs from these JSON exports (repeat the flag), not the database; --write-baseline lists them under the baseline's inputs.")] = None,
     scenario: ScenarioFilter = None, db: DbOption = None,
 ) -> None:
     """Judge the runs against a baseline: a regression is a drop beyond the tolerance with separated 95% CIs (the
@@ -196,15 +215,17 @@ def gate(
     """
     from mpfa.harness import gate as gating
 
+    if from_exports and (results or db):
+        raise UserError("--from takes the runs from the exports: drop --results and --db")
     named = distinct_ids([i for text in results or [] for i in number_list(text, "--results")])
-    with open_store(db) as store:
+    with _exports_store(from_exports) if from_exports else open_store(db) as store:
         runs = store.get_runs(named) if named else gating.newest_passes(store.list_runs(scenario=scenario))
         if benchmark_json:
             gating.write_github_benchmark(
                 runs, Path(f"{benchmark_json}-bigger.json"), Path(f"{benchmark_json}-smaller.json")
             )
         if write_baseline:
-            written = gating.write_baseline(runs, baseline, allow_caveats)
+            written = gating.write_baseline(runs, baseline, allow_caveats, [str(p) for p in from_exports or []])
             console.print(f"wrote {len(written.entries)} baseline entries to {baseline}")
             return
         judged = gating.read_baseline(baseline)
@@ -213,7 +234,8 @@ def gate(
         if not named:
             runs = [r for r in runs if (r.gpu, r.model, r.simulated) == (judged.gpu, judged.model, judged.simulated)]
         if not runs:
-            raise UserError(f"no runs of {judged.gpu}, {judged.model} in {store.path}: every baseline entry is "
+            where = "the exports" if from_exports else store.path
+            raise UserError(f"no runs of {judged.gpu}, {judged.model} in {where}: every baseline entry is "
                             "missing", exit_code=1)
         result = gating.run_gate(judged, runs, gating.parse_tolerance(tolerance), allow_caveats, allow_missing)
     console.print(gating.gate_table(result))

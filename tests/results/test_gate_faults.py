@@ -103,3 +103,21 @@ def test_one_run_named_twice_is_refused(gated):
         result = mpfa(*args, "--db", db)
         assert result.exit_code == 2 and "named more than once" in result.stderr, result.output
 
+
+
+def test_gate_from_exports_uses_only_them_and_refuses_results_or_db(gated, tmp_path):
+    """--from gates the runs of the exports named (the database is not read or written); with --results or --db, or
+    an export that is not there, it says so in one line."""
+    db, baseline = gated
+    export = tmp_path / "runs.json"
+    assert mpfa("export", "--requests", "-o", export, "--db", db).exit_code == 0
+    before = db.read_bytes()
+    result = mpfa("gate", "--baseline", baseline, "--from", export)
+    assert result.exit_code == 0 and "Gate passed" in result.output, result.output
+    assert db.read_bytes() == before
+    for extra in (("--results", "1"), ("--db", str(db))):
+        result = mpfa("gate", "--baseline", baseline, "--from", export, *extra)
+        assert result.exit_code == 2 and result.stderr.strip() == \
+            "error: --from takes the runs from the exports: drop --results and --db", result.output
+    result = mpfa("gate", "--baseline", baseline, "--from", tmp_path / "missing.json")
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output

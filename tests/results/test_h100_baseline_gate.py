@@ -5,11 +5,11 @@ it passes, and a copy with one backend's requests degraded fails whatever its st
 gate's logic, its aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
 
 The baseline is written (docs/performance.md, "The CI gate's baseline") by
-    mpfa import profiles/results/serve-serving-matrix-32k-128k-c1-fa3-bf16-fa3-fp8-mpfa-h100.json.gz \
-        profiles/results/serve-serving-matrix-16k-64k-fa3-bf16-fa3-fp8-mpfa-h100.json.gz \
-        profiles/results/serve-serving-matrix-32k-64k-c8-fa3-bf16-fa3-fp8-mpfa-h100.json.gz \
-        profiles/results/serve-serving-matrix-128k-c8-fa3-fp8-mpfa-h100.json.gz --db DB
-    mpfa gate --write-baseline --baseline profiles/baselines/h100.json --db DB
+    mpfa gate --write-baseline --baseline profiles/baselines/h100.json \
+        --from profiles/results/serve-serving-matrix-32k-128k-c1-fa3-bf16-fa3-fp8-mpfa-h100.json.gz \
+        --from profiles/results/serve-serving-matrix-16k-64k-fa3-bf16-fa3-fp8-mpfa-h100.json.gz \
+        --from profiles/results/serve-serving-matrix-32k-64k-c8-fa3-bf16-fa3-fp8-mpfa-h100.json.gz \
+        --from profiles/results/serve-serving-matrix-128k-c8-fa3-fp8-mpfa-h100.json.gz
 """
 from __future__ import annotations
 
@@ -24,7 +24,8 @@ from mpfa.cli.app import app
 from mpfa.harness.gate import GATED_METRICS, baseline_from_runs, newest_passes, read_baseline
 from mpfa.harness.store import ResultStore
 
-PROFILES = Path(__file__).resolve().parents[2] / "profiles"
+ROOT = Path(__file__).resolve().parents[2]
+PROFILES = ROOT / "profiles"
 BASELINE = PROFILES / "baselines" / "h100.json"
 EXPORTS = tuple(PROFILES / "results" / f"serve-serving-matrix-{name}-h100.json.gz" for name in (
     "32k-128k-c1-fa3-bf16-fa3-fp8-mpfa", "16k-64k-fa3-bf16-fa3-fp8-mpfa", "32k-64k-c8-fa3-bf16-fa3-fp8-mpfa",
@@ -117,6 +118,22 @@ def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
     for e in committed.entries:  # two repeats give a CI; the point measured once has none
         once = SINGLE_REPEAT.get(e.input_len) == e.load["concurrency"]
         assert (e.n, e.ci_low is None) == ((1, True) if once else (2, False)), e
+
+
+def test_write_baseline_from_the_exports_rewrites_the_committed_one(tmp_path, monkeypatch):
+    """The command in this module's docstring, run from the repository root, writes the committed baseline again
+    (all but its date), the exports listed under its inputs as they were named; gating them with --from passes."""
+    monkeypatch.chdir(ROOT)
+    named = [str(path.relative_to(ROOT)) for path in EXPORTS]
+    written = tmp_path / "h100.json"
+    result = mpfa("gate", "--write-baseline", "--baseline", written, *[a for n in named for a in ("--from", n)])
+    assert result.exit_code == 0, result.output
+    fresh, committed = json.loads(written.read_text()), json.loads(BASELINE.read_text())
+    assert fresh["inputs"] == committed["inputs"] == named
+    assert {k: v for k, v in fresh.items() if k != "created_at"} == \
+        {k: v for k, v in committed.items() if k != "created_at"}
+    result = mpfa("gate", "--baseline", BASELINE, *[a for n in named for a in ("--from", n)])
+    assert result.exit_code == 0 and "Gate passed" in result.output, result.output
 
 
 def test_gate_fails_on_a_drop_hidden_behind_a_stale_summary(tmp_path):
