@@ -18,6 +18,9 @@ from mpfa.cli.selection import (AccuracyFlag, BackendFilter, FormatOption, RefOp
 from mpfa.harness.errors import UserError
 
 
+FromExports = Annotated[Optional[list[Path]], typer.Option("--from", help="Take the runs from these JSON exports (repeat the flag) instead of the database.")]
+
+
 @cli_errors
 def runs(
     scenario: ScenarioFilter = None, backend: BackendFilter = None,
@@ -57,7 +60,7 @@ def show(run_id: Annotated[int, typer.Argument(help="Run id (see `mpfa runs`).")
 def compare(
     run_ids: RunIds = None, ref: RefOption = None,
     scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, wide: WideFlag = False,
-    output_format: FormatOption = "table", db: DbOption = None,
+    output_format: FormatOption = "table", from_exports: FromExports = None, db: DbOption = None,
 ) -> None:
     """Backends side by side, one table per point: mean ± 95% CI across repeats and the speedup vs the reference
     backend (coloured only where the CIs separate). Default: the newest scenario's runs; runs of different engines,
@@ -75,9 +78,9 @@ def compare(
     from mpfa.harness.run_tables import check_format, compare_table, compare_tables, default_reference, format_compare
 
     check_format(output_format)
-    with open_store(db) as store:
+    with _runs_store(from_exports, db, run_ids, "the run ids") as store:
         runs = compared_runs(store, run_ids, scenario)
-    (console if output_format == "table" else err_console).print(used_line(runs), highlight=False)
+    (console if output_format == "table" else err_console).print(used_line(runs, from_exports), highlight=False)
     ref = ref or default_reference(runs)
     if output_format != "table":
         print(format_compare(runs, ref, output_format), end="")
@@ -136,6 +139,13 @@ def _checked_exports(files: list[Path]) -> list:
     return checked
 
 
+def _runs_store(from_exports: list[Path] | None, db: Path | None, named, what: str):
+    """The runs' store: a throw-away one of the exports (`--from`), else the database."""
+    if from_exports and (named or db):
+        raise UserError(f"--from takes the runs from the exports: drop {what} and --db")
+    return _exports_store(from_exports) if from_exports else open_store(db)
+
+
 @contextmanager
 def _exports_store(files: list[Path]) -> Iterator:
     """A throw-away database holding the runs of `files`, as `mpfa import` stores them."""
@@ -168,7 +178,8 @@ def plot(
     run_ids: RunIds = None, ref: RefOption = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Figure file; its suffix follows --format, and with several scenarios each gets its name appended (default: mpfa-serving.png; with --accuracy mpfa-accuracy.png).")] = None,
     figure_format: Annotated[str, typer.Option("--format", help="png, svg or both.")] = "png",
-    scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, db: DbOption = None,
+    scenario: ScenarioFilter = None, accuracy: AccuracyFlag = False, from_exports: FromExports = None,
+    db: DbOption = None,
 ) -> None:
     """Paper-style figures, one per scenario: OTPS and TTFT/TPOT speedup vs context length for every backend and
     load, error bars the 95% CI over repeats, the model, GPU, engine and dates in the title. Runs are selected as by
@@ -188,9 +199,9 @@ def plot(
         (report,) = accuracy_reports(db, run_ids, scenario)
         paths = plot_accuracy(report, output or Path("mpfa-accuracy.png"), figure_format)
     else:
-        with open_store(db) as store:
+        with _runs_store(from_exports, db, run_ids, "the run ids") as store:
             selected = compared_runs(store, run_ids, scenario)
-        console.print(used_line(selected), highlight=False)
+        console.print(used_line(selected, from_exports), highlight=False)
         paths = plot_runs(selected, ref or default_reference(selected), output or Path("mpfa-serving.png"), figure_format)
     console.print(f"wrote {', '.join(map(str, paths))}", highlight=False)
 
@@ -204,7 +215,7 @@ def gate(
     benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write github-action-benchmark files with this prefix.")] = None,
     allow_caveats: Annotated[bool, typer.Option("--allow-caveats/--no-allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
     allow_missing: Annotated[bool, typer.Option("--allow-missing/--no-allow-missing", help="Pass although baseline entries have no current result or only failed runs.")] = False,
-    from_exports: Annotated[Optional[list[Path]], typer.Option("--from", help="Take the runs from these JSON exports (repeat the flag), not the database; --write-baseline lists them under the baseline's inputs.")] = None,
+    from_exports: Annotated[Optional[list[Path]], typer.Option("--from", help="Take the runs from these JSON exports (repeat the flag) instead of the database; --write-baseline lists them under the baseline's inputs.")] = None,
     scenario: ScenarioFilter = None, db: DbOption = None,
 ) -> None:
     """Judge the runs against a baseline: a regression is a drop beyond the tolerance with separated 95% CIs (the
@@ -215,10 +226,8 @@ def gate(
     """
     from mpfa.harness import gate as gating
 
-    if from_exports and (results or db):
-        raise UserError("--from takes the runs from the exports: drop --results and --db")
     named = distinct_ids([i for text in results or [] for i in number_list(text, "--results")])
-    with _exports_store(from_exports) if from_exports else open_store(db) as store:
+    with _runs_store(from_exports, db, named, "--results") as store:
         runs = store.get_runs(named) if named else gating.newest_passes(store.list_runs(scenario=scenario))
         if benchmark_json:
             gating.write_github_benchmark(

@@ -86,10 +86,12 @@ def refuse_mixed_setups(runs: list[StoredRun]) -> None:
             raise UserError(f"these runs differ in {name}: {groups}; name the runs of one {name} by id")
 
 
-def used_line(runs: list[StoredRun]) -> str:
-    """'runs 1–4, 9 (scenario paper)': which runs a comparison or plot used."""
+def used_line(runs: list[StoredRun], exports: list | None = None) -> str:
+    """'using runs 1–4, 9 (scenario paper)': which runs a comparison or plot used; read from `exports` (paths), their
+    ids are those of a throw-away database, so the line counts the runs instead."""
     scenarios = ", ".join(dict.fromkeys(run.scenario for run in runs))
-    return f"using {id_ranges([run.id for run in runs])} (scenario {scenarios})"
+    which = f"{len(runs)} runs of {len(exports)} export(s)" if exports else id_ranges([run.id for run in runs])
+    return f"using {which} (scenario {scenarios})"
 
 
 def id_ranges(ids: list[int]) -> str:

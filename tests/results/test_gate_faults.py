@@ -121,3 +121,20 @@ def test_gate_from_exports_uses_only_them_and_refuses_results_or_db(gated, tmp_p
             "error: --from takes the runs from the exports: drop --results and --db", result.output
     result = mpfa("gate", "--baseline", baseline, "--from", tmp_path / "missing.json")
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+
+
+def test_compare_and_plot_from_exports_match_the_database(gated, tmp_path):
+    """compare and plot --from read the same runs as from the database they were exported from; the line above the
+    tables counts the runs of the exports (their ids there are a throw-away database's)."""
+    db, _ = gated
+    export = tmp_path / "runs.json"
+    assert mpfa("export", "--requests", "-o", export, "--db", db).exit_code == 0
+    stored_table, exported_table = mpfa("compare", "--db", db), mpfa("compare", "--from", export)
+    assert stored_table.exit_code == exported_table.exit_code == 0, exported_table.output
+    assert exported_table.output.splitlines()[0] == "using 6 runs of 1 export(s) (scenario paper)"
+    assert exported_table.output.splitlines()[1:] == stored_table.output.splitlines()[1:]
+    plot = mpfa("plot", "--from", export, "-o", tmp_path / "fig.png")
+    assert plot.exit_code == 0 and (tmp_path / "fig.png").stat().st_size > 0, plot.output
+    refused = mpfa("compare", "1", "--from", export)
+    assert refused.exit_code == 2 and refused.stderr.strip() == \
+        "error: --from takes the runs from the exports: drop the run ids and --db", refused.output
