@@ -150,7 +150,9 @@ def _runs_store(from_exports: list[Path] | None, db: Path | None, named, what: s
 def _exports_store(files: list[Path]) -> Iterator:
     """A throw-away database holding the runs of `files`, as `mpfa import` stores them."""
     checked = _checked_exports(files)
-    with tempfile.TemporaryDirectory(prefix="mpfa-gate-") as tmp, open_store(Path(tmp) / "exports.db") as store:
+    if not checked:
+        raise UserError(f"no runs in {', '.join(map(str, files))}")
+    with tempfile.TemporaryDirectory(prefix="mpfa-exports-") as tmp, open_store(Path(tmp) / "exports.db") as store:
         store.import_runs(check.run for _, check in checked)
         yield store
 

@@ -121,6 +121,11 @@ def test_gate_from_exports_uses_only_them_and_refuses_results_or_db(gated, tmp_p
             "error: --from takes the runs from the exports: drop --results and --db", result.output
     result = mpfa("gate", "--baseline", baseline, "--from", tmp_path / "missing.json")
     assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1, result.output
+    empty = tmp_path / "empty.json"
+    empty.write_text('{"runs": []}')
+    for command in (("gate", "--baseline", baseline), ("compare",), ("plot",)):
+        result = mpfa(*command, "--from", empty)
+        assert result.exit_code == 2 and result.stderr.strip() == f"error: no runs in {empty}", result.output
 
 
 def test_compare_and_plot_from_exports_match_the_database(gated, tmp_path):
