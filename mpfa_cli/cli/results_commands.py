@@ -217,11 +217,12 @@ def gate(
     benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write github-action-benchmark files with this prefix.")] = None,
     allow_caveats: Annotated[bool, typer.Option("--allow-caveats/--no-allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
     allow_missing: Annotated[bool, typer.Option("--allow-missing/--no-allow-missing", help="Pass although baseline entries have no current result or only failed runs.")] = False,
-    from_exports: Annotated[Optional[list[Path]], typer.Option("--from", help="Take the runs from these JSON exports (repeat the flag) instead of the database; --write-baseline lists them under the baseline's inputs.")] = None,
-    scenario: ScenarioFilter = None, db: DbOption = None,
+    from_exports: FromExports = None, scenario: ScenarioFilter = None, db: DbOption = None,
 ) -> None:
     """Judge the runs against a baseline: a regression is a drop beyond the tolerance with separated 95% CIs (the
     tolerance alone where a side has a single repeat; each row says which rule decided it).
+
+    A baseline written from exports (--write-baseline --from) lists them under its inputs.
 
     Exit codes: 0 passed; 1 a regression, or a baseline entry missing or failed (unless --allow-missing);
     2 bad usage or bad input (a malformed baseline, an unknown run id, incomparable runs).
