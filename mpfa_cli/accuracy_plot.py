@@ -43,16 +43,17 @@ def plot_served_accuracy(result: ServedAccuracy, out: Path, fmt: str = "png") ->
             y = [100 * r.score for r in points]
             below = [100 * (r.difference.mean - r.difference.low) if r.difference else 0 for r in points]
             above = [100 * (r.difference.high - r.difference.mean) if r.difference else 0 for r in points]
-            style = "--" if backend == result.ref else "-"
-            ax.errorbar(x, y, yerr=[below, above], marker="o", linestyle=style, capsize=3,
-                        color=colours(index % 10), label=backend)
+            is_ref = backend == result.ref  # dashed, on top: a backend scoring the same shows beneath it
+            ax.errorbar(x, y, yerr=[below, above], marker="o", linestyle="--" if is_ref else "-", capsize=3,
+                        color=colours(index % 10), label=backend, zorder=3 if is_ref else 2)
         ax.set_xticks(range(len(lengths)), ["natural" if n is None else context_label(n) for n in lengths])
         ax.set_ylim(0, 105)
         ax.set_xlabel("prompt tokens")
         ax.set_ylabel("score (%)")
         ax.set_title(f"{task} ({of_task[0].n} questions per point)", fontsize="medium")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize="small")
+    legend = {label: handle for ax in axes[0] for handle, label in zip(*ax.get_legend_handles_labels())}
+    fig.legend(legend.values(), legend.keys(), loc="outside right upper", fontsize="small")  # clear of the lines
     title = f"Task accuracy: {result.model}; error bars: paired 95% interval of the difference to {result.ref}"
     fig.suptitle(f"SIMULATED (no model ran) — {title}" if result.simulated else title, fontsize="medium")
     return save_figure(fig, figure_paths(out, fmt))

@@ -20,7 +20,7 @@ from mpfa.kernels.tasks.tokens import ByteTokenizer, answer_text
 BACKENDS = ("fa3-bf16", "mpfa")
 MAX_NEW = 12
 SERVED_EXPORT = (Path(__file__).resolve().parents[2] / "profiles" / "results"
-                 / "accuracy-serve-niah-qwen2.5-coder-1.5b-fa3-bf16-fa3-fp8-mpfa-h100.json")
+                 / "accuracy-serve-niah-qwen2.5-coder-1.5b-fa3-fa4-flashinfer-mpfa-h100.json")
 
 
 @pytest.fixture
@@ -152,7 +152,8 @@ def test_the_committed_served_export_imports_with_its_gpu_and_summary(mpfa):
     (exported,) = json.loads(SERVED_EXPORT.read_text())
     (stored,) = json.loads(mpfa("accuracy", "served", "1", "--format", "json").stdout)
     assert stored["summary"] == exported["summary"]
-    assert stored["backends"] == ["fa3-bf16", "mpfa+fp8", "mpfa+exact", "fa3-fp8", "mpfa-direct"]
+    assert stored["backends"] == ["fa3-bf16", "mpfa+fp8", "mpfa+exact", "fa3-fp8", "mpfa-direct", "fa4-bf16",
+                                  "flashinfer-fp8"]
     assert stored["pooled"] == exported["pooled"]
     four = next(r for r in stored["pooled"] if (r["task"], r["backend"]) == ("niah-multikey", "mpfa+fp8"))
     assert (four["n"], round(100 * four["difference"]["mean"], 1), round(100 * four["difference"]["low"], 1),
