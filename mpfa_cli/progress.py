@@ -1,7 +1,8 @@
 """One overall progress display for `mpfa bench`: steps (points x backends x repeats), requests done, ETA and
 what the current server is doing. On a terminal it is a live bar (with `verbose`, one more bar per step counting
 its requests); in a pipe or a log it is plain text, one line per server state and per finished step, no control
-codes."""
+codes: each server state, each finished step, and within a step the requests done at most every
+`PLAIN_EVERY_S` (every request with `verbose`)."""
 from __future__ import annotations
 
 import time
@@ -9,6 +10,8 @@ import time
 from rich.console import Console
 from rich.progress import (BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeElapsedColumn,
                            TimeRemainingColumn)
+
+PLAIN_EVERY_S = 60.0  # a 128K step at c=8 runs for minutes: a line this often shows it is alive
 
 
 class BenchProgress:
@@ -20,7 +23,7 @@ class BenchProgress:
         self.verbose = verbose
         self.steps_done = self.requests_done = 0
         self.state = "starting"
-        self.started = time.monotonic()
+        self.started = self._printed_at = time.monotonic()
         self.live = console.is_terminal
         self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                              TextColumn("requests"), TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
@@ -41,15 +44,21 @@ class BenchProgress:
     def _eta(self) -> str:
         if not self.requests_done:
             return "—"
-        elapsed = time.monotonic() - self.started
-        return f"{elapsed / self.requests_done * (self.requests - self.requests_done):.0f} s"
+        return f"{self._elapsed() / self.requests_done * (self.requests - self.requests_done):.0f} s"
 
     def server(self, state: str) -> None:
         """What the current server is doing, e.g. 'mpfa: starting server'."""
         self.state = state
         self._bar.update(self._overall, description=self._description())
         if not self.live:
-            self.console.print(state, highlight=False)
+            self._print(state)
+
+    def _print(self, line: str) -> None:
+        self.console.print(line, highlight=False)
+        self._printed_at = time.monotonic()
+
+    def _elapsed(self) -> float:
+        return time.monotonic() - self.started
 
     def tick(self) -> None:
         self._bar.refresh()
@@ -65,8 +74,9 @@ class BenchProgress:
         self._bar.advance(self._overall)
         if self._step is not None:
             self._bar.advance(self._step)
-        elif self.verbose and not self.live:
-            self.console.print(f"  {self.state}: request {self.requests_done}/{self.requests}", highlight=False)
+        elif not self.live and (self.verbose or time.monotonic() - self._printed_at >= PLAIN_EVERY_S):
+            self._print(f"  {self.state}: requests {self.requests_done}/{self.requests}, "
+                        f"elapsed {self._elapsed():.0f} s")
 
     def step_done(self, label: str, outcome: str) -> None:
         self.steps_done += 1
@@ -75,10 +85,8 @@ class BenchProgress:
             self._step = None
         self._bar.update(self._overall, description=self._description())
         if not self.live:
-            elapsed = time.monotonic() - self.started
-            self.console.print(f"[{self.steps_done}/{self.steps}] {label}: {outcome}; requests "
-                               f"{self.requests_done}/{self.requests}, elapsed {elapsed:.0f} s, ETA {self._eta()}",
-                               highlight=False)
+            self._print(f"[{self.steps_done}/{self.steps}] {label}: {outcome}; requests "
+                        f"{self.requests_done}/{self.requests}, elapsed {self._elapsed():.0f} s, ETA {self._eta()}")
 
 
 class ServerBar(Progress):
