@@ -182,6 +182,11 @@ def _points(value: float) -> str:
     return f"{100 * value:.1f}"
 
 
+def _difference(row: SummaryRow) -> str:
+    d = row.difference
+    return f"{100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}]" if d else ""
+
+
 def _backend_cells(rows: dict[str, SummaryRow], ordered: list[str]) -> list[str]:
     """A table row's cells after n: per backend its score and (not the reference) Δ with the 95% interval, then the
     questions a ±3-point interval needs at the spread seen (the largest over the backends)."""
@@ -193,10 +198,9 @@ def _backend_cells(rows: dict[str, SummaryRow], ordered: list[str]) -> list[str]
         elif row.difference is None:
             cells.append(_points(row.score))
         else:
-            d = row.difference
-            cells.append(f"{_points(row.score)} ({100 * d.mean:+.1f} [{100 * d.low:+.1f}, {100 * d.high:+.1f}])")
-            if d.n_needed is not None:
-                needed.append(d.n_needed)
+            cells.append(f"{_points(row.score)} ({_difference(row)})")
+            if row.difference.n_needed is not None:
+                needed.append(row.difference.n_needed)
     return [*cells, str(max(needed)) if needed else "–"]
 
 
@@ -208,36 +212,78 @@ def _by_backend(rows: list[SummaryRow], key: Callable[[SummaryRow], str]) -> dic
     return grouped
 
 
+Group = tuple[str, str, str, dict[str, SummaryRow], int]  # task, length label, metric, rows by backend, n
+
+
+def _groups(result: ServedAccuracy) -> tuple[list[Group], list[Group]]:
+    """The table's row groups: each cell, and each task over all its lengths (`pooled`)."""
+    by_cell = _by_backend(result.summary(), lambda row: cell_key(row.task, row.length))
+    cells = []
+    for cell in result.cells:
+        rows = by_cell.get(cell.key, {})
+        n = max((r.n for r in rows.values()), default=len(cell.ids))
+        cells.append((cell.task, "natural" if cell.length is None else str(cell.length), cell.metric, rows, n))
+    pooled = [(task, "all", next(c.metric for c in result.cells if c.task == task), rows,
+               max(r.n for r in rows.values())) for task, rows in _by_backend(result.pooled(), lambda r: r.task).items()]
+    return cells, pooled
+
+
 def render(result: ServedAccuracy, console) -> None:
     """One table: a row per cell, then a row per task over all its lengths (`pooled`); per backend its score and
-    (not the reference) Δ with the 95% interval; the questions a ±3-point interval needs at the spread seen."""
-    from rich.table import Table
+    (not the reference) Δ with the 95% interval; the questions a ±3-point interval needs at the spread seen. Where
+    a column per backend would not fit the console, a row per cell and backend instead."""
+    from rich.measure import Measurement
 
-    ordered = result.ordered()
     title = f"Task accuracy ({result.model}, tokenizer {result.tokenizer}; Δ vs {result.ref}, " \
             "paired bootstrap 95% interval, points)"
     if result.simulated:
         title = f"SIMULATED — {title} — the simulator echoes prompt spans: meaningless as accuracy"
-    table = Table(title=title, title_justify="left")
-    for column in ("task", "length", "metric", "n", *ordered, f"n for ±{100 * HALF_WIDTH:.0f}"):
-        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
-    by_cell = _by_backend(result.summary(), lambda row: cell_key(row.task, row.length))
-    for cell in result.cells:
-        rows = by_cell.get(cell.key, {})
-        n = max((r.n for r in rows.values()), default=len(cell.ids))
-        table.add_row(cell.task, "natural" if cell.length is None else str(cell.length), cell.metric, str(n),
-                      *_backend_cells(rows, ordered))
-    by_task = _by_backend(result.pooled(), lambda row: row.task)
-    if by_task:
-        table.add_section()  # below: each task over all its lengths
-    for task, rows in by_task.items():
-        metric = next(c.metric for c in result.cells if c.task == task)
-        table.add_row(task, "all", metric, str(max(r.n for r in rows.values())), *_backend_cells(rows, ordered))
+    table = _wide_table(result, title)
+    if Measurement.get(console, console.options.update_width(10**6), table).maximum > console.width:
+        table = _long_table(result, title)
     console.print(table)
     if note := provenance_note(result):
         console.print(note, highlight=False)
     for backend, error in result.errors.items():
         console.print(f"[red]{backend}: {error}[/]", highlight=False)
+
+
+def _wide_table(result: ServedAccuracy, title: str):
+    """A column per backend."""
+    from rich.table import Table
+
+    ordered = result.ordered()
+    table = Table(title=title, title_justify="left")
+    for column in ("task", "length", "metric", "n", *ordered, f"n for ±{100 * HALF_WIDTH:.0f}"):
+        table.add_column(column, justify="left" if column in ("task", "metric") else "right")
+    cells, pooled = _groups(result)
+    for task, length, metric, rows, n in cells:
+        table.add_row(task, length, metric, str(n), *_backend_cells(rows, ordered))
+    if pooled:
+        table.add_section()  # below: each task over all its lengths
+    for task, length, metric, rows, n in pooled:
+        table.add_row(task, length, metric, str(n), *_backend_cells(rows, ordered))
+    return table
+
+
+def _long_table(result: ServedAccuracy, title: str):
+    """A row per cell and backend (many backends on a narrow console); the cell's metric under its task."""
+    from rich.table import Table
+
+    table = Table(title=title, title_justify="left")
+    for column in ("task", "length", "n", "backend", "score", "Δ [95% interval]", f"n for ±{100 * HALF_WIDTH:.0f}"):
+        table.add_column(column, justify="left" if column in ("task", "backend") else "right")
+    for task, length, metric, rows, n in [group for groups in _groups(result) for group in groups]:
+        present = [b for b in result.ordered() if b in rows]
+        heads = [(task, length, str(n)), (metric, "", "")] if len(present) > 1 else [(f"{task} ({metric})", length,
+                                                                                          str(n))]
+        for index, backend in enumerate(present):
+            row = rows[backend]
+            needed = row.difference.n_needed if row.difference else None
+            table.add_row(*(heads[index] if index < len(heads) else ("", "", "")), backend, _points(row.score),
+                          _difference(row), "–" if needed is None else str(needed),
+                          end_section=index == len(present) - 1)
+    return table
 
 
 def provenance_note(result: ServedAccuracy) -> str:
