@@ -213,6 +213,7 @@ def _by_backend(rows: list[SummaryRow], key: Callable[[SummaryRow], str]) -> dic
 
 
 Group = tuple[str, str, str, dict[str, SummaryRow], int]  # task, length label, metric, rows by backend, n
+NEEDED_COLUMN = f"n for ±{100 * HALF_WIDTH:.0f}"  # questions a ±3-point interval needs
 
 
 def _groups(result: ServedAccuracy) -> tuple[list[Group], list[Group]]:
@@ -238,9 +239,10 @@ def render(result: ServedAccuracy, console) -> None:
             "paired bootstrap 95% interval, points)"
     if result.simulated:
         title = f"SIMULATED — {title} — the simulator echoes prompt spans: meaningless as accuracy"
-    table = _wide_table(result, title)
+    groups = _groups(result)  # the paired bootstraps: computed once for either layout
+    table = _wide_table(result, title, groups)
     if Measurement.get(console, console.options.update_width(10**6), table).maximum > console.width:
-        table = _long_table(result, title)
+        table = _long_table(result, title, groups)
     console.print(table)
     if note := provenance_note(result):
         console.print(note, highlight=False)
@@ -248,15 +250,15 @@ def render(result: ServedAccuracy, console) -> None:
         console.print(f"[red]{backend}: {error}[/]", highlight=False)
 
 
-def _wide_table(result: ServedAccuracy, title: str):
+def _wide_table(result: ServedAccuracy, title: str, groups: tuple[list[Group], list[Group]]):
     """A column per backend."""
     from rich.table import Table
 
     ordered = result.ordered()
     table = Table(title=title, title_justify="left")
-    for column in ("task", "length", "metric", "n", *ordered, f"n for ±{100 * HALF_WIDTH:.0f}"):
+    for column in ("task", "length", "metric", "n", *ordered, NEEDED_COLUMN):
         table.add_column(column, justify="left" if column in ("task", "metric") else "right")
-    cells, pooled = _groups(result)
+    cells, pooled = groups
     for task, length, metric, rows, n in cells:
         table.add_row(task, length, metric, str(n), *_backend_cells(rows, ordered))
     if pooled:
@@ -266,14 +268,14 @@ def _wide_table(result: ServedAccuracy, title: str):
     return table
 
 
-def _long_table(result: ServedAccuracy, title: str):
+def _long_table(result: ServedAccuracy, title: str, groups: tuple[list[Group], list[Group]]):
     """A row per cell and backend (many backends on a narrow console); the cell's metric under its task."""
     from rich.table import Table
 
     table = Table(title=title, title_justify="left")
-    for column in ("task", "length", "n", "backend", "score", "Δ [95% interval]", f"n for ±{100 * HALF_WIDTH:.0f}"):
+    for column in ("task", "length", "n", "backend", "score", "Δ [95% interval]", NEEDED_COLUMN):
         table.add_column(column, justify="left" if column in ("task", "backend") else "right")
-    for task, length, metric, rows, n in [group for groups in _groups(result) for group in groups]:
+    for task, length, metric, rows, n in [group for part in groups for group in part]:
         present = [b for b in result.ordered() if b in rows]
         heads = [(task, length, str(n)), (metric, "", "")] if len(present) > 1 else [(f"{task} ({metric})", length,
                                                                                           str(n))]
