@@ -104,7 +104,6 @@ def test_one_run_named_twice_is_refused(gated):
         assert result.exit_code == 2 and "named more than once" in result.stderr, result.output
 
 
-
 def test_gate_from_exports_uses_only_them_and_refuses_results_or_db(gated, tmp_path):
     """--from gates the runs of the exports named (the database is not read or written); with --results or --db, or
     an export that is not there, it says so in one line."""
