@@ -111,6 +111,7 @@ class VariantAttention:
     in, bit for bit but for vanishing cases. ``block_n``: the KV tile size (the kernels' 128)."""
 
     block_n = 128
+    score_elements = 1 << 27  # scores per chunk of query rows (float64 temporaries: a few GB at most)
 
     def __init__(self, variant: str, kv_scales: KVScales | None = None):
         if variant not in SWAP_VARIANTS:
@@ -207,10 +208,33 @@ class VariantAttention:
             ops = prepare_batch(q, layout.compact(k), layout.compact(v), variant=self.variant, means=means,
                                 key_lengths=layout.key_lengths, **self._scales(module.layer_idx))
             q_op, k_op, v_op, ds = ops.q, ops.k, ops.v, ops.delta_s
-        out = attend_prepared_batch(q_op, k_op, v_op, ds, variant=self.variant, sm_scale=sm_scale,
-                                    block_n=self.block_n, key_lengths=layout.key_lengths,
-                                    query_positions=layout.query_positions, exact_sums=True)
+        out = self._attend_in_chunks(q_op, k_op, v_op, ds, sm_scale, layout)
         return out.to(query.dtype), None  # [B, S, Hq, d], no attention weights
+
+    def _attend_in_chunks(self, q_op: torch.Tensor, k_op: torch.Tensor, v_op: torch.Tensor,
+                          ds: torch.Tensor | None, sm_scale: float, layout: _Layout) -> torch.Tensor:
+        """`attend_prepared_batch` over chunks of query rows, each with S no larger than `score_elements`, and only
+        the KV tiles its last query reaches (the tiles past it are fully masked: they add exact zeros). Rows do not
+        interact, so the output is that of one call, bit for bit; a 32K prompt's one call would need ~100 GB."""
+        batch, len_q, num_q_heads = q_op.shape[:3]
+        len_k = k_op.shape[1]
+        positions = layout.query_positions
+        if positions is None:  # every slot valid: query i sees keys up to i + len_k - len_q
+            positions = (torch.arange(len_q, device=q_op.device) + (len_k - len_q)).expand(batch, len_q)
+        lengths = layout.key_lengths
+        if lengths is None:
+            lengths = torch.full((batch,), len_k, device=q_op.device, dtype=torch.long)
+        rows = max(1, self.score_elements // (batch * num_q_heads * len_k))
+        outs = []
+        for start in range(0, len_q, rows):
+            chunk = positions[:, start:start + rows]
+            reach = -(-(int(chunk.max()) + 1) // self.block_n) * self.block_n
+            end = min(len_k, max(reach, self.block_n))
+            outs.append(attend_prepared_batch(
+                q_op[:, start:start + rows], k_op[:, :end], v_op[:, :end], None if ds is None else ds[:, :end],
+                variant=self.variant, sm_scale=sm_scale, block_n=self.block_n, key_lengths=lengths.clamp(max=end),
+                query_positions=chunk, exact_sums=True))
+        return outs[0] if len(outs) == 1 else torch.cat(outs, 1)
 
     def _operands(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   means: SmoothingMeans | None) -> tuple[torch.Tensor, _KeyOperands]:

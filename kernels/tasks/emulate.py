@@ -9,10 +9,10 @@ question by question on the same prompts.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 from mpfa.kernels.tasks.generation import LoadedModel, batch_choice_logprobs, greedy_answers
-from mpfa.kernels.tasks.items import ChoiceItem
+from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
 from mpfa.kernels.tasks.runner import in_order, length_batches
 from mpfa.kernels.tasks.scoring import best_choice
 from mpfa.kernels.tasks.task_sets import Cell
@@ -25,30 +25,37 @@ Answers = dict[str, dict[str, tuple[list[float], list[str | int]]]]
 
 def emulate_cells(
     lm: LoadedModel, cells: Sequence[Cell], variants: Sequence[str], attach: Callable, *, max_new_tokens: int,
-    batch_size: int, progress: Progress,
-) -> Answers:
-    """Every variant on every cell; `attach(variant)` installs a variant and returns its attention function."""
-    out: Answers = {}
-    for variant in variants:
-        attention = attach(variant)
-        for cell in cells:
-            def done(count: int, key: str = cell.key, total: int = len(cell.items)) -> None:
-                progress(variant, key, count, total)
+    batch_size: int, progress: Progress, batch_tokens: int | None = None,
+) -> Iterator[tuple[str, str, list[float], list[str | int]]]:
+    """Every variant on every cell, as (variant, cell key, scores, answers) once each is done: the shortest cells
+    first, all variants of a cell before the next, so a run stopped early keeps whole cells of the most questions.
+    `attach(variant)` installs a variant and returns its attention function. A forward call takes at most
+    `batch_size` questions and, with `batch_tokens`, at most that many prompt tokens (but one question at least)."""
+    for cell in sorted(cells, key=lambda c: max(len(_tokens(it)) for it in c.items)):
+        longest = max(len(_tokens(it)) for it in cell.items)
+        size = batch_size if batch_tokens is None else max(1, min(batch_size, batch_tokens // longest))
+        for variant in variants:
+            attention = attach(variant)
+
+            def done(count: int, key: str = cell.key, total: int = len(cell.items), name: str = variant) -> None:
+                progress(name, key, count, total)
 
             items = cell.items
             if isinstance(items[0], ChoiceItem):
                 questions = [(list(it.context), [list(c) for c in it.choices]) for it in items]
-                logprobs = in_order(length_batches([len(c) for c, _ in questions], batch_size),
+                logprobs = in_order(length_batches([len(c) for c, _ in questions], size),
                                     lambda batch: batch_choice_logprobs(lm, [questions[i] for i in batch], attention),
                                     done)
                 picks = [best_choice(scores) for scores in logprobs]
-                scores = [float(pick in it.correct) for pick, it in zip(picks, items)]
-                out.setdefault(variant, {})[cell.key] = (scores, picks)
+                yield variant, cell.key, [float(pick in it.correct) for pick, it in zip(picks, items)], picks
             else:
                 prompts = [list(it.prompt) for it in items]
-                answers = in_order(length_batches([len(p) for p in prompts], batch_size),
+                answers = in_order(length_batches([len(p) for p in prompts], size),
                                    lambda batch: greedy_answers(lm, [prompts[i] for i in batch], attention,
                                                                 max_new_tokens),
                                    done)
-                out.setdefault(variant, {})[cell.key] = ([it.score(a) for a, it in zip(answers, items)], answers)
-    return out
+                yield variant, cell.key, [it.score(a) for a, it in zip(answers, items)], answers
+
+
+def _tokens(item: GenerationItem | ChoiceItem) -> tuple[int, ...]:
+    return item.context if isinstance(item, ChoiceItem) else item.prompt

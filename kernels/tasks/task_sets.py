@@ -58,15 +58,51 @@ def build_cells(
 ) -> list[Cell]:
     """The cells of `tasks` (long ones at every length), task data from the package cache (downloaded once)."""
     check_selection(tasks, lengths, limit, offset)
+    picks = [(t, n, limit) for t in tasks for n in (lengths if t in LONG_TASKS else [None])]
+    return build_picked_cells(tok, picks, offset=offset, seed=seed)
+
+
+def parse_cells(spec: str) -> list[tuple[str, int | None, int]]:
+    """`task@length=N,...` (`task=N` for squad and social_iqa) -> (task, length, questions) per cell, e.g.
+    `niah-multikey@32736=523,niah-single@32736=107`: each cell with as many questions as its interval needs."""
+    picks: list[tuple[str, int | None, int]] = []
+    for entry in (e.strip() for e in spec.split(",") if e.strip()):
+        key, _, count = entry.partition("=")
+        task, at, length = key.partition("@")
+        try:
+            pick = (task, int(length) if at else None, int(count))
+        except ValueError:
+            raise ValueError(f"bad cell {entry!r}: write task@length=N (task=N for squad, social_iqa)") from None
+        if pick[0] not in SERVED_TASKS:
+            raise ValueError(f"unknown task {task}; choose from {', '.join(SERVED_TASKS)}")
+        if (pick[1] is None) != (task not in LONG_TASKS) or (pick[1] is not None and pick[1] < 256):
+            raise ValueError(f"bad cell {entry!r}: {', '.join(LONG_TASKS)} take a length of at least 256 tokens "
+                             "(task@length=N), the others none")
+        if pick[2] < 1:
+            raise ValueError(f"bad cell {entry!r}: ask at least one question")
+        picks.append(pick)
+    if not picks:
+        raise ValueError("pass at least one cell")
+    if len({cell_key(t, n) for t, n, _ in picks}) != len(picks):
+        raise ValueError("cells must not repeat")
+    return picks
+
+
+def build_picked_cells(tok: TaskTokenizer, picks: Sequence[tuple[str, int | None, int]], *, offset: int = 0,
+                       seed: int = 0) -> list[Cell]:
+    """One cell per (task, length or None, questions): questions [offset, offset + questions) of it."""
+    if offset < 0:
+        raise ValueError(f"--offset must be >= 0, got {offset}")
+    tasks = {t for t, _, _ in picks}
+    squad = data.load_squad(data.task_file("squad")) if {"squad", "squad-long"} & tasks else []
+    haystack = Haystack.from_text(tok, data.essay_text()) if set(NEEDLE_TASKS) & tasks else None
     cells: list[Cell] = []
-    squad = data.load_squad(data.task_file("squad")) if {"squad", "squad-long"} & set(tasks) else []
-    haystack = Haystack.from_text(tok, data.essay_text()) if set(NEEDLE_TASKS) & set(tasks) else None
-    for task in tasks:
+    for task, n, limit in picks:
         if task in NEEDLE_TASKS:
-            cells += [Cell(task, n, tuple(needle_items(tok, task, haystack, n, limit, seed, offset))) for n in lengths]
+            cells.append(Cell(task, n, tuple(needle_items(tok, task, haystack, n, limit, seed, offset))))
         elif task == "squad-long":
-            chosen = select_examples(task, squad, offset, limit)
-            cells += [Cell(task, n, tuple(squad_long_items(tok, chosen, squad, n, seed))) for n in lengths]
+            cells.append(Cell(task, n, tuple(squad_long_items(tok, select_examples(task, squad, offset, limit), squad,
+                                                              n, seed))))
         elif task == "squad":
             cells.append(Cell(task, None, tuple(squad_items(tok, select_examples(task, squad, offset, limit)))))
         else:

@@ -7,9 +7,9 @@ from typing import Annotated, Optional
 
 import typer
 
-from mpfa.cli.common import (DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption, RunDirOption,
-                              ServerArgOption, TimeScaleOption, UrlsOption, cli_errors, console, err_console,
-                              number_list, open_store)
+from mpfa.cli.common import (CellsOption, DbOption, EngineOption, PortOption, PrefillKernelOption, ReadyTimeoutOption,
+                              RunDirOption, ServerArgOption, TimeScaleOption, UrlsOption, cli_errors, console,
+                              err_console, number_list, open_store)
 from mpfa.cli.selection import accuracy_results as stored_accuracy_results
 from mpfa.harness.accuracy_serve import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
 from mpfa.harness.errors import UserError
@@ -139,9 +139,24 @@ def accuracy_convert(
     console.print(f"wrote a BF16 checkpoint of {source} to {written}")
 
 
+def chosen_cells(ctx: typer.Context, tok, cells: str | None, tasks: str, lengths: str, limit: int, offset: int,
+                 seed: int) -> list:
+    """The cells asked: `--cells` (each its own question count), or every task at every length with `--limit`."""
+    from mpfa.kernels.tasks.task_sets import build_cells, build_picked_cells, parse_cells
+
+    if cells is None:
+        return build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()], number_list(lengths, "--lengths"),
+                           limit=limit, offset=offset, seed=seed)
+    if given := [f"--{name}" for name in ("tasks", "lengths", "limit")
+                 if getattr(ctx.get_parameter_source(name), "name", None) != "DEFAULT"]:  # Typer may carry its own click
+        raise UserError(f"--cells replaces {', '.join(given)}: pass one or the other")
+    return build_picked_cells(tok, parse_cells(cells), offset=offset, seed=seed)
+
+
 @accuracy_app.command("serve")
 @cli_errors
 def accuracy_serve(
+    ctx: typer.Context,
     backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends, served one after another (the reference first).")] = "fa3-bf16,fa3-fp8,flashinfer-fp8,mpfa-direct,mpfa",
     ref: Annotated[str, typer.Option("--ref", help="The backend the others are compared with; runs only if in --backend (split a long job by backend, then join: `mpfa accuracy served A,B --merge`).")] = "fa3-bf16",
     model: Annotated[str, typer.Option(help="A model directory (real weights; its tokenizer builds the prompts) or a bundled config (dummy weights: plumbing only).")] = "llama-3.1-8b",
@@ -149,6 +164,7 @@ def accuracy_serve(
     tasks: Annotated[str, typer.Option(help="Comma-separated: niah-single, niah-multikey, squad-long (at every --lengths), squad, social_iqa.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks; a prompt and its answer must fit the model's window (Qwen2.5: 32,768 = 32,736 + 32 new tokens).")] = "4096,8192,16384,32736",
     limit: Annotated[int, typer.Option(help="Questions per task and length (needles: question i at depth i % 10).")] = 100,
+    cells: CellsOption = None,
     offset: Annotated[int, typer.Option(help="Skip the first N questions of each task and length.")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the haystacks, needles, distractor order and the bootstrap.")] = 0,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer (scored: its first line).")] = DEFAULT_MAX_NEW_TOKENS,
@@ -172,7 +188,6 @@ def accuracy_serve(
     from mpfa.harness.scenario import is_bundled_model, model_dir
     from mpfa.harness.served_accuracy import KIND, render
     from mpfa.harness.served_kernels import check_prefill_kernel
-    from mpfa.kernels.tasks.task_sets import build_cells
     from mpfa.kernels.tasks.tokens import ByteTokenizer, load_tokenizer
 
     if max_new_tokens < 1 or concurrency < 1:
@@ -182,12 +197,11 @@ def accuracy_serve(
     specs = resolve_backends(",".join(sorted(names, key=lambda n: n != ref)), chosen_engine)
     try:
         tok = load_tokenizer(tokenizer or (ByteTokenizer.name if is_bundled_model(model) else model))
-        cells = build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()],
-                            number_list(lengths, "--lengths"), limit=limit, offset=offset, seed=seed)
+        asked = chosen_cells(ctx, tok, cells, tasks, lengths, limit, offset, seed)
         if not is_bundled_model(model):  # real weights: stay inside the window the model was trained on
             config = json.loads((model_dir(model) / "config.json").read_text())
             if window := config.get("max_position_embeddings"):
-                check_window(cells, max_new_tokens, int(window))
+                check_window(asked, max_new_tokens, int(window))
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -197,15 +211,16 @@ def accuracy_serve(
         if chosen_engine == "sim":
             console.print("[yellow]engine: sim — every score below is SIMULATED (the simulator echoes prompt spans, "
                           "no model runs)[/]")
-        requests, tokens = workload(cells)
-        console.print(f"{len(cells)} cells, {sum(len(c.items) for c in cells)} questions: {requests} requests and "
+        requests, tokens = workload(asked)
+        console.print(f"{len(asked)} cells, {sum(len(c.items) for c in asked)} questions: {requests} requests and "
                       f"{tokens:,} prompt tokens per backend, {len(specs)} backend(s)", highlight=False)
-        result = run_served_accuracy(specs, ref, cells, tok, model, options_for, console, seed=seed,
+        result = run_served_accuracy(specs, ref, asked, tok, model, options_for, console, seed=seed,
                                      max_new_tokens=max_new_tokens, concurrency=concurrency)
         render(result, console)
         gpu = gpu_label(result.simulated)
         params = {"backends": result.backends, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
-                  "tasks": [c.key for c in result.cells], "limit": limit, "offset": offset, "seed": seed,
+                  "tasks": [c.key for c in result.cells], "offset": offset, "seed": seed,
+                  "limit": limit if cells is None else {c.key: len(c.items) for c in asked},
                   "max_new_tokens": max_new_tokens, "concurrency": concurrency, "engine": chosen_engine,
                   "prefill_kernel": prefill_kernel, "server_args": list(server_arg or [])}
         stored = store.add_profile(KIND, gpu, params, result.to_json(), simulated=result.simulated)
@@ -218,20 +233,24 @@ def accuracy_serve(
 @accuracy_app.command("emulate")
 @cli_errors
 def accuracy_emulate(
+    ctx: typer.Context,
     model: Annotated[str, typer.Option("--model", help="A model directory (as given to `accuracy serve --model`), a .gguf file, or qwen2.5-coder-1.5b / smollm2-135m.")],
     variants: Annotated[str, typer.Option(help="Comma-separated attention variants of the numerics reference (mpfa-qk8tile-psum: the shipped fp8 prefill kernel; fp8-calibrated).")] = "bf16,fp8,fp8-calibrated,mpfa,mpfa-qk8tile-psum",
     ref: Annotated[str, typer.Option("--ref", help="The variant the others are compared with.")] = "bf16",
     tasks: Annotated[str, typer.Option(help="Comma-separated, as for `accuracy serve`.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks.")] = "4096,8192,16384,32736",
     limit: Annotated[int, typer.Option(help="Questions per task and length.")] = 100,
+    cells: CellsOption = None,
     offset: Annotated[int, typer.Option(help="Skip the first N questions of each task and length.")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the prompts and the bootstrap (the same as the served run's to compare).")] = 0,
     max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer.")] = DEFAULT_MAX_NEW_TOKENS,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Questions per forward call.")] = 16,
+    batch_tokens: Annotated[int, typer.Option("--batch-tokens", help="Prompt tokens per forward call at most (one question at least): the memory bound of long prompts.")] = 65536,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
     db: DbOption = None,
 ) -> None:
-    """The questions of `accuracy serve` answered by the numerics reference, stored like a served run."""
+    """The questions of `accuracy serve` answered by the numerics reference, stored like a served run; the shortest
+    cells first, and on Ctrl-C (SIGINT) the cells done so far are stored."""
     import importlib.util
 
     if importlib.util.find_spec("transformers") is None:
@@ -245,21 +264,19 @@ def accuracy_emulate(
     from mpfa.kernels.tasks.emulate import emulate_cells
     from mpfa.kernels.tasks.generation import load_model
     from mpfa.kernels.tasks.runner import installer
-    from mpfa.kernels.tasks.task_sets import build_cells
     from mpfa.kernels.tasks.tokens import HFTokenizer
 
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
     if bad := [v for v in chosen if v not in SWAP_VARIANTS]:
         raise UserError(f"unknown variant {', '.join(bad)}; choose from {', '.join(SWAP_VARIANTS)}")
-    if max_new_tokens < 1 or batch_size < 1:
-        raise UserError("--max-new-tokens and --batch-size must be >= 1")
+    if max_new_tokens < 1 or batch_size < 1 or batch_tokens < 1:
+        raise UserError("--max-new-tokens, --batch-size and --batch-tokens must be >= 1")
     try:
         lm = load_model(model, device)
         tok = HFTokenizer(lm.tokenizer, lm.name)
-        cells = build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()],
-                            number_list(lengths, "--lengths"), limit=limit, offset=offset, seed=seed)
+        asked = chosen_cells(ctx, tok, cells, tasks, lengths, limit, offset, seed)
         if window := getattr(lm.model.config, "max_position_embeddings", None):
-            check_window(cells, max_new_tokens, int(window))
+            check_window(asked, max_new_tokens, int(window))
         attach = installer(lm, tok, chosen)
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -272,22 +289,34 @@ def accuracy_emulate(
                 bars[(variant, key)] = bar.add_task(f"{variant} {key}", total=total)
             bar.update(bars[(variant, key)], completed=done)
 
-        answers = emulate_cells(lm, cells, chosen, attach, max_new_tokens=max_new_tokens, batch_size=batch_size,
-                                progress=advance)
-    result = ServedAccuracy.empty(model_name(model), tok.name, ref, chosen, cells, seed, max_new_tokens)
-    for variant, by_cell in answers.items():
-        result.scores[variant] = {key: scores for key, (scores, _) in by_cell.items()}
-        result.answers[variant] = {key: said for key, (_, said) in by_cell.items()}
-        result.server_info[variant] = {"engine": "emulate", "variant": variant}
-    render(result, console)
-    gpu = gpu_label() if device.startswith("cuda") else "cpu"
-    params = {"backends": chosen, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
-              "tasks": [c.key for c in cells],
-              "limit": limit, "offset": offset, "seed": seed, "max_new_tokens": max_new_tokens, "engine": "emulate",
-              "device": device, "batch_size": batch_size}
-    with open_store(db) as store:
-        stored = store.add_profile(KIND, gpu, params, result.to_json())
-    console.print(f"stored emulated accuracy result {stored} in {store.path}")
+        result = ServedAccuracy.empty(model_name(model), tok.name, ref, chosen, asked, seed, max_new_tokens)
+        result.server_info = {variant: {"engine": "emulate", "variant": variant} for variant in chosen}
+        interrupted = False
+        try:
+            for variant, key, scores, said in emulate_cells(lm, asked, chosen, attach, max_new_tokens=max_new_tokens,
+                                                            batch_size=batch_size, batch_tokens=batch_tokens,
+                                                            progress=advance):
+                result.scores.setdefault(variant, {})[key] = scores
+                result.answers.setdefault(variant, {})[key] = said
+                console.print(f"{variant} {key}: {100 * sum(scores) / len(scores):.1f} ({len(scores)} questions)",
+                              highlight=False)
+        except KeyboardInterrupt:
+            interrupted = True
+    done = sum(len(by_cell) for by_cell in result.scores.values())
+    if done:
+        render(result, console)
+        gpu = gpu_label() if device.startswith("cuda") else "cpu"
+        params = {"backends": chosen, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
+                  "tasks": [c.key for c in asked], "offset": offset, "seed": seed,
+                  "limit": limit if cells is None else {c.key: len(c.items) for c in asked},
+                  "max_new_tokens": max_new_tokens, "engine": "emulate", "device": device, "batch_size": batch_size,
+                  "batch_tokens": batch_tokens, "status": "interrupted" if interrupted else "ok"}
+        with open_store(db) as store:
+            stored = store.add_profile(KIND, gpu, params, result.to_json())
+        console.print(f"stored emulated accuracy result {stored} in {store.path}"
+                      + (f" ({done} of {len(asked) * len(chosen)} cell-variant pairs)" if interrupted else ""))
+    if interrupted:
+        raise UserError("interrupted" + ("" if done else ": no cell was done, nothing stored"), exit_code=130)
 
 
 @accuracy_app.command("heads")

@@ -28,6 +28,8 @@ ReadyTimeoutOption = Annotated[Optional[float], typer.Option(help="Seconds to wa
 ServerArgOption = Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag, SGLang's or serve-sim's (repeatable).")]
 RunDirOption = Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")]
 # The side-by-side commands (`logits`, `accuracy serve`): one server URL per backend.
+# `accuracy serve` / `emulate`: cells with their own question counts instead of every task at every length.
+CellsOption = Annotated[Optional[str], typer.Option(help="Comma-separated task@length=N (task=N for squad, social_iqa): these cells only, each with its own number of questions; replaces --tasks, --lengths and --limit.")]
 UrlsOption = Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")]
 PrefillKernelOption = Annotated[Optional[str], typer.Option("--prefill-kernel", help="MpFA prefill kernel: fp8, exact or mma-sync (default: the best for the model's shape; also $MPFA_PREFILL_KERNEL).")]
 

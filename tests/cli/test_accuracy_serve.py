@@ -130,11 +130,36 @@ def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, ta
     assert again["params"] == {**first["params"], "imported_from": "served.json"}
 
 
+def test_cells_asks_each_cell_its_own_number_of_questions_and_the_same_questions_as_limit(mpfa, task_cache):
+    """`--cells task@length=N`: only those cells, each with N questions, the first N of what `--limit` asks."""
+    base = ("accuracy", "serve", "--engine", "sim", "--time-scale", "0.02", "-b", "fa3-bf16", "--seed", "2")
+    assert mpfa(*base, "--tasks", "niah-single,niah-multikey", "--lengths", "600,900", "--limit", "5",
+                timeout=120).returncode == 0
+    run = mpfa(*base, "--cells", "niah-multikey@900=5,niah-single@600=2,social_iqa=3", timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert "3 cells, 10 questions" in run.stdout
+    with ResultStore(mpfa.db) as store:
+        whole, picked = (store.get_profile(i) for i in (1, 2))
+    assert picked.params["limit"] == {"niah-multikey@900": 5, "niah-single@600": 2, "social_iqa": 3}
+    asked = {c["task"] + str(c["length"]): c["ids"] for c in picked.result["cells"]}
+    full = {c["task"] + str(c["length"]): c["ids"] for c in whole.result["cells"]}
+    assert list(asked) == ["niah-multikey900", "niah-single600", "social_iqaNone"]
+    assert asked["niah-multikey900"] == full["niah-multikey900"]
+    assert asked["niah-single600"] == full["niah-single600"][:2]
+    scores = picked.result["scores"]["fa3-bf16"]
+    assert scores["niah-multikey@900"] == whole.result["scores"]["fa3-bf16"]["niah-multikey@900"]
+
+
 def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):
     for args, message in [
         (("--tasks", "bogus"), "unknown task bogus"),
         (("--tasks", "niah-single", "--lengths", "100"), "at least 256 tokens"),
         (("--tokenizer", "/nonexistent"), "neither 'bytes' nor a model directory"),
+        (("--cells", "niah-single@4096=20", "--limit", "5"), "--cells replaces --limit"),
+        (("--cells", "niah-single=20"), "take a length of at least 256 tokens"),
+        (("--cells", "squad@600=20"), "take a length of at least 256 tokens"),
+        (("--cells", "niah-single@600"), "bad cell 'niah-single@600'"),
+        (("--cells", "niah-single@600=2,niah-single@600=3"), "cells must not repeat"),
     ]:
         run = mpfa("accuracy", "serve", "--engine", "sim", *args)
         assert run.returncode == 2, (args, run.stderr)

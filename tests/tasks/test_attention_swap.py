@@ -196,6 +196,27 @@ def test_padded_batch_logits_equal_each_row_alone_and_kept_keys_stay_exact(varia
             torch.testing.assert_close(batched[t + 1][b], alone[t + 1], rtol=0, atol=1e-5)
 
 
+@torch.inference_mode()
+@pytest.mark.parametrize("variant", ["bf16", "mpfa", "mpfa-qk8tile-psum", "qk4-pv4"])
+def test_query_chunks_with_only_the_reached_tiles_give_bit_identical_logits(variant):
+    """Attending in chunks of a few query rows, each over the KV tiles its last query reaches, is the one-call
+    attention bit for bit: padded batch, prefill and decode steps (the chunks that let a 32K prompt fit a GPU)."""
+    model = _tiny_model(21)
+    rows = [_ids(22, 45)[0], _ids(23, 17)[0], _ids(24, 38)[0]]
+    steps = _ids(25, 9).view(3, 3)
+    active = [[True] * 3, [True, False, False], [True, True, False]]
+    fn = install(model, variant)
+    fn.block_n = 16
+    whole = _padded_run(model, fn, rows, steps, active)
+    calls: list[int] = []
+    attend = fn._attend_in_chunks
+    fn._attend_in_chunks = lambda q, *a: calls.append(q.shape[1]) or attend(q, *a)
+    fn.score_elements = 3 * 4 * 45 * 5  # batch x query heads x keys x 5 rows
+    chunked = _padded_run(model, fn, rows, steps, active)
+    assert max(calls) == 45  # a prefill call of 45 query rows went in chunks of 5
+    assert all(torch.equal(a, b) for a, b in zip(whole, chunked))
+
+
 def test_select_rows_must_follow_the_cache():
     model = _tiny_model(16)
     fn = install(model, "mpfa")

@@ -42,10 +42,15 @@ def test_emulated_answers_are_each_question_alone():
     cells = [Cell("niah-single", 64, items), Cell("social_iqa", None, (choice,))]
     seen = []
     out = emulate_cells(lm, cells, ["bf16", "mpfa"], lambda v: install(model, v), max_new_tokens=5, batch_size=2,
-                        progress=lambda *args: seen.append(args))
-    scores, answers = out["mpfa"]["niah-single@64"]
+                        progress=lambda *args: seen.append(args), batch_tokens=20)
+    done = {(variant, key): (scores, answers) for variant, key, scores, answers in out}
+    # the shortest cell first, every variant of a cell before the next
+    assert list(done) == [("bf16", "social_iqa"), ("mpfa", "social_iqa"), ("bf16", "niah-single@64"),
+                          ("mpfa", "niah-single@64")]
+    scores, answers = done[("mpfa", "niah-single@64")]
     assert answers == first and scores == [0.0, 1.0, 1.0]  # "zzz" is not in the first answer
     pick = best_choice(choice_logprobs(lm, list(choice.context), [list(c) for c in choice.choices],
                                        install(model, "bf16")))
-    assert out["bf16"]["social_iqa"] == ([float(pick == 0)], [pick])
-    assert ("mpfa", "niah-single@64", 3, 3) in seen
+    assert done[("bf16", "social_iqa")] == ([float(pick == 0)], [pick])
+    # 20 prompt tokens per call: the 20-token prompt alone, then the 14- and 9-token ones one by one
+    assert [count for variant, key, count, _ in seen if (variant, key) == ("mpfa", "niah-single@64")] == [1, 2, 3]
