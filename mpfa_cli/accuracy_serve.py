@@ -26,7 +26,7 @@ from typing import Any
 from mpfa.harness.engines import gpu_label
 from mpfa.harness.latency_model import ModelShape
 from mpfa.harness.logits import SERVER_KEYS, ResponseError, post_generate, response_meta
-from mpfa.harness.served_accuracy import ServedAccuracy
+from mpfa.harness.served_accuracy import INTERRUPTED, ServedAccuracy
 from mpfa.harness.scenario import load_model_shape
 from mpfa.harness.served_kernels import launch_page_size, runs_mpfa_kernels, served_kernels
 from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
@@ -143,23 +143,28 @@ def run_served_accuracy(
     names = [served_name(spec, opts.prefill_kernel) for spec, opts in zip(specs, options)]
     result = ServedAccuracy.empty(model_name(model), tok.name, ref, names, cells, seed, max_new_tokens)
     for spec, opts, name in zip(specs, options, names):
-        with progress_bar(console) as progress, \
-                served(spec, model, context_length(cells, max_new_tokens), opts, progress) as (url, info, _):
-            if opts.engine == "url":
-                verify_server(info, spec)  # `served` checks the servers it launches itself
-            result.simulated = result.simulated or opts.engine == "sim" or bool(info.get("simulated"))
-            result.server_info[name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
-            result.provenance[name] = provenance(spec, opts, shape, environment)
-            for cell in cells:
-                bar = progress.add_task(f"{name} {cell.key}", total=len(cell.items))
-                try:
-                    scores, answers = score_cell(url, cell, tok, max_new_tokens, concurrency,
-                                                 lambda: progress.advance(bar))
-                except ResponseError as exc:
-                    result.errors[name] = str(exc)
-                    break
-                result.scores.setdefault(name, {})[cell.key] = scores
-                result.answers.setdefault(name, {})[cell.key] = answers
+        try:
+            with progress_bar(console) as progress, \
+                    served(spec, model, context_length(cells, max_new_tokens), opts, progress) as (url, info, _):
+                if opts.engine == "url":
+                    verify_server(info, spec)  # `served` checks the servers it launches itself
+                result.simulated = result.simulated or opts.engine == "sim" or bool(info.get("simulated"))
+                result.server_info[name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
+                result.provenance[name] = provenance(spec, opts, shape, environment)
+                for cell in cells:
+                    bar = progress.add_task(f"{name} {cell.key}", total=len(cell.items))
+                    try:
+                        scores, answers = score_cell(url, cell, tok, max_new_tokens, concurrency,
+                                                     lambda: progress.advance(bar))
+                    except ResponseError as exc:
+                        result.errors[name] = str(exc)
+                        break
+                    result.scores.setdefault(name, {})[cell.key] = scores
+                    result.answers.setdefault(name, {})[cell.key] = answers
+        except KeyboardInterrupt:  # the server is stopped; the cells scored so far are kept
+            result.errors[name] = INTERRUPTED
+            result.interrupted = True
+            break
     return result
 
 

@@ -17,6 +17,7 @@ from mpfa.kernels.tasks.paired_stats import HALF_WIDTH, PairedDifference, paired
 from mpfa.kernels.tasks.task_sets import cell_key
 
 KIND = "accuracy-serve"
+INTERRUPTED = "interrupted"  # the error of the backend a Ctrl-C stopped
 
 
 @dataclass
@@ -65,6 +66,7 @@ class ServedAccuracy:
     errors: dict[str, str] = field(default_factory=dict)  # backend -> the request error that stopped it
     # backend -> where and when it was scored: date (UTC), GPU, mpfa revision, the kernels its server ran
     provenance: dict[str, dict[str, Any]] = field(default_factory=dict)
+    interrupted: bool = False  # stopped by Ctrl-C (SIGINT): the cells scored before it are kept
 
     @classmethod
     def empty(cls, model: str, tokenizer: str, ref: str, backends: list[str], cells: list, seed: int,
@@ -329,6 +331,7 @@ def merge_served(parts: list[ServedAccuracy]) -> ServedAccuracy:
                              (merged.provenance, part.provenance)):
             mine.update(theirs)
         merged.simulated = merged.simulated or part.simulated
+        merged.interrupted = merged.interrupted or part.interrupted
     return merged
 
 

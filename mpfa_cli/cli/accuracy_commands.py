@@ -225,6 +225,8 @@ def accuracy_serve(
                   "prefill_kernel": prefill_kernel, "server_args": list(server_arg or [])}
         stored = store.add_profile(KIND, gpu, params, result.to_json(), simulated=result.simulated)
     console.print(f"stored served accuracy result {stored} in {store.path}")
+    if result.interrupted:
+        raise UserError(f"interrupted: the cells scored before it are stored (result {stored})", exit_code=130)
     if result.errors:
         name, error = next(iter(result.errors.items()))
         raise UserError(f"{len(result.errors)} backend(s) failed: {name}: {error}", exit_code=1)

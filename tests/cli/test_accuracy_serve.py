@@ -6,8 +6,11 @@ from __future__ import annotations
 import csv
 import io
 import json
+import signal
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from mpfa.harness.sim_server import SimLogprobs, echoed_ids, prompt_digest
@@ -148,6 +151,26 @@ def test_cells_asks_each_cell_its_own_number_of_questions_and_the_same_questions
     assert asked["niah-single600"] == full["niah-single600"][:2]
     scores = picked.result["scores"]["fa3-bf16"]
     assert scores["niah-multikey@900"] == whole.result["scores"]["fa3-bf16"]["niah-multikey@900"]
+
+
+def test_ctrl_c_stores_the_cells_scored_so_far_and_stops_the_server(mpfa, task_cache):
+    proc = mpfa.popen("accuracy", "serve", "--engine", "sim", "--time-scale", "0.5", "-b", "fa3-bf16,mpfa",
+                      "--cells", "niah-single@600=3,niah-multikey@600=2000")
+    deadline = time.time() + 60
+    for line in proc.stdout:
+        if line.startswith("fa3-bf16 niah-single@600: 3/3 in ") or time.time() > deadline:
+            break
+    time.sleep(1)  # the line comes as the cell's last answer does, just before its scores are kept
+    proc.send_signal(signal.SIGINT)
+    out, stderr = proc.communicate(timeout=60)
+    assert proc.returncode == 130, stderr
+    assert stderr.strip().splitlines() == ["error: interrupted: the cells scored before it are stored (result 1)"]
+    with ResultStore(mpfa.db) as store:
+        stored = store.get_profile(1)
+    assert stored.result["interrupted"] and stored.result["errors"] == {"fa3-bf16": "interrupted"}
+    assert list(stored.result["scores"]["fa3-bf16"]) == ["niah-single@600"]
+    assert len(stored.result["scores"]["fa3-bf16"]["niah-single@600"]) == 3
+    assert not [p for p in psutil.process_iter(["cmdline"]) if str(mpfa.tmp) in " ".join(p.info["cmdline"] or [])]
 
 
 def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):
