@@ -15,6 +15,7 @@ batch-of-one case.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -97,8 +98,15 @@ def _forward(lm: LoadedModel, attention: VariantAttention, ids: torch.Tensor, ma
     """One model call on a padded batch: ids / positions [B, S], mask [B, cache length + S] (all CPU tensors)."""
     attention.set_key_mask(mask)
     device = lm.device
+    # transformers 5.2x names the KV cache `cache`, earlier 5.x releases (SGLang's 5.12) `past_key_values`
+    name = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
     return lm.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                    cache=cache, use_cache=True, **kwargs)
+                    use_cache=True, **{name: cache}, **kwargs)
+
+
+def _cache(out):
+    """The KV cache a model call returned, under either name (see `_forward`)."""
+    return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
 
 
 def _check_rows(rows: Sequence[Sequence[int]], what: str) -> None:
@@ -126,10 +134,14 @@ def greedy_answers(
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     # logits of each row's last prompt token only (not [B, L, vocab])
     out = _forward(lm, attention, ids, mask, positions, logits_to_keep=(lengths - 1)[:, None].to(lm.device))
+    logits = out.logits
+    if logits.dim() == 4:  # transformers versions that index [B, B, 1, V] with the per-row positions: row b's is [b, b]
+        rows = torch.arange(len(prompts), device=logits.device)
+        logits = logits[rows, rows]
     generated: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
     for step in range(max_new_tokens):
-        tokens = out.logits[:, -1].argmax(-1).tolist()
+        tokens = logits[:, -1].argmax(-1).tolist()
         for b, token in enumerate(tokens):
             if not active[b]:
                 continue
@@ -143,7 +155,8 @@ def greedy_answers(
             break
         feed = torch.tensor([[t if a else pad] for t, a in zip(tokens, active)])
         mask = torch.cat([mask, torch.tensor(active)[:, None]], 1)
-        out = _forward(lm, attention, feed, mask, (lengths + step)[:, None], cache=out.cache)
+        out = _forward(lm, attention, feed, mask, (lengths + step)[:, None], cache=_cache(out))
+        logits = out.logits
     return [lm.tokenizer.decode(g, skip_special_tokens=True).strip().split("\n")[0].strip() for g in generated]
 
 
@@ -172,7 +185,7 @@ def batch_choice_logprobs(
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     ctx = _forward(lm, attention, ids, mask, positions, logits_to_keep=(context_lengths - 1)[:, None].to(lm.device))
     owner = torch.tensor([q for q, (_, choices) in enumerate(questions) for _ in choices])  # row -> question
-    cache = ctx.cache
+    cache = _cache(ctx)
     cache.batch_select_indices(owner.to(lm.device))
     attention.select_rows(owner)
     choice_ids, choice_mask = _right_padded([c for _, choices in questions for c in choices], pad)
