@@ -164,8 +164,9 @@ def read_export(doc: Any) -> list[ExportedResult]:
             raise ValueError(f"result {number}: a field is missing or malformed ({exc})") from None
         keys = {c.key for c in result.cells}
         missing = [b for b in result.backends if set(result.scores.get(b, {})) != keys and b not in result.errors]
-        if missing:
-            raise ValueError(f"result {number}: backend {missing[0]} has no scores for some cells and no error")
+        if missing and not result.interrupted:
+            raise ValueError(f"result {number}: backend {missing[0]} has no scores for some cells and no error "
+                             "(nor was the run interrupted)")
         results.append(ExportedResult(result, entry.get("gpu"), entry.get("params") or {}))
     return results
 
@@ -311,7 +312,9 @@ _SAME_RUN = ("model", "tokenizer", "seed", "max_new_tokens")
 
 
 def merge_served(parts: list[ServedAccuracy]) -> ServedAccuracy:
-    """One result from runs of different backends on the same questions (e.g. the reference's and another's)."""
+    """One result from several: runs of other backends on the same questions (e.g. the reference's and another's)
+    join as columns; runs of the same backends on other questions (`--offset` shards, other cells) join question by
+    question, a cell's questions of every part in one cell."""
     if len(parts) < 2:
         raise ValueError("--merge needs two or more results")
     first = parts[0]
@@ -321,18 +324,56 @@ def merge_served(parts: list[ServedAccuracy]) -> ServedAccuracy:
             if getattr(part, key) != getattr(first, key):
                 raise ValueError(f"cannot merge results with different {key}: {getattr(part, key)} and "
                                  f"{getattr(first, key)}")
-        if part.cells != first.cells:
-            raise ValueError("cannot merge results that asked different questions (tasks, lengths, --limit, --offset)")
-        if twice := [b for b in part.backends if b in merged.backends]:
-            raise ValueError(f"backend {twice[0]} is in more than one of the results")
-        merged.backends += part.backends
-        for mine, theirs in ((merged.scores, part.scores), (merged.answers, part.answers),
-                             (merged.server_info, part.server_info), (merged.errors, part.errors),
-                             (merged.provenance, part.provenance)):
-            mine.update(theirs)
+        if part.cells == merged.cells:
+            _join_backends(merged, part)
+        elif sorted(part.backends) == sorted(merged.backends):
+            _join_questions(merged, part)
+        else:
+            raise ValueError("cannot merge results that asked different questions (tasks, lengths, --limit, --offset) "
+                             "of other backends: join runs of other backends on the same questions, or of the same "
+                             "backends on other questions")
         merged.simulated = merged.simulated or part.simulated
         merged.interrupted = merged.interrupted or part.interrupted
     return merged
+
+
+def _join_backends(merged: ServedAccuracy, part: ServedAccuracy) -> None:
+    if twice := [b for b in part.backends if b in merged.backends]:
+        raise ValueError(f"backend {twice[0]} is in more than one of the results")
+    merged.backends += part.backends
+    for mine, theirs in ((merged.scores, part.scores), (merged.answers, part.answers),
+                         (merged.server_info, part.server_info), (merged.errors, part.errors),
+                         (merged.provenance, part.provenance)):
+        mine.update(theirs)
+
+
+def _join_questions(merged: ServedAccuracy, part: ServedAccuracy) -> None:
+    """`part`'s questions added to `merged`'s cells (new cells appended); every backend must be scored on every cell
+    of both, on the same GPU and revision, so that each joined cell stays paired question by question."""
+    for backend in merged.backends:
+        scored = [(r, c.key) for r in (merged, part) for c in r.cells if c.key not in r.scores.get(backend, {})]
+        if scored or backend in merged.errors or backend in part.errors:
+            raise ValueError(f"cannot join other questions of {backend}: it was not scored on every cell of both")
+        where = [tuple(r.provenance.get(backend, {}).get(k) for k in ("gpu", "mpfa_revision")) for r in (merged, part)]
+        if where[0] != where[1]:
+            raise ValueError(f"cannot join other questions of {backend}: scored on {where[0]} and on {where[1]}")
+    cells = {c.key: c for c in merged.cells}
+    for cell in part.cells:
+        mine = cells.get(cell.key)
+        if mine is None:
+            merged.cells.append(CellInfo(cell.task, cell.length, cell.metric, list(cell.ids), list(cell.depths)))
+            cells[cell.key] = merged.cells[-1]
+            for backend in merged.backends:
+                merged.scores[backend][cell.key] = list(part.scores[backend][cell.key])
+                merged.answers[backend][cell.key] = list(part.answers[backend][cell.key])
+            continue
+        if twice := set(mine.ids) & set(cell.ids):
+            raise ValueError(f"cannot join {cell.key}: question {sorted(twice)[0]} is in more than one of the results")
+        mine.ids += cell.ids
+        mine.depths += cell.depths
+        for backend in merged.backends:
+            merged.scores[backend][cell.key] += part.scores[backend][cell.key]
+            merged.answers[backend][cell.key] += part.answers[backend][cell.key]
 
 
 def render_by_depth(result: ServedAccuracy, console, bins: int = 10) -> None:

@@ -259,8 +259,11 @@ def accuracy_emulate(
         raise UserError("`mpfa accuracy emulate` needs the accuracy extra: pip install -e '.[accuracy]'")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
+    from datetime import datetime, timezone
+
     from mpfa.harness.accuracy_serve import check_window
     from mpfa.harness.engines import gpu_label, model_name
+    from mpfa.harness.environment import collect_environment
     from mpfa.harness.served_accuracy import KIND, ServedAccuracy, render
     from mpfa.kernels.tasks.attention_swap import SWAP_VARIANTS
     from mpfa.kernels.tasks.emulate import emulate_cells
@@ -293,6 +296,10 @@ def accuracy_emulate(
 
         result = ServedAccuracy.empty(model_name(model), tok.name, ref, chosen, asked, seed, max_new_tokens)
         result.server_info = {variant: {"engine": "emulate", "variant": variant} for variant in chosen}
+        where = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
+                 "gpu": gpu_label() if device.startswith("cuda") else "cpu",
+                 "mpfa_revision": collect_environment().get("mpfa_revision")}
+        result.provenance = {variant: {**where, "kernels": {"emulated": variant}} for variant in chosen}
         interrupted = False
         try:
             for variant, key, scores, said in emulate_cells(lm, asked, chosen, attach, max_new_tokens=max_new_tokens,
@@ -303,11 +310,11 @@ def accuracy_emulate(
                 console.print(f"{variant} {key}: {100 * sum(scores) / len(scores):.1f} ({len(scores)} questions)",
                               highlight=False)
         except KeyboardInterrupt:
-            interrupted = True
+            interrupted = result.interrupted = True
     done = sum(len(by_cell) for by_cell in result.scores.values())
     if done:
         render(result, console)
-        gpu = gpu_label() if device.startswith("cuda") else "cpu"
+        gpu = where["gpu"]
         params = {"backends": chosen, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
                   "tasks": [c.key for c in asked], "offset": offset, "seed": seed,
                   "limit": limit if cells is None else {c.key: len(c.items) for c in asked},
@@ -354,7 +361,7 @@ def accuracy_served(
     format: Annotated[str, typer.Option("--format", help="table, json or csv (csv: one row per backend and question).")] = "table",
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="Write json / csv here instead of stdout.")] = None,
     plot: Annotated[Optional[Path], typer.Option("--plot", help="PNG: score vs context length per backend, one panel per task (one result).")] = None,
-    merge: Annotated[bool, typer.Option(help="Join results of other backends on the same questions into one (stored), e.g. the reference's run and another backend's.")] = False,
+    merge: Annotated[bool, typer.Option(help="Join results into one (stored): of other backends on the same questions (e.g. the reference's run and another backend's), or of the same backends on other questions (--offset shards, other cells).")] = False,
     ref: Annotated[Optional[str], typer.Option("--ref", help="Compare with this backend or variant instead of the stored reference.")] = None,
     by_depth: Annotated[bool, typer.Option("--by-depth/--no-by-depth", help="Also each backend's score per evidence depth (the needles', squad-long's passage's).")] = False,
     db: DbOption = None,
@@ -381,7 +388,11 @@ def accuracy_served(
                 merged = merge_served([r for _, r in results])
             except ValueError as exc:
                 raise UserError(str(exc)) from None
-            params = {**stored[0].params, "backends": merged.backends, "merged_from": [p.id for p in stored]}
+            params = {**stored[0].params, "backends": merged.backends, "merged_from": [p.id for p in stored],
+                      "tasks": [c.key for c in merged.cells]}
+            if any(r.cells != results[0][1].cells for _, r in results):  # shards joined: their own counts, offsets
+                params.update(limit={c.key: len(c.ids) for c in merged.cells},
+                              offset=[p.params.get("offset") for p in stored])
             gpu = next((p.gpu for p in stored if p.params.get("engine") != "emulate"), stored[0].gpu)
             merged_id = store.add_profile(KIND, gpu, params, merged.to_json(), simulated=merged.simulated)
             results = [(merged_id, merged)]

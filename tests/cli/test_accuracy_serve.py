@@ -22,8 +22,10 @@ from mpfa.kernels.tasks.tokens import ByteTokenizer, answer_text
 
 BACKENDS = ("fa3-bf16", "mpfa")
 MAX_NEW = 12
-SERVED_EXPORT = (Path(__file__).resolve().parents[2] / "profiles" / "results"
-                 / "accuracy-serve-niah-qwen2.5-coder-1.5b-fa3-fa4-flashinfer-mpfa-h100.json")
+RESULTS = Path(__file__).resolve().parents[2] / "profiles" / "results"
+SERVED_EXPORT = RESULTS / "accuracy-serve-niah-qwen2.5-coder-1.5b-fa3-fa4-flashinfer-mpfa-h100.json"
+INTERVALS_EXPORT = RESULTS / "accuracy-serve-niah-intervals-qwen2.5-coder-1.5b-fa3-bf16-mpfa-h100.json"
+EMULATED_EXPORT = RESULTS / "accuracy-emulate-niah-4k-8k-qwen2.5-coder-1.5b-bf16-mpfa-qk8tile-psum-h100.json"
 
 
 @pytest.fixture
@@ -171,6 +173,10 @@ def test_ctrl_c_stores_the_cells_scored_so_far_and_stops_the_server(mpfa, task_c
     assert list(stored.result["scores"]["fa3-bf16"]) == ["niah-single@600"]
     assert len(stored.result["scores"]["fa3-bf16"]["niah-single@600"]) == 3
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(mpfa.tmp) in " ".join(p.info["cmdline"] or [])]
+    export = mpfa.tmp / "interrupted.json"  # mpfa was never scored: the export still imports
+    assert mpfa("accuracy", "served", "1", "--format", "json", "-o", str(export)).returncode == 0
+    imported = mpfa("accuracy", "import", str(export), "--db", str(mpfa.tmp / "elsewhere.db"))
+    assert imported.returncode == 0, imported.stderr
 
 
 def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):
@@ -209,6 +215,47 @@ def test_the_committed_served_export_imports_with_its_gpu_and_summary(mpfa):
     table = mpfa("accuracy", "served", "1")
     assert table.returncode == 0 and "§" in table.stdout  # the reference predates recorded provenance
     assert sum(" all " in line for line in table.stdout.splitlines()) >= 2  # a pooled row per needle task
+
+
+def _rounded(row: dict) -> tuple:
+    d = row["difference"]
+    return row["n"], round(100 * d["mean"], 1), round(100 * d["low"], 1), round(100 * d["high"], 1)
+
+
+def test_the_committed_interval_run_recomputes_to_docs_accuracy_numbers(mpfa):
+    """The H100 run with as many questions per cell as ±3 points needed at n = 40 (two shards joined): recomputed
+    from its scores, the differences docs/accuracy.md quotes."""
+    assert mpfa("accuracy", "import", str(INTERVALS_EXPORT)).returncode == 0
+    (stored,) = json.loads(mpfa("accuracy", "served", "1", "--format", "json").stdout)
+    (exported,) = json.loads(INTERVALS_EXPORT.read_text())
+    assert stored["summary"] == exported["summary"] and stored["pooled"] == exported["pooled"]
+    mpfa_rows = {(r["task"], r["length"]): _rounded(r) for r in stored["summary"] if r["backend"] == "mpfa"}
+    assert mpfa_rows == {("niah-multikey", 8192): (208, -2.4, -5.3, 0.5),
+                         ("niah-multikey", 16384): (160, -5.0, -8.8, -1.9),
+                         ("niah-single", 32736): (107, -0.9, -2.8, 0.0),
+                         ("niah-multikey", 32736): (470, -7.4, -10.6, -4.3)}
+    (pooled,) = [r for r in stored["pooled"] if r["backend"] == "mpfa"]
+    assert _rounded(pooled) == (838, -5.7, -7.8, -3.7)
+    assert {p["mpfa_revision"] for p in stored["provenance"].values()} == {"1e1f6566f8bd"}
+
+
+def test_the_emulation_answers_the_served_questions_as_the_servers_did(mpfa):
+    """The reference emulation on the H100 (`mpfa accuracy emulate`, the 4K and 8K cells it finished) joined with the
+    served run: the same questions, and per question the same score as the served backend of the same numerics."""
+    assert mpfa("accuracy", "import", str(SERVED_EXPORT)).returncode == 0
+    assert mpfa("accuracy", "import", str(EMULATED_EXPORT)).returncode == 0
+    merged = mpfa("accuracy", "served", "1,2", "--merge")
+    assert merged.returncode == 0, merged.stderr
+    (result,) = json.loads(mpfa("accuracy", "served", "3", "--format", "json").stdout)
+    emulated = result["scores"]["mpfa-qk8tile-psum"]
+    assert sorted(emulated) == ["niah-multikey@4096", "niah-multikey@8192", "niah-single@4096", "niah-single@8192"]
+    same_answers = 0
+    for cell in emulated:
+        assert result["scores"]["bf16"][cell] == result["scores"]["fa3-bf16"][cell]
+        assert emulated[cell] == result["scores"]["mpfa+fp8"][cell]
+        same_answers += sum(a == b for a, b in zip(result["answers"]["mpfa-qk8tile-psum"][cell],
+                                                   result["answers"]["mpfa+fp8"][cell]))
+    assert same_answers == 159  # of 160: one question both miss, with different wrong numbers
 
 
 def test_import_refuses_a_result_without_gpu_unless_named_and_a_non_export_in_one_line(mpfa):

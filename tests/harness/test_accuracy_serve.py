@@ -108,6 +108,46 @@ def test_merge_joins_backends_run_apart_on_the_same_questions():
         merge_served([other, ServedAccuracy.empty("m", "bytes", "fa4-bf16", ["x"], [cell], 1, 32)])
 
 
+def test_merge_joins_shards_of_the_same_backends_question_by_question():
+    from mpfa.harness.served_accuracy import merge_served
+
+    def items(task: str, first: int, count: int) -> tuple:
+        return tuple(GenerationItem(task, f"{task}-{i}", (1,), ("a",), "contains", 600) for i in range(first,
+                                                                                                        first + count))
+
+    def shard(cells: list[Cell], scores: dict[str, list[float]], revision: str = "abc") -> ServedAccuracy:
+        result = ServedAccuracy.empty("m", "bytes", "fa3-bf16", ["fa3-bf16", "mpfa"], cells, 0, 32)
+        for backend, per_question in scores.items():
+            result.scores[backend] = {c.key: per_question[: len(c.items)] for c in cells}
+            result.answers[backend] = {c.key: ["x"] * len(c.items) for c in cells}
+            result.provenance[backend] = {"gpu": "H100", "mpfa_revision": revision}
+        return result
+
+    multikey = Cell("niah-multikey", 600, items("niah-multikey", 0, 4))
+    first = shard([multikey], {"fa3-bf16": [1.0] * 4, "mpfa": [1.0, 0.0, 1.0, 1.0]})
+    more = Cell("niah-multikey", 600, items("niah-multikey", 400, 2))
+    single = Cell("niah-single", 600, items("niah-single", 0, 3))
+    second = shard([more, single], {"fa3-bf16": [1.0] * 3, "mpfa": [0.0, 0.0, 1.0]})
+    merged = merge_served([first, second])
+    assert [c.key for c in merged.cells] == ["niah-multikey@600", "niah-single@600"]
+    assert merged.cells[0].ids == [f"niah-multikey-{i}" for i in (0, 1, 2, 3, 400, 401)]
+    assert merged.scores["mpfa"]["niah-multikey@600"] == [1.0, 0.0, 1.0, 1.0, 0.0, 0.0]
+    rows = {(r.task, r.backend): r for r in merged.summary()}
+    assert rows[("niah-multikey", "mpfa")].n == 6 and rows[("niah-multikey", "mpfa")].score == pytest.approx(0.5)
+    assert rows[("niah-single", "mpfa")].difference.mean == pytest.approx(-2 / 3)
+    assert first.cells[0].ids == [f"niah-multikey-{i}" for i in range(4)]  # the parts are left as they were
+    overlapping = shard([Cell("niah-multikey", 600, items("niah-multikey", 3, 2))],
+                        {"fa3-bf16": [1.0] * 2, "mpfa": [1.0] * 2})
+    with pytest.raises(ValueError, match="question niah-multikey-3 is in more than one"):
+        merge_served([first, overlapping])
+    with pytest.raises(ValueError, match="scored on .*'abc'.* and on .*'def'"):
+        merge_served([first, shard([more], {"fa3-bf16": [1.0] * 2, "mpfa": [1.0] * 2}, "def")])
+    partial = shard([more, single], {"fa3-bf16": [1.0] * 3, "mpfa": [0.0] * 3})
+    del partial.scores["mpfa"]["niah-single@600"]
+    with pytest.raises(ValueError, match="not scored on every cell"):
+        merge_served([first, partial])
+
+
 def test_the_table_names_where_the_backends_were_scored_and_flags_a_mix():
     from mpfa.harness.served_accuracy import provenance_note
 
