@@ -57,7 +57,9 @@ def model_files(source: str) -> tuple[Path, dict[str, str], str]:
 def load_model(source: str, device: str = "cpu") -> LoadedModel:
     """`source`: see `model_files`. Weights are float32 (GGUF weights are dequantized on load)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers.utils import logging as transformers_logging
 
+    transformers_logging.disable_progress_bar()  # a bar per load: noise in the commands' output and logs
     if device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"device {device!r} requested but CUDA is not available")
     where, extra, name = model_files(source)

@@ -1,6 +1,7 @@
 """Run `mpfa` as a real subprocess against the simulator, each test with its own database."""
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +21,9 @@ class Mpfa:
         return [sys.executable, "-m", "mpfa.cli", *args]
 
     def env(self) -> dict[str, str]:
-        return {**os.environ, "MPFA_DB": str(self.db), "COLUMNS": "200"}
+        # PYTHONSAFEPATH: `python -m` must not put the checkout on sys.path, where its top-level `kernels` folder would
+        # shadow the `kernels` package transformers imports (the installed `mpfa` command never does)
+        return {**os.environ, "MPFA_DB": str(self.db), "COLUMNS": "200", "PYTHONSAFEPATH": "1"}
 
     def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(*args), capture_output=True, text=True, timeout=timeout, env=self.env())
@@ -52,3 +55,24 @@ def _write_scenario(path: Path, **fields: object) -> Path:
     lines = [f"{k} = {v!r}".replace("'", '"') if not isinstance(v, list) else f"{k} = {v}" for k, v in base.items()]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+@pytest.fixture
+def task_cache(tmp_path, monkeypatch):
+    """SQuAD, social_iqa and the essays where `data.task_file` / `data.essay_text` look, so nothing downloads."""
+    root = tmp_path / "cache"
+    bigbench = root / "datasets" / "bigbench-1.0.0"
+    (bigbench / "squad_shifts").mkdir(parents=True)
+    (bigbench / "social_iqa").mkdir(parents=True)
+    (root / "models" / "text").mkdir(parents=True)
+    articles = [{"title": f"article {a}", "paragraphs": [{
+        "context": f"River {a} flows north past the town of Rivet {a}. " * 3,
+        "qas": [{"id": f"q{a}", "question": f"Where does river {a} flow?",
+                 "answers": [{"answer_start": 9, "text": "flows north"}]}]}]} for a in range(30)]
+    (bigbench / "squad_shifts" / "squaddev_v1.1.json").write_text(json.dumps({"data": articles}))
+    (bigbench / "social_iqa" / "task.json").write_text(json.dumps({"examples": [
+        {"input": f"Question {i}?", "target_scores": {"yes": 1, "no": 0, "maybe so": 0}} for i in range(10)]}))
+    (root / "models" / "text" / "paul_graham_essays.txt").write_text(
+        " ".join(f"Sentence {i} is about painters and hackers." for i in range(600)))
+    monkeypatch.setenv("MPFA_CACHE", str(root))
+    return root

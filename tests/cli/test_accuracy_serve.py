@@ -11,7 +11,6 @@ import time
 from pathlib import Path
 
 import psutil
-import pytest
 
 from mpfa.harness.sim_server import SimLogprobs, echoed_ids, prompt_digest
 from mpfa.harness.store import ResultStore
@@ -26,27 +25,6 @@ RESULTS = Path(__file__).resolve().parents[2] / "profiles" / "results"
 SERVED_EXPORT = RESULTS / "accuracy-serve-niah-qwen2.5-coder-1.5b-fa3-fa4-flashinfer-mpfa-h100.json"
 INTERVALS_EXPORT = RESULTS / "accuracy-serve-niah-intervals-qwen2.5-coder-1.5b-fa3-bf16-mpfa-h100.json"
 EMULATED_EXPORT = RESULTS / "accuracy-emulate-niah-4k-8k-qwen2.5-coder-1.5b-bf16-mpfa-qk8tile-psum-h100.json"
-
-
-@pytest.fixture
-def task_cache(tmp_path, monkeypatch):
-    """SQuAD, social_iqa and the essays where `data.task_file` / `data.essay_text` look, so nothing downloads."""
-    root = tmp_path / "cache"
-    bigbench = root / "datasets" / "bigbench-1.0.0"
-    (bigbench / "squad_shifts").mkdir(parents=True)
-    (bigbench / "social_iqa").mkdir(parents=True)
-    (root / "models" / "text").mkdir(parents=True)
-    articles = [{"title": f"article {a}", "paragraphs": [{
-        "context": f"River {a} flows north past the town of Rivet {a}. " * 3,
-        "qas": [{"id": f"q{a}", "question": f"Where does river {a} flow?",
-                 "answers": [{"answer_start": 9, "text": "flows north"}]}]}]} for a in range(30)]
-    (bigbench / "squad_shifts" / "squaddev_v1.1.json").write_text(json.dumps({"data": articles}))
-    (bigbench / "social_iqa" / "task.json").write_text(json.dumps({"examples": [
-        {"input": f"Question {i}?", "target_scores": {"yes": 1, "no": 0, "maybe so": 0}} for i in range(10)]}))
-    (root / "models" / "text" / "paul_graham_essays.txt").write_text(
-        " ".join(f"Sentence {i} is about painters and hackers." for i in range(600)))
-    monkeypatch.setenv("MPFA_CACHE", str(root))
-    return root
 
 
 def _expected(cell, backend: str, tok: ByteTokenizer) -> tuple[list[float], list]:
