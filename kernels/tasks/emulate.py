@@ -1,7 +1,7 @@
 """The cells of `mpfa accuracy serve` answered by the numerics reference instead of a server.
 
-Each attention variant is swapped into the model in turn (`runner.installer`) and answers every question of every
-cell: greedy answers in padded batches (`generation.greedy_answers`, the first line of the answer, as the served
+Cell by cell, the shortest first, each attention variant is swapped into the model in turn (`runner.installer`)
+and answers the cell's questions: greedy answers in padded batches (`generation.greedy_answers`, the first line of the answer, as the served
 path scores it), choices by their summed log-likelihood (`generation.batch_choice_logprobs`). The per-question
 scores and answers come out in the served path's layout, so an emulated variant and a served backend compare
 question by question on the same prompts.
@@ -19,8 +19,6 @@ from mpfa.kernels.tasks.task_sets import Cell
 
 # (variant, cell key, questions done, questions in the cell) -> None
 Progress = Callable[[str, str, int, int], None]
-# variant -> cell key -> (per-question scores, answers: text or chosen option)
-Answers = dict[str, dict[str, tuple[list[float], list[str | int]]]]
 
 
 def emulate_cells(

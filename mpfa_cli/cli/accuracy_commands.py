@@ -259,14 +259,10 @@ def accuracy_emulate(
         raise UserError("`mpfa accuracy emulate` needs the accuracy extra: pip install -e '.[accuracy]'")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
-    from datetime import datetime, timezone
-
+    from mpfa.harness.accuracy_emulate import cells_done, run_emulated_accuracy
     from mpfa.harness.accuracy_serve import check_window
-    from mpfa.harness.engines import gpu_label, model_name
-    from mpfa.harness.environment import collect_environment
-    from mpfa.harness.served_accuracy import KIND, ServedAccuracy, render
+    from mpfa.harness.served_accuracy import KIND, render
     from mpfa.kernels.tasks.attention_swap import SWAP_VARIANTS
-    from mpfa.kernels.tasks.emulate import emulate_cells
     from mpfa.kernels.tasks.generation import load_model
     from mpfa.kernels.tasks.runner import installer
     from mpfa.kernels.tasks.tokens import HFTokenizer
@@ -294,37 +290,25 @@ def accuracy_emulate(
                 bars[(variant, key)] = bar.add_task(f"{variant} {key}", total=total)
             bar.update(bars[(variant, key)], completed=done)
 
-        result = ServedAccuracy.empty(model_name(model), tok.name, ref, chosen, asked, seed, max_new_tokens)
-        result.server_info = {variant: {"engine": "emulate", "variant": variant} for variant in chosen}
-        where = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
-                 "gpu": gpu_label() if device.startswith("cuda") else "cpu",
-                 "mpfa_revision": collect_environment().get("mpfa_revision")}
-        result.provenance = {variant: {**where, "kernels": {"emulated": variant}} for variant in chosen}
-        interrupted = False
-        try:
-            for variant, key, scores, said in emulate_cells(lm, asked, chosen, attach, max_new_tokens=max_new_tokens,
-                                                            batch_size=batch_size, batch_tokens=batch_tokens,
-                                                            progress=advance):
-                result.scores.setdefault(variant, {})[key] = scores
-                result.answers.setdefault(variant, {})[key] = said
-                console.print(f"{variant} {key}: {100 * sum(scores) / len(scores):.1f} ({len(scores)} questions)",
-                              highlight=False)
-        except KeyboardInterrupt:
-            interrupted = result.interrupted = True
-    done = sum(len(by_cell) for by_cell in result.scores.values())
-    if done:
+        def cell_done(variant: str, key: str, scores: list[float]) -> None:
+            console.print(f"{variant} {key}: {100 * sum(scores) / len(scores):.1f} ({len(scores)} questions)",
+                          highlight=False)
+
+        result = run_emulated_accuracy(lm, tok.name, model, asked, chosen, ref, attach, device=device, seed=seed,
+                                       max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                       batch_tokens=batch_tokens, progress=advance, on_cell=cell_done)
+    if done := cells_done(result):
         render(result, console)
-        gpu = where["gpu"]
-        params = {"backends": chosen, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
+        params = {"backends": chosen, "ref": ref, "model": result.model, "tokenizer": tok.name,
                   "tasks": [c.key for c in asked], "offset": offset, "seed": seed,
                   "limit": limit if cells is None else {c.key: len(c.items) for c in asked},
                   "max_new_tokens": max_new_tokens, "engine": "emulate", "device": device, "batch_size": batch_size,
-                  "batch_tokens": batch_tokens, "status": "interrupted" if interrupted else "ok"}
+                  "batch_tokens": batch_tokens, "status": "interrupted" if result.interrupted else "ok"}
         with open_store(db) as store:
-            stored = store.add_profile(KIND, gpu, params, result.to_json())
+            stored = store.add_profile(KIND, result.provenance[chosen[0]]["gpu"], params, result.to_json())
         console.print(f"stored emulated accuracy result {stored} in {store.path}"
-                      + (f" ({done} of {len(asked) * len(chosen)} cell-variant pairs)" if interrupted else ""))
-    if interrupted:
+                      + (f" ({done} of {len(asked) * len(chosen)} cell-variant pairs)" if result.interrupted else ""))
+    if result.interrupted:
         raise UserError("interrupted" + ("" if done else ": no cell was done, nothing stored"), exit_code=130)
 
 
