@@ -8,11 +8,10 @@ that cannot finish its longest cells still stores and merges like a whole one.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from datetime import datetime, timezone
 
 from mpfa.harness.engines import gpu_label, model_name
 from mpfa.harness.environment import collect_environment
-from mpfa.harness.served_accuracy import ServedAccuracy
+from mpfa.harness.served_accuracy import ServedAccuracy, scored_at
 from mpfa.kernels.tasks.emulate import Progress, emulate_cells
 from mpfa.kernels.tasks.generation import LoadedModel
 from mpfa.kernels.tasks.task_sets import Cell
@@ -26,9 +25,8 @@ def run_emulated_accuracy(
     """Every variant on every cell (`emulate_cells`); `on_cell(variant, key, scores)` as each is done."""
     result = ServedAccuracy.empty(model_name(model), tokenizer_name, ref, list(variants), list(cells), seed,
                                   max_new_tokens)
-    where = {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
-             "gpu": gpu_label() if device.startswith("cuda") else "cpu",
-             "mpfa_revision": collect_environment().get("mpfa_revision")}
+    environment = collect_environment()
+    where = scored_at(gpu_label(False, environment["gpus"]) if device.startswith("cuda") else "cpu", environment)
     for variant in variants:
         result.server_info[variant] = {"engine": "emulate", "variant": variant}
         result.provenance[variant] = {**where, "kernels": {"emulated": variant}}

@@ -20,13 +20,12 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from typing import Any
 
 from mpfa.harness.engines import gpu_label
 from mpfa.harness.latency_model import ModelShape
 from mpfa.harness.logits import SERVER_KEYS, ResponseError, post_generate, response_meta
-from mpfa.harness.served_accuracy import INTERRUPTED, ServedAccuracy
+from mpfa.harness.served_accuracy import INTERRUPTED, ServedAccuracy, scored_at
 from mpfa.harness.scenario import load_model_shape
 from mpfa.harness.served_kernels import launch_page_size, runs_mpfa_kernels, served_kernels
 from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
@@ -172,9 +171,7 @@ def provenance(spec, opts, shape: ModelShape, environment: dict[str, Any]) -> di
     """Where and when a backend was scored: the date (UTC), the GPU and mpfa revision of `environment`
     (`environment.collect_environment`), and the kernels its server runs for the model's heads (`shape`)."""
     simulated = opts.engine == "sim"
-    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"),
-            "gpu": gpu_label(simulated, environment["gpus"]),
-            "mpfa_revision": environment.get("mpfa_revision"),
+    return {**scored_at(gpu_label(simulated, environment["gpus"]), environment),
             "kernels": served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec), opts.prefill_kernel,
                                       source="simulated" if simulated else "dispatch")}
 

@@ -11,6 +11,7 @@ import csv
 import io
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
 from typing import Any
 
 from mpfa.kernels.tasks.paired_stats import HALF_WIDTH, PairedDifference, paired_difference
@@ -291,6 +292,13 @@ def _long_table(result: ServedAccuracy, title: str, groups: tuple[list[Group], l
     return table
 
 
+def scored_at(gpu: str, environment: dict[str, Any]) -> dict[str, Any]:
+    """A backend's provenance but its kernels: now (UTC), `gpu` and the mpfa revision of `environment`
+    (`environment.collect_environment`)."""
+    return {"date": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M"), "gpu": gpu,
+            "mpfa_revision": environment.get("mpfa_revision")}
+
+
 def provenance_note(result: ServedAccuracy) -> str:
     """One line naming the GPU and mpfa revision the backends were scored at; "§" and each backend's where they
     differ (a merge of runs of different revisions compares different code), or where some backends' were not
@@ -351,8 +359,8 @@ def _join_questions(merged: ServedAccuracy, part: ServedAccuracy) -> None:
     """`part`'s questions added to `merged`'s cells (new cells appended); every backend must be scored on every cell
     of both, on the same GPU and revision, so that each joined cell stays paired question by question."""
     for backend in merged.backends:
-        scored = [(r, c.key) for r in (merged, part) for c in r.cells if c.key not in r.scores.get(backend, {})]
-        if scored or backend in merged.errors or backend in part.errors:
+        unscored = any(c.key not in r.scores.get(backend, {}) for r in (merged, part) for c in r.cells)
+        if unscored or backend in merged.errors or backend in part.errors:
             raise ValueError(f"cannot join other questions of {backend}: it was not scored on every cell of both")
         where = [tuple(r.provenance.get(backend, {}).get(k) for k in ("gpu", "mpfa_revision")) for r in (merged, part)]
         if where[0] != where[1]:
@@ -360,14 +368,12 @@ def _join_questions(merged: ServedAccuracy, part: ServedAccuracy) -> None:
     cells = {c.key: c for c in merged.cells}
     for cell in part.cells:
         mine = cells.get(cell.key)
-        if mine is None:
-            merged.cells.append(CellInfo(cell.task, cell.length, cell.metric, list(cell.ids), list(cell.depths)))
-            cells[cell.key] = merged.cells[-1]
+        if mine is None:  # a cell only `part` asked: an empty one to add to
+            mine = cells[cell.key] = CellInfo(cell.task, cell.length, cell.metric, [], [])
+            merged.cells.append(mine)
             for backend in merged.backends:
-                merged.scores[backend][cell.key] = list(part.scores[backend][cell.key])
-                merged.answers[backend][cell.key] = list(part.answers[backend][cell.key])
-            continue
-        if twice := set(mine.ids) & set(cell.ids):
+                merged.scores[backend][cell.key], merged.answers[backend][cell.key] = [], []
+        elif twice := set(mine.ids) & set(cell.ids):
             raise ValueError(f"cannot join {cell.key}: question {sorted(twice)[0]} is in more than one of the results")
         mine.ids += cell.ids
         mine.depths += cell.depths

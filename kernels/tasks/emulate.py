@@ -29,8 +29,8 @@ def emulate_cells(
     first, all variants of a cell before the next, so a run stopped early keeps whole cells of the most questions.
     `attach(variant)` installs a variant and returns its attention function. A forward call takes at most
     `batch_size` questions and, with `batch_tokens`, at most that many prompt tokens (but one question at least)."""
-    for cell in sorted(cells, key=lambda c: max(len(_tokens(it)) for it in c.items)):
-        longest = max(len(_tokens(it)) for it in cell.items)
+    longest_first = [(max(len(_tokens(it)) for it in cell.items), cell) for cell in cells]
+    for longest, cell in sorted(longest_first, key=lambda pair: pair[0]):
         size = batch_size if batch_tokens is None else max(1, min(batch_size, batch_tokens // longest))
         for variant in variants:
             attention = attach(variant)

@@ -15,6 +15,7 @@ batch-of-one case.
 
 from __future__ import annotations
 
+import functools
 import inspect
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -100,15 +101,29 @@ def _forward(lm: LoadedModel, attention: VariantAttention, ids: torch.Tensor, ma
     """One model call on a padded batch: ids / positions [B, S], mask [B, cache length + S] (all CPU tensors)."""
     attention.set_key_mask(mask)
     device = lm.device
-    # transformers 5.2x names the KV cache `cache`, earlier 5.x releases (SGLang's 5.12) `past_key_values`
-    name = "cache" if "cache" in inspect.signature(lm.model.forward).parameters else "past_key_values"
     return lm.model(input_ids=ids.to(device), attention_mask=mask.to(device), position_ids=positions.to(device),
-                    use_cache=True, **{name: cache}, **kwargs)
+                    use_cache=True, **{_cache_argument(type(lm.model)): cache}, **kwargs)
+
+
+@functools.cache
+def _cache_argument(model_class: type) -> str:
+    """transformers 5.2x names the KV cache `cache`, earlier 5.x releases (SGLang's 5.12) `past_key_values`."""
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
 
 
 def _cache(out):
-    """The KV cache a model call returned, under either name (see `_forward`)."""
+    """The KV cache a model call returned, under either name (see `_cache_argument`)."""
     return out.cache if getattr(out, "cache", None) is not None else out.past_key_values
+
+
+def _prompt_logits(out, rows: int) -> torch.Tensor:
+    """[B, 1, V]: each row's logits at its `logits_to_keep` position. transformers releases that index the hidden
+    states with the per-row positions as one index (SGLang's 5.12) return [B, B, 1, V], row b's at [b, b]."""
+    logits = out.logits
+    if logits.dim() == 4:
+        index = torch.arange(rows, device=logits.device)
+        logits = logits[index, index]
+    return logits
 
 
 def _check_rows(rows: Sequence[Sequence[int]], what: str) -> None:
@@ -136,10 +151,7 @@ def greedy_answers(
     positions = torch.arange(ids.shape[1]).expand_as(ids)
     # logits of each row's last prompt token only (not [B, L, vocab])
     out = _forward(lm, attention, ids, mask, positions, logits_to_keep=(lengths - 1)[:, None].to(lm.device))
-    logits = out.logits
-    if logits.dim() == 4:  # transformers versions that index [B, B, 1, V] with the per-row positions: row b's is [b, b]
-        rows = torch.arange(len(prompts), device=logits.device)
-        logits = logits[rows, rows]
+    logits = _prompt_logits(out, len(prompts))
     generated: list[list[int]] = [[] for _ in prompts]
     active = [True] * len(prompts)
     for step in range(max_new_tokens):
@@ -194,7 +206,7 @@ def batch_choice_logprobs(
     positions = context_lengths[owner][:, None] + torch.arange(choice_ids.shape[1])
     out = _forward(lm, attention, choice_ids, torch.cat([mask[owner], choice_mask], 1), positions, cache=cache)
     # logits predicting each choice token: the context's last one, then the choice's own but its last
-    logits = torch.cat([ctx.logits[owner.to(lm.device), -1:], out.logits[:, :-1]], 1)
+    logits = torch.cat([_prompt_logits(ctx, len(questions))[owner.to(lm.device)], out.logits[:, :-1]], 1)
     scores = continuation_logprobs(logits, choice_ids.to(lm.device), choice_mask.to(lm.device))
     result, row = [], 0
     for _, choices in questions:

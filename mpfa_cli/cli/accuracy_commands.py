@@ -153,6 +153,12 @@ def chosen_cells(ctx: typer.Context, tok, cells: str | None, tasks: str, lengths
     return build_picked_cells(tok, parse_cells(cells), offset=offset, seed=seed)
 
 
+def asked_params(asked: list, cells: str | None, limit: int, offset: int, seed: int) -> dict:
+    """What a stored result records of its questions: the cells, offset, seed, and `--limit` or each cell's count."""
+    return {"tasks": [c.key for c in asked], "offset": offset, "seed": seed,
+            "limit": limit if cells is None else {c.key: len(c.items) for c in asked}}
+
+
 @accuracy_app.command("serve")
 @cli_errors
 def accuracy_serve(
@@ -219,8 +225,7 @@ def accuracy_serve(
         render(result, console)
         gpu = gpu_label(result.simulated)
         params = {"backends": result.backends, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
-                  "tasks": [c.key for c in result.cells], "offset": offset, "seed": seed,
-                  "limit": limit if cells is None else {c.key: len(c.items) for c in asked},
+                  **asked_params(asked, cells, limit, offset, seed),
                   "max_new_tokens": max_new_tokens, "concurrency": concurrency, "engine": chosen_engine,
                   "prefill_kernel": prefill_kernel, "server_args": list(server_arg or [])}
         stored = store.add_profile(KIND, gpu, params, result.to_json(), simulated=result.simulated)
@@ -300,8 +305,7 @@ def accuracy_emulate(
     if done := cells_done(result):
         render(result, console)
         params = {"backends": chosen, "ref": ref, "model": result.model, "tokenizer": tok.name,
-                  "tasks": [c.key for c in asked], "offset": offset, "seed": seed,
-                  "limit": limit if cells is None else {c.key: len(c.items) for c in asked},
+                  **asked_params(asked, cells, limit, offset, seed),
                   "max_new_tokens": max_new_tokens, "engine": "emulate", "device": device, "batch_size": batch_size,
                   "batch_tokens": batch_tokens, "status": "interrupted" if result.interrupted else "ok"}
         with open_store(db) as store:

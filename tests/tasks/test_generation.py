@@ -131,3 +131,17 @@ def test_batched_choice_logprobs_equal_one_at_a_time(variant):
         alone = _choices_one_at_a_time(lm, context, choices, attention)
         assert scores == pytest.approx(alone, rel=0, abs=1e-4)
         assert choice_logprobs(lm, context, choices, attention) == pytest.approx(alone, rel=0, abs=1e-4)
+
+
+def test_prompt_logits_take_each_rows_own_from_a_cross_indexed_output():
+    """transformers 5.12 returns [B, B, 1, V] for per-row `logits_to_keep`; row b's logits are at [b, b]."""
+    from types import SimpleNamespace
+
+    from mpfa.kernels.tasks.generation import _prompt_logits
+
+    per_row = torch.randn(3, 1, 5)
+    crossed = torch.randn(3, 3, 1, 5)
+    for b in range(3):
+        crossed[b, b] = per_row[b]
+    assert torch.equal(_prompt_logits(SimpleNamespace(logits=crossed), 3), per_row)
+    assert torch.equal(_prompt_logits(SimpleNamespace(logits=per_row), 3), per_row)  # 5.2x: already per row
