@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpfa.kernels.formats import NVFP4_BLOCK
+from .formats import NVFP4_BLOCK
 
 SUPPORTED_HEAD_DIMS = (128,)
 DELTA_S_ROW_ALIGN = 4  # BF16 entries: every (KV head, slot) row of Delta_S is a multiple of 8 bytes

@@ -13,8 +13,8 @@
 
 from __future__ import annotations
 
-from mpfa.kernels.cache_layout import delta_s_row
-from mpfa.kernels.formats import NVFP4_BLOCK
+from .cache_layout import delta_s_row
+from .formats import NVFP4_BLOCK
 
 CACHE_FORMATS = ("bf16", "fp8", "mpfa")
 _BF16_BYTES = 2

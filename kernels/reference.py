@@ -40,22 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mpfa.kernels.formats import (
-    NVFP4_BLOCK,
-    fake_quant_fp8,
-    fake_quant_fp8_pow2,
-    fake_quant_nvfp4,
-    fake_quant_p_fp8,
-)
-from mpfa.kernels.smoothing import (
-    SmoothingMeans,
-    center,
-    check_cu_seqlens,
-    delta_s,
-    delta_s_padded,
-    masked_means,
-    sequence_means,
-)
+from .formats import NVFP4_BLOCK, fake_quant_fp8, fake_quant_fp8_pow2, fake_quant_nvfp4, fake_quant_p_fp8
+from .smoothing import SmoothingMeans, center, check_cu_seqlens, delta_s, delta_s_padded, masked_means, sequence_means
 
 NVFP4_E4M3_ROW = "nvfp4>e4m3-row"
 NVFP4_E4M3_TILE = "nvfp4>e4m3-tile"

@@ -14,7 +14,7 @@ import argparse
 import re
 from dataclasses import dataclass
 
-from mpfa.kernels.kv_capacity import kv_bytes_per_token
+from ..kernels.kv_capacity import kv_bytes_per_token
 
 KINDS = ("prefill", "decode")
 _SEQ_SUFFIX = {"": 1, "k": 1024, "m": 1024 * 1024}

@@ -3,7 +3,7 @@
 The simulator runs in its own process on asyncio's own event loop, with chunk tracing on: around the write
 of each SSE chunk it notes `time.perf_counter()` before and after. That loop's write is the `send()` itself,
 and on loopback `send()` returns with the bytes already in the receiving socket, so the "after" stamp is
-when the chunk became readable by the client. The client (`mpfa.harness.client.run_load`, unchanged) stamps
+when the chunk became readable by the client. The client (`mpfa.mpfa_cli.harness.client.run_load`, unchanged) stamps
 each socket read on arrival. On Linux `perf_counter` is CLOCK_MONOTONIC, one clock for every process on the
 host, so per output token:
 
@@ -51,10 +51,10 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
-from mpfa.harness import client
-from mpfa.harness.client import new_event_loop, run_load
-from mpfa.harness.serving_workload import make_prompts
-from mpfa.harness.sim_server import prompt_digest
+from ..mpfa_cli.harness import client
+from ..mpfa_cli.harness.client import new_event_loop, run_load
+from ..mpfa_cli.harness.serving_workload import make_prompts
+from ..mpfa_cli.harness.sim_server import prompt_digest
 
 PERCENTILES = (50, 90, 99)
 REALTIME_PRIORITY = 50
@@ -113,7 +113,7 @@ def realtime() -> Iterator[None]:
 def _start_sim(args: argparse.Namespace, port: int) -> subprocess.Popen:
     # asyncio's own loop: its transports send on write(), while uvloop batches the writes of a loop iteration
     # and sends them after the "after" stamps, which would count simulator time as client lag.
-    code = (f"from aiohttp import web; from mpfa.harness.sim_server import build_app; "
+    code = (f"from aiohttp import web; from mpfa.mpfa_cli.harness.sim_server import build_app; "
             f"web.run_app(build_app({args.backend!r}, time_scale={args.time_scale}, trace_chunks=True, "
             f"incremental_streaming_output={args.incremental}), host='127.0.0.1', port={port}, print=None, "
             f"access_log=None)")

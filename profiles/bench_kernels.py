@@ -23,12 +23,12 @@ import argparse
 import sys
 from collections.abc import Callable
 
-from mpfa.harness.errors import ProfileError
-from mpfa.profiles.attention_workload import MPFA, AttentionWorkload, parse_heads, parse_seq
-from mpfa.profiles.microbench import benchmark_backend
-from mpfa.profiles.peaks import copy_gbps
-from mpfa.profiles.registry import adapter_for
-from mpfa.profiles.results import OK, BackendResult
+from ..mpfa_cli.errors import ProfileError
+from .attention_workload import MPFA, AttentionWorkload, parse_heads, parse_seq
+from .microbench import benchmark_backend
+from .peaks import copy_gbps
+from .registry import adapter_for
+from .profile_result import OK, BackendResult
 
 DEFAULT_BACKENDS = ("mpfa", "fa3-fp8", "flashinfer-fp8", "fa4-bf16")
 # The speed-up columns: (backend, column label) per kind.
@@ -40,7 +40,7 @@ _INDEX_BYTES = 4
 
 def mpfa_partitions(backend: str, workload: AttentionWorkload, num_sms: int) -> int | None:
     """The split-KV partitions per request an MpFA decode backend runs (None for the others)."""
-    from mpfa.kernels.sm90.decode_launch import choose_partition_size
+    from ..kernels.sm90.decode_launch import choose_partition_size
 
     w = workload
     if adapter_for(backend).tensor_format is not MPFA:

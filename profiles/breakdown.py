@@ -3,9 +3,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from mpfa.harness.errors import ServingProfileError
-from mpfa.profiles.kernel_categories import CATEGORIES, classify
-from mpfa.profiles.torch_trace import GPU_CATEGORIES, KernelTotal, Trace, gpu_events, kernel_totals
+from ..mpfa_cli.errors import ServingProfileError
+from .kernel_categories import CATEGORIES, classify
+from .torch_trace import GPU_CATEGORIES, KernelTotal, Trace, gpu_events, kernel_totals
 
 TOP_KERNELS = 8  # largest kernels kept per stage, to check the classification by eye
 

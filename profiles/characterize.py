@@ -36,9 +36,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from mpfa.harness.errors import ProfileError
-from mpfa.profiles.attention_workload import AttentionWorkload
-from mpfa.profiles.timing import TimingSummary, measure, summarize
+from ..mpfa_cli.errors import ProfileError
+from .attention_workload import AttentionWorkload
+from .timing import TimingSummary, measure, summarize
 
 if TYPE_CHECKING:
     import torch
@@ -180,9 +180,9 @@ def _prefill_inputs(w: AttentionWorkload, device: "torch.device"):
     """One set of MpFA prefill inputs exactly as `mpfa profile prefill` builds them (`kernels_mpfa`)."""
     import torch
 
-    from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.smoothing import SmoothingMeans
-    from mpfa.profiles.kernels_mpfa import PAGE_SIZE, _fill, paged_layout
+    from ..kernels.cache_layout import CenteredQuery, MpfaKVCache
+    from ..kernels.smoothing import SmoothingMeans
+    from .kernels_mpfa import PAGE_SIZE, _fill, paged_layout
 
     generator = torch.Generator(device=device).manual_seed(DEFAULT_SEED)
     means = SmoothingMeans(torch.randn(w.batch, w.q_heads, w.head_dim, device=device, generator=generator),
@@ -230,10 +230,10 @@ def run_characterize(seq: int, batch: int = 1, heads: tuple[int, int] = (32, 8),
     """Time the fp8 prefill kernel's ablation ladder (and the context backends) on one causal prefill; writes the
     JSON into ``out_dir``. Raises ValueError for bad arguments (a shape the fp8 kernel does not take among them)
     and ProfileError when there is no CUDA device."""
-    from mpfa.kernels.sm90.dispatch import prefill_kernel
-    from mpfa.kernels.sm90.prefill_launch import ablation_ladder
-    from mpfa.profiles.kernels_mpfa import PAGE_SIZE
-    from mpfa.profiles.registry import adapter_for
+    from ..kernels.sm90.dispatch import prefill_kernel
+    from ..kernels.sm90.prefill_launch import ablation_ladder
+    from .kernels_mpfa import PAGE_SIZE
+    from .registry import adapter_for
 
     workload = AttentionWorkload("prefill", seq, batch, heads[0], heads[1], head_dim)
     if head_dim != 128:
@@ -247,7 +247,7 @@ def run_characterize(seq: int, batch: int = 1, heads: tuple[int, int] = (32, 8),
 
     if not torch.cuda.is_available():
         raise ProfileError("no CUDA device: `mpfa profile` runs the attention kernels on a GPU")
-    from mpfa.kernels.sm90.prefill_launch import mpfa_prefill_ablated
+    from ..kernels.sm90.prefill_launch import mpfa_prefill_ablated
 
     device = torch.device("cuda", torch.cuda.current_device())
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -268,7 +268,7 @@ def run_characterize(seq: int, batch: int = 1, heads: tuple[int, int] = (32, 8),
     del inputs
     torch.cuda.empty_cache()
 
-    from mpfa.profiles.microbench import benchmark_backend
+    from .microbench import benchmark_backend
 
     for adapter in adapters:
         backend = benchmark_backend(adapter, workload, device, say)
@@ -349,7 +349,7 @@ def main(argv: list[str] | None = None) -> int:
 
     from rich.console import Console
 
-    from mpfa.profiles.attention_workload import parse_heads, parse_seq
+    from .attention_workload import parse_heads, parse_seq
 
     parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.characterize", description=__doc__.split("\n")[0])
     parser.add_argument("--seq", default="64k")

@@ -8,7 +8,7 @@ from __future__ import annotations
 import math
 from typing import TYPE_CHECKING
 
-from mpfa.harness.errors import ProfileError
+from ..mpfa_cli.errors import ProfileError
 
 if TYPE_CHECKING:
     import torch

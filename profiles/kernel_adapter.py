@@ -10,7 +10,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
 
-from mpfa.profiles.attention_workload import AttentionWorkload, TensorFormat
+from .attention_workload import AttentionWorkload, TensorFormat
 
 if TYPE_CHECKING:
     import torch

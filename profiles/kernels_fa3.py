@@ -11,10 +11,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mpfa.harness.errors import ProfileError
-from mpfa.profiles.inputs import random_tensor
-from mpfa.profiles.kernel_adapter import PreparedKernel, paged_slots, sequential_page_table, unpaged
-from mpfa.profiles.attention_workload import BF16, FP8_Q_FP8_KV, AttentionWorkload
+from ..mpfa_cli.errors import ProfileError
+from .inputs import random_tensor
+from .kernel_adapter import PreparedKernel, paged_slots, sequential_page_table, unpaged
+from .attention_workload import BF16, FP8_Q_FP8_KV, AttentionWorkload
 
 if TYPE_CHECKING:
     import torch

@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from mpfa.profiles.attention_workload import BF16, AttentionWorkload
-from mpfa.profiles.inputs import random_tensor
-from mpfa.profiles.kernel_adapter import PreparedKernel, paged_slots, sequential_page_table, unpaged
+from .attention_workload import BF16, AttentionWorkload
+from .inputs import random_tensor
+from .kernel_adapter import PreparedKernel, paged_slots, sequential_page_table, unpaged
 
 if TYPE_CHECKING:
     import torch

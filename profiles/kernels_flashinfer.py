@@ -30,10 +30,10 @@ import logging
 import math
 from typing import TYPE_CHECKING
 
-from mpfa.harness.errors import ProfileError
-from mpfa.profiles.attention_workload import BF16, BF16_Q_FP8_KV, FP8_Q_FP8_KV, AttentionWorkload
-from mpfa.profiles.inputs import random_tensor
-from mpfa.profiles.kernel_adapter import PreparedKernel, paged_slots, sequential_page_table, unpaged
+from ..mpfa_cli.errors import ProfileError
+from .attention_workload import BF16, BF16_Q_FP8_KV, FP8_Q_FP8_KV, AttentionWorkload
+from .inputs import random_tensor
+from .kernel_adapter import PreparedKernel, paged_slots, sequential_page_table, unpaged
 
 if TYPE_CHECKING:
     import torch

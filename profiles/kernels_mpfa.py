@@ -12,11 +12,11 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Callable
 
-from mpfa.harness.errors import ProfileError
-from mpfa.kernels.kv_capacity import kv_bytes_per_token
-from mpfa.profiles.attention_workload import MPFA, AttentionWorkload
-from mpfa.profiles.inputs import random_tensor
-from mpfa.profiles.kernel_adapter import PreparedKernel, sequential_page_table
+from ..mpfa_cli.errors import ProfileError
+from ..kernels.kv_capacity import kv_bytes_per_token
+from .attention_workload import MPFA, AttentionWorkload
+from .inputs import random_tensor
+from .kernel_adapter import PreparedKernel, sequential_page_table
 
 if TYPE_CHECKING:
     import torch
@@ -74,7 +74,7 @@ class MpfaAdapter:
     def prepare(self, workload: AttentionWorkload, num_sets: int, device: "torch.device", seed: int) -> PreparedKernel:
         import torch
 
-        from mpfa.kernels.smoothing import SmoothingMeans
+        from ..kernels.smoothing import SmoothingMeans
 
         w = workload
         generator = torch.Generator(device=device).manual_seed(seed)
@@ -92,7 +92,7 @@ def _fill(w: AttentionWorkload, cache, slots_of_token, means, device, generator,
     ``slots_of_token(tokens)``, in chunks; ``keep_query(first, centered)`` stores the rows of Q it needs."""
     import torch
 
-    from mpfa.kernels.sm90.quantize_cache import quantize_to_cache
+    from ..kernels.sm90.quantize_cache import quantize_to_cache
 
     tokens = w.batch * w.seq
     for first in range(0, tokens, _FILL_TOKENS):
@@ -111,8 +111,8 @@ def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, mean
                     compensate: bool = True) -> PreparedKernel:
     import torch
 
-    from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode, partition_warps
+    from ..kernels.cache_layout import CenteredQuery, MpfaKVCache
+    from ..kernels.sm90.decode_launch import DecodeWorkspace, mpfa_decode, partition_warps
 
     page_table, slots_of_token, num_pages = paged_layout(w, device)
 
@@ -150,9 +150,9 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
                      compensate: bool = True) -> PreparedKernel:
     import torch
 
-    from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-    from mpfa.kernels.sm90.dispatch import PREFILL_KERNELS, prefill_kernel
-    from mpfa.kernels.sm90.prefill_launch import mpfa_prefill
+    from ..kernels.cache_layout import CenteredQuery, MpfaKVCache
+    from ..kernels.sm90.dispatch import PREFILL_KERNELS, prefill_kernel
+    from ..kernels.sm90.prefill_launch import mpfa_prefill
 
     tokens = w.batch * w.seq
     page_table, slots_of_token, num_pages = paged_layout(w, device)

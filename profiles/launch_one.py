@@ -11,10 +11,9 @@ from __future__ import annotations
 import argparse
 import sys
 
-from mpfa.profiles.attention_workload import AttentionWorkload, add_workload_arguments, workload_arguments, \
-    workload_from_arguments
-from mpfa.profiles.inputs import DEFAULT_SEED
-from mpfa.profiles.registry import adapter_for
+from .attention_workload import AttentionWorkload, add_workload_arguments, workload_arguments, workload_from_arguments
+from .inputs import DEFAULT_SEED
+from .registry import adapter_for
 
 MODULE = "mpfa.profiles.launch_one"
 

@@ -19,19 +19,19 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mpfa.harness.errors import KernelNotBuilt, ProfileError, ToolError
-from mpfa.profiles import ncu as ncu_profiler
-from mpfa.profiles import ncu_details
-from mpfa.profiles import nsys as nsys_tracer
-from mpfa.profiles.attention_workload import AttentionWorkload, add_workload_arguments, workload_from_arguments
-from mpfa.profiles.inputs import DEFAULT_L2_BYTES, DEFAULT_SEED, rotation_sets
-from mpfa.profiles.kernel_adapter import KernelAdapter, PreparedKernel
-from mpfa.profiles.peaks import measure_peaks
-from mpfa.profiles.profile_sections import LOG_WIDTH, render_profile
-from mpfa.profiles.registry import DEFAULT_BACKENDS, REFERENCE_BACKEND, adapter_for, parse_backends
-from mpfa.profiles.results import ERROR, NOT_BUILT, OK, BackendResult, ProfileResult, TraceResult
-from mpfa.profiles.timing import measure, summarize
-from mpfa.profiles.torch_trace import record_trace
+from ..mpfa_cli.errors import KernelNotBuilt, ProfileError, ToolError
+from . import ncu as ncu_profiler
+from . import ncu_details
+from . import nsys as nsys_tracer
+from .attention_workload import AttentionWorkload, add_workload_arguments, workload_from_arguments
+from .inputs import DEFAULT_L2_BYTES, DEFAULT_SEED, rotation_sets
+from .kernel_adapter import KernelAdapter, PreparedKernel
+from .peaks import measure_peaks
+from .profile_sections import LOG_WIDTH, render_profile
+from .registry import DEFAULT_BACKENDS, REFERENCE_BACKEND, adapter_for, parse_backends
+from .profile_result import ERROR, NOT_BUILT, OK, BackendResult, ProfileResult, TraceResult
+from .timing import measure, summarize
+from .torch_trace import record_trace
 
 if TYPE_CHECKING:
     import torch

@@ -16,12 +16,12 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from mpfa.harness.errors import ToolError
-from mpfa.profiles.attention_workload import AttentionWorkload
-from mpfa.profiles.kernel_adapter import KernelAdapter
-from mpfa.profiles.launch_one import launch_arguments
-from mpfa.profiles.results import NcuFullResult, NcuKernel, NcuResult
-from mpfa.profiles.tools import find_tool, output_tail, parse_number, run_tool
+from ..mpfa_cli.errors import ToolError
+from .attention_workload import AttentionWorkload
+from .kernel_adapter import KernelAdapter
+from .launch_one import launch_arguments
+from .profile_result import NcuFullResult, NcuKernel, NcuResult
+from .tools import find_tool, output_tail, parse_number, run_tool
 
 CORE_METRICS = (
     "gpu__time_duration.sum",

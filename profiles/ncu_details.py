@@ -15,14 +15,14 @@ import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from mpfa.harness.errors import ToolError
-from mpfa.profiles.attention_workload import AttentionWorkload
-from mpfa.profiles.kernel_adapter import KernelAdapter
-from mpfa.profiles.ncu import DETAILS_PAGE, SOURCE_PAGE, csv_table, export_report, import_page, to_base
-from mpfa.profiles.ncu_source import hot_loops, parse_source_csv
-from mpfa.profiles.profile_sections import LOG_WIDTH, Section, render_sections, short_name
-from mpfa.profiles.results import NcuBoundSummary, NcuFullResult
-from mpfa.profiles.tools import parse_number
+from ..mpfa_cli.errors import ToolError
+from .attention_workload import AttentionWorkload
+from .kernel_adapter import KernelAdapter
+from .ncu import DETAILS_PAGE, SOURCE_PAGE, csv_table, export_report, import_page, to_base
+from .ncu_source import hot_loops, parse_source_csv
+from .profile_sections import LOG_WIDTH, Section, render_sections, short_name
+from .profile_result import NcuBoundSummary, NcuFullResult
+from .tools import parse_number
 
 MODULE = "mpfa.profiles.ncu_details"
 REQUIRED_COLUMNS = ("ID", "Kernel Name", "Block Size", "Grid Size", "Section Name", "Metric Name", "Metric Unit",

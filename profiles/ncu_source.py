@@ -33,10 +33,10 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from mpfa.harness.errors import ToolError
-from mpfa.profiles.profile_sections import LOG_WIDTH, ncu_source_section, render_sections, short_name
-from mpfa.profiles.results import NcuFullResult, NcuHotInstruction, NcuKernelLoops, NcuLoop
-from mpfa.profiles.tools import parse_number
+from ..mpfa_cli.errors import ToolError
+from .profile_sections import LOG_WIDTH, ncu_source_section, render_sections, short_name
+from .profile_result import NcuFullResult, NcuHotInstruction, NcuKernelLoops, NcuLoop
+from .tools import parse_number
 
 MODULE = "mpfa.profiles.ncu_source"
 KERNEL_ROW = "Kernel Name"

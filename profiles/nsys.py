@@ -11,12 +11,12 @@ import csv
 import sys
 from pathlib import Path
 
-from mpfa.harness.errors import ToolError
-from mpfa.profiles.attention_workload import AttentionWorkload
-from mpfa.profiles.kernel_adapter import KernelAdapter
-from mpfa.profiles.launch_one import launch_arguments
-from mpfa.profiles.results import KernelTotal, TraceResult
-from mpfa.profiles.tools import find_tool, output_tail, parse_number, run_tool
+from ..mpfa_cli.errors import ToolError
+from .attention_workload import AttentionWorkload
+from .kernel_adapter import KernelAdapter
+from .launch_one import launch_arguments
+from .profile_result import KernelTotal, TraceResult
+from .tools import find_tool, output_tail, parse_number, run_tool
 
 REPORT_SUFFIXES = (".nsys-rep", ".qdrep")  # current and pre-2021.4 nsys
 TIMEOUT_S = 540.0

@@ -8,8 +8,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from mpfa.profiles.results import Peaks
-from mpfa.profiles.timing import measure, summarize
+from .profile_result import Peaks
+from .timing import measure, summarize
 
 if TYPE_CHECKING:
     import torch

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mpfa.profiles.results import NOT_BUILT, OK, BackendResult, NcuFullResult, NcuKernel, NcuLoop, ProfileResult
+from .profile_result import NOT_BUILT, OK, BackendResult, NcuFullResult, NcuKernel, NcuLoop, ProfileResult
 
 _DASH = "-"
 _NAME_WIDTH = 80  # keeps e.g. FA4's '...flash_fwd_sm90FlashAttentionForwardSm90' visible

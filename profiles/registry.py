@@ -10,11 +10,11 @@ backend (fa2 template); FlashInfer's FP8 tensor-core paths on sm_90a are ``flash
 """
 from __future__ import annotations
 
-from mpfa.profiles.kernel_adapter import KernelAdapter
-from mpfa.profiles.kernels_fa3 import Fa3
-from mpfa.profiles.kernels_fa4 import Fa4Bf16
-from mpfa.profiles.kernels_flashinfer import FlashInferFa3Fp8, FlashInferFmhaV2Fp8, FlashInferPaged, FlashInferXqaFp8
-from mpfa.profiles.kernels_mpfa import MpfaAdapter
+from .kernel_adapter import KernelAdapter
+from .kernels_fa3 import Fa3
+from .kernels_fa4 import Fa4Bf16
+from .kernels_flashinfer import FlashInferFa3Fp8, FlashInferFmhaV2Fp8, FlashInferPaged, FlashInferXqaFp8
+from .kernels_mpfa import MpfaAdapter
 
 ADAPTERS: dict[str, KernelAdapter] = {
     adapter.name: adapter

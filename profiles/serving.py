@@ -33,11 +33,11 @@ from typing import Any
 
 import aiohttp
 
-from mpfa.harness import client
-from mpfa.harness.errors import ServingProfileError
-from mpfa.harness.serving_workload import make_prompts
-from mpfa.profiles.breakdown import StageBreakdown, stage_breakdown
-from mpfa.profiles.torch_trace import Trace, load_trace, trim_trace
+from ..mpfa_cli.harness import client
+from ..mpfa_cli.errors import ServingProfileError
+from ..mpfa_cli.harness.serving_workload import make_prompts
+from .breakdown import StageBreakdown, stage_breakdown
+from .torch_trace import Trace, load_trace, trim_trace
 
 PREFILL, DECODE = "prefill", "decode"
 ACTIVITIES = ("CPU", "GPU")
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--trim-events", type=int, default=DEFAULT_TRIM_EVENTS,
                         help="also write trimmed traces with this many GPU events (0: none)")
     args = parser.parse_args(argv)
-    from mpfa.profiles.attention_workload import parse_seq  # imports torch: not needed for --help
+    from .attention_workload import parse_seq  # imports torch: not needed for --help
 
     try:
         profile = profile_serving(args.url, parse_seq(args.input_len), args.batch, args.steps, args.out,
@@ -242,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     from rich.console import Console
 
-    from mpfa.profiles.serving_report import render_serving
+    from .serving_report import render_serving
 
     render_serving(profile, Console(width=None if sys.stdout.isatty() else 200))
     print(f"raw results: {profile.json_path}")

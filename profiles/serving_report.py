@@ -1,9 +1,9 @@
 """Render a ServingProfile: GPU time per kernel category in prefill and in decode, then the largest kernels."""
 from __future__ import annotations
 
-from mpfa.profiles.kernel_categories import ATTENTION, CATEGORIES, classify
-from mpfa.profiles.profile_sections import Section, format_sections, num_cell, render_sections, short_name
-from mpfa.profiles.serving import ServingProfile
+from .kernel_categories import ATTENTION, CATEGORIES, classify
+from .profile_sections import Section, format_sections, num_cell, render_sections, short_name
+from .serving import ServingProfile
 
 
 def category_section(profile: ServingProfile) -> Section:

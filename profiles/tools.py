@@ -7,7 +7,7 @@ import shutil
 import subprocess
 from pathlib import Path
 
-from mpfa.harness.errors import ToolError
+from ..mpfa_cli.errors import ToolError
 
 _NUMBER = re.compile(r"[-+]?(\d{1,3}(,\d{3})+|\d+)(\.\d+)?([eE][-+]?\d+)?")
 

@@ -9,7 +9,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mpfa.profiles.kernel_adapter import PreparedKernel
+    from .kernel_adapter import PreparedKernel
 
 Trace = dict[str, Any] | list[dict[str, Any]]
 # Device-side activity in a Kineto trace; every other category (cpu_op, cuda_runtime, python_function, ...) is

@@ -13,13 +13,13 @@ Modules: `variants` (backend names), `setup_checks` / `runner_checks` (startup v
 
 from __future__ import annotations
 
-from mpfa.backends.sglang_plugin.variants import BACKEND_NAMES
+from .variants import BACKEND_NAMES
 
 __all__ = ["BACKEND_NAMES", "register"]
 
 
 def register() -> None:
     """Entry point (``sglang.srt.plugins``): register the MpFA backends with SGLang; idempotent."""
-    from mpfa.backends.sglang_plugin.registration import register as _register
+    from .registration import register as _register
 
     _register()

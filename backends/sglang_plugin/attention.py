@@ -19,13 +19,13 @@ from itertools import accumulate
 
 import torch
 
-from mpfa.backends.sglang_plugin.decode_plan import DecodeBatch, build_page_table
-from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore, freeze_means, requests_starting
-from mpfa.backends.sglang_plugin.reference_extend import reference_extend
-from mpfa.backends.specs import PREFILL_PATHS
-from mpfa.backends.sglang_plugin.variants import BackendVariant
-from mpfa.kernels.cache_layout import CenteredQuery
-from mpfa.kernels.smoothing import SmoothingMeans
+from .decode_plan import DecodeBatch, build_page_table
+from .kv_store import MpfaKVStore, freeze_means, requests_starting
+from .reference_extend import reference_extend
+from ..specs import PREFILL_PATHS
+from .variants import BackendVariant
+from ...kernels.cache_layout import CenteredQuery
+from ...kernels.smoothing import SmoothingMeans
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ class MpfaAttention:
     def write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               rows: torch.Tensor) -> CenteredQuery:
         """Quantize the new tokens into their slots; return their centered NVFP4 Q. q [T, Hq * d] or [T, Hq, d]."""
-        from mpfa.kernels.sm90.quantize_cache import quantize_to_cache
+        from ...kernels.sm90.quantize_cache import quantize_to_cache
 
         means, rows = self._means(layer, rows)
         return quantize_to_cache(q.view(-1, self.num_q_heads, self.head_dim), k, v, slots, rows, means,
@@ -113,7 +113,7 @@ class MpfaAttention:
         query = self.write(layer, q3, k, v, batch.slots, batch.token_request)
         cache = self.store.layer(layer)
         if self.prefill == "kernel":
-            from mpfa.kernels.sm90.prefill_launch import mpfa_prefill
+            from ...kernels.sm90.prefill_launch import mpfa_prefill
 
             if batch.page_table is None:
                 raise ValueError("the prefill kernel needs ExtendBatch.build(..., page_size=...)")
@@ -130,7 +130,7 @@ class MpfaAttention:
                req_pool_indices: torch.Tensor, batch: DecodeBatch, sm_scale: float,
                out: torch.Tensor | None = None) -> torch.Tensor:
         """One decode token per request -> [B, Hq, d] (``out`` if given: contiguous BF16 [B, Hq, d])."""
-        from mpfa.kernels.sm90.decode_launch import mpfa_decode
+        from ...kernels.sm90.decode_launch import mpfa_decode
 
         query = self.write(layer, q, k, v, slots, req_pool_indices)
         return mpfa_decode(query, self.store.layer(layer), batch.page_table, batch.seq_lens, batch.workspace,

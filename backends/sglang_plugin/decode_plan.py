@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mpfa.kernels.sm90.decode_launch import HEAD_DIM, MIN_PARTITION, DecodeWorkspace, choose_partition_size
+from ...kernels.sm90.decode_launch import HEAD_DIM, MIN_PARTITION, DecodeWorkspace, choose_partition_size
 
 
 def page_starts(req_to_token: torch.Tensor, page_size: int) -> torch.Tensor:

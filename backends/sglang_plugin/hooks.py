@@ -19,17 +19,11 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from mpfa.backends.sglang_plugin.pool_sizing import cell_size, request_slot_bound, reserved_bytes
-from mpfa.backends.sglang_plugin.kernel_choice import add_server_arguments, check_prefill_kernel
-from mpfa.backends.sglang_plugin.setup_checks import (
-    MpfaSetupError,
-    check_device,
-    check_kernel_packages,
-    check_model,
-    check_server_args,
-    prefill_path,
-)
-from mpfa.backends.sglang_plugin.variants import is_mpfa_backend, variant_of
+from .pool_sizing import cell_size, request_slot_bound, reserved_bytes
+from .kernel_choice import add_server_arguments, check_prefill_kernel
+from .setup_checks import (MpfaSetupError, check_device, check_kernel_packages, check_model, check_server_args,
+                           prefill_path)
+from .variants import is_mpfa_backend, variant_of
 
 logger = logging.getLogger(__name__)
 
@@ -74,7 +68,7 @@ def around_compute_cell_size(original: Callable, configurator: Any, runner: Any,
     backend = _backend_of(runner)
     if not is_mpfa_backend(backend):
         return original(configurator, runner, num_layers, *args, **kwargs)
-    from mpfa.backends.sglang_plugin.runner_checks import geometry_of
+    from .runner_checks import geometry_of
 
     geometry, smoothing = geometry_of(runner, num_layers), variant_of(backend).smoothing
     slots = request_slot_bound(runner.server_args.max_running_requests, getattr(runner, "dp_size", 1) or 1)
@@ -94,8 +88,8 @@ def around_calculate_pool_sizes(original: Callable, configurator: Any, available
 
 def pool_factory(runner: Any, backend: str) -> Callable[..., Any]:
     """A drop-in for SGLang's ``MHATokenToKVPool(...)`` call that builds the MpFA pool for this runner."""
-    from mpfa.backends.sglang_plugin.runner_checks import attention_tp_size
-    from mpfa.backends.sglang_plugin.sglang_pool import MpfaTokenToKVPool
+    from .runner_checks import attention_tp_size
+    from .sglang_pool import MpfaTokenToKVPool
 
     def make(*args: Any, **kwargs: Any) -> MpfaTokenToKVPool:
         return MpfaTokenToKVPool(
@@ -112,8 +106,8 @@ def around_init_pools(original: Callable, runner: Any, *args: Any, **kwargs: Any
         return original(runner, *args, **kwargs)
     import importlib
 
-    from mpfa.backends.sglang_plugin.runner_checks import check_runner
-    from mpfa.backends.sglang_plugin.sglang_pool import MpfaTokenToKVPool
+    from .runner_checks import check_runner
+    from .sglang_pool import MpfaTokenToKVPool
 
     check_runner(runner)
     mixin = importlib.import_module(_MIXIN_MODULE)

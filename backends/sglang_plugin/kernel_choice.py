@@ -14,8 +14,8 @@ import os
 from functools import lru_cache
 from typing import Any
 
-from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
-from mpfa.kernels.sm90 import dispatch
+from .setup_checks import MpfaSetupError
+from ...kernels.sm90 import dispatch
 
 logger = logging.getLogger(__name__)
 

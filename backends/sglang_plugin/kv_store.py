@@ -23,9 +23,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry
-from mpfa.kernels.cache_layout import MpfaKVCache
-from mpfa.kernels.smoothing import SmoothingMeans
+from .pool_sizing import PoolGeometry
+from ...kernels.cache_layout import MpfaKVCache
+from ...kernels.smoothing import SmoothingMeans
 
 MEANS_DTYPE = torch.bfloat16
 
@@ -88,7 +88,7 @@ def freeze_means(store: MpfaKVStore, layer: int, q: torch.Tensor, k: torch.Tenso
                  req_pool_indices: torch.Tensor, starting: torch.Tensor) -> None:
     """Store the means of this chunk's q [T, Hq, d] / k [T, Hkv, d] (BF16) for the requests that start here and
     keep the frozen means of the others; ``cu_seqlens`` int32 [B + 1] on the device. No host synchronisation."""
-    from mpfa.kernels.sm90.sequence_means import sequence_means
+    from ...kernels.sm90.sequence_means import sequence_means
 
     rows = req_pool_indices.long()
     keep = (~starting)[:, None, None]

@@ -19,9 +19,9 @@ from contextlib import contextmanager
 
 import torch
 
-from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache
-from mpfa.kernels.formats import NVFP4Tensor, dequantize_nvfp4
-from mpfa.kernels.reference import VARIANTS, VariantSpec, _kv_tiles, _normalize
+from ...kernels.cache_layout import CenteredQuery, MpfaKVCache
+from ...kernels.formats import NVFP4Tensor, dequantize_nvfp4
+from ...kernels.reference import VARIANTS, VariantSpec, _kv_tiles, _normalize
 
 logger = logging.getLogger(__name__)
 

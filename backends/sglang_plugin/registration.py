@@ -12,8 +12,8 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
-from mpfa.backends.sglang_plugin.variants import BACKEND_NAMES, variant_of
+from .setup_checks import MpfaSetupError
+from .variants import BACKEND_NAMES, variant_of
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +29,7 @@ def backend_factory(name: str) -> Callable[[Any], Any]:
     variant = variant_of(name)
 
     def create(runner: Any) -> Any:
-        from mpfa.backends.sglang_plugin.sglang_backend import MpfaAttnBackend
+        from .sglang_backend import MpfaAttnBackend
 
         return MpfaAttnBackend(runner, variant)
 
@@ -43,7 +43,7 @@ def register() -> None:
     from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS, register_attention_backend
     from sglang.srt.server_args import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
 
-    from mpfa.backends.sglang_plugin.hooks import register_hooks
+    from .hooks import register_hooks
 
     if new := [name for name in BACKEND_NAMES if name not in ATTENTION_BACKEND_CHOICES]:
         add_attention_backend_choices(new)

@@ -5,14 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry
-from mpfa.backends.sglang_plugin.setup_checks import (
-    HEAD_DIM,
-    MpfaSetupError,
-    check_device,
-    check_kernel_packages,
-    check_model,
-)
+from .pool_sizing import PoolGeometry
+from .setup_checks import HEAD_DIM, MpfaSetupError, check_device, check_kernel_packages, check_model
 
 
 def attention_tp_size() -> int:

@@ -12,8 +12,8 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from mpfa.backends.sglang_plugin.variants import is_mpfa_backend
-from mpfa.backends.specs import PREFILL_ENV, PREFILL_PATHS
+from .variants import is_mpfa_backend
+from ..specs import PREFILL_ENV, PREFILL_PATHS
 
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head the sm90 decode kernel packs

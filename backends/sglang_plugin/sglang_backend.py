@@ -14,11 +14,11 @@ from typing import Any
 import torch
 from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 
-from mpfa.backends.sglang_plugin.attention import ExtendBatch, MpfaAttention
-from mpfa.backends.sglang_plugin.decode_plan import GraphDecodeBuffers, eager_decode_batch
-from mpfa.backends.sglang_plugin.kernel_choice import log_kernels
-from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError, prefill_path
-from mpfa.backends.sglang_plugin.variants import BackendVariant
+from .attention import ExtendBatch, MpfaAttention
+from .decode_plan import GraphDecodeBuffers, eager_decode_batch
+from .kernel_choice import log_kernels
+from .setup_checks import MpfaSetupError, prefill_path
+from .variants import BackendVariant
 
 
 class MpfaAttnBackend(AttentionBackend):
@@ -26,8 +26,8 @@ class MpfaAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any, variant: BackendVariant) -> None:
         super().__init__()
-        from mpfa.backends.sglang_plugin.runner_checks import check_layers
-        from mpfa.backends.sglang_plugin.sglang_pool import MpfaTokenToKVPool
+        from .runner_checks import check_layers
+        from .sglang_pool import MpfaTokenToKVPool
 
         pool = model_runner.token_to_kv_pool
         if not isinstance(pool, MpfaTokenToKVPool):
@@ -49,8 +49,8 @@ class MpfaAttnBackend(AttentionBackend):
 
     def _compile_kernels(self) -> None:
         """Compile the kernels at startup (a missing or broken toolchain fails here, not in a forward)."""
-        from mpfa.kernels.sm90.decode_launch import compile_decode_kernels
-        from mpfa.kernels.sm90.prefill_launch import compile_prefill_kernel
+        from ...kernels.sm90.decode_launch import compile_decode_kernels
+        from ...kernels.sm90.prefill_launch import compile_prefill_kernel
 
         group = self.num_q_heads // self.num_kv_heads
         try:

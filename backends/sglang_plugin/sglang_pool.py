@@ -15,9 +15,9 @@ import torch
 from sglang.srt.constants import GPU_MEMORY_TYPE_KV_CACHE
 from sglang.srt.mem_cache.memory_pool import KVCache
 
-from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry, capacity_log_line
-from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore
-from mpfa.kernels.cache_layout import MpfaKVCache
+from .pool_sizing import PoolGeometry, capacity_log_line
+from .kv_store import MpfaKVStore
+from ...kernels.cache_layout import MpfaKVCache
 
 logger = logging.getLogger(__name__)
 

@@ -76,7 +76,7 @@ def fold_p_words(acc, frags: list, fresh: bool) -> None:
     import cutlass.cute as cute
     from cutlass import Uint32
 
-    from mpfa.kernels.sm90.ptx import bits_to_f32
+    from .ptx import bits_to_f32
 
     words = []
     for frag in frags:

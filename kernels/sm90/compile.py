@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from mpfa.kernels.sm90 import sass
+from . import sass
 
 ARCH = "sm_90a"
 

@@ -43,33 +43,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from mpfa.kernels.cache_layout import delta_s_row
-from mpfa.kernels.sm90 import decode_layout as lay
-from mpfa.kernels.sm90.ptx import (
-    bits_to_f32,
-    cp_async_16_at,
-    cp_async_4_at,
-    cp_async_commit,
-    cp_async_wait,
-    e4m3x2_hi_to_f16x2,
-    e4m3x2_to_f16x2,
-    exp2_approx,
-    f32x2_to_e4m3x2_f16x2,
-    load_shared_u32,
-    load_shared_v4_u32,
-    load_u16,
-    load_u32,
-    load_v4_u32,
-    mma_f16_m16n8k16,
-    movmatrix_trans,
-    mul_f16x2,
-    prmt,
-    prmt_var,
-    shuffle_idx,
-    shuffle_xor,
-    store_v4_f32,
-)
-from mpfa.kernels.sm90.warp_mma import P_SCALE, q_chunk_regs
+from ..cache_layout import delta_s_row
+from . import decode_layout as lay
+from .ptx import (bits_to_f32, cp_async_16_at, cp_async_4_at, cp_async_commit, cp_async_wait, e4m3x2_hi_to_f16x2,
+                  e4m3x2_to_f16x2, exp2_approx, f32x2_to_e4m3x2_f16x2, load_shared_u32, load_shared_v4_u32, load_u16,
+                  load_u32, load_v4_u32, mma_f16_m16n8k16, movmatrix_trans, mul_f16x2, prmt, prmt_var, shuffle_idx,
+                  shuffle_xor, store_v4_f32)
+from .warp_mma import P_SCALE, q_chunk_regs
 
 HEAD_DIM = 128
 K_ROW_BYTES = HEAD_DIM // 2

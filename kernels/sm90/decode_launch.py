@@ -14,10 +14,10 @@ from functools import lru_cache
 
 import torch
 
-from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
-from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
-from mpfa.kernels.sm90 import decode_layout as lay
-from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
+from ..cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
+from .compile import compile_kernel, fake_tensor, target_sm90a
+from . import decode_layout as lay
+from .decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
 
 HEAD_DIM = 128
 MIN_PARTITION = 128
@@ -125,8 +125,8 @@ def _compiled_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_
     import cutlass
     from cutlass import Float32, Int32
 
-    from mpfa.kernels.sm90.decode import SplitKVDecodeSm90
-    from mpfa.kernels.sm90.decode_merge import DecodeMergeSm90
+    from .decode import SplitKVDecodeSm90
+    from .decode_merge import DecodeMergeSm90
 
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8, f32 = cutlass.Uint8, Float32

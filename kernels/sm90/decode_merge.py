@@ -23,8 +23,8 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from mpfa.kernels.sm90.decode_layout import partition_keys
-from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, load_u32_group
+from .decode_layout import partition_keys
+from .ptx import bits_to_f32, exp2_approx, load_u32_group
 
 HEAD_DIM = 128
 WARPS = 32  # 1,024 threads per CTA (the most: ptxas then caps the registers at 64)

@@ -14,12 +14,12 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from mpfa.kernels.cache_layout import delta_s_row
-from mpfa.kernels.sm90 import prefill_grid
-from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90 import prefill_tile as tile_math
-from mpfa.kernels.sm90.ptx import cp_async_4, cp_async_16
-from mpfa.kernels.sm90.smem_pipeline import cp_async_8, load_u32_if
+from ..cache_layout import delta_s_row
+from . import prefill_grid
+from . import prefill_staged_layout as sl
+from . import prefill_tile as tile_math
+from .ptx import cp_async_4, cp_async_16
+from .smem_pipeline import cp_async_8, load_u32_if
 
 HEAD_DIM = sl.HEAD_DIM
 OUT_DTYPES = ("BFloat16", "Float32")

@@ -51,16 +51,15 @@ from cutlass import Float16, Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 from cutlass.utils import LayoutEnum
 
-from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90 import prefill_tile as tile_math
-from mpfa.kernels.sm90.prefill_base import HEAD_DIM
-from mpfa.kernels.sm90.prefill_wgmma import (HALVES, N_BLOCKS, OPERAND_ALIGN, P_SCALE_LOG2, THREADS, TILE_KEYS,
-                                             WARPGROUPS, PrefillSm90Wgmma, gemm, softmax_update, tile_row_query,
-                                             warpgroup_half)
-from mpfa.kernels.sm90.ptx import (bits_to_f32, cp_async_commit, cp_async_wait, e4m3x2_to_f16x2, f32x2_to_e4m3x2,
-                                   load_shared_v4_u32, load_u32)
-from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
-from mpfa.kernels.sm90.warp_mma import k_chunk_regs, q_chunk_regs, quad_sum
+from . import prefill_staged_layout as sl
+from . import prefill_tile as tile_math
+from .prefill_base import HEAD_DIM
+from .prefill_wgmma import (HALVES, N_BLOCKS, OPERAND_ALIGN, P_SCALE_LOG2, THREADS, TILE_KEYS, WARPGROUPS,
+                            PrefillSm90Wgmma, gemm, softmax_update, tile_row_query, warpgroup_half)
+from .ptx import (bits_to_f32, cp_async_commit, cp_async_wait, e4m3x2_to_f16x2, f32x2_to_e4m3x2, load_shared_v4_u32,
+                  load_u32)
+from .smem_pipeline import load_shared_u16, store_shared_v4_u32
+from .warp_mma import k_chunk_regs, q_chunk_regs, quad_sum
 
 STAGES = 2  # ring stages: 96 KB, so 2 CTAs of 2 warpgroups fit an SM
 OPERAND_BYTES = TILE_KEYS * HEAD_DIM * 2  # one FP16 operand tile [64][128]

@@ -46,20 +46,19 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from mpfa.kernels.sm90 import prefill_grid
-from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90 import prefill_tile as tile_math
-from mpfa.kernels.sm90.ablation import FULL, Ablation, fold_p_words, no_exp2, plain_probs
-from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
-from mpfa.kernels.sm90.prefill_base import HEAD_DIM
-from mpfa.kernels.sm90.prefill_fp8_layout import (FP8_OPERAND_BYTES, PV_N, VT_BYTES, ds_staged_read,
-                                                  exponent_offset, f32_pow2, fold_max, fp8_chunk_words,
-                                                  fp8_operand_layout, fp8_operand_offset, image_bytes, image_row,
-                                                  max_scale_pairs, p_operand_fp8, pow2_factors, vt_layout)
-from mpfa.kernels.sm90.prefill_wgmma import (N_BLOCKS, OPERAND_ALIGN, P_SCALE_LOG2, THREADS, TILE_KEYS, WARPGROUPS,
-                                             PrefillSm90Wgmma, gemm, softmax_update)
-from mpfa.kernels.sm90.ptx import (bits_to_f32, bulk_copy_g2s, e4m3_pow2_exponent, load_shared_u32,
-                                   load_shared_v4_u32, load_u16, shuffle_idx)
+from . import prefill_grid
+from . import prefill_staged_layout as sl
+from . import prefill_tile as tile_math
+from .ablation import FULL, Ablation, fold_p_words, no_exp2, plain_probs
+from .decode_layout import SCORE_SCALE_LOG2
+from .prefill_base import HEAD_DIM
+from .prefill_fp8_layout import (FP8_OPERAND_BYTES, PV_N, VT_BYTES, ds_staged_read, exponent_offset, f32_pow2, fold_max,
+                                 fp8_chunk_words, fp8_operand_layout, fp8_operand_offset, image_bytes, image_row,
+                                 max_scale_pairs, p_operand_fp8, pow2_factors, vt_layout)
+from .prefill_wgmma import (N_BLOCKS, OPERAND_ALIGN, P_SCALE_LOG2, THREADS, TILE_KEYS, WARPGROUPS, PrefillSm90Wgmma,
+                            gemm, softmax_update)
+from .ptx import (bits_to_f32, bulk_copy_g2s, e4m3_pow2_exponent, load_shared_u32, load_shared_v4_u32, load_u16,
+                  shuffle_idx)
 
 REGISTER_FILE = 65536  # 32-bit registers per SM (and per CTA)
 CONSUMER_THREADS = WARPGROUPS * THREADS  # arrivals expected on ``empty[s]``: every consumer thread

@@ -41,12 +41,12 @@ from cutlass import Float32, Int64, Uint32
 from cutlass.cute.nvgpu import warpgroup
 from cutlass.utils import LayoutEnum
 
-from mpfa.kernels.sm90 import decode_layout as lay
-from mpfa.kernels.sm90 import dispatch
-from mpfa.kernels.sm90.prefill_base import HEAD_DIM
-from mpfa.kernels.sm90.prefill_wgmma import N_BLOCKS, OPERAND_ALIGN, TILE_KEYS, warpgroup_half
-from mpfa.kernels.sm90.ptx import (bits_to_f32, e4m3x2_to_f16x2, f16x2x2_to_e4m3x4, f32x4_to_e4m3x4, max_u16x2,
-                                   mul_f16x2, prmt, prmt_var, shuffle_xor_u32)
+from . import decode_layout as lay
+from . import dispatch
+from .prefill_base import HEAD_DIM
+from .prefill_wgmma import N_BLOCKS, OPERAND_ALIGN, TILE_KEYS, warpgroup_half
+from .ptx import (bits_to_f32, e4m3x2_to_f16x2, f16x2x2_to_e4m3x4, f32x4_to_e4m3x4, max_u16x2, mul_f16x2, prmt,
+                  prmt_var, shuffle_xor_u32)
 
 FP8_OPERAND_BYTES = TILE_KEYS * HEAD_DIM  # one e4m3 operand tile [64][128]
 FP8_ROW_UNITS = HEAD_DIM // 16  # 16-byte units of an e4m3 operand row (128 bytes)

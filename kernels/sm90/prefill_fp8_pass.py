@@ -22,18 +22,16 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Int32, Int64, Uint32
 
-from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90.prefill_base import HEAD_DIM
-from mpfa.kernels.sm90.prefill_fp8_layout import (BLOCKS, BLOCKS_PER_WARP_STEP, E4M3_ONES, EVEN_BYTES,
-                                                  FP8_OPERAND_BYTES, IMAGE_BYTES, ODD_BYTES, ROW_SUM_UNITS,
-                                                  VT_BYTES, ds_staged_offset, e2m1_word_f16x2_lut, exponent_offset,
-                                                  fold_max, fp8_chunk_words, fp8_operand_offset, image_bytes,
-                                                  image_row, k_expand_unit, max_scale_pairs, pow2_factors,
-                                                  v_load_lane, v_store_lane, vt_offset)
-from mpfa.kernels.sm90.prefill_wgmma import HALVES, OPERAND_ALIGN, THREADS, TILE_KEYS, PrefillSm90Wgmma
-from mpfa.kernels.sm90.ptx import (cp_async_commit, cp_async_wait, e4m3_pow2_exponent, ldmatrix_x4_trans,
-                                   load_shared_v4_u32, load_u32, prmt, stmatrix_x4, store_v4_u32)
-from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_u32, store_shared_v2_u32, store_shared_v4_u32
+from . import prefill_staged_layout as sl
+from .prefill_base import HEAD_DIM
+from .prefill_fp8_layout import (BLOCKS, BLOCKS_PER_WARP_STEP, E4M3_ONES, EVEN_BYTES, FP8_OPERAND_BYTES, IMAGE_BYTES,
+                                 ODD_BYTES, ROW_SUM_UNITS, VT_BYTES, ds_staged_offset, e2m1_word_f16x2_lut,
+                                 exponent_offset, fold_max, fp8_chunk_words, fp8_operand_offset, image_bytes, image_row,
+                                 k_expand_unit, max_scale_pairs, pow2_factors, v_load_lane, v_store_lane, vt_offset)
+from .prefill_wgmma import HALVES, OPERAND_ALIGN, THREADS, TILE_KEYS, PrefillSm90Wgmma
+from .ptx import (cp_async_commit, cp_async_wait, e4m3_pow2_exponent, ldmatrix_x4_trans, load_shared_v4_u32, load_u32,
+                  prmt, stmatrix_x4, store_v4_u32)
+from .smem_pipeline import load_shared_u16, store_shared_u32, store_shared_v2_u32, store_shared_v4_u32
 
 UNITS_PER_THREAD = IMAGE_BYTES // 16 // THREADS  # 16-byte units of an 18 KB image per thread: 9 (groups 1-5)
 PASS_BARRIER = 1  # the CTA's named barrier (128 threads)

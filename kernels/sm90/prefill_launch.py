@@ -23,11 +23,11 @@ from functools import lru_cache
 
 import torch
 
-from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
-from mpfa.kernels.sm90 import dispatch
-from mpfa.kernels.sm90.compile import compile_kernel, fake_tensor, target_sm90a
-from mpfa.kernels.sm90.decode_layout import SCORE_SCALE_LOG2
-from mpfa.kernels.sm90.prefill_staged_layout import WARP_ROWS, cta_shape, warpgroup_rows
+from ..cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
+from . import dispatch
+from .compile import compile_kernel, fake_tensor, target_sm90a
+from .decode_layout import SCORE_SCALE_LOG2
+from .prefill_staged_layout import WARP_ROWS, cta_shape, warpgroup_rows
 
 HEAD_DIM = 128
 TILE_KEYS = 32  # keys per ring-stage tile: a page holds whole tiles
@@ -85,10 +85,10 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
     module, class_name = KERNEL_CLASSES[kernel]
     kernel_class = getattr(importlib.import_module(module), class_name)
     if kernel == "fp8":
-        from mpfa.kernels.sm90.ablation import FULL
-        from mpfa.kernels.sm90.prefill_fp8_layout import image_bytes
-        from mpfa.kernels.sm90.prefill_fp8_pass import OperandPass
-        from mpfa.kernels.sm90.prefill_wgmma import TILE_KEYS as WGMMA_TILE_KEYS
+        from .ablation import FULL
+        from .prefill_fp8_layout import image_bytes
+        from .prefill_fp8_pass import OperandPass
+        from .prefill_wgmma import TILE_KEYS as WGMMA_TILE_KEYS
 
         assert WGMMA_TILE_KEYS == IMAGE_TILE_KEYS
         images = fake_tensor(u8, (None, image_bytes(group))), fake_tensor(Int32, (None,), align=4)  # (+ starts)
@@ -106,7 +106,7 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
 def ablation_ladder(kernel: str) -> tuple:
     """The cumulative ablation ladder of prefill ``kernel`` (`ablation.LADDER`: the fp8 kernel's); a clear error
     for the others."""
-    from mpfa.kernels.sm90.ablation import LADDER
+    from .ablation import LADDER
 
     _require(kernel == "fp8", f"the compile-time ablations exist for the fp8 prefill kernel only, got {kernel} "
                               f"(pin it with {dispatch.PREFILL_KERNEL_ENV}=fp8)")
@@ -115,7 +115,7 @@ def ablation_ladder(kernel: str) -> tuple:
 
 def check_ablation(ablation, kernel: str) -> None:
     """``ablation`` is an `ablation.Ablation` and ``kernel`` has ablations."""
-    from mpfa.kernels.sm90.ablation import Ablation
+    from .ablation import Ablation
 
     _require(isinstance(ablation, Ablation), f"ablation must be an Ablation, got {ablation!r}")
     ablation_ladder(kernel)
@@ -192,7 +192,7 @@ def mpfa_prefill_ablated(ablation, query: CenteredQuery, cache: MpfaKVCache, pag
     """`mpfa_prefill` on a kernel with the pieces ``ablation`` (`ablation.Ablation`) removes: for timing the pieces
     only (`mpfa profile characterize`); its output is meaningless unless ``ablation`` is `ablation.FULL`. The kernel
     is ``kernel=`` or `mpfa_prefill`'s (``MPFA_PREFILL_KERNEL``, else the shape's default), the fp8 kernel."""
-    from mpfa.kernels.sm90.ablation import Ablation
+    from .ablation import Ablation
 
     _require(isinstance(ablation, Ablation), f"ablation must be an Ablation, got {ablation!r}")
     return _prefill(None if ablation.is_full else ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k,
@@ -252,7 +252,7 @@ def _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_len
                        num_m_blocks: int, seq_lens_k_host: Sequence[int] | None) -> None:
     """The fp8 kernel: the operand pass into a fresh images buffer (KV heads x `image_layout`'s rows per head,
     `prefill_fp8_layout.image_bytes` of the group each), then the attention on it."""
-    from mpfa.kernels.sm90.prefill_fp8_layout import image_bytes
+    from .prefill_fp8_layout import image_bytes
 
     operand_pass, attention = compiled
     image_starts, rows_per_head, grid_tiles = image_layout(

@@ -46,13 +46,13 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Int32, Int64, Uint32
 
-from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90 import prefill_tile as tile_math
-from mpfa.kernels.sm90.prefill_base import HEAD_DIM, PrefillSm90Base
-from mpfa.kernels.sm90.ptx import (cp_async_commit, cp_async_wait, f32x2_to_bf16x2, load_shared_v4_u32, load_u16,
-                                   load_u32, load_v4_u32, store_v4_f32, store_v4_u32)
-from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
-from mpfa.kernels.sm90.warp_mma import k_fragments, q_chunk_regs, transpose_v
+from . import prefill_staged_layout as sl
+from . import prefill_tile as tile_math
+from .prefill_base import HEAD_DIM, PrefillSm90Base
+from .ptx import (cp_async_commit, cp_async_wait, f32x2_to_bf16x2, load_shared_v4_u32, load_u16, load_u32, load_v4_u32,
+                  store_v4_f32, store_v4_u32)
+from .smem_pipeline import load_shared_u16, store_shared_v4_u32
+from .warp_mma import k_fragments, q_chunk_regs, transpose_v
 
 TILE_KEYS = sl.TILE_KEYS
 N_TILES = sl.N_TILES

@@ -20,9 +20,9 @@ import cutlass
 import cutlass.cute as cute
 from cutlass import Float32, Uint32
 
-from mpfa.kernels.sm90 import decode_layout as lay
-from mpfa.kernels.sm90.ptx import bits_to_f32, exp2_approx, shuffle_idx
-from mpfa.kernels.sm90.warp_mma import P_SCALE, p_fragment, p_pair, pv_mtile, qk_ntile, quad_max, quad_sum
+from . import decode_layout as lay
+from .ptx import bits_to_f32, exp2_approx, shuffle_idx
+from .warp_mma import P_SCALE, p_fragment, p_pair, pv_mtile, qk_ntile, quad_max, quad_sum
 
 select_ = cutlass.select_
 fmax = cute.arch.fmax

@@ -22,13 +22,13 @@ import cutlass.utils.hopper_helpers as sm90_utils
 from cutlass import Float32, Int64, Uint32
 from cutlass.cute.nvgpu import OperandMajorMode, warpgroup
 
-from mpfa.kernels.sm90 import dispatch
-from mpfa.kernels.sm90 import prefill_staged_layout as sl
-from mpfa.kernels.sm90 import prefill_tile as tile_math
-from mpfa.kernels.sm90.prefill_base import HEAD_DIM, PrefillSm90Base
-from mpfa.kernels.sm90.ptx import f32x2_to_bf16x2, load_shared_v4_u32, load_u16, load_v4_u32, store_u32, store_v2_f32
-from mpfa.kernels.sm90.smem_pipeline import load_shared_u16, store_shared_v4_u32
-from mpfa.kernels.sm90.warp_mma import P_SCALE
+from . import dispatch
+from . import prefill_staged_layout as sl
+from . import prefill_tile as tile_math
+from .prefill_base import HEAD_DIM, PrefillSm90Base
+from .ptx import f32x2_to_bf16x2, load_shared_v4_u32, load_u16, load_v4_u32, store_u32, store_v2_f32
+from .smem_pipeline import load_shared_u16, store_shared_v4_u32
+from .warp_mma import P_SCALE
 
 TILE_KEYS = 64  # keys per wgmma tile: two 32-key ring stages
 HALVES = TILE_KEYS // sl.TILE_KEYS

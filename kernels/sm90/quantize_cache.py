@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
-from mpfa.kernels.formats import NVFP4_BLOCK
-from mpfa.kernels.smoothing import SmoothingMeans
-from mpfa.kernels.sm90.triton_formats import bf16_bits, e4m3_code, nvfp4_block
+from ..cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
+from ..formats import NVFP4_BLOCK
+from ..smoothing import SmoothingMeans
+from .triton_formats import bf16_bits, e4m3_code, nvfp4_block
 
 _HALF_BLOCK = NVFP4_BLOCK // 2
 _MEAN_DTYPES = (torch.bfloat16, torch.float32)

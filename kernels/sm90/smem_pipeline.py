@@ -9,7 +9,7 @@ from __future__ import annotations
 from cutlass import Int32, Int64, Uint32
 from cutlass.cutlass_dsl import T, dsl_user_op
 
-from mpfa.kernels.sm90.ptx import _asm, _side_effect_asm, _u32, _unpack
+from .ptx import _asm, _side_effect_asm, _u32, _unpack
 
 
 @dsl_user_op

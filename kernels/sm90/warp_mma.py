@@ -11,16 +11,8 @@ from __future__ import annotations
 import cutlass.cute as cute
 from cutlass import Float32, Uint32
 
-from mpfa.kernels.sm90 import decode_layout as lay
-from mpfa.kernels.sm90.ptx import (
-    e4m3x2_to_f16x2,
-    f32x2_to_e4m3x2,
-    mma_e4m3_m16n8k32,
-    mma_f16_m16n8k16,
-    mul_f16x2,
-    prmt,
-    shuffle_xor,
-)
+from . import decode_layout as lay
+from .ptx import e4m3x2_to_f16x2, f32x2_to_e4m3x2, mma_e4m3_m16n8k32, mma_f16_m16n8k16, mul_f16x2, prmt, shuffle_xor
 
 P_SCALE = 448.0  # FP8 P is e4m3(448 P); the output divides by 448 l once
 fmax = cute.arch.fmax

@@ -9,23 +9,10 @@ import torch
 
 from rich.console import Console
 
-from mpfa.kernels.accuracy import (
-    load_or_capture,
-    print_kernel_accuracy,
-    recovery,
-    relative_l2,
-    render_accuracy_table,
-    run_kernel_accuracy,
-    summarize,
-)
-from mpfa.kernels.capture import (
-    ActivationSet,
-    CaptureError,
-    LayerQKV,
-    _select_heads,
-    evenly_spaced_layers,
-    select_layers,
-)
+from mpfa.mpfa_cli.accuracy.kernel_error import (load_or_capture, print_kernel_accuracy, recovery, relative_l2,
+                                                 render_accuracy_table, run_kernel_accuracy, summarize)
+from mpfa.mpfa_cli.accuracy.capture import (ActivationSet, CaptureError, LayerQKV, _select_heads, evenly_spaced_layers,
+                                            select_layers)
 
 
 def _random_set(seed: int, layers=(3, 5), tokens=48, hq=4, hkv=2, d=64) -> ActivationSet:

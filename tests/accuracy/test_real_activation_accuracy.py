@@ -15,10 +15,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from mpfa.kernels.accuracy import nvfp4_scale_report, run_kernel_accuracy
-from mpfa.kernels.capture import ActivationSet, LayerQKV
+from mpfa.mpfa_cli.accuracy.kernel_error import nvfp4_scale_report, run_kernel_accuracy
+from mpfa.mpfa_cli.accuracy.capture import ActivationSet, LayerQKV
 from mpfa.kernels.formats import E4M3_MAX
-from mpfa.kernels.models import MODELS
+from mpfa.mpfa_cli.accuracy.models import MODELS
 
 FIXTURES = Path(__file__).parents[1] / "fixtures" / "activations"
 FIXTURE_FILES = sorted(FIXTURES.glob("*.pt"))

@@ -8,11 +8,7 @@ import torch
 
 pytest.importorskip("cutlass")  # decode_launch compiles through cutlass lazily; its module imports it indirectly
 
-from mpfa.backends.sglang_plugin.decode_plan import (  # noqa: E402
-    GraphDecodeBuffers,
-    build_page_table,
-    eager_decode_batch,
-)
+from mpfa.backends.sglang_plugin.decode_plan import GraphDecodeBuffers, build_page_table, eager_decode_batch
 from mpfa.kernels.sm90.decode_launch import MIN_PARTITION, choose_partition_size  # noqa: E402
 
 

@@ -6,19 +6,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpfa.backends.sglang_plugin.pool_sizing import (
-    DEFAULT_MAX_REQUEST_SLOTS,
-    PoolGeometry,
-    bf16_bytes_per_token_layer,
-    capacity_log_line,
-    cell_size,
-    compression_vs_bf16,
-    means_bytes_per_request,
-    mpfa_bytes_per_token_layer,
-    request_slot_bound,
-    reserved_bytes,
-    token_capacity,
-)
+from mpfa.backends.sglang_plugin.pool_sizing import (DEFAULT_MAX_REQUEST_SLOTS, PoolGeometry,
+                                                     bf16_bytes_per_token_layer, capacity_log_line, cell_size,
+                                                     compression_vs_bf16, means_bytes_per_request,
+                                                     mpfa_bytes_per_token_layer, request_slot_bound, reserved_bytes,
+                                                     token_capacity)
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore
 from mpfa.kernels.cache_layout import MpfaKVCache
 from mpfa.kernels.kv_capacity import kv_bytes_per_token

@@ -6,14 +6,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from mpfa.backends.sglang_plugin.setup_checks import (
-    MpfaSetupError,
-    check_device,
-    check_kernel_packages,
-    check_model,
-    check_server_args,
-    missing_kernel_modules,
-)
+from mpfa.backends.sglang_plugin.setup_checks import (MpfaSetupError, check_device, check_kernel_packages, check_model,
+                                                      check_server_args, missing_kernel_modules)
 
 
 def _args(**overrides):

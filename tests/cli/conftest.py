@@ -18,7 +18,7 @@ class Mpfa:
         self.tmp = tmp_path
 
     def command(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "mpfa.cli", *args]
+        return [sys.executable, "-m", "mpfa.mpfa_cli", *args]
 
     def env(self) -> dict[str, str]:
         # PYTHONSAFEPATH: `python -m` must not put the checkout on sys.path, where its top-level `kernels` folder would

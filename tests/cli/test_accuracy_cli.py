@@ -38,8 +38,8 @@ def test_accuracy_task_bad_batch_size_is_one_line(mpfa) -> None:
 
 
 def _store_shard(db: Path, offset: int, examples: int, f1: float) -> None:
-    from mpfa.harness.store import ResultStore
-    from mpfa.kernels.tasks.task_report import TaskAccuracyReport, TaskScores
+    from mpfa.mpfa_cli.results.store import ResultStore
+    from mpfa.mpfa_cli.accuracy.tasks.task_report import TaskAccuracyReport, TaskScores
 
     scores = TaskScores("social_iqa", "grade", examples,
                         {v: {"grade": f1, "same_as_bf16": 1.0} for v in ("bf16", "qk4-pv8-direct", "mpfa")})

@@ -12,12 +12,12 @@ from pathlib import Path
 
 import psutil
 
-from mpfa.harness.sim_server import SimLogprobs, echoed_ids, prompt_digest
-from mpfa.harness.store import ResultStore
-from mpfa.kernels.tasks.items import ChoiceItem
-from mpfa.kernels.tasks.scoring import best_choice
-from mpfa.kernels.tasks.task_sets import build_cells
-from mpfa.kernels.tasks.tokens import ByteTokenizer, answer_text
+from mpfa.mpfa_cli.harness.sim_server import SimLogprobs, echoed_ids, prompt_digest
+from mpfa.mpfa_cli.results.store import ResultStore
+from mpfa.mpfa_cli.accuracy.tasks.items import ChoiceItem
+from mpfa.mpfa_cli.accuracy.tasks.scoring import best_choice
+from mpfa.mpfa_cli.accuracy.tasks.task_sets import build_cells
+from mpfa.mpfa_cli.accuracy.tasks.tokens import ByteTokenizer, answer_text
 
 BACKENDS = ("fa3-bf16", "mpfa")
 MAX_NEW = 12

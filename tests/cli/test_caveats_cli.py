@@ -4,8 +4,8 @@ from __future__ import annotations
 import json
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.harness.records import RunRecord
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.harness.records import RunRecord
+from mpfa.mpfa_cli.results.store import ResultStore
 
 CAVEAT = BACKENDS["mpfa"].caveat
 

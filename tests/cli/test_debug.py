@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.app import app
-from mpfa.harness import run_tables
+from mpfa.mpfa_cli.app import app
+from mpfa.mpfa_cli.reports import tables as run_tables
 
 
 def _registered_commands():

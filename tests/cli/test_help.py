@@ -9,7 +9,7 @@ import typer
 from typer.core import TyperOption
 from typer.testing import CliRunner
 
-from mpfa.cli.app import app
+from mpfa.mpfa_cli.app import app
 
 
 def command_paths(command=typer.main.get_command(app), path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:

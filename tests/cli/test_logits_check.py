@@ -7,9 +7,9 @@ from pathlib import Path
 import pytest
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.harness.errors import UserError
-from mpfa.harness.logits import LogitsResult, Row
-from mpfa.harness.logits_check import check_against_prediction, served_numerics
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.accuracy.logits import LogitsResult, Row
+from mpfa.mpfa_cli.accuracy.logits_check import check_against_prediction, served_numerics
 
 NUMERICS = {name: spec.numerics for name, spec in BACKENDS.items()}
 FAST = ["--time-scale", "0.02"]

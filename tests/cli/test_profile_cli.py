@@ -34,12 +34,12 @@ def test_ncu_full_flag_reaches_run_profile_and_its_table_is_shown_and_stored(mon
     hot loops are printed and both are stored with the profile."""
     from typer.testing import CliRunner
 
-    from mpfa.cli.app import app
-    from mpfa.harness.store import ResultStore
+    from mpfa.mpfa_cli.app import app
+    from mpfa.mpfa_cli.results.store import ResultStore
     from mpfa.profiles import microbench
     from mpfa.profiles.attention_workload import AttentionWorkload
-    from mpfa.profiles.results import (NcuBoundSummary, NcuFullResult, NcuHotInstruction, NcuKernelLoops, NcuLoop,
-                                       Peaks, ProfileResult)
+    from mpfa.profiles.profile_result import (NcuBoundSummary, NcuFullResult, NcuHotInstruction, NcuKernelLoops,
+                                              NcuLoop, Peaks, ProfileResult)
 
     calls = []
 

@@ -1,4 +1,4 @@
-"""`mpfa.harness.random_checkpoint` on tiny configs: loadable by transformers, deterministic, the distribution asked."""
+"""`mpfa.mpfa_cli.accuracy.random_checkpoint` on tiny configs: loadable by transformers, deterministic, the distribution asked."""
 from __future__ import annotations
 
 import json
@@ -11,8 +11,8 @@ pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from mpfa.harness.errors import UserError  # noqa: E402
-from mpfa.harness.random_checkpoint import MARKER, main, parameter_shapes, write_random_checkpoint  # noqa: E402
+from mpfa.mpfa_cli.errors import UserError  # noqa: E402
+from mpfa.mpfa_cli.accuracy.random_checkpoint import MARKER, main, parameter_shapes, write_random_checkpoint  # noqa: E402
 from mpfa.scenarios import MODEL_DIR  # noqa: E402
 
 TINY = {

@@ -3,8 +3,8 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.harness.errors import UserError
-from mpfa.harness.scenario import available_scenarios, load_scenario, model_dir, without_bundled_model_paths
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.harness.scenario import available_scenarios, load_scenario, model_dir, without_bundled_model_paths
 
 
 def test_bundled_scenarios_load_and_expand() -> None:
@@ -148,7 +148,7 @@ def test_a_model_directory_is_served_with_its_own_weights(tmp_path: Path) -> Non
     """Only a bundled config's bare name gets SGLang's dummy weights; a directory (here an absolute path, which
     `MODEL_DIR / path` would return unchanged) is loaded from its checkpoint."""
     from mpfa.backends.specs import BACKENDS
-    from mpfa.harness.engines import sglang_launch
+    from mpfa.mpfa_cli.harness.engines import sglang_launch
 
     (tmp_path / "config.json").write_text("{}")
     given_dir = sglang_launch(BACKENDS["fa4-bf16"], 30000, str(tmp_path), 4096, 1, 1, []).command
@@ -159,7 +159,7 @@ def test_a_model_directory_is_served_with_its_own_weights(tmp_path: Path) -> Non
 
 def test_a_server_with_the_wrong_weights_is_refused(tmp_path: Path) -> None:
     """SGLang reports its load format: dummy weights for a directory (or real ones for a bundled name) stop the run."""
-    from mpfa.harness.bench import verify_weights
+    from mpfa.mpfa_cli.bench.runner import verify_weights
 
     verify_weights({"load_format": "dummy"}, "llama-3.1-8b")
     verify_weights({"server_args": {"load_format": "auto"}}, str(tmp_path))

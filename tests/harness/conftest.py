@@ -42,7 +42,7 @@ class SimProcess:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         kwargs = ", ".join(f"{k}={v!r}" for k, v in {"time_scale": FAST, **options}.items())
-        code = (f"from mpfa.harness.sim_server import run_sim_server; "
+        code = (f"from mpfa.mpfa_cli.harness.sim_server import run_sim_server; "
                 f"run_sim_server('127.0.0.1', {self.port}, {backend!r}, {kwargs})")
         self.log = tempfile.TemporaryFile()
         self.process = subprocess.Popen([sys.executable, "-c", code], stdout=self.log, stderr=subprocess.STDOUT)

@@ -6,12 +6,12 @@ import random
 
 import pytest
 
-from mpfa.harness import accuracy_serve
-from mpfa.harness.logits import ResponseError
-from mpfa.harness.served_accuracy import ServedAccuracy, export_csv
-from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem
-from mpfa.kernels.tasks.task_sets import Cell
-from mpfa.kernels.tasks.tokens import ByteTokenizer
+from mpfa.mpfa_cli.accuracy import serve as accuracy_serve
+from mpfa.mpfa_cli.accuracy.logits import ResponseError
+from mpfa.mpfa_cli.accuracy.served import ServedAccuracy, export_csv
+from mpfa.mpfa_cli.accuracy.tasks.items import ChoiceItem, GenerationItem
+from mpfa.mpfa_cli.accuracy.tasks.task_sets import Cell
+from mpfa.mpfa_cli.accuracy.tasks.tokens import ByteTokenizer
 
 TOK = ByteTokenizer()
 ITEM = GenerationItem("niah-single", "n-0", tuple(TOK.encode("prompt")), ("4711",), "contains", 4096, 0.5)
@@ -84,7 +84,7 @@ def test_window_check_names_the_longest_length_that_fits():
 
 
 def test_merge_joins_backends_run_apart_on_the_same_questions():
-    from mpfa.harness.served_accuracy import merge_served
+    from mpfa.mpfa_cli.accuracy.served import merge_served
 
     cell = Cell("squad", None, tuple(GenerationItem("squad", f"q{i}", (1,), ("a",), "f1") for i in range(20)))
 
@@ -109,7 +109,7 @@ def test_merge_joins_backends_run_apart_on_the_same_questions():
 
 
 def test_merge_joins_shards_of_the_same_backends_question_by_question():
-    from mpfa.harness.served_accuracy import merge_served
+    from mpfa.mpfa_cli.accuracy.served import merge_served
 
     def items(task: str, first: int, count: int) -> tuple:
         return tuple(GenerationItem(task, f"{task}-{i}", (1,), ("a",), "contains", 600) for i in range(first,
@@ -149,7 +149,7 @@ def test_merge_joins_shards_of_the_same_backends_question_by_question():
 
 
 def test_the_table_names_where_the_backends_were_scored_and_flags_a_mix():
-    from mpfa.harness.served_accuracy import provenance_note
+    from mpfa.mpfa_cli.accuracy.served import provenance_note
 
     cell = Cell("squad", None, tuple(GenerationItem("squad", f"q{i}", (1,), ("a",), "f1") for i in range(4)))
     result = ServedAccuracy.empty("m", "bytes", "fa3-bf16", ["fa3-bf16", "mpfa"], [cell], 0, 32)
@@ -183,7 +183,7 @@ def test_workload_counts_a_request_per_question_and_per_choice():
 def test_scores_by_depth_bin_the_evidence_position():
     from rich.console import Console
 
-    from mpfa.harness.served_accuracy import render_by_depth
+    from mpfa.mpfa_cli.accuracy.served import render_by_depth
 
     items = tuple(GenerationItem("niah-single", f"n{i}", (1,), ("1",), "contains", 64, i / 9) for i in range(10))
     result = ServedAccuracy.empty("m", "bytes", "fa4-bf16", ["fa4-bf16"], [Cell("niah-single", 64, items)], 0, 32)
@@ -197,7 +197,7 @@ def test_scores_by_depth_bin_the_evidence_position():
 def test_pooled_rows_join_a_tasks_lengths_and_stay_paired():
     """Per task asked at two or more lengths, one row per backend over all its questions: the mean of the joined
     scores and the paired difference of the joined lists; a task asked at one length gets none."""
-    from mpfa.kernels.tasks.paired_stats import paired_difference
+    from mpfa.mpfa_cli.accuracy.tasks.paired_stats import paired_difference
 
     def cell(task, length, n):
         return Cell(task, length, tuple(GenerationItem(task, f"{task}{length}-{i}", (1,), ("a",), "contains")

@@ -8,10 +8,10 @@ import pytest
 from rich.console import Console
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.harness import bench
-from mpfa.harness.bench import BenchOptions, run_bench
-from mpfa.harness.scenario import Scenario
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.bench import runner as bench
+from mpfa.mpfa_cli.bench.runner import BenchOptions, run_bench
+from mpfa.mpfa_cli.harness.scenario import Scenario
+from mpfa.mpfa_cli.results.store import ResultStore
 
 CAVEAT = BACKENDS["mpfa"].caveat
 

@@ -6,8 +6,8 @@ import io
 
 from rich.console import Console
 
-from mpfa.harness import progress as progress_module
-from mpfa.harness.progress import PLAIN_EVERY_S, BenchProgress
+from mpfa.mpfa_cli.bench import progress as progress_module
+from mpfa.mpfa_cli.bench.progress import PLAIN_EVERY_S, BenchProgress
 
 
 def _plain_progress(monkeypatch, verbose: bool = False) -> tuple[BenchProgress, io.StringIO, list[float]]:

@@ -10,8 +10,8 @@ import sys
 
 import pytest
 
-from mpfa.harness import bench
-from mpfa.harness.server import STOP_SIGNALS
+from mpfa.mpfa_cli.bench import runner as bench
+from mpfa.mpfa_cli.harness.server import STOP_SIGNALS
 
 pytestmark = pytest.mark.skipif(sys.platform == "win32", reason="POSIX signal masks")
 

@@ -4,12 +4,13 @@ from __future__ import annotations
 import pytest
 from rich.console import Console
 
-from mpfa.harness import bench, client
-from mpfa.harness.bench import BenchOptions, run_bench
-from mpfa.harness.engines import resolve_backends
-from mpfa.harness.errors import UserError
-from mpfa.harness.scenario import load_scenario
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.bench import runner as bench
+from mpfa.mpfa_cli.harness import client
+from mpfa.mpfa_cli.bench.runner import BenchOptions, run_bench
+from mpfa.mpfa_cli.harness.engines import resolve_backends
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.harness.scenario import load_scenario
+from mpfa.mpfa_cli.results.store import ResultStore
 
 
 def test_an_exception_inside_a_measurement_fails_the_run_and_keeps_its_requests(tmp_path, monkeypatch):

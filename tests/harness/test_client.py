@@ -10,10 +10,10 @@ import time
 import pytest
 from aiohttp import web
 
-from mpfa.harness import metrics
-from mpfa.harness.client import Timeouts, run, run_load
-from mpfa.harness.serving_workload import arrival_times, make_prompts
-from mpfa.harness.sim_server import prompt_digest
+from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.harness.client import Timeouts, run, run_load
+from mpfa.mpfa_cli.harness.serving_workload import arrival_times, make_prompts
+from mpfa.mpfa_cli.harness.sim_server import prompt_digest
 
 
 def max_in_flight(records) -> int:

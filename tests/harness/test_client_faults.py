@@ -12,8 +12,8 @@ from collections.abc import Awaitable, Callable, Iterator
 import pytest
 from aiohttp import web
 
-from mpfa.harness.client import MAX_LINE_BYTES, Timeouts, run_load
-from mpfa.harness.stamped_reads import MAX_HEAD_BYTES
+from mpfa.mpfa_cli.harness.client import MAX_LINE_BYTES, Timeouts, run_load
+from mpfa.mpfa_cli.harness.stamped_reads import MAX_HEAD_BYTES
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 MB = 1024 * 1024

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.harness.environment import collect_environment, git_revision, machine_id
+from mpfa.mpfa_cli.harness.environment import collect_environment, git_revision, machine_id
 
 
 def _git(repo: Path, *args: str) -> str:

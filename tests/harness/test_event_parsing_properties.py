@@ -8,7 +8,7 @@ import json
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mpfa.harness.client import _EVENT_PARSERS, MAX_COUNT, _EventStream
+from mpfa.mpfa_cli.harness.client import _EVENT_PARSERS, MAX_COUNT, _EventStream
 
 SETTINGS = settings(max_examples=150, deadline=None)
 SCALARS = st.none() | st.booleans() | st.integers() | st.sampled_from([2**31, 2**63, -1]) | st.floats() | st.text(

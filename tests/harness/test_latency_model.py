@@ -4,9 +4,9 @@ from __future__ import annotations
 import pytest
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.harness import latency_model as lm
-from mpfa.harness.bench import verify_server
-from mpfa.harness.sim_server import load_model_shape, reported_server_args
+from mpfa.mpfa_cli.harness import latency_model as lm
+from mpfa.mpfa_cli.bench.runner import verify_server
+from mpfa.mpfa_cli.harness.sim_server import load_model_shape, reported_server_args
 
 
 @pytest.fixture(scope="module")

@@ -5,12 +5,10 @@ import json
 
 import pytest
 
-from mpfa.harness.logits import (
-    LogitsResult, ResponseError, Row, Sample, compare, first_divergence, parse_response, reference_stats,
-    request_body,
-)
-from mpfa.harness.serving_workload import make_prompt
-from mpfa.harness.sim_server import SIM_LOGPROB_PERTURBATION
+from mpfa.mpfa_cli.accuracy.logits import (LogitsResult, ResponseError, Row, Sample, compare, first_divergence,
+                                           parse_response, reference_stats, request_body)
+from mpfa.mpfa_cli.harness.serving_workload import make_prompt
+from mpfa.mpfa_cli.harness.sim_server import SIM_LOGPROB_PERTURBATION
 
 
 def response(prompt: list[int], output: list[int], prompt_lps: list[float], output_lps: list[float],

@@ -6,8 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from mpfa.harness import metrics
-from mpfa.harness.records import RequestRecord
+from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.harness.records import RequestRecord
 
 
 def rec(dispatch, chunks, completion, index=0, warmup=False, error=None) -> RequestRecord:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import pytest
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.harness.errors import UserError
-from mpfa.harness.served_kernels import (check_prefill_kernel, describe_kernels, kernel_server_args,
-                                         launch_page_size, served_kernels)
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.harness.served_kernels import (check_prefill_kernel, describe_kernels, kernel_server_args,
+                                                  launch_page_size, served_kernels)
 
 
 @pytest.fixture(autouse=True)

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import socket
 
-from mpfa.harness.engines import SGLANG_HIGHEST_PORT
-from mpfa.harness.server import pick_port, port_free
+from mpfa.mpfa_cli.harness.engines import SGLANG_HIGHEST_PORT
+from mpfa.mpfa_cli.harness.server import pick_port, port_free
 
 
 def test_ceiling_below_the_os_range_gives_a_free_port_under_it() -> None:

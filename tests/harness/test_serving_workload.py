@@ -6,7 +6,7 @@ import hashlib
 import numpy as np
 import pytest
 
-from mpfa.harness import serving_workload
+from mpfa.mpfa_cli.harness import serving_workload
 
 
 def test_token_ids_are_shake256_words():

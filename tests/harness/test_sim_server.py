@@ -7,10 +7,10 @@ import time
 import pytest
 
 from mpfa.backends.specs import BACKENDS
-from mpfa.harness.bench import verify_server
-from mpfa.harness.latency_model import latency_model
-from mpfa.harness.serving_workload import make_prompt
-from mpfa.harness.sim_server import load_model_shape
+from mpfa.mpfa_cli.bench.runner import verify_server
+from mpfa.mpfa_cli.harness.latency_model import latency_model
+from mpfa.mpfa_cli.harness.serving_workload import make_prompt
+from mpfa.mpfa_cli.harness.sim_server import load_model_shape
 
 
 def events(raw: bytes) -> list[bytes]:

@@ -9,9 +9,9 @@ from typing import Any
 import pytest
 from rich.console import Console, RenderableType
 
-from mpfa.harness.records import RequestRecord
-from mpfa.harness.run_tables import compare_tables, runs_table, show_run
-from mpfa.harness.store import StoredRun
+from mpfa.mpfa_cli.harness.records import RequestRecord
+from mpfa.mpfa_cli.reports.tables import compare_tables, runs_table, show_run
+from mpfa.mpfa_cli.results.store import StoredRun
 
 WIDTHS = (80, 100)
 BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")
@@ -62,16 +62,16 @@ def test_table_fits_without_truncation(table: str, width: int) -> None:
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("command", ["scenarios", "backends"])
 def test_catalog_tables_fit_without_truncation(command: str, width: int) -> None:
-    result = subprocess.run([sys.executable, "-m", "mpfa.cli", command], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "mpfa.mpfa_cli", command], capture_output=True, text=True,
                             env={"COLUMNS": str(width), "PATH": "/usr/bin:/bin", "TERM": "dumb"}, timeout=60)
     assert result.returncode == 0, result.stderr
     assert "…" not in result.stdout, result.stdout
 
 
 def test_metrics_explain_names_every_compare_label() -> None:
-    from mpfa.harness.run_tables import COMPARE_METRICS, metric_label
+    from mpfa.mpfa_cli.reports.tables import COMPARE_METRICS, metric_label
 
-    result = subprocess.run([sys.executable, "-m", "mpfa.cli", "metrics", "--explain"], capture_output=True, text=True,
+    result = subprocess.run([sys.executable, "-m", "mpfa.mpfa_cli", "metrics", "--explain"], capture_output=True, text=True,
                             env={"COLUMNS": "1000", "PATH": "/usr/bin:/bin", "TERM": "dumb"}, timeout=60)
     assert result.returncode == 0, result.stderr
     for metric in COMPARE_METRICS:

@@ -21,8 +21,7 @@ pytest.importorskip("tvm_ffi", reason="apache-tvm-ffi is not installed (pip inst
 triton = pytest.importorskip("triton", reason="triton is not installed (pip install '.[kernels-compile]')")
 
 from mpfa.kernels.sm90.ablation import FULL, LADDER, Ablation  # noqa: E402
-from mpfa.kernels.sm90.prefill_launch import (ablation_ladder, compile_prefill_kernel, mpfa_prefill,  # noqa: E402
-                                              mpfa_prefill_ablated)
+from mpfa.kernels.sm90.prefill_launch import ablation_ladder, compile_prefill_kernel, mpfa_prefill, mpfa_prefill_ablated
 from mpfa.kernels.sm90.sass import mma_loops  # noqa: E402
 
 CONFIG = (8, 4, 128, True, "BFloat16")  # Llama-3.1-8B causal, the characterize shape

@@ -5,14 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpfa.kernels import (
-    compression_vs_bf16,
-    delta_s,
-    format_capacity_table,
-    kv_bytes_per_token,
-    quantize_fp8,
-    quantize_nvfp4,
-)
+from mpfa.kernels import (compression_vs_bf16, delta_s, format_capacity_table, kv_bytes_per_token, quantize_fp8,
+                          quantize_nvfp4)
 from mpfa.kernels.cache_layout import delta_s_row
 
 

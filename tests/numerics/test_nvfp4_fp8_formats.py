@@ -5,24 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpfa.kernels import (
-    E2M1_GRID,
-    FormatError,
-    decode_e2m1,
-    dequantize_fp8,
-    dequantize_nvfp4,
-    e4m3_pow2_scale,
-    encode_e2m1,
-    fake_quant_fp8,
-    fake_quant_fp8_pow2,
-    fake_quant_nvfp4,
-    fake_quant_p_fp8,
-    nvfp4_global_scale,
-    pack_e2m1,
-    quantize_fp8,
-    quantize_nvfp4,
-    unpack_e2m1,
-)
+from mpfa.kernels import (E2M1_GRID, FormatError, decode_e2m1, dequantize_fp8, dequantize_nvfp4, e4m3_pow2_scale,
+                          encode_e2m1, fake_quant_fp8, fake_quant_fp8_pow2, fake_quant_nvfp4, fake_quant_p_fp8,
+                          nvfp4_global_scale, pack_e2m1, quantize_fp8, quantize_nvfp4, unpack_e2m1)
 
 # Code -> value, written out from the e2m1 definition (sign bit 3, exponent bits 2-1, mantissa bit 0, bias 1).
 E2M1_TABLE = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0]

@@ -7,21 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mpfa.kernels import (
-    SmoothingMeans,
-    attention,
-    attention_float64,
-    decode_partials,
-    merge_partials,
-    sequence_means,
-)
-from mpfa.kernels.reference import (
-    _requantize_key_tiles,
-    attend_prepared,
-    attend_prepared_batch,
-    attention_one_sequence,
-    prepare_one_sequence,
-)
+from mpfa.kernels import SmoothingMeans, attention, attention_float64, decode_partials, merge_partials, sequence_means
+from mpfa.kernels.reference import (_requantize_key_tiles, attend_prepared, attend_prepared_batch,
+                                    attention_one_sequence, prepare_one_sequence)
 
 QK8 = ("mpfa-qk8row", "mpfa-qk8tile")
 OUTLIER_KEY, OUTLIER_CHANNEL, OUTLIER = 40, 3, 2688.0  # 6 * 448: the largest NVFP4 value without a global scale

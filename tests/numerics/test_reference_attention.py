@@ -7,19 +7,8 @@ import torch
 
 import math
 
-from mpfa.kernels import (
-    VARIANTS,
-    SmoothingMeans,
-    attention,
-    attention_float64,
-    center,
-    delta_s,
-    fake_quant_fp8,
-    fake_quant_fp8_pow2,
-    fake_quant_nvfp4,
-    fake_quant_p_fp8,
-    sequence_means,
-)
+from mpfa.kernels import (VARIANTS, SmoothingMeans, attention, attention_float64, center, delta_s, fake_quant_fp8,
+                          fake_quant_fp8_pow2, fake_quant_nvfp4, fake_quant_p_fp8, sequence_means)
 
 # The bf16 variant's only rounding beyond FP32 is P -> BF16 before the PV GEMM (inputs are BF16 already): a relative
 # error of at most 2**-8 per P element, so |O - O_ref| <= 2**-8 * sum_j P_j |V_j| / l elementwise. 2**-12 more

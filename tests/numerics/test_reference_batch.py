@@ -7,14 +7,8 @@ import pytest
 import torch
 
 from mpfa.kernels import VARIANTS
-from mpfa.kernels.reference import (
-    attend_prepared,
-    attend_prepared_batch,
-    attention_batch,
-    attention_one_sequence,
-    prepare_batch,
-    prepare_one_sequence,
-)
+from mpfa.kernels.reference import (attend_prepared, attend_prepared_batch, attention_batch, attention_one_sequence,
+                                    prepare_batch, prepare_one_sequence)
 
 HQ, HKV, D = 4, 2, 32
 # With exact sums (float64 S, l, P V and exp2, see `attend_prepared_batch`) nothing depends on the shapes BLAS and the

@@ -7,16 +7,8 @@ import math
 import pytest
 import torch
 
-from mpfa.kernels import (
-    DecodePartials,
-    SmoothingMeans,
-    attention,
-    attention_float64,
-    decode,
-    decode_partials,
-    merge_partials,
-    sequence_means,
-)
+from mpfa.kernels import (DecodePartials, SmoothingMeans, attention, attention_float64, decode, decode_partials,
+                          merge_partials, sequence_means)
 
 KV_LENS = [1, 300, 129, 0]
 

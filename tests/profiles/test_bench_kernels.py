@@ -9,7 +9,7 @@ from mpfa.profiles.attention_workload import MPFA, AttentionWorkload
 from mpfa.profiles.bench_kernels import bytes_read, format_prefill_table, format_table, table_title
 from mpfa.profiles.kernels_mpfa import MpfaAdapter
 from mpfa.profiles.registry import ADAPTERS, adapter_for
-from mpfa.profiles.results import ERROR, OK, BackendResult
+from mpfa.profiles.profile_result import ERROR, OK, BackendResult
 from mpfa.profiles.timing import summarize
 
 WORKLOAD = AttentionWorkload("decode", 131072, 1, 32, 8, 128)

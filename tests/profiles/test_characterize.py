@@ -10,7 +10,7 @@ import sys
 import pytest
 import torch
 
-from mpfa.harness.errors import ProfileError
+from mpfa.mpfa_cli.errors import ProfileError
 from mpfa.profiles import characterize as ch
 from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.timing import summarize
@@ -142,13 +142,13 @@ def test_cli_without_gpu_is_a_one_line_error(tmp_path):
     if torch.cuda.is_available():
         pytest.skip("a GPU is present")
     env = {**os.environ, "MPFA_DB": str(tmp_path / "results.db"), "COLUMNS": "200"}
-    result = subprocess.run([sys.executable, "-m", "mpfa.cli", "profile", "characterize", "--seq", "64k",
+    result = subprocess.run([sys.executable, "-m", "mpfa.mpfa_cli", "profile", "characterize", "--seq", "64k",
                              "--out", str(tmp_path / "out")], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 2, result.stderr
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no CUDA device" in lines[0] and "Traceback" not in result.stderr
     assert not (tmp_path / "results.db").exists()
-    bad = subprocess.run([sys.executable, "-m", "mpfa.cli", "profile", "characterize", "--seq", "lots"],
+    bad = subprocess.run([sys.executable, "-m", "mpfa.mpfa_cli", "profile", "characterize", "--seq", "lots"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "lots" in bad.stderr
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 
-from mpfa.harness.errors import ProfileError
+from mpfa.mpfa_cli.errors import ProfileError
 from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.kernels_fa3 import Fa3
 from mpfa.profiles.registry import adapter_for

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from mpfa.harness.errors import ProfileError
+from mpfa.mpfa_cli.errors import ProfileError
 from mpfa.profiles.attention_workload import BF16_Q_FP8_KV, FP8_Q_FP8_KV, AttentionWorkload
 from mpfa.profiles.bench_kernels import bytes_read
 from mpfa.profiles.kernels_flashinfer import FMHA_V2_STALE_WARNING

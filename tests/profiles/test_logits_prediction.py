@@ -1,4 +1,4 @@
-"""`mpfa.profiles.logits_prediction` on a tiny random checkpoint whose vocabulary holds `mpfa logits`' prompt ids."""
+"""`mpfa.mpfa_cli.accuracy.logits_prediction` on a tiny random checkpoint whose vocabulary holds `mpfa logits`' prompt ids."""
 from __future__ import annotations
 
 import json
@@ -11,12 +11,12 @@ import torch
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
 
-from mpfa.harness.errors import UserError  # noqa: E402
-from mpfa.harness.logits import prompts_for  # noqa: E402
-from mpfa.harness.random_checkpoint import write_random_checkpoint  # noqa: E402
-from mpfa.harness.serving_workload import VOCAB_RANGE  # noqa: E402
-from mpfa.kernels.tasks.attention_swap import install  # noqa: E402
-from mpfa.profiles.logits_prediction import main, predict, prompt_sample  # noqa: E402
+from mpfa.mpfa_cli.errors import UserError  # noqa: E402
+from mpfa.mpfa_cli.accuracy.logits import prompts_for  # noqa: E402
+from mpfa.mpfa_cli.accuracy.random_checkpoint import write_random_checkpoint  # noqa: E402
+from mpfa.mpfa_cli.harness.serving_workload import VOCAB_RANGE  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.attention_swap import install  # noqa: E402
+from mpfa.mpfa_cli.accuracy.logits_prediction import main, predict, prompt_sample  # noqa: E402
 
 LENGTH = 48
 

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.harness.errors import ToolError
+from mpfa.mpfa_cli.errors import ToolError
 from mpfa.profiles.ncu_details import NcuRule, bound_summary, parse_details
 
 FIXTURES = Path(__file__).parent / "fixtures"

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.harness.errors import ToolError
+from mpfa.mpfa_cli.errors import ToolError
 from mpfa.profiles.ncu_source import (UNATTRIBUTED, UNKNOWN_PRODUCER, hot_loops, loop_spans, parse_source_csv,
                                       read_text, scoreboard_producers)
 

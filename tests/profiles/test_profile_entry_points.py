@@ -4,7 +4,7 @@ import sys
 import pytest
 import torch
 
-from mpfa.harness.errors import ProfileError
+from mpfa.mpfa_cli.errors import ProfileError
 from mpfa.profiles import launch_one, microbench
 from mpfa.profiles.attention_workload import AttentionWorkload, workload_from_arguments
 

@@ -12,7 +12,7 @@ from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.kernel_categories import ATTENTION, classify
 from mpfa.profiles.ncu import profile_with_ncu
 from mpfa.profiles.registry import adapter_for
-from mpfa.profiles.results import OK
+from mpfa.profiles.profile_result import OK
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")]
 

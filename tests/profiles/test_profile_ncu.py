@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.harness.errors import ToolError
+from mpfa.mpfa_cli.errors import ToolError
 from mpfa.profiles import ncu
 from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.registry import adapter_for

@@ -12,7 +12,7 @@ from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.ncu_details import profile_full_with_ncu
 from mpfa.profiles.profile_sections import LOG_WIDTH, ncu_full_section, ncu_source_section, render_sections
 from mpfa.profiles.registry import adapter_for
-from mpfa.profiles.results import NcuFullResult, Peaks, ProfileResult
+from mpfa.profiles.profile_result import NcuFullResult, Peaks, ProfileResult
 
 PERMISSION = ("==ERROR== ERR_NVGPUCTRPERM - The user does not have permission to access NVIDIA GPU Performance "
               "Counters on the target device 0.")

@@ -9,12 +9,12 @@ import pytest
 import torch
 from rich.console import Console
 
-from mpfa.harness.errors import KernelNotBuilt
+from mpfa.mpfa_cli.errors import KernelNotBuilt
 from mpfa.profiles import microbench, registry
 from mpfa.profiles.attention_workload import BF16
 from mpfa.profiles.kernel_adapter import PreparedKernel
 from mpfa.profiles.profile_sections import LOG_WIDTH, render_profile
-from mpfa.profiles.results import ERROR, NOT_BUILT, OK, Peaks
+from mpfa.profiles.profile_result import ERROR, NOT_BUILT, OK, Peaks
 
 
 class _FakeEvent:

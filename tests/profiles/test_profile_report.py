@@ -8,8 +8,8 @@ from rich.console import Console
 from mpfa.profiles.attention_workload import BF16, BF16_Q_FP8_KV, MPFA, AttentionWorkload
 from mpfa.profiles.ncu import parse_raw_csv
 from mpfa.profiles.profile_sections import format_text, render_profile, sections
-from mpfa.profiles.results import (ERROR, NOT_BUILT, OK, BackendResult, KernelTotal, NcuKernel, NcuResult, Peaks,
-                                   ProfileResult, TraceResult)
+from mpfa.profiles.profile_result import (ERROR, NOT_BUILT, OK, BackendResult, KernelTotal, NcuKernel, NcuResult, Peaks,
+                                          ProfileResult, TraceResult)
 from mpfa.profiles.timing import summarize
 
 WORKLOAD = AttentionWorkload("prefill", 16384, 1, 32, 8, 128)

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 from rich.console import Console
 
-from mpfa.harness.errors import ProfileError, ServingProfileError
-from mpfa.harness.sim_server import build_app
+from mpfa.mpfa_cli.errors import ProfileError, ServingProfileError
+from mpfa.mpfa_cli.harness.sim_server import build_app
 from mpfa.profiles import serving
 from mpfa.profiles.breakdown import TOP_KERNELS, stage_breakdown
 from mpfa.profiles.kernel_categories import ATTENTION, CATEGORIES, classify

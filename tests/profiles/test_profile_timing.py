@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from mpfa.harness.errors import ProfileError
+from mpfa.mpfa_cli.errors import ProfileError
 from mpfa.profiles.inputs import random_tensor, rotation_sets
 from mpfa.profiles.timing import repetitions, summarize
 

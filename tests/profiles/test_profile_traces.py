@@ -5,11 +5,11 @@ import subprocess
 import pytest
 import torch
 
-from mpfa.harness.errors import ToolError
+from mpfa.mpfa_cli.errors import ToolError
 from mpfa.profiles import microbench, nsys
 from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.registry import adapter_for
-from mpfa.profiles.results import TraceResult
+from mpfa.profiles.profile_result import TraceResult
 from mpfa.profiles.torch_trace import kernel_totals
 
 WORKLOAD = AttentionWorkload("prefill", 4096, 1, 32, 8, 128)

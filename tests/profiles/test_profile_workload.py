@@ -5,7 +5,7 @@ import itertools
 import pytest
 
 from mpfa.profiles.attention_workload import (BF16, BF16_Q_FP8_KV, MPFA, AttentionWorkload, add_workload_arguments,
-                                    parse_heads, parse_seq, workload_arguments, workload_from_arguments)
+                                              parse_heads, parse_seq, workload_arguments, workload_from_arguments)
 from mpfa.profiles.registry import ADAPTERS, parse_backends
 
 

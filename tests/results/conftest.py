@@ -8,8 +8,8 @@ from typing import Any
 
 import pytest
 
-from mpfa.harness.records import RequestRecord
-from mpfa.harness.store import StoredRun
+from mpfa.mpfa_cli.harness.records import RequestRecord
+from mpfa.mpfa_cli.results.store import StoredRun
 
 GPU = "NVIDIA H200"
 MODEL = "llama-3.1-8b"

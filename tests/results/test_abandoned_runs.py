@@ -8,14 +8,14 @@ import subprocess
 import sys
 import textwrap
 
-from mpfa.harness.environment import machine_id
-from mpfa.harness.run_owner import KILLED_REASON, Holder, holder, status_label
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.harness.environment import machine_id
+from mpfa.mpfa_cli.results.run_owner import KILLED_REASON, Holder, holder, status_label
+from mpfa.mpfa_cli.results.store import ResultStore
 
 _WRITER = """
 import sys, time
-from mpfa.harness.records import RequestRecord, RunRecord
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.harness.records import RequestRecord, RunRecord
+from mpfa.mpfa_cli.results.store import ResultStore
 store = ResultStore(sys.argv[1])
 run = RunRecord("smoke", "mpfa", "sim", True, {"concurrency": 1}, 0, 512, 4, 16, 0, "h", 1.0,
                 environment={"machine": sys.argv[2]})

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.app import app
-from mpfa.harness import metrics
-from mpfa.harness.export import run_to_dict
-from mpfa.harness.gate import write_baseline
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.app import app
+from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.export import run_to_dict
+from mpfa.mpfa_cli.reports.gate import write_baseline
+from mpfa.mpfa_cli.results.store import ResultStore
 
 BINARY = b"\x89PNG\r\n\x1a\n\x00\xff\xfe" * 8
 
@@ -192,7 +192,7 @@ def test_a_read_only_database_is_readable(tmp_path, make_run, monkeypatch):
     db = tmp_path / "r.db"
     with ResultStore(db) as store:
         store.import_runs([make_run("mpfa", i, {"otps": 1000.0 + i}) for i in range(2)])
-    monkeypatch.setattr("mpfa.harness.store._may_write", lambda path: False)  # as a user who may not write
+    monkeypatch.setattr("mpfa.mpfa_cli.results.store._may_write", lambda path: False)  # as a user who may not write
     before = digest(db)
     for command in (("runs",), ("show", "1"), ("compare", "--ref", "mpfa")):
         result = mpfa(*command, "--db", db)

@@ -8,9 +8,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.app import app
-from mpfa.harness.gate import baseline_from_runs, newest_passes, read_baseline, run_gate, write_baseline
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.app import app
+from mpfa.mpfa_cli.reports.gate import baseline_from_runs, newest_passes, read_baseline, run_gate, write_baseline
+from mpfa.mpfa_cli.results.store import ResultStore
 
 KERNELS = {"prefill": "fp8", "decode": "split-kv", "source": "dispatch"}
 

@@ -20,9 +20,9 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.app import app
-from mpfa.harness.gate import GATED_METRICS, baseline_from_runs, newest_passes, read_baseline
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.app import app
+from mpfa.mpfa_cli.reports.gate import GATED_METRICS, baseline_from_runs, newest_passes, read_baseline
+from mpfa.mpfa_cli.results.store import ResultStore
 
 ROOT = Path(__file__).resolve().parents[2]
 PROFILES = ROOT / "profiles"

@@ -15,15 +15,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpfa.harness import metrics
-from mpfa.harness.errors import UserError
-from mpfa.harness.export import derive_summary, read_export, run_to_dict
-from mpfa.harness.gate import gate_table, read_baseline, run_gate, write_baseline
-from mpfa.harness.records import RequestRecord
-from mpfa.harness.run_tables import runs_records, runs_table, show_record
-from mpfa.harness.scenario import (MAX_CONCURRENCY, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_RATE, MAX_REPEATS,
-                                   MAX_REQUESTS, load_scenario)
-from mpfa.harness.store import ResultStore, StoredRun
+from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.results.export import derive_summary, read_export, run_to_dict
+from mpfa.mpfa_cli.reports.gate import gate_table, read_baseline, run_gate, write_baseline
+from mpfa.mpfa_cli.harness.records import RequestRecord
+from mpfa.mpfa_cli.reports.tables import runs_records, runs_table, show_record
+from mpfa.mpfa_cli.harness.scenario import (MAX_CONCURRENCY, MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_RATE, MAX_REPEATS,
+                                            MAX_REQUESTS, load_scenario)
+from mpfa.mpfa_cli.results.store import ResultStore, StoredRun
 
 FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 

@@ -7,10 +7,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.app import app
-from mpfa.harness.plot import ACCURACY_PANEL_SIZE, DPI
-from mpfa.harness.store import ResultStore
-from mpfa.kernels.tasks.task_report import TaskAccuracyReport, TaskScores
+from mpfa.mpfa_cli.app import app
+from mpfa.mpfa_cli.reports.plot import ACCURACY_PANEL_SIZE, DPI
+from mpfa.mpfa_cli.results.store import ResultStore
+from mpfa.mpfa_cli.accuracy.tasks.task_report import TaskAccuracyReport, TaskScores
 
 VARIANTS = ("bf16", "fp8", "qk4-pv8-direct", "mpfa")
 

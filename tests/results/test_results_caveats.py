@@ -12,13 +12,14 @@ import pytest
 from rich.console import Console
 
 from mpfa.backends.specs import BACKENDS, PLUGIN_PREFILL_CAVEAT
-from mpfa.harness.errors import UserError
-from mpfa.harness.export import export_runs
-from mpfa.harness.gate import baseline_from_runs, gate_table, github_benchmark_entries, read_baseline, run_gate, write_baseline
-from mpfa.harness.plot import plot_runs
-from mpfa.harness.records import RunRecord
-from mpfa.harness.run_tables import compare_table, runs_table, show_run
-from mpfa.harness.store import SCHEMA_VERSION, ResultStore
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.results.export import export_runs
+from mpfa.mpfa_cli.reports.gate import (baseline_from_runs, gate_table, github_benchmark_entries, read_baseline,
+                                        run_gate, write_baseline)
+from mpfa.mpfa_cli.reports.plot import plot_runs
+from mpfa.mpfa_cli.harness.records import RunRecord
+from mpfa.mpfa_cli.reports.tables import compare_table, runs_table, show_run
+from mpfa.mpfa_cli.results.store import SCHEMA_VERSION, ResultStore
 
 CAVEAT = PLUGIN_PREFILL_CAVEAT
 

@@ -8,10 +8,10 @@ import math
 
 import pytest
 
-from mpfa.harness import metrics
-from mpfa.harness.errors import UserError
-from mpfa.harness.export import export_runs
-from mpfa.harness.plot import plot_runs
+from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.results.export import export_runs
+from mpfa.mpfa_cli.reports.plot import plot_runs
 
 
 @pytest.fixture

@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.app import app
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.app import app
+from mpfa.mpfa_cli.results.store import ResultStore
 
 
 def mpfa(db: Path, *args: str):

@@ -6,11 +6,9 @@ import json
 import pytest
 from rich.console import Console
 
-from mpfa.harness.errors import UserError
-from mpfa.harness.gate import (
-    baseline_from_runs, gate_table, parse_tolerance, read_baseline, run_gate, write_baseline,
-    write_github_benchmark,
-)
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.reports.gate import (baseline_from_runs, gate_table, parse_tolerance, read_baseline, run_gate,
+                                        write_baseline, write_github_benchmark)
 
 
 def render(renderable) -> str:

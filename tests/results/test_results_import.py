@@ -9,10 +9,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from mpfa.cli.app import app
-from mpfa.harness import metrics
-from mpfa.harness.export import export_runs, run_to_dict
-from mpfa.harness.store import ResultStore
+from mpfa.mpfa_cli.app import app
+from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.export import export_runs, run_to_dict
+from mpfa.mpfa_cli.results.store import ResultStore
 
 FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
 OLD_EXPORT = FIXTURES / "serve-long32k-c1-fa4-bf16-flashinfer-fp8-h200.json"  # fa4-bf16, flashinfer-fp8: no `caveat`, no requests

@@ -6,12 +6,10 @@ import math
 import pytest
 from rich.console import Console
 
-from mpfa.harness import metrics
-from mpfa.harness.errors import UserError
-from mpfa.harness.run_tables import (
-    compare_records, compare_rows, compare_table, compare_tables, default_reference, format_compare, runs_table,
-    show_run, speedup,
-)
+from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.errors import UserError
+from mpfa.mpfa_cli.reports.tables import (compare_records, compare_rows, compare_table, compare_tables,
+                                          default_reference, format_compare, runs_table, show_run, speedup)
 
 T975_DF2 = 4.302652729911275  # Student t 0.975 quantile, 2 degrees of freedom
 

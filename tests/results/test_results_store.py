@@ -10,9 +10,9 @@ import textwrap
 
 import pytest
 
-from mpfa.harness import metrics
-from mpfa.harness.records import RunRecord
-from mpfa.harness.store import SCHEMA_VERSION, ResultStore, StoreError, default_db_path
+from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.harness.records import RunRecord
+from mpfa.mpfa_cli.results.store import SCHEMA_VERSION, ResultStore, StoreError, default_db_path
 
 
 def _record(make_run, backend: str = "mpfa", **overrides) -> RunRecord:
@@ -59,8 +59,8 @@ def test_killed_process_keeps_completed_requests(tmp_path):
     db = tmp_path / "r.db"
     writer = textwrap.dedent(f"""
         import os
-        from mpfa.harness.records import RequestRecord, RunRecord
-        from mpfa.harness.store import ResultStore
+        from mpfa.mpfa_cli.harness.records import RequestRecord, RunRecord
+        from mpfa.mpfa_cli.results.store import ResultStore
         store = ResultStore({str(db)!r})
         run = RunRecord("smoke", "mpfa", "sim", True, {{"concurrency": 1}}, 0, 512, 32, 16, 0, "h", 1.0)
         run_id = store.begin_run(run)

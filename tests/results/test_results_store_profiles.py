@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from mpfa.harness.store import SCHEMA_VERSION, ResultStore, StoreError
+from mpfa.mpfa_cli.results.store import SCHEMA_VERSION, ResultStore, StoreError
 
 H200_PREFILL = Path(__file__).parents[2] / "profiles" / "results" / "profile-prefill-64k-32x8-fa4-bf16-flashinfer-fp8-h200.json"
 

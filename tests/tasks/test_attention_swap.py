@@ -8,7 +8,7 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from mpfa.kernels.smoothing import sequence_means  # noqa: E402
-from mpfa.kernels.tasks.attention_swap import AttentionSwapError, VariantAttention, install  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.attention_swap import AttentionSwapError, VariantAttention, install  # noqa: E402
 
 
 def _tiny_model(seed: int):
@@ -123,7 +123,7 @@ def test_kept_key_operands_give_the_same_logits_as_preparing_all(variant, monkey
             logits.append(step.logits)
         return logits
 
-    from mpfa.kernels.tasks import attention_swap
+    from mpfa.mpfa_cli.accuracy.tasks import attention_swap
 
     prepared_keys: list[int] = []
     prepare = attention_swap.prepare_batch
@@ -167,7 +167,7 @@ def _padded_run(model, fn, rows: list[torch.Tensor], steps: torch.Tensor,
 def test_padded_batch_logits_equal_each_row_alone_and_kept_keys_stay_exact(variant, monkeypatch):
     """A padded batch (prefill + decode steps with a finished row) gives each row's logits as run alone without any
     mask, and the per-slot kept key operands give bit-identical logits to preparing every key at every call."""
-    from mpfa.kernels.tasks import attention_swap
+    from mpfa.mpfa_cli.accuracy.tasks import attention_swap
 
     model = _tiny_model(11)
     rows = [_ids(12, 30)[0], _ids(13, 9)[0], _ids(14, 21)[0]]
@@ -234,7 +234,7 @@ def test_select_rows_must_follow_the_cache():
 def test_calibrated_fp8_scales_each_kv_head_by_its_calibration_amax():
     """`calibrate_kv_scales` records amax / 448 per layer and KV head from one BF16 pass; fp8-calibrated runs the
     fp8 reference with those scales (a saturating K, here 5000x, clips at scale 1 and not with them)."""
-    from mpfa.kernels.tasks.attention_swap import calibrate_kv_scales
+    from mpfa.mpfa_cli.accuracy.tasks.attention_swap import calibrate_kv_scales
 
     model, ids = _tiny_model(21), _ids(22, 48)
     for layer in model.model.layers:  # push K far past e4m3's 448

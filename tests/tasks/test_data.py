@@ -8,8 +8,8 @@ import tarfile
 
 import pytest
 
-from mpfa.kernels.tasks import data
-from mpfa.kernels.tasks.data import ChoiceExample, SquadExample, TaskDataError
+from mpfa.mpfa_cli.accuracy.tasks import data
+from mpfa.mpfa_cli.accuracy.tasks.data import ChoiceExample, SquadExample, TaskDataError
 
 SQUAD = {
     "version": "1.1",

@@ -8,12 +8,12 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mpfa.kernels.tasks.attention_swap import install  # noqa: E402
-from mpfa.kernels.tasks.emulate import emulate_cells  # noqa: E402
-from mpfa.kernels.tasks.generation import LoadedModel, choice_logprobs, greedy_answer  # noqa: E402
-from mpfa.kernels.tasks.items import ChoiceItem, GenerationItem  # noqa: E402
-from mpfa.kernels.tasks.scoring import best_choice  # noqa: E402
-from mpfa.kernels.tasks.task_sets import Cell  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.attention_swap import install  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.emulate import emulate_cells  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.generation import LoadedModel, choice_logprobs, greedy_answer  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.items import ChoiceItem, GenerationItem  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.scoring import best_choice  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.task_sets import Cell  # noqa: E402
 
 
 class _Letters:

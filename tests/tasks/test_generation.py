@@ -7,9 +7,9 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mpfa.kernels.tasks.attention_swap import install  # noqa: E402
-from mpfa.kernels.tasks.generation import LoadedModel, choice_logprobs, greedy_answer  # noqa: E402
-from mpfa.kernels.tasks.scoring import continuation_logprob  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.attention_swap import install  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.generation import LoadedModel, choice_logprobs, greedy_answer  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.scoring import continuation_logprob  # noqa: E402
 
 VOCAB = 64
 
@@ -85,7 +85,7 @@ def _swap(lm: LoadedModel, variant: str):
 @torch.inference_mode()
 @pytest.mark.parametrize("variant", BATCH_VARIANTS)
 def test_batched_greedy_answers_equal_one_at_a_time(variant):
-    from mpfa.kernels.tasks.generation import greedy_answers
+    from mpfa.mpfa_cli.accuracy.tasks.generation import greedy_answers
 
     lm = _tiny_lm(21)
     prompts = [_ids(22 + i, n) for i, n in enumerate([24, 7, 40, 13, 1])]
@@ -116,7 +116,7 @@ def _choices_one_at_a_time(lm: LoadedModel, context: list[int], choices: list[li
 @torch.inference_mode()
 @pytest.mark.parametrize("variant", BATCH_VARIANTS)
 def test_batched_choice_logprobs_equal_one_at_a_time(variant):
-    from mpfa.kernels.tasks.generation import batch_choice_logprobs
+    from mpfa.mpfa_cli.accuracy.tasks.generation import batch_choice_logprobs
 
     lm = _tiny_lm(31)
     questions = [
@@ -137,7 +137,7 @@ def test_prompt_logits_take_each_rows_own_from_a_cross_indexed_output():
     """transformers 5.12 returns [B, B, 1, V] for per-row `logits_to_keep`; row b's logits are at [b, b]."""
     from types import SimpleNamespace
 
-    from mpfa.kernels.tasks.generation import _prompt_logits
+    from mpfa.mpfa_cli.accuracy.tasks.generation import _prompt_logits
 
     per_row = torch.randn(3, 1, 5)
     crossed = torch.randn(3, 3, 1, 5)

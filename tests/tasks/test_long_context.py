@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import pytest
 
-from mpfa.kernels.tasks.data import SquadExample, TaskDataError
-from mpfa.kernels.tasks.items import GenerationItem, choice_items, squad_items
-from mpfa.kernels.tasks.data import ChoiceExample
-from mpfa.kernels.tasks.long_context import DEPTHS, NEEDLE, Haystack, needle_items, squad_long_items
-from mpfa.kernels.tasks.tokens import ByteTokenizer, answer_text
+from mpfa.mpfa_cli.accuracy.tasks.data import SquadExample, TaskDataError
+from mpfa.mpfa_cli.accuracy.tasks.items import GenerationItem, choice_items, squad_items
+from mpfa.mpfa_cli.accuracy.tasks.data import ChoiceExample
+from mpfa.mpfa_cli.accuracy.tasks.long_context import DEPTHS, NEEDLE, Haystack, needle_items, squad_long_items
+from mpfa.mpfa_cli.accuracy.tasks.tokens import ByteTokenizer, answer_text
 
 TOK = ByteTokenizer()
 ESSAY = " ".join(f"Sentence number {i} talks about startups and painters." for i in range(400))

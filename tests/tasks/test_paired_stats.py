@@ -7,7 +7,7 @@ import math
 import numpy as np
 import pytest
 
-from mpfa.kernels.tasks.paired_stats import Z_95, n_for_half_width, paired_difference
+from mpfa.mpfa_cli.accuracy.tasks.paired_stats import Z_95, n_for_half_width, paired_difference
 
 
 def test_identical_scores_differ_by_exactly_zero():

@@ -9,10 +9,10 @@ import math
 import pytest
 import torch
 
-from mpfa.kernels.capture import LayerQKV
-from mpfa.kernels.tasks.long_context import NEEDLE, Haystack, needle_items
-from mpfa.kernels.tasks.retrieval_heads import NeedleSpan, head_rows, needle_spans, retrieval_summary
-from mpfa.kernels.tasks.tokens import ByteTokenizer
+from mpfa.mpfa_cli.accuracy.capture import LayerQKV
+from mpfa.mpfa_cli.accuracy.tasks.long_context import NEEDLE, Haystack, needle_items
+from mpfa.mpfa_cli.accuracy.tasks.retrieval_heads import NeedleSpan, head_rows, needle_spans, retrieval_summary
+from mpfa.mpfa_cli.accuracy.tasks.tokens import ByteTokenizer
 
 TEXT = " ".join(f"Sentence {i} says little about anything in particular." for i in range(200))
 
@@ -55,7 +55,7 @@ def test_a_head_pointing_at_the_needle_gets_its_mass_and_errors_are_measured():
 def test_the_command_refuses_bad_input_in_one_line():
     from typer.testing import CliRunner
 
-    from mpfa.cli.app import app
+    from mpfa.mpfa_cli.app import app
 
     for args in (["--model", "x", "--task", "squad"], ["--model", "/no/such/dir"], ["--model", "x", "--rows", "0"]):
         result = CliRunner().invoke(app, ["accuracy", "heads", *args])

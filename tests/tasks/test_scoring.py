@@ -7,14 +7,8 @@ import math
 import pytest
 import torch
 
-from mpfa.kernels.tasks.scoring import (
-    best_choice,
-    choice_grade,
-    continuation_logprob,
-    normalize_answer,
-    squad_exact_match,
-    squad_f1,
-)
+from mpfa.mpfa_cli.accuracy.tasks.scoring import (best_choice, choice_grade, continuation_logprob, normalize_answer,
+                                                  squad_exact_match, squad_f1)
 
 
 def test_normalize_answer_follows_the_squad_script():

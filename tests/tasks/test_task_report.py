@@ -7,8 +7,8 @@ import json
 import pytest
 from rich.console import Console
 
-from mpfa.kernels.tasks.task_report import TaskAccuracyReport, TaskScores, merge_reports, render_task_accuracy
-from mpfa.kernels.tasks.runner import run_task_accuracy
+from mpfa.mpfa_cli.accuracy.tasks.task_report import TaskAccuracyReport, TaskScores, merge_reports, render_task_accuracy
+from mpfa.mpfa_cli.accuracy.tasks.runner import run_task_accuracy
 
 
 def _squad(bf16=0.60, fp8=0.58, direct=0.40, mpfa=0.55) -> TaskScores:

@@ -11,7 +11,7 @@ tokenizers = pytest.importorskip("tokenizers")
 
 from transformers import PreTrainedTokenizerFast  # noqa: E402
 
-from mpfa.kernels.tasks.tokens import HFTokenizer, answer_text  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.tokens import HFTokenizer, answer_text  # noqa: E402
 
 WORDS = ["<unk>", "<eos>", "<turn>", "user:", "assistant:", "find", "the", "number", "42", "hay", "question"]
 

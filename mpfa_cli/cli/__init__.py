@@ -1,1 +1,0 @@
-"""The `mpfa` command line: a thin Typer front end over `mpfa.harness` and `mpfa.profiles`."""

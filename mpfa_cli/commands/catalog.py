@@ -1,0 +1,79 @@
+"""What there is to run: `mpfa backends` (with the kernels each runs), `mpfa scenarios` and `mpfa metrics`."""
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+from .common import PrefillKernelOption, cli_errors, console
+
+
+@cli_errors
+def backends(
+    model: Annotated[str, typer.Option(help="The served model whose heads choose MpFA's prefill kernel: bundled config name or model directory.")] = "llama-3.1-8b",
+    prefill_kernel: PrefillKernelOption = None,
+) -> None:
+    """List the backends, the kernels each runs for the model, and whether each can run on SGLang here."""
+    from rich.table import Table
+
+    from ...backends.specs import BACKENDS
+    from ..reports.tables import folding
+    from ..harness.scenario import load_model_shape
+    from ..harness.served_kernels import check_prefill_kernel, describe_kernels, launch_page_size, served_kernels
+
+    prefill_kernel = check_prefill_kernel(prefill_kernel)
+    shape = load_model_shape(model)
+    table = Table(title=f"Attention backends — kernels for {shape.name} ({shape.q_heads}:{shape.kv_heads} heads)",
+                  caption="MpFA's prefill kernel: fp8 where the shape takes it, else mma-sync; override: "
+                          "--prefill-kernel or $MPFA_PREFILL_KERNEL (fp8, exact, mma-sync)")
+    for col in ("name", "description", "kernels", "SGLang flags", "on this machine"):
+        table.add_column(col)
+    for spec in BACKENDS.values():
+        missing = spec.missing()
+        if spec.plugin and spec.plugin in missing:
+            state = "[red]not built yet[/] (MpFA SGLang plugin); sim engine only"
+        elif missing:
+            state = f"[yellow]sim only[/] (missing {', '.join(missing)})"
+        else:
+            state = "[green]available[/]"
+        kernels = served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec), prefill_kernel)
+        table.add_row(spec.name, spec.description, describe_kernels(kernels), " ".join(spec.sglang_args), state)
+    console.print(folding(table))
+
+
+@cli_errors
+def scenarios() -> None:
+    """List the bundled scenarios."""
+    from rich.table import Table
+
+    from ..reports.tables import folding
+    from ..harness.scenario import available_scenarios, load_scenario
+
+    table = Table(title="Scenarios")
+    for col in ("name", "model", "points", "output", "requests", "repeats", "description"):
+        table.add_column(col)
+    for name in available_scenarios():
+        s = load_scenario(name)
+        table.add_row(name, s.model, ", ".join(p.label for p in s.points()), str(s.output_len),
+                      "/".join(sorted({str(p.num_requests) for p in s.points()}, key=int)), str(s.repeats), s.description)
+    console.print(folding(table))
+
+
+@cli_errors
+def metrics(explain: Annotated[bool, typer.Option("--explain/--no-explain", help="Print each metric's definition.")] = False) -> None:
+    """Explain the metrics every run reports."""
+    from ..results.metrics import EXPLANATIONS
+
+    if not explain:
+        console.print("metrics: " + ", ".join(EXPLANATIONS) + "  (use --explain for definitions)")
+        return
+    from ..reports.tables import COMPARE_METRICS, SERVER_METRICS, metric_label
+
+    for name, text in EXPLANATIONS.items():
+        console.print(f"[bold]{name}[/]: {text}")
+    for name, key in SERVER_METRICS.items():
+        console.print(f"[bold]{name}[/]: tokens the server's KV cache holds, as it reports them ({key}); more "
+                      "means more context fits at once.")
+    console.print("[bold]column names[/]: a latency is <metric>_<unit>_<stat> (ttft_ms_p99), stat one of mean, "
+                  "median (printed p50), p90, p99, std; tables print " +
+                  ", ".join(f"{metric_label(m)} for {m}" for m in COMPARE_METRICS) + ".")

@@ -1,0 +1,110 @@
+"""What every command group shares: the consoles, the one-line error handling, the database option and parsers
+of comma-separated option values."""
+from __future__ import annotations
+
+import functools
+import traceback
+from pathlib import Path
+from typing import Annotated, Callable, NoReturn, Optional
+
+import typer
+from rich.console import Console
+from rich.markup import escape
+from typer.core import TyperOption
+from typer.exceptions import TyperException
+
+from ..errors import UserError
+from ..results.store import ResultStore
+
+console = Console()
+err_console = Console(stderr=True)
+
+DbOption = Annotated[Optional[Path], typer.Option("--db", help="Results database (default: $MPFA_DB or ~/.local/share/mpfa/results.db).")]
+# The options of the commands that start servers (`bench`, `logits`, `accuracy serve`).
+EngineOption = Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")]
+PortOption = Annotated[Optional[int], typer.Option(help="Preferred server port (another is picked if it is in use).")]
+TimeScaleOption = Annotated[float, typer.Option(help="Simulator only: multiply modelled times by this.")]
+ReadyTimeoutOption = Annotated[Optional[float], typer.Option(help="Seconds to wait for each server to get ready.")]
+ServerArgOption = Annotated[Optional[list[str]], typer.Option("--server-arg", help="Extra server flag, SGLang's or serve-sim's (repeatable).")]
+RunDirOption = Annotated[Optional[Path], typer.Option(help="Where server logs go (default: beside the database).")]
+# The side-by-side commands (`logits`, `accuracy serve`): one server URL per backend.
+# `accuracy serve` / `emulate`: cells with their own question counts instead of every task at every length.
+CellsOption = Annotated[Optional[str], typer.Option(help="Comma-separated task@length=N (task=N for squad, social_iqa): these cells only, each with its own number of questions; replaces --tasks, --lengths and --limit.")]
+UrlsOption = Annotated[Optional[str], typer.Option(help="Servers someone else started: comma-separated URLs, one per backend in --backend order.")]
+PrefillKernelOption = Annotated[Optional[str], typer.Option("--prefill-kernel", help="MpFA prefill kernel: fp8, exact or mma-sync (default: the best for the model's shape; also $MPFA_PREFILL_KERNEL).")]
+
+# Typer releases without Rich type display (the GPU host's pinned stack has one) keep their own help.
+_typer_display_type = getattr(TyperOption, "display_type_rich", None)
+
+
+def _flag_display_type(option: TyperOption, ctx: typer.Context) -> str | None:
+    """A flag takes no value, so its help shows no type: `--wide/--narrow`, not `--wide --narrow <bool>` (Typer's
+    Rich help prints every option's type, flags' included)."""
+    return None if option.is_flag else _typer_display_type(option, ctx)
+
+
+if _typer_display_type is not None:
+    TyperOption.display_type_rich = _flag_display_type
+
+
+def cli_errors(fn: Callable) -> Callable:
+    """Every error ends in one line on stderr and a non-zero exit: a `UserError` (bad input, an unusable
+    environment) with its own exit code, Ctrl-C with 130, anything unexpected with 1, naming the exception. The
+    global `--debug` prints the traceback before that line."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (typer.Exit, typer.Abort, TyperException):
+            raise  # Typer's own ends: usage errors (exit 2) and explicit exits
+        except UserError as exc:
+            _fail(str(exc), exc.exit_code)
+        except KeyboardInterrupt:
+            _fail("interrupted", 130, prefix="")
+        except Exception as exc:
+            first_line = next(iter(str(exc).splitlines()), "")
+            hint = "" if debug_requested() else " (run `mpfa --debug ...` for the traceback)"
+            _fail(f"unexpected {type(exc).__name__}: {first_line}{hint}", 1)
+
+    return wrapper
+
+
+_debug = False  # the global --debug, set by the app's callback before any command runs
+
+
+def set_debug(enabled: bool) -> None:
+    global _debug
+    _debug = enabled
+
+
+def debug_requested() -> bool:
+    """Whether the command line began `mpfa --debug`."""
+    return _debug
+
+
+def _fail(message: str, exit_code: int, prefix: str = "[bold red]error:[/] ") -> NoReturn:
+    """Print the error (after its traceback, with --debug) and exit with `exit_code`."""
+    if debug_requested():
+        traceback.print_exc()
+    err_console.print(prefix + escape(message), highlight=False, soft_wrap=True)
+    raise typer.Exit(exit_code) from None
+
+
+def open_store(db: Path | None) -> ResultStore:
+    return ResultStore(db)
+
+
+def number_list(text: str | None, flag: str, kind: type = int) -> list | None:
+    """`8,16` -> [8, 16]; None when the flag was not given."""
+    if text is None:
+        return None
+    try:
+        return [kind(v) for v in text.split(",")]
+    except ValueError:
+        raise UserError(f"{flag}: expected comma-separated {kind.__name__} values, got '{text}'") from None
+
+
+def progress_line(line: str) -> None:
+    """A profiler's progress line, on stderr."""
+    err_console.print(line, highlight=False)

@@ -1,0 +1,92 @@
+"""One request of the load: written on a keep-alive connection, then its outcome read into its record.
+
+`Requests.start` takes a connection (an idle one, or a new one within the connect timeout) and writes the request;
+`Requests.write` writes it on a connection at hand, which is how a closed loop refills a slot from the completion
+path of its previous response (`stamped_reads.Exchange.then`). `Requests.end` waits for the response under the
+timeouts and returns the body's sink of a 200, else None with the record's error set. Nothing here raises for a
+failed request.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from .records import RequestRecord
+from .request_timeouts import Timeouts
+from .stamped_reads import BodySink, Connection, Connections, Endpoint, Exchange, RequestFailed
+
+ERROR_BODY_CHARS = 300
+ERROR_BODY_BYTES = 4 * ERROR_BODY_CHARS  # kept of an error body; the rest is dropped with the connection
+
+
+class Flight:
+    """A request and its exchange; `exchange` is None when no connection could be had (`record.error` says why)."""
+
+    __slots__ = ("record", "exchange", "connection", "deadline_s")
+
+    def __init__(self, record: RequestRecord, deadline_s: float) -> None:
+        self.record = record
+        self.deadline_s = deadline_s
+        self.exchange: Exchange | None = None
+        self.connection: Connection | None = None
+
+
+class Requests:
+    """Sends the load's requests to one endpoint (`body(prompt)` builds a request's JSON) and reads their outcome."""
+
+    def __init__(self, connections: Connections, endpoint: Endpoint, body: Callable[[list[int]], bytes],
+                 output_len: int, new_sink: Callable[[Callable[[], None]], BodySink], timeouts: Timeouts) -> None:
+        self._connections = connections
+        self._endpoint = endpoint
+        self._body = body
+        self._output_len = output_len
+        self._new_sink = new_sink
+        self._timeouts = timeouts
+
+    def _flight(self, index: int, prompt: list[int], warmup: bool) -> Flight:
+        # dispatch_s: when the request was begun; moved to its write to the socket once it has a connection
+        now = time.perf_counter()
+        record = RequestRecord(index=index, input_len=len(prompt), max_new_tokens=self._output_len,
+                               dispatch_s=now, warmup=warmup)
+        return Flight(record, now + self._timeouts.request_s)
+
+    def _send(self, flight: Flight, connection: Connection, prompt: list[int]) -> Flight:
+        request = self._endpoint.post(self._body(prompt))
+        flight.connection, flight.exchange = connection, Exchange(self._new_sink, ERROR_BODY_BYTES)
+        flight.record.dispatch_s = connection.send(request, flight.exchange)
+        return flight
+
+    async def start(self, index: int, prompt: list[int], warmup: bool) -> Flight:
+        """Write the request on an idle connection, or on a new one."""
+        flight = self._flight(index, prompt, warmup)
+        try:
+            connection = await self._connections.take(self._timeouts, flight.deadline_s)
+        except RequestFailed as exc:
+            flight.record.error = str(exc)
+            return flight
+        return self._send(flight, connection, prompt)
+
+    def write(self, connection: Connection, index: int, prompt: list[int], warmup: bool) -> Flight:
+        """Write the request on `connection`, free now."""
+        return self._send(self._flight(index, prompt, warmup), connection, prompt)
+
+    async def end(self, flight: Flight) -> BodySink | None:
+        """Wait for the response: the body's sink of a 200 that ended (or that the sink stopped), else None
+        with `record.error`. The connection goes back to the pool, or is dropped if its response did not end."""
+        record, exchange = flight.record, flight.exchange
+        if exchange is None:
+            return None
+        try:
+            await exchange.wait(self._timeouts, flight.deadline_s)
+        finally:
+            self._connections.give_back(flight.connection, exchange)  # type: ignore[arg-type]
+        sink, exchange.sink = exchange.sink, None  # the sink refers back to the exchange: no reference cycle left
+        if exchange.status is not None and exchange.status != 200:
+            text = exchange.error_body.decode(errors="replace")[:ERROR_BODY_CHARS].strip()
+            record.error = f"HTTP {exchange.status}: {text}"
+            return None
+        if exchange.failure is not None:
+            record.error = exchange.failure
+            return None
+        record.completion_s = exchange.last_read_s  # a stream that ends without [DONE] completes at its last read
+        return sink

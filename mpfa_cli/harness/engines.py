@@ -1,0 +1,107 @@
+"""How a run gets a server: launch SGLang, launch the built-in simulator, or use a server at a given URL."""
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from ...backends.specs import BACKENDS, BackendSpec
+from ..errors import UserError
+from .scenario import is_bundled_model, model_dir
+
+ENGINES = ("auto", "sim", "sglang", "url")
+READY_TIMEOUT_S = {"sim": 60.0, "sglang": 900.0}
+# SGLang 0.5.15 puts its gRPC port at the HTTP port + 10000 and refuses to start when that exceeds 65535.
+SGLANG_HIGHEST_PORT = 65535 - 10000
+
+
+def gpu_names() -> list[str]:
+    """Names of the CUDA GPUs `nvidia-smi` sees; empty where there is none."""
+    if shutil.which("nvidia-smi") is None:
+        return []
+    try:
+        out = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"],
+            capture_output=True, text=True, timeout=20, check=True,
+        ).stdout
+    except (subprocess.SubprocessError, OSError):
+        return []
+    return [line.strip() for line in out.splitlines() if line.strip()]
+
+
+def gpu_label(simulated: bool = False, names: list[str] | None = None) -> str:
+    """The GPU a stored result names: "simulated" for the simulator, else the first of `names` (default:
+    `gpu_names()`), "unknown" where there is none."""
+    if simulated:
+        return "simulated"
+    return next(iter(gpu_names() if names is None else names), "unknown")
+
+
+def resolve_engine(engine: str, url: str | None) -> str:
+    if url:
+        return "url"
+    if engine not in ENGINES:
+        raise UserError(f"unknown engine '{engine}'; valid: {', '.join(ENGINES)}")
+    if engine == "url":
+        raise UserError("engine 'url' needs --url")
+    if engine == "auto":
+        return "sglang" if gpu_names() else "sim"
+    return engine
+
+
+def resolve_backends(names: str, engine: str) -> list[BackendSpec]:
+    """Validate a comma-separated backend list; on the SGLang engine, check each one can run here."""
+    specs = []
+    for name in [n.strip() for n in names.split(",") if n.strip()]:
+        if name not in BACKENDS:
+            raise UserError(f"unknown backend '{name}'; valid: {', '.join(BACKENDS)}")
+        spec = BACKENDS[name]
+        if engine == "sglang" and (missing := spec.missing()):
+            what = "the MpFA SGLang plugin is not built yet" if spec.plugin in missing else "missing packages"
+            raise UserError(
+                f"backend '{name}' cannot run on SGLang here: {what} ({', '.join(missing)}); "
+                "install with `pip install -e .[serve,kernels]`"
+            )
+        specs.append(spec)
+    if not specs:
+        raise UserError(f"no backend given; valid: {', '.join(BACKENDS)}")
+    return specs
+
+
+@dataclass(frozen=True)
+class ServerLaunch:
+    command: list[str]
+    env: dict[str, str]
+
+
+def sim_launch(spec: BackendSpec, port: int, time_scale: float, model: str, extra_args: list[str]) -> ServerLaunch:
+    return ServerLaunch(
+        command=[
+            sys.executable, "-m", "mpfa.mpfa_cli", "serve-sim", "--host", "127.0.0.1", "--port", str(port),
+            "--backend", spec.name, "--time-scale", str(time_scale), "--model", model, *extra_args,
+        ],
+        env={},
+    )
+
+
+def sglang_launch(
+    spec: BackendSpec, port: int, model: str, context_len: int, tp: int, dp: int, extra_args: list[str]
+) -> ServerLaunch:
+    """SGLang with the backend's flags, dummy weights for a bundled config, radix cache off."""
+    path = model_dir(model)
+    dummy = ["--load-format", "dummy"] if is_bundled_model(model) else []
+    command = [
+        sys.executable, "-m", "sglang.launch_server", "--model-path", str(path), *dummy,
+        "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--disable-radix-cache",
+        "--grammar-backend", "none", "--context-length", str(context_len), "--tp-size", str(tp),
+        "--dp-size", str(dp), *spec.sglang_args, *extra_args,
+    ]
+    # Bundled configs may ask for a longer context than their max_position_embeddings (YaRN to 128K).
+    env = {"SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN": "1", **spec.env}
+    return ServerLaunch(command=command, env=env)
+
+
+def model_name(model: str) -> str:
+    return model if is_bundled_model(model) else Path(model).name

@@ -1,0 +1,1 @@
+"""What results are shown as: tables, plots and the regression gate."""

@@ -1,0 +1,435 @@
+"""Performance regression gate against a baseline JSON, and github-action-benchmark output.
+
+Gated metrics: `otps` (throughput), `ttft_ms_median` and `tpot_ms_median` (latency). Medians rather than
+means or p99 because they move with the kernels, not with one straggler request; p99 is too noisy over a
+handful of repeats to gate on.
+
+A (scenario, context, load, backend, metric) entry regresses only when BOTH
+  * it got worse than the baseline mean by more than the tolerance (relative), and
+  * the 95% confidence intervals across repeats separate (current interval entirely on the worse side).
+With a single repeat on either side no interval exists; that side counts as its point value, so the gate
+then falls back to the tolerance alone, and its row says so ("decided by").
+
+A baseline entry with no current result fails the gate too, unless `allow_missing`: "missing" (no run of that
+backend and point, or none of its workload) and "failed" (its runs ended failed or interrupted). Unless runs are
+named, only the newest pass of each (backend, point) counts (`newest_passes`): repeats of an older `mpfa bench`
+are not pooled with the current ones.
+
+Runs that carry a caveat (their numbers are measured but not the backend's own, see `BackendSpec.caveat`) are
+refused, for a baseline and for judging alike, unless `allow_caveats` is set: a gate should not pass or fail on
+numbers known not to be the backend's. When allowed, their entries and rows are marked † with the caveat.
+
+github-action-benchmark takes one direction per file, so `write_github_benchmark` writes two:
+throughputs in `customBiggerIsBetter` format and latencies, unconverted, in `customSmallerIsBetter` format.
+"""
+from __future__ import annotations
+
+import json
+import math
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.table import Table
+from rich.text import Text
+
+from ..errors import UserError
+from ..results.export import dataclass_from_dict
+from ..harness.records import RunRecord
+from .tables import (CAVEAT_MARK, BackendResult, Config, Estimate, add_footnotes, aggregate, backend_label,
+                     caveat_notes, context_label, format_number, higher_is_better, id_list, load_label, metric_unit)
+from ..harness.scenario import MAX_INPUT_LEN, MAX_REPEATS, load_problem
+from ..results.store import StoredRun, load_key
+
+GATED_METRICS = ("otps", "ttft_ms_median", "tpot_ms_median")
+DEFAULT_TOLERANCE = 0.05
+
+
+@dataclass
+class BaselineEntry:
+    scenario: str
+    backend: str
+    input_len: int
+    load: dict[str, Any]
+    metric: str
+    higher_is_better: bool
+    mean: float
+    ci_low: float | None  # None with a single repeat
+    ci_high: float | None
+    n: int
+    caveat: str | None = None  # the caveat of the runs it was measured from (only with allow_caveats)
+    workload: str | None = None  # the workload hash of those runs (None: mixed, or a baseline older than the field)
+    kernels: dict[str, str] | None = None  # the attention kernels their server ran (None: they differ, or unknown)
+    revision: str | None = None  # their mpfa revision(s), comma-separated (None: not recorded)
+
+    @property
+    def key(self) -> tuple[Config, str, str]:
+        return Config(self.scenario, self.input_len, load_key(self.load)), self.backend, self.metric
+
+    @property
+    def estimate(self) -> Estimate:
+        return Estimate(self.mean, self.ci_low, self.ci_high, self.n)
+
+
+@dataclass
+class Baseline:
+    gpu: str
+    model: str
+    simulated: bool
+    created_at: float
+    entries: list[BaselineEntry] = field(default_factory=list)
+    inputs: list[str] = field(default_factory=list)  # the exports it was written from (`mpfa gate --from`)
+
+
+MISSING_STATUSES = ("missing", "failed", "other workload")  # no current result: fail unless allow_missing
+
+
+@dataclass
+class GateCheck:
+    """One baseline entry judged against the current results; `current` is None when there is none."""
+
+    entry: BaselineEntry
+    current: Estimate | None
+    worsening: float  # relative: +0.10 is 10% worse than the baseline mean, negative is better
+    status: str  # regression | ok | within noise | improved | missing | failed | other workload
+    decided_by: str  # the rule that set the status: tolerance and CIs, tolerance alone (n=1), or why none
+    caveat: str | None = None  # of the current results, else of the baseline entry
+
+    @property
+    def backend(self) -> str:
+        return self.entry.backend
+
+
+@dataclass
+class GateResult:
+    checks: list[GateCheck]
+    tolerance: float
+    allow_missing: bool = False
+
+    @property
+    def regressions(self) -> list[GateCheck]:
+        return [c for c in self.checks if c.status == "regression"]
+
+    @property
+    def missing(self) -> list[GateCheck]:
+        return [c for c in self.checks if c.status in MISSING_STATUSES]
+
+    @property
+    def ok(self) -> bool:
+        return not self.regressions and (self.allow_missing or not self.missing)
+
+    def failure(self) -> str:
+        """Why the gate failed, in one line."""
+        parts = [f"{len(self.regressions)} regression(s) beyond {self.tolerance:.1%}"] if self.regressions else []
+        if self.missing and not self.allow_missing:
+            parts.append(f"{len(self.missing)} baseline entr(y/ies) missing or failed "
+                         "(--allow-missing accepts that)")
+        return "; ".join(parts)
+
+
+def parse_tolerance(text: str) -> float:
+    """'5%' or '0.05' -> 0.05."""
+    raw = text.strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise UserError(
+            f"--tolerance: expected a percentage such as 5% or a fraction such as 0.05, got '{text}'"
+        ) from None
+    if not 0 <= value < 1:
+        raise UserError(f"--tolerance must be in [0%, 100%), got '{text}'")
+    return value
+
+
+# --- baselines ---------------------------------------------------------------------------------------------------
+
+
+def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = GATED_METRICS,
+                       allow_caveats: bool = False) -> Baseline:
+    """A baseline of every gated metric of every (configuration, backend) among the runs that finished ok."""
+    gpu, model, simulated = _identity(runs)
+    _refuse_caveats(runs, allow_caveats)
+    entries = []
+    for (config, backend), result in _sorted_results(runs, metric_names):
+        kernels = _shared([json.dumps(r.kernels, sort_keys=True) for r in result.runs if r.kernels])
+        revisions = sorted({str(r.environment["mpfa_revision"]) for r in result.runs
+                            if r.environment.get("mpfa_revision")})
+        for name, est in result.estimates.items():
+            entries.append(BaselineEntry(
+                scenario=config.scenario, backend=backend, input_len=config.input_len,
+                load=json.loads(config.load), metric=name, higher_is_better=higher_is_better(name),
+                mean=est.mean, ci_low=est.ci_low, ci_high=est.ci_high, n=est.n, caveat=result.caveat,
+                workload=result.workload, kernels=json.loads(kernels) if kernels else None,
+                revision=", ".join(revisions) or None,
+            ))
+    if not entries:
+        raise UserError("no run that finished ok with gated metrics: nothing to put in a baseline")
+    return Baseline(gpu=gpu, model=model, simulated=simulated, created_at=time.time(), entries=entries)
+
+
+def write_baseline(runs: Sequence[StoredRun], path: Path, allow_caveats: bool = False,
+                   inputs: Sequence[str] = ()) -> Baseline:
+    """The baseline of `runs`, written to `path`; `inputs`: the exports the runs were read from."""
+    baseline = baseline_from_runs(runs, allow_caveats=allow_caveats)
+    baseline.inputs = list(inputs)
+    _write_json(path, asdict(baseline), "baseline")
+    return baseline
+
+
+def _shared(values: Sequence[str]) -> str | None:
+    """The one value all share, else None."""
+    return values[0] if values and len(set(values)) == 1 else None
+
+
+def read_baseline(path: Path) -> Baseline:
+    """A baseline JSON, validated field by field (types, ranges, consistent intervals); anything else is a
+    one-line UserError naming the file and the field."""
+    try:
+        doc = json.loads(path.read_bytes().decode("utf-8"))
+    except OSError as exc:
+        raise UserError(f"cannot read baseline {path}: {exc.strerror or exc}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
+        raise UserError(f"baseline {path} is not UTF-8 JSON: {str(exc).splitlines()[0]}") from None
+    try:
+        return _baseline_from_dict(doc)
+    except ValueError as exc:
+        raise UserError(f"baseline {path}: {exc} (`mpfa gate --write-baseline` writes one)") from None
+
+
+def _baseline_from_dict(doc: Any) -> Baseline:
+    if not isinstance(doc, dict) or not isinstance(doc.get("entries"), list) or not doc["entries"]:
+        raise ValueError('expected an object with a non-empty "entries" list')
+    baseline = dataclass_from_dict(Baseline, {**doc, "entries": []}, "baseline", optional={"inputs"})
+    baseline.entries = [_entry_from_dict(e, f"entries[{i}]") for i, e in enumerate(doc["entries"])]
+    return baseline
+
+
+def _entry_from_dict(data: Any, what: str) -> BaselineEntry:
+    entry = dataclass_from_dict(BaselineEntry, data, what, optional={"caveat", "workload", "kernels", "revision"},
+                                ranges={"n": (1, MAX_REPEATS), "input_len": (1, MAX_INPUT_LEN)})
+    if entry.higher_is_better != higher_is_better(entry.metric):
+        raise ValueError(f"{what}: higher_is_better is {entry.higher_is_better} for {entry.metric}")
+    if (entry.ci_low is None) != (entry.ci_high is None) or (entry.ci_low is None) != (entry.n == 1):
+        raise ValueError(f"{what}: ci_low and ci_high must both be null exactly when n is 1 (n={entry.n})")
+    if entry.ci_low is not None and not entry.ci_low <= entry.mean <= entry.ci_high:
+        raise ValueError(f"{what}: mean {entry.mean} lies outside [ci_low, ci_high]")
+    if (problem := load_problem(entry.load)) is not None:
+        raise ValueError(f"{what}: {problem}")
+    return entry
+
+
+# --- which runs count --------------------------------------------------------------------------------------------
+
+
+def newest_passes(runs: Sequence[StoredRun]) -> list[StoredRun]:
+    """Per (scenario, backend, engine, point) the runs of its newest pass: the newest run that started a repeat
+    sequence anew (a repeat no higher than the one before it) and the runs after it. Runs still `running` are
+    left out. What an unnamed gate or baseline judges: an older bench's repeats never pool with the current ones."""
+    groups: dict[tuple[Any, ...], list[StoredRun]] = {}
+    for run in sorted((r for r in runs if r.status != "running"), key=lambda r: r.id or 0):
+        group = groups.setdefault((Config.of(run), run.backend, run.engine), [])
+        if group and run.repeat <= group[-1].repeat:
+            group.clear()  # a new pass starts
+        group.append(run)
+    return [run for group in groups.values() for run in group]
+
+
+# --- gating ------------------------------------------------------------------------------------------------------
+
+
+def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = DEFAULT_TOLERANCE,
+             allow_caveats: bool = False, allow_missing: bool = False) -> GateResult:
+    """Judge each baseline entry against the runs (of any status: failed ones mark their entries failed); refuses
+    results from another GPU, model or engine kind, and (unless `allow_caveats`) caveated runs or baseline
+    entries. The result fails on a regression, and on a missing or failed entry unless `allow_missing`."""
+    gpu, model, simulated = _identity(runs)
+    _refuse_caveats(runs, allow_caveats)
+    if not allow_caveats:
+        _refuse_caveated("baseline entries", [e for e in baseline.entries if e.caveat])
+    for what, base, cur in (("GPU", baseline.gpu, gpu), ("model", baseline.model, model)):
+        if base != cur:
+            raise UserError(f"baseline was measured with {what} '{base}' but the results with '{cur}': "
+                            "not comparable")
+    if baseline.simulated != simulated:
+        kinds = {True: "simulated", False: "measured"}
+        raise UserError(f"baseline is {kinds[baseline.simulated]} but the results are {kinds[simulated]}: "
+                        "not comparable")
+    results = aggregate(runs, sorted({e.metric for e in baseline.entries}))
+    unfinished = _unfinished(runs)
+    checks = []
+    for entry in baseline.entries:
+        config, backend, metric = entry.key
+        result = results.get((config, backend))
+        current = result.estimates.get(metric) if result else None
+        if current is None:
+            check = _absent(entry, unfinished.get((config, backend), []))
+        elif entry.workload and result.workload != entry.workload:  # other output length / requests / seed
+            check = GateCheck(entry, None, math.nan, "other workload", "its runs served another workload")
+        else:
+            check = _judge(entry, current, tolerance)
+        check.caveat = (result.caveat if result else None) or entry.caveat
+        checks.append(check)
+    if all(c.status in ("missing", "other workload") for c in checks):
+        raise UserError("none of the results match a baseline entry (scenario, context, load, backend, workload): "
+                        "every baseline entry is missing", exit_code=1)
+    return GateResult(checks, tolerance, allow_missing)
+
+
+def _unfinished(runs: Sequence[StoredRun]) -> dict[tuple[Config, str], list[StoredRun]]:
+    """The runs that did not finish ok, by (configuration, backend)."""
+    by_key: dict[tuple[Config, str], list[StoredRun]] = {}
+    for run in runs:
+        if run.status != "ok":
+            by_key.setdefault((Config.of(run), run.backend), []).append(run)
+    return by_key
+
+
+def _absent(entry: BaselineEntry, unfinished: Sequence[StoredRun]) -> GateCheck:
+    if not unfinished:
+        return GateCheck(entry, None, math.nan, "missing", "no run of this backend and point")
+    reason = next((r.error for r in unfinished if r.error), None) or unfinished[0].status
+    return GateCheck(entry, None, math.nan, "failed",
+                     f"run(s) {id_list(unfinished)} {unfinished[0].status}: {reason.splitlines()[0]:.80}")
+
+
+def _judge(entry: BaselineEntry, current: Estimate, tolerance: float) -> GateCheck:
+    change = _relative_change(entry.mean, current.mean)
+    worsening = -change if entry.higher_is_better else change
+    base_low, base_high = _bounds(entry.estimate)
+    cur_low, cur_high = _bounds(current)
+    worse_apart = cur_high < base_low if entry.higher_is_better else cur_low > base_high
+    better_apart = cur_low > base_high if entry.higher_is_better else cur_high < base_low
+    if worsening > tolerance:
+        status = "regression" if worse_apart else "within noise"
+    elif -worsening > tolerance and better_apart:
+        status = "improved"
+    else:
+        status = "ok"
+    return GateCheck(entry, current, worsening, status, _rule(entry.estimate, current, tolerance))
+
+
+def _rule(baseline: Estimate, current: Estimate, tolerance: float) -> str:
+    """Which rule judged a row: the tolerance and the 95% CIs, or the tolerance alone where a side has n=1 (a
+    single repeat has no interval: nothing is widened for it)."""
+    single = [side for side, est in (("baseline", baseline), ("current", current)) if est.n == 1]
+    if not single:
+        return f"{tolerance:.1%} and 95% CIs"
+    return f"{tolerance:.1%} alone: {' and '.join(single)} n=1"
+
+
+def _refuse_caveats(runs: Sequence[StoredRun], allow: bool) -> None:
+    if not allow and (caveated := [r for r in runs if r.status == "ok" and r.caveat]):
+        _refuse_caveated(f"run(s) {id_list(caveated)}", caveated)
+
+
+def _refuse_caveated(what: str, caveated: Sequence[RunRecord | BaselineEntry]) -> None:
+    if caveated:
+        raise UserError(
+            f"{what} of {', '.join(sorted({c.backend for c in caveated}))} carry a caveat ({caveated[0].caveat}): "
+            "a gate on numbers that are not the backend's own would pass or fail for the wrong reason; leave them "
+            f"out (--results) or pass --allow-caveats to gate them anyway, marked {CAVEAT_MARK}"
+        )
+
+
+def _relative_change(base: float, current: float) -> float:
+    if base == 0:
+        return 0.0 if current == 0 else math.copysign(math.inf, current)
+    return (current - base) / abs(base)
+
+
+def _bounds(est: Estimate) -> tuple[float, float]:
+    if est.ci_low is None or est.ci_high is None:
+        return est.mean, est.mean
+    return est.ci_low, est.ci_high
+
+
+_STATUS_STYLE = {"regression": "bold red", "within noise": "yellow", "ok": "green", "improved": "cyan"}
+
+
+def _missing_style(result: GateResult) -> str:
+    """A missing or failed entry is red where it fails the gate, dim where --allow-missing accepts it."""
+    return "dim" if result.allow_missing else "bold red"
+
+
+def gate_table(result: GateResult) -> Table:
+    if result.ok:
+        title = f"Gate passed (tolerance {result.tolerance:.1%}, 95% CIs)"
+        if result.missing:
+            title += f"; {len(result.missing)} entr(y/ies) missing or failed, allowed by --allow-missing"
+    else:
+        title = f"Gate failed: {result.failure()}"
+    table = Table(title=title, title_justify="left")
+    for column in ("scenario", "context", "load", "backend", "metric", "baseline", "current", "change", "status",
+                   "decided by"):
+        table.add_column(column, justify="right" if column in ("baseline", "current", "change") else "left")
+    for check in result.checks:
+        e = check.entry
+        change = "—" if check.current is None else f"{_relative_change(e.mean, check.current.mean):+.1%}"
+        table.add_row(
+            e.scenario, context_label(e.input_len), load_label(e.load), backend_label(e.backend, bool(check.caveat)),
+            f"{e.metric} ({metric_unit(e.metric)})", e.estimate.format(),
+            check.current.format() if check.current else "—", change,
+            Text(check.status, style=_STATUS_STYLE.get(check.status, _missing_style(result))),
+            check.decided_by,
+        )
+    add_footnotes(table, caveat_notes(result.checks))
+    return table
+
+
+# --- github-action-benchmark -------------------------------------------------------------------------------------
+
+
+def github_benchmark_entries(runs: Sequence[StoredRun],
+                             metric_names: Sequence[str] = GATED_METRICS) -> tuple[list[dict], list[dict]]:
+    """(bigger-is-better entries, smaller-is-better entries) in github-action-benchmark's custom format."""
+    bigger: list[dict] = []
+    smaller: list[dict] = []
+    for (config, backend), result in _sorted_results(runs, metric_names):
+        for name, est in result.estimates.items():
+            entry: dict[str, Any] = {
+                "name": f"{config.scenario}/{context_label(config.input_len)}/{config.load_label}/{backend}/{name}",
+                "unit": metric_unit(name),
+                "value": est.mean,
+                "extra": f"mean of {est.n} repeat(s)" + ("; SIMULATED" if result.simulated else "")
+                         + (f"; {CAVEAT_MARK} {result.caveat}" if result.caveat else ""),
+            }
+            if est.half_width is not None:
+                entry["range"] = f"± {format_number(est.half_width)}"
+            (bigger if higher_is_better(name) else smaller).append(entry)
+    return bigger, smaller
+
+
+def write_github_benchmark(runs: Sequence[StoredRun], bigger_path: Path, smaller_path: Path) -> None:
+    """Throughputs to `bigger_path` (tool: customBiggerIsBetter), latencies to `smaller_path`
+    (tool: customSmallerIsBetter), each a list of {name, unit, value, range?, extra}."""
+    bigger, smaller = github_benchmark_entries(runs)
+    _write_json(bigger_path, bigger, "benchmark")
+    _write_json(smaller_path, smaller, "benchmark")
+
+
+def _sorted_results(runs: Sequence[StoredRun],
+                    metric_names: Sequence[str]) -> list[tuple[tuple[Config, str], BackendResult]]:
+    results = aggregate(runs, metric_names)
+    return sorted(results.items(), key=lambda kv: (kv[0][0].sort_key(), kv[0][1]))
+
+
+def _identity(runs: Sequence[RunRecord]) -> tuple[str, str, bool]:
+    """The GPU, model and simulated flag shared by all runs; differing ones cannot be gated together."""
+    if not runs:
+        raise UserError("no runs given")
+    for what in ("gpu", "model", "simulated"):
+        values = {getattr(r, what) for r in runs}
+        if len(values) > 1:
+            raise UserError(f"runs differ in {what} ({', '.join(sorted(map(str, values)))}): gate one kind at a time")
+    first = runs[0]
+    return first.gpu, first.model, first.simulated
+
+
+def _write_json(path: Path, doc: Any, what: str) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+    except OSError as exc:
+        raise UserError(f"cannot write {what} file {path}: {exc.strerror or exc}") from None

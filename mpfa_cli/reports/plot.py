@@ -1,0 +1,195 @@
+"""Paper-style figures: serving (OTPS vs context length per backend, TTFT/TPOT speedup over a reference backend)
+and task accuracy (`plot_task_accuracy`: per task, each attention variant's score, loss vs BF16 and recovery).
+
+Serving: one figure per scenario (PNG, SVG or both), one colour per backend, one line style/marker per load point
+(concurrency or rate); points are means over repeats, error bars their 95% CI (a speed-up's from both sides' CIs),
+every y axis from zero. The title names the scenario, model, GPU, engine and dates, and says SIMULATED when any run
+is; a backend whose runs carry a
+caveat (numbers measured but not the backend's own) is marked † in the legend, the caveat printed as a footnote,
+as is any configuration whose runs served different workloads (‡, `report.workload_notes`).
+"""
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, never a display
+import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
+from matplotlib.figure import Figure  # noqa: E402
+
+from ..errors import UserError  # noqa: E402
+from .tables import (CompareRow, Config, backend_label, caveat_notes, caveated_backends, compare_rows, context_label,
+                     engine_label, mixed_workloads, workload_notes)
+from ..results.store import StoredRun  # noqa: E402
+
+if TYPE_CHECKING:  # importing mpfa.kernels loads torch: only the accuracy figure pays for it
+    from ..accuracy.tasks.task_report import TaskAccuracyReport
+
+PANELS = (
+    ("otps", "OTPS (tok/s)"),
+    ("ttft_ms_median", "TTFT speedup (median)"),
+    ("tpot_ms_median", "TPOT speedup (median)"),
+)
+PLOT_FORMATS = ("png", "svg", "both")
+_LINE_STYLES = ("-", "--", ":", "-.")
+DPI = 150
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X")
+
+
+def plot_runs(runs: Sequence[StoredRun], ref_backend: str, out: Path, fmt: str = "png") -> list[Path]:
+    """One figure per scenario of the runs that finished ok, written as `fmt` (png, svg or both) beside `out`
+    (named by the scenario when there are several); returns the paths written."""
+    scenarios = sorted({r.scenario for r in runs if r.status == "ok"}) or [None]
+    paths = []
+    for scenario in scenarios:
+        named = out if len(scenarios) == 1 else out.with_name(f"{out.stem}-{scenario}{out.suffix}")
+        fig = _serving_figure([r for r in runs if scenario is None or r.scenario == scenario], ref_backend)
+        paths += save_figure(fig, figure_paths(named, fmt))
+    return paths
+
+
+def check_figure_format(fmt: str) -> None:
+    if fmt not in PLOT_FORMATS:
+        raise UserError(f"--format: '{fmt}' is not one of {', '.join(PLOT_FORMATS)}")
+
+
+def figure_paths(out: Path, fmt: str) -> list[Path]:
+    """`out` with the suffix of each format `fmt` names (png, svg, or both)."""
+    check_figure_format(fmt)
+    return [out.with_suffix(f".{kind}") for kind in (("png", "svg") if fmt == "both" else (fmt,))]
+
+
+def _serving_figure(runs: Sequence[StoredRun], ref_backend: str) -> Figure:
+    """OTPS and TTFT/TPOT speed-up vs context length of one scenario: a colour per backend, a line style per load
+    point, error bars the 95% CI over repeats; speed-up axes start at zero."""
+    backends, rows = compare_rows(runs, ref_backend, [m for m, _ in PANELS])
+    ok_runs = [r for r in runs if r.status == "ok"]
+    caveated = caveated_backends(ok_runs)
+    loads = sorted({row.config for row in rows}, key=Config.sort_key)
+    load_labels = list(dict.fromkeys(c.load_label for c in loads))
+    contexts = sorted({row.config.input_len for row in rows})
+    fig, axes = plt.subplots(1, len(PANELS), figsize=(4.2 * len(PANELS), 3.6), constrained_layout=True)
+    colours = plt.get_cmap("tab10")
+    for ax, (metric, ylabel) in zip(axes, PANELS):
+        is_speedup = metric != "otps"
+        for b_index, backend in enumerate(backends):
+            if is_speedup and backend == ref_backend:
+                continue
+            for s_index, load in enumerate(load_labels):
+                points = sorted((row.config.input_len, row) for row in rows if row.metric == metric
+                                and row.config.load_label == load
+                                and (backend in row.speedups if is_speedup else backend in row.values))
+                if not points:
+                    continue
+                ys, errors = zip(*(_speedup_point(row, backend, ref_backend) if is_speedup
+                                   else (row.values[backend].mean, row.values[backend].half_width or 0.0)
+                                   for _, row in points))
+                ax.errorbar([x for x, _ in points], ys, yerr=errors, capsize=3, color=colours(b_index % 10),
+                            linestyle=_LINE_STYLES[s_index % len(_LINE_STYLES)],
+                            marker=_MARKERS[s_index % len(_MARKERS)],
+                            label=f"{backend_label(backend, backend in caveated)} {load}")
+        if is_speedup:
+            ax.axhline(1.0, color="grey", linewidth=0.8)
+            ylabel = f"{ylabel} vs {ref_backend}"
+        ax.set_ylim(0, max(ax.get_ylim()[1], 1.0 if is_speedup else 0.0) * 1.1)  # room above the 1× line
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(contexts, [context_label(c) for c in contexts])
+        ax.minorticks_off()
+        ax.set_xlabel("context length (input tokens)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, alpha=0.3)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="outside right upper", fontsize="small")
+    fig.suptitle(_title(ok_runs or runs, ref_backend), fontsize="medium")
+    if notes := [*caveat_notes(ok_runs), *workload_notes(mixed_workloads(ok_runs))]:
+        fig.supxlabel("\n".join(notes), x=0.01, ha="left", fontsize="small", color="darkorange")
+    return fig
+
+
+def _speedup_point(row: CompareRow, backend: str, ref_backend: str) -> tuple[float, float]:
+    """A speed-up and its error bar: the two 95% CIs' relative half-widths added in quadrature (0 without CIs)."""
+    value, ref = row.values[backend], row.values[ref_backend]
+    ratio = row.speedups[backend]
+    if value.half_width is None or ref.half_width is None or not value.mean or not ref.mean:
+        return ratio, 0.0
+    return ratio, ratio * math.hypot(value.half_width / value.mean, ref.half_width / ref.mean)
+
+
+def _title(runs: Sequence[StoredRun], ref_backend: str) -> str:
+    """'<scenario>: throughput and speed-up vs <ref>' over '<model> on <GPU>, engine <engine>, <dates>'."""
+    scenario = ", ".join(sorted({r.scenario for r in runs}))
+    days = sorted({time.strftime("%Y-%m-%d", time.localtime(r.started_at)) for r in runs})
+    setup = ", ".join([
+        " / ".join(sorted({f"{r.model or 'unknown model'} on {r.gpu or 'unknown GPU'}" for r in runs})),
+        "engine " + " / ".join(sorted({engine_label(r) for r in runs})),
+        days[0] if len(days) == 1 else f"{days[0]} – {days[-1]}",
+    ])
+    title = f"{scenario}: serving throughput and speed-up vs {ref_backend}\n{setup}"
+    return f"SIMULATED (latency model, no GPU) — {title}" if any(r.simulated for r in runs) else title
+
+
+def save_figure(fig: Figure, paths: Sequence[Path]) -> list[Path]:
+    """Write the figure to each path in the format its suffix names (creating folders) and close it; a path that
+    cannot be written is a UserError."""
+    try:
+        for path in paths:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            fig.savefig(path, format=path.suffix.lstrip(".") or "png", dpi=DPI)
+    except OSError as exc:
+        raise UserError(f"cannot write plot {path}: {exc.strerror or exc}") from None
+    finally:
+        plt.close(fig)
+    return list(paths)
+
+
+# The accuracy figure: one panel per task, this wide and tall (inches) at DPI.
+ACCURACY_PANEL_SIZE = (4.8, 4.6)
+
+
+def plot_task_accuracy(report: TaskAccuracyReport, out: Path, fmt: str = "png") -> list[Path]:
+    """Grouped bars for one `mpfa accuracy task` result: per task (one panel each) every variant's primary score,
+    annotated with its loss vs BF16 and, below its name, the share of outputs identical to BF16's; the panel title
+    carries the recovery. Writes it beside `out` as `fmt` (png, svg or both) and returns the paths."""
+    from ..accuracy.tasks.task_report import AGREEMENT, BASELINE, DIRECT, MPFA
+
+    if not report.tasks:
+        raise UserError(f"accuracy result of {report.model} on {report.device} holds no tasks: nothing to plot")
+    variants = list(report.params.get("variants") or report.tasks[0].metrics)
+    width, height = ACCURACY_PANEL_SIZE
+    fig, axes = plt.subplots(1, len(report.tasks), figsize=(width * len(report.tasks), height), squeeze=False,
+                             constrained_layout=True)
+    colours = plt.get_cmap("tab10")
+    for ax, task in zip(axes[0], report.tasks):
+        shown = [v for v in variants if v in task.metrics]
+        losses = task.losses()
+        bars = ax.bar(range(len(shown)), [100 * task.score(v) for v in shown],
+                      color=[colours(variants.index(v) % 10) for v in shown], width=0.7)
+        if BASELINE in task.metrics:
+            ax.axhline(100 * task.score(BASELINE), color="grey", linestyle="--", linewidth=0.8)
+        for bar, variant in zip(bars, shown):
+            label = f"{bar.get_height():.1f}"
+            if variant in losses:
+                label += f"\n({-100 * losses[variant]:+.1f})"
+            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 3),
+                        textcoords="offset points", ha="center", va="bottom", fontsize="small",
+                        bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none"))
+        ticks = [v if AGREEMENT not in task.metrics[v] or v == BASELINE
+                 else f"{v}\n{100 * task.metrics[v][AGREEMENT]:.0f}% same" for v in shown]
+        ax.set_xticks(range(len(shown)), ticks, fontsize="small")
+        ax.set_ylim(0, 118)
+        ax.set_yticks(range(0, 101, 20))
+        ax.set_ylabel(f"{task.primary} (%)")
+        ax.grid(True, axis="y", alpha=0.3)
+        ax.set_axisbelow(True)
+        recovery = task.recovery()
+        ax.set_title(f"{task.task} ({task.primary}, n={task.examples})\n"
+                     f"{MPFA} recovers {'n/a' if recovery is None else f'{100 * recovery:.1f}%'} of {DIRECT}'s loss", fontsize="medium")
+    per_task = ", ".join(f"{t.task} {t.examples}" for t in report.tasks)
+    fig.suptitle(f"Task accuracy per attention variant: {report.model} on {report.device} (n per task: {per_task})"
+                 f"\nscore (loss vs {BASELINE}, dashed); \"same\": outputs identical to {BASELINE}'s", fontsize="medium")
+    return save_figure(fig, figure_paths(out, fmt))

@@ -1,0 +1,1 @@
+"""Stored results: the metrics of a run, the SQLite store, export and import."""
