@@ -27,7 +27,7 @@ the closed loop adds: the i-th completion to the (streams + i)-th dispatch, both
 
 Issue 29's targets at 512 streams (`TARGETS_P99_MS`): the client adds under 1 ms p99 to TTFT (first-token client
 lag) and refills a freed slot within 5 ms p99; each run's table is followed by whether they were met.
-`tests/harness/test_client_load.py` (marked slow) checks them.
+`tests/mpfa_cli/harness/test_client_load.py` (marked slow) checks them.
 
     python profiles/bench_client_overhead.py --streams 512 --requests 1024 --runs 3 --reference --realtime
 """

@@ -5,7 +5,7 @@ attention kernels are timed. Both use pages of 128 keys, the page size SGLang se
 FlashInfer serves with page 1). Decode: the split-KV decode + merge. Prefill: the prefill kernel (causal, every
 token of each sequence a query) that `mpfa.kernels.sm90.dispatch` chooses for the shape, or the one the backend
 names (``mpfa-exact``, ``mpfa-mma-sync``), the queries' centered NVFP4 rows as the KV write returns them. The fp8
-kernel's time includes its operand pass. Their correctness lives in tests/kernels_sm90. ``mpfa-direct`` runs the
+kernel's time includes its operand pass. Their correctness lives in tests/kernels/sm90. ``mpfa-direct`` runs the
 direct builds (``compensate=False``: no Delta_S read, inputs quantized uncentered).
 """
 from __future__ import annotations
@@ -104,7 +104,7 @@ def _fill(w: AttentionWorkload, cache, slots_of_token, means, device, generator,
 
 
 def _dense_inputs(i: int):
-    raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels_sm90 checks outputs")
+    raise ProfileError("the MpFA benchmark quantizes its inputs in place; tests/kernels/sm90 checks outputs")
 
 
 def _prepare_decode(w: AttentionWorkload, num_sets: int, device, generator, means,

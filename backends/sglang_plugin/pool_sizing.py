@@ -8,7 +8,7 @@ one token costs over all layers). The MpFA pool reports its real cost per token 
 
 where ``row`` is the GQA group Hq/Hkv rounded up to a multiple of 4 (`cache_layout.delta_s_row`: 8-byte Delta_S rows
 per KV head; restated here to keep this module free of torch, and checked against the allocated cache by
-tests/backends_plugin/test_pool_sizing.py).
+tests/backends/sglang_plugin/test_pool_sizing.py).
 
 Both backends store Delta_S: the decode kernel always reads it (``mpfa-direct`` writes zeros there). The frozen
 per-request means are not per token: ``(Hq + Hkv) * d`` BF16 per layer for every request slot SGLang can

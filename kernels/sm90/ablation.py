@@ -13,7 +13,7 @@ load stays live and the output still depends on the whole tile loop (nothing let
 There is no dequantization to ablate: the kernel's K expansion runs once per prefill in its operand pass, timed
 with every rung. The kernel holds one CTA per SM by its shared memory (160 KB), ablated or not, so an ablated build
 needs no occupancy padding. The output of an ablated kernel is meaningless by design. `FULL` (every flag on) is the
-production kernel, whose generated code the ablation parameter does not change (tests/kernels_sm90/
+production kernel, whose generated code the ablation parameter does not change (tests/kernels/sm90/
 test_prefill_ablation.py compares the SASS). Ablated kernels are reachable only through
 `prefill_launch.mpfa_prefill_ablated`, never from `mpfa_prefill` or the SGLang plugin.
 """

@@ -2,7 +2,7 @@
 the split-KV decode and the mma-sync prefill.
 
 The functions work on Python ints, NumPy arrays and CuTe DSL values alike, so the kernels trace them and the CPU
-tests run the same code through a NumPy model of the warp's MMAs (`tests/kernels_sm90`).
+tests run the same code through a NumPy model of the warp's MMAs (`tests/kernels/sm90`).
 
 A warp works on 32 keys per tile with two warp-level MMAs whose fragment layouts are NVIDIA's (lane = 4 * g + c:
 g = lane // 4 "group", c = lane % 4 "thread in group"). The heads-in-rows form (the mma-sync prefill's; the decode

@@ -10,7 +10,7 @@ positions: 8 x 64K x 208 B = 109 MB, twice the H200's 50 MB L2; in this order th
 heaviest causal row blocks start first.
 
 The functions work on Python ints and CuTe DSL integers alike (the kernels trace `cta`; the CPU test
-tests/kernels_sm90/test_prefill_grid.py runs it over every block of a grid).
+tests/kernels/sm90/test_prefill_grid.py runs it over every block of a grid).
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ first (masked scores), then those all its rows see whole (no masking). Register 
   rows 8 nq + 2c and 8 nq + 2c + 1 (`prefill_tile.acc_index`).
 
 The register math of a tile is in `prefill_tile` (plain functions, run on a NumPy model of the warp by
-tests/kernels_sm90/test_prefill_layout.py). A tile's operands come through a ``STAGES``-deep cp.async ring of
+tests/kernels/sm90/test_prefill_layout.py). A tile's operands come through a ``STAGES``-deep cp.async ring of
 32-key tiles in shared memory, copied once per CTA and read by all its warps (`prefill_staged_layout`: the stage
 layout, the copy plan, the read map and the schedule; cp.async zero-fills keys past the sequence end). One CTA
 barrier per tile: wait for the own copies, barrier, issue the copies of tile p + STAGES - 1 into the stage tile

@@ -3,7 +3,7 @@ copies which bytes there, where each lane reads its operands back, where the mma
 which tile is where at each step (pure index arithmetic).
 
 The functions work on Python ints, NumPy arrays and CuTe DSL integers alike: the kernels trace them, and the CPU
-test (tests/kernels_sm90/test_prefill_staged_layout.py) runs the same code on a byte-level model of the cache
+test (tests/kernels/sm90/test_prefill_staged_layout.py) runs the same code on a byte-level model of the cache
 and of shared memory, checking that every lane reads exactly the bytes of the paged cache its registers stand for
 (`decode_layout`'s fragments), and runs the ring schedule on a model of cp.async groups.
 

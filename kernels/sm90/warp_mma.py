@@ -3,7 +3,7 @@ registers, the QK^T n-tile (Delta_S through the accumulator), FP8 P fragments an
 
 Plain Python functions traced inline by the calling `cute.jit` kernel (loops are Python loops, fully unrolled);
 the register layouts are `decode_layout`'s. They use only the primitives bound at module level, so the CPU tests
-can run them on a NumPy model of a warp (tests/kernels_sm90/test_prefill_layout.py).
+can run them on a NumPy model of a warp (tests/kernels/sm90/test_prefill_layout.py).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from mpfa.profiles import ncu
 from mpfa.profiles.kernel_categories import ATTENTION, COMMUNICATION, GEMM, OTHER
 from mpfa.profiles.ncu import parse_raw_csv
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "profiles"
 # A real H200 capture (`--set full`, then its details and source pages): a producer-warpgroup prefill at 16K.
 SHARED_FIXTURES = Path(__file__).parents[1] / "fixtures"
 PRODUCER_DETAILS = SHARED_FIXTURES / "ncu-details-prefill-16k-mpfa-producer-warpgroup-h200.csv"

@@ -9,7 +9,7 @@ import pytest
 from mpfa.mpfa_cli.errors import ToolError
 from mpfa.profiles.ncu_details import NcuRule, bound_summary, parse_details
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "profiles"
 # Real output from the H200: a one-warpgroup wgmma prefill at 16K, 32:8 heads, one warm launch.
 ONE_WARPGROUP = FIXTURES / "ncu-details-prefill-16k-mpfa-one-warpgroup-h200.csv"
 # The same kernel after its K / V expansion was made free of bank conflicts (`mpfa profile prefill --ncu-full`).

@@ -10,7 +10,7 @@ from mpfa.profiles import ncu
 from mpfa.profiles.attention_workload import AttentionWorkload
 from mpfa.profiles.registry import adapter_for
 
-FIXTURES = Path(__file__).parent / "fixtures"
+FIXTURES = Path(__file__).parents[1] / "fixtures" / "profiles"
 # Real `ncu --csv --page raw --print-units base` output from the H200 (mpfa profile ... --ncu).
 PREFILL_FA4 = FIXTURES / "ncu_h200_prefill64k_fa4.csv"
 PREFILL_MPFA = FIXTURES / "ncu_h200_prefill64k_mpfa_mma_sync_unstaged.csv"  # the mma.sync prefill, per-warp loads

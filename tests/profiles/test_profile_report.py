@@ -119,7 +119,7 @@ def test_json_has_raw_times_and_derived_rates(tmp_path):
 
 def test_ncu_columns_from_a_real_h200_capture():
     """FA4 prefill 64K as ncu measured it on the H200: the row shows its real figures, tensor pipe included."""
-    capture = Path(__file__).parent / "fixtures" / "ncu_h200_prefill64k_fa4.csv"
+    capture = Path(__file__).parents[1] / "fixtures" / "profiles" / "ncu_h200_prefill64k_fa4.csv"
     result = _result()
     result.ncu = [NcuResult("fa4-bf16", ["ncu"], parse_raw_csv(capture.read_text()))]
     table = sections(result)[1]

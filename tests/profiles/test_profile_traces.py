@@ -121,7 +121,7 @@ def _captured(backend: str):
 
     from mpfa.profiles.torch_trace import load_trace
 
-    return load_trace(Path(__file__).parent / "fixtures" / f"torch_trace_h200_decode8k_b1_{backend}.json")
+    return load_trace(Path(__file__).parents[1] / "fixtures" / "profiles" / f"torch_trace_h200_decode8k_b1_{backend}.json")
 
 
 def test_captured_traces_total_each_kernel_launch():

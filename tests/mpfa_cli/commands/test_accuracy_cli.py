@@ -1,7 +1,7 @@
 """`mpfa accuracy kernel` on the committed real-activation fixture, and its bad-input errors."""
 from pathlib import Path
 
-FIXTURE = Path(__file__).parents[1] / "fixtures" / "activations" / "smollm2-135m.pt"
+FIXTURE = Path(__file__).parents[2] / "fixtures" / "activations" / "smollm2-135m.pt"
 
 
 def test_accuracy_kernel_on_fixture_reports_recovery(mpfa) -> None:

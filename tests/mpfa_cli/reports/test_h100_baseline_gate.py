@@ -24,7 +24,7 @@ from mpfa.mpfa_cli.app import app
 from mpfa.mpfa_cli.reports.gate import GATED_METRICS, baseline_from_runs, newest_passes, read_baseline
 from mpfa.mpfa_cli.results.store import ResultStore
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 PROFILES = ROOT / "profiles"
 BASELINE = PROFILES / "baselines" / "h100.json"
 EXPORTS = tuple(PROFILES / "results" / f"serve-serving-matrix-{name}-h100.json.gz" for name in (

@@ -17,7 +17,7 @@ plus PV's); every kernel no further from float64 than its oracle is (+1%). The o
 launch and every compared value must be finite, so NaN never passes. The direct build of each kernel
 (``compensate=False``, no Delta_S) must equal, bit for bit, the compensated build on an all-zero Delta_S.
 
-    pytest -q -m gpu tests/kernels_sm90 -k prefill
+    pytest -q -m gpu tests/kernels/sm90 -k prefill
 """
 
 from __future__ import annotations

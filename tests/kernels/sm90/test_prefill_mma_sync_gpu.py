@@ -6,7 +6,7 @@ wraps many times and CTAs of one launch walk very different numbers of tiles; sh
 this kernel takes: an odd number of query heads (5:1, Qwen3-14B at tensor parallelism 8; 3:3, GQA group 1) and GQA
 groups 3 and 6.
 
-    pytest -q -m gpu tests/kernels_sm90/test_prefill_mma_sync_gpu.py
+    pytest -q -m gpu tests/kernels/sm90/test_prefill_mma_sync_gpu.py
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from mpfa.mpfa_cli.accuracy.tasks.tokens import ByteTokenizer, answer_text
 
 BACKENDS = ("fa3-bf16", "mpfa")
 MAX_NEW = 12
-RESULTS = Path(__file__).resolve().parents[2] / "profiles" / "results"
+RESULTS = Path(__file__).resolve().parents[3] / "profiles" / "results"
 SERVED_EXPORT = RESULTS / "accuracy-serve-niah-qwen2.5-coder-1.5b-fa3-fa4-flashinfer-mpfa-h100.json"
 INTERVALS_EXPORT = RESULTS / "accuracy-serve-niah-intervals-qwen2.5-coder-1.5b-fa3-bf16-mpfa-h100.json"
 EMULATED_EXPORT = RESULTS / "accuracy-emulate-niah-4k-8k-qwen2.5-coder-1.5b-bf16-mpfa-qk8tile-psum-h100.json"

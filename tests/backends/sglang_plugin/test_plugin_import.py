@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 GROUP = "sglang.srt.plugins"  # sglang.srt.plugins.GENERAL_PLUGINS_GROUP in SGLang 0.5.15
 
 

@@ -14,7 +14,7 @@ from mpfa.mpfa_cli.results import metrics
 from mpfa.mpfa_cli.results.export import export_runs, run_to_dict
 from mpfa.mpfa_cli.results.store import ResultStore
 
-FIXTURES = Path(__file__).resolve().parents[1] / "fixtures"
+FIXTURES = Path(__file__).resolve().parents[2] / "fixtures"
 OLD_EXPORT = FIXTURES / "serve-long32k-c1-fa4-bf16-flashinfer-fp8-h200.json"  # fa4-bf16, flashinfer-fp8: no `caveat`, no requests
 NEW_EXPORT = FIXTURES / "serve-long32k-c1-mixed-mpfa-mpfa-direct-h200.json"  # mpfa, mpfa-direct: with requests
 

@@ -20,7 +20,7 @@ from mpfa.mpfa_cli.accuracy.capture import ActivationSet, LayerQKV
 from mpfa.kernels.formats import E4M3_MAX
 from mpfa.mpfa_cli.accuracy.models import MODELS
 
-FIXTURES = Path(__file__).parents[1] / "fixtures" / "activations"
+FIXTURES = Path(__file__).parents[2] / "fixtures" / "activations"
 FIXTURE_FILES = sorted(FIXTURES.glob("*.pt"))
 ORDER_VARIANTS = ("bf16", "fp8", "mpfa", "qk4-pv8-direct")
 # rms(K) / rms(K - mean_t K): how much of a head's keys is one constant (bias) vector. In the full Qwen study

@@ -10,7 +10,7 @@ prefill (q_len < kv_len), ragged lengths (not multiples of 64 or 16), pages of 6
 a long case where the ring wraps many times, CTAs whose later warpgroup lies past the sequence's queries and CTAs
 whose first causal tile only the later warpgroup sees (the earlier one skips it).
 
-    pytest -q -m gpu tests/kernels_sm90/test_prefill_exact_gpu.py -x
+    pytest -q -m gpu tests/kernels/sm90/test_prefill_exact_gpu.py -x
 """
 
 from __future__ import annotations

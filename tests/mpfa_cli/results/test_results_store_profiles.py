@@ -11,7 +11,7 @@ import pytest
 
 from mpfa.mpfa_cli.results.store import SCHEMA_VERSION, ResultStore, StoreError
 
-H200_PREFILL = Path(__file__).parents[2] / "profiles" / "results" / "profile-prefill-64k-32x8-fa4-bf16-flashinfer-fp8-h200.json"
+H200_PREFILL = Path(__file__).parents[3] / "profiles" / "results" / "profile-prefill-64k-32x8-fa4-bf16-flashinfer-fp8-h200.json"
 
 
 def test_a_real_profile_result_round_trips(tmp_path):

@@ -11,7 +11,7 @@ from rich.console import Console
 
 from mpfa.mpfa_cli.accuracy.served import read_export, render
 
-EXPORT = (Path(__file__).resolve().parents[2] / "profiles" / "results"
+EXPORT = (Path(__file__).resolve().parents[3] / "profiles" / "results"
           / "accuracy-serve-niah-qwen2.5-coder-1.5b-fa3-fa4-flashinfer-mpfa-h100.json")
 
 

@@ -13,7 +13,7 @@ rows see no key of a step's first tile, and a long causal batch whose CTAs walk 
 many times, every SM holds one CTA); the images sized from the host's lengths (``seq_lens_k_host``) on a page table
 wider than the batch needs.
 
-    pytest -q -m gpu tests/kernels_sm90/test_prefill_fp8_gpu.py -x
+    pytest -q -m gpu tests/kernels/sm90/test_prefill_fp8_gpu.py -x
 """
 
 from __future__ import annotations
