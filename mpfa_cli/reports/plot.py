@@ -1,7 +1,7 @@
-"""Paper-style figures: serving (OTPS vs context length per backend, TTFT/TPOT speedup over a reference backend)
-and task accuracy (`plot_task_accuracy`: per task, each attention variant's score, loss vs BF16 and recovery).
+"""Paper-style serving figures: OTPS vs context length per backend, TTFT/TPOT speedup over a reference backend (the
+accuracy figures, `mpfa.mpfa_cli.accuracy.plot`, share `save_figure`).
 
-Serving: one figure per scenario (PNG, SVG or both), one colour per backend, one line style/marker per load point
+One figure per scenario (PNG, SVG or both), one colour per backend, one line style/marker per load point
 (concurrency or rate); points are means over repeats, error bars their 95% CI (a speed-up's from both sides' CIs),
 every y axis from zero. The title names the scenario, model, GPU, engine and dates, and says SIMULATED when any run
 is; a backend whose runs carry a
@@ -14,7 +14,6 @@ import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import matplotlib
 
@@ -26,9 +25,6 @@ from ..errors import UserError  # noqa: E402
 from .tables import (CompareRow, Config, backend_label, caveat_notes, caveated_backends, compare_rows, context_label,
                      engine_label, mixed_workloads, workload_notes)
 from ..results.store import StoredRun  # noqa: E402
-
-if TYPE_CHECKING:  # importing mpfa.kernels loads torch: only the accuracy figure pays for it
-    from ..accuracy.tasks.task_report import TaskAccuracyReport
 
 PANELS = (
     ("otps", "OTPS (tok/s)"),
@@ -145,51 +141,3 @@ def save_figure(fig: Figure, paths: Sequence[Path]) -> list[Path]:
     finally:
         plt.close(fig)
     return list(paths)
-
-
-# The accuracy figure: one panel per task, this wide and tall (inches) at DPI.
-ACCURACY_PANEL_SIZE = (4.8, 4.6)
-
-
-def plot_task_accuracy(report: TaskAccuracyReport, out: Path, fmt: str = "png") -> list[Path]:
-    """Grouped bars for one `mpfa accuracy task` result: per task (one panel each) every variant's primary score,
-    annotated with its loss vs BF16 and, below its name, the share of outputs identical to BF16's; the panel title
-    carries the recovery. Writes it beside `out` as `fmt` (png, svg or both) and returns the paths."""
-    from ..accuracy.tasks.task_report import AGREEMENT, BASELINE, DIRECT, MPFA
-
-    if not report.tasks:
-        raise UserError(f"accuracy result of {report.model} on {report.device} holds no tasks: nothing to plot")
-    variants = list(report.params.get("variants") or report.tasks[0].metrics)
-    width, height = ACCURACY_PANEL_SIZE
-    fig, axes = plt.subplots(1, len(report.tasks), figsize=(width * len(report.tasks), height), squeeze=False,
-                             constrained_layout=True)
-    colours = plt.get_cmap("tab10")
-    for ax, task in zip(axes[0], report.tasks):
-        shown = [v for v in variants if v in task.metrics]
-        losses = task.losses()
-        bars = ax.bar(range(len(shown)), [100 * task.score(v) for v in shown],
-                      color=[colours(variants.index(v) % 10) for v in shown], width=0.7)
-        if BASELINE in task.metrics:
-            ax.axhline(100 * task.score(BASELINE), color="grey", linestyle="--", linewidth=0.8)
-        for bar, variant in zip(bars, shown):
-            label = f"{bar.get_height():.1f}"
-            if variant in losses:
-                label += f"\n({-100 * losses[variant]:+.1f})"
-            ax.annotate(label, (bar.get_x() + bar.get_width() / 2, bar.get_height()), xytext=(0, 3),
-                        textcoords="offset points", ha="center", va="bottom", fontsize="small",
-                        bbox=dict(boxstyle="square,pad=0.1", facecolor="white", edgecolor="none"))
-        ticks = [v if AGREEMENT not in task.metrics[v] or v == BASELINE
-                 else f"{v}\n{100 * task.metrics[v][AGREEMENT]:.0f}% same" for v in shown]
-        ax.set_xticks(range(len(shown)), ticks, fontsize="small")
-        ax.set_ylim(0, 118)
-        ax.set_yticks(range(0, 101, 20))
-        ax.set_ylabel(f"{task.primary} (%)")
-        ax.grid(True, axis="y", alpha=0.3)
-        ax.set_axisbelow(True)
-        recovery = task.recovery()
-        ax.set_title(f"{task.task} ({task.primary}, n={task.examples})\n"
-                     f"{MPFA} recovers {'n/a' if recovery is None else f'{100 * recovery:.1f}%'} of {DIRECT}'s loss", fontsize="medium")
-    per_task = ", ".join(f"{t.task} {t.examples}" for t in report.tasks)
-    fig.suptitle(f"Task accuracy per attention variant: {report.model} on {report.device} (n per task: {per_task})"
-                 f"\nscore (loss vs {BASELINE}, dashed); \"same\": outputs identical to {BASELINE}'s", fontsize="medium")
-    return save_figure(fig, figure_paths(out, fmt))

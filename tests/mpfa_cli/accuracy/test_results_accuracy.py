@@ -8,7 +8,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mpfa.mpfa_cli.app import app
-from mpfa.mpfa_cli.reports.plot import ACCURACY_PANEL_SIZE, DPI
+from mpfa.mpfa_cli.accuracy.plot import ACCURACY_PANEL_SIZE
+from mpfa.mpfa_cli.reports.plot import DPI
 from mpfa.mpfa_cli.results.store import ResultStore
 from mpfa.mpfa_cli.accuracy.tasks.task_report import TaskAccuracyReport, TaskScores
 
