@@ -31,7 +31,7 @@ from rich.text import Text
 
 from ...backends.specs import BackendSpec
 from ..harness import client, serving_workload
-from ..results import metrics
+from ..results.metrics.summary import summarize
 from ..harness.engines import READY_TIMEOUT_S, SGLANG_HIGHEST_PORT, gpu_label, model_name, sglang_launch, sim_launch
 from ..harness.environment import collect_environment
 from ..errors import UserError
@@ -334,14 +334,14 @@ def _measure(
         _ignore_stop_signals()
         with stop_signals_held():
             store.finish_run(run_id, "interrupted", error=_interruption(),
-                             summary=metrics.summarize(records, opts.slo))
+                             summary=summarize(records, opts.slo))
         raise RunInterrupted(run_id) from None
     except Exception as exc:  # the run ends failed with the requests it has, whatever broke it
         error = f"{type(exc).__name__}: {exc}"
         with stop_signals_held():
-            store.finish_run(run_id, "failed", error=error, summary=metrics.summarize(records, opts.slo))
+            store.finish_run(run_id, "failed", error=error, summary=summarize(records, opts.slo))
         raise UserError(f"run {run_id} failed: {error}", exit_code=1) from exc
-    summary = metrics.summarize(records, opts.slo)
+    summary = summarize(records, opts.slo)
     if server is not None and not server.alive:
         error = f"server died during the run; last log lines ({server.log_path}):\n{server.log_tail()}"
         store.finish_run(run_id, "failed", error=error, summary=summary)

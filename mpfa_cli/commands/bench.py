@@ -142,7 +142,7 @@ def _timeouts(connect: float, first_token: float, chunk: float, request: float) 
 
 def _parse_slo(text: str) -> dict[str, float]:
     """`ttft=2000,tpot=50` (milliseconds) -> {"ttft": 2000.0, "tpot": 50.0}."""
-    from ..results.metrics import SLO_KEYS
+    from ..results.metrics.per_request import SLO_KEYS
 
     slo: dict[str, float] = {}
     for part in text.split(","):

@@ -1,11 +1,14 @@
 """What there is to run: `mpfa backends` (with the kernels each runs), `mpfa scenarios` and `mpfa metrics`."""
 from __future__ import annotations
 
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from .common import PrefillKernelOption, cli_errors, console
+
+if TYPE_CHECKING:
+    from ..results.metrics.registry import Metric
 
 
 @cli_errors
@@ -62,18 +65,25 @@ def scenarios() -> None:
 @cli_errors
 def metrics(explain: Annotated[bool, typer.Option("--explain/--no-explain", help="Print each metric's definition.")] = False) -> None:
     """Explain the metrics every run reports."""
-    from ..results.metrics import EXPLANATIONS
+    from ..results.metrics import registry
+    from ..results.metrics.serving import GLOSSARY
 
     if not explain:
-        console.print("metrics: " + ", ".join(EXPLANATIONS) + "  (use --explain for definitions)")
+        console.print("metrics: " + ", ".join([*registry.METRICS, *GLOSSARY]) + "  (use --explain for definitions)")
         return
-    from ..reports.tables import COMPARE_METRICS, SERVER_METRICS, metric_label
+    for metric in registry.METRICS.values():
+        console.print(f"[bold]{metric.name}[/] ({_declared(metric)}): {metric.explanation}")
+    for term, text in GLOSSARY.items():
+        console.print(f"[bold]{term}[/]: {text}")
+    stats = ", ".join(s.name if s.label == s.name else f"{s.name} (printed {s.label})"
+                      for s in registry.STATS.values())
+    compared = [registry.column(key) for key in registry.shown_in(registry.Report.COMPARE)]
+    console.print(f"[bold]column names[/]: a distribution's columns are <metric>_<unit>_<stat> (ttft_ms_p99), stat "
+                  f"one of {stats}; tables print " + ", ".join(f"{c.label} for {c.key}" for c in compared) + ".")
 
-    for name, text in EXPLANATIONS.items():
-        console.print(f"[bold]{name}[/]: {text}")
-    for name, key in SERVER_METRICS.items():
-        console.print(f"[bold]{name}[/]: tokens the server's KV cache holds, as it reports them ({key}); more "
-                      "means more context fits at once.")
-    console.print("[bold]column names[/]: a latency is <metric>_<unit>_<stat> (ttft_ms_p99), stat one of mean, "
-                  "median (printed p50), p90, p99, std; tables print " +
-                  ", ".join(f"{metric_label(m)} for {m}" for m in COMPARE_METRICS) + ".")
+
+def _declared(metric: Metric) -> str:
+    """'ms; lower is better', with the column's key where it is not the metric's name."""
+    columns = metric.columns()
+    key = f"{columns[0].key}; " if len(columns) == 1 and columns[0].key != metric.name else ""
+    return key + metric.unit + (f"; {metric.better} is better" if metric.better else "")

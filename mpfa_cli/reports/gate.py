@@ -1,8 +1,7 @@
 """Performance regression gate against a baseline JSON, and github-action-benchmark output.
 
-Gated metrics: `otps` (throughput), `ttft_ms_median` and `tpot_ms_median` (latency). Medians rather than
-means or p99 because they move with the kernels, not with one straggler request; p99 is too noisy over a
-handful of repeats to gate on.
+Gated metrics: those the metric registry shows in the gate (`Report.GATE`): `otps` (throughput), `ttft_ms_median`
+and `tpot_ms_median` (latency); `metrics.serving` says why medians.
 
 A (scenario, context, load, backend, metric) entry regresses only when BOTH
   * it got worse than the baseline mean by more than the tolerance (relative), and
@@ -37,13 +36,13 @@ from rich.text import Text
 
 from ..errors import UserError
 from ..results.export import dataclass_from_dict
+from ..results.metrics import registry
 from ..harness.records import RunRecord
 from .tables import (CAVEAT_MARK, BackendResult, Config, Estimate, add_footnotes, aggregate, backend_label,
-                     caveat_notes, context_label, format_number, higher_is_better, id_list, load_label, metric_unit)
+                     caveat_notes, context_label, format_number, id_list, load_label)
 from ..harness.scenario import MAX_INPUT_LEN, MAX_REPEATS, load_problem
 from ..results.store import StoredRun, load_key
 
-GATED_METRICS = ("otps", "ttft_ms_median", "tpot_ms_median")
 DEFAULT_TOLERANCE = 0.05
 
 
@@ -146,9 +145,10 @@ def parse_tolerance(text: str) -> float:
 # --- baselines ---------------------------------------------------------------------------------------------------
 
 
-def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = GATED_METRICS,
+def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] | None = None,
                        allow_caveats: bool = False) -> Baseline:
-    """A baseline of every gated metric of every (configuration, backend) among the runs that finished ok."""
+    """A baseline of every gated metric (default: the registry's) of every (configuration, backend) among the runs
+    that finished ok."""
     gpu, model, simulated = _identity(runs)
     _refuse_caveats(runs, allow_caveats)
     entries = []
@@ -159,7 +159,7 @@ def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] = 
         for name, est in result.estimates.items():
             entries.append(BaselineEntry(
                 scenario=config.scenario, backend=backend, input_len=config.input_len,
-                load=json.loads(config.load), metric=name, higher_is_better=higher_is_better(name),
+                load=json.loads(config.load), metric=name, higher_is_better=registry.higher_is_better(name),
                 mean=est.mean, ci_low=est.ci_low, ci_high=est.ci_high, n=est.n, caveat=result.caveat,
                 workload=result.workload, kernels=json.loads(kernels) if kernels else None,
                 revision=", ".join(revisions) or None,
@@ -209,7 +209,7 @@ def _baseline_from_dict(doc: Any) -> Baseline:
 def _entry_from_dict(data: Any, what: str) -> BaselineEntry:
     entry = dataclass_from_dict(BaselineEntry, data, what, optional={"caveat", "workload", "kernels", "revision"},
                                 ranges={"n": (1, MAX_REPEATS), "input_len": (1, MAX_INPUT_LEN)})
-    if entry.higher_is_better != higher_is_better(entry.metric):
+    if entry.higher_is_better != registry.higher_is_better(entry.metric):
         raise ValueError(f"{what}: higher_is_better is {entry.higher_is_better} for {entry.metric}")
     if (entry.ci_low is None) != (entry.ci_high is None) or (entry.ci_low is None) != (entry.n == 1):
         raise ValueError(f"{what}: ci_low and ci_high must both be null exactly when n is 1 (n={entry.n})")
@@ -369,7 +369,7 @@ def gate_table(result: GateResult) -> Table:
         change = "—" if check.current is None else f"{_relative_change(e.mean, check.current.mean):+.1%}"
         table.add_row(
             e.scenario, context_label(e.input_len), load_label(e.load), backend_label(e.backend, bool(check.caveat)),
-            f"{e.metric} ({metric_unit(e.metric)})", e.estimate.format(),
+            f"{e.metric} ({registry.column(e.metric).unit})", e.estimate.format(),
             check.current.format() if check.current else "—", change,
             Text(check.status, style=_STATUS_STYLE.get(check.status, _missing_style(result))),
             check.decided_by,
@@ -382,22 +382,23 @@ def gate_table(result: GateResult) -> Table:
 
 
 def github_benchmark_entries(runs: Sequence[StoredRun],
-                             metric_names: Sequence[str] = GATED_METRICS) -> tuple[list[dict], list[dict]]:
-    """(bigger-is-better entries, smaller-is-better entries) in github-action-benchmark's custom format."""
+                             metric_names: Sequence[str] | None = None) -> tuple[list[dict], list[dict]]:
+    """(bigger-is-better entries, smaller-is-better entries) in github-action-benchmark's custom format, of the
+    gated metrics (default: the registry's)."""
     bigger: list[dict] = []
     smaller: list[dict] = []
     for (config, backend), result in _sorted_results(runs, metric_names):
         for name, est in result.estimates.items():
             entry: dict[str, Any] = {
                 "name": f"{config.scenario}/{context_label(config.input_len)}/{config.load_label}/{backend}/{name}",
-                "unit": metric_unit(name),
+                "unit": registry.column(name).unit,
                 "value": est.mean,
                 "extra": f"mean of {est.n} repeat(s)" + ("; SIMULATED" if result.simulated else "")
                          + (f"; {CAVEAT_MARK} {result.caveat}" if result.caveat else ""),
             }
             if est.half_width is not None:
                 entry["range"] = f"± {format_number(est.half_width)}"
-            (bigger if higher_is_better(name) else smaller).append(entry)
+            (bigger if registry.higher_is_better(name) else smaller).append(entry)
     return bigger, smaller
 
 
@@ -410,8 +411,10 @@ def write_github_benchmark(runs: Sequence[StoredRun], bigger_path: Path, smaller
 
 
 def _sorted_results(runs: Sequence[StoredRun],
-                    metric_names: Sequence[str]) -> list[tuple[tuple[Config, str], BackendResult]]:
-    results = aggregate(runs, metric_names)
+                    metric_names: Sequence[str] | None) -> list[tuple[tuple[Config, str], BackendResult]]:
+    """The results of the gated metrics (default: the registry's), by configuration then backend."""
+    gated = registry.shown_in(registry.Report.GATE) if metric_names is None else metric_names
+    results = aggregate(runs, gated)
     return sorted(results.items(), key=lambda kv: (kv[0][0].sort_key(), kv[0][1]))
 
 

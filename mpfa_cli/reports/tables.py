@@ -1,7 +1,8 @@
 """Rich tables for stored runs (`mpfa runs`, `mpfa show`, `mpfa compare`) and the repeat aggregation behind them.
 
 Runs are grouped into configurations — (scenario, context length, load point) — and, per backend, each
-metric is averaged over the repeats that finished ok, with a 95% confidence interval (`metrics.mean_ci95`).
+metric is averaged over the repeats that finished ok, with a 95% confidence interval (`repeats.mean_ci95`).
+Which metrics each table shows, their labels, units and better directions come from the metric registry.
 `gate` and `plot` build on the same grouping. A configuration's runs need not share a workload (output length,
 request count, seed: the `workload_hash`); compare and plot mark one whose runs do not ‡ and say how in a footnote.
 """
@@ -11,7 +12,6 @@ import csv
 import io
 import json
 import math
-import re
 import time
 from collections import defaultdict
 from collections.abc import Iterable, Sequence
@@ -23,53 +23,28 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from ..results import metrics
+from ..results.metrics import registry
+from ..results.metrics.repeats import mean_ci95
+from ..results.metrics.summary import summarize
 from ..errors import UserError
 from ..harness.records import RunRecord
 from ..results.run_owner import status_label
 from ..harness.served_kernels import describe_kernels
 from ..results.store import StoredRun, load_key
 
-COMPARE_METRICS = ("otps", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median", "itl_ms_p99", "kv_tokens")
-THROUGHPUT_METRICS = frozenset({"otps", "req_per_s", "goodput_req_per_s"})
-# Read from the server's own report (/get_server_info) rather than the requests: the tokens its KV pool holds.
-SERVER_METRICS = {"kv_tokens": "max_total_num_tokens"}
-_LATENCY = re.compile(r"(ttft_ms|tpot_ms|itl_ms|e2e_s)_(mean|median|p90|p99|std)")
-_DISTRIBUTION_STATS = ("mean", "median", "p90", "p99")
+_SHOWN_STATS = ("mean", "median", "p90", "p99")  # the stats of each distribution `mpfa show` prints
 ROUNDING = 1e-9  # relative: a CI narrower than this is shown as ± 0
 COMPARE_FORMATS = ("table", "json", "csv", "md")
 _SIMULATED = "SIMULATED"
-_STAT_LABELS = {"median": "p50"}
-_METRIC_NAMES = {"otps": "OTPS", "req_per_s": "requests", "goodput_req_per_s": "goodput", "kv_tokens": "KV cache"}
 CAVEAT_MARK = "†"  # marks a backend whose runs carry a caveat; the caveat itself is printed once, as a footnote
 WORKLOAD_MARK = "‡"  # marks a configuration whose runs served different workloads (output length, requests, seed)
 APART_MARK = "§"  # marks a speed-up whose runs were not measured together: different leases, GPUs or mpfa revisions
 _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
 
 
-def higher_is_better(metric: str) -> bool:
-    """True for throughputs, False for latencies; an unknown metric name is an error."""
-    if metric in THROUGHPUT_METRICS or metric in SERVER_METRICS:
-        return True
-    if _LATENCY.fullmatch(metric):
-        return False
-    raise UserError(f"unknown metric '{metric}': use a throughput ({', '.join(sorted(THROUGHPUT_METRICS))}) "
-                    "or a latency such as ttft_ms_median, tpot_ms_p99, e2e_s_mean")
-
-
-def metric_unit(metric: str) -> str:
-    if metric == "otps":
-        return "tok/s"
-    if metric in SERVER_METRICS:
-        return "tokens"
-    if metric in THROUGHPUT_METRICS:
-        return "req/s"
-    return "s" if metric.startswith("e2e_s") else "ms"
-
-
 def speedup(metric: str, reference: float, value: float) -> float:
     """How many times better `value` is than `reference`: value/ref for throughput, ref/value for latency."""
-    num, den = (value, reference) if higher_is_better(metric) else (reference, value)
+    num, den = (value, reference) if registry.higher_is_better(metric) else (reference, value)
     return num / den if den > 0 else math.nan
 
 
@@ -123,7 +98,7 @@ class Estimate:
 
     @classmethod
     def of(cls, values: Sequence[float]) -> Estimate:
-        ci = metrics.mean_ci95(values)
+        ci = mean_ci95(values)
         if ci.half_width is None:
             return cls(ci.mean, None, None, ci.n)
         return cls(ci.mean, ci.mean - ci.half_width, ci.mean + ci.half_width, ci.n)
@@ -192,10 +167,7 @@ def aggregate(runs: Sequence[StoredRun], metric_names: Sequence[str]) -> dict[tu
 
 def run_metric(run: RunRecord, name: str) -> float:
     """A run's value of a metric (NaN when it has none): from its summary, or from its server's report."""
-    if name in SERVER_METRICS:
-        value = (run.server_info or {}).get(SERVER_METRICS[name])
-        return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else math.nan
-    return float(run.summary.get(name, math.nan))
+    return registry.column(name).read(run)
 
 
 def id_list(runs: Sequence[RunRecord]) -> str:
@@ -227,10 +199,12 @@ def default_reference(runs: Sequence[RunRecord]) -> str:
 
 
 def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
-                 metric_names: Sequence[str] = COMPARE_METRICS) -> tuple[list[str], list[CompareRow]]:
-    """The backends (reference first) and one row per (configuration, metric) with speedups vs the reference."""
+                 metric_names: Sequence[str] | None = None) -> tuple[list[str], list[CompareRow]]:
+    """The backends (reference first) and one row per (configuration, metric) with speedups vs the reference;
+    the metrics default to those the registry shows in compare."""
+    metric_names = registry.shown_in(registry.Report.COMPARE) if metric_names is None else metric_names
     for name in metric_names:
-        higher_is_better(name)  # rejects unknown names up front
+        registry.higher_is_better(name)  # rejects unknown names up front
     results = aggregate(runs, metric_names)
     backends = sorted({b for _, b in results})
     if ref_backend not in backends:
@@ -280,7 +254,7 @@ def apart_notes(rows: Sequence[CompareRow]) -> list[str]:
 
 
 def compare_table(runs: Sequence[StoredRun], ref_backend: str,
-                  metric_names: Sequence[str] = COMPARE_METRICS) -> Table:
+                  metric_names: Sequence[str] | None = None) -> Table:
     """One value column per backend (mean ± 95% CI over repeats) and a speedup column per non-reference one."""
     backends, rows = compare_rows(runs, ref_backend, metric_names)
     title = f"Backends vs {ref_backend} (mean ± 95% CI over repeats; speedup ×: >1 is better)"
@@ -297,7 +271,7 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
     for row in rows:
         load = f"{row.config.load_label} {WORKLOAD_MARK}" if row.config in mixed else row.config.load_label
         cells: list[RenderableType] = [row.config.scenario, context_label(row.config.input_len), load,
-                                       f"{row.metric} ({metric_unit(row.metric)})"]
+                                       f"{row.metric} ({registry.column(row.metric).unit})"]
         for backend in backends:
             cells.append(row.values[backend].format() if backend in row.values else "—")
             if backend != ref_backend:
@@ -329,18 +303,8 @@ def separated(a: Estimate, b: Estimate) -> bool:
 # --- compare, one table per configuration: metrics as rows, backends as columns ------------------------------------
 
 
-def metric_label(metric: str) -> str:
-    """'TTFT p50 (ms)' for ttft_ms_median: the name a table prints, with its unit."""
-    if match := _LATENCY.fullmatch(metric):
-        prefix, stat = match.groups()
-        name = f"{prefix.split('_')[0].upper()} {_STAT_LABELS.get(stat, stat)}"
-    else:
-        name = _METRIC_NAMES.get(metric, metric)
-    return f"{name} ({metric_unit(metric)})"
-
-
 def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
-                   metric_names: Sequence[str] = COMPARE_METRICS) -> Group:
+                   metric_names: Sequence[str] | None = None) -> Group:
     """`compare_rows` as one narrow table per configuration (metrics as rows, one column per backend, each
     non-reference value with its speed-up under it), a heading and the footnotes once."""
     backends, rows = compare_rows(runs, ref_backend, metric_names)
@@ -357,7 +321,7 @@ def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
         for backend in backends:
             table.add_column(backend_label(backend, backend in marked), justify="right")
         for row in (r for r in rows if r.config == config):
-            table.add_row(metric_label(row.metric), *(_cell(row, b, ref_backend) for b in backends))
+            table.add_row(registry.column(row.metric).label, *(_cell(row, b, ref_backend) for b in backends))
         parts.append(folding(table))
     parts.extend(Text(line) for line in _compare_notes(runs, rows, mixed))
     return Group(*parts)
@@ -371,13 +335,13 @@ def _compare_notes(runs: Sequence[StoredRun], rows: Sequence[CompareRow],
 
 
 def compare_records(runs: Sequence[StoredRun], ref_backend: str,
-                    metric_names: Sequence[str] = COMPARE_METRICS) -> list[dict[str, Any]]:
+                    metric_names: Sequence[str] | None = None) -> list[dict[str, Any]]:
     """`compare_rows` flat, one record per (configuration, metric, backend), for JSON and CSV."""
     _, rows = compare_rows(runs, ref_backend, metric_names)
     simulated = any(r.simulated for r in runs if r.status == "ok")
     return [
         {"scenario": row.config.scenario, "input_len": row.config.input_len, "load": row.config.load_label,
-         "metric": row.metric, "unit": metric_unit(row.metric), "backend": backend, "mean": value.mean,
+         "metric": row.metric, "unit": registry.column(row.metric).unit, "backend": backend, "mean": value.mean,
          "ci95_half_width": value.half_width, "repeats": value.n, "reference": ref_backend,
          "speedup": row.speedups.get(backend),
          "cis_separate": separated(row.values[ref_backend], value) if backend in row.speedups else None,
@@ -387,7 +351,7 @@ def compare_records(runs: Sequence[StoredRun], ref_backend: str,
 
 
 def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
-                   metric_names: Sequence[str] = COMPARE_METRICS) -> str:
+                   metric_names: Sequence[str] | None = None) -> str:
     """The comparison as JSON (records), CSV (the same, one per line) or Markdown (a table per configuration)."""
     check_format(fmt)
     if fmt in ("json", "csv"):
@@ -400,7 +364,7 @@ def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
                   "| metric | " + " | ".join(backends) + " |", "|---|" + "---:|" * len(backends)]
         for row in (r for r in rows if r.config == config):
             cells = (_cell(row, b, ref_backend).plain.replace("\n", " ") for b in backends)
-            lines.append(f"| {metric_label(row.metric)} | " + " | ".join(cells) + " |")
+            lines.append(f"| {registry.column(row.metric).label} | " + " | ".join(cells) + " |")
     if notes := apart_notes(rows):
         lines += ["", *notes]
     return "\n".join(lines) + "\n"
@@ -532,8 +496,9 @@ def runs_table(runs: Sequence[StoredRun]) -> Table:
                   padding=(0, 1), collapse_padding=True)
     for column in ("id", "when", "scenario", "backend", "engine", "point", "rep", "status"):
         table.add_column(column, justify="right" if column in ("id", "rep") else "left")
-    for metric in ("otps", "ttft_ms_median", "tpot_ms_median"):
-        table.add_column(metric_label(metric).replace(" ", "\n"), justify="right")  # "TTFT / p50 / (ms)": narrow
+    listed = registry.shown_in(registry.Report.RUNS)
+    for metric in listed:
+        table.add_column(registry.column(metric).label.replace(" ", "\n"), justify="right")  # "TTFT / p50 / (ms)"
     for run in runs:
         table.add_row(
             str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)), run.scenario,
@@ -541,15 +506,12 @@ def runs_table(runs: Sequence[StoredRun]) -> Table:
             Text(run.engine, style="magenta" if run.simulated else ""),
             f"{context_label(run.input_len)} {load_label(run.load)}", str(run.repeat),
             _status_text(run),
-            *(format_number(run.summary.get(m)) for m in ("otps", "ttft_ms_median", "tpot_ms_median")),
+            *(format_number(run_metric(run, m)) for m in listed),
         )
     simulated = ["simulated runs come from the latency model (engine sim), not from a GPU"] if any(
         r.simulated for r in runs) else []
     add_footnotes(table, [*simulated, *caveat_notes(runs)])
     return folding(table)
-
-
-RUNS_METRICS = ("otps", "ttft_ms_median", "tpot_ms_median")
 
 
 def runs_records(runs: Sequence[StoredRun]) -> list[dict[str, Any]]:
@@ -558,7 +520,7 @@ def runs_records(runs: Sequence[StoredRun]) -> list[dict[str, Any]]:
         {"id": run.id, "started_at": _when(run.started_at), "scenario": run.scenario, "backend": run.backend,
          "engine": run.engine, "simulated": run.simulated, "time_scale": time_scale(run),
          "input_len": run.input_len, "load": load_label(run.load), "repeat": run.repeat, "status": run.status,
-         "caveat": run.caveat, **{m: _finite(run.summary.get(m)) for m in RUNS_METRICS}}
+         "caveat": run.caveat, **{m: _finite(run_metric(run, m)) for m in registry.shown_in(registry.Report.RUNS)}}
         for run in runs
     ]
 
@@ -627,7 +589,7 @@ def _display_summary(run: StoredRun) -> tuple[dict[str, float], str | None]:
     if run.summary:
         return run.summary, None
     if run.status == "running" and run.requests:
-        return (metrics.summarize(run.requests),
+        return (summarize(run.requests),
                 f"run never finished: metrics from the {len(run.requests)} request(s) it recorded")
     return {}, "no metrics recorded for this run"
 
@@ -635,16 +597,17 @@ def _display_summary(run: StoredRun) -> tuple[dict[str, float], str | None]:
 def _summary_tables(summary: dict[str, float]) -> list[Table]:
     latencies = Table(title="Latency", title_justify="left")
     latencies.add_column("metric")
-    for stat in _DISTRIBUTION_STATS:
+    for stat in _SHOWN_STATS:
         latencies.add_column(stat, justify="right")
-    for prefix, name in (("ttft_ms", "TTFT (ms)"), ("tpot_ms", "TPOT (ms)"), ("itl_ms", "ITL (ms)"),
-                         ("e2e_s", "E2E (s)")):
-        if any(f"{prefix}_{s}" in summary for s in _DISTRIBUTION_STATS):
-            latencies.add_row(name, *(format_number(summary.get(f"{prefix}_{s}")) for s in _DISTRIBUTION_STATS))
+    for metric in registry.METRICS.values():
+        keys = {c.stat.name: c.key for c in metric.columns() if c.stat is not None}  # a distribution's, by stat
+        if keys and any(keys[s] in summary for s in _SHOWN_STATS):
+            latencies.add_row(f"{metric.header} ({metric.unit})",
+                              *(format_number(summary.get(keys[s])) for s in _SHOWN_STATS))
     totals = Table(title="Throughput and counts", title_justify="left")
     totals.add_column("metric")
     totals.add_column("value", justify="right")
-    for key in sorted(k for k in summary if not _LATENCY.fullmatch(k)):
+    for key in sorted(k for k in summary if (c := registry.find(k)) is None or c.stat is None):
         totals.add_row(key, format_number(summary[key]))
     return [folding(latencies), folding(totals)]
 

@@ -27,11 +27,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, TextIO
 
-from . import metrics
 from ..errors import UserError, field_names
 from ..harness.records import RequestRecord
 from ..harness.scenario import MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REPEATS, MAX_REQUESTS, load_problem
 from ..harness.served_kernels import describe_kernels
+from .metrics import registry
+from .metrics.per_request import measured
+from .metrics.summary import summarize
 from .store import FINAL_STATUSES, StoredRun, load_key
 
 EXPORT_FORMATS = ("json", "csv")
@@ -201,11 +203,6 @@ def _type_name(hint: Any) -> str:
 
 # --- summaries on import -----------------------------------------------------------------------------------------
 
-# Metrics no request record can give (the goodput SLO is not stored with a run): kept only from a summary that
-# agrees with the requests on everything else.
-_UNDERIVABLE = ("goodput_req_per_s",)
-
-
 @dataclass
 class SummaryCheck:
     """What import made of one run's exported summary: `stale` names the metrics that disagreed with the run's
@@ -223,16 +220,24 @@ def derive_summary(run: StoredRun) -> SummaryCheck:
         return SummaryCheck(run, [], unverified=False)
     if not run.requests:
         return SummaryCheck(run, [], unverified=True)
-    derived = metrics.summarize(run.requests)
-    stale = sorted(k for k in set(derived) | set(run.summary) - set(_UNDERIVABLE)
+    derived = summarize(run.requests)
+    underivable = _underivable()
+    stale = sorted(k for k in set(derived) | set(run.summary) - set(underivable)
                    if not _same(run.summary.get(k), derived.get(k)))
-    kept = {} if stale else {k: run.summary[k] for k in _UNDERIVABLE if k in run.summary}
-    failed = [r for r in metrics.measured(run.requests) if not r.ok]
+    kept = {} if stale else {k: run.summary[k] for k in underivable if k in run.summary}
+    failed = [r for r in measured(run.requests) if not r.ok]
     status, error = run.status, run.error
     if failed and status == "ok":
         status, error = "failed", f"{len(failed)} request(s) failed: {failed[0].error or 'no completion'}"
     fixed = dataclasses.replace(run, summary=derived | kept, status=status, error=error)
     return SummaryCheck(fixed, stale, unverified=False)
+
+
+def _underivable() -> list[str]:
+    """The summary keys no request record can give (the goodput SLO is not stored with a run): kept on import only
+    from a summary that agrees with the requests on everything else."""
+    return [c.key for m in registry.METRICS.values() if isinstance(m, registry.RunValue) and m.needs_slo
+            for c in m.columns()]
 
 
 def _same(stored: float | None, derived: float | None) -> bool:

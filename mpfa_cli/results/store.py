@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 from ...backends.specs import PLUGIN_PREFILL_CAVEAT
-from . import metrics, run_owner
+from . import run_owner
+from .metrics.summary import summarize
 from ..errors import UserError
 from ..harness.records import RequestRecord, RunRecord
 
@@ -376,7 +377,7 @@ class ResultStore:
             try:
                 requests = self.get_run(row["id"]).requests
                 self.finish_run(row["id"], "interrupted", error=run_owner.KILLED_REASON,
-                                summary=metrics.summarize(requests))
+                                summary=summarize(requests))
             except StoreError:  # locked by a writer: the next store opened closes it; this one still reads
                 return
 

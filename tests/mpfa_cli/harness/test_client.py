@@ -10,7 +10,7 @@ import time
 import pytest
 from aiohttp import web
 
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.harness.client import Timeouts, run, run_load
 from mpfa.mpfa_cli.harness.serving_workload import arrival_times, make_prompts
 from mpfa.mpfa_cli.harness.sim_server import prompt_digest
@@ -66,13 +66,13 @@ def test_arrivals_with_concurrency_cap(sim):
 def test_zero_requests(sim):
     records = asyncio.run(run_load(sim.url, [], 8, concurrency=4))
     assert records == []
-    assert metrics.summarize(records) == {"n_ok": 0.0, "n_failed": 0.0}
+    assert summarize(records) == {"n_ok": 0.0, "n_failed": 0.0}
 
 
 def test_output_length_one_has_no_tpot(sim):
     records = asyncio.run(run_load(sim.url, make_prompts(7, 3, 128), 1, concurrency=3))
     assert all(r.ok and r.chunk_tokens == [1] for r in records)
-    summary = metrics.summarize(records)
+    summary = summarize(records)
     assert summary["n_ok"] == 3 and summary["ttft_ms_mean"] > 0
     assert not any(k.startswith(("tpot", "itl")) for k in summary)
 
@@ -84,7 +84,7 @@ def test_server_death_keeps_completed_requests(start_sim):
     ok = [r for r in records if r.ok]
     assert len(ok) == 3 and all(r.output_tokens == 20 for r in ok)
     assert all(r.error for r in records if not r.ok) and len(records) == 10
-    assert metrics.summarize(records)["n_failed"] == 7
+    assert summarize(records)["n_failed"] == 7
 
 
 def test_http_error_becomes_record_error(sim):

@@ -21,7 +21,8 @@ import pytest
 from typer.testing import CliRunner
 
 from mpfa.mpfa_cli.app import app
-from mpfa.mpfa_cli.reports.gate import GATED_METRICS, baseline_from_runs, newest_passes, read_baseline
+from mpfa.mpfa_cli.reports.gate import baseline_from_runs, newest_passes, read_baseline
+from mpfa.mpfa_cli.results.metrics import registry
 from mpfa.mpfa_cli.results.store import ResultStore
 
 ROOT = Path(__file__).resolve().parents[3]
@@ -32,6 +33,7 @@ EXPORTS = tuple(PROFILES / "results" / f"serve-serving-matrix-{name}-h100.json.g
     "128k-c8-fa3-fp8-mpfa"))
 DEGRADED = ("serving-matrix", "mpfa")  # scenario and backend made worse in the degraded copies
 POINTS = 8  # mpfa's points in the exports: 16K, 32K, 64K and 128K at c=1 and at c=8
+GATED = registry.shown_in(registry.Report.GATE)
 
 
 def mpfa(*args: str | Path):
@@ -110,8 +112,8 @@ def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
                                                                      rel=1e-12)
     gated = {(e.backend, e.input_len, e.load["concurrency"], e.metric) for e in committed.entries}
     every = ("fa3-bf16", "fa3-fp8", "mpfa")
-    c1 = {(b, n, 1, m) for b in every for n in (16384, 32768, 65536, 131072) for m in GATED_METRICS}
-    c8 = {(b, n, 8, m) for b in every for n in (16384, 32768, 65536, 131072) for m in GATED_METRICS
+    c1 = {(b, n, 1, m) for b in every for n in (16384, 32768, 65536, 131072) for m in GATED}
+    c8 = {(b, n, 8, m) for b in every for n in (16384, 32768, 65536, 131072) for m in GATED
           if b != "fa3-bf16" or n != 131072}
     assert gated == c1 | c8
     for e in committed.entries:  # every point measured twice: each entry has a CI
@@ -172,4 +174,4 @@ def test_runs_of_another_workload_are_not_judged(tmp_path):
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing")
     assert result.exit_code == 0, result.output
     other = [line for line in result.stdout.splitlines() if line.rstrip(" │").endswith("other workload")]
-    assert len(other) == POINTS * len(GATED_METRICS) and all(" mpfa " in line for line in other)
+    assert len(other) == POINTS * len(GATED) and all(" mpfa " in line for line in other)

@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.errors import UserError
 from mpfa.mpfa_cli.results.export import export_runs
 from mpfa.mpfa_cli.reports.plot import plot_runs
@@ -18,7 +18,7 @@ from mpfa.mpfa_cli.reports.plot import plot_runs
 def mixed_runs(make_run, random_requests):
     sim_requests = random_requests(6)
     return [
-        make_run("mpfa", 0, metrics.summarize(sim_requests), id=1, engine="sim", simulated=True,
+        make_run("mpfa", 0, summarize(sim_requests), id=1, engine="sim", simulated=True,
                  requests=sim_requests),
         make_run("fa4-bf16", 0, {"otps": 512.5, "ttft_ms_median": math.nan}, id=2),
     ]

@@ -6,7 +6,7 @@ import math
 import pytest
 from rich.console import Console
 
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.errors import UserError
 from mpfa.mpfa_cli.reports.tables import (compare_records, compare_rows, compare_table, compare_tables,
                                           default_reference, format_compare, runs_table, show_run, speedup)
@@ -109,7 +109,7 @@ def test_runs_table_labels_simulated_runs(make_run):
 
 def test_show_run_prints_metadata_and_distribution_stats(make_run, random_requests):
     requests = random_requests(9)
-    summary = metrics.summarize(requests)
+    summary = summarize(requests)
     text = render(show_run(make_run("mpfa", 0, summary, id=3, requests=requests)))
     for expected in ("mpfa", "16K input", "c=8", "TTFT (ms)", "TPOT (ms)", "p99", "n_failed", "otps"):
         assert expected in text

@@ -69,11 +69,11 @@ def test_catalog_tables_fit_without_truncation(command: str, width: int) -> None
 
 
 def test_metrics_explain_names_every_compare_label() -> None:
-    from mpfa.mpfa_cli.reports.tables import COMPARE_METRICS, metric_label
+    from mpfa.mpfa_cli.results.metrics import registry
 
     result = subprocess.run([sys.executable, "-m", "mpfa.mpfa_cli", "metrics", "--explain"], capture_output=True, text=True,
                             env={"COLUMNS": "1000", "PATH": "/usr/bin:/bin", "TERM": "dumb"}, timeout=60)
     assert result.returncode == 0, result.stderr
-    for metric in COMPARE_METRICS:
-        assert f"{metric_label(metric)} for {metric}" in result.stdout
-    assert "kv_tokens:" in result.stdout
+    for key in registry.shown_in(registry.Report.COMPARE):
+        assert f"{registry.column(key).label} for {key}" in result.stdout
+    assert "kv_tokens (tokens; higher is better): Tokens the server's KV cache holds" in result.stdout

@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpfa.mpfa_cli.app import app
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.results.export import run_to_dict
 from mpfa.mpfa_cli.reports.gate import write_baseline
 from mpfa.mpfa_cli.results.store import ResultStore
@@ -82,7 +82,7 @@ def test_a_bad_baseline_is_one_line_naming_file_and_field(tmp_path, baseline_doc
 @pytest.fixture
 def export_run(make_run, random_requests) -> dict:
     requests = random_requests(5)
-    return run_to_dict(make_run("mpfa", 0, metrics.summarize(requests), id=3, requests=requests, status="failed"),
+    return run_to_dict(make_run("mpfa", 0, summarize(requests), id=3, requests=requests, status="failed"),
                        include_requests=True)
 
 

@@ -6,7 +6,8 @@ import math
 import numpy as np
 import pytest
 
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics import per_request, registry, repeats
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.harness.records import RequestRecord
 
 
@@ -28,22 +29,22 @@ C = rec(12.0, [(12.2, 1)], 12.2, index=2)
 
 
 def test_per_request_metrics():
-    assert metrics.ttft_s(A) == pytest.approx(0.5)
-    assert metrics.e2e_s(A) == pytest.approx(0.9)
-    assert metrics.tpot_s(A) == pytest.approx(0.4 / 3)
-    assert metrics.itl_gaps_s(A) == pytest.approx([0.1, 0.1, 0.1])
-    assert metrics.itl_gaps_s(B) == pytest.approx([0.3, 0.5])
-    assert metrics.tpot_s(C) is None and metrics.itl_gaps_s(C) == []
+    assert per_request.ttft_s(A) == pytest.approx(0.5)
+    assert per_request.e2e_s(A) == pytest.approx(0.9)
+    assert per_request.tpot_s(A) == pytest.approx(0.4 / 3)
+    assert per_request.itl_gaps_s(A) == pytest.approx([0.1, 0.1, 0.1])
+    assert per_request.itl_gaps_s(B) == pytest.approx([0.3, 0.5])
+    assert per_request.tpot_s(C) is None and per_request.itl_gaps_s(C) == []
 
 
 def test_extra_tokens_in_the_first_chunk_add_no_gaps():
     r = rec(0.0, [(1.0, 3), (1.6, 3)], 1.6)
-    assert metrics.itl_gaps_s(r) == pytest.approx([0.2, 0.2, 0.2])
-    assert metrics.tpot_s(r) == pytest.approx(0.6 / 5)
+    assert per_request.itl_gaps_s(r) == pytest.approx([0.2, 0.2, 0.2])
+    assert per_request.tpot_s(r) == pytest.approx(0.6 / 5)
 
 
 def test_summary_values():
-    s = metrics.summarize([A, B, C])
+    s = summarize([A, B, C])
     assert s["n_ok"] == 3 and s["n_failed"] == 0
     assert s["ttft_ms_mean"] == pytest.approx((500 + 700 + 200) / 3)
     assert s["ttft_ms_median"] == pytest.approx(500)
@@ -63,7 +64,7 @@ def test_summary_values():
 def test_warmup_and_failed_requests_are_excluded_from_statistics():
     warm = rec(0.0, [(5.0, 4)], 9.0, index=-1, warmup=True)
     failed = rec(9.5, [(9.6, 1)], None, index=3, error="ServerDisconnectedError")
-    s = metrics.summarize([warm, A, B, C, failed])
+    s = summarize([warm, A, B, C, failed])
     assert s["n_ok"] == 3 and s["n_failed"] == 1
     assert s["ttft_ms_mean"] == pytest.approx((500 + 700 + 200) / 3)
     # the span is the completed requests': from A's dispatch (10.0) to B's completion (12.5)
@@ -72,48 +73,48 @@ def test_warmup_and_failed_requests_are_excluded_from_statistics():
 
 def test_a_request_that_never_connected_does_not_stretch_the_duration():
     never_sent = rec(0.0, [], None, index=3, error="ClientConnectorError: refused")
-    s = metrics.summarize([A, B, C, never_sent])
+    s = summarize([A, B, C, never_sent])
     assert s["duration_s"] == pytest.approx(2.5) and s["n_failed"] == 1
 
 
 def test_goodput_under_slo():
     # A: TTFT 500 ms, TPOT 133 ms -> meets; B: TTFT 700 ms -> misses; C: TTFT 200 ms, no TPOT -> meets
-    s = metrics.summarize([A, B, C], slo={"ttft": 600, "tpot": 150})
+    s = summarize([A, B, C], slo={"ttft": 600, "tpot": 150})
     assert s["goodput_req_per_s"] == pytest.approx(2 / 2.5)
     # TPOT 100 ms: A's 133 ms now misses; C still meets (no TPOT)
-    assert metrics.summarize([A, B, C], slo={"tpot": 100})["goodput_req_per_s"] == pytest.approx(1 / 2.5)
+    assert summarize([A, B, C], slo={"tpot": 100})["goodput_req_per_s"] == pytest.approx(1 / 2.5)
 
 
 def test_bad_slo_is_rejected():
     with pytest.raises(ValueError, match="unknown SLO"):
-        metrics.summarize([A], slo={"ttfb": 100})
+        summarize([A], slo={"ttfb": 100})
     with pytest.raises(ValueError, match="> 0"):
-        metrics.summarize([A], slo={"ttft": 0})
+        summarize([A], slo={"ttft": 0})
 
 
 def test_only_failed_requests_give_counts_only():
     failed = rec(1.0, [], None, error="HTTP 400: bad")
-    assert metrics.summarize([failed]) == {"n_ok": 0.0, "n_failed": 1.0}
+    assert summarize([failed]) == {"n_ok": 0.0, "n_failed": 1.0}
 
 
 def test_t_quantile_known_values_and_scipy():
-    assert metrics.t_quantile_975(1) == pytest.approx(12.7062, abs=1e-4)  # textbook tables
-    assert metrics.t_quantile_975(10) == pytest.approx(2.2281, abs=1e-4)
-    assert metrics.t_quantile_975(1000) == pytest.approx(1.9623, abs=1e-4)
+    assert repeats.t_quantile_975(1) == pytest.approx(12.7062, abs=1e-4)  # textbook tables
+    assert repeats.t_quantile_975(10) == pytest.approx(2.2281, abs=1e-4)
+    assert repeats.t_quantile_975(1000) == pytest.approx(1.9623, abs=1e-4)
     stats = pytest.importorskip("scipy.stats")
     for df in range(1, 80):
-        assert metrics.t_quantile_975(df) == pytest.approx(stats.t.ppf(0.975, df), rel=1e-9)
+        assert repeats.t_quantile_975(df) == pytest.approx(stats.t.ppf(0.975, df), rel=1e-9)
 
 
 def test_mean_ci95():
-    ci = metrics.mean_ci95([1.0, 2.0, 3.0, 4.0])
+    ci = repeats.mean_ci95([1.0, 2.0, 3.0, 4.0])
     s = math.sqrt(sum((x - 2.5) ** 2 for x in [1, 2, 3, 4]) / 3)
     assert ci.mean == 2.5 and ci.n == 4
     assert ci.half_width == pytest.approx(3.182446 * s / 2, rel=1e-6)  # t(0.975, 3) = 3.182446
-    single = metrics.mean_ci95([7.0])
+    single = repeats.mean_ci95([7.0])
     assert single.mean == 7.0 and single.half_width is None
     with pytest.raises(ValueError):
-        metrics.mean_ci95([])
+        repeats.mean_ci95([])
 
 
 def test_ci_covers_the_true_mean_95_percent_of_the_time():
@@ -121,18 +122,14 @@ def test_ci_covers_the_true_mean_95_percent_of_the_time():
     samples = rng.normal(3.0, 2.0, size=(4000, 5))
     hits = 0
     for row in samples:
-        ci = metrics.mean_ci95(row.tolist())
+        ci = repeats.mean_ci95(row.tolist())
         hits += abs(ci.mean - 3.0) <= ci.half_width
     assert 0.94 <= hits / len(samples) <= 0.96
 
 
-def test_aggregate_repeats_uses_keys_common_to_all():
-    out = metrics.aggregate_repeats([{"otps": 10.0, "x": 1.0}, {"otps": 14.0}])
-    assert set(out) == {"otps"}
-    assert out["otps"].mean == 12.0
-    assert out["otps"].half_width == pytest.approx(metrics.t_quantile_975(1) * math.sqrt(8) / math.sqrt(2))
-
-
-def test_explanations_cover_the_summary_metrics():
-    assert {"ttft", "tpot", "itl", "e2e", "otps", "req_per_s", "goodput", "ci95"} <= set(metrics.EXPLANATIONS)
-    assert all(text.strip() for text in metrics.EXPLANATIONS.values())
+def test_every_summary_key_is_a_declared_column_in_declaration_order():
+    summary = summarize([A, B, C], slo={"ttft": 600})
+    declared = [c.key for metric in registry.METRICS.values() for c in metric.columns()]
+    assert all(key in declared for key in summary)
+    assert list(summary) == [key for key in declared if key in summary]
+    assert all(metric.explanation.strip() for metric in registry.METRICS.values())

@@ -15,7 +15,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics.per_request import measured
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.errors import UserError
 from mpfa.mpfa_cli.results.export import derive_summary, read_export, run_to_dict
 from mpfa.mpfa_cli.reports.gate import gate_table, read_baseline, run_gate, write_baseline
@@ -168,7 +169,7 @@ def _request(index: int, ok: bool = True) -> RequestRecord:
 @pytest.fixture(scope="module")
 def export(tmp_path_factory) -> tuple[dict, Path]:
     requests = [_request(0), _request(1), _request(2, ok=False)]
-    run = _run(0, summary=metrics.summarize(requests), requests=requests, id=3, kernels={"attention_backend": "fa3"})
+    run = _run(0, summary=summarize(requests), requests=requests, id=3, kernels={"attention_backend": "fa3"})
     path = tmp_path_factory.mktemp("export") / "hostile-export.json"
     return run_to_dict(run, include_requests=True), path
 
@@ -223,9 +224,9 @@ def requests(draw: st.DrawFn) -> list[RequestRecord]:
 @settings(max_examples=150, deadline=None)
 @given(records=requests())
 def test_a_summary_is_finite_and_spans_the_completed_requests(records):
-    summary = metrics.summarize(records, slo={"ttft": 1000.0, "tpot": 50.0})
-    ok = [r for r in metrics.measured(records) if r.ok]
-    assert summary["n_ok"] + summary["n_failed"] == len(metrics.measured(records))
+    summary = summarize(records, slo={"ttft": 1000.0, "tpot": 50.0})
+    ok = [r for r in measured(records) if r.ok]
+    assert summary["n_ok"] + summary["n_failed"] == len(measured(records))
     assert all(math.isfinite(v) for v in summary.values()), summary
     for prefix in ("ttft_ms", "tpot_ms", "itl_ms", "e2e_s"):
         if f"{prefix}_mean" in summary:

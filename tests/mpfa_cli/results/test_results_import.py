@@ -10,7 +10,7 @@ import pytest
 from typer.testing import CliRunner
 
 from mpfa.mpfa_cli.app import app
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.results.export import export_runs, run_to_dict
 from mpfa.mpfa_cli.results.store import ResultStore
 
@@ -82,7 +82,7 @@ def test_an_old_export_imports_with_no_caveat_and_no_kernels(tmp_path):
 def test_every_field_survives_including_nan_unfinished_failed_and_simulated(tmp_path, make_run, random_requests):
     requests = random_requests(5)
     runs = [
-        make_run("mpfa", 0, metrics.summarize(requests), id=7, requests=requests, caveat="reference prefill",
+        make_run("mpfa", 0, summarize(requests), id=7, requests=requests, caveat="reference prefill",
                  status="failed", error="1 request(s) failed",
                  server_info={"attention_backend": "mpfa"}, environment={"torch": "2.13.0"},
                  backend_flags=["--kv-cache-dtype", "fp8_e4m3"],

@@ -10,7 +10,7 @@ import textwrap
 
 import pytest
 
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.harness.records import RunRecord
 from mpfa.mpfa_cli.results.store import SCHEMA_VERSION, ResultStore, StoreError, default_db_path
 
@@ -28,7 +28,7 @@ def test_round_trip_keeps_every_field(tmp_path, make_run, random_requests):
                   backend_flags=["--attention-backend", "fa3"], environment={"torch": "2.13"},
                   kernels={"attention_backend": "fa3", "source": "simulated"})
     requests = random_requests(7)
-    summary = metrics.summarize(requests)
+    summary = summarize(requests)
     with ResultStore(tmp_path / "r.db") as store:
         run_id = store.begin_run(run)
         assert run.id == run_id
