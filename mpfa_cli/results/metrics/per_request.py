@@ -55,6 +55,10 @@ def meets_slo(r: RequestRecord, slo: dict[str, float]) -> bool:
     return not ("tpot" in slo and tpot is not None and tpot * 1e3 > slo["tpot"])
 
 
+# Below a nanosecond no clock measured the span: a rate over it would be meaningless (over a subnormal span, infinite).
+MIN_SPAN_S = 1e-9
+
+
 @dataclass(frozen=True)
 class Sample:
     """A run's requests as its metrics see them: the measured ones, those that succeeded, their span and the
@@ -62,7 +66,7 @@ class Sample:
 
     requests: list[RequestRecord]
     ok: list[RequestRecord]
-    span_s: float | None  # first successful dispatch to last completion; None when no time elapsed
+    span_s: float | None  # first successful dispatch to last completion; None under MIN_SPAN_S
     slo: dict[str, float]
 
     @classmethod
@@ -72,4 +76,4 @@ class Sample:
         # The completed requests' span: a failed request's dispatch may be on another clock (the simulator's
         # modelled times replace only completed ones) or an attempt that never reached the server.
         span = max(r.completion_s for r in ok) - min(r.dispatch_s for r in ok) if ok else 0.0
-        return cls(runs, ok, span if span > 0 else None, slo or {})
+        return cls(runs, ok, span if span >= MIN_SPAN_S else None, slo or {})
