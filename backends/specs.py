@@ -123,7 +123,7 @@ def backend_spec(name: str) -> BackendSpec:
         return BACKENDS[name]
     valid = f"serving backends: {', '.join(BACKENDS)}"
     if (variant := KERNEL_VARIANTS.get(name)) is not None:
-        instead = f"serve its kernels with {variant.serve_as}" if variant.serve_as else valid
+        instead = f"serve its kernels with `mpfa bench {variant.serve_as}`" if variant.serve_as else valid
         raise UnknownBackend(f"'{name}' is a kernel-bench variant (`mpfa profile prefill|decode --backend {name}`), "
                              f"not a serving backend; {instead}")
     raise UnknownBackend(f"unknown backend '{name}'; valid: {', '.join(BACKENDS)}")

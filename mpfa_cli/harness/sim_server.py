@@ -594,8 +594,8 @@ class SimLogprobs:
     """SIMULATED logprobs in SGLang 0.5.15's layout (`[logprob, token_id, null]` entries, null for prompt
     position 0, which nothing predicts). Meaningless as accuracy: position p of the sequence prompt + output gets
     -(0.05 + 12 u) with u a hash of (prompt, p), plus a perturbation hashed from (backend, prompt, p) whose
-    half-width is the backend's `SimulatedCosts.logprob_perturbation`. The top-1 prediction is a hashed token at -0.01 for prompt positions, the
-    generated token itself for output positions (greedy)."""
+    half-width is the backend's `SimulatedCosts.logprob_perturbation`. The top-1 prediction is a hashed token at
+    -0.01 for prompt positions, the generated token itself for output positions (greedy)."""
 
     def __init__(self, backend: BackendSpec, digest: str, input_ids: list[int], output_ids: list[int], start: int,
                  top_n: int) -> None:

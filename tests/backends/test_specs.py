@@ -19,8 +19,8 @@ def test_a_name_is_registered_once() -> None:
 
 def test_a_kernel_bench_variant_is_not_a_serving_backend() -> None:
     assert backend_spec("mpfa") is BACKENDS["mpfa"]
-    with pytest.raises(UnknownBackend, match="'mpfa-exact' is a kernel-bench variant .*not a serving backend; "
-                                             "serve its kernels with --backend mpfa --prefill-kernel exact"):
+    with pytest.raises(UnknownBackend, match="'mpfa-exact' is a kernel-bench variant .*not a serving backend; serve "
+                                             "its kernels with `mpfa bench --backend mpfa --prefill-kernel exact`"):
         backend_spec("mpfa-exact")
     with pytest.raises(UnknownBackend, match="'fa3-fp8-contiguous' is a kernel-bench variant .*; serving backends: "
                                              "fa4-bf16, fa3-bf16"):

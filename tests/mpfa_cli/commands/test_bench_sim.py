@@ -97,7 +97,7 @@ def test_a_kernel_bench_variant_is_refused_with_how_to_serve_its_kernels(mpfa) -
     result = mpfa("bench", "--backend", "mpfa-exact")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "'mpfa-exact' is a kernel-bench variant" in result.stderr
-    assert "serve its kernels with --backend mpfa --prefill-kernel exact" in " ".join(result.stderr.split())
+    assert "serve its kernels with `mpfa bench --backend mpfa --prefill-kernel exact`" in " ".join(result.stderr.split())
 
 
 def test_unknown_api_is_one_line(mpfa) -> None:
