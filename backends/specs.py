@@ -46,6 +46,8 @@ class KernelBench:
 
 @dataclass(frozen=True)
 class BackendSpec:
+    """A serving backend, declared once: what its server needs and reports, its simulated costs, its adapter."""
+
     name: str
     description: str
     sglang_args: tuple[str, ...]

@@ -10,7 +10,7 @@ carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts
 With `return_logprob` set, `/generate` answers with SGLang's logprob fields (`input_token_logprobs`,
 `output_token_logprobs`, and with `top_logprobs_num` > 0 `input_top_logprobs` / `output_top_logprobs`) in
 SGLang's layout. Their values are SIMULATED and meaningless as accuracy: a hash of the prompt and the position,
-plus a small hash-based perturbation whose size its spec sets (`SimulatedCosts.logprob_perturbation`),
+plus a small hash-based perturbation whose size the backend's spec sets (`SimulatedCosts.logprob_perturbation`),
 so that `mpfa logits` has deterministic, backend-dependent numbers to compare on a machine without a GPU.
 
 One scheduler task runs the batch: it admits waiting requests while the KV cache has room for their prompt
