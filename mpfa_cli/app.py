@@ -8,6 +8,7 @@ import typer
 from .commands import (accuracy as accuracy_commands, bench as bench_commands, catalog as catalog_commands,
                        logits as logits_commands, profile as profile_commands)
 from .commands import common, results as results_commands
+from .commands.extensions import load_extensions
 
 app = typer.Typer(
     help="Benchmark and profile LLM serving across attention backends (FA3 in BF16 or FP8, FA4-BF16, FlashInfer-FP8, MpFA).",
@@ -16,10 +17,12 @@ app = typer.Typer(
 
 
 @app.callback()
+@common.cli_errors
 def main(debug: Annotated[bool, typer.Option("--debug/--no-debug", help="On an error, print the Python traceback "
                                              "before the one-line message.")] = False) -> None:
-    """The global options."""
+    """The global options; then the modules $MPFA_EXTENSIONS names, which may register backends."""
     common.set_debug(debug)
+    load_extensions()
 
 
 app.command()(bench_commands.bench)

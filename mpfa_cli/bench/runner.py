@@ -35,7 +35,7 @@ from ..results.metrics.summary import summarize
 from ..harness.engines import READY_TIMEOUT_S, SGLANG_HIGHEST_PORT, gpu_label, model_name, sglang_launch, sim_launch
 from ..harness.environment import collect_environment
 from ..errors import UserError
-from ..harness.latency_model import latency_model, point_seconds
+from ..harness.latency_model import LatencyModel, point_seconds
 from .progress import BenchProgress, ServerBar
 from ..harness.records import RequestRecord, RunRecord
 from ..reports.tables import CAVEAT_MARK
@@ -390,7 +390,7 @@ def estimated_seconds(scenario: Scenario, specs: list[BackendSpec], opts: BenchO
     pace = opts.time_scale if opts.engine == "sim" else 1.0
     total = 0.0
     for spec in specs:
-        model = latency_model(spec.name, shape)
+        model = LatencyModel(spec.sim, shape)
         for point in scenario.points():
             requests = point.num_requests + scenario.warmup_requests
             modelled = point_seconds(model, point.input_len, scenario.output_len, requests, point.concurrency,

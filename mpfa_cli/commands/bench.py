@@ -168,13 +168,12 @@ def serve_sim(
     die_after_requests: Annotated[Optional[int], typer.Option(help="Exit abruptly after this many completed requests (fault tests).")] = None,
 ) -> None:
     """Serve SGLang's HTTP API on a deterministic latency model (every number it produces is simulated)."""
-    from ...backends.specs import BACKENDS
+    from ..harness.engines import serving_backend
     from ..harness.server import port_free
     from ..harness.sim_server import run_sim_server
 
     if not port_free(port, host):
         raise UserError(f"port {port} on {host} is already in use")
-    if backend not in BACKENDS:
-        raise UserError(f"unknown backend '{backend}'; valid: {', '.join(BACKENDS)}")
+    serving_backend(backend)
     run_sim_server(host, port, backend, model=model, time_scale=time_scale, prefill_kernel=prefill_kernel,
                    startup_delay=startup_delay, die_after_requests=die_after_requests)

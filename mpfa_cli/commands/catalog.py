@@ -16,10 +16,11 @@ def backends(
     model: Annotated[str, typer.Option(help="The served model whose heads choose MpFA's prefill kernel: bundled config name or model directory.")] = "llama-3.1-8b",
     prefill_kernel: PrefillKernelOption = None,
 ) -> None:
-    """List the backends, the kernels each runs for the model, and whether each can run on SGLang here."""
+    """List the backends, the kernels each runs for the model, and whether each can run on SGLang here; then the
+    kernel-bench-only variants (`mpfa profile prefill|decode`)."""
     from rich.table import Table
 
-    from ...backends.specs import BACKENDS
+    from ...backends.specs import BACKENDS, KERNEL_VARIANTS
     from ..reports.tables import folding
     from ..harness.scenario import load_model_shape
     from ..harness.served_kernels import check_prefill_kernel, describe_kernels, launch_page_size, served_kernels
@@ -42,6 +43,13 @@ def backends(
         kernels = served_kernels(spec, shape.q_heads, shape.kv_heads, launch_page_size(spec), prefill_kernel)
         table.add_row(spec.name, spec.description, describe_kernels(kernels), " ".join(spec.sglang_args), state)
     console.print(folding(table))
+    variants = Table(title="Kernel-bench variants — mpfa profile prefill|decode only; no server runs them")
+    for col in ("name", "description", "its kernels served by"):
+        variants.add_column(col)
+    for variant in KERNEL_VARIANTS.values():
+        served_by = f"mpfa bench {variant.serve_as}" if variant.serve_as else "-"
+        variants.add_row(variant.name, variant.description, served_by)
+    console.print(folding(variants))
 
 
 @cli_errors

@@ -7,7 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ...backends.specs import BACKENDS, BackendSpec
+from ...backends.specs import BACKENDS, BackendSpec, UnknownBackend, backend_spec
 from ..errors import UserError
 from .scenario import is_bundled_model, model_dir
 
@@ -51,13 +51,20 @@ def resolve_engine(engine: str, url: str | None) -> str:
     return engine
 
 
+def serving_backend(name: str) -> BackendSpec:
+    """The registered serving backend `name`; a UserError says which names are valid (or how to serve the kernels
+    of a kernel-bench variant)."""
+    try:
+        return backend_spec(name)
+    except UnknownBackend as exc:
+        raise UserError(str(exc)) from None
+
+
 def resolve_backends(names: str, engine: str) -> list[BackendSpec]:
     """Validate a comma-separated backend list; on the SGLang engine, check each one can run here."""
     specs = []
     for name in [n.strip() for n in names.split(",") if n.strip()]:
-        if name not in BACKENDS:
-            raise UserError(f"unknown backend '{name}'; valid: {', '.join(BACKENDS)}")
-        spec = BACKENDS[name]
+        spec = serving_backend(name)
         if engine == "sglang" and (missing := spec.missing()):
             what = "the MpFA SGLang plugin is not built yet" if spec.plugin in missing else "missing packages"
             raise UserError(

@@ -2,8 +2,9 @@
 
 The simulator (`mpfa serve-sim`) sleeps for these times so the whole benchmark path (scheduling, streaming,
 client, metrics, store, reports) can run without a GPU. The numbers are a roofline sketch of one H200 serving
-one model; the per-backend efficiencies are plausible assumptions chosen to make the backends differ the way
-their designs suggest, never results. Nothing measured on the simulator says anything about real kernels.
+one model; the per-backend efficiencies and K/V bytes (each backend's `SimulatedCosts`, declared with its spec)
+are plausible assumptions chosen to make the backends differ the way their designs suggest, never results.
+Nothing measured on the simulator says anything about real kernels.
 
 Notation: P = parameters that take part in the per-token matmuls (all layers + LM head), W = weight bytes,
 L = layers, H = query heads, d = head dim, Hkv = KV heads, F = dense BF16 peak FLOP/s, B = HBM bandwidth.
@@ -22,6 +23,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from ...backends.specs import BF16_BYTES_PER_ELEMENT, SimulatedCosts
+
 # One H200 (SXM), from the public spec sheet.
 HBM_BYTES = 141e9
 HBM_BANDWIDTH = 4.8e12  # bytes/s
@@ -31,11 +34,6 @@ DENSE_BF16_FLOPS = 989e12
 GEMM_EFFICIENCY = 0.6
 WEIGHT_STREAM_EFFICIENCY = 0.8
 MEM_FRACTION_STATIC = 0.85  # share of HBM for weights + KV cache, as SGLang's --mem-fraction-static
-
-# NVFP4: a 4-bit value per element plus one FP8 (E4M3) scale per 16 elements.
-NVFP4_BYTES_PER_ELEMENT = 0.5 + 1 / 16
-FP8_BYTES_PER_ELEMENT = 1.0
-BF16_BYTES_PER_ELEMENT = 2.0
 
 
 @dataclass(frozen=True)
@@ -86,57 +84,16 @@ class ModelShape:
 
 
 @dataclass(frozen=True)
-class SimBackendModel:
-    """What distinguishes one attention backend in the simulation (assumed, see the module docstring).
-
-    Only timing and cache sizes: what the simulator reports the backend to be (attention backend, KV dtype, page
-    size) comes from its `BackendSpec`, the one place that says what SGLang reports for it.
-    """
-
-    name: str  # a key of mpfa.backends.specs.BACKENDS
-    k_bytes_per_element: float
-    v_bytes_per_element: float
-    attention_efficiency: float  # prefill attention FLOP/s as a fraction of the dense BF16 peak
-    kv_bandwidth_efficiency: float  # decode KV reads as a fraction of HBM bandwidth
-    step_overhead_s: float  # scheduling and launch cost of one batch step
-
-
-SIM_BACKENDS: dict[str, SimBackendModel] = {
-    m.name: m
-    for m in [
-        SimBackendModel("fa4-bf16", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.55, kv_bandwidth_efficiency=0.80, step_overhead_s=0.5e-3),
-        # FA3 as SGLang serves it on Hopper, assumed (not measured by this project yet): BF16 decode near the copy
-        # bandwidth, a less efficient FP8 decode path, FP8 prefill through a page table a little faster than BF16.
-        SimBackendModel("fa3-bf16", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.60, kv_bandwidth_efficiency=0.90, step_overhead_s=0.5e-3),
-        SimBackendModel("fa3-fp8", FP8_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.66, kv_bandwidth_efficiency=0.60, step_overhead_s=0.5e-3),
-        SimBackendModel("flashinfer-fp8", FP8_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.40, kv_bandwidth_efficiency=0.75, step_overhead_s=0.6e-3),
-        SimBackendModel("triton-bf16", BF16_BYTES_PER_ELEMENT, BF16_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.30, kv_bandwidth_efficiency=0.65, step_overhead_s=0.6e-3),
-        # MpFA: NVFP4 K + FP8 V is (0.5625 + 1) / 2 = 0.78 of an FP8 cache; centering and the rank-one ΔS
-        # correction are assumed to cost a little attention throughput and bandwidth efficiency.
-        SimBackendModel("mpfa", NVFP4_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.48, kv_bandwidth_efficiency=0.70, step_overhead_s=0.6e-3),
-        SimBackendModel("mpfa-direct", NVFP4_BYTES_PER_ELEMENT, FP8_BYTES_PER_ELEMENT,
-                        attention_efficiency=0.50, kv_bandwidth_efficiency=0.72, step_overhead_s=0.6e-3),
-    ]
-}
-
-
-@dataclass(frozen=True)
 class LatencyModel:
     """Simulated step times of one backend serving one model (seconds, before any time scaling)."""
 
-    backend: SimBackendModel
+    costs: SimulatedCosts  # the backend's, from its spec
     model: ModelShape
 
     @property
     def kv_bytes_per_token(self) -> float:
         m = self.model
-        return m.layers * m.kv_heads * m.head_dim * (self.backend.k_bytes_per_element + self.backend.v_bytes_per_element)
+        return m.layers * m.kv_heads * m.head_dim * (self.costs.k_bytes_per_element + self.costs.v_bytes_per_element)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -156,21 +113,15 @@ class LatencyModel:
             raise ValueError("a prefill step needs at least one prompt")
         m = self.model
         pairs = sum(n * (n + 1) / 2 for n in prompt_lens)
-        attention = 4 * m.layers * m.q_heads * m.head_dim * pairs / (self.backend.attention_efficiency * DENSE_BF16_FLOPS)
-        return self.backend.step_overhead_s + self._linear_seconds(sum(prompt_lens)) + attention
+        attention = 4 * m.layers * m.q_heads * m.head_dim * pairs / (self.costs.attention_efficiency * DENSE_BF16_FLOPS)
+        return self.costs.step_overhead_s + self._linear_seconds(sum(prompt_lens)) + attention
 
     def decode_step_seconds(self, context_lens: Sequence[int]) -> float:
         """One decode step for running requests whose KV caches hold these many tokens each."""
         if not context_lens:
             raise ValueError("a decode step needs at least one running request")
-        kv_read = sum(context_lens) * self.kv_bytes_per_token / (self.backend.kv_bandwidth_efficiency * HBM_BANDWIDTH)
-        return self.backend.step_overhead_s + self._linear_seconds(len(context_lens)) + kv_read
-
-
-def latency_model(backend: str, model: ModelShape) -> LatencyModel:
-    if backend not in SIM_BACKENDS:
-        raise ValueError(f"unknown simulated backend '{backend}'; valid: {', '.join(SIM_BACKENDS)}")
-    return LatencyModel(SIM_BACKENDS[backend], model)
+        kv_read = sum(context_lens) * self.kv_bytes_per_token / (self.costs.kv_bandwidth_efficiency * HBM_BANDWIDTH)
+        return self.costs.step_overhead_s + self._linear_seconds(len(context_lens)) + kv_read
 
 
 def point_seconds(model: LatencyModel, input_len: int, output_len: int, num_requests: int,

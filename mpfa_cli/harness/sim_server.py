@@ -10,7 +10,7 @@ carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts
 With `return_logprob` set, `/generate` answers with SGLang's logprob fields (`input_token_logprobs`,
 `output_token_logprobs`, and with `top_logprobs_num` > 0 `input_top_logprobs` / `output_top_logprobs`) in
 SGLang's layout. Their values are SIMULATED and meaningless as accuracy: a hash of the prompt and the position,
-plus a small hash-based perturbation whose size depends only on the backend's name (`SIM_LOGPROB_PERTURBATION`),
+plus a small hash-based perturbation whose size the backend's spec sets (`SimulatedCosts.logprob_perturbation`),
 so that `mpfa logits` has deterministic, backend-dependent numbers to compare on a machine without a GPU.
 
 One scheduler task runs the batch: it admits waiting requests while the KV cache has room for their prompt
@@ -40,17 +40,14 @@ import numpy as np
 import orjson
 from aiohttp import web
 
-from ...backends.specs import BACKENDS, BackendSpec
+from ...backends.specs import BackendSpec, backend_spec
 from .client import new_event_loop
-from .latency_model import LatencyModel, ModelShape, latency_model
+from .latency_model import LatencyModel, ModelShape
 from .scenario import load_model_shape
 from .served_kernels import launch_page_size, served_kernels
 from .serving_workload import hashed_token_ids
 
 MAX_RUNNING_REQUESTS = 1024
-# Half-width of the simulator's per-backend logprob perturbation: arbitrary, only so that backends differ.
-SIM_LOGPROB_PERTURBATION = {"fa4-bf16": 0.0, "fa3-bf16": 0.0, "triton-bf16": 1e-3, "flashinfer-fp8": 1e-2,
-                            "fa3-fp8": 1.5e-2, "mpfa": 2e-2, "mpfa-direct": 4e-2}
 LATE_TOLERANCE_S = 2e-3  # a step that starts later than this behind schedule starts from now (no catch-up burst)
 DIE_EXIT_CODE = 3
 # With a load hint (wall seconds): how long a phase's first burst of requests, or a closed loop's replacement of a
@@ -368,8 +365,8 @@ class SimServer:
             raise ValueError(f"startup_delay must be >= 0, got {startup_delay}")
         if die_after_requests is not None and die_after_requests < 1:
             raise ValueError(f"die_after_requests must be >= 1, got {die_after_requests}")
-        self.latency = latency_model(backend, model)
-        spec = BACKENDS[backend]
+        self.spec = spec = backend_spec(backend)
+        self.latency = LatencyModel(spec.sim, model)
         self.kernels = served_kernels(spec, model.q_heads, model.kv_heads, launch_page_size(spec), prefill_kernel,
                                       source="simulated")
         self.time_scale = time_scale
@@ -408,11 +405,10 @@ class SimServer:
         return web.Response(text="ok") if self.ready else _error(503, "server is starting")
 
     async def server_info(self, request: web.Request) -> web.Response:
-        backend = self.latency.backend
         return web.json_response({
             "simulated": True,
-            "sim_backend": backend.name,
-            **reported_server_args(BACKENDS[backend.name]),
+            "sim_backend": self.spec.name,
+            **reported_server_args(self.spec),
             "kernels": self.kernels,
             "max_total_num_tokens": self.latency.kv_capacity_tokens,
             "max_running_requests": MAX_RUNNING_REQUESTS,
@@ -501,7 +497,7 @@ class SimServer:
             if parsed.logprob_start_len >= parsed.input_ids.size:
                 raise BadRequest(f"logprob_start_len ({parsed.logprob_start_len}) must be < the prompt length "
                                  f"({parsed.input_ids.size})")
-            sim.logprobs = SimLogprobs(self.latency.backend.name, digest, parsed.input_ids.tolist(), output_ids,
+            sim.logprobs = SimLogprobs(self.spec, digest, parsed.input_ids.tolist(), output_ids,
                                        parsed.logprob_start_len, parsed.top_logprobs_num)
         if self.trace is not None:
             sim.sent = []
@@ -597,16 +593,16 @@ def echoed_ids(prompt: list[int], digest: str, count: int) -> list[int]:
 class SimLogprobs:
     """SIMULATED logprobs in SGLang 0.5.15's layout (`[logprob, token_id, null]` entries, null for prompt
     position 0, which nothing predicts). Meaningless as accuracy: position p of the sequence prompt + output gets
-    -(0.05 + 12 u) with u a hash of (prompt, p), plus a perturbation of half-width SIM_LOGPROB_PERTURBATION[backend]
-    hashed from (backend, prompt, p). The top-1 prediction is a hashed token at -0.01 for prompt positions, the
-    generated token itself for output positions (greedy)."""
+    -(0.05 + 12 u) with u a hash of (prompt, p), plus a perturbation hashed from (backend, prompt, p) whose
+    half-width is the backend's `SimulatedCosts.logprob_perturbation`. The top-1 prediction is a hashed token at
+    -0.01 for prompt positions, the generated token itself for output positions (greedy)."""
 
-    def __init__(self, backend: str, digest: str, input_ids: list[int], output_ids: list[int], start: int,
+    def __init__(self, backend: BackendSpec, digest: str, input_ids: list[int], output_ids: list[int], start: int,
                  top_n: int) -> None:
         total = len(input_ids) + len(output_ids)
         base = -(0.05 + 12.0 * _hash_unit(f"mpfa-sim-logprob:{digest}".encode(), total))
-        noise = (2.0 * _hash_unit(f"mpfa-sim-logprob:{backend}:{digest}".encode(), total) - 1.0)
-        self.values = (base + SIM_LOGPROB_PERTURBATION.get(backend, 0.0) * noise).tolist()
+        noise = (2.0 * _hash_unit(f"mpfa-sim-logprob:{backend.name}:{digest}".encode(), total) - 1.0)
+        self.values = (base + backend.sim.logprob_perturbation * noise).tolist()
         self.input_ids, self.output_ids = input_ids, output_ids
         self.start, self.top_n = start, top_n
         self.top_ids = hashed_token_ids(f"mpfa-sim-top:{digest}".encode(), total)

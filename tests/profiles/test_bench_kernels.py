@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import pytest
 
+from mpfa.backends.specs import kernel_benches
 from mpfa.profiles.attention_workload import MPFA, AttentionWorkload
 from mpfa.profiles.bench_kernels import bytes_read, format_prefill_table, format_table, table_title
 from mpfa.profiles.kernels_mpfa import MpfaAdapter
-from mpfa.profiles.registry import ADAPTERS, adapter_for
+from mpfa.profiles.registry import adapter_for
 from mpfa.profiles.profile_result import ERROR, OK, BackendResult
 from mpfa.profiles.timing import summarize
 
@@ -28,7 +29,7 @@ def test_bytes_read_counts_cache_indices_and_partials():
 def test_mpfa_backends_name_the_prefill_kernel_and_share_the_decode():
     """``mpfa`` runs the dispatched prefill kernel, ``mpfa-exact`` / ``mpfa-mma-sync`` name theirs, ``mpfa-direct``
     the direct builds; every one runs the same split-KV decode, so each reads the same bytes there."""
-    mpfa_backends = [name for name in ADAPTERS if name.startswith("mpfa")]
+    mpfa_backends = [name for name in kernel_benches() if name.startswith("mpfa")]
     assert mpfa_backends == ["mpfa", "mpfa-direct", "mpfa-exact", "mpfa-mma-sync"]
     assert [adapter_for(name).prefill_kernel for name in mpfa_backends] == [None, None, "exact", "mma-sync"]
     assert [adapter_for(name).compensate for name in mpfa_backends] == [True, False, True, True]

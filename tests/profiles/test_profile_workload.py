@@ -4,9 +4,10 @@ import itertools
 
 import pytest
 
+from mpfa.backends.specs import kernel_benches
 from mpfa.profiles.attention_workload import (BF16, BF16_Q_FP8_KV, MPFA, AttentionWorkload, add_workload_arguments,
                                               parse_heads, parse_seq, workload_arguments, workload_from_arguments)
-from mpfa.profiles.registry import ADAPTERS, parse_backends
+from mpfa.profiles.registry import adapter_for, parse_backends
 
 
 def _kept_pairs_by_mask(q_len: int, kv_len: int) -> int:
@@ -50,9 +51,9 @@ def test_bytes_hand_computed():
 def test_every_adapter_set_holds_at_least_what_it_needs():
     for kind in ("prefill", "decode"):
         workload = AttentionWorkload(kind, 1000, 3, 32, 8, 128)  # 1000 is not a multiple of FA4's page 128
-        for adapter in ADAPTERS.values():
+        for adapter in map(adapter_for, kernel_benches()):
             assert adapter.set_bytes(workload) >= workload.bytes_needed(adapter.tensor_format)
-    fa4 = ADAPTERS["fa4-bf16"]
+    fa4 = adapter_for("fa4-bf16")
     decode = AttentionWorkload("decode", 1000, 3, 32, 8, 128)
     # 1000 tokens occupy 8 pages of 128 = 1024 slots per sequence.
     assert fa4.set_bytes(decode) == 2 * (2 * 3 * 32 * 128 + 2 * 3 * 1024 * 8 * 128)

@@ -5,10 +5,10 @@ import json
 
 import pytest
 
+from mpfa.backends.specs import BACKENDS
 from mpfa.mpfa_cli.accuracy.logits import (LogitsResult, ResponseError, Row, Sample, compare, first_divergence,
                                            parse_response, reference_stats, request_body)
 from mpfa.mpfa_cli.harness.serving_workload import make_prompt
-from mpfa.mpfa_cli.harness.sim_server import SIM_LOGPROB_PERTURBATION
 
 
 def response(prompt: list[int], output: list[int], prompt_lps: list[float], output_lps: list[float],
@@ -143,7 +143,7 @@ def test_sim_returns_sglang_logprob_layout_deterministically(start_sim):
     a, b = parse_response(body, prompt, 6), parse_response(_logprob_answer(other, prompt, 6), prompt, 6)
     assert parse_response(_logprob_answer(ref, prompt, 6), prompt, 6) == a  # deterministic
     row = compare("mpfa-direct", 50, [a], [b])
-    assert 0 < row.prefill_max_abs <= SIM_LOGPROB_PERTURBATION["mpfa-direct"]
+    assert 0 < row.prefill_max_abs <= BACKENDS["mpfa-direct"].sim.logprob_perturbation
     assert row.decode_identical == 1.0 and row.prefill_top1_agree == 1.0
 
 

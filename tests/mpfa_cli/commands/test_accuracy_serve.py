@@ -12,6 +12,7 @@ from pathlib import Path
 
 import psutil
 
+from mpfa.backends.specs import backend_spec
 from mpfa.mpfa_cli.harness.sim_server import SimLogprobs, echoed_ids, prompt_digest
 from mpfa.mpfa_cli.results.store import ResultStore
 from mpfa.mpfa_cli.accuracy.tasks.items import ChoiceItem
@@ -36,7 +37,7 @@ def _expected(cell, backend: str, tok: ByteTokenizer) -> tuple[list[float], list
             sums = []
             for choice in item.choices:
                 ids = [*item.context, *choice]
-                lp = SimLogprobs(backend, prompt_digest(ids), ids, echoed_ids(ids, prompt_digest(ids), 1),
+                lp = SimLogprobs(backend_spec(backend), prompt_digest(ids), ids, echoed_ids(ids, prompt_digest(ids), 1),
                                  len(item.context) - 1, 0)
                 sums.append(sum(lp.values[len(item.context):len(ids)]))
             pick = best_choice(sums)

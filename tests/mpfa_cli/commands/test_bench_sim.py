@@ -93,6 +93,13 @@ def test_unknown_backend_and_scenario_exit_2(mpfa) -> None:
     assert result.returncode == 2 and "unknown scenario 'huge'; valid:" in result.stderr
 
 
+def test_a_kernel_bench_variant_is_refused_with_how_to_serve_its_kernels(mpfa) -> None:
+    result = mpfa("bench", "--backend", "mpfa-exact")
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert "'mpfa-exact' is a kernel-bench variant" in result.stderr
+    assert "serve its kernels with `mpfa bench --backend mpfa --prefill-kernel exact`" in " ".join(result.stderr.split())
+
+
 def test_unknown_api_is_one_line(mpfa) -> None:
     result = mpfa("bench", "--api", "nope")
     assert result.returncode == 2 and "--api: 'nope' is not one of sglang, openai" in result.stderr

@@ -8,7 +8,7 @@ import pytest
 
 from mpfa.backends.specs import BACKENDS
 from mpfa.mpfa_cli.bench.runner import verify_server
-from mpfa.mpfa_cli.harness.latency_model import latency_model
+from mpfa.mpfa_cli.harness.latency_model import LatencyModel
 from mpfa.mpfa_cli.harness.serving_workload import make_prompt
 from mpfa.mpfa_cli.harness.sim_server import load_model_shape
 
@@ -115,7 +115,7 @@ def test_server_info_reports_backend_as_sglang_would(start_sim):
     verify_server(json.loads(start_sim("mpfa-direct").get("/get_server_info")[1]), BACKENDS["mpfa-direct"])
     shape = load_model_shape("qwen3-14b")
     assert info["model_path"] == "qwen3-14b"
-    assert info["max_total_num_tokens"] == latency_model("flashinfer-fp8", shape).kv_capacity_tokens
+    assert info["max_total_num_tokens"] == LatencyModel(BACKENDS["flashinfer-fp8"].sim, shape).kv_capacity_tokens
     assert info["page_size"] == 1 and "version" in info
     for path in ("/start_profile", "/stop_profile"):
         assert server.post(path)[0] == 200
@@ -136,7 +136,7 @@ def test_startup_delay_answers_503_until_ready(start_sim):
 def test_request_takes_at_least_the_modelled_time(start_sim):
     scale = 0.05
     server = start_sim("triton-bf16", time_scale=scale)
-    model = latency_model("triton-bf16", load_model_shape("llama-3.1-8b"))
+    model = LatencyModel(BACKENDS["triton-bf16"].sim, load_model_shape("llama-3.1-8b"))
     prompt, max_new = make_prompt(seed=15, index=0, input_len=4096), 20
     modelled = model.prefill_seconds([4096]) + sum(model.decode_step_seconds([4096 + i]) for i in range(1, max_new))
     start = time.perf_counter()
