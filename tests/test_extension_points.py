@@ -1,6 +1,7 @@
-"""A backend is declared once: a toy registered through the registry alone (an extension module that
-`$MPFA_EXTENSIONS` names, written by the test, never shipped) shows in `mpfa backends`, runs on the simulator with
-its own latency-model costs, and its runs reach compare's table, the gate and the export."""
+"""A backend and a metric are each declared once: a toy of each, registered through their registries alone (an
+extension module that `$MPFA_EXTENSIONS` names, written by the test, never shipped), shows in `mpfa backends` and
+`mpfa metrics --explain`; the toy backend runs on the simulator with its own latency-model costs, and its runs,
+with the toy metric, reach compare's table, the gate and the export."""
 from __future__ import annotations
 
 import json
@@ -13,9 +14,17 @@ from typing import Callable
 import pytest
 
 TOY = "toy-bf16"
+TOY_METRIC = "toy_tokens_per_request"
+OUTPUT_LEN = 8  # every simulated request produces this many tokens: the toy metric's value
 # Declared more efficient than fa4-bf16 in every simulated cost, so its modelled OTPS must come out higher.
 TOY_MODULE = f'''
 from mpfa.backends.specs import BF16_BYTES_PER_ELEMENT, BackendSpec, SimulatedCosts, register_backend
+from mpfa.mpfa_cli.results.metrics.registry import Report, RunValue, register
+
+register(RunValue(
+    name="{TOY_METRIC}", header="toy", unit="tok/req", better="higher", shown=Report.COMPARE | Report.GATE,
+    explanation="Toy: output tokens per successful request.",
+    value=lambda run: sum(r.output_tokens for r in run.ok) / len(run.ok) if run.ok else None))
 
 register_backend(BackendSpec(
     name="{TOY}",
@@ -26,9 +35,9 @@ register_backend(BackendSpec(
                        kv_bandwidth_efficiency=0.95, step_overhead_s=0.1e-3),
 ))
 '''
-SCENARIO = '''model = "llama-3.1-8b"
+SCENARIO = f'''model = "llama-3.1-8b"
 input_len = 256
-output_len = 8
+output_len = {OUTPUT_LEN}
 num_requests = 6
 warmup_requests = 1
 concurrency = [2]
@@ -57,10 +66,12 @@ def mpfa(tmp_path: Path) -> Mpfa:
     return run
 
 
-def test_a_registered_backend_reaches_every_command(mpfa: Mpfa, tmp_path: Path) -> None:
+def test_a_registered_backend_and_metric_reach_every_command(mpfa: Mpfa, tmp_path: Path) -> None:
     listed = mpfa("backends")
     assert listed.returncode == 0, listed.stderr
     assert TOY in listed.stdout and "A toy backend that a test registers" in listed.stdout
+    explained = mpfa("metrics", "--explain")
+    assert f"{TOY_METRIC} (tok/req; higher is better): Toy: output tokens per successful request." in explained.stdout
 
     scenario = tmp_path / "toy.toml"
     scenario.write_text(SCENARIO)
@@ -70,15 +81,18 @@ def test_a_registered_backend_reaches_every_command(mpfa: Mpfa, tmp_path: Path) 
 
     table = mpfa("compare")
     assert table.returncode == 0, table.stderr
-    assert TOY in table.stdout
+    assert TOY in table.stdout and "toy (tok/req)" in table.stdout
     rows = json.loads(mpfa("compare", "--ref", "fa4-bf16", "--format", "json").stdout)
     [toy_otps] = [r for r in rows if r["backend"] == TOY and r["metric"] == "otps"]
     assert toy_otps["simulated"] and toy_otps["speedup"] > 1  # the latency model ran on the toy's own costs
+    assert {r["mean"] for r in rows if r["backend"] == TOY and r["metric"] == TOY_METRIC} == {OUTPUT_LEN}
 
     baseline = tmp_path / "baseline.json"
     written = mpfa("gate", "--baseline", str(baseline), "--write-baseline")
     assert written.returncode == 0, written.stderr
-    assert TOY in {entry["backend"] for entry in json.loads(baseline.read_text())["entries"]}
+    entries = json.loads(baseline.read_text())["entries"]
+    assert TOY in {entry["backend"] for entry in entries}
+    assert any(TOY_METRIC in json.dumps(entry) for entry in entries if entry["backend"] == TOY)
     gated = mpfa("gate", "--baseline", str(baseline))
     assert gated.returncode == 0, gated.stderr
     assert "Gate passed" in gated.stdout and TOY in gated.stdout
@@ -87,6 +101,7 @@ def test_a_registered_backend_reaches_every_command(mpfa: Mpfa, tmp_path: Path) 
     assert exported.returncode == 0, exported.stderr
     [run] = json.loads(exported.stdout)["runs"]
     assert (run["backend"], run["simulated"], run["server_info"]["attention_backend"]) == (TOY, True, "toy")
+    assert run["summary"][TOY_METRIC] == OUTPUT_LEN
 
 
 def test_a_failing_extension_is_one_line(mpfa: Mpfa, tmp_path: Path) -> None:
