@@ -21,10 +21,10 @@ its speed at 32:8, each against FA4-BF16: docs/kernels.md) runs when named.
 
 Decode has one kernel, ``split-kv`` (split-KV partitions, then a merge kernel), with the paper's numerics.
 
-The override is ``MPFA_PREFILL_KERNEL`` or a ``kernel`` argument, checked in one place (`requested_prefill_kernel`):
-the SGLang plugin's ``--mpfa-prefill-kernel`` (which sets the variable for every process of the server), `mpfa
---prefill-kernel` and the kernel benchmarks' ``mpfa-<kernel>`` backends all pass through it. Host-side only:
-importing this module imports no CuTe DSL.
+The override is ``MPFA_PREFILL_KERNEL`` or a ``kernel`` argument, checked in one place (`requested_prefill_kernel`,
+which looks the name up with `prefill_kernel_spec`): the SGLang plugin's ``--mpfa-prefill-kernel`` (which sets the
+variable for every process of the server), `mpfa --prefill-kernel` and the kernel benchmarks' ``mpfa-<kernel>``
+backends all pass through it. Host-side only: importing this module imports no CuTe DSL.
 """
 
 from __future__ import annotations
@@ -114,16 +114,20 @@ def wgmma_fits(num_q_heads: int, num_kv_heads: int, page_size: int) -> bool:
             and num_q_heads // num_kv_heads in WGMMA_GROUPS and page_size >= WGMMA_MIN_PAGE)
 
 
+def prefill_kernel_spec(name: str | None, source: str = "kernel") -> PrefillKernel:
+    """The declaration of prefill kernel ``name`` (case-insensitive); any other name is a ValueError that says
+    ``source`` must be one of the declared kernels."""
+    choice = name.strip().lower() if isinstance(name, str) else name
+    if choice not in PREFILL_KERNELS:
+        raise ValueError(f"{source} must be one of {', '.join(PREFILL_KERNELS)}, got {choice!r}")
+    return PREFILL_KERNELS[choice]
+
+
 def requested_prefill_kernel(kernel: str | None = None) -> str | None:
     """``kernel``, else ``MPFA_PREFILL_KERNEL``, checked (None: neither is set); case-insensitive."""
     source = "kernel" if kernel is not None else PREFILL_KERNEL_ENV
     choice = kernel if kernel is not None else os.environ.get(PREFILL_KERNEL_ENV) or None
-    if choice is None:
-        return None
-    choice = choice.strip().lower()
-    if choice not in PREFILL_KERNELS:
-        raise ValueError(f"{source} must be one of {', '.join(PREFILL_KERNELS)}, got {choice!r}")
-    return choice
+    return None if choice is None else prefill_kernel_spec(choice, source).name
 
 
 def prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int, kernel: str | None = None) -> str:

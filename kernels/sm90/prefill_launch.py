@@ -38,7 +38,7 @@ _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
 def kernel_block_m(group: int, kernel: str) -> int:
     """Query rows per CTA of prefill ``kernel`` (a `dispatch.PREFILL_KERNELS` name) for GQA ``group``: the grid's
     row blocks are ``ceil(max_seqlen_q / block_m)``."""
-    if dispatch.PREFILL_KERNELS[kernel].wgmma:
+    if dispatch.prefill_kernel_spec(kernel).wgmma:
         return 2 * warpgroup_rows(group)  # two warpgroups of rows
     return WARP_ROWS * cta_shape(group)[1]
 
@@ -102,7 +102,7 @@ def ablation_ladder(kernel: str) -> tuple:
     from .ablation import LADDER
 
     ablated = next(k.name for k in dispatch.PREFILL_KERNELS.values() if k.ablations)
-    _require(dispatch.PREFILL_KERNELS[kernel].ablations,
+    _require(dispatch.prefill_kernel_spec(kernel).ablations,
              f"the compile-time ablations exist for the {ablated} prefill kernel only, got {kernel} "
              f"(pin it with {dispatch.PREFILL_KERNEL_ENV}={ablated})")
     return LADDER
