@@ -1,7 +1,9 @@
 """Reference attention: the oracle the CuTe kernels are tested against.
 
 One tiled implementation of FlashAttention-2's forward pass (MpFA's Algorithm 1), run with the operand formats of a
-named variant, plus a dense float64 reference and the split-KV decode form.
+named variant, plus a dense float64 reference and the split-KV decode form. `VARIANTS` is the registry of numerics:
+a variant's name is what the rest of the project calls a ``numerics`` (`BackendSpec.numerics`,
+`BackendVariant.numerics`, a kernel's in `mpfa.kernels.sm90.dispatch`).
 
 Layouts (flash-attn varlen): q [total_q, Hq, d]; k, v [total_k, Hkv, d] packed, or a paged cache
 [num_pages, page_size, Hkv, d] with page_table [batch, max_pages] (token t of sequence b lives in page
@@ -74,7 +76,7 @@ class VariantSpec:
 # calibration saw): name -> the variant they run. Calibration is the caller's (`accuracy`, `tasks.attention_swap`).
 CALIBRATED = {"fp8-calibrated": "fp8"}
 
-VARIANTS: dict[str, VariantSpec] = {
+VARIANTS: dict[str, VariantSpec] = {  # the numerics registry: numerics name -> its operand formats
     spec.name: spec
     for spec in (
         VariantSpec("float64", "exact", "exact", "exact", "exact", False, "float64 throughout, no quantization"),

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Callable
 
 from ..mpfa_cli.errors import ProfileError
 from ..kernels.kv_capacity import kv_bytes_per_token
+from ..kernels.sm90.dispatch import requested_prefill_kernel
 from .attention_workload import MPFA, AttentionWorkload
 from .inputs import random_tensor
 from .kernel_adapter import PreparedKernel, sequential_page_table
@@ -56,13 +57,13 @@ class MpfaAdapter:
     kernel_regex = "SplitKVDecode|PrefillSm90"
 
     def __init__(self, prefill_kernel: str | None = None, compensate: bool = True):
-        """``prefill_kernel``: "fp8", "exact" or "mma-sync" names the prefill kernel (backend ``mpfa-<kernel>``);
-        None: `dispatch.prefill_kernel`'s choice. ``compensate`` False: the direct builds (backend
-        ``mpfa-direct``)."""
-        self.prefill_kernel = prefill_kernel
+        """``prefill_kernel``: a `dispatch.PREFILL_KERNELS` name names the prefill kernel (backend
+        ``mpfa-<kernel>``), checked by `dispatch.requested_prefill_kernel`; None: `dispatch.prefill_kernel`'s
+        choice. ``compensate`` False: the direct builds (backend ``mpfa-direct``)."""
+        self.prefill_kernel = None if prefill_kernel is None else requested_prefill_kernel(prefill_kernel)
         self.compensate = compensate
-        if prefill_kernel is not None:
-            self.name = f"mpfa-{prefill_kernel}"
+        if self.prefill_kernel is not None:
+            self.name = f"mpfa-{self.prefill_kernel}"
         elif not compensate:
             self.name = "mpfa-direct"
 
@@ -180,6 +181,7 @@ def _prepare_prefill(w: AttentionWorkload, num_sets: int, device, generator, mea
 
     name = prefill_kernel(w.q_heads, w.kv_heads, PAGE_SIZE, kernel)
     build = "" if compensate else ", direct build"
+    computes = PREFILL_KERNELS[name].computes
     return PreparedKernel(run, _dense_inputs, num_sets,
-                          f"Triton KV write + CuTe prefill, the {name} kernel{build} ({PREFILL_KERNELS[name]}, "
-                          f"causal), page {PAGE_SIZE}")
+                          f"Triton KV write + CuTe prefill, the {name} kernel{build} ({computes}, causal), "
+                          f"page {PAGE_SIZE}")

@@ -123,7 +123,7 @@ class MpfaAttention:
                                seq_lens_k_host=[b - a for a, b in zip(batch.cu_k, batch.cu_k[1:])])
         else:
             out = reference_extend(query, cache, batch.kv_slots, batch.cu_q, batch.cu_k,
-                                   variant=self.variant.reference_variant, sm_scale=sm_scale)
+                                   variant=self.variant.numerics, sm_scale=sm_scale)
         return out.to(q.dtype)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,

@@ -23,21 +23,27 @@ PREFILL_KERNEL_ARG = "--mpfa-prefill-kernel"
 
 
 class _ExportPrefillKernel(argparse._StoreAction):  # a store action: SGLang's --config files take only those
-    """Store the choice and export it as ``MPFA_PREFILL_KERNEL`` for the server's processes."""
+    """Check the choice (`dispatch.requested_prefill_kernel`), store it and export it as ``MPFA_PREFILL_KERNEL`` for
+    the server's processes."""
 
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
-        super().__call__(parser, namespace, values, option_string)
-        os.environ[dispatch.PREFILL_KERNEL_ENV] = values
+        try:
+            kernel = dispatch.requested_prefill_kernel(values)
+        except ValueError as error:
+            raise argparse.ArgumentError(self, str(error)) from None
+        super().__call__(parser, namespace, kernel, option_string)
+        os.environ[dispatch.PREFILL_KERNEL_ENV] = kernel
 
 
 def add_server_arguments(parser: argparse.ArgumentParser) -> None:
     """Add ``--mpfa-prefill-kernel`` to SGLang's server arguments."""
     parser.add_argument(
-        PREFILL_KERNEL_ARG, choices=tuple(dispatch.PREFILL_KERNELS), default=None, action=_ExportPrefillKernel,
+        PREFILL_KERNEL_ARG, metavar="{" + ",".join(dispatch.PREFILL_KERNELS) + "}", default=None,
+        action=_ExportPrefillKernel,
         help="MpFA attention backends: the sm90 prefill kernel (sets MPFA_PREFILL_KERNEL for every server "
              "process); default: fp8 where the model's shape fits it, else mma-sync. "
-             + "; ".join(f"{name}: {what}" for name, what in dispatch.PREFILL_KERNELS.items()))
+             + "; ".join(f"{name}: {k.computes}" for name, k in dispatch.PREFILL_KERNELS.items()))
 
 
 def check_prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int) -> str:
@@ -55,4 +61,4 @@ def log_kernels(backend: str, num_q_heads: int, num_kv_heads: int, page_size: in
     prefill = (f"sm90 {check_prefill_kernel(num_q_heads, num_kv_heads, page_size)}" if prefill_path == "kernel"
                else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
     logger.info("MpFA backend %s, %d:%d heads, pages of %d: decode = sm90 %s, prefill = %s", backend, num_q_heads,
-                num_kv_heads, page_size, dispatch.DECODE_KERNEL, prefill)
+                num_kv_heads, page_size, dispatch.DECODE_KERNEL.name, prefill)

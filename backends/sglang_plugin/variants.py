@@ -1,4 +1,4 @@
-"""The attention backends this plugin adds to SGLang and the numerics variant each one runs."""
+"""The attention backends this plugin adds to SGLang and the numerics each one computes."""
 
 from __future__ import annotations
 
@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 @dataclass(frozen=True)
 class BackendVariant:
-    """One SGLang ``--attention-backend`` name: its `mpfa.kernels.reference` variant and whether it centers Q/K
-    with frozen per-request means (and so stores means and a meaningful Delta_S)."""
+    """One SGLang ``--attention-backend`` name: its numerics (a `mpfa.kernels.reference.VARIANTS` name) and whether
+    it centers Q/K with frozen per-request means (and so stores means and a meaningful Delta_S)."""
 
     backend: str
-    reference_variant: str
+    numerics: str
     smoothing: bool
 
 

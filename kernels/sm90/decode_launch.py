@@ -15,8 +15,9 @@ from functools import lru_cache
 import torch
 
 from ..cache_layout import CenteredQuery, MpfaKVCache, check_head_dim, delta_s_row
-from .compile import compile_kernel, fake_tensor, target_sm90a
 from . import decode_layout as lay
+from . import dispatch
+from .compile import compile_kernel, fake_tensor, target_sm90a
 from .decode_layout import SCORE_SCALE_LOG2, TILE_KEYS
 
 HEAD_DIM = 128
@@ -112,7 +113,7 @@ class DecodeWorkspace:
 def compile_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_dtype: str = "BFloat16",
                            compensate: bool = True) -> tuple:
     """(split kernel, merge kernel) compiled for sm_90a; callable with torch tensors through TVM-FFI. The split
-    kernel is `dispatch.DECODE_KERNEL` (`decode.SplitKVDecodeSm90`), the merge `decode_merge.DecodeMergeSm90`.
+    kernel and the merge are `dispatch.DECODE_KERNEL`'s (`decode.SplitKVDecodeSm90`, `decode_merge.DecodeMergeSm90`).
     ``compensate`` False: the direct build (no Delta_S read)."""
     return _compiled_decode_kernels(num_kv_heads, group, page_size, out_dtype, compensate)
 
@@ -125,23 +126,21 @@ def _compiled_decode_kernels(num_kv_heads: int, group: int, page_size: int, out_
     import cutlass
     from cutlass import Float32, Int32
 
-    from .decode import SplitKVDecodeSm90
-    from .decode_merge import DecodeMergeSm90
-
+    split_class, merge_class = dispatch.DECODE_KERNEL.load_classes()
     hq, hkv, d = num_kv_heads * group, num_kv_heads, HEAD_DIM
     u8, f32 = cutlass.Uint8, Float32
     partials = (fake_tensor(f32, (None, hq, None)), fake_tensor(f32, (None, hq, None)),
                 fake_tensor(f32, (None, hq, None, d)))
     seq_lens = fake_tensor(Int32, (None,), align=4)
     split = compile_kernel(
-        SplitKVDecodeSm90(num_kv_heads, group, page_size, compensate),
+        split_class(num_kv_heads, group, page_size, compensate),
         fake_tensor(u8, (None, hq, d // 2)), fake_tensor(u8, (None, hq, d // 16), align=8),
         fake_tensor(u8, (None, hkv, d // 2)), fake_tensor(u8, (hkv, None, d // 16)),
         fake_tensor(u8, (None, hkv, d)), fake_tensor(cutlass.BFloat16, (hkv, None, delta_s_row(group))),
         fake_tensor(Int32, (None, None), align=4), seq_lens, *partials, Float32(1.0), Int32(TILE_KEYS),
     )
     merge = compile_kernel(
-        DecodeMergeSm90(getattr(cutlass, out_dtype)), *partials, seq_lens,
+        merge_class(getattr(cutlass, out_dtype)), *partials, seq_lens,
         fake_tensor(getattr(cutlass, out_dtype), (None, hq, d)), Float32(1.0), Int32(TILE_KEYS),
     )
     return split, merge

@@ -33,19 +33,12 @@ HEAD_DIM = 128
 TILE_KEYS = 32  # keys per ring-stage tile: a page holds whole tiles
 IMAGE_TILE_KEYS = 64  # keys per operand image of the fp8 kernel (`prefill_wgmma.TILE_KEYS`)
 _OUT_DTYPES = {torch.bfloat16: "BFloat16", torch.float32: "Float32"}
-KERNEL_CLASSES = {  # `dispatch` name -> (module, class) of the kernel (the fp8 kernel: its attention)
-    "fp8": ("mpfa.kernels.sm90.prefill_fp8", "PrefillSm90Fp8"),
-    "exact": ("mpfa.kernels.sm90.prefill_exact", "PrefillSm90Exact"),
-    "mma-sync": ("mpfa.kernels.sm90.prefill_mma_sync", "PrefillSm90MmaSync"),
-}
 
 
 def kernel_block_m(group: int, kernel: str) -> int:
     """Query rows per CTA of prefill ``kernel`` (a `dispatch.PREFILL_KERNELS` name) for GQA ``group``: the grid's
     row blocks are ``ceil(max_seqlen_q / block_m)``."""
-    _require(kernel in dispatch.PREFILL_KERNELS,
-             f"kernel must be one of {', '.join(dispatch.PREFILL_KERNELS)}, got {kernel!r}")
-    if kernel in dispatch.WGMMA_KERNELS:
+    if dispatch.prefill_kernel_spec(kernel).wgmma:
         return 2 * warpgroup_rows(group)  # two warpgroups of rows
     return WARP_ROWS * cta_shape(group)[1]
 
@@ -69,8 +62,6 @@ def compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal
 def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causal: bool, out_dtype: str, ablation,
                             kernel: str, compensate: bool):
     target_sm90a()
-    import importlib
-
     import cutlass
     from cutlass import Float32, Int32
 
@@ -82,34 +73,38 @@ def _compile_prefill_kernel(num_kv_heads: int, group: int, page_size: int, causa
              fake_tensor(Int32, (None, None), align=4))  # (+ the page table)
     lengths = fake_tensor(Int32, (None,), align=4), fake_tensor(Int32, (None,), align=4)  # cu_seqlens_q, seq_lens_k
     out = fake_tensor(getattr(cutlass, out_dtype), (None, hq, d))
-    module, class_name = KERNEL_CLASSES[kernel]
-    kernel_class = getattr(importlib.import_module(module), class_name)
-    if kernel == "fp8":
+    spec = dispatch.PREFILL_KERNELS[kernel]
+    kernel_class = spec.load_class()
+    options = {}
+    if spec.ablations:
         from .ablation import FULL
+
+        options["ablation"] = FULL if ablation is None else ablation
+    if spec.operand_pass_class is not None:
         from .prefill_fp8_layout import image_bytes
-        from .prefill_fp8_pass import OperandPass
         from .prefill_wgmma import TILE_KEYS as WGMMA_TILE_KEYS
 
         assert WGMMA_TILE_KEYS == IMAGE_TILE_KEYS
         images = fake_tensor(u8, (None, image_bytes(group))), fake_tensor(Int32, (None,), align=4)  # (+ starts)
-        operand_pass = OperandPass(num_kv_heads, group, page_size, compensate)
-        attention = kernel_class(num_kv_heads, group, page_size, causal, out_dtype, compensate,
-                                 ablation=FULL if ablation is None else ablation)
+        operand_pass = spec.load_operand_pass_class()(num_kv_heads, group, page_size, compensate)
+        attention = kernel_class(num_kv_heads, group, page_size, causal, out_dtype, compensate, **options)
         assert attention.block_m == kernel_block_m(group, kernel)
         return (compile_kernel(operand_pass, *cache, lengths[1], images[1], images[0], Int32(1), Int32(1)),
                 compile_kernel(attention, *query, *images, Int32(1), *lengths, out, Float32(1.0), Int32(1)))
-    launcher = kernel_class(num_kv_heads, group, page_size, causal, out_dtype, compensate)
+    launcher = kernel_class(num_kv_heads, group, page_size, causal, out_dtype, compensate, **options)
     assert launcher.block_m == kernel_block_m(group, kernel)
     return compile_kernel(launcher, *query, *cache, *lengths, out, Float32(1.0), Int32(1))
 
 
 def ablation_ladder(kernel: str) -> tuple:
-    """The cumulative ablation ladder of prefill ``kernel`` (`ablation.LADDER`: the fp8 kernel's); a clear error
-    for the others."""
+    """The cumulative ablation ladder of prefill ``kernel`` (`ablation.LADDER`: the fp8 kernel's, the one whose
+    declaration says ``ablations``); a clear error for the others."""
     from .ablation import LADDER
 
-    _require(kernel == "fp8", f"the compile-time ablations exist for the fp8 prefill kernel only, got {kernel} "
-                              f"(pin it with {dispatch.PREFILL_KERNEL_ENV}=fp8)")
+    ablated = next(k.name for k in dispatch.PREFILL_KERNELS.values() if k.ablations)
+    _require(dispatch.prefill_kernel_spec(kernel).ablations,
+             f"the compile-time ablations exist for the {ablated} prefill kernel only, got {kernel} "
+             f"(pin it with {dispatch.PREFILL_KERNEL_ENV}={ablated})")
     return LADDER
 
 
@@ -178,7 +173,7 @@ def mpfa_prefill(
     output [total_q, Hq, 128] (``out`` or new BF16). ``max_seqlen_q``: the longest query count (read from
     ``cu_seqlens_q`` with a host synchronisation when omitted; a smaller value leaves rows unwritten).
     ``kernel``: "fp8", "exact", "mma-sync" or None (`dispatch.prefill_kernel`'s choice); their numerics:
-    `dispatch.prefill_numerics`. ``compensate=False``: the direct build, for timing only (no Delta_S: the output of
+    `dispatch.PREFILL_KERNELS`. ``compensate=False``: the direct build, for timing only (no Delta_S: the output of
     an all-zero Delta_S). ``seq_lens_k_host``: the host's copy of ``seq_lens_k``, where the caller has one (the fp8
     kernel then sizes its operand images from the lengths instead of batch x the page table's width; it must equal
     ``seq_lens_k``)."""
@@ -219,7 +214,7 @@ def _prefill(ablation, query, cache, page_table, cu_seqlens_q, seq_lens_k, *, ma
     lam = float(torch.tensor(math.log2(math.e) * scale, dtype=torch.float32))
     u8 = torch.uint8
     num_m_blocks = -(-max_seqlen_q // kernel_block_m(group, name))
-    if name == "fp8":
+    if dispatch.PREFILL_KERNELS[name].operand_pass_class is not None:
         _prefill_on_images(compiled, query, cache, page_table, cu_seqlens_q, seq_lens_k, out,
                            lam * 2.0**SCORE_SCALE_LOG2, num_m_blocks, seq_lens_k_host)
         return out

@@ -46,12 +46,12 @@ def served_numerics(specs: list[BackendSpec], model: str, prefill_kernel: str | 
     where the reference has no such variant: its row is not checked)."""
     if not any(runs_mpfa_kernels(s) for s in specs):
         return {s.name: s.numerics for s in specs}
-    from ...kernels.sm90.dispatch import prefill_numerics
+    from ...kernels.sm90.dispatch import PREFILL_KERNELS
 
     mpfa = BACKENDS["mpfa"]
     shape = load_model_shape(model)
     kernel = served_kernels(mpfa, shape.q_heads, shape.kv_heads, launch_page_size(mpfa), prefill_kernel)["prefill"]
-    prompt = mpfa.numerics if kernel == REFERENCE_PREFILL else prefill_numerics(kernel)
+    prompt = mpfa.numerics if kernel == REFERENCE_PREFILL else PREFILL_KERNELS[kernel].numerics
     served = {"mpfa": prompt, "qk4-pv8-direct": DIRECT_NUMERICS.get(prompt)}  # None: no such reference variant
     return {s.name: served.get(s.numerics, s.numerics) for s in specs}
 

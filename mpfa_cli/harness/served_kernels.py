@@ -69,7 +69,7 @@ def served_kernels(spec: BackendSpec, q_heads: int, kv_heads: int, page_size: in
         raise UserError(f"{spec.name}: {exc}") from None
     if {**os.environ, **spec.env}.get(PREFILL_ENV) == PREFILL_PATHS[1]:
         prefill = REFERENCE_PREFILL
-    kernels = {"prefill": prefill, "decode": dispatch.DECODE_KERNEL}
+    kernels = {"prefill": prefill, "decode": dispatch.DECODE_KERNEL.name}
     if choice is not None:
         kernels["prefill_override"] = choice
     return {**kernels, "source": source}

@@ -136,10 +136,10 @@ def test_psum_moves_o_by_the_fp8_roundings_of_p(q_lens, kv_lens, causal) -> None
 
 def test_128_key_softmax_tiles_with_64_key_k_scales() -> None:
     """The fp8 prefill kernel requantizes K per 64-key tile but updates the softmax (P's maxima) per 128-key tile
-    (`dispatch.softmax_keys`); its GPU tests' oracle is the reference with block_n 128 (K per 128 keys too). On those tests' inputs the
-    two K requantizations give the same operands (K per 64 keys, then the attention with its K taken as prepared, is
-    the block_n-128 oracle to 1e-6), while P's maxima per 64 keys (block_n 64) move O by ~3-6e-3 rms: the oracle
-    must follow the softmax tiles, not the K scales."""
+    (its ``softmax_keys`` in `dispatch.PREFILL_KERNELS`); its GPU tests' oracle is the reference with block_n 128
+    (K per 128 keys too). On those tests' inputs the two K requantizations give the same operands (K per 64 keys,
+    then the attention with its K taken as prepared, is the block_n-128 oracle to 1e-6), while P's maxima per 64 keys
+    (block_n 64) move O by ~3-6e-3 rms: the oracle must follow the softmax tiles, not the K scales."""
     q, k, v = _gpu_test_inputs(420)
     ops = prepare_one_sequence(q[120:], k, v, variant="mpfa-qk8tile")
     oracle = attend_prepared(ops.q, ops.k, ops.v, ops.delta_s, variant="mpfa-qk8tile", block_n=128)

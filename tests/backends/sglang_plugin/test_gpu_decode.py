@@ -76,7 +76,7 @@ def test_decode_matches_reference(paged, lengths, hq, hkv, page_size, backend):
     if variant.smoothing:
         index = torch.tensor(p.rows, device="cuda")
         means = SmoothingMeans(store.q_mean[LAYER][index].cpu(), store.k_mean[LAYER][index].cpu())
-    ref = merge_partials(decode_partials(q.cpu(), k_all, v_all, variant=variant.reference_variant, cu_seqlens_k=cu_k,
+    ref = merge_partials(decode_partials(q.cpu(), k_all, v_all, variant=variant.numerics, cu_seqlens_k=cu_k,
                                          partition_size=batch.workspace.partition_size, block_n=TILE_KEYS,
                                          means=means))
     exact = attention_float64(q.cpu(), k_all, v_all, causal=False, cu_seqlens_q=torch.arange(len(lengths) + 1),

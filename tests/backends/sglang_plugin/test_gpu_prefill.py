@@ -26,7 +26,7 @@ from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry  # noqa: E402
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
 from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402
 from mpfa.kernels import attention_float64  # noqa: E402
-from mpfa.kernels.sm90.dispatch import PREFILL_KERNEL_ENV, PREFILL_KERNELS, prefill_numerics  # noqa: E402
+from mpfa.kernels.sm90.dispatch import PREFILL_KERNEL_ENV, PREFILL_KERNELS  # noqa: E402
 
 D, LAYER = 128, 1
 
@@ -69,7 +69,7 @@ def _rms(a, b):
 ], ids=["32x8-page128", "40x8-page64", "32x8-page128-direct"])
 def test_kernel_extend_matches_the_reference_path(paged, monkeypatch, kernel, lengths, hq, hkv, page_size, backend):
     monkeypatch.setenv(PREFILL_KERNEL_ENV, kernel)
-    fp8_qk = prefill_numerics(kernel) != "mpfa"
+    fp8_qk = PREFILL_KERNELS[kernel].numerics != "mpfa"
     p = paged(lengths, hq, hkv, page_size, "cuda")
     on_kernel, reference = _core(p, hq, hkv, backend, "kernel"), _core(p, hq, hkv, backend, "reference")
     first = [(0, n // 2) for n in lengths]  # chunk 1 freezes the means; chunk 2 attends over its prefix too

@@ -1,13 +1,19 @@
-"""`dispatch`, the one place that chooses the sm90 prefill kernel (host-side only): the default for each shape, the
-override (``kernel=`` over ``MPFA_PREFILL_KERNEL``, case-insensitive), the wgmma kernels' limits as one clear error,
-and the numerics and softmax tiles each kernel computes."""
+"""`dispatch`, where each sm90 kernel is declared and the one place that chooses the prefill kernel (host-side
+only): the default for each shape, the override (``kernel=`` over ``MPFA_PREFILL_KERNEL``, case-insensitive), the
+wgmma kernels' limits as one clear error, and what each declaration says: numerics, softmax tiles, classes."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 
+from mpfa.kernels.reference import VARIANTS
 from mpfa.kernels.sm90 import dispatch
-from mpfa.kernels.sm90.dispatch import PREFILL_KERNEL_ENV, prefill_kernel
+from mpfa.kernels.sm90.dispatch import DECODE_KERNEL, PREFILL_KERNEL_ENV, PREFILL_KERNELS, prefill_kernel
+
+WGMMA_KERNELS = [name for name, kernel in PREFILL_KERNELS.items() if kernel.wgmma]
 
 
 @pytest.fixture(autouse=True)
@@ -41,7 +47,7 @@ def test_the_override(monkeypatch: pytest.MonkeyPatch):
         prefill_kernel(32, 8, 128, "fast")
 
 
-@pytest.mark.parametrize("kernel", dispatch.WGMMA_KERNELS)
+@pytest.mark.parametrize("kernel", WGMMA_KERNELS)
 @pytest.mark.parametrize("shape", [(72, 8, 128), (32, 8, 32), (5, 1, 128)], ids=["group-9", "page-32", "odd-heads"])
 def test_a_pinned_wgmma_kernel_refuses_other_shapes(monkeypatch: pytest.MonkeyPatch, kernel, shape):
     message = (f"the {kernel} prefill kernel needs a GQA group of 1 to 8, an even number of query heads and pages "
@@ -55,7 +61,7 @@ def test_a_pinned_wgmma_kernel_refuses_other_shapes(monkeypatch: pytest.MonkeyPa
         dispatch.check_wgmma_shape(kernel, *shape)
 
 
-@pytest.mark.parametrize("kernel", dispatch.WGMMA_KERNELS)
+@pytest.mark.parametrize("kernel", WGMMA_KERNELS)
 def test_a_wgmma_kernel_runs_by_name_at_every_group(monkeypatch: pytest.MonkeyPatch, kernel):
     """Both wgmma kernels pass their GPU tests at GQA groups 1-8: by name, each runs at every one."""
     for group in dispatch.WGMMA_GROUPS:
@@ -65,9 +71,33 @@ def test_a_wgmma_kernel_runs_by_name_at_every_group(monkeypatch: pytest.MonkeyPa
 
 
 def test_each_kernel_says_what_it_computes():
-    """The reference variant (`mpfa.kernels.reference`) and the softmax tiles (its ``block_n``) of each kernel: the
+    """The numerics (a `mpfa.kernels.reference` variant) and the softmax tiles (its ``block_n``) of each kernel: the
     fp8 kernel's requantized QK and row sums of the e4m3 P over 128 keys, the exact kernel's paper numerics over 64,
-    the mma-sync kernel's over 32."""
-    assert [dispatch.prefill_numerics(k) for k in dispatch.PREFILL_KERNELS] == ["mpfa-qk8tile-psum", "mpfa", "mpfa"]
-    assert [dispatch.softmax_keys(k) for k in dispatch.PREFILL_KERNELS] == [128, 64, 32]
-    assert dispatch.WGMMA_KERNELS[0] == "fp8" and dispatch.DECODE_KERNEL == "split-kv"
+    the mma-sync kernel's over 32; the split-KV decode computes the paper's numerics."""
+    assert list(PREFILL_KERNELS) == ["fp8", "exact", "mma-sync"]
+    assert [k.numerics for k in PREFILL_KERNELS.values()] == ["mpfa-qk8tile-psum", "mpfa", "mpfa"]
+    assert [k.softmax_keys for k in PREFILL_KERNELS.values()] == [128, 64, 32]
+    assert WGMMA_KERNELS == ["fp8", "exact"]
+    assert [name for name, k in PREFILL_KERNELS.items() if k.default] == ["fp8", "mma-sync"]
+    assert [name for name, k in PREFILL_KERNELS.items() if k.operand_pass_class] == ["fp8"]
+    assert [name for name, k in PREFILL_KERNELS.items() if k.ablations] == ["fp8"]
+    assert DECODE_KERNEL.name == "split-kv" and DECODE_KERNEL.numerics == "mpfa"
+    assert {k.numerics for k in [*PREFILL_KERNELS.values(), DECODE_KERNEL]} <= set(VARIANTS)
+
+
+def test_each_declaration_names_its_kernel_classes():
+    """The classes each declaration names load (the CuTe DSL is imported then, not with `dispatch`); a wgmma
+    kernel's class carries its declaration's name (its shape errors say it: `check_wgmma_shape`)."""
+    pytest.importorskip("cutlass", reason="the CuTe DSL is not installed (pip install '.[kernels-compile]')")
+    classes = {name: kernel.load_class() for name, kernel in PREFILL_KERNELS.items()}
+    assert [cls.__name__ for cls in classes.values()] == ["PrefillSm90Fp8", "PrefillSm90Exact", "PrefillSm90MmaSync"]
+    assert [classes[name].name for name in WGMMA_KERNELS] == WGMMA_KERNELS
+    assert PREFILL_KERNELS["fp8"].load_operand_pass_class().__name__ == "OperandPass"
+    assert [cls.__name__ for cls in DECODE_KERNEL.load_classes()] == ["SplitKVDecodeSm90", "DecodeMergeSm90"]
+
+
+def test_importing_dispatch_imports_no_cute_dsl():
+    code = ("import sys, mpfa.kernels.sm90.dispatch; "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'cutlass', 'torch'}))")
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "[]"

@@ -5,7 +5,7 @@ Fresh random BF16 Q/K/V with a per-channel offset (so centering and Delta_S matt
 KV-write kernel (bit-exact, tested in test_quantize_cache) into a NaN-poisoned paged cache behind a shuffled page
 table whose unused entries point far outside the cache; the queries of each sequence are its last ``q_len``
 tokens (chunked prefill when ``q_len < kv_len``). The oracle is `reference.attention` with the kernel's numerics
-(`dispatch.prefill_numerics`) and softmax tiles (`dispatch.softmax_keys`: keys walked in reverse; a kernel skips
+(`dispatch.PREFILL_KERNELS`: its ``numerics``) and softmax tiles (its ``softmax_keys``: keys walked in reverse; a kernel skips
 tiles its rows cannot see, which is bit-identical to the reference's masking), so what remains is FP32 summation
 order, the SFU's exp2 (~2 ulp), the rare e4m3 flip of a P on a rounding boundary and a one-ulp BF16 difference of
 Delta_S (the Triton kernel sums in another order); for the fp8 kernel also Hopper's FP8 wgmma, which sums a k-step's
@@ -36,7 +36,7 @@ from mpfa.kernels import SmoothingMeans, attention, attention_float64  # noqa: E
 from mpfa.kernels.cache_layout import CenteredQuery, MpfaKVCache  # noqa: E402
 from mpfa.kernels.smoothing import sequence_means  # noqa: E402
 from mpfa.kernels.sm90.dispatch import PREFILL_KERNEL_ENV, PREFILL_KERNELS  # noqa: E402
-from mpfa.kernels.sm90.dispatch import prefill_kernel, prefill_numerics, softmax_keys  # noqa: E402
+from mpfa.kernels.sm90.dispatch import prefill_kernel  # noqa: E402
 from mpfa.kernels.sm90.prefill_launch import mpfa_prefill  # noqa: E402
 from mpfa.kernels.sm90.quantize_cache import quantize_to_cache  # noqa: E402
 
@@ -117,8 +117,9 @@ def _expected(problem: Problem, causal: bool, kernel: str) -> tuple[torch.Tensor
 
 def oracle(problem: Problem, causal: bool, kernel: str, sm_scale: float | None = None) -> torch.Tensor:
     """`reference.attention` with ``kernel``'s numerics and softmax tiles."""
-    return attention(**problem.reference_inputs, variant=prefill_numerics(kernel), causal=causal, block_m=64,
-                     block_n=softmax_keys(kernel), sm_scale=sm_scale)
+    spec = PREFILL_KERNELS[kernel]
+    return attention(**problem.reference_inputs, variant=spec.numerics, causal=causal, block_m=64,
+                     block_n=spec.softmax_keys, sm_scale=sm_scale)
 
 
 def run_against_oracle(problem: Problem, causal: bool, kernel: str, **run) -> tuple[torch.Tensor, torch.Tensor]:

@@ -40,13 +40,16 @@ def test_bad_inputs_raise_clear_errors(change, message):
 
 @pytest.fixture
 def compiles(monkeypatch: pytest.MonkeyPatch) -> list:
-    """The calls `mpfa_prefill` makes to `compile_prefill_kernel`, which returns kernels that launch nothing (the
-    fp8 kernel: its operand pass and attention)."""
+    """The calls `mpfa_prefill` makes to `compile_prefill_kernel`, which returns kernels that launch nothing (a
+    kernel with an operand pass, the fp8 kernel: the pass and the attention)."""
     calls = []
+
+    def no_launch(*_) -> None:
+        return None
 
     def compile_prefill_kernel(*args):
         calls.append(args)
-        return (lambda *_: None, lambda *_: None) if args[6] == "fp8" else lambda *_: None
+        return (no_launch, no_launch) if PREFILL_KERNELS[args[6]].operand_pass_class else no_launch
 
     monkeypatch.setattr(prefill_launch, "compile_prefill_kernel", compile_prefill_kernel)
     monkeypatch.delenv(PREFILL_KERNEL_ENV, raising=False)
@@ -62,8 +65,8 @@ def test_the_kernel_and_the_compensation_reach_the_compile(compiles, kernel):
     mpfa_prefill(**inputs, kernel=kernel)
     config = (2, 4, 128, True, "BFloat16", None, kernel)  # (KV heads, group, page, causal, out, ablation, kernel)
     expected = [(*config, False), (*config, True)]
-    if kernel == "fp8":
-        prefill_launch.mpfa_prefill_ablated(FULL, **inputs, kernel="fp8", compensate=False)
+    if PREFILL_KERNELS[kernel].ablations:
+        prefill_launch.mpfa_prefill_ablated(FULL, **inputs, kernel=kernel, compensate=False)
         expected.append((*config, False))
     assert compiles == expected
 
