@@ -1,8 +1,9 @@
 """One attention layer of the MpFA backend on plain tensors (SGLang-free, so it is testable without SGLang).
 
 KV write (extend and decode): `mpfa.kernels.sm90.quantize_cache.quantize_to_cache` writes the new tokens' centered
-NVFP4 K, FP8 V and Delta_S into their slots and returns this step's centered NVFP4 Q; for ``mpfa`` an extend first
-freezes the means of the requests it starts (`kv_store.freeze_means`).
+NVFP4 K, FP8 V and Delta_S into their slots and returns this step's centered NVFP4 Q, centered with the means stored
+at each request's first page; for ``mpfa`` an extend first freezes the means of the requests it starts
+(`kv_store.freeze_means`: a request that reuses a cached prefix finds its writer's means there).
 Decode: `mpfa.kernels.sm90.decode_launch.mpfa_decode` (the sm90 split-KV kernel, no host sync, CUDA-graph
 capturable).
 Extend (eager only), chosen by ``$MPFA_PREFILL`` (`setup_checks.prefill_path`): ``kernel`` (default) the sm90
@@ -30,30 +31,29 @@ from ...kernels.smoothing import SmoothingMeans
 
 @dataclass(frozen=True)
 class ExtendBatch:
-    """An extend step: ``slots`` [T] of the new tokens, ``req_pool_indices`` [B], ``token_request`` [T] (each
-    token's request row), ``cu_seqlens_q`` int32 [B + 1] on the device, ``starting`` bool [B] (empty prefix: new
-    means) and on the host ``any_starting`` (False for a batch of later chunks only: no means to take),
-    ``kv_slots`` the slots of every request's whole sequence in order, host ``cu_q`` / ``cu_k``, and for the
-    prefill kernel ``page_table`` int32 [B, pages] (None unless ``build`` got a page size) and ``seq_lens_k``
-    int32 [B]."""
+    """An extend step: ``slots`` [T] of the new tokens, ``first_pages`` [B] (each request's first page: its means
+    row), ``token_means_row`` [T] (each token's), ``cu_seqlens_q`` int32 [B + 1] on the device, ``starting`` bool
+    [B] (empty prefix: new means) and on the host ``any_starting`` (False for a batch of later chunks only: no means
+    to take), ``kv_slots`` the slots of every request's whole sequence in order, host ``cu_q`` / ``cu_k``, the page
+    table int32 [B, pages] and ``seq_lens_k`` int32 [B]."""
 
     slots: torch.Tensor
-    req_pool_indices: torch.Tensor
-    token_request: torch.Tensor
+    first_pages: torch.Tensor
+    token_means_row: torch.Tensor
     cu_seqlens_q: torch.Tensor
     starting: torch.Tensor
     any_starting: bool
     kv_slots: torch.Tensor
     cu_q: list[int]
     cu_k: list[int]
-    page_table: torch.Tensor | None
+    page_table: torch.Tensor
     seq_lens_k: torch.Tensor
 
     @classmethod
     def build(cls, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, slots: torch.Tensor,
-              prefix_lens: list[int], extend_lens: list[int], page_size: int | None = None) -> ExtendBatch:
+              prefix_lens: list[int], extend_lens: list[int], page_size: int) -> ExtendBatch:
         """From SGLang's batch fields: ``req_to_token`` [rows, max_context] (already holding the new tokens'
-        slots), host prefix / extend lengths per request; ``page_size`` builds the page table."""
+        slots), host prefix / extend lengths per request, the pool's page size."""
         device = req_to_token.device
         total_lens = [p + e for p, e in zip(prefix_lens, extend_lens)]
         cu_q, cu_k = [0, *accumulate(extend_lens)], [0, *accumulate(total_lens)]
@@ -63,18 +63,20 @@ class ExtendBatch:
         starts = torch.tensor(cu_k[:-1], dtype=torch.long, device=device)
         position = torch.arange(cu_k[-1], device=device) - starts[seq]
         rows = req_pool_indices.to(device, torch.long)
+        pages = max(-(-max(total_lens, default=0) // page_size), 1)
+        page_table = build_page_table(req_to_token, rows, page_size, pages)
+        first_pages = page_table[:, 0].long()
         return cls(
             slots=slots,
-            req_pool_indices=rows,
-            token_request=torch.repeat_interleave(rows, extend, output_size=cu_q[-1]),
+            first_pages=first_pages,
+            token_means_row=torch.repeat_interleave(first_pages, extend, output_size=cu_q[-1]),
             cu_seqlens_q=torch.tensor(cu_q, dtype=torch.int32, device=device),
             starting=requests_starting(torch.tensor(prefix_lens, device=device)),
             any_starting=any(p == 0 for p in prefix_lens),
             kv_slots=req_to_token[rows[seq], position],
             cu_q=cu_q,
             cu_k=cu_k,
-            page_table=None if page_size is None else build_page_table(
-                req_to_token, rows, page_size, -(-max(total_lens, default=0) // page_size)),
+            page_table=page_table,
             seq_lens_k=lengths.to(torch.int32),
         )
 
@@ -91,7 +93,8 @@ class MpfaAttention:
         self.num_q_heads, self.head_dim = store.geometry.num_q_heads, store.geometry.head_dim
 
     def _means(self, layer: int, rows: torch.Tensor) -> tuple[SmoothingMeans, torch.Tensor]:
-        """The layer's means table and each token's row in it (row 0, the zero row, without smoothing)."""
+        """The layer's means table and each token's row in it (its request's first page; row 0, the zero row,
+        without smoothing)."""
         return self.store.means(layer), rows if self.variant.smoothing else torch.zeros_like(rows)
 
     def write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -109,14 +112,12 @@ class MpfaAttention:
         PATH; see the module docstring)."""
         q3 = q.view(-1, self.num_q_heads, self.head_dim)
         if self.variant.smoothing and batch.any_starting:
-            freeze_means(self.store, layer, q3, k, batch.cu_seqlens_q, batch.req_pool_indices, batch.starting)
-        query = self.write(layer, q3, k, v, batch.slots, batch.token_request)
+            freeze_means(self.store, layer, q3, k, batch.cu_seqlens_q, batch.first_pages, batch.starting)
+        query = self.write(layer, q3, k, v, batch.slots, batch.token_means_row)
         cache = self.store.layer(layer)
         if self.prefill == "kernel":
             from ...kernels.sm90.prefill_launch import mpfa_prefill
 
-            if batch.page_table is None:
-                raise ValueError("the prefill kernel needs ExtendBatch.build(..., page_size=...)")
             max_q = max((b - a for a, b in zip(batch.cu_q, batch.cu_q[1:])), default=0)
             out = mpfa_prefill(query, cache, batch.page_table, batch.cu_seqlens_q, batch.seq_lens_k,
                                max_seqlen_q=max_q, sm_scale=sm_scale, compensate=self.variant.smoothing,
@@ -127,11 +128,10 @@ class MpfaAttention:
         return out.to(q.dtype)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
-               req_pool_indices: torch.Tensor, batch: DecodeBatch, sm_scale: float,
-               out: torch.Tensor | None = None) -> torch.Tensor:
+               batch: DecodeBatch, sm_scale: float, out: torch.Tensor | None = None) -> torch.Tensor:
         """One decode token per request -> [B, Hq, d] (``out`` if given: contiguous BF16 [B, Hq, d])."""
         from ...kernels.sm90.decode_launch import mpfa_decode
 
-        query = self.write(layer, q, k, v, slots, req_pool_indices)
+        query = self.write(layer, q, k, v, slots, batch.first_pages)
         return mpfa_decode(query, self.store.layer(layer), batch.page_table, batch.seq_lens, batch.workspace,
                            sm_scale=sm_scale, out=out, compensate=self.variant.smoothing)

@@ -37,11 +37,12 @@ def build_page_table(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor,
 
 @dataclass(frozen=True)
 class DecodeBatch:
-    """What one decode step's layers share: the page table, int32 lengths (the new token included) and the
-    workspace. (The new tokens' slots and request rows are read from the forward batch: under a CUDA graph those
-    are SGLang's own fixed buffers.)"""
+    """What one decode step's layers share: the page table, each request's first page (its means row, `kv_store`),
+    int32 lengths (the new token included) and the workspace. (The new tokens' slots are read from the forward
+    batch: under a CUDA graph those are SGLang's own fixed buffers.)"""
 
     page_table: torch.Tensor
+    first_pages: torch.Tensor
     seq_lens: torch.Tensor
     workspace: DecodeWorkspace
 
@@ -57,8 +58,8 @@ def eager_decode_batch(req_to_token: torch.Tensor, req_pool_indices: torch.Tenso
     if num_sms is not None:
         partition = choose_partition_size(batch, num_kv_heads, max_seq_len, num_sms)
     workspace = DecodeWorkspace.allocate(batch, num_q_heads, num_kv_heads, max_seq_len, device, partition)
-    return DecodeBatch(build_page_table(req_to_token, req_pool_indices, page_size, num_pages),
-                       seq_lens.to(torch.int32), workspace)
+    page_table = build_page_table(req_to_token, req_pool_indices, page_size, num_pages)
+    return DecodeBatch(page_table, page_table[:, 0].long(), seq_lens.to(torch.int32), workspace)
 
 
 class GraphDecodeBuffers:
@@ -70,6 +71,7 @@ class GraphDecodeBuffers:
         self.max_seq_len, self.page_size, self.num_sms = max_seq_len, page_size, num_sms
         max_pages = -(-max_seq_len // page_size)
         self.page_table = torch.zeros((max_bs, max_pages), dtype=torch.int32, device=device)
+        self.first_pages = torch.zeros((max_bs,), dtype=torch.long, device=device)
         self.seq_lens = torch.ones((max_bs,), dtype=torch.int32, device=device)
         self._partitions = {bs: self.partition_size(bs) for bs in range(1, max_bs + 1)}
         rows = max(bs * num_q_heads * -(-max_seq_len // p) for bs, p in self._partitions.items())
@@ -94,8 +96,10 @@ class GraphDecodeBuffers:
 
     def fill(self, req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
              bs: int) -> DecodeBatch:
-        """Copy this step's page table and lengths into the fixed buffers (outside the graph) and view them."""
+        """Copy this step's page table, first pages and lengths into the fixed buffers (outside the graph) and view
+        them."""
         table = build_page_table(req_to_token, req_pool_indices[:bs], self.page_size, self.page_table.shape[1])
         self.page_table[:bs, : table.shape[1]].copy_(table)
+        self.first_pages[:bs].copy_(table[:, 0])
         self.seq_lens[:bs].copy_(seq_lens[:bs])
-        return DecodeBatch(self.page_table[:bs], self.seq_lens[:bs], self.workspace(bs))
+        return DecodeBatch(self.page_table[:bs], self.first_pages[:bs], self.seq_lens[:bs], self.workspace(bs))

@@ -4,11 +4,10 @@ KV pool without forking SGLang. Every hook is a pass-through unless ``--attentio
 * ``ServerArgs.add_cli_args`` (AFTER): add ``--mpfa-prefill-kernel`` (`kernel_choice`; the one hook that acts
   whatever the backend: the argument must parse before the backend is known).
 * ``ServerArgs._handle_attention_backend_compatibility`` (AFTER): validate the server arguments, the model, the
-  prefill kernel choice and the machine in the launcher, before any scheduler starts; disable the radix cache and
-  the prefill CUDA graph.
-* ``DefaultPoolConfigurator._compute_cell_size`` (AROUND): the MpFA bytes per token (`pool_sizing.cell_size`), so the
-  token capacity SGLang derives from free memory reflects the real cache; it also records the means reserve.
-* ``DefaultPoolConfigurator.calculate_pool_sizes`` (AROUND): subtract the means reserve from the available bytes.
+  prefill kernel choice and the machine in the launcher, before any scheduler starts; disable the prefill CUDA
+  graph.
+* ``DefaultPoolConfigurator._compute_cell_size`` (AROUND): the MpFA bytes per token, the means' share included
+  (`pool_sizing.cell_size`), so the token capacity SGLang derives from free memory reflects the real cache.
 * ``ModelRunnerKVCacheMixin._init_pools`` (AROUND): run SGLang's own pool construction with its MHA pool class
   swapped for `MpfaTokenToKVPool` for the duration of the call (req_to_token pool and allocator stay SGLang's).
 """
@@ -19,7 +18,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from .pool_sizing import cell_size, request_slot_bound, reserved_bytes
+from .pool_sizing import cell_size
 from .kernel_choice import add_server_arguments, check_prefill_kernel
 from .setup_checks import (MpfaSetupError, check_device, check_kernel_packages, check_model, check_server_args,
                            prefill_path)
@@ -31,10 +30,8 @@ _CLI_ARGS = "sglang.srt.server_args.ServerArgs.add_cli_args"
 _SERVER_ARGS = "sglang.srt.server_args.ServerArgs._handle_attention_backend_compatibility"
 _DEFAULT_PAGE_SIZE = 1  # SGLang's page size without --page-size
 _CELL_SIZE = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator._compute_cell_size"
-_POOL_SIZES = "sglang.srt.model_executor.pool_configurator.DefaultPoolConfigurator.calculate_pool_sizes"
 _INIT_POOLS = "sglang.srt.model_executor.model_runner_kv_cache_mixin.ModelRunnerKVCacheMixin._init_pools"
 _MIXIN_MODULE = "sglang.srt.model_executor.model_runner_kv_cache_mixin"
-_RESERVE_ATTR = "_mpfa_reserved_bytes"
 
 
 def _backend_of(runner: Any) -> str | None:
@@ -71,19 +68,11 @@ def around_compute_cell_size(original: Callable, configurator: Any, runner: Any,
     from .runner_checks import geometry_of
 
     geometry, smoothing = geometry_of(runner, num_layers), variant_of(backend).smoothing
-    slots = request_slot_bound(runner.server_args.max_running_requests, getattr(runner, "dp_size", 1) or 1)
-    setattr(configurator, _RESERVE_ATTR, reserved_bytes(geometry, smoothing, slots))
-    logger.info("MpFA KV pool sizing: %d B/token over %d layers (BF16 pool: %d); %.2f GiB reserved for the frozen "
-                "means of up to %d request slots", cell_size(geometry), num_layers,
-                2 * geometry.num_kv_heads * geometry.head_dim * 2 * num_layers,
-                getattr(configurator, _RESERVE_ATTR) / (1 << 30), slots)
-    return cell_size(geometry)
-
-
-def around_calculate_pool_sizes(original: Callable, configurator: Any, available_bytes: int, *args: Any,
-                                **kwargs: Any) -> Any:
-    reserve = getattr(configurator, _RESERVE_ATTR, 0)
-    return original(configurator, available_bytes - reserve, *args, **kwargs)
+    page_size = getattr(runner.server_args, "page_size", None) or _DEFAULT_PAGE_SIZE
+    size = cell_size(geometry, page_size, smoothing)
+    logger.info("MpFA KV pool sizing: %d B/token over %d layers, frozen means included (BF16 pool: %d)", size,
+                num_layers, 2 * geometry.num_kv_heads * geometry.head_dim * 2 * num_layers)
+    return size
 
 
 def pool_factory(runner: Any, backend: str) -> Callable[..., Any]:
@@ -94,8 +83,7 @@ def pool_factory(runner: Any, backend: str) -> Callable[..., Any]:
     def make(*args: Any, **kwargs: Any) -> MpfaTokenToKVPool:
         return MpfaTokenToKVPool(
             *args, backend=backend, smoothing=variant_of(backend).smoothing,
-            num_q_heads=runner.model_config.get_num_attention_heads(attention_tp_size()),
-            request_slots=runner.req_to_token_pool.req_to_token.shape[0], **kwargs)
+            num_q_heads=runner.model_config.get_num_attention_heads(attention_tp_size()), **kwargs)
 
     return make
 
@@ -129,7 +117,6 @@ def hook_table() -> dict[str, tuple[Callable, str]]:
         _CLI_ARGS: (after_add_cli_args, "AFTER"),
         _SERVER_ARGS: (after_attention_backend_compat, "AFTER"),
         _CELL_SIZE: (around_compute_cell_size, "AROUND"),
-        _POOL_SIZES: (around_calculate_pool_sizes, "AROUND"),
         _INIT_POOLS: (around_init_pools, "AROUND"),
     }
 

@@ -11,9 +11,9 @@ per KV head; restated here to keep this module free of torch, and checked agains
 tests/backends/sglang_plugin/test_pool_sizing.py).
 
 Both backends store Delta_S: the decode kernel always reads it (``mpfa-direct`` writes zeros there). The frozen
-per-request means are not per token: ``(Hq + Hkv) * d`` BF16 per layer for every request slot SGLang can
-allocate (``mpfa`` only; `kv_store.MEANS_DTYPE`). They are reserved from the available bytes before the token
-capacity is computed.
+means (``mpfa`` only; `kv_store`) are ``(Hq + Hkv) * d`` BF16 per layer for every page (a sequence's first page
+holds them), so each token's cell carries its page's share: ``(Hq + Hkv) * d * 2 / page_size`` bytes per layer,
+rounded up over all layers.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ NVFP4_BLOCK = 16
 DELTA_S_ROW_ALIGN = 4  # BF16 entries (`cache_layout.DELTA_S_ROW_ALIGN`)
 BF16_BYTES = 2
 MEANS_BYTES = BF16_BYTES  # one mean element (`kv_store.MEANS_DTYPE`)
-DEFAULT_MAX_REQUEST_SLOTS = 4096  # SGLang's cap on max_running_requests when it is not given (_resolve_max_num_reqs)
 
 
 @dataclass(frozen=True)
@@ -55,31 +54,20 @@ def bf16_bytes_per_token_layer(g: PoolGeometry) -> int:
     return 2 * g.num_kv_heads * g.head_dim * BF16_BYTES
 
 
-def cell_size(g: PoolGeometry) -> int:
-    """SGLang's ``cell_size`` for the MpFA pool: bytes per token over all KV layers."""
-    return mpfa_bytes_per_token_layer(g) * g.num_layers
-
-
-def means_bytes_per_request(g: PoolGeometry, smoothing: bool) -> int:
-    """Frozen Q/K means of one request over all layers; 0 without smoothing."""
+def means_bytes_per_page(g: PoolGeometry, smoothing: bool) -> int:
+    """Frozen Q/K means of one page over all layers; 0 without smoothing."""
     return (g.num_q_heads + g.num_kv_heads) * g.head_dim * MEANS_BYTES * g.num_layers if smoothing else 0
 
 
-def request_slot_bound(max_running_requests: int | None, dp_size: int = 1) -> int:
-    """Request slots SGLang may allocate per worker (+1: req_to_token's padding row 0), an upper bound known
-    before the token capacity is: the user's ``--max-running-requests`` per DP worker, else SGLang's cap."""
-    per_worker = DEFAULT_MAX_REQUEST_SLOTS if max_running_requests is None else max_running_requests // max(dp_size, 1)
-    return max(per_worker, 1) + 1
+def cell_size(g: PoolGeometry, page_size: int = 1, smoothing: bool = False) -> int:
+    """SGLang's ``cell_size`` for the MpFA pool: bytes per token over all KV layers, its page's share of the means
+    included."""
+    return mpfa_bytes_per_token_layer(g) * g.num_layers + -(-means_bytes_per_page(g, smoothing) // page_size)
 
 
-def reserved_bytes(g: PoolGeometry, smoothing: bool, request_slots: int) -> int:
-    """Bytes set aside (before the token capacity is computed) for the per-request means."""
-    return means_bytes_per_request(g, smoothing) * request_slots
-
-
-def token_capacity(available_bytes: int, g: PoolGeometry, page_size: int, reserved: int = 0) -> int:
-    """Tokens the pool can hold: SGLang's formula on the MpFA cell size, after the reserve, page-aligned."""
-    tokens = max(available_bytes - reserved, 0) // cell_size(g)
+def token_capacity(available_bytes: int, g: PoolGeometry, page_size: int, smoothing: bool) -> int:
+    """Tokens the pool can hold: SGLang's formula on the MpFA cell size, page-aligned."""
+    tokens = max(available_bytes, 0) // cell_size(g, page_size, smoothing)
     return tokens // page_size * page_size
 
 
@@ -88,14 +76,14 @@ def compression_vs_bf16(g: PoolGeometry) -> float:
     return bf16_bytes_per_token_layer(g) / mpfa_bytes_per_token_layer(g)
 
 
-def capacity_log_line(backend: str, g: PoolGeometry, num_tokens: int, request_slots: int, smoothing: bool) -> str:
+def capacity_log_line(backend: str, g: PoolGeometry, num_tokens: int, page_size: int, smoothing: bool) -> str:
     """The one startup line that states the pool's real size (what the bench logs should be grepped for)."""
-    per_token = cell_size(g)
-    means = means_bytes_per_request(g, smoothing) * request_slots
+    per_token = cell_size(g, page_size, smoothing)
+    means = means_bytes_per_page(g, smoothing) * -(-num_tokens // page_size)
     gib = 1 << 30
     return (
         f"MpFA KV pool ({backend}): {num_tokens} tokens x {per_token} B/token over {g.num_layers} layers = "
         f"{num_tokens * per_token / gib:.2f} GiB (BF16 would need {bf16_bytes_per_token_layer(g) * g.num_layers} "
-        f"B/token: {compression_vs_bf16(g):.2f}x more tokens per byte); frozen means {means / gib:.2f} GiB for "
-        f"{request_slots} request slots"
+        f"B/token: {compression_vs_bf16(g):.2f}x more tokens per byte); of it frozen means {means / gib:.2f} GiB, "
+        f"one row per page of {page_size}"
     )

@@ -85,11 +85,11 @@ def _get(args: Any, name: str, default: Any = None) -> Any:
 
 
 def check_server_args(args: Any) -> list[str]:
-    """Validate an SGLang ``ServerArgs`` whose attention backend is an MpFA one and apply the two settings the
-    backend needs; returns a description of each setting changed (empty when the backend is not MpFA).
+    """Validate an SGLang ``ServerArgs`` whose attention backend is an MpFA one and apply the setting the backend
+    needs; returns a description of each setting changed (empty when the backend is not MpFA).
 
-    Changed: the radix cache is disabled (cached prefixes were centered with another request's means; see
-    `kv_store`) and so is the prefill CUDA graph (the prefill runs eagerly)."""
+    Changed: the prefill CUDA graph is disabled (the prefill runs eagerly). The radix cache stays as the server
+    asked: a cached prefix carries its writer's means at its first page (`kv_store`)."""
     backend = _get(args, "attention_backend")
     if not is_mpfa_backend(backend):
         return []
@@ -120,9 +120,6 @@ def check_server_args(args: Any) -> list[str]:
         if enabled:
             _fail(f"{feature} is not supported")
     changes = []
-    if not _get(args, "disable_radix_cache", False):
-        args.disable_radix_cache = True
-        changes.append("radix cache disabled: a cached prefix is centered with the means of the request that wrote it")
     graphs = _get(args, "cuda_graph_config")
     prefill = getattr(graphs, "prefill", None)
     if prefill is not None and getattr(prefill, "backend", PREFILL_GRAPH_DISABLED) != PREFILL_GRAPH_DISABLED:

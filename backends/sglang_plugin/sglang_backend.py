@@ -116,6 +116,5 @@ class MpfaAttnBackend(AttentionBackend):
         batch = q.shape[0]
         out = q.new_empty((batch, self.num_q_heads * self.head_dim))
         self.core.decode(layer.layer_id - self.pool.start_layer, q, k, v, forward_batch.out_cache_loc,
-                         forward_batch.req_pool_indices, self.forward_metadata, layer.scaling,
-                         out=out.view(batch, self.num_q_heads, self.head_dim))
+                         self.forward_metadata, layer.scaling, out=out.view(batch, self.num_q_heads, self.head_dim))
         return out

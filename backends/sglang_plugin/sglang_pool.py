@@ -41,7 +41,6 @@ class MpfaTokenToKVPool(KVCache):
         *,
         backend: str,
         num_q_heads: int,
-        request_slots: int,
         smoothing: bool,
         **_unused: Any,
     ) -> None:
@@ -52,9 +51,9 @@ class MpfaTokenToKVPool(KVCache):
         self.backend = backend
         geometry = PoolGeometry(num_q_heads, head_num, head_dim, layer_num)
         with self.memory_saver_adapter.region(GPU_MEMORY_TYPE_KV_CACHE):
-            self.store = MpfaKVStore.allocate(size + page_size, page_size, geometry, request_slots, smoothing, device)
+            self.store = MpfaKVStore.allocate(size + page_size, page_size, geometry, smoothing, device)
         self._finalize_allocation_log(size)
-        logger.info(capacity_log_line(backend, geometry, size, request_slots, smoothing))
+        logger.info(capacity_log_line(backend, geometry, size, page_size, smoothing))
 
     def layer_cache(self, layer_id: int) -> MpfaKVCache:
         """The `MpfaKVCache` of model layer ``layer_id``."""

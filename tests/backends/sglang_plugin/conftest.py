@@ -39,6 +39,11 @@ class Paged:
                     rows=torch.tensor(self.rows, device=device), prefix=[a for a, _ in spans],
                     extend=[b - a for a, b in spans])
 
+    def only(self, index: int) -> Paged:
+        """The same layout restricted to request ``index`` (its row and tokens)."""
+        return Paged(self.req_to_token, [self.rows[index]], [self.q[index]], [self.k[index]], [self.v[index]],
+                     self.num_slots, self.page_size)
+
 
 @pytest.fixture
 def paged(gen: torch.Generator) -> Callable[..., Paged]:

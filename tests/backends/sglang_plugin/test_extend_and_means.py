@@ -29,8 +29,8 @@ BF16_ROUNDING = 2.0**-8  # the stored means: FP32 sums rounded to BF16 (relative
 def _setup(paged, lengths, backend, device, page_size=16, layers=2):
     p = paged(lengths, HQ, HKV, page_size, device)
     variant = variant_of(backend)
-    store = MpfaKVStore.allocate(p.num_slots, page_size, PoolGeometry(HQ, HKV, D, layers),
-                                 p.req_to_token.shape[0], variant.smoothing, device)
+    store = MpfaKVStore.allocate(p.num_slots, page_size, PoolGeometry(HQ, HKV, D, layers), variant.smoothing,
+                                 device)
     for cache in store.caches:
         cache.fill_(POISON)
     return p, store, MpfaAttention(store, variant)
@@ -38,7 +38,7 @@ def _setup(paged, lengths, backend, device, page_size=16, layers=2):
 
 def _extend(core, p, spans, device, layer=1):
     s = p.step(spans, device)
-    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"])
+    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"], p.page_size)
     out = torch.full((s["q"].shape[0], HQ * D), math.nan, dtype=torch.bfloat16, device=device)
     out.copy_(core.extend(layer, s["q"].flatten(1), s["k"], s["v"], batch, SCALE).flatten(1))
     return out.view(-1, HQ, D), batch
@@ -53,6 +53,16 @@ def _reference(p, spans, variant, means=None):
     cu_k = torch.tensor([0, *[b for _, b in spans]]).cumsum(0)
     kw = dict(causal=True, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, sm_scale=SCALE)
     return attention(q, k, v, variant=variant, means=means, **kw), attention_float64(q, k, v, **kw)
+
+
+def _first_pages(p):
+    """Each request's first page: the row of its means."""
+    return [int(p.req_to_token[row, 0]) // p.page_size for row in p.rows]
+
+
+def _stored_means(store, p, layer=1):
+    pages = torch.tensor(_first_pages(p))
+    return SmoothingMeans(store.q_mean[layer][pages].cpu(), store.k_mean[layer][pages].cpu())
 
 
 def _rms(a, b):
@@ -71,8 +81,7 @@ def test_single_chunk_prefill_matches_reference(device, paged):
     p, store, core = _setup(paged, lengths, "mpfa", device)
     spans = [(0, n) for n in lengths]
     out, _ = _extend(core, p, spans, device)
-    rows = torch.tensor(p.rows)
-    means = SmoothingMeans(store.q_mean[1][rows].cpu(), store.k_mean[1][rows].cpu())
+    means = _stored_means(store, p)
     for got, x in ((means.q_mean, p.q), (means.k_mean, p.k)):
         want = torch.stack([sequence_means(t.double(), torch.tensor([0, t.shape[0]]))[0] for t in x])
         torch.testing.assert_close(got.double(), want, rtol=BF16_ROUNDING, atol=1e-5)  # stored in BF16
@@ -84,8 +93,8 @@ def test_single_chunk_prefill_matches_reference(device, paged):
 def test_chunked_prefill_freezes_means_from_the_first_chunk(device, paged):
     """Step 1: request A's first chunk. Step 2: A's second chunk (prefix 48) with request B starting (mixed)."""
     p, store, core = _setup(paged, [80, 30], "mpfa", device)
-    a_row, b_row = p.rows
-    _extend(core, _only(p, 0), [(0, 48)], device)
+    a_row, b_row = _first_pages(p)
+    _extend(core, p.only(0), [(0, 48)], device)
     first = (store.q_mean[1][a_row].clone(), store.k_mean[1][a_row].clone())
     out, batch = _extend(core, p, [(48, 80), (0, 30)], device)
     assert batch.starting.tolist() == [False, True]
@@ -96,9 +105,7 @@ def test_chunked_prefill_freezes_means_from_the_first_chunk(device, paged):
     a_chunk1 = SmoothingMeans(sequence_means(p.q[0][:48], torch.tensor([0, 48])),
                               sequence_means(p.k[0][:48], torch.tensor([0, 48])))
     torch.testing.assert_close(first[0].cpu().double(), a_chunk1.q_mean[0].double(), rtol=BF16_ROUNDING, atol=1e-5)
-    rows = torch.tensor(p.rows)
-    means = SmoothingMeans(store.q_mean[1][rows].cpu(), store.k_mean[1][rows].cpu())
-    _check(out, *_reference(p, [(48, 80), (0, 30)], "mpfa", means))
+    _check(out, *_reference(p, [(48, 80), (0, 30)], "mpfa", _stored_means(store, p)))
 
 
 @pytest.mark.slow  # on a CPU: Triton's interpreter, ~8 s; GPU runs (-m gpu) include it
@@ -113,9 +120,7 @@ def test_later_chunks_take_no_means(device, paged, monkeypatch):
     out, batch = _extend(core, p, [(48, 80)], device)
     assert not batch.any_starting and batch.starting.tolist() == [False]
     assert torch.equal(store.q_mean, frozen[0]) and torch.equal(store.k_mean, frozen[1])
-    rows = torch.tensor(p.rows)
-    _check(out, *_reference(p, [(48, 80)], "mpfa", SmoothingMeans(store.q_mean[1][rows].cpu(),
-                                                                 store.k_mean[1][rows].cpu())))
+    _check(out, *_reference(p, [(48, 80)], "mpfa", _stored_means(store, p)))
 
 
 @pytest.mark.slow  # on a CPU: Triton's interpreter, ~8 s; GPU runs (-m gpu) include it
@@ -132,17 +137,13 @@ def test_direct_variant_has_no_means(device, paged):
 def test_extend_batch_layout(device, paged):
     p = paged([5, 3], HQ, HKV, 4, device)
     s = p.step([(2, 5), (0, 3)], device)
-    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"])
+    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"], 4)
     assert batch.cu_q == [0, 3, 6] and batch.cu_k == [0, 5, 8]
-    assert batch.token_request.tolist() == [p.rows[0]] * 3 + [p.rows[1]] * 3
+    first = _first_pages(p)
+    assert batch.first_pages.tolist() == first
+    assert batch.token_means_row.tolist() == [first[0]] * 3 + [first[1]] * 3
     assert batch.kv_slots.tolist() == p.req_to_token[p.rows[0], :5].tolist() + p.req_to_token[p.rows[1], :3].tolist()
     assert batch.starting.tolist() == [False, True] and batch.any_starting
-
-
-def _only(p, index):
-    """The same paged layout restricted to one request (its row and tokens)."""
-    return type(p)(p.req_to_token, [p.rows[index]], [p.q[index]], [p.k[index]], [p.v[index]], p.num_slots,
-                   p.page_size)
 
 
 def test_prefill_path_comes_from_the_environment(monkeypatch):
@@ -166,4 +167,3 @@ def test_extend_batch_page_table_for_the_prefill_kernel(paged):
     for b, row in enumerate(p.rows):  # page p of request b holds its tokens [32p, 32p + 32)
         for page in range(-(-[70, 5][b] // 32)):
             assert int(batch.page_table[b, page]) * 32 == int(p.req_to_token[row, page * 32])
-    assert ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"]).page_table is None

@@ -31,13 +31,13 @@ def _prefilled(paged, lengths, hq, hkv, page_size, backend):
     """Requests whose tokens except the last are prefilled (one extend step); returns (paged, store, core)."""
     p = paged(lengths, hq, hkv, page_size, "cuda")
     variant = variant_of(backend)
-    store = MpfaKVStore.allocate(p.num_slots, page_size, PoolGeometry(hq, hkv, D, 2), p.req_to_token.shape[0],
-                                 variant.smoothing, "cuda")
+    store = MpfaKVStore.allocate(p.num_slots, page_size, PoolGeometry(hq, hkv, D, 2), variant.smoothing,
+                                 "cuda")
     for cache in store.caches:
         cache.fill_(0xFF)
     core = MpfaAttention(store, variant)
     s = p.step([(0, n - 1) for n in lengths], "cuda")
-    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"])
+    batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"], page_size)
     core.extend(LAYER, s["q"], s["k"], s["v"], batch, D**-0.5)
     return p, store, core
 
@@ -66,7 +66,7 @@ def test_decode_matches_reference(paged, lengths, hq, hkv, page_size, backend):
     batch = eager_decode_batch(p.req_to_token, rows, seq_lens, max(lengths), page_size, hq, hkv, 132)
     _poison(batch)
     out = torch.full((len(lengths), hq, D), math.nan, dtype=torch.bfloat16, device="cuda")
-    core.decode(LAYER, q, k, v, slots, rows, batch, D**-0.5, out=out)
+    core.decode(LAYER, q, k, v, slots, batch, D**-0.5, out=out)
     torch.cuda.synchronize()
 
     variant = variant_of(backend)
@@ -74,7 +74,7 @@ def test_decode_matches_reference(paged, lengths, hq, hkv, page_size, backend):
     cu_k = torch.tensor([0, *lengths]).cumsum(0)
     means = None
     if variant.smoothing:
-        index = torch.tensor(p.rows, device="cuda")
+        index = torch.tensor([int(p.req_to_token[row, 0]) // page_size for row in p.rows], device="cuda")
         means = SmoothingMeans(store.q_mean[LAYER][index].cpu(), store.k_mean[LAYER][index].cpu())
     ref = merge_partials(decode_partials(q.cpu(), k_all, v_all, variant=variant.numerics, cu_seqlens_k=cu_k,
                                          partition_size=batch.workspace.partition_size, block_n=TILE_KEYS,
@@ -95,13 +95,13 @@ def test_cuda_graph_replay_equals_eager(paged):
     buffers = GraphDecodeBuffers(4, hq, hkv, p.req_to_token.shape[1], page_size, "cuda", 132)
     out = torch.empty((3, hq, D), dtype=torch.bfloat16, device="cuda")
     batch = buffers.fill(p.req_to_token, rows, seq_lens, 3)
-    core.decode(LAYER, q, k, v, slots, rows, batch, D**-0.5, out=out)  # compiles outside the capture
+    core.decode(LAYER, q, k, v, slots, batch, D**-0.5, out=out)  # compiles outside the capture
     eager = out.clone()
 
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        core.decode(LAYER, q, k, v, slots, rows, batch, D**-0.5, out=out)
-    for x in (buffers.page_table, buffers.seq_lens):
+        core.decode(LAYER, q, k, v, slots, batch, D**-0.5, out=out)
+    for x in (buffers.page_table, buffers.first_pages, buffers.seq_lens):
         x.zero_()  # replay-prep must refill them
     buffers.fill(p.req_to_token, rows, seq_lens, 3)
     out.fill_(math.nan)

@@ -33,8 +33,8 @@ D, LAYER = 128, 1
 
 def _core(p, hq, hkv, backend, prefill):
     variant = variant_of(backend)
-    store = MpfaKVStore.allocate(p.num_slots, p.page_size, PoolGeometry(hq, hkv, D, 2), p.req_to_token.shape[0],
-                                 variant.smoothing, "cuda")
+    store = MpfaKVStore.allocate(p.num_slots, p.page_size, PoolGeometry(hq, hkv, D, 2), variant.smoothing,
+                                 "cuda")
     for cache in store.caches:
         cache.fill_(0xFF)
     return MpfaAttention(store, variant, prefill)

@@ -1,5 +1,6 @@
 """The SGLang hook functions on stand-in objects (no SGLang needed): pass-through for other backends, the MpFA
-cell size and means reserve in SGLang's capacity formula, and launcher-side validation of the server arguments."""
+cell size (the means' share per page included) in SGLang's capacity formula, and launcher-side validation of the
+server arguments."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from mpfa.backends.sglang_plugin import hooks, runner_checks
-from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry, cell_size, request_slot_bound, reserved_bytes
+from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry, cell_size
 from mpfa.backends.sglang_plugin.setup_checks import MpfaSetupError
 
 
@@ -26,9 +27,8 @@ class _Config:
         return max(1, self.kv_heads // tp)
 
 
-def _runner(backend, max_running_requests=None):
-    return SimpleNamespace(server_args=SimpleNamespace(attention_backend=backend,
-                                                       max_running_requests=max_running_requests),
+def _runner(backend, page_size=128):
+    return SimpleNamespace(server_args=SimpleNamespace(attention_backend=backend, page_size=page_size),
                            model_config=_Config(), dp_size=1)
 
 
@@ -38,24 +38,15 @@ def _tp1(monkeypatch):
 
 
 def test_cell_size_hook_passes_other_backends_through():
-    configurator = SimpleNamespace()
-    assert hooks.around_compute_cell_size(lambda c, r, n: 12345, configurator, _runner("fa4"), 32) == 12345
-    assert not hasattr(configurator, "_mpfa_reserved_bytes")
-    assert hooks.around_calculate_pool_sizes(lambda c, b, p: (b, p), configurator, 1000, 128) == (1000, 128)
+    assert hooks.around_compute_cell_size(lambda c, r, n: 12345, SimpleNamespace(), _runner("fa4"), 32) == 12345
 
 
-@pytest.mark.parametrize("backend,smoothing", [("mpfa", True), ("mpfa-direct", False)])
-def test_cell_size_and_reserve_for_mpfa(backend, smoothing):
-    configurator = SimpleNamespace()
-    size = hooks.around_compute_cell_size(lambda *a: pytest.fail("BF16 cell size used"), configurator,
-                                          _runner(backend, max_running_requests=64), 32)
+@pytest.mark.parametrize("backend,means", [("mpfa", 40 * 128 * 2 * 32 // 128), ("mpfa-direct", 0)])
+def test_cell_size_for_mpfa_carries_each_page_s_share_of_the_means(backend, means):
+    size = hooks.around_compute_cell_size(lambda *a: pytest.fail("BF16 cell size used"), SimpleNamespace(),
+                                          _runner(backend), 32)
     g = PoolGeometry(32, 8, 128, 32)
-    assert size == cell_size(g) == 1664 * 32
-    reserve = reserved_bytes(g, smoothing, request_slot_bound(64))
-    assert configurator._mpfa_reserved_bytes == reserve
-    available = 80 << 30
-    seen = hooks.around_calculate_pool_sizes(lambda c, b, p: b // size // p * p, configurator, available, 128)
-    assert seen == (available - reserve) // size // 128 * 128
+    assert size == cell_size(g, 128, backend == "mpfa") == 1664 * 32 + means
 
 
 def _server_args(backend="mpfa"):
@@ -72,7 +63,8 @@ def test_server_args_hook(monkeypatch):
     assert other.disable_radix_cache is False
     args = _server_args()
     hooks.after_attention_backend_compat(None, args)
-    assert args.disable_radix_cache is True and args.cuda_graph_config.prefill.backend == "disabled"
+    assert args.disable_radix_cache is False, "a cached prefix carries its means: the radix cache stays on"
+    assert args.cuda_graph_config.prefill.backend == "disabled"
     args.get_model_config = lambda: _Config(heads=64, kv_heads=4)
     with pytest.raises(MpfaSetupError, match="at most 8 query heads"):
         hooks.after_attention_backend_compat(None, args)

@@ -1,16 +1,14 @@
 """Byte accounting: what the pool reports per token equals what it allocates, matches the numerics' capacity
-table, and SGLang's capacity formula gives ~2.5x the BF16 token count after the means reserve."""
+table, and SGLang's capacity formula gives ~2.3-2.5x the BF16 token count with the per-page means."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from mpfa.backends.sglang_plugin.pool_sizing import (DEFAULT_MAX_REQUEST_SLOTS, PoolGeometry,
-                                                     bf16_bytes_per_token_layer, capacity_log_line, cell_size,
-                                                     compression_vs_bf16, means_bytes_per_request,
-                                                     mpfa_bytes_per_token_layer, request_slot_bound, reserved_bytes,
-                                                     token_capacity)
+from mpfa.backends.sglang_plugin.pool_sizing import (PoolGeometry, bf16_bytes_per_token_layer, capacity_log_line,
+                                                     cell_size, compression_vs_bf16, means_bytes_per_page,
+                                                     mpfa_bytes_per_token_layer, token_capacity)
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore
 from mpfa.kernels.cache_layout import MpfaKVCache
 from mpfa.kernels.kv_capacity import kv_bytes_per_token
@@ -32,11 +30,12 @@ def test_bytes_per_token_match_the_cache_layout(g):
 
 def test_store_allocates_exactly_what_is_reported():
     g = PoolGeometry(8, 2, 128, 3)
-    store = MpfaKVStore.allocate(10 * 16, 16, g, request_slots=5, smoothing=True, device="cpu")
+    store = MpfaKVStore.allocate(10 * 16, 16, g, smoothing=True, device="cpu")
     assert store.num_slots == 160
     assert store.k_bytes() + store.v_bytes() == 160 * cell_size(g)
-    assert store.means_bytes() == 5 * means_bytes_per_request(g, smoothing=True)
-    direct = MpfaKVStore.allocate(10 * 16, 16, g, request_slots=5, smoothing=False, device="cpu")
+    assert store.means_bytes() == 10 * means_bytes_per_page(g, smoothing=True)  # a means row per page
+    assert store.k_bytes() + store.v_bytes() + store.means_bytes() == 160 * cell_size(g, 16, smoothing=True)
+    direct = MpfaKVStore.allocate(10 * 16, 16, g, smoothing=False, device="cpu")
     assert direct.means_bytes() == 0 and tuple(direct.q_mean.shape) == (3, 1, 8, 128)
 
 
@@ -45,30 +44,20 @@ def test_llama_capacity_is_about_two_and_a_half_times_bf16():
     assert mpfa_bytes_per_token_layer(QWEN3_14B) == 8 * (64 + 8 + 128 + 8 * 2) == 1728  # group 5: rows of 8
     assert bf16_bytes_per_token_layer(LLAMA_8B) == 4096
     assert compression_vs_bf16(LLAMA_8B) == pytest.approx(2.4615, abs=1e-4)
+    assert means_bytes_per_page(LLAMA_8B, True) == 40 * 128 * 2 * 32  # BF16 means of 32 + 8 heads, 32 layers
     available = 100 << 30
-    slots = request_slot_bound(None)
-    reserve = reserved_bytes(LLAMA_8B, True, slots)
-    assert slots == DEFAULT_MAX_REQUEST_SLOTS + 1
-    assert reserve == slots * 40 * 128 * 2 * 32  # BF16 means of 32 + 8 heads over 32 layers: 1.34 GB
-    tokens = token_capacity(available, LLAMA_8B, page_size=128, reserved=reserve)
+    tokens = token_capacity(available, LLAMA_8B, page_size=128, smoothing=True)
     bf16_tokens = available // (bf16_bytes_per_token_layer(LLAMA_8B) * 32)
     assert tokens % 128 == 0
-    assert tokens * cell_size(LLAMA_8B) + reserve <= available  # never more than the real bytes
-    assert 2.3 < tokens / bf16_tokens < 2.5  # the means reserve costs ~1.3% at 100 GiB
-    direct_tokens = token_capacity(available, LLAMA_8B, page_size=128, reserved=reserved_bytes(LLAMA_8B, False, slots))
+    assert tokens * cell_size(LLAMA_8B, 128, True) <= available  # never more than the real bytes
+    assert 2.3 < tokens / bf16_tokens < 2.4  # the means, 2,560 B per token at pages of 128, cost 4.6%
+    direct_tokens = token_capacity(available, LLAMA_8B, page_size=128, smoothing=False)
     assert direct_tokens / bf16_tokens == pytest.approx(compression_vs_bf16(LLAMA_8B), rel=1e-3)
-
-
-def test_request_slot_bound_follows_max_running_requests():
-    assert request_slot_bound(256) == 257
-    assert request_slot_bound(256, dp_size=4) == 65
-    assert request_slot_bound(None, dp_size=2) == DEFAULT_MAX_REQUEST_SLOTS + 1
 
 
 def test_geometry_and_log_line():
     with pytest.raises(ValueError):
         PoolGeometry(30, 8, 128, 1)
-    line = capacity_log_line("mpfa", LLAMA_8B, 1_000_000, 4097, True)
-    assert line.startswith("MpFA KV pool (mpfa): 1000000 tokens x 53248 B/token") and "2.46x" in line
+    line = capacity_log_line("mpfa", LLAMA_8B, 1_000_000, 128, True)
+    assert line.startswith("MpFA KV pool (mpfa): 1000000 tokens x 55808 B/token") and "2.46x" in line
     assert "\n" not in line
-    assert torch.float32.itemsize == 4  # means are FP32

@@ -45,9 +45,10 @@ def test_pool_builds_with_sglang_arguments():
     pool = MpfaTokenToKVPool(1024, page_size=128, dtype=torch.bfloat16, head_num=8, head_dim=128, v_head_dim=128,
                              layer_num=2, device="cuda", enable_memory_saver=False, start_layer=0, end_layer=1,
                              enable_alt_stream=True, enable_kv_cache_copy=False, backend="mpfa", num_q_heads=32,
-                             request_slots=9, smoothing=True)
+                             smoothing=True)
     k_bytes, v_bytes = pool.get_kv_size_bytes()
     assert k_bytes + v_bytes == (1024 + 128) * cell_size(pool.store.geometry)
+    assert k_bytes + v_bytes + pool.store.means_bytes() == (1024 + 128) * cell_size(pool.store.geometry, 128, True)
     assert pool.dtype == torch.uint8 and pool.layer_cache(1).num_slots == 1024 + 128
     with pytest.raises(NotImplementedError, match="no BF16 K/V buffers"):
         pool.get_key_buffer(0)
@@ -75,7 +76,7 @@ def test_backend_extend_decode_and_graph(paged, monkeypatch):
     p = paged(lengths, hq, hkv, ps, "cuda")
     pool = MpfaTokenToKVPool(p.num_slots - ps, page_size=ps, dtype=torch.bfloat16, head_num=hkv, head_dim=d,
                              layer_num=2, device="cuda", enable_memory_saver=False, backend="mpfa", num_q_heads=hq,
-                             request_slots=p.req_to_token.shape[0], smoothing=True)
+                             smoothing=True)
     runner = SimpleNamespace(token_to_kv_pool=pool, req_to_token_pool=SimpleNamespace(req_to_token=p.req_to_token),
                              page_size=ps, device="cuda", model=torch.nn.Module())
     backend = MpfaAttnBackend(runner, variant_of("mpfa"))
@@ -87,7 +88,8 @@ def test_backend_extend_decode_and_graph(paged, monkeypatch):
                              extend_prefix_lens_cpu=s["prefix"], extend_seq_lens_cpu=s["extend"], batch_size=2)
     backend.init_forward_metadata(extend)
     out = backend.forward_extend(s["q"].flatten(1), s["k"], s["v"], layer, extend)
-    means = SmoothingMeans(pool.store.q_mean[1][rows].cpu(), pool.store.k_mean[1][rows].cpu())
+    first_pages = torch.tensor([int(p.req_to_token[row, 0]) // ps for row in p.rows], device="cuda")
+    means = SmoothingMeans(pool.store.q_mean[1][first_pages].cpu(), pool.store.k_mean[1][first_pages].cpu())
     cu = torch.tensor([0, *[n - 1 for n in lengths]]).cumsum(0)
     ref = attention(s["q"].cpu(), s["k"].cpu(), s["v"].cpu(), variant="mpfa", causal=True, cu_seqlens_q=cu,
                     cu_seqlens_k=cu, means=means)
