@@ -77,12 +77,6 @@ def reserved_bytes(g: PoolGeometry, smoothing: bool, request_slots: int) -> int:
     return means_bytes_per_request(g, smoothing) * request_slots
 
 
-def token_capacity(available_bytes: int, g: PoolGeometry, page_size: int, reserved: int = 0) -> int:
-    """Tokens the pool can hold: SGLang's formula on the MpFA cell size, after the reserve, page-aligned."""
-    tokens = max(available_bytes - reserved, 0) // cell_size(g)
-    return tokens // page_size * page_size
-
-
 def compression_vs_bf16(g: PoolGeometry) -> float:
     """How many more tokens fit than in SGLang's BF16 pool for the same bytes (means reserve aside)."""
     return bf16_bytes_per_token_layer(g) / mpfa_bytes_per_token_layer(g)

@@ -9,14 +9,18 @@ import torch
 from mpfa.backends.sglang_plugin.pool_sizing import (DEFAULT_MAX_REQUEST_SLOTS, PoolGeometry,
                                                      bf16_bytes_per_token_layer, capacity_log_line, cell_size,
                                                      compression_vs_bf16, means_bytes_per_request,
-                                                     mpfa_bytes_per_token_layer, request_slot_bound, reserved_bytes,
-                                                     token_capacity)
+                                                     mpfa_bytes_per_token_layer, request_slot_bound, reserved_bytes)
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore
 from mpfa.kernels.cache_layout import MpfaKVCache
 from mpfa.kernels.kv_capacity import kv_bytes_per_token
 
 LLAMA_8B = PoolGeometry(num_q_heads=32, num_kv_heads=8, head_dim=128, num_layers=32)
 QWEN3_14B = PoolGeometry(num_q_heads=40, num_kv_heads=8, head_dim=128, num_layers=40)
+
+
+def _token_capacity(available_bytes: int, g: PoolGeometry, page_size: int, reserved: int) -> int:
+    """SGLang's formula on the MpFA cell size: tokens the pool holds after the reserve, page-aligned."""
+    return (available_bytes - reserved) // cell_size(g) // page_size * page_size
 
 
 @pytest.mark.parametrize("g", [LLAMA_8B, QWEN3_14B, PoolGeometry(8, 2, 128, 3), PoolGeometry(5, 1, 128, 2),
@@ -50,12 +54,12 @@ def test_llama_capacity_is_about_two_and_a_half_times_bf16():
     reserve = reserved_bytes(LLAMA_8B, True, slots)
     assert slots == DEFAULT_MAX_REQUEST_SLOTS + 1
     assert reserve == slots * 40 * 128 * 2 * 32  # BF16 means of 32 + 8 heads over 32 layers: 1.34 GB
-    tokens = token_capacity(available, LLAMA_8B, page_size=128, reserved=reserve)
+    tokens = _token_capacity(available, LLAMA_8B, page_size=128, reserved=reserve)
     bf16_tokens = available // (bf16_bytes_per_token_layer(LLAMA_8B) * 32)
     assert tokens % 128 == 0
     assert tokens * cell_size(LLAMA_8B) + reserve <= available  # never more than the real bytes
     assert 2.3 < tokens / bf16_tokens < 2.5  # the means reserve costs ~1.3% at 100 GiB
-    direct_tokens = token_capacity(available, LLAMA_8B, page_size=128, reserved=reserved_bytes(LLAMA_8B, False, slots))
+    direct_tokens = _token_capacity(available, LLAMA_8B, page_size=128, reserved=reserved_bytes(LLAMA_8B, False, slots))
     assert direct_tokens / bf16_tokens == pytest.approx(compression_vs_bf16(LLAMA_8B), rel=1e-3)
 
 
