@@ -145,13 +145,3 @@ class MpfaKVCache:
     def token_delta_s(self, slots: torch.Tensor) -> torch.Tensor:
         """Delta_S of ``slots`` [T] token-major, padding dropped: [T, Hq] (query head h at column h)."""
         return self.delta_s[:, slots, :self.group].transpose(0, 1).reshape(len(slots), self.num_q_heads)
-
-
-def slots_of(page_table: torch.Tensor, seq_lens: torch.Tensor, page_size: int) -> torch.Tensor:
-    """Slots [sum(seq_lens)] of every request's tokens in order, through the page table (host-side glue)."""
-    lengths = seq_lens.detach().to("cpu", torch.int64)
-    table = page_table.detach().to("cpu", torch.int64)
-    request = torch.repeat_interleave(torch.arange(lengths.numel()), lengths)
-    starts = torch.cumsum(lengths, 0) - lengths
-    position = torch.arange(int(lengths.sum())) - starts[request]
-    return table[request, position // page_size] * page_size + position % page_size

@@ -683,28 +683,6 @@ def attend_prepared_batch(
     return _normalize(acc, l).to(q_op.dtype).transpose(1, 2)
 
 
-def attention_batch(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    variant: str,
-    key_lengths: torch.Tensor | None = None,
-    query_lengths: torch.Tensor | None = None,
-    sm_scale: float | None = None,
-    means: SmoothingMeans | None = None,
-    block_n: int = 128,
-    exact_sums: bool = False,
-) -> torch.Tensor:
-    """`attention_one_sequence` of B right-padded rows (q [B, Sq, Hq, d], k, v [B, Lk, Hkv, d], lengths as in
-    `attend_prepared_batch`) -> [B, Sq, Hq, d]; padding query rows give 0. ``float64`` runs the same tiles in
-    float64 (not the dense `attention_float64`: equal up to float64 rounding)."""
-    ops = prepare_batch(q, k, v, variant=variant, means=means, query_lengths=query_lengths, key_lengths=key_lengths)
-    return attend_prepared_batch(ops.q, ops.k, ops.v, ops.delta_s, variant=variant, sm_scale=sm_scale,
-                                 block_n=block_n, key_lengths=key_lengths, query_lengths=query_lengths,
-                                 exact_sums=exact_sums)
-
-
 def decode_partials(
     q: torch.Tensor,
     k: torch.Tensor,

@@ -26,9 +26,5 @@ class ServingProfileError(ProfileError):
     """A serving profile failed: the server refused a profile request, a request failed, or no usable trace."""
 
 
-class KernelNotBuilt(RuntimeError):
-    """The backend's kernel does not exist yet; its row says so instead of showing a number."""
-
-
 class ToolError(RuntimeError):
     """An external profiler (ncu, nsys) is missing, lacks permission, or produced no usable report."""

@@ -44,7 +44,7 @@ class KernelAdapter(Protocol):
 
     def prepare(self, workload: AttentionWorkload, num_sets: int, device: "torch.device",
                 seed: int) -> PreparedKernel:
-        """Build the inputs; raises KernelNotBuilt when the backend has no kernel yet."""
+        """Build ``num_sets`` input sets on ``device`` and the kernel call that runs one of them."""
         ...
 
 

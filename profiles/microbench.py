@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from ..mpfa_cli.errors import KernelNotBuilt, ProfileError, ToolError
+from ..mpfa_cli.errors import ProfileError, ToolError
 from . import ncu as ncu_profiler
 from . import ncu_details
 from . import nsys as nsys_tracer
@@ -29,7 +29,7 @@ from .kernel_adapter import KernelAdapter, PreparedKernel
 from .peaks import measure_peaks
 from .profile_sections import LOG_WIDTH, render_profile
 from .registry import DEFAULT_BACKENDS, REFERENCE_BACKEND, adapter_for, parse_backends
-from .profile_result import ERROR, NOT_BUILT, OK, BackendResult, ProfileResult, TraceResult
+from .profile_result import ERROR, OK, BackendResult, ProfileResult, TraceResult
 from .timing import measure, summarize
 from .torch_trace import record_trace
 
@@ -119,8 +119,6 @@ def benchmark_backend(adapter: KernelAdapter, workload: AttentionWorkload, devic
         row.first_call_s, row.times_ms = measurement.first_call_s, measurement.times_ms
         row.timing = summarize(measurement.times_ms)
         say(f"{adapter.name}: median {row.timing.median_ms:.3f} ms")
-    except KernelNotBuilt as exc:
-        row.status, row.error = NOT_BUILT, str(exc)
     except Exception as exc:  # any backend failure becomes its row's error; the other backends still run
         row.status, row.error, row.error_detail = ERROR, _one_line(exc), traceback.format_exc()
         say(f"{adapter.name}: {row.error}")

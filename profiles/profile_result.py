@@ -10,7 +10,7 @@ from .attention_workload import AttentionWorkload
 from .timing import TimingSummary
 from .torch_trace import KernelTotal
 
-OK, NOT_BUILT, ERROR = "ok", "not built", "error"
+OK, ERROR = "ok", "error"
 
 
 @dataclass
@@ -29,7 +29,7 @@ class Peaks:
 @dataclass
 class BackendResult:
     backend: str
-    status: str  # OK, NOT_BUILT or ERROR
+    status: str  # OK or ERROR
     math_dtype: str
     flops: int
     bytes_needed: float | None

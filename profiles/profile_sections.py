@@ -3,7 +3,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .profile_result import NOT_BUILT, OK, BackendResult, NcuFullResult, NcuKernel, NcuLoop, ProfileResult
+from .profile_result import OK, BackendResult, NcuFullResult, NcuKernel, NcuLoop, ProfileResult
 
 _DASH = "-"
 _NAME_WIDTH = 80  # keeps e.g. FA4's '...flash_fwd_sm90FlashAttentionForwardSm90' visible
@@ -47,8 +47,7 @@ def timing_section(result: ProfileResult) -> Section:
         d = result.derived(row)
         gb_needed = num_cell(row.bytes_needed / 1e9, 3) if row.bytes_needed is not None else _DASH
         if row.status != OK:
-            label = "not built" if row.status == NOT_BUILT else "error"
-            rows.append([row.backend] + [_DASH] * 6 + [gb_needed, _DASH, _DASH, f"{label}: {row.error}"])
+            rows.append([row.backend] + [_DASH] * 6 + [gb_needed, _DASH, _DASH, f"error: {row.error}"])
             continue
         t = row.timing
         rows.append([row.backend, num_cell(t.median_ms, 3), f"{t.p20_ms:.3f}-{t.p80_ms:.3f}", num_cell(d.tflops),
@@ -202,11 +201,6 @@ def render_sections(found: list[Section], console: object | None = None) -> None
                 out.print(Text(note, style="dim"))
     except Exception:  # a terminal rich cannot drive must not lose the numbers
         print(format_sections(found))
-
-
-def format_text(result: ProfileResult) -> str:
-    """All sections of a kernel profile as plain fixed-width text."""
-    return format_sections(sections(result))
 
 
 def render_profile(result: ProfileResult, console: object | None = None) -> None:

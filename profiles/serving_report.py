@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from .kernel_categories import ATTENTION, CATEGORIES, classify
-from .profile_sections import Section, format_sections, num_cell, render_sections, short_name
+from .profile_sections import Section, num_cell, render_sections, short_name
 from .serving import ServingProfile
 
 
@@ -33,10 +33,6 @@ def kernel_section(profile: ServingProfile) -> Section:
 
 def serving_sections(profile: ServingProfile) -> list[Section]:
     return [category_section(profile), kernel_section(profile)]
-
-
-def format_serving(profile: ServingProfile) -> str:
-    return format_sections(serving_sections(profile))
 
 
 def render_serving(profile: ServingProfile, console: object | None = None) -> None:

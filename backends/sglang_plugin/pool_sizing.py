@@ -65,10 +65,6 @@ def cell_size(g: PoolGeometry, page_size: int = 1, smoothing: bool = False) -> i
     return mpfa_bytes_per_token_layer(g) * g.num_layers + -(-means_bytes_per_page(g, smoothing) // page_size)
 
 
-def token_capacity(available_bytes: int, g: PoolGeometry, page_size: int, smoothing: bool) -> int:
-    """Tokens the pool can hold: SGLang's formula on the MpFA cell size, page-aligned."""
-    tokens = max(available_bytes, 0) // cell_size(g, page_size, smoothing)
-    return tokens // page_size * page_size
 
 
 def compression_vs_bf16(g: PoolGeometry) -> float:

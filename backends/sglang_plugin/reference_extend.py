@@ -25,7 +25,6 @@ from ...kernels.reference import VARIANTS, VariantSpec, _kv_tiles, _normalize
 
 logger = logging.getLogger(__name__)
 
-SLOW_REFERENCE_PATH = True
 BLOCK_M = 1024
 BLOCK_N = 128  # the reference's default key tile
 _warned = False

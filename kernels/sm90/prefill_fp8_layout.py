@@ -49,7 +49,6 @@ from .ptx import (bits_to_f32, e4m3x2_to_f16x2, f16x2x2_to_e4m3x4, f32x4_to_e4m3
                   prmt_var, shuffle_xor_u32)
 
 FP8_OPERAND_BYTES = TILE_KEYS * HEAD_DIM  # one e4m3 operand tile [64][128]
-FP8_ROW_UNITS = HEAD_DIM // 16  # 16-byte units of an e4m3 operand row (128 bytes)
 F16_EXP_BIAS = 15
 F16_MAX_EXP = 15  # 2**15: the largest power of two in FP16
 F16X2_EXP_SHIFT = 0x04000400  # (biased exponent) * this = the f16x2 of 2**(exponent - 15) in both halves
@@ -292,7 +291,6 @@ def exponent_offset(group: int) -> int:
     return image_bytes(group) - EXPONENT_BYTES
 
 
-EXPONENT_OFFSET = exponent_offset(5)  # groups 1-5
 assert all(image_bytes(group) == IMAGE_BYTES for group in GROUPS if group <= 5)
 assert all(FP8_OPERAND_BYTES + VT_BYTES + image_ds_bytes(group) <= exponent_offset(group) for group in GROUPS)
 

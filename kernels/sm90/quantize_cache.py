@@ -16,11 +16,9 @@ import triton
 import triton.language as tl
 
 from ..cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
-from ..formats import NVFP4_BLOCK
 from ..smoothing import SmoothingMeans
 from .triton_formats import bf16_bits, e4m3_code, nvfp4_block
 
-_HALF_BLOCK = NVFP4_BLOCK // 2
 _MEAN_DTYPES = (torch.bfloat16, torch.float32)
 
 

@@ -311,7 +311,8 @@ def provenance_note(result: ServedAccuracy) -> str:
     if len(set(where.values())) == 1:
         gpu, revision = next(iter(where.values()))
         return f"scored on {gpu} at mpfa {revision}"
-    return "§ scored at different GPUs or revisions: " + "; ".join(f"{b} {g} at {r}" for b, (g, r) in where.items())
+    return "§ measured on different machines or revisions: " + "; ".join(
+        f"{b} {g} at {r}" for b, (g, r) in where.items())
 
 
 # What results must share to be joined: the same model, tokenizer and settings (and, checked apart, questions); the

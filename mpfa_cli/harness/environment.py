@@ -1,4 +1,4 @@
-"""What a result was measured on: GPU, driver, CUDA, package versions, the mpfa revision and the machine (lease).
+"""What a result was measured on: GPU, driver, CUDA, package versions, the mpfa revision and the machine start.
 (The kernels a server ran are the run's own record: `RunRecord.kernels`.)"""
 from __future__ import annotations
 
@@ -41,8 +41,8 @@ def git_revision(checkout: Path = _HERE) -> str | None:
 
 def machine_id() -> str | None:
     """Names one start of this machine: the kernel's boot id and the start time of process 1. Two runs with the same
-    id ran on the same machine without a restart between them, i.e. in one lease of a lent GPU machine (a fresh
-    machine, or a fresh container on a host that was not rebooted, gets a new one)."""
+    id ran on the same machine without a restart between them, i.e. side by side (a fresh machine, or a fresh
+    container on a host that was not rebooted, gets a new one)."""
     try:
         boot_id = Path("/proc/sys/kernel/random/boot_id").read_text().strip()
         # /proc/1/stat: field 22 is the start time in clock ticks since boot; the name in field 2 may hold spaces.

@@ -38,7 +38,7 @@ COMPARE_FORMATS = ("table", "json", "csv", "md")
 _SIMULATED = "SIMULATED"
 CAVEAT_MARK = "†"  # marks a backend whose runs carry a caveat; the caveat itself is printed once, as a footnote
 WORKLOAD_MARK = "‡"  # marks a configuration whose runs served different workloads (output length, requests, seed)
-APART_MARK = "§"  # marks a speed-up whose runs were not measured together: different leases, GPUs or mpfa revisions
+APART_MARK = "§"  # marks a speed-up measured on different machines or revisions (machine starts, GPUs, mpfa revisions)
 _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
 
 
@@ -230,12 +230,12 @@ def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
 
 
 def differences(runs: Sequence[RunRecord]) -> tuple[str, ...]:
-    """What the runs behind one ratio do not share: "lease" (the machine id `environment.machine`, of measured runs
+    """What the runs behind one ratio do not share: "machine" (the machine id `environment.machine`, of measured runs
     only: the simulator's numbers do not depend on the machine), "GPU", "revision" (`environment.mpfa_revision`,
     "-dirty" ignored). A value one run lacks and another has counts as different. Empty: measured together."""
     measured = [r for r in runs if not r.simulated]
     kinds = {
-        "lease": {r.environment.get("machine") for r in measured},
+        "machine": {r.environment.get("machine") for r in measured},
         "GPU": {r.gpu for r in runs},
         "revision": {str(r.environment.get("mpfa_revision") or "").removesuffix("-dirty") for r in runs},
     }
@@ -249,8 +249,8 @@ def apart_notes(rows: Sequence[CompareRow]) -> list[str]:
         for backend, apart in row.apart.items():
             if apart:
                 marked[apart][f"{backend} at {context_label(row.config.input_len)} {row.config.load_label}"] = None
-    return [f"{APART_MARK} not measured side by side (different {', '.join(kinds)}), the ratio mixes more than the "
-            f"backends: {', '.join(where)}" for kinds, where in marked.items()]
+    return [f"{APART_MARK} measured on different machines or revisions (different {', '.join(kinds)}), the ratio "
+            f"mixes more than the backends: {', '.join(where)}" for kinds, where in marked.items()]
 
 
 def compare_table(runs: Sequence[StoredRun], ref_backend: str,

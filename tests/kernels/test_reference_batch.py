@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from mpfa.kernels import VARIANTS
-from mpfa.kernels.reference import (attend_prepared, attend_prepared_batch, attention_batch, attention_one_sequence,
-                                    prepare_batch, prepare_one_sequence)
+from mpfa.kernels.reference import (attend_prepared, attend_prepared_batch, attention_one_sequence, prepare_batch,
+                                    prepare_one_sequence)
 
 HQ, HKV, D = 4, 2, 32
 # With exact sums (float64 S, l, P V and exp2, see `attend_prepared_batch`) nothing depends on the shapes BLAS and the
@@ -44,6 +44,13 @@ def _pad(gen: torch.Generator, rows, garbage: float = 50.0):
     return q, k, v, lengths(0), lengths(1)
 
 
+def _attention_batch(q, k, v, *, variant, key_lengths, query_lengths, block_n, exact_sums):
+    """`attention_one_sequence` of B right-padded rows: `prepare_batch`, then `attend_prepared_batch`."""
+    ops = prepare_batch(q, k, v, variant=variant, query_lengths=query_lengths, key_lengths=key_lengths)
+    return attend_prepared_batch(ops.q, ops.k, ops.v, ops.delta_s, variant=variant, block_n=block_n,
+                                 key_lengths=key_lengths, query_lengths=query_lengths, exact_sums=exact_sums)
+
+
 def _close(batched: torch.Tensor, alone: torch.Tensor) -> None:
     assert bool(torch.isfinite(batched).all())
     if batched.dtype == torch.float64:
@@ -61,8 +68,8 @@ def _close(batched: torch.Tensor, alone: torch.Tensor) -> None:
 def test_each_row_equals_its_one_sequence_attention(gen, variant, q_lens, k_lens, block_n) -> None:
     rows = _rows(gen, q_lens, k_lens)
     q, k, v, q_len, k_len = _pad(gen, rows)
-    out = attention_batch(q, k, v, variant=variant, key_lengths=k_len, query_lengths=q_len, block_n=block_n,
-                          exact_sums=True)
+    out = _attention_batch(q, k, v, variant=variant, key_lengths=k_len, query_lengths=q_len, block_n=block_n,
+                           exact_sums=True)
     assert out.shape == q.shape and not bool(torch.isnan(out).any())
     for b, (qr, kr, vr) in enumerate(rows):
         alone = attention_one_sequence(qr, kr, vr, variant=variant, block_n=block_n, exact_sums=True)
@@ -98,12 +105,12 @@ def test_padding_and_other_rows_do_not_change_a_row(gen, variant) -> None:
     rows = _rows(gen, [1, 1, 1], [40, 17, 33])
     q, k, v, q_len, k_len = _pad(gen, rows)
     kw = {"variant": variant, "query_lengths": q_len, "block_n": 16, "exact_sums": True}
-    out = attention_batch(q, k, v, key_lengths=k_len, **kw)
+    out = _attention_batch(q, k, v, key_lengths=k_len, **kw)
     q_alt, k_alt, v_alt, _, _ = _pad(gen, rows, garbage=300.0)  # other padding garbage
     k_alt[2], v_alt[2] = -k_alt[2], torch.randn(v_alt[2].shape, generator=gen).bfloat16()  # another row 2, same length
-    out_alt = attention_batch(q_alt, k_alt, v_alt, key_lengths=k_len, **kw)
+    out_alt = _attention_batch(q_alt, k_alt, v_alt, key_lengths=k_len, **kw)
     assert torch.equal(out[:2], out_alt[:2])
-    empty = attention_batch(q, k, v, key_lengths=torch.tensor([40, 0, 33]), **kw)  # row 1: all keys are padding
+    empty = _attention_batch(q, k, v, key_lengths=torch.tensor([40, 0, 33]), **kw)  # row 1: all keys are padding
     assert torch.equal(empty[0], out[0]) and torch.equal(empty[2], out[2])
     assert bool((empty[1] == 0).all()) and not bool(torch.isnan(empty).any())
 

@@ -7,8 +7,8 @@ from rich.console import Console
 
 from mpfa.profiles.attention_workload import BF16, BF16_Q_FP8_KV, MPFA, AttentionWorkload
 from mpfa.profiles.ncu import parse_raw_csv
-from mpfa.profiles.profile_sections import format_text, render_profile, sections
-from mpfa.profiles.profile_result import (ERROR, NOT_BUILT, OK, BackendResult, KernelTotal, NcuKernel, NcuResult, Peaks,
+from mpfa.profiles.profile_sections import format_sections, render_profile, sections
+from mpfa.profiles.profile_result import (ERROR, OK, BackendResult, KernelTotal, NcuKernel, NcuResult, Peaks,
                                           ProfileResult, TraceResult)
 from mpfa.profiles.timing import summarize
 
@@ -24,8 +24,8 @@ def _timed(backend, math_dtype, fmt, times_ms):
 def _result():
     rows = [_timed("fa4-bf16", "bf16", BF16, [4.0, 4.4, 4.2]),
             _timed("flashinfer-fp8", "bf16", BF16_Q_FP8_KV, [8.4, 8.0, 8.8]),
-            BackendResult("mpfa", NOT_BUILT, "fp8", WORKLOAD.flops(), WORKLOAD.bytes_needed(MPFA),
-                          error="MpFA attention kernels are not built yet"),
+            BackendResult("mpfa", ERROR, "fp8", WORKLOAD.flops(), WORKLOAD.bytes_needed(MPFA),
+                          error="RuntimeError: CUDA out of memory"),
             BackendResult("flashinfer-bf16", ERROR, "bf16", WORKLOAD.flops(), None,
                           error="RuntimeError: JIT compilation failed")]
     peaks = Peaks(copy_gbps=4000.0, bf16_tflops=700.0, fp8_tflops=None, errors={"fp8_tflops": "no _scaled_mm"})
@@ -42,7 +42,7 @@ def test_derived_rates_from_the_median():
     assert fa4.speedup == pytest.approx(1.0)
     assert result.derived(result.row("flashinfer-fp8")).speedup == pytest.approx(4.2 / 8.4)
     mpfa = result.derived(result.row("mpfa"))
-    assert mpfa.tflops is None and mpfa.speedup is None  # not built: no number at all
+    assert mpfa.tflops is None and mpfa.speedup is None  # failed: no number at all
 
 
 def test_missing_peak_or_reference_gives_no_percentage():
@@ -59,8 +59,8 @@ def test_timing_table_rows():
     assert rows["fa4-bf16"][1] == "4.200" and rows["fa4-bf16"][8] == "1.00"
     assert rows["flashinfer-fp8"][8] == "0.50"
     assert rows["fa4-bf16"][9] == "3.5"  # setup: prepare 1.0 s + first call 2.5 s
-    assert rows["mpfa"][1] == "-" and rows["mpfa"][-1].startswith("not built: ")
-    assert rows["mpfa"][7] != "-"  # the bytes MpFA needs are known before its kernel exists
+    assert rows["mpfa"][1] == "-" and rows["mpfa"][-1] == "error: RuntimeError: CUDA out of memory"
+    assert rows["mpfa"][7] != "-"  # the bytes MpFA needs are known before its kernel runs
     assert rows["flashinfer-bf16"][-1] == "error: RuntimeError: JIT compilation failed"
     assert any("no _scaled_mm" in note for note in table.notes)
 
@@ -90,8 +90,8 @@ def test_rich_and_plain_rendering(capsys):
     render_profile(result, console)
     text = console.export_text()
     assert "fa4-bf16 kernel [paged]" in text  # brackets are literal text, not rich markup
-    assert "not built" in text and "NVIDIA H200" in text
-    plain = format_text(result)
+    assert "CUDA out of memory" in text and "NVIDIA H200" in text
+    plain = format_sections(sections(result))
     assert plain.splitlines()[0] == f"{WORKLOAD.label()} on NVIDIA H200"
     assert "error: RuntimeError: JIT compilation failed" in plain
 
@@ -102,7 +102,7 @@ def test_render_falls_back_to_plain_text(capsys):
             raise OSError("not a terminal")
 
     render_profile(_result(), BrokenConsole())
-    assert capsys.readouterr().out.strip() == format_text(_result())
+    assert capsys.readouterr().out.strip() == format_sections(sections(_result()))
 
 
 def test_json_has_raw_times_and_derived_rates(tmp_path):
@@ -113,7 +113,7 @@ def test_json_has_raw_times_and_derived_rates(tmp_path):
     fa4 = data["backends"][0]
     assert fa4["times_ms"] == [4.0, 4.4, 4.2] and fa4["timing"]["median_ms"] == 4.2
     assert fa4["derived"]["speedup"] == pytest.approx(1.0)
-    assert data["backends"][2]["status"] == "not built" and data["backends"][2]["derived"]["tflops"] is None
+    assert data["backends"][2]["status"] == "error" and data["backends"][2]["derived"]["tflops"] is None
     assert data["workload"]["seq"] == 16384 and data["peaks"]["bf16_tflops"] == 700.0
 
 

@@ -15,7 +15,8 @@ from mpfa.mpfa_cli.harness.sim_server import build_app
 from mpfa.profiles import serving
 from mpfa.profiles.breakdown import TOP_KERNELS, stage_breakdown
 from mpfa.profiles.kernel_categories import ATTENTION, CATEGORIES, classify
-from mpfa.profiles.serving_report import format_serving, render_serving, serving_sections
+from mpfa.profiles.profile_sections import format_sections
+from mpfa.profiles.serving_report import render_serving, serving_sections
 from mpfa.profiles.torch_trace import gpu_events, kernel_totals, load_trace, trim_trace, write_trace
 
 STEPS = 3
@@ -192,7 +193,7 @@ def test_report_shows_each_stage_and_its_largest_kernels(tmp_path, fake_sglang, 
     render_serving(profile, console)
     text = console.export_text()
     assert "GPU time by kernel category" in text and "% of stage" in text
-    assert format_serving(profile).splitlines()[0] == categories.title
+    assert format_sections(serving_sections(profile)).splitlines()[0] == categories.title
 
 
 def test_main_runs_as_a_script_and_trims(tmp_path, fake_sglang, serve_app, make_trace, kernel_categories, capsys):

@@ -131,18 +131,13 @@ def _check_rows(rows: Sequence[Sequence[int]], what: str) -> None:
         raise ValueError(f"pass at least one {what}, each of at least one token")
 
 
-def greedy_answer(lm: LoadedModel, prompt_ids: list[int], attention: VariantAttention, max_new_tokens: int) -> str:
-    """Greedy (temperature 0) continuation of the prompt, up to an end-of-sequence token, a newline or
-    `max_new_tokens` tokens; returns the decoded text of its first line, stripped (`greedy_answers` of one prompt)."""
-    return greedy_answers(lm, [prompt_ids], attention, max_new_tokens)[0]
-
-
 @torch.inference_mode()
 def greedy_answers(
     lm: LoadedModel, prompts: Sequence[list[int]], attention: VariantAttention, max_new_tokens: int
 ) -> list[str]:
-    """`greedy_answer` of several prompts in one batch: one padded prefill, then one decode step per new token for
-    all rows at once until every row has stopped (a stopped row appends a masked pad token)."""
+    """Greedy (temperature 0) continuation of each prompt, up to an end-of-sequence token, a newline or
+    `max_new_tokens` tokens: the decoded text of its first line, stripped. One padded prefill, then one decode step
+    per new token for all rows at once until every row has stopped (a stopped row appends a masked pad token)."""
     _check_rows(prompts, "prompt")
     attention.reset()
     stops, pad = _stop_ids(lm), _pad_id(lm)

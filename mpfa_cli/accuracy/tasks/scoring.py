@@ -49,16 +49,9 @@ def squad_exact_match(prediction: str, truths: Sequence[str]) -> float:
     return float(any(normalize_answer(prediction) == normalize_answer(t) for t in truths))
 
 
-def continuation_logprob(logits: torch.Tensor, tokens: torch.Tensor) -> float:
-    """Sum of log p(tokens[i]) under logits[i] ([n, vocab] predicting the n tokens), computed in float64."""
-    if logits.dim() != 2 or tokens.dim() != 1 or logits.shape[0] != tokens.shape[0] or tokens.numel() == 0:
-        raise ValueError(f"logits [n, vocab] must predict tokens [n], got {tuple(logits.shape)}, {tuple(tokens.shape)}")
-    return continuation_logprobs(logits[None], tokens[None])[0]
-
-
 def continuation_logprobs(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[float]:
-    """`continuation_logprob` of B right-padded rows: logits [B, n, vocab] predicting tokens [B, n], summed over the
-    positions where ``valid`` [B, n] is True (None: all), in float64."""
+    """Per row, the sum of log p(tokens[b, i]) under logits[b, i] (B right-padded rows: logits [B, n, vocab]
+    predicting tokens [B, n]) over the positions where ``valid`` [B, n] is True (None: all), in float64."""
     import torch
 
     logprobs = torch.log_softmax(logits.double(), dim=-1).gather(2, tokens.long()[..., None])[..., 0]

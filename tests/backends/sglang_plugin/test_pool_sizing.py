@@ -8,13 +8,18 @@ import torch
 
 from mpfa.backends.sglang_plugin.pool_sizing import (PoolGeometry, bf16_bytes_per_token_layer, capacity_log_line,
                                                      cell_size, compression_vs_bf16, means_bytes_per_page,
-                                                     mpfa_bytes_per_token_layer, token_capacity)
+                                                     mpfa_bytes_per_token_layer)
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore
 from mpfa.kernels.cache_layout import MpfaKVCache
 from mpfa.kernels.kv_capacity import kv_bytes_per_token
 
 LLAMA_8B = PoolGeometry(num_q_heads=32, num_kv_heads=8, head_dim=128, num_layers=32)
 QWEN3_14B = PoolGeometry(num_q_heads=40, num_kv_heads=8, head_dim=128, num_layers=40)
+
+
+def _token_capacity(available_bytes: int, g: PoolGeometry, page_size: int, smoothing: bool) -> int:
+    """SGLang's formula on the MpFA cell size (the means' share included): tokens the pool holds, page-aligned."""
+    return available_bytes // cell_size(g, page_size, smoothing) // page_size * page_size
 
 
 @pytest.mark.parametrize("g", [LLAMA_8B, QWEN3_14B, PoolGeometry(8, 2, 128, 3), PoolGeometry(5, 1, 128, 2),
@@ -46,12 +51,12 @@ def test_llama_capacity_is_about_two_and_a_half_times_bf16():
     assert compression_vs_bf16(LLAMA_8B) == pytest.approx(2.4615, abs=1e-4)
     assert means_bytes_per_page(LLAMA_8B, True) == 40 * 128 * 2 * 32  # BF16 means of 32 + 8 heads, 32 layers
     available = 100 << 30
-    tokens = token_capacity(available, LLAMA_8B, page_size=128, smoothing=True)
+    tokens = _token_capacity(available, LLAMA_8B, page_size=128, smoothing=True)
     bf16_tokens = available // (bf16_bytes_per_token_layer(LLAMA_8B) * 32)
     assert tokens % 128 == 0
     assert tokens * cell_size(LLAMA_8B, 128, True) <= available  # never more than the real bytes
     assert 2.3 < tokens / bf16_tokens < 2.4  # the means, 2,560 B per token at pages of 128, cost 4.6%
-    direct_tokens = token_capacity(available, LLAMA_8B, page_size=128, smoothing=False)
+    direct_tokens = _token_capacity(available, LLAMA_8B, page_size=128, smoothing=False)
     assert direct_tokens / bf16_tokens == pytest.approx(compression_vs_bf16(LLAMA_8B), rel=1e-3)
 
 

@@ -70,6 +70,21 @@ def test_bench_two_backends_stores_simulated_runs(mpfa, scenario_file) -> None:
     assert not _sim_servers(mpfa.db)
 
 
+def test_warmup_requests_and_slo_flags_override_the_scenario(mpfa, scenario_file) -> None:
+    """`--warmup-requests` replaces the scenario's warmup count; `--slo` sets the goodput SLO: a TTFT bound no
+    request meets gives goodput 0, one every request meets gives goodput = req/s."""
+    path = scenario_file(warmup_requests=1)
+    for slo in ("ttft=0.001", "ttft=1000000,tpot=1000000"):
+        result = mpfa("bench", "--scenario", str(path), "--backend", "fa4-bf16", "--warmup-requests", "3",
+                      "--slo", slo, *FAST)
+        assert result.returncode == 0, result.stderr
+    runs = _runs(mpfa.db)
+    assert [len(_requests(mpfa.db, run["id"], warmup=True)) for run in runs] == [3, 3]
+    tight, loose = (json.loads(run["summary"]) for run in runs)
+    assert tight["goodput_req_per_s"] == 0 and loose["goodput_req_per_s"] == pytest.approx(loose["req_per_s"])
+    assert loose["req_per_s"] > 0
+
+
 @pytest.mark.parametrize("load", ["concurrency = [3]", "rate = [40.0]"], ids=["closed-loop", "open-loop"])
 def test_modelled_metrics_do_not_depend_on_the_speed_up(mpfa, tmp_path, load) -> None:
     """The simulator times requests on the latency model's clock: the same point at two speed-ups stores the

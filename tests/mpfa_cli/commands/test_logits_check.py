@@ -86,6 +86,21 @@ def test_cli_exit_code_and_table(mpfa, tmp_path: Path):
     assert out.stderr.strip().splitlines()[-1].startswith("error: measured vs predicted |Δ logprob| outside 1.5x: mpfa@32")
 
 
+def test_cli_predicted_factor_is_the_allowed_ratio(mpfa, tmp_path: Path):
+    """The same far-off prediction passes with a wide enough `--predicted-factor`; a factor <= 1 is refused first."""
+    path = tmp_path / "pred.json"
+    path.write_text(json.dumps(_prediction({"mpfa": 5.0}) | {"rows": [
+        {"backend": "mpfa-qk8tile-psum", "input_len": 32, "error": None, "prefill_mean_abs": 5.0}]}))
+    args = ["logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32", "--prompts", "1",
+            "--output-len", "2", "--predicted", str(path), *FAST]
+    wide = mpfa(*args, "--predicted-factor", "1000000")
+    assert wide.returncode == 0, wide.stderr
+    assert "measured vs predicted" in wide.stdout
+    refused = mpfa(*args, "--predicted-factor", "1")
+    assert refused.returncode == 2 and "--predicted-factor must be > 1" in refused.stderr
+    assert "ready" not in refused.stdout
+
+
 def test_cli_refuses_an_unknown_prefill_kernel_before_serving(mpfa):
     out = mpfa("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32",
                "--prefill-kernel", "mma", *FAST)

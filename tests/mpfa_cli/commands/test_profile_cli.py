@@ -8,6 +8,7 @@ import pytest
     [
         (["profile", "histogram"], "unknown profile kind 'histogram'; valid: prefill, decode, serving"),
         (["profile", "prefill", "--heads", "3:2"], "must be a multiple of KV heads"),
+        (["profile", "prefill", "--head-dim", "100"], "head-dim must be a multiple of 16, got 100"),
         (["profile", "decode", "--seq", "lots"], "lots"),
         (["profile", "serving", "--backend", "fa4-bf16,mpfa"], "profile serving takes one backend"),
         (["profile", "serving", "--backend", "fa9"], "unknown backend 'fa9'; valid:"),

@@ -97,6 +97,18 @@ def test_each_row_says_which_rule_decided_it(make_run, runs_with):
     assert check.decided_by == "5.0% and 95% CIs"
 
 
+def test_benchmark_json_writes_github_benchmark_files_beside_the_verdict(gated, tmp_path):
+    """`--benchmark-json PREFIX` also writes PREFIX-bigger.json and PREFIX-smaller.json (github-action-benchmark) of
+    the runs judged; the verdict is unchanged."""
+    db, baseline = gated
+    result = mpfa("gate", "--baseline", baseline, "--db", db, "--benchmark-json", tmp_path / "bench")
+    assert result.exit_code == 0 and "Gate passed" in result.output
+    bigger = json.loads((tmp_path / "bench-bigger.json").read_text())
+    assert sorted(entry["name"].split("/")[-2] for entry in bigger) == ["fa4-bf16", "mpfa"]
+    assert all(entry["name"].endswith("/otps") for entry in bigger)
+    assert json.loads((tmp_path / "bench-smaller.json").read_text()) == []  # these runs hold no latency
+
+
 def test_one_run_named_twice_is_refused(gated):
     db, baseline = gated
     for args in (("compare", "1", "1"), ("gate", "--baseline", baseline, "--results", "1,1"), ("export", "2", "2")):

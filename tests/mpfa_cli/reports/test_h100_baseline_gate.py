@@ -1,6 +1,6 @@
 """The committed H100 baseline (profiles/baselines/h100.json) gated through the CLI against the committed exports it
-was written from (each point's backends side by side in one lease; four leases: 32K and 128K at c=1, 16K and 64K
-(c=1) with 16K c=8, 32K and 64K at c=8, 128K at c=8):
+was written from (each point's backends side by side on one GPU; four machine starts: 32K and 128K at c=1, 16K and
+64K (c=1) with 16K c=8, 32K and 64K at c=8, 128K at c=8):
 it passes, and a copy with one backend's requests degraded fails whatever its stale summary says. A change to the
 gate's logic, its aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
 
@@ -85,9 +85,9 @@ def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
     assert "not measured" not in result.output and "regression" not in result.output
 
 
-def test_a_later_lease_reproduces_the_baseline(tmp_path):
-    """The 128K c=1 point re-run side by side in another lease (git 17813754ac9b, one repeat: judged by the
-    tolerance alone) passes the baseline: fa3-fp8 and mpfa within 0.5% of their earlier means."""
+def test_a_later_rerun_reproduces_the_baseline(tmp_path):
+    """The 128K c=1 point re-run side by side on another machine (one repeat: judged by the tolerance alone) passes
+    the baseline: fa3-fp8 and mpfa within 0.5% of their earlier means."""
     rerun = PROFILES / "results" / "serve-serving-matrix-128k-c1-fa3-fp8-mpfa-h100.json.gz"
     results = imported(tmp_path / "r.db", rerun)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing")

@@ -147,11 +147,11 @@ def test_ratios_of_runs_measured_together_carry_no_mark(make_run):
 
 
 @pytest.mark.parametrize(("change", "kind"), [
-    ({"environment": _measured_on("boot-2/42", "def456")}, "lease"),
+    ({"environment": _measured_on("boot-2/42", "def456")}, "machine"),
     ({"environment": _measured_on("boot-1/42", "0123ab")}, "revision"),
     ({"gpu": "NVIDIA H100 80GB HBM3"}, "GPU"),
 ])
-def test_a_ratio_across_leases_gpus_or_revisions_is_flagged(make_run, change, kind):
+def test_a_ratio_across_machines_gpus_or_revisions_is_flagged(make_run, change, kind):
     runs = two_backends(make_run, environment=_measured_on("boot-1/42", "def456"))
     runs[0] = make_run("fa4-bf16", 0, runs[0].summary, environment=_measured_on("boot-1/42", "def456-dirty"))
     mpfa_last = {**{"environment": runs[-1].environment}, **change}
@@ -159,9 +159,10 @@ def test_a_ratio_across_leases_gpus_or_revisions_is_flagged(make_run, change, ki
     _, rows = compare_rows(runs, "fa4-bf16", ["otps"])
     assert rows[0].apart == {"mpfa": (kind,)}
     text = render(compare_tables(runs, "fa4-bf16", ["otps"]))
-    assert "2.00× §" in text and f"§ not measured side by side (different {kind})" in text and "mpfa at 16K c=8" in text
+    assert "2.00× §" in text and "mpfa at 16K c=8" in text
+    assert f"§ measured on different machines or revisions (different {kind})" in text
     assert compare_records(runs, "fa4-bf16", ["otps"])[1]["apart"] == kind
-    assert "§ not measured side by side" in format_compare(runs, "fa4-bf16", "md", ["otps"])
+    assert "§ measured on different machines or revisions" in format_compare(runs, "fa4-bf16", "md", ["otps"])
 
 
 def test_simulated_runs_are_not_flagged_for_their_machine(make_run):

@@ -10,7 +10,7 @@ transformers = pytest.importorskip("transformers")
 
 from mpfa.mpfa_cli.accuracy.tasks.attention_swap import install  # noqa: E402
 from mpfa.mpfa_cli.accuracy.tasks.emulate import emulate_cells  # noqa: E402
-from mpfa.mpfa_cli.accuracy.tasks.generation import LoadedModel, choice_logprobs, greedy_answer  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.generation import LoadedModel, choice_logprobs, greedy_answers  # noqa: E402
 from mpfa.mpfa_cli.accuracy.tasks.items import ChoiceItem, GenerationItem  # noqa: E402
 from mpfa.mpfa_cli.accuracy.tasks.scoring import best_choice  # noqa: E402
 from mpfa.mpfa_cli.accuracy.tasks.task_sets import Cell  # noqa: E402
@@ -35,7 +35,7 @@ def test_emulated_answers_are_each_question_alone():
     lm = LoadedModel("tiny", model, _Letters(), torch.device("cpu"))
     gen = torch.Generator().manual_seed(4)
     prompts = [tuple(torch.randint(11, 64, (n,), generator=gen).tolist()) for n in (20, 9, 14)]
-    first = [greedy_answer(lm, list(p), install(model, "mpfa"), 5) for p in prompts]
+    first = [greedy_answers(lm, [list(p)], install(model, "mpfa"), 5)[0] for p in prompts]
     items = tuple(GenerationItem("niah-single", f"q{i}", p, (a[:2] if i else "zzz",), "contains")
                   for i, (p, a) in enumerate(zip(prompts, first)))
     choice = ChoiceItem("social_iqa", "c0", prompts[1], ((12, 13), (14,), (15, 16, 17)), frozenset({0}))

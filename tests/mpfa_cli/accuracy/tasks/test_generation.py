@@ -8,8 +8,8 @@ import torch
 transformers = pytest.importorskip("transformers")
 
 from mpfa.mpfa_cli.accuracy.tasks.attention_swap import install  # noqa: E402
-from mpfa.mpfa_cli.accuracy.tasks.generation import LoadedModel, choice_logprobs, greedy_answer  # noqa: E402
-from mpfa.mpfa_cli.accuracy.tasks.scoring import continuation_logprob  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.generation import LoadedModel, choice_logprobs, greedy_answers  # noqa: E402
+from mpfa.mpfa_cli.accuracy.tasks.scoring import continuation_logprobs  # noqa: E402
 
 VOCAB = 64
 
@@ -38,11 +38,21 @@ def _ids(seed: int, n: int) -> list[int]:
     return torch.randint(11, VOCAB, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
+def _greedy_answer(lm: LoadedModel, prompt: list[int], attention, max_new_tokens: int) -> str:
+    """One prompt alone: a batch of one row."""
+    return greedy_answers(lm, [prompt], attention, max_new_tokens)[0]
+
+
+def _logprob(logits: torch.Tensor, tokens: torch.Tensor) -> float:
+    """log p of ``tokens`` [n] under ``logits`` [n, vocab]: a batch of one row."""
+    return continuation_logprobs(logits[None], tokens[None])[0]
+
+
 @torch.inference_mode()
-def test_greedy_answer_is_the_argmax_chain():
+def test_greedy_answers_are_the_argmax_chain():
     lm = _tiny_lm(11)
     prompt = _ids(12, 24)
-    answer = greedy_answer(lm, prompt, install(lm.model, "float64"), max_new_tokens=6)
+    answer = _greedy_answer(lm, prompt, install(lm.model, "float64"), max_new_tokens=6)
     # reference: recompute every step from scratch with the model's own attention, no cache
     lm.model.set_attn_implementation("sdpa")
     ids, expected = list(prompt), []
@@ -64,7 +74,7 @@ def test_choice_logprobs_match_a_full_forward_and_choices_do_not_leak():
     lm.model.set_attn_implementation("sdpa")
     for choice, score in zip(choices, scores):
         logits = lm.model(torch.tensor([context + choice])).logits[0]
-        expected = continuation_logprob(logits[len(context) - 1 : -1], torch.tensor(choice))
+        expected = _logprob(logits[len(context) - 1 : -1], torch.tensor(choice))
         assert score == pytest.approx(expected, rel=2e-3, abs=2e-3)
     with pytest.raises(ValueError, match="at least one token"):
         choice_logprobs(lm, context, [[]], install(lm.model, "bf16"))
@@ -85,15 +95,13 @@ def _swap(lm: LoadedModel, variant: str):
 @torch.inference_mode()
 @pytest.mark.parametrize("variant", BATCH_VARIANTS)
 def test_batched_greedy_answers_equal_one_at_a_time(variant):
-    from mpfa.mpfa_cli.accuracy.tasks.generation import greedy_answers
-
     lm = _tiny_lm(21)
     prompts = [_ids(22 + i, n) for i, n in enumerate([24, 7, 40, 13, 1])]
     attention = _swap(lm, variant)
-    alone = [greedy_answer(lm, p, attention, max_new_tokens=8) for p in prompts]
+    alone = [_greedy_answer(lm, p, attention, max_new_tokens=8) for p in prompts]
     # make one row stop early (at the tokens of its second letter), so later steps carry a finished row's pad token
     lm.model.generation_config.eos_token_id = [0, *(t for t in range(VOCAB) if lm.tokenizer.decode([t]) == alone[1][1])]
-    alone = [greedy_answer(lm, p, attention, max_new_tokens=8) for p in prompts]
+    alone = [_greedy_answer(lm, p, attention, max_new_tokens=8) for p in prompts]
     batched = greedy_answers(lm, prompts, attention, max_new_tokens=8)
     assert batched == alone
     assert len(alone[1]) <= 1 and max(len(a) for a in alone) == 8  # rows stopped at different steps
@@ -109,7 +117,7 @@ def _choices_one_at_a_time(lm: LoadedModel, context: list[int], choices: list[li
     for choice in choices:
         out = lm.model(input_ids=torch.tensor([choice]), cache=copy.deepcopy(ctx.cache), use_cache=True)
         logits = torch.cat([ctx.logits[0, -1:], out.logits[0, :-1]])
-        scores.append(continuation_logprob(logits, torch.tensor(choice)))
+        scores.append(_logprob(logits, torch.tensor(choice)))
     return scores
 
 

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mpfa.mpfa_cli.accuracy.tasks.scoring import (best_choice, choice_grade, continuation_logprob, normalize_answer,
+from mpfa.mpfa_cli.accuracy.tasks.scoring import (best_choice, choice_grade, continuation_logprobs, normalize_answer,
                                                   squad_exact_match, squad_f1)
 
 
@@ -42,16 +42,18 @@ def test_squad_metrics_need_a_reference():
         squad_exact_match("x", [])
 
 
-def test_continuation_logprob_matches_float64_log_softmax():
+def test_continuation_logprobs_match_float64_log_softmax():
     gen = torch.Generator().manual_seed(7)
     logits = torch.randn(3, 11, generator=gen)
     tokens = torch.tensor([4, 0, 10])
     expected = sum(
         float(logits[i, t]) - math.log(sum(math.exp(float(x)) for x in logits[i])) for i, t in enumerate(tokens)
     )
-    assert continuation_logprob(logits, tokens) == pytest.approx(expected, rel=1e-12)
-    with pytest.raises(ValueError, match="predict tokens"):
-        continuation_logprob(logits, tokens[:2])
+    assert continuation_logprobs(logits[None], tokens[None]) == [pytest.approx(expected, rel=1e-12)]
+    first = float(logits[0, 4]) - math.log(sum(math.exp(float(x)) for x in logits[0]))
+    padded = continuation_logprobs(torch.stack([logits, logits]), torch.stack([tokens, tokens]),
+                                   valid=torch.tensor([[True] * 3, [True, False, False]]))  # row 1: one real token
+    assert padded == [pytest.approx(expected, rel=1e-12), pytest.approx(first, rel=1e-12)]
 
 
 def test_choice_grade():
