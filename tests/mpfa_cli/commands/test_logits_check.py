@@ -86,6 +86,20 @@ def test_cli_exit_code_and_table(mpfa, tmp_path: Path):
     assert out.stderr.strip().splitlines()[-1].startswith("error: measured vs predicted |Δ logprob| outside 1.5x: mpfa@32")
 
 
+def test_cli_predicted_factor_widens_the_band(mpfa, tmp_path: Path):
+    """The simulator's mpfa delta at 32 tokens is about half of 0.02: outside the default 1.5x, within 3x."""
+    path = tmp_path / "pred.json"
+    path.write_text(json.dumps(_prediction({}) | {"rows": [
+        {"backend": "mpfa-qk8tile-psum", "input_len": 32, "error": None, "prefill_mean_abs": 0.02}]}))
+    out = mpfa("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32", "--prompts", "1",
+               "--output-len", "2", "--predicted", str(path), "--predicted-factor", "3", *FAST)
+    assert out.returncode == 0, out.stderr
+    assert "measured vs predicted (within 3.0x either way)" in out.stdout
+    [row] = [line for line in out.stdout.splitlines() if "mpfa-qk8tile-psum" in line]
+    ratio = float(row.split("│")[6])
+    assert 1 / 3 <= ratio < 1 / 1.5 and "ok" in row
+
+
 def test_cli_refuses_an_unknown_prefill_kernel_before_serving(mpfa):
     out = mpfa("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32",
                "--prefill-kernel", "mma", *FAST)

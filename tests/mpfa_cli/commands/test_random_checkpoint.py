@@ -144,7 +144,8 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path):
     for argv, message in cases:
         done = _random_checkpoint(*argv)
         assert done.exit_code == 2
-        assert done.stderr.count("\n") == 1 and done.stderr.startswith("error: ") and message in done.stderr, done.stderr
+        err = done.stderr
+        assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
     assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o4", "o5"))
     assert sorted(p.name for p in taken.iterdir()) == ["x"]
     bad = tmp_path / "bad"
