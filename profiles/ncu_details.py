@@ -3,9 +3,9 @@
     mpfa profile ncu-details FILE [FILE ...]
 
 The details page has one row per (kernel ID, section, metric) and one per rule result (a row with an empty Metric
-Name). `mpfa profile --ncu-full` profiles each backend's kernel once with `--set full` into a report, then prints
-and summarises this page and the source page of it (`profile_full_with_ncu`; the source page is read by
-profiles/ncu_source.py); `mpfa profile --ncu` reads the raw page instead (profiles/ncu.py).
+Name). `mpfa profile prefill|decode --ncu-full` profiles each backend's kernel once with `--set full` into a report,
+then prints and summarises this page and the source page of it (`profile_full_with_ncu`; the source page is read by
+profiles/ncu_source.py); `--ncu` reads the raw page instead (profiles/ncu.py).
 """
 from __future__ import annotations
 

@@ -15,7 +15,7 @@ ONE_WARPGROUP = FIXTURES / "profiles" / "ncu-details-prefill-16k-mpfa-one-warpgr
 PRODUCER_SOURCE = FIXTURES / "ncu-source-prefill-16k-mpfa-producer-warpgroup-h200.csv.gz"
 PRODUCER_DETAILS = FIXTURES / "ncu-details-prefill-16k-mpfa-producer-warpgroup-h200.csv"
 LANE_MAJOR_V_SOURCE = FIXTURES / "ncu-source-decode-128k-b8-mpfa-split-kv-lane-major-v-h200.csv.gz"
-RAW_PAGE = FIXTURES / "profiles" / "ncu_h200_prefill64k_fa4.csv"  # `mpfa profile --ncu`'s raw page
+RAW_PAGE = FIXTURES / "profiles" / "ncu_h200_prefill64k_fa4.csv"  # `mpfa profile prefill --ncu`'s raw page
 
 
 def invoke(*args: str):
