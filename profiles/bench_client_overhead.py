@@ -50,6 +50,7 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from ..backends.specs import BACKENDS
 from ..mpfa_cli.errors import UserError
 from ..mpfa_cli.harness import client
 from ..mpfa_cli.harness.client import new_event_loop, run_load
@@ -87,6 +88,8 @@ class OverheadOptions:
             raise UserError(f"--requests ({self.requests}) must be at least --streams ({self.streams})")
         if not self.time_scale > 0:
             raise UserError(f"--time-scale must be > 0, got {self.time_scale}")
+        if self.backend not in BACKENDS:
+            raise UserError(f"unknown backend '{self.backend}'; valid: {', '.join(BACKENDS)}")
 
 
 @dataclass
@@ -238,7 +241,7 @@ def overheads(streams: list[Stream], prompts: list[list[int]], trace: dict, conc
         before, after, count = (np.asarray(column) for column in zip(*server["sent"]))
         if len(stream.event_s) != len(count):
             raise UserError(f"request {stream.index}: the client saw {len(stream.event_s)} chunks with tokens, "
-                             f"the simulator sent {len(count)}")
+                            f"the simulator sent {len(count)}", exit_code=1)
         n = int(count[-1])
         arrived = _per_token(np.asarray(stream.event_s), count, n)
         lag = arrived - _per_token(after, count, n)

@@ -23,6 +23,8 @@ profile_app = typer.Typer(help="Profile attention kernels, a serving run's GPU t
 KERNEL_BACKENDS = "fa3-fp8,fa4-bf16,flashinfer-fp8,mpfa"
 SWEEP_BACKENDS = "mpfa,fa3-fp8,flashinfer-fp8,fa4-bf16"
 SWEEP_DEFAULTS = {"prefill": ("16k,64k", "1"), "decode": ("8192,32768,131072", "1,8")}  # kind -> (--seq, --batch)
+SWEEP_SEQ_DEFAULTS = "; ".join(f"{kind} {seq}" for kind, (seq, _) in SWEEP_DEFAULTS.items())  # for the help
+SWEEP_BATCH_DEFAULTS = "; ".join(f"{kind} {batch}" for kind, (_, batch) in SWEEP_DEFAULTS.items())
 
 SeqOption = Annotated[str, typer.Option(help="Prompt length (prefill) or KV length (decode), e.g. 64k.")]
 BatchOption = Annotated[int, typer.Option(help="Requests in the batch.")]
@@ -30,7 +32,7 @@ HeadsOption = Annotated[str, typer.Option(help="Query:KV heads.")]
 OutOption = Annotated[Path, typer.Option(help="Directory for raw results (JSON, ncu CSV, traces).")]
 
 
-def report_console() -> Console:
+def _report_console() -> Console:
     """The console for a report: the terminal's width, or `LOG_WIDTH` columns when stdout is a file or a pipe (where
     80 columns would fold its tables)."""
     from ...profiles.profile_sections import LOG_WIDTH
@@ -62,7 +64,7 @@ def _kernel_profile(kind: str) -> Callable[..., None]:
         with _profile_errors():
             result = run_profile(kind, parse_seq(seq), batch, parse_heads(heads), head_dim, parse_backends(backend),
                                  ncu, nsys, out, progress=progress_line, ncu_full=ncu_full)
-        render_profile(result, report_console())
+        render_profile(result, _report_console())
         with open_store(db) as store:
             _store_profile(store, kind, result.device, asdict(result.workload), result.to_json())
 
@@ -94,7 +96,7 @@ def characterize(
 
     with _profile_errors():
         result = run_characterize(parse_seq(seq), batch, parse_heads(heads), out_dir=out, progress=progress_line)
-    render_characterize(result, report_console())
+    render_characterize(result, _report_console())
     with open_store(db) as store:
         _store_profile(store, "characterize", result.device, asdict(result.workload), result.to_json())
 
@@ -103,8 +105,8 @@ def characterize(
 @cli_errors
 def sweep(
     kind: Annotated[str, typer.Argument(help="prefill or decode.")],
-    seq: Annotated[Optional[str], typer.Option(help="Comma-separated prompt (prefill) or KV (decode) lengths, e.g. 8k,128k (default: " + "; ".join(f"{k} {s}" for k, (s, _) in SWEEP_DEFAULTS.items()) + ").")] = None,
-    batch: Annotated[Optional[str], typer.Option(help="Comma-separated batch sizes (default: " + "; ".join(f"{k} {b}" for k, (_, b) in SWEEP_DEFAULTS.items()) + ").")] = None,
+    seq: Annotated[Optional[str], typer.Option(help=f"Comma-separated prompt (prefill) or KV (decode) lengths, e.g. 8k,128k (default: {SWEEP_SEQ_DEFAULTS}).")] = None,
+    batch: Annotated[Optional[str], typer.Option(help=f"Comma-separated batch sizes (default: {SWEEP_BATCH_DEFAULTS}).")] = None,
     heads: HeadsOption = "32:8",
     backend: Annotated[str, typer.Option("--backend", "-b", help="Comma-separated backends.")] = SWEEP_BACKENDS,
 ) -> None:
@@ -172,7 +174,7 @@ def serving(
         ) as (server_url, _, _):
             result = profile_serving(server_url, input_len, batch, steps, out, progress=progress_line)
             trimmed = trim_for_fixture(result, trim_events) if trim_events else []
-        render_serving(result, report_console())
+        render_serving(result, _report_console())
         for path in trimmed:
             console.print(f"trimmed trace: {path} ({path.stat().st_size / 1e3:.0f} KB)", highlight=False)
         params = {"backend": spec.name, "input_len": input_len, "batch": batch, "steps": steps,
@@ -196,7 +198,7 @@ def ncu_details(files: Annotated[list[Path], typer.Argument(metavar="FILE", help
     for path in files:
         with _reading(path):
             sections += [summary_section(details) for details in parse_details(path.read_text(errors="replace"))]
-    render_sections(sections, report_console())
+    render_sections(sections, _report_console())
 
 
 @profile_app.command("ncu-source")
@@ -217,7 +219,7 @@ def ncu_source(files: Annotated[list[Path], typer.Argument(metavar="FILE", help=
         with _reading(path):
             pages = parse_source_csv(read_text(path))
             results.append(NcuFullResult(path.name, [], loops=[hot_loops(page) for page in pages]))
-    render_sections([ncu_source_section(results)], report_console())
+    render_sections([ncu_source_section(results)], _report_console())
 
 
 @profile_app.command("client-overhead")
@@ -244,8 +246,9 @@ def client_overhead(
     """
     from ...profiles.bench_client_overhead import OverheadOptions, report
 
-    report(OverheadOptions(streams, requests, input_len, output_len, backend, time_scale, incremental,
-                           plain_asyncio, runs, reference, realtime))
+    report(OverheadOptions(streams=streams, requests=requests, input_len=input_len, output_len=output_len,
+                           backend=backend, time_scale=time_scale, incremental=incremental,
+                           plain_asyncio=plain_asyncio, runs=runs, reference=reference, realtime=realtime))
 
 
 @contextmanager

@@ -44,6 +44,7 @@ def invoke(*args: str):
         (["profile", "client-overhead", "--streams", "8", "--requests", "4"],
          "--requests (4) must be at least --streams (8)"),
         (["profile", "client-overhead", "--runs", "0"], "--runs must be >= 1, got 0"),
+        (["profile", "client-overhead", "--backend", "fa9"], "unknown backend 'fa9'; valid:"),
         (["profile", "ncu-details"], "Missing argument 'FILE'"),
     ],
 )
