@@ -48,7 +48,6 @@ ERROR_BODY_CHARS = 300
 SERVER_INFO_KEYS = ("model_path", "attention_backend", "prefill_attention_backend", "decode_attention_backend",
                     "kv_cache_dtype", "page_size", "tp_size", "chunked_prefill_size", "disable_cuda_graph",
                     "version")
-DEFAULT_TRIM_EVENTS = 1000  # a few decode steps of an 8B model; tens of KB gzip'd (main prints the sizes)
 
 Progress = Callable[[str], None]
 

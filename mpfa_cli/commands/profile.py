@@ -143,7 +143,7 @@ def serving(
     steps: Annotated[int, typer.Option(help="Forward steps each profile window records.")] = 8,
     url: Annotated[Optional[str], typer.Option(help="Profile a server someone else started on this machine.")] = None,
     model: Annotated[str, typer.Option(help="Bundled config name or model directory.")] = "llama-3.1-8b",
-    trim_events: Annotated[int, typer.Option("--trim-events", help="Also write each trace trimmed to this many GPU events, small enough to commit as a test fixture (0: none).")] = 0,
+    trim_events: Annotated[int, typer.Option("--trim-events", help="Also write each trace trimmed to this many GPU events, to commit as a test fixture (0: none; 1000 holds a few decode steps of an 8B model, tens of KB).")] = 0,
     out: OutOption = Path("mpfa-profiles"),
     db: DbOption = None,
 ) -> None:
