@@ -10,7 +10,6 @@ split-KV partials are not counted.
 """
 from __future__ import annotations
 
-import argparse
 import re
 from dataclasses import dataclass
 
@@ -104,21 +103,3 @@ def parse_heads(text: str) -> tuple[int, int]:
     q_heads = int(match.group(1))
     return q_heads, int(match.group(2) or q_heads)
 
-
-def add_workload_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("kind", choices=KINDS)
-    parser.add_argument("--seq", required=True, help="prompt length (prefill) or KV length (decode), e.g. 64k")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", default="32:8", help="QUERY:KV heads")
-    parser.add_argument("--head-dim", type=int, default=128)
-
-
-def workload_from_arguments(args: argparse.Namespace) -> AttentionWorkload:
-    q_heads, kv_heads = parse_heads(args.heads)
-    return AttentionWorkload(args.kind, parse_seq(args.seq), args.batch, q_heads, kv_heads, args.head_dim)
-
-
-def workload_arguments(workload: AttentionWorkload) -> list[str]:
-    """The command-line arguments that `workload_from_arguments` turns back into `workload`."""
-    return [workload.kind, "--seq", str(workload.seq), "--batch", str(workload.batch),
-            "--heads", f"{workload.q_heads}:{workload.kv_heads}", "--head-dim", str(workload.head_dim)]

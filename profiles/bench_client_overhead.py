@@ -29,11 +29,10 @@ Issue 29's targets at 512 streams (`TARGETS_P99_MS`): the client adds under 1 ms
 lag) and refills a freed slot within 5 ms p99; each run's table is followed by whether they were met.
 `tests/mpfa_cli/harness/test_client_load.py` (marked slow) checks them.
 
-    python profiles/bench_client_overhead.py --streams 512 --requests 1024 --runs 3 --reference --realtime
+    mpfa profile client-overhead --streams 512 --requests 1024 --runs 3 --reference --realtime
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import contextlib
 import gc
@@ -51,6 +50,8 @@ from dataclasses import dataclass
 import numpy as np
 import orjson
 
+from ..backends.specs import BACKENDS
+from ..mpfa_cli.errors import UserError
 from ..mpfa_cli.harness import client
 from ..mpfa_cli.harness.client import new_event_loop, run_load
 from ..mpfa_cli.harness.serving_workload import make_prompts
@@ -61,6 +62,34 @@ REALTIME_PRIORITY = 50
 TTFT_LAG = "TTFT: first-token client lag"
 REFILL = "refill delay (closed loop)"
 TARGETS_P99_MS = {TTFT_LAG: 1.0, REFILL: 5.0}
+
+
+@dataclass(frozen=True)
+class OverheadOptions:
+    """One measurement: the load, the simulator it runs against and how the two processes are scheduled."""
+
+    streams: int = 512  # concurrent streams
+    requests: int = 1024
+    input_len: int = 256
+    output_len: int = 64
+    backend: str = "fa4-bf16"  # whose latency model the simulator serves
+    time_scale: float = 1.0  # the simulator's (1: the modelled H200)
+    incremental: bool = False  # the simulator streams only the new ids per chunk
+    plain_asyncio: bool = False  # the client on asyncio's own loop, not uvloop
+    runs: int = 1  # repeats of the whole measurement on fresh simulators
+    reference: bool = False  # also run the minimal reference reader
+    realtime: bool = False  # client and simulator under SCHED_FIFO
+
+    def __post_init__(self) -> None:
+        for name in ("streams", "requests", "input_len", "output_len", "runs"):
+            if getattr(self, name) < 1:
+                raise UserError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(self, name)}")
+        if self.requests < self.streams:
+            raise UserError(f"--requests ({self.requests}) must be at least --streams ({self.streams})")
+        if not self.time_scale > 0:
+            raise UserError(f"--time-scale must be > 0, got {self.time_scale}")
+        if self.backend not in BACKENDS:
+            raise UserError(f"unknown backend '{self.backend}'; valid: {', '.join(BACKENDS)}")
 
 
 @dataclass
@@ -83,20 +112,20 @@ def _wait_healthy(url: str, process: subprocess.Popen, timeout_s: float = 30.0) 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if process.poll() is not None:
-            raise SystemExit(f"simulator exited with code {process.returncode}")
+            raise UserError(f"simulator exited with code {process.returncode}", exit_code=1)
         try:
             with urllib.request.urlopen(url + "/health", timeout=1):
                 return
         except OSError:
             time.sleep(0.05)
-    raise SystemExit("simulator did not start")
+    raise UserError("simulator did not start", exit_code=1)
 
 
 def _set_realtime(pid: int) -> None:
     try:
         os.sched_setscheduler(pid, os.SCHED_FIFO, os.sched_param(REALTIME_PRIORITY))
     except PermissionError:
-        raise SystemExit("--realtime needs permission to set SCHED_FIFO (root or CAP_SYS_NICE)") from None
+        raise UserError("--realtime needs permission to set SCHED_FIFO (root or CAP_SYS_NICE)") from None
 
 
 @contextlib.contextmanager
@@ -110,15 +139,15 @@ def realtime() -> Iterator[None]:
         os.sched_setscheduler(0, policy, param)
 
 
-def _start_sim(args: argparse.Namespace, port: int) -> subprocess.Popen:
+def _start_sim(options: OverheadOptions, port: int) -> subprocess.Popen:
     # asyncio's own loop: its transports send on write(), while uvloop batches the writes of a loop iteration
     # and sends them after the "after" stamps, which would count simulator time as client lag.
     code = (f"from aiohttp import web; from mpfa.mpfa_cli.harness.sim_server import build_app; "
-            f"web.run_app(build_app({args.backend!r}, time_scale={args.time_scale}, trace_chunks=True, "
-            f"incremental_streaming_output={args.incremental}), host='127.0.0.1', port={port}, print=None, "
+            f"web.run_app(build_app({options.backend!r}, time_scale={options.time_scale}, trace_chunks=True, "
+            f"incremental_streaming_output={options.incremental}), host='127.0.0.1', port={port}, print=None, "
             f"access_log=None)")
     process = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.DEVNULL)
-    if args.realtime:
+    if options.realtime:
         _set_realtime(process.pid)
     return process
 
@@ -127,7 +156,7 @@ async def _mpfa_client(url: str, prompts: list[list[int]], output_len: int, stre
     records = await run_load(url, prompts, output_len, concurrency=streams)
     failed = [r for r in records if not r.ok]
     if failed:
-        raise SystemExit(f"{len(failed)} requests failed, e.g. {failed[0].error}")
+        raise UserError(f"{len(failed)} requests failed, e.g. {failed[0].error}", exit_code=1)
     return [Stream(r.index, r.dispatch_s, r.completion_s, r.chunk_s) for r in records]
 
 
@@ -211,8 +240,8 @@ def overheads(streams: list[Stream], prompts: list[list[int]], trace: dict, conc
         server = trace[prompt_digest(prompts[stream.index])]
         before, after, count = (np.asarray(column) for column in zip(*server["sent"]))
         if len(stream.event_s) != len(count):
-            raise SystemExit(f"request {stream.index}: the client saw {len(stream.event_s)} chunks with tokens, "
-                             f"the simulator sent {len(count)}")
+            raise UserError(f"request {stream.index}: the client saw {len(stream.event_s)} chunks with tokens, "
+                            f"the simulator sent {len(count)}", exit_code=1)
         n = int(count[-1])
         arrived = _per_token(np.asarray(stream.event_s), count, n)
         lag = arrived - _per_token(after, count, n)
@@ -241,20 +270,20 @@ def targets_line(rows: dict[str, np.ndarray]) -> str:
         for name, target in TARGETS_P99_MS.items())
 
 
-def measure(args: argparse.Namespace, kind: str) -> tuple[dict[str, np.ndarray], str]:
+def measure(options: OverheadOptions, kind: str) -> tuple[dict[str, np.ndarray], str]:
     """One run of one client against a fresh simulator: the overhead rows and a line about the run."""
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
-    server = _start_sim(args, port)
+    server = _start_sim(options, port)
     try:
         _wait_healthy(url, server)
-        prompts = make_prompts(0, args.requests, args.input_len)
+        prompts = make_prompts(0, options.requests, options.input_len)
         load_before = os.getloadavg()[0]
         cpu_before, started = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        loop_factory = asyncio.new_event_loop if args.plain_asyncio else new_event_loop
+        loop_factory = asyncio.new_event_loop if options.plain_asyncio else new_event_loop
         gc.collect()
         with asyncio.Runner(loop_factory=loop_factory) as runner:
-            streams = runner.run(CLIENTS[kind](url, prompts, args.output_len, args.streams))
+            streams = runner.run(CLIENTS[kind](url, prompts, options.output_len, options.streams))
         wall = time.perf_counter() - started
         cpu_after = resource.getrusage(resource.RUSAGE_SELF)
         with urllib.request.urlopen(url + "/sim_trace", timeout=60) as response:
@@ -266,7 +295,7 @@ def measure(args: argparse.Namespace, kind: str) -> tuple[dict[str, np.ndarray],
     chunks = sum(len(s.event_s) for s in streams)
     note = (f"{wall:.1f} s wall, client CPU {cpu:.2f} s = {cpu / chunks * 1e6:.1f} us per chunk "
             f"(requests included), load average {load_before:.1f} -> {os.getloadavg()[0]:.1f}")
-    return overheads(streams, prompts, trace, args.streams), note
+    return overheads(streams, prompts, trace, options.streams), note
 
 
 def _print_table(rows: dict[str, np.ndarray]) -> None:
@@ -277,58 +306,35 @@ def _print_table(rows: dict[str, np.ndarray]) -> None:
               + f" {ms.max():7.3f}")
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--streams", type=int, default=512, help="concurrent streams")
-    parser.add_argument("--requests", type=int, default=1024)
-    parser.add_argument("--input-len", type=int, default=256)
-    parser.add_argument("--output-len", type=int, default=64)
-    parser.add_argument("--backend", default="fa4-bf16")
-    parser.add_argument("--time-scale", type=float, default=1.0, help="simulator time scale (1 = modelled H200)")
-    parser.add_argument("--incremental", action="store_true", help="server streams only new ids per chunk")
-    parser.add_argument("--plain-asyncio", action="store_true", help="client on asyncio's own loop, not uvloop")
-    parser.add_argument("--runs", type=int, default=1, help="repeat the whole measurement on fresh simulators")
-    parser.add_argument("--reference", action="store_true", help="also run the minimal reference reader")
-    parser.add_argument("--realtime", action="store_true", help="run client and simulator under SCHED_FIFO")
-    args = parser.parse_args(argv)
-    if args.requests < args.streams:
-        raise SystemExit(f"--requests ({args.requests}) must be at least --streams ({args.streams})")
-    return args
-
-
-def main() -> None:
-    args = parse_args()
-
+def report(options: OverheadOptions) -> None:
+    """Every run's table (and the targets), then the p99s over runs, on stdout."""
     clock = time.get_clock_info("perf_counter").implementation
     if "CLOCK_MONOTONIC" not in clock:
-        raise SystemExit(f"perf_counter is {clock}, not a host-wide clock; this measurement needs Linux")
-    with realtime() if args.realtime else contextlib.nullcontext():
-        _report(args)
+        raise UserError(f"perf_counter is {clock}, not a host-wide clock; this measurement needs Linux")
+    with realtime() if options.realtime else contextlib.nullcontext():
+        _report(options)
 
 
-def _report(args: argparse.Namespace) -> None:
-    """Every run's table (and the targets), then the p99s over runs."""
-    mode = "incremental" if args.incremental else "cumulative"
-    loop = "asyncio" if args.plain_asyncio or client.uvloop is None else "uvloop"
-    print(f"{args.requests} requests, {args.streams} concurrent streams, {args.input_len} in / {args.output_len} "
-          f"out, sim {args.backend} x{args.time_scale}, {mode} output_ids, client loop {loop}, "
-          f"{os.cpu_count()} CPUs, {'SCHED_FIFO' if args.realtime else 'default scheduling'}")
-    kinds = ["mpfa", "reference"] if args.reference else ["mpfa"]
+def _report(options: OverheadOptions) -> None:
+    mode = "incremental" if options.incremental else "cumulative"
+    loop = "asyncio" if options.plain_asyncio or client.uvloop is None else "uvloop"
+    o = options
+    print(f"{o.requests} requests, {o.streams} concurrent streams, {o.input_len} in / {o.output_len} out, "
+          f"sim {o.backend} x{o.time_scale}, {mode} output_ids, client loop {loop}, {os.cpu_count()} CPUs, "
+          f"{'SCHED_FIFO' if o.realtime else 'default scheduling'}")
+    kinds = ["mpfa", "reference"] if options.reference else ["mpfa"]
     p99s: dict[tuple[str, str], list[float]] = {}
-    for run in range(args.runs):
+    for run in range(options.runs):
         for kind in kinds:
-            rows, note = measure(args, kind)
+            rows, note = measure(options, kind)
             print(f"\nrun {run + 1}, {kind} client: {note}")
             _print_table(rows)
             if kind == "mpfa":
                 print(targets_line(rows))
             for name, values in rows.items():
                 p99s.setdefault((kind, name), []).append(p99_ms(values))
-    if args.runs > 1:
-        print(f"\np99 (ms) over {args.runs} runs: best / median / worst")
+    if options.runs > 1:
+        print(f"\np99 (ms) over {options.runs} runs: best / median / worst")
         for (kind, name), values in p99s.items():
             print(f"{kind:9s} {name:34s} {min(values):7.3f} / {np.median(values):7.3f} / {max(values):7.3f}")
 
-
-if __name__ == "__main__":
-    main()

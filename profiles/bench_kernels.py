@@ -1,10 +1,10 @@
-"""Side-by-side benchmark of the sm90 MpFA kernels against FA3 (SGLang's Hopper default), FlashInfer-FP8 and
-FA4-BF16, one process.
+"""`mpfa profile sweep`: the sm90 MpFA kernels against FA3 (SGLang's Hopper default), FlashInfer-FP8 and FA4-BF16
+over several shapes, one process, one table.
 
-    python -m mpfa.profiles.bench_kernels decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
-    python -m mpfa.profiles.bench_kernels prefill --seq 16k,65536 --batch 1 [--heads 32:8]
-    python -m mpfa.profiles.bench_kernels prefill --seq 64k --backend mpfa,mpfa-exact,mpfa-direct,fa4-bf16
-    python -m mpfa.profiles.bench_kernels prefill --seq 16k --heads 32:4 --backend mpfa,fa4-bf16   # mma-sync: GQA 8
+    mpfa profile sweep decode --seq 8192,32768,131072 --batch 1,8 [--heads 32:8]
+    mpfa profile sweep prefill --seq 16k,65536 --batch 1 [--heads 32:8]
+    mpfa profile sweep prefill --seq 64k --backend mpfa,mpfa-exact,mpfa-direct,fa4-bf16
+    mpfa profile sweep prefill --seq 16k --heads 32:4 --backend mpfa,fa4-bf16   # mma-sync: GQA 8
 
 For every (context, batch): each backend's inputs are built in rotated sets (`profiles.inputs`), called once
 (JIT), then timed with CUDA events (`profiles.timing`, median). Decode is memory-bound: the table gives the
@@ -19,22 +19,18 @@ still run.
 """
 from __future__ import annotations
 
-import argparse
-import sys
 from collections.abc import Callable
 
 from ..mpfa_cli.errors import ProfileError
-from .attention_workload import MPFA, AttentionWorkload, parse_heads, parse_seq
+from .attention_workload import MPFA, AttentionWorkload
 from .microbench import benchmark_backend
 from .peaks import copy_gbps
 from .registry import adapter_for
 from .profile_result import OK, BackendResult
 
-DEFAULT_BACKENDS = ("mpfa", "fa3-fp8", "flashinfer-fp8", "fa4-bf16")
 # The speed-up columns: (backend, column label) per kind.
 PREFILL_REFERENCES = (("fa3-fp8", "x FA3-FP8"), ("fa3-fp8-contiguous", "x FA3c"), ("fa4-bf16", "x FA4"))
 DECODE_REFERENCES = (("fa3-fp8", "x FA3-FP8"), ("flashinfer-fp8", "x FI-FP8"))
-DEFAULTS = {"decode": ("8192,32768,131072", "1,8"), "prefill": ("16k,64k", "1")}  # (--seq, --batch)
 _INDEX_BYTES = 4
 
 
@@ -150,36 +146,3 @@ def table_title(kind: str, device_name: str, num_sms: int, heads: tuple[int, int
              else "; TB/s of the bytes each kernel must read")
     return (f"{kind} on {device_name} ({num_sms} SMs), GQA {heads[0]}:{heads[1]}, head dim 128{rates}; "
             "medians of repeated timings, all backends in this one run")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.bench_kernels",
-                                     description="MpFA sm90 kernels vs FA3, FlashInfer-FP8 and FA4-BF16, side by side.")
-    parser.add_argument("kind", choices=list(DEFAULTS))
-    parser.add_argument("--seq", help="comma-separated KV (decode) or prompt (prefill) lengths, e.g. 8k,128k "
-                        f"(default: decode {DEFAULTS['decode'][0]}, prefill {DEFAULTS['prefill'][0]})")
-    parser.add_argument("--batch", help="comma-separated batch sizes (default: decode "
-                        f"{DEFAULTS['decode'][1]}, prefill {DEFAULTS['prefill'][1]})")
-    parser.add_argument("--heads", default="32:8", help="QUERY:KV heads")
-    parser.add_argument("--backend", default=",".join(DEFAULT_BACKENDS), help="comma-separated backends")
-    args = parser.parse_args(argv)
-    try:
-        seq_text, batch_text = args.seq or DEFAULTS[args.kind][0], args.batch or DEFAULTS[args.kind][1]
-        seqs = [parse_seq(part) for part in seq_text.split(",")]
-        batches = [int(part) for part in batch_text.split(",")]
-        if any(b <= 0 for b in batches):
-            raise ValueError(f"batch sizes must be positive, got {batch_text}")
-        backends = [name.strip() for name in args.backend.split(",") if name.strip()]
-        for name in backends:
-            adapter_for(name)
-        table = run_bench(args.kind, seqs, batches, parse_heads(args.heads), backends,
-                          lambda message: print(message, file=sys.stderr, flush=True))
-    except (ValueError, ProfileError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    print(table)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -30,7 +30,6 @@ busy (the kernels walk their own tiles; the 128 x 128 block is a unit of work).
 from __future__ import annotations
 
 import json
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -341,33 +340,3 @@ def render_characterize(result: CharacterizeResult, console) -> None:
                   f"copies <= {100 * summary['mma_upper_bound']:.1f}%")
     if result.json_path:
         console.print(f"raw results: {result.json_path}")
-
-
-def main(argv: list[str] | None = None) -> int:
-    import argparse
-    import sys
-
-    from rich.console import Console
-
-    from .attention_workload import parse_heads, parse_seq
-
-    parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.characterize", description=__doc__.split("\n")[0])
-    parser.add_argument("--seq", default="64k")
-    parser.add_argument("--batch", type=int, default=1)
-    parser.add_argument("--heads", default="32:8")
-    parser.add_argument("--out", type=Path, default=Path("mpfa-profiles"))
-    args = parser.parse_args(argv)
-    started = time.perf_counter()
-    try:
-        result = run_characterize(parse_seq(args.seq), args.batch, parse_heads(args.heads), 128, args.out,
-                                  progress=lambda line: print(line, file=sys.stderr, flush=True))
-    except (ValueError, ProfileError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    render_characterize(result, Console(width=200))
-    print(f"{time.perf_counter() - started:.0f} s", file=sys.stderr)
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -6,12 +6,10 @@ Nsight Compute (`ncu=True`: a short metric list; `ncu_full=True`: `--set full`, 
 and where its warps wait) and trace it with Nsight Systems, falling back to torch.profiler (`nsys=True`).
 One backend failing (import error, JIT failure) becomes an error row; the others still run.
 
-    python -m mpfa.profiles.microbench prefill --seq 16384 --backend fa4-bf16,flashinfer-fp8,mpfa --out OUT
+    mpfa profile prefill --seq 16384 --backend fa4-bf16,flashinfer-fp8,mpfa --out OUT
 """
 from __future__ import annotations
 
-import argparse
-import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -23,12 +21,11 @@ from ..mpfa_cli.errors import ProfileError, ToolError
 from . import ncu as ncu_profiler
 from . import ncu_details
 from . import nsys as nsys_tracer
-from .attention_workload import AttentionWorkload, add_workload_arguments, workload_from_arguments
+from .attention_workload import AttentionWorkload
 from .inputs import DEFAULT_L2_BYTES, DEFAULT_SEED, rotation_sets
 from .kernel_adapter import KernelAdapter, PreparedKernel
 from .peaks import measure_peaks
-from .profile_sections import LOG_WIDTH, render_profile
-from .registry import DEFAULT_BACKENDS, REFERENCE_BACKEND, adapter_for, parse_backends
+from .registry import REFERENCE_BACKEND, adapter_for
 from .profile_result import ERROR, OK, BackendResult, ProfileResult, TraceResult
 from .timing import measure, summarize
 from .torch_trace import record_trace
@@ -179,35 +176,3 @@ def _versions() -> dict[str, str]:
         except metadata.PackageNotFoundError:
             versions[package] = "not installed"
     return versions
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.microbench",
-                                     description="Side-by-side attention-kernel microbenchmarks.")
-    add_workload_arguments(parser)
-    parser.add_argument("--backend", default=",".join(DEFAULT_BACKENDS), help="comma-separated backends")
-    parser.add_argument("--ncu", action="store_true", help="also profile each kernel with Nsight Compute")
-    parser.add_argument("--ncu-full", action="store_true",
-                        help="also profile each kernel with Nsight Compute's full set: what bounds it, "
-                             "where its warps wait")
-    parser.add_argument("--nsys", action="store_true", help="also trace with Nsight Systems (or torch.profiler)")
-    parser.add_argument("--out", type=Path, default=Path("mpfa-profile"), help="directory for the raw results")
-    args = parser.parse_args(argv)
-    try:
-        workload = workload_from_arguments(args)
-        result = run_profile(workload.kind, workload.seq, workload.batch, (workload.q_heads, workload.kv_heads),
-                             workload.head_dim, parse_backends(args.backend), args.ncu, args.nsys, args.out,
-                             progress=lambda message: print(message, file=sys.stderr, flush=True),
-                             ncu_full=args.ncu_full)
-    except (ValueError, ProfileError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from rich.console import Console
-
-    render_profile(result, Console(width=None if sys.stdout.isatty() else LOG_WIDTH))
-    print(f"raw results: {result.json_path}")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -3,7 +3,7 @@
 ncu runs `launch_one` for the backend in a child process, skips the warm-up launches of the kernels matching
 the backend's name regex (`--launch-skip` counts matching launches only) and profiles the next one.
 `--csv --page raw --print-units base` prints a header row, a units row, then one row per profiled kernel.
-`mpfa profile --ncu-full` profiles the same launch once with `--set full`, exported to a report
+`mpfa profile prefill|decode --ncu-full` profiles the same launch once with `--set full`, exported to a report
 (`export_command`), then prints two pages of that report (`import_page`): `--page details` (read by
 profiles/ncu_details.py) and `--page source --print-source sass` (read by profiles/ncu_source.py).
 """

@@ -1,17 +1,15 @@
 """Read Nsight Compute's `--set full --csv --page details` output and say what bounds each kernel.
 
-    python -m mpfa.profiles.ncu_details FILE [FILE ...]
+    mpfa profile ncu-details FILE [FILE ...]
 
 The details page has one row per (kernel ID, section, metric) and one per rule result (a row with an empty Metric
-Name). `mpfa profile --ncu-full` profiles each backend's kernel once with `--set full` into a report, then prints
-and summarises this page and the source page of it (`profile_full_with_ncu`; the source page is read by
-profiles/ncu_source.py); `mpfa profile --ncu` reads the raw page instead (profiles/ncu.py).
+Name). `mpfa profile prefill|decode --ncu-full` profiles each backend's kernel once with `--set full` into a report,
+then prints and summarises this page and the source page of it (`profile_full_with_ncu`; the source page is read by
+profiles/ncu_source.py); `--ncu` reads the raw page instead (profiles/ncu.py).
 """
 from __future__ import annotations
 
-import argparse
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,11 +18,10 @@ from .attention_workload import AttentionWorkload
 from .kernel_adapter import KernelAdapter
 from .ncu import DETAILS_PAGE, SOURCE_PAGE, csv_table, export_report, import_page, to_base
 from .ncu_source import hot_loops, parse_source_csv
-from .profile_sections import LOG_WIDTH, Section, render_sections, short_name
+from .profile_sections import Section, short_name
 from .profile_result import NcuBoundSummary, NcuFullResult
 from .tools import parse_number
 
-MODULE = "mpfa.profiles.ncu_details"
 REQUIRED_COLUMNS = ("ID", "Kernel Name", "Block Size", "Grid Size", "Section Name", "Metric Name", "Metric Unit",
                     "Metric Value")
 NA = "n/a"
@@ -222,27 +219,3 @@ def profile_full_with_ncu(adapter: KernelAdapter, workload: AttentionWorkload, o
 def summary_section(details: NcuDetails) -> Section:
     return Section(short_name(details.kernel), ["fact", "value"], [list(row) for row in bound_summary(details)], [],
                    left_aligned=True)
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE", help="ncu --csv --page details output")
-    args = parser.parse_args(argv)
-    sections = []
-    for path in args.files:
-        try:
-            sections += [summary_section(details) for details in parse_details(path.read_text(errors="replace"))]
-        except OSError as exc:
-            print(f"error: cannot read {path}: {exc.strerror}", file=sys.stderr)
-            return 2
-        except ToolError as exc:
-            print(f"error: {path}: {exc}", file=sys.stderr)
-            return 2
-    from rich.console import Console
-
-    render_sections(sections, Console(width=None if sys.stdout.isatty() else LOG_WIDTH))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,6 +1,6 @@
 """Read Nsight Compute's source page (`--csv --page source --print-source sass`) and say where the warps wait.
 
-    python -m mpfa.profiles.ncu_source FILE [FILE ...]      (plain or .gz)
+    mpfa profile ncu-source FILE [FILE ...]      (plain or .gz)
 
 Per profiled kernel the page has a `"Kernel Name","<name>"` row, a header row, then one row per SASS instruction:
 its absolute address, its text, its warp-level executions and its warp-state samples, in all and per stall reason.
@@ -24,21 +24,18 @@ Delta_S) before MUFU.EX2.
 """
 from __future__ import annotations
 
-import argparse
 import csv
 import gzip
 import re
-import sys
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..mpfa_cli.errors import ToolError
-from .profile_sections import LOG_WIDTH, ncu_source_section, render_sections, short_name
-from .profile_result import NcuFullResult, NcuHotInstruction, NcuKernelLoops, NcuLoop
+from .profile_sections import short_name
+from .profile_result import NcuHotInstruction, NcuKernelLoops, NcuLoop
 from .tools import parse_number
 
-MODULE = "mpfa.profiles.ncu_source"
 KERNEL_ROW = "Kernel Name"
 ADDRESS, SASS, EXECUTED, SAMPLES = "Address", "Source", "Instructions Executed", "Warp Stall Sampling (All Samples)"
 STALL_PREFIX, NOT_ISSUED = "stall_", " (Not Issued)"
@@ -241,29 +238,3 @@ def read_text(path: Path) -> str:
         with gzip.open(path, "rt", errors="replace") as stream:
             return stream.read()
     return path.read_text(errors="replace")
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=f"python -m {MODULE}", description=__doc__.splitlines()[0])
-    parser.add_argument("files", nargs="+", type=Path, metavar="FILE",
-                        help="ncu --csv --page source --print-source sass output (plain or .gz)")
-    args = parser.parse_args(argv)
-    results = []
-    for path in args.files:
-        try:
-            pages = parse_source_csv(read_text(path))
-            results.append(NcuFullResult(path.name, [], loops=[hot_loops(page) for page in pages]))
-        except (OSError, EOFError) as exc:  # EOFError: a truncated .gz
-            print(f"error: cannot read {path}: {getattr(exc, 'strerror', None) or exc}", file=sys.stderr)
-            return 2
-        except ToolError as exc:
-            print(f"error: {path}: {exc}", file=sys.stderr)
-            return 2
-    from rich.console import Console
-
-    render_sections([ncu_source_section(results)], Console(width=None if sys.stdout.isatty() else LOG_WIDTH))
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

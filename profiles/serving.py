@@ -1,4 +1,4 @@
-"""`mpfa profile --serving`: where a live SGLang server's GPU time goes in prefill and in decode (paper Fig. 1).
+"""`mpfa profile serving`: where a live SGLang server's GPU time goes in prefill and in decode (paper Fig. 1).
 
 SGLang (0.5.15, `ProfileReq` in sglang/srt/managers/io_struct.py) records torch.profiler windows on request:
 `POST /start_profile` with an output directory, a step bound and a profile id, and its scheduler writes
@@ -15,14 +15,12 @@ SGLang (0.5.15, `ProfileReq` in sglang/srt/managers/io_struct.py) records torch.
 The server must write to a directory this process can read (the same machine). Rank 0's trace stands for the
 step: tensor-parallel ranks run the same kernels.
 
-    python -m mpfa.profiles.serving --url http://127.0.0.1:30000 --input-len 8192 --batch 4 --steps 8 --out DIR
+    mpfa profile serving --backend fa3-fp8 --url http://127.0.0.1:30000 --seq 8192 --batch 4 --steps 8 --out DIR
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
 import json
-import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
@@ -50,7 +48,6 @@ ERROR_BODY_CHARS = 300
 SERVER_INFO_KEYS = ("model_path", "attention_backend", "prefill_attention_backend", "decode_attention_backend",
                     "kv_cache_dtype", "page_size", "tp_size", "chunked_prefill_size", "disable_cuda_graph",
                     "version")
-DEFAULT_TRIM_EVENTS = 1000  # a few decode steps of an 8B model; tens of KB gzip'd (main prints the sizes)
 
 Progress = Callable[[str], None]
 
@@ -218,38 +215,3 @@ def trim_for_fixture(profile: ServingProfile, max_events: int) -> list[Path]:
         trim_trace(source, target, max_events)
         written.append(target)
     return written
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpfa.profiles.serving",
-                                     description="Kernel-time breakdown of a live SGLang server's prefill and decode.")
-    parser.add_argument("--url", required=True, help="the server, e.g. http://127.0.0.1:30000")
-    parser.add_argument("--input-len", default="8192", help="prompt tokens, e.g. 8192 or 8k")
-    parser.add_argument("--batch", type=int, default=4, help="prompts sent at once")
-    parser.add_argument("--steps", type=int, default=8, help="forward steps each profile window records")
-    parser.add_argument("--out", type=Path, default=Path("mpfa-serving-profile"), help="traces and JSON go here")
-    parser.add_argument("--trim-events", type=int, default=DEFAULT_TRIM_EVENTS,
-                        help="also write trimmed traces with this many GPU events (0: none)")
-    args = parser.parse_args(argv)
-    from .attention_workload import parse_seq  # imports torch: not needed for --help
-
-    try:
-        profile = profile_serving(args.url, parse_seq(args.input_len), args.batch, args.steps, args.out,
-                                  progress=lambda message: print(message, file=sys.stderr, flush=True))
-        trimmed = trim_for_fixture(profile, args.trim_events) if args.trim_events > 0 else []
-    except (ValueError, ServingProfileError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    from rich.console import Console
-
-    from .serving_report import render_serving
-
-    render_serving(profile, Console(width=None if sys.stdout.isatty() else 200))
-    print(f"raw results: {profile.json_path}")
-    for path in trimmed:
-        print(f"trimmed trace: {path} ({path.stat().st_size / 1e3:.0f} KB)")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

@@ -1,7 +1,7 @@
 """`mpfa logits --predicted FILE`: the measured |Δ logprob| against the CPU prediction of the attention numerics.
 
-`python -m mpfa.mpfa_cli.accuracy.logits_prediction` runs the same checkpoint and prompts on the CPU with only the attention
-swapped for each backend's reference variant (`BackendSpec.numerics`) and writes the rows `mpfa logits` writes.
+`mpfa accuracy predict-logits` runs the same checkpoint and prompts on the CPU with only the attention swapped for
+each backend's reference variant (`BackendSpec.numerics`) and writes the rows `mpfa logits` writes.
 A served backend computes its variant's numerics if its prompt mean |Δ logprob| against the reference backend lands
 within a factor of the predicted one, both ways: far above means the served kernels add error of their own (a
 bug), far below that they do not run the numerics they claim (e.g. a BF16 fallback). The band is wide because
@@ -62,7 +62,7 @@ def load_prediction(path: Path) -> dict[str, Any]:
     except (OSError, json.JSONDecodeError) as exc:
         raise UserError(f"--predicted {path}: cannot read a prediction JSON ({exc})") from None
     if not isinstance(prediction, dict) or not isinstance(prediction.get("rows"), list) or "ref" not in prediction:
-        raise UserError(f"--predicted {path}: not a `python -m mpfa.mpfa_cli.accuracy.logits_prediction --json` file")
+        raise UserError(f"--predicted {path}: not a `mpfa accuracy predict-logits --json` file")
     return prediction
 
 

@@ -1,12 +1,9 @@
 """Predict on the CPU the |Δ logprob| that `mpfa logits` should measure: attention numerics alone, same prompts.
 
-    python -m mpfa.mpfa_cli.accuracy.logits_prediction DIR --input-len 512,2048 --prompts 2 --seed 0 \
-        --variant mpfa --ref bf16 [--json out.json]
+    mpfa accuracy predict-logits DIR --input-len 512,2048 --prompts 2 --seed 0 --variant mpfa --ref bf16 \
+        [--json out.json]
 
-(In the repository root run `python -P -m ...`: its `kernels/` folder would shadow the PyPI `kernels` package
-that transformers imports.)
-
-DIR is a checkpoint (e.g. `python -m mpfa.mpfa_cli.accuracy.random_checkpoint`). The model runs in float32 on the CPU with its
+DIR is a checkpoint (e.g. `mpfa accuracy random-checkpoint`). The model runs in float32 on the CPU with its
 attention swapped for a variant of the numerics reference (`mpfa.mpfa_cli.accuracy.tasks.attention_swap`), so the only
 difference between two variants is the attention math; it reads the prompts `mpfa logits --seed S --prompts N`
 sends (`mpfa.mpfa_cli.accuracy.logits.prompts_for`), one at a time (batch 1), and takes each prompt's logprobs as a server's
@@ -22,9 +19,6 @@ reference is computed again, not copied: its zero deltas check that the pipeline
 """
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -156,42 +150,3 @@ def render(prediction: Prediction, console) -> None:
         if stats["prompt_logprob_std"] < NEAR_UNIFORM_STD:
             console.print(f"[yellow]near-uniform logits (std < {NEAR_UNIFORM_STD}): attention barely reaches them[/]")
 
-
-def _list(text: str, kind: type, flag: str) -> list:
-    try:
-        return [kind(x.strip()) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise UserError(f"{flag}: expected a comma-separated list, got {text!r}") from None
-
-
-def main(argv: list[str] | None = None) -> int:
-    from rich.console import Console
-
-    parser = argparse.ArgumentParser(prog="python -m mpfa.mpfa_cli.accuracy.logits_prediction",
-                                     description=__doc__.splitlines()[0])
-    parser.add_argument("checkpoint", type=Path)
-    parser.add_argument("--input-len", default="512,2048", help="comma-separated prompt lengths")
-    parser.add_argument("--prompts", type=int, default=2, help="prompts per input length")
-    parser.add_argument("--seed", type=int, default=0, help="prompt seed (as `mpfa logits --seed`)")
-    parser.add_argument("--variant", default="mpfa", help="comma-separated variants to compare")
-    parser.add_argument("--ref", default="bf16", help="reference variant")
-    parser.add_argument("--json", type=Path, help="write the prediction here")
-    args = parser.parse_args(argv)
-
-    def progress(variant: str, n: int, index: int, seconds: float) -> None:
-        print(f"{variant} {n} tokens, prompt {index}: {seconds:.1f} s", file=sys.stderr, flush=True)
-
-    try:
-        prediction = predict(args.checkpoint, _list(args.variant, str, "--variant"), args.ref,
-                             _list(args.input_len, int, "--input-len"), args.prompts, args.seed, progress)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    render(prediction, Console(width=200))
-    if args.json:
-        args.json.write_text(json.dumps(prediction.to_json(), indent=2) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

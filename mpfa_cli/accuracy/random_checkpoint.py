@@ -1,9 +1,6 @@
 """A seeded random checkpoint of a model config, at full width, that SGLang loads with `mpfa logits --model DIR`.
 
-    python -m mpfa.mpfa_cli.accuracy.random_checkpoint --model llama-3.1-8b --layers 4 --seed 0 --out DIR
-
-(In the repository root run `python -P -m ...`: its `kernels/` folder would shadow the PyPI `kernels` package
-that transformers imports.)
+    mpfa accuracy random-checkpoint --model llama-3.1-8b --layers 4 --seed 0 --out DIR
 
 Why: SGLang's `--load-format dummy` draws every weight, norms included, from U(-1e-3, 1e-3); the attention output
 then sits below BF16's rounding of the residual stream and cannot reach the logits (see `mpfa.mpfa_cli.accuracy.logits`), so
@@ -25,10 +22,8 @@ No tokenizer is written: SGLang runs with `--skip-tokenizer-init` and the prompt
 """
 from __future__ import annotations
 
-import argparse
 import hashlib
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -124,28 +119,3 @@ def write_random_checkpoint(
     index_json = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
     (out / "model.safetensors.index.json").write_text(json.dumps(index_json, indent=2) + "\n")
     return out
-
-
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m mpfa.mpfa_cli.accuracy.random_checkpoint", description=__doc__.splitlines()[0])
-    parser.add_argument("--model", required=True, help="bundled config name (e.g. llama-3.1-8b) or a directory")
-    parser.add_argument("--out", type=Path, required=True, help="new (or empty) output directory")
-    parser.add_argument("--layers", type=int, help="num_hidden_layers (default: the config's)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--std", type=float, default=0.02, help="std of every non-norm weight")
-    parser.add_argument("--dtype", choices=DTYPES, default="bfloat16")
-    parser.add_argument("--device", choices=("cpu", "cuda"), help="where to draw (default: cuda when available)")
-    args = parser.parse_args(argv)
-    try:
-        out = write_random_checkpoint(args.model, args.out, args.layers, args.seed, args.std, DTYPES[args.dtype],
-                                      args.device)
-    except UserError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return exc.exit_code
-    total = sum(f.stat().st_size for f in out.iterdir())
-    print(f"{out} {total} bytes")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -18,6 +18,17 @@ accuracy_app = typer.Typer(help="Accuracy of the attention variants (NVFP4/FP8 n
                            no_args_is_help=True)
 
 
+def _require_accuracy_extra(command: str, *modules: str) -> None:
+    """Refuse `mpfa accuracy <command>` in one line when a module of the accuracy extra (default: transformers) is
+    not installed."""
+    import importlib.util
+
+    needed = modules or ("transformers",)
+    if any(importlib.util.find_spec(m) is None for m in needed):
+        raise UserError(f"`mpfa accuracy {command}` needs the accuracy extra ({' and '.join(needed)}): "
+                        "pip install -e '.[accuracy]'")
+
+
 @accuracy_app.command("kernel")
 @cli_errors
 def accuracy_kernel(
@@ -54,10 +65,7 @@ def accuracy_task(
     db: DbOption = None,
 ) -> None:
     """Task scores of each attention variant on a real model (greedy decoding), loss vs bf16 and recovery."""
-    import importlib.util
-
-    if importlib.util.find_spec("transformers") is None:
-        raise UserError("`mpfa accuracy task` needs the accuracy extra: pip install -e '.[accuracy]'")
+    _require_accuracy_extra("task")
     from ..accuracy.tasks.runner import print_task_accuracy
 
     try:
@@ -126,10 +134,7 @@ def accuracy_convert(
     out: Annotated[Path, typer.Argument(help="New directory for the checkpoint.")],
 ) -> None:
     """Write a GGUF model as a BF16 transformers checkpoint (weights, config, tokenizer) to serve with --model DIR."""
-    import importlib.util
-
-    if any(importlib.util.find_spec(m) is None for m in ("transformers", "gguf")):
-        raise UserError("`mpfa accuracy convert` needs transformers and gguf: pip install -e '.[accuracy]'")
+    _require_accuracy_extra("convert", "transformers", "gguf")
     from ..accuracy.tasks.checkpoint import export_checkpoint
 
     try:
@@ -258,10 +263,7 @@ def accuracy_emulate(
 ) -> None:
     """The questions of `accuracy serve` answered by the numerics reference, stored like a served run; the shortest
     cells first, and on Ctrl-C (SIGINT) the cells done so far are stored."""
-    import importlib.util
-
-    if importlib.util.find_spec("transformers") is None:
-        raise UserError("`mpfa accuracy emulate` needs the accuracy extra: pip install -e '.[accuracy]'")
+    _require_accuracy_extra("emulate")
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from ..accuracy.emulate import cells_done, run_emulated_accuracy
@@ -456,3 +458,64 @@ def _list_served(stored: list) -> None:
                       str(len(p.result["cells"])), "SIMULATED" if p.simulated else "", ", ".join(p.result["errors"]),
                       ", ".join(map(str, p.params.get("merged_from", []))))
     console.print(table)
+
+
+@accuracy_app.command("random-checkpoint")
+@cli_errors
+def accuracy_random_checkpoint(
+    model: Annotated[str, typer.Option(help="Bundled config name (e.g. llama-3.1-8b) or a directory with a config.json.")],
+    out: Annotated[Path, typer.Option(help="New (or empty) directory for the checkpoint.")],
+    layers: Annotated[Optional[int], typer.Option(help="num_hidden_layers (default: the config's).")] = None,
+    seed: Annotated[int, typer.Option(help="Seed of every weight (with the parameter's name).")] = 0,
+    std: Annotated[float, typer.Option(help="Standard deviation of every weight but the norms' (ones).")] = 0.02,
+    dtype: Annotated[str, typer.Option(help="bfloat16, float16 or float32.")] = "bfloat16",
+    device: Annotated[Optional[str], typer.Option(help="Where to draw: cpu or cuda (default: cuda when available).")] = None,
+) -> None:
+    """A seeded random checkpoint for `mpfa logits --model DIR`.
+
+    At full width. SGLang's dummy weights leave attention too weak to reach
+    the logits; here norms are ones and every other weight is N(0, std), so
+    backends that compute attention differently give different logprobs.
+    """
+    _require_accuracy_extra("random-checkpoint")
+    from ..accuracy.random_checkpoint import DTYPES, write_random_checkpoint
+
+    if dtype not in DTYPES:
+        raise UserError(f"--dtype: '{dtype}' is not one of {', '.join(DTYPES)}")
+    if device not in (None, "cpu", "cuda"):
+        raise UserError(f"--device: '{device}' is not cpu or cuda")
+    written = write_random_checkpoint(model, out, layers, seed, std, DTYPES[dtype], device)
+    console.print(f"{written} {sum(f.stat().st_size for f in written.iterdir())} bytes", highlight=False,
+                  markup=False, soft_wrap=True)
+
+
+@accuracy_app.command("predict-logits")
+@cli_errors
+def accuracy_predict_logits(
+    checkpoint: Annotated[Path, typer.Argument(help="Checkpoint directory (e.g. from `mpfa accuracy random-checkpoint`).")],
+    input_len: Annotated[str, typer.Option("--input-len", help="Comma-separated prompt lengths.")] = "512,2048",
+    prompts: Annotated[int, typer.Option(help="Prompts per input length.")] = 2,
+    seed: Annotated[int, typer.Option(help="Prompt seed (as `mpfa logits --seed`).")] = 0,
+    variant: Annotated[str, typer.Option(help="Comma-separated reference variants to predict (bf16 for fa4-bf16, fp8 for flashinfer-fp8, mpfa, qk4-pv8-direct for mpfa-direct).")] = "mpfa",
+    ref: Annotated[str, typer.Option(help="The reference variant, as `mpfa logits --ref` (bf16 for fa4-bf16).")] = "bf16",
+    json_path: Annotated[Optional[Path], typer.Option("--json", help="Write the prediction here, for `mpfa logits --predicted`.")] = None,
+) -> None:
+    """The |Δ logprob| `mpfa logits` should measure, on the CPU.
+
+    The checkpoint runs in float32 with only its attention swapped for a
+    variant of the numerics reference, on the prompts `mpfa logits --seed S
+    --prompts N` sends.
+    """
+    _require_accuracy_extra("predict-logits")
+    import json
+
+    from ..accuracy.logits_prediction import predict, render
+
+    def progress(name: str, n: int, index: int, seconds: float) -> None:
+        err_console.print(f"{name} {n} tokens, prompt {index}: {seconds:.1f} s", highlight=False)
+
+    variants = [v.strip() for v in variant.split(",") if v.strip()]
+    prediction = predict(checkpoint, variants, ref, number_list(input_len, "--input-len"), prompts, seed, progress)
+    render(prediction, console)
+    if json_path is not None:
+        json_path.write_text(json.dumps(prediction.to_json(), indent=2) + "\n")

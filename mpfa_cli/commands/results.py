@@ -213,7 +213,7 @@ def gate(
     results: Annotated[Optional[list[str]], typer.Option("--results", help="Run ids to judge: 1,2,3 or repeated (default: the newest pass of each backend and point).")] = None,
     tolerance: Annotated[str, typer.Option(help="Allowed drop, e.g. 5% or 0.05.")] = "5%",
     write_baseline: Annotated[bool, typer.Option("--write-baseline/--no-write-baseline", help="Write the baseline from the runs instead of judging.")] = False,
-    benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write github-action-benchmark files with this prefix.")] = None,
+    benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write PREFIX-bigger.json (throughputs) and PREFIX-smaller.json (latencies): the runs' gated metrics for github-action-benchmark's custom tools.", metavar="PREFIX")] = None,
     allow_caveats: Annotated[bool, typer.Option("--allow-caveats/--no-allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
     allow_missing: Annotated[bool, typer.Option("--allow-missing/--no-allow-missing", help="Pass although baseline entries have no current result or only failed runs.")] = False,
     from_exports: FromExports = None, scenario: ScenarioFilter = None, db: DbOption = None,

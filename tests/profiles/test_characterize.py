@@ -151,9 +151,3 @@ def test_cli_without_gpu_is_a_one_line_error(tmp_path):
     bad = subprocess.run([sys.executable, "-m", "mpfa.mpfa_cli", "profile", "characterize", "--seq", "lots"],
                          capture_output=True, text=True, env=env, timeout=120)
     assert bad.returncode == 2 and "lots" in bad.stderr
-
-
-def test_module_main_without_gpu(monkeypatch, capsys, tmp_path):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert ch.main(["--seq", "4k", "--out", str(tmp_path)]) == 2
-    assert capsys.readouterr().err.strip() == "error: no CUDA device: `mpfa profile` runs the attention kernels on a GPU"

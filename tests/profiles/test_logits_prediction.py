@@ -1,4 +1,5 @@
-"""`mpfa.mpfa_cli.accuracy.logits_prediction` on a tiny random checkpoint whose vocabulary holds `mpfa logits`' prompt ids."""
+"""`mpfa.mpfa_cli.accuracy.logits_prediction` (`mpfa accuracy predict-logits`) on a tiny random checkpoint whose
+vocabulary holds `mpfa logits`' prompt ids."""
 from __future__ import annotations
 
 import json
@@ -7,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 pytest.importorskip("transformers")
 from transformers import AutoModelForCausalLM  # noqa: E402
@@ -16,7 +18,8 @@ from mpfa.mpfa_cli.accuracy.logits import prompts_for  # noqa: E402
 from mpfa.mpfa_cli.accuracy.random_checkpoint import write_random_checkpoint  # noqa: E402
 from mpfa.mpfa_cli.harness.serving_workload import VOCAB_RANGE  # noqa: E402
 from mpfa.mpfa_cli.accuracy.tasks.attention_swap import install  # noqa: E402
-from mpfa.mpfa_cli.accuracy.logits_prediction import main, predict, prompt_sample  # noqa: E402
+from mpfa.mpfa_cli.accuracy.logits_prediction import predict, prompt_sample  # noqa: E402
+from mpfa.mpfa_cli.app import app  # noqa: E402
 
 LENGTH = 48
 
@@ -30,6 +33,10 @@ def _checkpoint(directory: Path, vocab: int) -> Path:
               "tie_word_embeddings": True}
     (config_dir / "config.json").write_text(json.dumps(config))
     return write_random_checkpoint(str(config_dir), directory / "checkpoint", layers=None, seed=5)
+
+
+def _predict_logits(*args: str):
+    return CliRunner().invoke(app, ["accuracy", "predict-logits", *args], env={"COLUMNS": "200"})
 
 
 @pytest.fixture(scope="module")
@@ -46,11 +53,12 @@ def test_a_variant_against_itself_is_exactly_zero(checkpoint, variant):
         assert row.prefill_max_abs == 0 and row.prefill_top1_agree == 1.0
 
 
-def test_mpfa_vs_bf16_differs_a_little(checkpoint, tmp_path, capsys):
+def test_mpfa_vs_bf16_differs_a_little(checkpoint, tmp_path):
     out = tmp_path / "prediction.json"
-    assert main([str(checkpoint), "--input-len", f"{LENGTH},64", "--prompts", "2", "--variant", "mpfa",
-                 "--ref", "bf16", "--json", str(out)]) == 0
-    assert "mpfa" in capsys.readouterr().out
+    done = _predict_logits(str(checkpoint), "--input-len", f"{LENGTH},64", "--prompts", "2", "--variant", "mpfa",
+                           "--ref", "bf16", "--json", str(out))
+    assert done.exit_code == 0, done.output
+    assert "Predicted prefill logprobs vs bf16" in done.stdout and f"mpfa {LENGTH} tokens, prompt 1:" in done.stderr
     result = json.loads(out.read_text())
     rows = {(r["backend"], r["input_len"]): r for r in result["rows"]}
     assert set(rows) == {(v, n) for v in ("bf16", "mpfa") for n in (LENGTH, 64)}
@@ -78,7 +86,7 @@ def test_position_i_is_the_logprob_of_token_i_given_the_tokens_before(checkpoint
     assert sample.prompt_top_ids == logits[:-1].argmax(-1).tolist()
 
 
-def test_bad_input_is_a_clear_error(checkpoint, tmp_path, capsys):
+def test_bad_input_is_a_clear_error(checkpoint, tmp_path):
     small = _checkpoint(tmp_path, vocab=512)
     with pytest.raises(UserError, match="past the model's vocabulary of 512"):
         predict(small, ["mpfa"], "bf16", [LENGTH], 1, seed=0)
@@ -86,6 +94,6 @@ def test_bad_input_is_a_clear_error(checkpoint, tmp_path, capsys):
         predict(checkpoint, ["fp4"], "bf16", [LENGTH], 1, seed=0)
     with pytest.raises(UserError, match="no config.json"):
         predict(tmp_path / "nothing", ["mpfa"], "bf16", [LENGTH], 1, seed=0)
-    capsys.readouterr()  # transformers' loading bars so far
-    assert main([str(checkpoint), "--input-len", "1"]) == 2
-    assert capsys.readouterr().err == "error: --input-len: every length must be >= 2 (position 0 has no logprob)\n"
+    done = _predict_logits(str(checkpoint), "--input-len", "1")
+    assert done.exit_code == 2
+    assert done.stderr == "error: --input-len: every length must be >= 2 (position 0 has no logprob)\n"

@@ -1,7 +1,5 @@
-"""ncu's `--set full --csv --page details` output: parsing a real H200 capture, grouping by kernel ID, malformed
-input, and `python -m mpfa.profiles.ncu_details`."""
-import subprocess
-import sys
+"""ncu's `--set full --csv --page details` output: parsing a real H200 capture, grouping by kernel ID, and malformed
+input (`mpfa profile ncu-details` in tests/mpfa_cli/commands/test_profile_cli.py)."""
 from pathlib import Path
 
 import pytest
@@ -140,22 +138,3 @@ def test_malformed_input_is_a_one_line_tool_error(text, message):
         parse_details(text)
     assert message in str(error.value) and "\n" not in str(error.value)
 
-
-def _run(*files: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpfa.profiles.ncu_details", *files], capture_output=True,
-                          text=True, timeout=120, check=False)
-
-
-def test_cli_prints_the_summary_and_fails_in_one_line(tmp_path):
-    done = _run(str(ONE_WARPGROUP))
-    assert done.returncode == 0, done.stderr
-    assert "kernel_cutlass_kernel_mpfakernelssm90prefill_wgmmaPrefillSm90Wgmma_object_at_..." in done.stdout
-    assert "shared memory: 2 blocks per SM" in done.stdout and "10.2-way" in done.stdout
-    missing = _run(str(ONE_WARPGROUP), str(tmp_path / "absent.csv"))
-    assert missing.returncode == 2 and missing.stdout == ""
-    assert missing.stderr == f"error: cannot read {tmp_path / 'absent.csv'}: No such file or directory\n"
-    raw_page = FIXTURES / "ncu_h200_prefill64k_fa4.csv"
-    malformed = _run(str(raw_page))
-    assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
-    assert malformed.stderr.startswith(f"error: {raw_page}: not an ncu details page") and \
-        malformed.stderr.count("\n") == 1

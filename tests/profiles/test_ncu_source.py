@@ -1,9 +1,6 @@
 """ncu's `--csv --page source --print-source sass` output: parsing real H200 captures, the hot-loop partition of a
-warp-specialised prefill and a split-KV decode, synthetic pages (nesting, several kernels, malformed input), and
-`python -m mpfa.profiles.ncu_source`."""
-import gzip
-import subprocess
-import sys
+warp-specialised prefill and a split-KV decode, synthetic pages (nesting, several kernels, malformed input)
+(`mpfa profile ncu-source` in tests/mpfa_cli/commands/test_profile_cli.py)."""
 from pathlib import Path
 
 import pytest
@@ -246,34 +243,3 @@ def test_malformed_input_is_a_one_line_tool_error(text, message):
         hot_loops(parse_source_csv(text)[0])
     assert str(error.value) == message
 
-
-def _run(*files: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "mpfa.profiles.ncu_source", *files], capture_output=True,
-                          text=True, timeout=120, check=False)
-
-
-def test_cli_prints_the_loops_of_plain_and_gzipped_pages(tmp_path):
-    plain = tmp_path / "decode-source.csv"
-    plain.write_text(gzip.decompress(LANE_MAJOR_V.read_bytes()).decode())
-    done = _run(str(PRODUCER), str(plain))
-    assert done.returncode == 0, done.stderr
-    assert "where each kernel's warps wait" in done.stdout
-    for text in ("rows 1439-1872", "rows 2955-3366", "4,177,920", "rows 1044-1689", "260,608", "552,379 warp samples",
-                 "61,365 warp samples"):
-        assert text in done.stdout
-
-
-def test_cli_fails_in_one_line(tmp_path):
-    missing = _run(str(PRODUCER), str(tmp_path / "absent.csv"))
-    assert missing.returncode == 2 and missing.stdout == ""
-    assert missing.stderr == f"error: cannot read {tmp_path / 'absent.csv'}: No such file or directory\n"
-    truncated = tmp_path / "cut.csv.gz"
-    truncated.write_bytes(PRODUCER.read_bytes()[:1000])
-    cut = _run(str(truncated))
-    assert cut.returncode == 2 and cut.stderr.startswith(f"error: cannot read {truncated}: ")
-    assert cut.stderr.count("\n") == 1
-    details = FIXTURES / "ncu-details-prefill-16k-mpfa-producer-warpgroup-h200.csv"
-    malformed = _run(str(details))
-    assert malformed.returncode == 2 and "Traceback" not in malformed.stderr
-    assert malformed.stderr == (f'error: {details}: not an ncu source page: it does not start with a "Kernel Name" '
-                                f"row\n")

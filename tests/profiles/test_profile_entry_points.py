@@ -1,4 +1,5 @@
-"""Entry points without a GPU: argument errors, the no-CUDA error, and the launch_one child's arguments."""
+"""Without a GPU: run_profile's argument errors and no-CUDA error, and the launch_one child's arguments."""
+import subprocess
 import sys
 
 import pytest
@@ -6,7 +7,7 @@ import torch
 
 from mpfa.mpfa_cli.errors import ProfileError
 from mpfa.profiles import launch_one, microbench
-from mpfa.profiles.attention_workload import AttentionWorkload, workload_from_arguments
+from mpfa.profiles.attention_workload import AttentionWorkload
 
 
 def test_run_profile_needs_cuda(monkeypatch, tmp_path):
@@ -36,32 +37,19 @@ def test_launch_one_prints_one_line_errors(monkeypatch, capsys):
     assert capsys.readouterr().err.strip() == "error: no CUDA device: launch_one runs an attention kernel on a GPU"
 
 
-def test_main_prints_one_line_errors(monkeypatch, capsys):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    assert microbench.main(["decode", "--seq", "128k", "--batch", "8"]) == 2
-    message = capsys.readouterr().err.strip()
-    assert message == "error: no CUDA device: `mpfa profile` runs the attention kernels on a GPU"
-    assert microbench.main(["prefill", "--seq", "16k", "--heads", "32-8"]) == 2
-    assert capsys.readouterr().err.strip().startswith("error: bad heads '32-8'")
-    assert microbench.main(["prefill", "--seq", "16k", "--backend", "fa4"]) == 2
-    assert "unknown backend 'fa4'" in capsys.readouterr().err
-
-
 def test_launch_one_arguments_round_trip():
-    workload = AttentionWorkload("decode", 131072, 8, 32, 8, 128)
+    workload = AttentionWorkload("decode", 131072, 8, 40, 8, 64)
     arguments = launch_one.launch_arguments(workload, "flashinfer-fp8", warmup=3, launches=1, profiler_range=True)
     assert arguments[:2] == ["-m", "mpfa.profiles.launch_one"]
     parsed = launch_one.parse_arguments(arguments[2:])
-    assert workload_from_arguments(parsed) == workload
+    assert launch_one.launched_workload(parsed) == workload
     assert (parsed.backend, parsed.warmup, parsed.launches, parsed.profiler_range) == ("flashinfer-fp8", 3, 1, True)
     assert not launch_one.parse_arguments(launch_one.launch_arguments(
         workload, "mpfa", warmup=0, launches=2, profiler_range=False)[2:]).profiler_range
 
 
-def test_microbench_runs_as_a_script(tmp_path):
-    """`python -m mpfa.profiles.microbench` works from any directory (the GPU host runs it that way)."""
-    import subprocess
-
-    done = subprocess.run([sys.executable, "-m", "mpfa.profiles.microbench", "--help"], capture_output=True,
+def test_launch_one_runs_as_a_module_from_any_directory(tmp_path):
+    """ncu and nsys start `python -m mpfa.profiles.launch_one` in their own working directory."""
+    done = subprocess.run([sys.executable, "-m", "mpfa.profiles.launch_one", "--help"], capture_output=True,
                           text=True, cwd=tmp_path, check=False)
-    assert done.returncode == 0 and "--seq" in done.stdout and "--ncu" in done.stdout, done.stderr
+    assert done.returncode == 0 and "--profiler-range" in done.stdout, done.stderr

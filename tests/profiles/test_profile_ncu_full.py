@@ -1,6 +1,6 @@
-"""`mpfa profile --ncu-full`: one `--set full` run exported to a report, then its details and source pages printed
-from it; a faked ncu answering with a real H200 capture, the bound summaries side by side, the hot loops, and
-per-backend failures (a failed source page keeps the bound summary)."""
+"""`mpfa profile prefill|decode --ncu-full`: one `--set full` run exported to a report, then its details and source
+pages printed from it; a faked ncu answering with a real H200 capture, the bound summaries side by side, the hot
+loops, and per-backend failures (a failed source page keeps the bound summary)."""
 import io
 import sys
 from pathlib import Path

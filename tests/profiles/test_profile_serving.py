@@ -3,15 +3,16 @@ profile protocol against a fake server (and the simulator, which has nothing to 
 import gzip
 import json
 import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 from rich.console import Console
+from typer.testing import CliRunner
 
+from mpfa.mpfa_cli.app import app
 from mpfa.mpfa_cli.errors import ProfileError, ServingProfileError
 from mpfa.mpfa_cli.harness.sim_server import build_app
+from mpfa.mpfa_cli.results.store import ResultStore
 from mpfa.profiles import serving
 from mpfa.profiles.breakdown import TOP_KERNELS, stage_breakdown
 from mpfa.profiles.kernel_categories import ATTENTION, CATEGORIES, classify
@@ -196,18 +197,24 @@ def test_report_shows_each_stage_and_its_largest_kernels(tmp_path, fake_sglang, 
     assert format_sections(serving_sections(profile)).splitlines()[0] == categories.title
 
 
-def test_main_runs_as_a_script_and_trims(tmp_path, fake_sglang, serve_app, make_trace, kernel_categories, capsys):
-    done = subprocess.run([sys.executable, "-m", "mpfa.profiles.serving", "--help"], capture_output=True, text=True,
-                          cwd=tmp_path, check=False)
-    assert done.returncode == 0 and "--input-len" in done.stdout and "--trim-events" in done.stdout, done.stderr
-    assert serving.main(["--url", "http://127.0.0.1:1", "--steps", "1"]) == 2
-    assert capsys.readouterr().err.strip() == "error: steps must be >= 2, got 1"
+def test_the_cli_profiles_a_url_server_stores_the_breakdown_and_trims(tmp_path, fake_sglang, serve_app, make_trace,
+                                                                     kernel_categories):
+    """`mpfa profile serving --url ... --trim-events N`: the report, a trimmed copy of each stage's trace with N GPU
+    events, the profile stored; a bad argument is one line."""
     fake, _, _ = _fake(fake_sglang, make_trace, kernel_categories)
+    db = tmp_path / "results.db"
+    args = ["profile", "serving", "--backend", "fa3-bf16", "--seq", "64", "--batch", "2", "--out", str(tmp_path),
+            "--db", str(db)]
     with serve_app(fake.app()) as url:
-        assert serving.main(["--url", url, "--input-len", "64", "--batch", "2", "--steps", str(STEPS),
-                             "--out", str(tmp_path), "--trim-events", "40"]) == 0
-    printed = capsys.readouterr().out
+        done = CliRunner().invoke(app, [*args, "--url", url, "--steps", str(STEPS), "--trim-events", "40"],
+                                  env={"COLUMNS": "200"})
+        bad = CliRunner().invoke(app, [*args, "--url", url, "--steps", "1"], env={"COLUMNS": "200"})
+    assert done.exit_code == 0, done.output
     trimmed = sorted(tmp_path.glob("*.trimmed.json.gz"))
-    assert len(trimmed) == 2 and all(f"trimmed trace: {path}" in printed for path in trimmed)
+    assert len(trimmed) == 2 and all(f"trimmed trace: {path}" in done.stdout for path in trimmed)
     assert all(len(gpu_events(load_trace(path))) == 40 for path in trimmed)
-    assert "raw results:" in printed
+    assert "GPU time by kernel category" in done.stdout and "stored profile 1" in done.stdout
+    with ResultStore(db) as store:
+        [stored] = store.list_profiles("serving")
+    assert stored.params["backend"] == "fa3-bf16" and stored.params["steps"] == STEPS
+    assert bad.exit_code == 2 and bad.stderr == "error: steps must be >= 2, got 1\n"

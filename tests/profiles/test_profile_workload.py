@@ -1,12 +1,10 @@
 """FLOP and byte counting, and parsing of the workload arguments."""
-import argparse
 import itertools
 
 import pytest
 
 from mpfa.backends.specs import kernel_benches
-from mpfa.profiles.attention_workload import (BF16, BF16_Q_FP8_KV, MPFA, AttentionWorkload, add_workload_arguments,
-                                              parse_heads, parse_seq, workload_arguments, workload_from_arguments)
+from mpfa.profiles.attention_workload import BF16, BF16_Q_FP8_KV, MPFA, AttentionWorkload, parse_heads, parse_seq
 from mpfa.profiles.registry import adapter_for, parse_backends
 
 
@@ -87,13 +85,6 @@ def test_parse_heads():
 def test_workload_rejects_bad_input(fields, message):
     with pytest.raises(ValueError, match=message):
         AttentionWorkload(*fields)
-
-
-def test_workload_arguments_round_trip():
-    parser = argparse.ArgumentParser()
-    add_workload_arguments(parser)
-    workload = AttentionWorkload("decode", 131072, 8, 40, 8, 64)
-    assert workload_from_arguments(parser.parse_args(workload_arguments(workload))) == workload
 
 
 def test_parse_backends():

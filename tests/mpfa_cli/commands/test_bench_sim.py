@@ -100,6 +100,25 @@ def test_modelled_metrics_do_not_depend_on_the_speed_up(mpfa, tmp_path, load) ->
     assert all(json.loads(run["server_info"])["metrics_clock"] == "modelled" for run in _runs(mpfa.db))
 
 
+def test_warmup_requests_and_slo_flags_reach_the_runs(mpfa, scenario_file) -> None:
+    """`--warmup-requests` replaces the scenario's count (sent before the first repeat only); `--slo` adds goodput to
+    every run's summary: none of the requests meets a 0.001 ms TTFT."""
+    path = scenario_file(warmup_requests=1, concurrency=[2], repeats=2)
+    result = mpfa("bench", "--scenario", str(path), "--backend", "mpfa", "--warmup-requests", "3", "--slo",
+                  "ttft=0.001,tpot=100000", *FAST)
+    assert result.returncode == 0, result.stderr
+    runs = _runs(mpfa.db)
+    assert [len(_requests(mpfa.db, run["id"], warmup=True)) for run in runs] == [3, 0]
+    assert [len(_requests(mpfa.db, run["id"])) for run in runs] == [6, 6]
+    assert [json.loads(run["summary"])["goodput_req_per_s"] for run in runs] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("slo", ["ttft=fast", "ttfb=100", "tpot=0"])
+def test_a_bad_slo_is_one_line(mpfa, slo) -> None:
+    result = mpfa("bench", "--slo", slo)
+    assert result.returncode == 2 and result.stderr.startswith("error: --slo: ") and "Traceback" not in result.stderr
+
+
 def test_unknown_backend_and_scenario_exit_2(mpfa) -> None:
     result = mpfa("bench", "--backend", "fa9")
     assert result.returncode == 2 and "unknown backend 'fa9'; valid: fa4-bf16" in result.stderr

@@ -123,6 +123,7 @@ def test_url_servers_are_checked_against_their_backend(mpfa, fake_sglang):
     (["--input-len", "512,x"], "--input-len: expected comma-separated int values, got '512,x'"),
     (["--input-len", "1"], "--input-len: every length must be >= 2"),
     (["--prompts", "0"], "--prompts and --output-len must be >= 1"),
+    (["--predicted-factor", "1"], "--predicted-factor must be > 1, got 1.0"),
     (["--backend", "fa4-bf16,mpfa", "--url", "http://127.0.0.1:1"], "--url: 1 URL(s) for 2 backend(s)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(mpfa, args, message):

@@ -1,4 +1,5 @@
-"""`mpfa.mpfa_cli.accuracy.random_checkpoint` on tiny configs: loadable by transformers, deterministic, the distribution asked."""
+"""`mpfa.mpfa_cli.accuracy.random_checkpoint` (`mpfa accuracy random-checkpoint`) on tiny configs: loadable by
+transformers, deterministic, the distribution asked."""
 from __future__ import annotations
 
 import json
@@ -6,13 +7,15 @@ from pathlib import Path
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
 pytest.importorskip("transformers")
 from safetensors.torch import load_file  # noqa: E402
 from transformers import AutoModelForCausalLM  # noqa: E402
 
 from mpfa.mpfa_cli.errors import UserError  # noqa: E402
-from mpfa.mpfa_cli.accuracy.random_checkpoint import MARKER, main, parameter_shapes, write_random_checkpoint  # noqa: E402
+from mpfa.mpfa_cli.accuracy.random_checkpoint import MARKER, parameter_shapes, write_random_checkpoint  # noqa: E402
+from mpfa.mpfa_cli.app import app  # noqa: E402
 from mpfa.scenarios import MODEL_DIR  # noqa: E402
 
 TINY = {
@@ -29,6 +32,10 @@ def tiny_config(directory: Path, kind: str = "llama") -> Path:
               "max_position_embeddings": 256, "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16"}
     (directory / "config.json").write_text(json.dumps(config))
     return directory
+
+
+def _random_checkpoint(*args: str):
+    return CliRunner().invoke(app, ["accuracy", "random-checkpoint", *args], env={"COLUMNS": "200"})
 
 
 def tensors(out: Path) -> dict[str, torch.Tensor]:
@@ -123,7 +130,7 @@ def test_the_bundled_llama_8b_has_its_8b_parameters():
     assert sum(s.numel() for s in shapes.values()) == 8_030_261_248
 
 
-def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
+def test_bad_input_is_one_line_and_exit_2(tmp_path):
     taken = tmp_path / "taken"
     taken.mkdir()
     (taken / "x").write_text("")
@@ -131,12 +138,15 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
         (["--model", "no-such-model", "--out", str(tmp_path / "o1")], "model 'no-such-model' is neither"),
         (["--model", str(tiny_config(tmp_path / "cfg")), "--out", str(taken)], "exists and is not an empty directory"),
         (["--model", str(tmp_path / "cfg"), "--out", str(tmp_path / "o2"), "--layers", "0"], "--layers must be >= 1"),
+        (["--model", str(tmp_path / "cfg"), "--out", str(tmp_path / "o4"), "--dtype", "fp8"], "--dtype: 'fp8'"),
+        (["--model", str(tmp_path / "cfg"), "--out", str(tmp_path / "o5"), "--device", "tpu"], "--device: 'tpu'"),
     ]
     for argv, message in cases:
-        assert main(argv) == 2
-        err = capsys.readouterr().err
+        done = _random_checkpoint(*argv)
+        assert done.exit_code == 2
+        err = done.stderr
         assert err.count("\n") == 1 and err.startswith("error: ") and message in err, err
-    assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+    assert not any((tmp_path / name).exists() for name in ("o1", "o2", "o4", "o5"))
     assert sorted(p.name for p in taken.iterdir()) == ["x"]
     bad = tmp_path / "bad"
     bad.mkdir()
@@ -146,8 +156,13 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys):
     assert not (tmp_path / "o3").exists()
 
 
-def test_the_command_prints_the_directory_and_its_bytes(tmp_path, capsys):
+def test_the_command_prints_the_directory_and_its_bytes(tmp_path):
     out = tmp_path / "ckpt"
-    assert main(["--model", str(tiny_config(tmp_path / "cfg")), "--out", str(out), "--layers", "1"]) == 0
+    done = _random_checkpoint("--model", str(tiny_config(tmp_path / "cfg")), "--out", str(out), "--layers", "1",
+                              "--dtype", "float32", "--std", "0.5", "--seed", "7", "--device", "cpu")
+    assert done.exit_code == 0, done.output
     total = sum(p.stat().st_size for p in out.iterdir())
-    assert capsys.readouterr().out == f"{out} {total} bytes\n"
+    assert done.stdout == f"{out} {total} bytes\n"
+    config = json.loads((out / "config.json").read_text())
+    assert config["num_hidden_layers"] == 1 and config["torch_dtype"] == "float32"
+    assert config[MARKER] == {"seed": 7, "std": 0.5, "source": str(tmp_path / "cfg"), "device": "cpu"}
