@@ -4,8 +4,8 @@ Every latency it produces is SIMULATED (see `latency_model`); `/get_server_info`
 `"simulated": true`, and names the kernels the backend would run (`kernels`, `served_kernels` with source
 "simulated": no kernel runs). What it does reproduce faithfully is the protocol: SGLang's native `/generate`
 (non-streaming JSON, or SSE `data: {json}` chunks ending with `data: [DONE]`), and OpenAI-style
-`/v1/completions` and `/v1/chat/completions` streams. Like SGLang without `--incremental-streaming-output`, each `/generate` chunk
-carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts all tokens so far.
+`/v1/completions` and `/v1/chat/completions` streams. Like SGLang without `--incremental-streaming-output`, each
+`/generate` chunk carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts all tokens so far.
 
 With `return_logprob` set, `/generate` answers with SGLang's logprob fields (`input_token_logprobs`,
 `output_token_logprobs`, and with `top_logprobs_num` > 0 `input_top_logprobs` / `output_top_logprobs`) in

@@ -70,9 +70,13 @@ class Endpoint:
         return b"%s%d\r\n\r\n%s" % (self._head, len(body), body)
 
 
+def _encoded(content_encoding: bytes) -> bool:
+    return content_encoding.strip().lower() not in (b"", b"identity")
+
+
 def _not_event_stream(content_type: bytes, content_encoding: bytes) -> str | None:
     """Why a 200 response with these headers is not an uncompressed event stream, if it is not."""
-    if content_encoding.strip().lower() not in (b"", b"identity"):
+    if _encoded(content_encoding):
         return (f"server sent a body with Content-Encoding {content_encoding.decode(errors='replace')!r}, not an "
                 "uncompressed event stream (mpfa asks for Accept-Encoding: identity)")
     if content_type.split(b";")[0].strip().lower() != b"text/event-stream":
@@ -112,7 +116,7 @@ class Exchange:
         self.not_event_stream = _not_event_stream(content_type, content_encoding)
         if self.not_event_stream is None:
             self.sink = self._new_sink(self.end)
-        elif content_encoding:  # nothing readable to show of its body
+        elif _encoded(content_encoding):  # nothing readable to show of its body
             self.end()
 
     def body(self, arrived: float, data: bytes) -> None:

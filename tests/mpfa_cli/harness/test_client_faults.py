@@ -374,6 +374,12 @@ async def gzip_body(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": "text/event-stream", "Content-Encoding": "gzip"})
 
 
+async def html_page(request: web.Request) -> web.Response:
+    await request.read()
+    return web.Response(text="<html>proxy login</html>", headers={"Content-Type": "text/html",
+                                                                    "Content-Encoding": "identity"})
+
+
 async def no_content_type(request: web.Request) -> web.StreamResponse:
     await request.read()
     response = web.StreamResponse()
@@ -388,9 +394,11 @@ async def no_content_type(request: web.Request) -> web.StreamResponse:
                 "(text/event-stream): {\"text\": \"hello\", \"meta_info\": {\"completion_tokens\": 4}}"),
     (gzip_body, "server sent a body with Content-Encoding 'gzip', not an uncompressed event stream "
                 "(mpfa asks for Accept-Encoding: identity)"),
+    (html_page, "server sent Content-Type 'text/html; charset=utf-8', not an event stream (text/event-stream): "
+                "<html>proxy login</html>"),
     (no_content_type, "server sent Content-Type 'application/octet-stream', not an event stream "
                       "(text/event-stream): data: {\"meta_info\""),
-], ids=["a JSON body", "gzip", "no event-stream type"])
+], ids=["a JSON body", "gzip", "an identity-encoded HTML page", "no event-stream type"])
 def test_a_reply_that_is_not_an_event_stream_says_what_was_received(handler, error):
     record, took_s = asyncio.run(against(handler))
     assert not record.ok and record.error.startswith(error) and took_s < 5
@@ -465,3 +473,76 @@ def test_a_stream_past_its_bounds_fails_in_bounded_memory(handler, api, error):
     (record, took_s), peak = peak_traced_bytes(lambda: asyncio.run(against(handler, api)))
     assert not record.ok and record.error == error.format(**vars(StreamLimits.for_request(4)))
     assert took_s < 5 and peak < 16 * MB
+
+
+# --- keep-alive: a server that closes idle connections without saying so ---------------------------------------
+
+KEPT_ALIVE = SSE_HEAD + b"Content-Length: %d\r\n\r\n%s" % (len(FOUR_TOKENS + DONE), FOUR_TOKENS + DONE)
+
+
+@pytest.mark.parametrize("requests, concurrency", [(6, 1), (16, 4)])
+def test_a_request_the_idle_close_of_its_connection_left_unanswered_is_resent(requests, concurrency):
+    """The issue's case: a server that closes each connection after its response, without `Connection: close`,
+    failed 3 of 6 requests at c=1 and 8 of 16 at c=4 (each next request went out on the closing connection).
+    Such a request got no byte back: it is sent once more on a new connection, and timed from there."""
+    records, took_s, accepted = asyncio.run(raw_against(writing(KEPT_ALIVE, close=True), requests, concurrency))
+    assert all(r.ok and r.output_tokens == 4 for r in records), [r.error for r in records]
+    assert accepted == requests and took_s < 5
+    by_dispatch = sorted(records, key=lambda r: r.dispatch_s)
+    assert all(r.dispatch_s < r.chunk_s[0] <= r.completion_s for r in records)
+    if concurrency == 1:  # each one sent after the previous one ended
+        assert all(a.completion_s < b.dispatch_s for a, b in zip(by_dispatch, by_dispatch[1:]))
+
+
+def test_a_request_that_got_any_byte_back_is_never_resent():
+    answered = 0
+
+    async def second_cut_after_its_status_line(writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        answered += 1
+        writer.write(KEPT_ALIVE if answered == 1 else b"HTTP/1.1 200 OK\r\n")
+        await writer.drain()
+        if answered > 1:
+            writer.close()
+
+    records, _, accepted = asyncio.run(raw_against(second_cut_after_its_status_line, requests=2))
+    assert records[0].ok and records[1].error == "server closed the connection before the response ended"
+    assert accepted == 1 and answered == 2
+
+
+def test_a_request_on_a_new_connection_the_server_closes_is_not_resent():
+    records, _, accepted = asyncio.run(raw_against(writing(close=True), requests=1))
+    assert records[0].error == "server closed the connection before the response ended" and accepted == 1
+
+
+# --- openai-chat: role chunks, deltas, and the server's own prompt count --------------------------------------
+
+def chat_chunk(delta: dict, finish: str | None = None, usage: dict | None = None) -> bytes:
+    body: dict = {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+    return event({**body, "usage": usage} if usage else body)
+
+
+def test_a_chat_stream_counts_the_deltas_with_output_and_keeps_the_servers_prompt_count():
+    """Without per-chunk usage: the opening chunk that only names the role carries no token; the final usage
+    checks the count. The server tokenized the text and added its template: 12 prompt tokens for 4 ids, stored."""
+    pieces = [chat_chunk({"role": "assistant", "content": ""}), *[chat_chunk({"content": f" {i}"}) for i in range(3)],
+              chat_chunk({"content": " 3"}, finish="length"),
+              event({"object": "chat.completion.chunk", "choices": [],
+                     "usage": {"prompt_tokens": 12, "completion_tokens": 4}}), DONE]
+    record, _ = asyncio.run(against(streaming(pieces), api="openai-chat"))
+    assert record.ok, record.error
+    assert record.chunk_tokens == [1, 1, 1, 1] and record.output_tokens == 4 and record.prompt_tokens == 12
+
+
+def test_a_chat_request_sends_the_prompt_as_one_user_message():
+    received = []
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        received.append(await request.json())
+        return await stream_of(request, [chat_chunk({"content": "a"}, "length", {"completion_tokens": 4}), DONE])
+
+    record, _ = asyncio.run(against(handler, api="openai-chat"))
+    assert record.ok and record.chunk_tokens == [4], record.error
+    (body,) = received
+    assert body["messages"] == [{"role": "user", "content": "1 2 3 4"}] and body["max_tokens"] == 4
+    assert body["stream"] and body["stream_options"] == {"include_usage": True, "continuous_usage_stats": True}
