@@ -494,6 +494,28 @@ def test_a_request_the_idle_close_of_its_connection_left_unanswered_is_resent(re
         assert all(a.completion_s < b.dispatch_s for a, b in zip(by_dispatch, by_dispatch[1:]))
 
 
+def test_a_resent_request_keeps_its_deadline():
+    """The first connection answers once, then closes 0.4 s later; the next one never answers. The second request,
+    written on the first at once and resent at 0.4 s, fails at the deadline of its first write (0.6 s), not at one
+    restarted by the resend (1.0 s)."""
+    answered = 0
+
+    async def answer_once_close_late_then_silence(writer: asyncio.StreamWriter) -> None:
+        nonlocal answered
+        answered += 1
+        if answered == 1:
+            await writing(KEPT_ALIVE)(writer)
+            await asyncio.sleep(0.4)
+            writer.close()
+        else:
+            await asyncio.sleep(30)  # cancelled with the server
+
+    records, took_s, accepted = asyncio.run(raw_against(
+        answer_once_close_late_then_silence, requests=2, timeouts=Timeouts(first_token_s=5, request_s=0.6)))
+    assert records[0].ok and records[1].error == "request not done after 0.6 s"
+    assert accepted == 2 and 0.6 <= took_s < 0.9
+
+
 def test_a_request_that_got_any_byte_back_is_never_resent():
     answered = 0
 
