@@ -27,7 +27,7 @@ def bench(
     engine: EngineOption = "auto",
     url: Annotated[Optional[str], typer.Option(help="Benchmark a server someone else started; its /get_server_info must confirm --backend.")] = None,
     backend_label: Annotated[Optional[str], typer.Option("--backend-label", help="With --url, instead of --backend: the backend to store the runs under, unchecked (for servers that report none).")] = None,
-    api: Annotated[str, typer.Option(help="With --url: sglang (native /generate) or openai (/v1/completions).")] = "sglang",
+    api: Annotated[str, typer.Option(help="With --url: sglang (native /generate), openai (/v1/completions) or openai-chat (/v1/chat/completions: the prompt's token ids go as text, in decimal; the server's own prompt count is stored).")] = "sglang",
     model: Annotated[Optional[str], typer.Option(help="Bundled config name (dummy weights) or a model directory.")] = None,
     concurrency: Annotated[Optional[str], typer.Option(help="Override: comma-separated concurrency list.")] = None,
     rate: Annotated[Optional[str], typer.Option(help="Override: comma-separated request rates (req/s).")] = None,

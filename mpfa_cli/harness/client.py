@@ -8,14 +8,13 @@ its response ended, on the connection that carried it; the client's other work (
 caller's `on_complete`) runs one step per iteration when the sockets are quiet (`client_turns.Turns`). Python's
 cyclic garbage collector is paused for the run.
 
-Tokens per chunk come from the server's running count (`meta_info.completion_tokens` on `/generate`,
-`usage.completion_tokens` on `/v1/completions` with continuous usage stats), which is right whether the
-server streams cumulative or incremental `output_ids` and when it coalesces several steps into one chunk.
-Each SSE event gets the stamp of the read that delivered the end of its line.
+The APIs it speaks, and how each counts tokens, are in `client_apis`; a response body is read as a strict
+event stream, bounded by what its request asked for (`client_streams`). Each event gets the stamp of the read that
+completed it.
 
-A request that fails (HTTP error, connection lost, token counts that differ from the request) becomes a
-record with `error` set; it never raises. Cancellation (Ctrl-C) cancels the requests in flight, waits for
-them, and propagates; records already passed to `on_complete` stay intact.
+A request that fails (HTTP error, connection lost, a stream that breaks its bounds, token counts that differ from
+the request) becomes a record with `error` set; it never raises. Cancellation (Ctrl-C) cancels the requests in
+flight, waits for them, and propagates; records already passed to `on_complete` stay intact.
 """
 from __future__ import annotations
 
@@ -35,217 +34,17 @@ try:
 except ImportError:  # not built for Windows
     uvloop = None
 
+from .client_apis import APIS, Api
 from .client_requests import Flight, Requests
+from .client_streams import EventStream, StreamLimits
 from .client_turns import Turns
 from .records import RequestRecord
 from .request_timeouts import Timeouts
 from .stamped_reads import Connection, Connections, Endpoint, LastRead
 
-APIS = ("sglang", "openai")
-MAX_LINE_BYTES = 1024 * 1024  # longest stream line parsed; a longer one fails the request
-MAX_COUNT = 2**31  # token counts at or above this in an event make it unreadable
-PARSE_BATCH_BYTES = 32 * 1024  # stream bytes parsed per turn (~0.1-0.3 ms), and kept unparsed before one is due
-
 T = TypeVar("T")
 _Job = tuple[int, list[int]]  # (record index, prompt)
-_Finish = Callable[[RequestRecord, "_EventStream | None"], Awaitable[RequestRecord]]
-
-
-def _sglang_payload(prompt: list[int], output_len: int, model: str | None) -> dict[str, Any]:
-    return {
-        "input_ids": prompt,
-        "sampling_params": {"max_new_tokens": output_len, "ignore_eos": True, "temperature": 0},
-        "stream": True,
-    }
-
-
-def _openai_payload(prompt: list[int], output_len: int, model: str | None) -> dict[str, Any]:
-    payload: dict[str, Any] = {
-        "prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True, "continuous_usage_stats": True},
-    }
-    if model:
-        payload["model"] = model
-    return payload
-
-
-def _error_message(event: dict[str, Any]) -> str | None:
-    """The message of an error event (SGLang: `{"error": {...}}`; OpenAI: `{"object": "error", ...}`)."""
-    if "error" in event:
-        err = event["error"]
-        return str(err.get("message", err) if isinstance(err, dict) else err)
-    if event.get("object") == "error":
-        return str(event.get("message", event))
-    return None
-
-
-def _count(value: Any) -> int:
-    """A token count from an event: a non-negative integer that fits the store's 64-bit columns."""
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < MAX_COUNT:
-        raise ValueError(f"token count {value!r} is not an integer in [0, {MAX_COUNT})")
-    return value
-
-
-def _sglang_event(event: dict[str, Any], state: "_EventStream") -> int:
-    """Update `state` from one `/generate` chunk; returns the new tokens it carries."""
-    meta = event["meta_info"]
-    total = _count(meta["completion_tokens"])
-    if (prompt := meta.get("prompt_tokens")) is not None:
-        state.prompt_tokens = _count(prompt)
-    state.server_total = total
-    finish = meta.get("finish_reason")
-    if finish is not None:
-        state.finished = True
-        if isinstance(finish, dict) and finish.get("type") == "abort":
-            state.error = f"server aborted the request: {finish.get('message', finish)}"
-    return total - state.counted
-
-
-def _openai_event(event: dict[str, Any], state: "_EventStream") -> int:
-    """Update `state` from one `/v1/completions` chunk; returns the new tokens it carries.
-
-    Without per-chunk usage, each chunk with a choice is taken as one token; the final usage chunk then
-    checks that assumption (a mismatch becomes the record's error).
-    """
-    usage = event.get("usage")
-    if usage:
-        state.server_total = _count(usage["completion_tokens"])
-        if (prompt := usage.get("prompt_tokens")) is not None:
-            state.prompt_tokens = _count(prompt)
-    choices = event.get("choices") or []
-    if not choices:
-        return 0
-    if choices[0].get("finish_reason") is not None:
-        state.finished = True
-    if usage:
-        return state.server_total - state.counted
-    return 1
-
-
-_EVENT_PARSERS = {"sglang": (_sglang_payload, _sglang_event, "/generate"),
-                  "openai": (_openai_payload, _openai_event, "/v1/completions")}
-
-
-def _check_counts(record: RequestRecord, state: "_EventStream") -> str | None:
-    """Why the finished stream's token counts cannot be trusted, if they cannot."""
-    if not state.finished:
-        return "stream ended before the server finished the request"
-    if state.server_total is None:
-        return "server reported no completion token count"
-    if state.counted != state.server_total:
-        return f"chunks carried {state.counted} tokens but the server reports {state.server_total}"
-    if state.server_total != record.max_new_tokens:
-        return f"server generated {state.server_total} tokens, {record.max_new_tokens} were requested"
-    if state.prompt_tokens is not None and state.prompt_tokens != record.input_len:
-        return f"server counted {state.prompt_tokens} prompt tokens, {record.input_len} were sent"
-    return None
-
-
-class _EventStream:
-    """One SSE response body (a `stamped_reads.BodySink`). The connection only keeps each read with its
-    stamp (`add`, about a microsecond); `parse` turns them into events later, in a turn of the client's.
-    Each event that carries new tokens is noted with the stamp of the read that delivered the end of its
-    line. An error in the stream ends its request at once (`end_early`), without the rest of the body."""
-
-    __slots__ = ("_handle_event", "_on_backlog", "_end_early", "_pieces", "_parsed", "_backlog_bytes", "_pending",
-                 "_pending_bytes", "parse_scheduled", "chunk_s", "chunk_tokens", "done_s", "counted",
-                 "server_total", "prompt_tokens", "finished", "error", "stopped")
-
-    def __init__(self, handle_event: Callable[[dict[str, Any], "_EventStream"], int],
-                 on_backlog: Callable[["_EventStream"], None], end_early: Callable[[], None]) -> None:
-        self._handle_event = handle_event
-        self._on_backlog = on_backlog  # called once the unparsed reads pass PARSE_BATCH_BYTES
-        self._end_early = end_early
-        self._pieces: list[tuple[float, bytes] | None] = []  # (stamp, body bytes) per read; None once parsed
-        self._parsed = 0
-        self._backlog_bytes = 0
-        self._pending: list[bytes] = []  # the start of an unfinished line, piece by piece
-        self._pending_bytes = 0
-        self.parse_scheduled = False
-        self.chunk_s: list[float] = []
-        self.chunk_tokens: list[int] = []
-        self.done_s: float | None = None  # when `data: [DONE]` arrived
-        self.counted = 0  # tokens attributed to chunks
-        self.server_total: int | None = None  # the server's latest count of all output tokens
-        self.prompt_tokens: int | None = None
-        self.finished = False
-        self.error: str | None = None
-        self.stopped = False  # by an error event or an unreadable chunk: the rest is not parsed
-
-    def add(self, arrived: float, data: bytes) -> None:
-        self._pieces.append((arrived, data))
-        self._backlog_bytes += len(data)
-        if self._backlog_bytes > PARSE_BATCH_BYTES and not self.parse_scheduled:
-            self.parse_scheduled = True
-            self._on_backlog(self)
-
-    @property
-    def unparsed(self) -> bool:
-        return self._parsed < len(self._pieces)
-
-    def parse(self, budget_bytes: int = PARSE_BATCH_BYTES) -> None:
-        """Parse the kept reads, oldest first, until about `budget_bytes` are done."""
-        pieces, done = self._pieces, 0
-        while self._parsed < len(pieces) and done < budget_bytes:
-            arrived, data = pieces[self._parsed]  # type: ignore[misc]
-            pieces[self._parsed] = None  # free the bytes
-            self._parsed += 1
-            done += len(data)
-            if not self.stopped:
-                self._parse_piece(arrived, data)
-        self._backlog_bytes -= done
-
-    def _parse_piece(self, arrived: float, data: bytes) -> None:
-        """Parse the lines `data` completes; an unfinished line is kept in pieces (joined once, when it ends)."""
-        *lines, tail = data.split(b"\n")
-        if lines:
-            lines[0] = b"".join(self._pending) + lines[0]
-            self._pending, self._pending_bytes = [], 0
-        self._pending.append(tail)
-        self._pending_bytes += len(tail)
-        if self._pending_bytes > MAX_LINE_BYTES or any(len(line) > MAX_LINE_BYTES for line in lines):
-            self._stop(f"stream line longer than {MAX_LINE_BYTES} bytes")
-            return
-        try:
-            for line in lines:
-                if line.startswith(b"data:"):
-                    self._event(arrived, line[5:].strip())
-        except (ValueError, KeyError, TypeError, AttributeError, IndexError) as exc:  # malformed JSON, wrong fields
-            self._stop(f"unreadable stream chunk: {type(exc).__name__}: {exc}")
-
-    def _event(self, arrived: float, data: bytes) -> None:
-        if self.stopped:
-            return
-        if data == b"[DONE]":
-            self.done_s = arrived
-            return
-        event = orjson.loads(data)
-        if (message := _error_message(event)) is not None:
-            self._stop(f"server error: {message}")
-            return
-        if (new_tokens := self._handle_event(event, self)) > 0:
-            self.chunk_s.append(arrived)
-            self.chunk_tokens.append(new_tokens)
-            self.counted += new_tokens
-
-    def _stop(self, error: str) -> None:
-        """Stop parsing and end the stream: its request fails and drops the connection (unread bytes and all)."""
-        self.error, self.stopped = error, True
-        self._pending, self._pending_bytes = [], 0
-        self._end_early()
-
-
-def _fill(record: RequestRecord, stream: _EventStream) -> None:
-    """Chunk times, counts and any error of a fully parsed stream."""
-    record.chunk_s, record.chunk_tokens = stream.chunk_s, stream.chunk_tokens
-    if stream.stopped:  # the counts are incomplete
-        record.completion_s = None
-        record.error = stream.error
-        return
-    record.completion_s = stream.done_s or record.completion_s
-    record.output_tokens = stream.server_total or 0
-    record.prompt_tokens = stream.prompt_tokens
-    record.error = stream.error or _check_counts(record, stream)
+_Finish = Callable[[RequestRecord, "EventStream | None"], Awaitable[RequestRecord]]
 
 
 def new_event_loop() -> asyncio.AbstractEventLoop:
@@ -336,10 +135,10 @@ async def run_load(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if arrivals is not None and len(arrivals) != len(prompts):
         raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
-    endpoint = Endpoint(url.rstrip("/") + _EVENT_PARSERS[api][2])
+    endpoint = Endpoint(url.rstrip("/") + APIS[api].path)
     with _CyclicGcPause() as gc_pause:
         return await _run_load(endpoint, prompts, output_len, concurrency, arrivals, warmup_prompts, on_complete,
-                               api, model, timeouts, gc_pause)
+                               APIS[api], model, timeouts, gc_pause)
 
 
 class _CyclicGcPause:
@@ -373,36 +172,36 @@ class _CyclicGcPause:
 async def _run_load(
     endpoint: Endpoint, prompts: Sequence[list[int]], output_len: int, concurrency: int | None,
     arrivals: Sequence[float] | None, warmup_prompts: Sequence[list[int]],
-    on_complete: Callable[[RequestRecord], None] | None, api: str, model: str | None, timeouts: Timeouts,
+    on_complete: Callable[[RequestRecord], None] | None, api: Api, model: str | None, timeouts: Timeouts,
     gc_pause: _CyclicGcPause,
 ) -> list[RequestRecord]:
     last_read = LastRead()
     turns = Turns(last_read)
     parsers: set[asyncio.Task] = set()
 
-    async def parse_backlog(stream: _EventStream) -> None:
+    async def parse_backlog(stream: EventStream) -> None:
         while stream.unparsed:
             await turns.take()
             stream.parse()
         stream.parse_scheduled = False
 
-    def on_backlog(stream: _EventStream) -> None:
+    def on_backlog(stream: EventStream) -> None:
         task = asyncio.create_task(parse_backlog(stream))
         parsers.add(task)
         task.add_done_callback(parsers.discard)
 
-    make_payload = _EVENT_PARSERS[api][0]
     connections = Connections(endpoint, last_read)
-    requests = Requests(connections, endpoint, lambda prompt: orjson.dumps(make_payload(prompt, output_len, model)),
-                        output_len, functools.partial(_EventStream, _EVENT_PARSERS[api][1], on_backlog), timeouts)
+    limits = StreamLimits.for_request(output_len)
+    requests = Requests(connections, endpoint, lambda prompt: orjson.dumps(api.payload(prompt, output_len, model)),
+                        output_len, functools.partial(EventStream, api, limits, on_backlog), timeouts)
 
-    async def finish(record: RequestRecord, stream: _EventStream | None) -> RequestRecord:
+    async def finish(record: RequestRecord, stream: EventStream | None) -> RequestRecord:
         """Parse the stream, fill in the record and hand it to `on_complete`, each at a turn."""
         if stream is not None:
             while stream.unparsed:
                 await turns.take()
                 stream.parse()
-            _fill(record, stream)
+            stream.fill(record)
         if record.error is not None and gc_pause.note_failure():
             await turns.take()
             gc.collect()

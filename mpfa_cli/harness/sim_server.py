@@ -3,9 +3,9 @@
 Every latency it produces is SIMULATED (see `latency_model`); `/get_server_info` says so with
 `"simulated": true`, and names the kernels the backend would run (`kernels`, `served_kernels` with source
 "simulated": no kernel runs). What it does reproduce faithfully is the protocol: SGLang's native `/generate`
-(non-streaming JSON, or SSE `data: {json}` chunks ending with `data: [DONE]`), and an OpenAI-style
-`/v1/completions` stream. Like SGLang without `--incremental-streaming-output`, each `/generate` chunk
-carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts all tokens so far.
+(non-streaming JSON, or SSE `data: {json}` chunks ending with `data: [DONE]`), and OpenAI-style
+`/v1/completions` and `/v1/chat/completions` streams. Like SGLang without `--incremental-streaming-output`, each
+`/generate` chunk carries the cumulative `output_ids`; `meta_info.completion_tokens` always counts all tokens so far.
 
 With `return_logprob` set, `/generate` answers with SGLang's logprob fields (`input_token_logprobs`,
 `output_token_logprobs`, and with `top_logprobs_num` > 0 `input_top_logprobs` / `output_top_logprobs`) in
@@ -42,6 +42,7 @@ from aiohttp import web
 
 from ...backends.specs import BackendSpec, backend_spec
 from .client import new_event_loop
+from .client_apis import chat_text
 from .latency_model import LatencyModel, ModelShape
 from .scenario import load_model_shape
 from .served_kernels import launch_page_size, served_kernels
@@ -347,6 +348,19 @@ def _parse_completions(body: dict[str, Any]) -> _Parsed:
     )
 
 
+def _parse_chat(body: dict[str, Any]) -> _Parsed:
+    """A chat request as `client_apis` sends one: a single user message whose text is the prompt's token ids in
+    decimal, one per word (the simulator has no tokenizer); the rest as on `/v1/completions`."""
+    messages = body.get("messages")
+    if not (isinstance(messages, list) and len(messages) == 1 and isinstance(messages[0], dict)
+            and messages[0].get("role") == "user" and isinstance(messages[0].get("content"), str)):
+        raise BadRequest("'messages' must be one user message whose content is text")
+    words = messages[0]["content"].split()
+    if not all(word.isascii() and word.isdigit() for word in words):
+        raise BadRequest("the message must be token ids in decimal, one per word (the simulator has no tokenizer)")
+    return _parse_completions({**body, "prompt": [int(word) for word in words]})
+
+
 def _error(status: int, message: str) -> web.Response:
     return web.json_response({"error": {"message": message}}, status=status)
 
@@ -450,6 +464,9 @@ class SimServer:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._serve(request, _parse_completions, _OpenAIFormat(self.latency.model.name))
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._serve(request, _parse_chat, _OpenAIChatFormat(self.latency.model.name))
 
     async def _serve(
         self, request: web.Request, parse: Callable[[dict[str, Any]], _Parsed], fmt: "_SglangFormat | _OpenAIFormat"
@@ -659,6 +676,29 @@ class _OpenAIFormat:
         return {**self._body(sim, [choice]), "usage": self._usage(sim, len(sim.output_ids))}
 
 
+class _OpenAIChatFormat(_OpenAIFormat):
+    """OpenAI `/v1/chat/completions` bodies: the new ids as text in `delta.content`, in decimal as the prompt was
+    sent (the first chunk's delta names the role too); usage as on `/v1/completions`."""
+
+    def _body(self, sim: SimRequest, choices: list[dict[str, Any]],
+              kind: str = "chat.completion.chunk") -> dict[str, Any]:
+        return {**super()._body(sim, choices), "object": kind}
+
+    def chunk(self, sim: SimRequest, sent: int, emitted: int, parsed: _Parsed, elapsed_s: float) -> dict[str, Any]:
+        delta = {"role": "assistant"} if sent == 0 else {}
+        delta["content"] = " " + chat_text(sim.output_ids[sent:emitted])
+        finish = "length" if emitted == len(sim.output_ids) else None
+        body = self._body(sim, [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}])
+        if parsed.continuous_usage:
+            body["usage"] = self._usage(sim, emitted)
+        return body
+
+    def result(self, sim: SimRequest, elapsed_s: float) -> dict[str, Any]:
+        message = {"role": "assistant", "content": chat_text(sim.output_ids)}
+        choice = {"index": 0, "message": message, "logprobs": None, "finish_reason": "length"}
+        return {**self._body(sim, [choice], "chat.completion"), "usage": self._usage(sim, len(sim.output_ids))}
+
+
 def _exit_if_crashed(task: asyncio.Task) -> None:
     if not task.cancelled() and task.exception() is not None:
         print(f"sim server: scheduler crashed: {task.exception()!r}", file=sys.stderr, flush=True)
@@ -686,6 +726,7 @@ def build_app(
         web.get("/get_server_info", sim.server_info),
         web.post("/generate", sim.generate),
         web.post("/v1/completions", sim.completions),
+        web.post("/v1/chat/completions", sim.chat_completions),
         web.post("/start_profile", sim.profile),
         web.post("/stop_profile", sim.profile),
         web.post("/sim_load", sim.load_hint),

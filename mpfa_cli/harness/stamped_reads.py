@@ -5,7 +5,11 @@ A benchmark client is only as precise as the moment it notes that bytes arrived.
 parser uvicorn uses), whose callbacks hand the body of a 200 response, read by read and with that stamp, to a
 `BodySink` made for the response. Nothing else runs per read: the request's task sleeps until its `Exchange` is
 done. A request is one prebuilt `write()` (the write buffer limit is 0, so it is the `send()` itself), stamped
-right before; a connection whose response ended cleanly carries the next request at once.
+right before; a connection whose response ended cleanly carries the next request at once. Only a 200 whose body is
+an uncompressed event stream reaches the sink (the request asks for `Accept-Encoding: identity`).
+
+A server may close a kept-alive connection as a request goes out on it (an idle timeout, without `Connection:
+close`): such a request got no byte back, was never answered, and is marked `Exchange.resendable`.
 
 Bounds a server cannot get past: a response head of at most MAX_HEAD_BYTES, an error body kept up to the caller's
 limit (then the connection is dropped), silence limits from the last read (`Exchange.wait`), and a deadline for
@@ -59,18 +63,34 @@ class Endpoint:
         self.port = parts.port or (443 if parts.scheme == "https" else 80)
         self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self._head = (f"POST {parts.path or '/'} HTTP/1.1\r\nHost: {parts.netloc}\r\nUser-Agent: mpfa\r\n"
-                      f"Accept: */*\r\nContent-Type: application/json\r\nContent-Length: ").encode()
+                      f"Accept: */*\r\nAccept-Encoding: identity\r\nContent-Type: application/json\r\n"
+                      f"Content-Length: ").encode()
 
     def post(self, body: bytes) -> bytes:
         return b"%s%d\r\n\r\n%s" % (self._head, len(body), body)
+
+
+def _encoded(content_encoding: bytes) -> bool:
+    return content_encoding.strip().lower() not in (b"", b"identity")
+
+
+def _not_event_stream(content_type: bytes, content_encoding: bytes) -> str | None:
+    """Why a 200 response with these headers is not an uncompressed event stream, if it is not."""
+    if _encoded(content_encoding):
+        return (f"server sent a body with Content-Encoding {content_encoding.decode(errors='replace')!r}, not an "
+                "uncompressed event stream (mpfa asks for Accept-Encoding: identity)")
+    if content_type.split(b";")[0].strip().lower() != b"text/event-stream":
+        shown = repr(content_type.decode(errors="replace")) if content_type else "none"
+        return f"server sent Content-Type {shown}, not an event stream (text/event-stream)"
+    return None
 
 
 class Exchange:
     """One request and its response. `done` resolves once the caller can go on: the response ended, the sink
     needs no more of it, the error body was read as far as it is kept, or it failed (`failure` says why)."""
 
-    __slots__ = ("_new_sink", "_error_bytes", "_timer", "done", "status", "sink", "error_body", "body_started",
-                 "failure", "last_read_s", "then")
+    __slots__ = ("_new_sink", "_error_bytes", "_timer", "done", "status", "not_event_stream", "sink", "error_body",
+                 "body_started", "replied", "reused", "failure", "resendable", "last_read_s", "then")
 
     def __init__(self, new_sink: Callable[[Callable[[], None]], BodySink], error_bytes: int) -> None:
         self._new_sink = new_sink  # called with `end` for a 200 response: the sink may end it early
@@ -78,17 +98,26 @@ class Exchange:
         self._timer: asyncio.TimerHandle | None = None
         self.done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self.status: int | None = None
+        self.not_event_stream: str | None = None  # why a 200's body is not read as a stream
         self.sink: BodySink | None = None
         self.error_body = bytearray()
         self.body_started = False
+        self.replied = False  # any byte of the response arrived
+        self.reused = False  # sent on a connection that had carried a response before
         self.failure: str | None = None
+        self.resendable = False  # failed by the connection's close with no byte back, on a reused connection
         self.last_read_s = 0.0  # the request's write, then each read
         self.then: Callable[[Connection], None] | None = None  # called with the connection once it can carry another
 
-    def head(self, status: int) -> None:
+    def head(self, status: int, content_type: bytes, content_encoding: bytes) -> None:
         self.status = status
-        if status == 200:
+        if status != 200:
+            return
+        self.not_event_stream = _not_event_stream(content_type, content_encoding)
+        if self.not_event_stream is None:
             self.sink = self._new_sink(self.end)
+        elif _encoded(content_encoding):  # nothing readable to show of its body
+            self.end()
 
     def body(self, arrived: float, data: bytes) -> None:
         self.body_started = True
@@ -108,6 +137,12 @@ class Exchange:
         if not self.done.done():
             self.failure = reason
             self.done.set_result(None)
+
+    def closed_by_server(self) -> None:
+        """The server closed the connection before the response ended."""
+        if not self.done.done():
+            self.resendable = self.reused and not self.replied
+        self.fail("server closed the connection before the response ended")
 
     async def wait(self, limits: Timeouts, deadline_s: float) -> None:
         """Until `done`; silence past the limit since the last read, or `deadline_s`, fails the exchange. One
@@ -144,7 +179,10 @@ class Connection(asyncio.Protocol):
         self._arrived = 0.0  # stamp of the read being parsed
         self._head_bytes = 0
         self._sized = False  # the response has a Content-Length or is chunked (else its body ends with the connection)
+        self._content_type = b""
+        self._content_encoding = b""
         self._keep_alive = True
+        self._responses = 0  # carried to their end
 
     @property
     def exchange(self) -> Exchange | None:
@@ -167,9 +205,10 @@ class Connection(asyncio.Protocol):
     def send(self, request: bytes, exchange: Exchange) -> float:
         """Write `request`, its response going to `exchange`; returns the stamp taken right before the write."""
         self._exchange, self._head_bytes = exchange, 0
+        exchange.reused = self._responses > 0
         exchange.last_read_s = sent = time.perf_counter()
         if self._transport is None:  # the server closed it before the request could go
-            exchange.fail("server closed the connection before the response ended")
+            exchange.closed_by_server()
         else:
             self._transport.write(request)
         return sent
@@ -184,7 +223,7 @@ class Connection(asyncio.Protocol):
         if exchange is None:  # bytes nobody asked for
             self.close()
             return
-        exchange.last_read_s = arrived
+        exchange.last_read_s, exchange.replied = arrived, True
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
@@ -206,7 +245,7 @@ class Connection(asyncio.Protocol):
         if exchange.status is not None and not self._sized:  # a body delimited by the connection's end
             exchange.end()
         else:
-            exchange.fail("server closed the connection before the response ended")
+            exchange.closed_by_server()
 
     def _fail(self, reason: str) -> None:
         if self._exchange is not None:
@@ -217,15 +256,21 @@ class Connection(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._sized = False
+        self._content_type = self._content_encoding = b""
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if name.lower() in (b"content-length", b"transfer-encoding"):
+        name = name.lower()
+        if name in (b"content-length", b"transfer-encoding"):
             self._sized = True
+        elif name == b"content-type":
+            self._content_type = value
+        elif name == b"content-encoding":
+            self._content_encoding = value
 
     def on_headers_complete(self) -> None:
         status = self._parser.get_status_code()
         if self._exchange is not None and status >= 200:  # 1xx: an interim response, the real one follows
-            self._exchange.head(status)
+            self._exchange.head(status, self._content_type, self._content_encoding)
 
     def on_body(self, body: bytes) -> None:
         if self._exchange is not None:
@@ -236,6 +281,7 @@ class Connection(asyncio.Protocol):
         if exchange is None or exchange.status is None:
             return
         self._exchange, self._keep_alive = None, self._parser.should_keep_alive()
+        self._responses += 1
         if not self._keep_alive:
             self.close()
         exchange.end()
@@ -253,12 +299,16 @@ class Connections:
         self._open: set[Connection] = set()
 
     async def take(self, limits: Timeouts, deadline_s: float) -> Connection:
-        """A connection for one request; raises `RequestFailed` if none opens in time."""
+        """A connection for one request, idle or new; raises `RequestFailed` if none opens in time."""
         while self._idle:
             connection = self._idle.pop()
             if connection.reusable:
                 return connection
             self._open.discard(connection)
+        return await self.open(limits, deadline_s)
+
+    async def open(self, limits: Timeouts, deadline_s: float) -> Connection:
+        """A new connection; raises `RequestFailed` if it does not open in time."""
         remaining_s = deadline_s - time.perf_counter()
         endpoint, loop = self._endpoint, asyncio.get_running_loop()
         try:

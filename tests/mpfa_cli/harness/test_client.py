@@ -48,6 +48,29 @@ def test_openai_api_counts_tokens_from_usage(sim):
     assert all(r.ok and r.output_tokens == sum(r.chunk_tokens) == 5 and r.prompt_tokens == 50 for r in records)
 
 
+def test_openai_chat_api_measures_the_same_token_counts_as_openai(sim):
+    """Acceptance of `--api openai-chat` against the simulator: the prompt goes as text (its ids in decimal), the
+    simulator reads the ids back, and every request counts the tokens `--api openai` counts."""
+    prompts = make_prompts(17, 6, 50)
+    by_api = {api: run(run_load(sim.url, prompts, 7, concurrency=3, api=api)) for api in ("openai", "openai-chat")}
+    for completion, chat in zip(by_api["openai"], by_api["openai-chat"]):
+        assert completion.ok and chat.ok, (completion.error, chat.error)
+        assert (chat.output_tokens, sum(chat.chunk_tokens), chat.prompt_tokens) == (7, 7, 50)
+        assert (completion.output_tokens, sum(completion.chunk_tokens), completion.prompt_tokens) == (7, 7, 50)
+
+
+@pytest.mark.parametrize("messages", [[{"role": "user", "content": "12 x 3"}], [{"role": "system", "content": "1"}],
+                                      [{"role": "user", "content": "1"}] * 2, "1 2 3"])
+def test_the_simulators_chat_route_takes_one_user_message_of_decimal_ids(sim, messages):
+    status, body = sim.post("/v1/chat/completions", {"messages": messages, "max_tokens": 2})
+    assert status == 400 and b"message" in body
+    status, body = sim.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "5 6 7"}],
+                                                     "max_tokens": 2})
+    reply = json.loads(body)
+    assert status == 200 and reply["object"] == "chat.completion" and reply["usage"]["prompt_tokens"] == 3
+    assert len(reply["choices"][0]["message"]["content"].split()) == 2
+
+
 def test_arrival_schedule_is_followed(sim):
     arrivals = arrival_times(10, rate=40.0, burstiness=1.0, seed=5)
     started = time.perf_counter()  # a little before the schedule's origin
