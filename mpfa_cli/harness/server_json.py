@@ -73,8 +73,12 @@ def _exchange(connection: http.client.HTTPConnection, parts: urllib.parse.SplitR
         raise UserError(f"cannot read {url}: its reply of {int(declared)} bytes is over the {max_bytes}-byte "
                         "limit", exit_code=1)
     data = response.read(max_bytes + 1)
+    if deadline.passed:  # the read was cut short by the deadline
+        raise TimeoutError
     if len(data) > max_bytes:
         raise UserError(f"cannot read {url}: its reply is over the {max_bytes}-byte limit", exit_code=1)
+    if declared is not None and declared.strip().isdigit() and len(data) < int(declared):
+        raise http.client.IncompleteRead(data, int(declared) - len(data))
     return data
 
 
