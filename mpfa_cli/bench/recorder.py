@@ -49,8 +49,8 @@ class RunRecorder:
         self._unstored.append(request)
         if self._in_recovery:
             self.recovery.add_requests(self._run.id, [request])
-        try:
-            self.store.add_requests(self._run.id, self._unstored, wait_s=REQUEST_WAIT_S)
+        try:  # once the lock was found taken, later tries do not wait at all: the streams in flight come first
+            self.store.add_requests(self._run.id, self._unstored, wait_s=0 if self._in_recovery else REQUEST_WAIT_S)
         except StoreError:
             if not self._in_recovery:
                 self.recovery.add_run(self._run)
