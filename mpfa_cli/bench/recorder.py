@@ -80,6 +80,9 @@ class RunRecorder:
         if self._in_recovery:
             self.recovery.discard()
 
+    def close(self) -> None:
+        self.recovery.close()
+
     def require_present(self) -> None:
         """Stop the bench if the database was removed or replaced: the runs stored so far went with it."""
         try:

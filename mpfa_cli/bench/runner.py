@@ -190,9 +190,7 @@ def verify_model(info: dict[str, Any], model: str) -> None:
     for key in ("model_path", "served_model_name"):
         found = _find_key(info, key)
         names += [name for name in (found if isinstance(found, list) else [found]) if isinstance(name, str)]
-    if not names or any(_last_part(name) == want.lower() for name in names):
-        return
-    if names:
+    if names and not any(_last_part(name) == want.lower() for name in names):
         raise UserError(f"server serves model {names[0][:200]!r}, but the scenario's model is '{want}' (give "
                         "--model with the served model's config: a bundled name or its directory)", exit_code=1)
 
@@ -271,7 +269,7 @@ def run_bench(
                              environment, gpu, context_len)
         recorder.require_present()
     finally:
-        recorder.recovery.close()
+        recorder.close()
     return recorder.run_ids
 
 
