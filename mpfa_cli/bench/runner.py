@@ -3,8 +3,13 @@
 Each run records the attention kernels its server ran (`served_kernels`): what the server reports (the simulator
 says what it simulates), else what the backend runs for the model's shape with the user's prefill kernel, which
 MpFA's servers are given as a server argument.
-Every finished request is written to the store as it completes, so a server crash or Ctrl-C loses only the
-requests in flight; the run is then marked failed or interrupted.
+Every finished request is written to the store as it completes (`recorder`: a database that cannot take it
+leaves it in a recovery file), so a server crash or Ctrl-C loses only the requests in flight; the run is then
+marked failed or interrupted. Whatever fails once a run has begun ends it failed, never left running.
+
+A server is confirmed before it is measured: the backend and KV-cache dtype its `/get_server_info` reports must be
+the backend's, and the model it serves the scenario's; the reply is read with a size limit and a deadline, and a
+redirect is refused (`server_json`). What is stored of it and of the server flags has its secrets redacted.
 
 On the simulator, unless `real_time`, requests are timed on the latency model's clock: before each repeat the
 server is told how the load arrives (`sim_server.LoadHint`), so it runs as fast as `time_scale` lets it and each
@@ -14,12 +19,9 @@ server in modelled seconds. The stored numbers are the same at any speed-up.
 from __future__ import annotations
 
 import functools
-import json
 import os
 import signal
 import time
-import urllib.error
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -39,11 +41,15 @@ from ..harness.latency_model import LatencyModel, point_seconds
 from .progress import BenchProgress, ServerBar
 from ..harness.records import RequestRecord, RunRecord
 from ..reports.tables import CAVEAT_MARK
+from ..harness.redaction import redact_args, redact_info
 from ..harness.scenario import LoadPoint, Scenario, is_bundled_model, load_model_shape, without_bundled_model_paths
-from ..harness.served_kernels import kernel_server_args, launch_page_size, served_kernels
+from ..harness.served_kernels import (SGLANG_DEFAULT_KV_CACHE_DTYPES, kernel_server_args, launch_page_size,
+                                      served_kernels)
+from ..harness.server_json import fetch_json
 from ..harness.sim_server import prompt_digest
 from ..harness.server import STOP_SIGNALS, ServerError, ServerProcess, pick_port, stop_signals_held
 from ..results.store import ResultStore
+from .recorder import RunRecorder
 
 
 @dataclass
@@ -144,21 +150,6 @@ def _stopping(signum: int, frame: Any) -> None:
     """The handler of a stop signal caught as the bench stops: nothing to do, it is stopping."""
 
 
-def _get_json(url: str, timeout: float = 10.0) -> dict[str, Any]:
-    return _post_json(url, None, timeout)
-
-
-def _post_json(url: str, body: dict[str, Any] | None, timeout: float = 10.0) -> dict[str, Any]:
-    """The JSON answer to a GET, or to a POST of `body`."""
-    data = None if body is None else json.dumps(body).encode()
-    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout) as response:
-            return json.loads(response.read())
-    except (urllib.error.URLError, OSError, ValueError) as exc:
-        raise UserError(f"could not read {url}: {exc}", exit_code=1) from None
-
-
 def _find_key(tree: Any, key: str) -> Any:
     """First value stored under `key` anywhere in nested dicts/lists (SGLang nests some server state)."""
     if isinstance(tree, dict):
@@ -174,16 +165,38 @@ def _find_key(tree: Any, key: str) -> Any:
 
 def verify_server(info: dict[str, Any], spec: BackendSpec, must_report: bool = False) -> None:
     """Refuse to measure a server that runs something other than what the backend spec asked for (or, when
-    `must_report`, one that does not say what it runs)."""
-    reported = {key: _find_key(info, key) for key in spec.expect}
-    for key, want in spec.expect.items():
+    `must_report`, one that does not say what it runs). A backend whose spec names no KV-cache dtype runs SGLang's
+    default one: a server reporting another (an FP8 cache for a BF16 backend) is refused too."""
+    accepted = {key: (want,) for key, want in spec.expect.items()}
+    accepted.setdefault("kv_cache_dtype", SGLANG_DEFAULT_KV_CACHE_DTYPES)
+    reported = {key: _find_key(info, key) for key in accepted}
+    for key, wants in accepted.items():
         got = reported[key]
-        if got is not None and str(got) != want:
-            raise UserError(f"server reports {key}={got}, but backend '{spec.name}' asks for {want}", exit_code=1)
-    if must_report and all(got is None for got in reported.values()):
+        if got is not None and str(got) not in wants:
+            raise UserError(f"server reports {key}={str(got)[:80]}, but backend '{spec.name}' asks for "
+                            f"{' or '.join(wants)}", exit_code=1)
+    if must_report and all(reported[key] is None for key in spec.expect):
         raise UserError(f"the server reports no {', '.join(spec.expect)} to check backend '{spec.name}' against; "
                         f"name it with --backend-label {spec.name} to store its runs under that name unchecked",
                         exit_code=1)
+
+
+def verify_model(info: dict[str, Any], model: str) -> None:
+    """Refuse a server that serves another model than `model` (a bundled config's name or a model directory): the
+    last part of the `model_path` or `served_model_name` it reports, if it reports one (SGLang does), must be the
+    model's name (letter case aside)."""
+    want = model_name(model)
+    names: list[str] = []
+    for key in ("model_path", "served_model_name"):
+        found = _find_key(info, key)
+        names += [name for name in (found if isinstance(found, list) else [found]) if isinstance(name, str)]
+    if names and not any(_last_part(name) == want.lower() for name in names):
+        raise UserError(f"server serves model {names[0][:200]!r}, but the scenario's model is '{want}' (give "
+                        "--model with the served model's config: a bundled name or its directory)", exit_code=1)
+
+
+def _last_part(name: str) -> str:
+    return name.rstrip("/").rsplit("/", 1)[-1].lower()
 
 
 def verify_weights(info: dict[str, Any], model: str) -> None:
@@ -203,12 +216,14 @@ def served(
     spec: BackendSpec, model: str, context_len: int, opts: BenchOptions, progress: BenchProgress | ServerBar
 ) -> Iterator[tuple[str, dict[str, Any], ServerProcess | None]]:
     """A ready server for `spec` (launched, or the one at --url): yields its URL, server info and process. A
-    server whose `/get_server_info` contradicts the backend is refused."""
+    server whose `/get_server_info` contradicts the backend or the model is refused; a --url server must report
+    its backend, unless that was given as a label."""
     if opts.engine == "url":
         url = opts.url.rstrip("/")
-        info = _get_json(f"{url}/get_server_info")
+        info = fetch_json(f"{url}/get_server_info")
         if not opts.labelled:
             verify_server(info, spec, must_report=True)
+        verify_model(info, model)
         yield url, info, None
         return
     port = pick_port(opts.port, highest=65535 if opts.engine == "sim" else SGLANG_HIGHEST_PORT)
@@ -223,8 +238,9 @@ def served(
         timeout = opts.ready_timeout_s or READY_TIMEOUT_S[opts.engine]
         took = server.wait_ready(timeout, on_tick=lambda _: progress.tick())
         progress.server(f"{spec.name}: server ready after {took:.0f} s")
-        info = _get_json(f"{url}/get_server_info")
+        info = fetch_json(f"{url}/get_server_info")
         verify_server(info, spec)
+        verify_model(info, model)
         if opts.engine != "sim":  # the simulator loads no weights
             verify_weights(info, model)
         yield url, info, server
@@ -243,14 +259,18 @@ def run_bench(
     environment = collect_environment()
     gpu = gpu_label(opts.engine == "sim", environment["gpus"])
     context_len = max(scenario.input_len) + scenario.output_len + 64
-    run_ids: list[int] = []
+    recorder = RunRecorder(store, opts.run_dir)
     plan = run_plan(scenario)
     requests = len(specs) * sum(point.num_requests + warmup for point, _, warmup in plan)
-    with _signals_interrupt(), BenchProgress(console, len(specs) * len(plan), requests, opts.verbose) as progress:
-        for spec in specs:
-            run_ids += _run_backend(spec, scenario, plan, opts, store, console, progress, expected[spec.name],
-                                    environment, gpu, context_len)
-    return run_ids
+    try:
+        with _signals_interrupt(), BenchProgress(console, len(specs) * len(plan), requests, opts.verbose) as progress:
+            for spec in specs:
+                _run_backend(spec, scenario, plan, opts, recorder, console, progress, expected[spec.name],
+                             environment, gpu, context_len)
+        recorder.require_present()
+    finally:
+        recorder.close()
+    return recorder.run_ids
 
 
 def run_plan(scenario: Scenario) -> list[tuple[LoadPoint, int, int]]:
@@ -267,18 +287,18 @@ def run_plan(scenario: Scenario) -> list[tuple[LoadPoint, int, int]]:
 
 def _run_backend(
     spec: BackendSpec, scenario: Scenario, plan: list[tuple[LoadPoint, int, int]], opts: BenchOptions,
-    store: ResultStore, console: Console, progress: BenchProgress, expected_kernels: dict[str, str],
+    recorder: RunRecorder, console: Console, progress: BenchProgress, expected_kernels: dict[str, str],
     environment: dict[str, Any], gpu: str, context_len: int,
-) -> list[int]:
-    """One backend's server and every step of the plan on it; returns the ids of the runs it stored."""
-    run_ids: list[int] = []
+) -> None:
+    """One backend's server and every step of the plan on it."""
     with served(spec, scenario.model, context_len, opts, progress) as (url, info, server):
-        simulated = opts.engine == "sim" or bool(info.get("simulated"))
+        simulated = opts.engine == "sim" or info.get("simulated") is True  # a JSON true, not "false" or 1
         # A simulated run's numbers come from the latency model, not from the code the caveat is about.
         caveat = None if simulated else spec.caveat_for(os.environ)
         if caveat:
             console.print(Text(f"{spec.name} {CAVEAT_MARK} caveat: {caveat}", style="yellow"))
-        kernels = info.get("kernels") or expected_kernels
+        kernels = _reported_kernels(info) or expected_kernels
+        server_info = redact_info(without_bundled_model_paths(info, scenario.model))
         for point, repeat, warmup in plan:
             run = RunRecord(
                 scenario=scenario.name, backend=spec.name, engine=opts.engine, simulated=simulated,
@@ -290,41 +310,51 @@ def _run_backend(
                     num_requests=point.num_requests, load=point.load,
                 ),
                 started_at=time.time(), model=model_name(scenario.model), gpu=gpu,
-                server_info={**without_bundled_model_paths(info, scenario.model),
-                             "metrics_clock": "modelled" if opts.modelled_clock else "wall"},
+                server_info={**server_info, "metrics_clock": "modelled" if opts.modelled_clock else "wall"},
                 backend_flags=_flags(spec, opts), kernels=kernels, environment=environment,
             )
-            run_id = store.begin_run(run)
-            run_ids.append(run_id)
-            _measure(run, run_id, point, warmup, scenario, opts, url, store, progress, server)
-    return run_ids
+            recorder.begin(run)
+            _measure(run, point, warmup, scenario, opts, url, recorder, progress, server)
+
+
+def _reported_kernels(info: dict[str, Any]) -> dict[str, str] | None:
+    """The kernels a server says it runs (the simulator does), if it says; anything but names is refused."""
+    kernels = info.get("kernels")
+    if kernels is None or kernels == {}:
+        return None
+    if not (isinstance(kernels, dict) and all(isinstance(v, str) for v in kernels.values())):
+        raise UserError(f"server reports kernels={str(kernels)[:80]}, not an object of kernel names", exit_code=1)
+    return kernels
 
 
 def _measure(
-    run: RunRecord, run_id: int, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
-    url: str, store: ResultStore, progress: BenchProgress, server: ServerProcess | None,
+    run: RunRecord, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
+    url: str, recorder: RunRecorder, progress: BenchProgress, server: ServerProcess | None,
 ) -> None:
-    prompts, measured_digests = _workload(scenario.seed, point.num_requests, point.input_len)
-    warmup_prompts, warmup_digests = _workload(scenario.seed + 1, warmup, point.input_len)
-    arrivals = (
-        serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
-        if point.rate is not None else None
-    )
-    digests = {**dict(enumerate(measured_digests)), **{-1 - i: d for i, d in enumerate(warmup_digests)}}
-    if opts.modelled_clock:
-        arrivals = _send_load_hint(url, point, arrivals, digests, warmup)
+    """Measure one step of the plan into its run (begun): whatever happens, the run ends ok, failed or
+    interrupted."""
     label = f"{run.backend} {point.label} #{run.repeat + 1}"
-    progress.step_started(label, point.num_requests + warmup)
     records: list[RequestRecord] = []
+    digests: dict[int, str] = {}
 
     def on_complete(record: RequestRecord) -> None:
         if opts.modelled_clock and record.error is None:
             _use_modelled_times(record, url, digests[record.index])
-        store.add_request(run_id, record)
+        recorder.add(record)
         records.append(record)
         progress.request_done()
 
     try:
+        prompts, measured_digests = _workload(scenario.seed, point.num_requests, point.input_len)
+        warmup_prompts, warmup_digests = _workload(scenario.seed + 1, warmup, point.input_len)
+        arrivals = (
+            serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
+            if point.rate is not None else None
+        )
+        digests.update({**dict(enumerate(measured_digests)), **{-1 - i: d for i, d in enumerate(warmup_digests)}})
+        if opts.modelled_clock:
+            arrivals = _send_load_hint(url, point, arrivals, digests, warmup)
+        progress.step_started(label, point.num_requests + warmup)
         client.run(client.run_load(
             url, prompts, scenario.output_len, concurrency=point.concurrency, arrivals=arrivals,
             warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
@@ -333,24 +363,23 @@ def _measure(
     except KeyboardInterrupt:
         _ignore_stop_signals()
         with stop_signals_held():
-            store.finish_run(run_id, "interrupted", error=_interruption(),
-                             summary=summarize(records, opts.slo))
-        raise RunInterrupted(run_id) from None
+            recorder.finish("interrupted", error=_interruption(), summary=summarize(records, opts.slo))
+        raise RunInterrupted(run.id) from None
     except Exception as exc:  # the run ends failed with the requests it has, whatever broke it
         error = f"{type(exc).__name__}: {exc}"
         with stop_signals_held():
-            store.finish_run(run_id, "failed", error=error, summary=summarize(records, opts.slo))
-        raise UserError(f"run {run_id} failed: {error}", exit_code=1) from exc
+            recorder.finish("failed", error=error, summary=summarize(records, opts.slo))
+        raise UserError(f"run {run.id} failed: {error}", exit_code=1) from exc
     summary = summarize(records, opts.slo)
     if server is not None and not server.alive:
         error = f"server died during the run; last log lines ({server.log_path}):\n{server.log_tail()}"
-        store.finish_run(run_id, "failed", error=error, summary=summary)
-        raise ServerError(f"run {run_id}: {error}")
+        recorder.finish("failed", error=error, summary=summary)
+        raise ServerError(f"run {run.id}: {error}")
     failed = [r for r in records if r.error]
     if failed:
-        store.finish_run(run_id, "failed", error=f"{len(failed)} request(s) failed: {failed[0].error}", summary=summary)
+        recorder.finish("failed", error=f"{len(failed)} request(s) failed: {failed[0].error}", summary=summary)
     else:
-        store.finish_run(run_id, "ok", summary=summary)
+        recorder.finish("ok", error=None, summary=summary)
     progress.step_done(label, "ok" if not failed else f"{len(failed)} failed")
 
 
@@ -370,13 +399,13 @@ def _send_load_hint(url: str, point: LoadPoint, arrivals: list[float] | None, di
                             "requests": point.num_requests + warmup}
     if arrivals is not None:
         hint["arrivals"] = {digests[i]: offset for i, offset in enumerate(arrivals)}
-    _post_json(f"{url}/sim_load", hint)
+    fetch_json(f"{url}/sim_load", hint)
     return None if arrivals is None else [0.0] * len(arrivals)
 
 
 def _use_modelled_times(record: RequestRecord, url: str, digest: str) -> None:
     """Replace the client's timestamps of a finished request by the simulator's modelled ones (one token each)."""
-    times = _get_json(f"{url}/sim_clock/{digest}")
+    times = fetch_json(f"{url}/sim_clock/{digest}")
     record.dispatch_s = times["arrival_s"]
     record.chunk_s = times["token_s"]
     record.chunk_tokens = [1] * len(record.chunk_s)
@@ -403,9 +432,9 @@ def estimated_seconds(scenario: Scenario, specs: list[BackendSpec], opts: BenchO
 
 
 def _flags(spec: BackendSpec, opts: BenchOptions) -> list[str]:
-    """The server flags that define what was measured, parallelism included."""
+    """The server flags that define what was measured, parallelism included, as stored: secrets redacted."""
     parallel = ["--tp-size", str(opts.tp), "--dp-size", str(opts.dp)] if opts.engine == "sglang" else []
-    return [*spec.sglang_args, *parallel, *opts.server_args_for(spec)]
+    return redact_args([*spec.sglang_args, *parallel, *opts.server_args_for(spec)])
 
 
 def progress_bar(console: Console) -> ServerBar:

@@ -169,9 +169,12 @@ def serve_sim(
 ) -> None:
     """Serve SGLang's HTTP API on a deterministic latency model (every number it produces is simulated)."""
     from ..harness.engines import serving_backend
-    from ..harness.server import port_free
+    from ..harness.server import is_loopback, port_free
     from ..harness.sim_server import run_sim_server
 
+    if not is_loopback(host):
+        err_console.print(f"warning: serving on {host}, reachable from other machines (--host 127.0.0.1 keeps it on "
+                          "this one)", markup=False, highlight=False, soft_wrap=True)
     if not port_free(port, host):
         raise UserError(f"port {port} on {host} is already in use")
     serving_backend(backend)

@@ -19,7 +19,7 @@ from ..results.store import ResultStore
 console = Console()
 err_console = Console(stderr=True)
 
-DbOption = Annotated[Optional[Path], typer.Option("--db", help="Results database (default: $MPFA_DB or ~/.local/share/mpfa/results.db).")]
+DbOption = Annotated[Optional[Path], typer.Option("--db", help="Results database, in a folder that exists (default: $MPFA_DB, else ~/.local/share/mpfa/results.db, whose folder is created).")]
 # The options of the commands that start servers (`bench`, `logits`, `accuracy serve`).
 EngineOption = Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")]
 PortOption = Annotated[Optional[int], typer.Option(help="Preferred server port (another is picked if it is in use).")]

@@ -107,7 +107,7 @@ def export(
 
 @cli_errors
 def import_runs(
-    files: Annotated[list[Path], typer.Argument(help="JSON exports (`mpfa export --format json [--requests]`).")],
+    files: Annotated[list[Path], typer.Argument(help="JSON exports (`mpfa export --format json [--requests]`) or recovery files (what a bench could not store).")],
     db: DbOption = None,
 ) -> None:
     """Load exported runs into the database (new ids); a run already there is skipped. All or nothing: every file
@@ -131,9 +131,10 @@ def import_runs(
 
 def _checked_exports(files: list[Path]) -> list:
     """(file, `export.derive_summary` of each run) for every run of the exports, oldest start first."""
-    from ..results.export import derive_summary, read_export
+    from ..results.export import derive_summary
+    from ..results.recovery import read_runs_file
 
-    checked = [(path, derive_summary(run)) for path in files for run in read_export(path)]
+    checked = [(path, derive_summary(run)) for path in files for run in read_runs_file(path)]
     checked.sort(key=lambda pc: pc[1].run.started_at)
     return checked
 

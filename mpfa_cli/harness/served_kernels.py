@@ -20,6 +20,9 @@ from ...backends.specs import PREFILL_ENV, PREFILL_PATHS, BackendSpec
 from ..errors import UserError
 
 SGLANG_DEFAULT_PAGE_SIZE = 1
+# What SGLang reports as the KV-cache dtype of a server launched without `--kv-cache-dtype` (the model's, BF16 here),
+# and its other names: the dtype of every backend whose spec expects none.
+SGLANG_DEFAULT_KV_CACHE_DTYPES = ("auto", "bfloat16", "bf16")
 REFERENCE_PREFILL = "pytorch-reference"
 
 

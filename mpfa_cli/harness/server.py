@@ -2,11 +2,13 @@
 
 Used for both engines that launch a server: SGLang and the built-in simulator. The child runs in a new
 session (its own process group) so that stopping it also stops whatever it spawned (SGLang's scheduler and
-detokenizer processes); descendants that left the group are found with psutil and killed too.
+detokenizer processes); descendants that left the group are found with psutil and killed too. Its log is owner-only
+(0600, in a folder created 0700) and never written through a symbolic link.
 """
 from __future__ import annotations
 
 import ctypes
+import ipaddress
 import os
 import signal
 import sys
@@ -22,6 +24,7 @@ from pathlib import Path
 import psutil
 
 from ..errors import UserError
+from .safe_files import append_private, private_dir
 
 LOG_TAIL_LINES = 30
 STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # held back while a server is being stopped
@@ -56,6 +59,16 @@ def pick_port(preferred: int | None = None, host: str = "127.0.0.1", highest: in
     return free
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a server bound to `host` is reachable from this machine only (127.0.0.0/8, ::1, localhost)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
 def http_ok(url: str, timeout: float = 2.0) -> bool:
     try:
         with urllib.request.urlopen(url, timeout=timeout) as response:
@@ -84,8 +97,8 @@ class ServerProcess:
             self.stop()
 
     def start(self) -> None:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "ab")
+        private_dir(self.log_path.parent, "server log")
+        log = append_private(self.log_path, "server log")
         try:
             self.process = subprocess.Popen(
                 self.command, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,

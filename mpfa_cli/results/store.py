@@ -2,8 +2,13 @@
 
 Every write is its own transaction and is committed at once, so a run that is interrupted keeps every
 request that completed before the interruption. The database runs in WAL mode (readers never block the
-writer) with a busy timeout; a database that stays locked or cannot be opened raises `StoreError` with a
-one-line message naming the file.
+writer); a write waits up to a busy timeout for another writer's lock, and a database that stays locked or
+cannot be opened raises `StoreError` with a one-line message naming the file. A database removed or replaced
+while open is detected (`require_present`): SQLite would go on writing into the removed file.
+
+The file is never opened through a symbolic link, and is created owner-only (0600; SQLite gives its -wal and -shm
+files the same mode). Only the default location's folder is created (0700): a `--db` or `$MPFA_DB` in a folder
+that does not exist is an error, as a mistyped path would otherwise make a database nobody looks for.
 """
 from __future__ import annotations
 
@@ -23,10 +28,13 @@ from . import run_owner
 from .metrics.summary import summarize
 from ..errors import UserError
 from ..harness.records import RequestRecord, RunRecord
+from ..harness.safe_files import private_dir, refuse_link, touch_private
 
 SCHEMA_VERSION = 4
 FINAL_STATUSES = ("ok", "failed", "interrupted")
-DEFAULT_BUSY_TIMEOUT_S = 5.0
+_UNFINISHED = ("running", "interrupted")  # a run an import may complete with the requests it lacks
+_ABANDONED_WAIT_S = 1.0  # closing another bench's abandoned run waits no longer: the next store opened retries
+DEFAULT_BUSY_TIMEOUT_S = 30.0  # how long a write waits for another process's write lock
 
 _SCHEMA = """
 CREATE TABLE runs (
@@ -122,6 +130,10 @@ class StoreError(UserError):
     """The results database cannot be used; the message is one line and names the file."""
 
 
+class StoreVanished(StoreError):
+    """The database file was removed or replaced while open: what was written since is in no file at its path."""
+
+
 @dataclass
 class StoredRun(RunRecord):
     """A run as read back from the store: the record plus what the store adds when the run ends."""
@@ -167,20 +179,36 @@ def _finite(value: Any) -> Any:
     return value
 
 
+def _json(value: Any) -> str:
+    """JSON as SQLite (and every export) reads it: a non-finite number anywhere (a server's report may hold one)
+    becomes null."""
+    return json.dumps(_finite(value), allow_nan=False)
+
+
 def _json_or_none(value: dict[str, float] | None) -> str | None:
     # NaN/inf are legal in a summary (e.g. a percentile of no samples); store them as null.
-    return None if value is None else json.dumps(_finite(value))
+    return None if value is None else _json(value)
 
 
 class ResultStore:
     """Runs and requests in one SQLite file. Use as a context manager or call `close()`."""
 
     def __init__(self, path: str | Path | None = None, busy_timeout_s: float = DEFAULT_BUSY_TIMEOUT_S):
+        """The database at `path`, else at `default_db_path()`, whose folder is created only when it is the default
+        location (not `$MPFA_DB`)."""
+        create_folder = path is None and not os.environ.get("MPFA_DB")
         self.path = Path(path).expanduser() if path is not None else default_db_path()
+        refuse_link(self.path, "results database")
         # A file this process may not write is opened read-only: listing and comparing its runs still work.
         self.read_only = self.path.is_file() and not _may_write(self.path)
+        if create_folder:
+            private_dir(self.path.parent, "results database")
+        elif not self.path.parent.is_dir():
+            raise StoreError(f"cannot open results database {self.path}: its folder {self.path.parent} does not "
+                             "exist (create it, or give another --db)")
+        if not self.read_only:
+            touch_private(self.path, "results database")
         try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
             # Autocommit mode: transactions are opened explicitly (BEGIN IMMEDIATE) in `_transaction`.
             self._conn = sqlite3.connect(self._uri(), timeout=busy_timeout_s, isolation_level=None, uri=True)
             if self.read_only and not self._readable():
@@ -191,6 +219,7 @@ class ResultStore:
         except (OSError, sqlite3.Error) as exc:
             raise StoreError(f"cannot open results database {self.path}: {_reason(exc)}") from None
         self._conn.row_factory = sqlite3.Row
+        self.busy_timeout_s = busy_timeout_s
         with self._errors("open"):
             self._conn.execute(f"PRAGMA busy_timeout = {int(busy_timeout_s * 1000)}")
             self._refuse_foreign()  # before anything below writes to the file
@@ -202,6 +231,7 @@ class ResultStore:
             # In WAL mode NORMAL loses no committed transaction when the process dies (only on power loss).
             self._conn.execute("PRAGMA synchronous = NORMAL")
             self._ensure_schema()
+        self._identity = _file_identity(self.path)
         self._close_abandoned_runs()
 
     def _readable(self) -> bool:
@@ -216,6 +246,18 @@ class ResultStore:
 
     def close(self) -> None:
         self._conn.close()
+
+    def require_present(self) -> None:
+        """Raise `StoreVanished` when the file opened is no longer at the store's path (removed with its folder, or
+        replaced): SQLite goes on writing into the open file, which nothing can open once it is closed."""
+        if self.read_only:
+            return
+        try:
+            present = _file_identity(self.path) == self._identity
+        except OSError:
+            present = False
+        if not present:
+            raise StoreVanished(f"results database {self.path} was removed or replaced while mpfa wrote to it")
 
     def __enter__(self) -> ResultStore:
         return self
@@ -240,8 +282,10 @@ class ResultStore:
         transaction: all of them or, on any error, none.
 
         A run the store already holds — same scenario, backend, engine, context, load, repeat and `started_at`
-        (the wall-clock start, to the float) — is not stored again. Returns (its id here, whether it was added)
-        per run; the runs themselves are left unchanged.
+        (the wall-clock start, to the float) — is not stored again, unless the stored one never finished (running,
+        interrupted) and the import holds requests it lacks: those are added and the run takes the import's status,
+        error and summary (a recovery file completes the run its bench could not close). Returns (its id here,
+        whether anything was added) per run; the runs themselves are left unchanged.
         """
         with self._transaction("import runs"):
             return [self._import_run(run) for run in runs]
@@ -249,29 +293,39 @@ class ResultStore:
     def _import_run(self, run: StoredRun) -> tuple[int, bool]:
         key = (run.scenario, run.backend, run.engine, run.input_len, load_key(run.load), run.repeat, run.started_at)
         existing = self._conn.execute(
-            "SELECT id FROM runs WHERE scenario = ? AND backend = ? AND engine = ? AND input_len = ? "
+            "SELECT id, status FROM runs WHERE scenario = ? AND backend = ? AND engine = ? AND input_len = ? "
             "AND load = ? AND repeat = ? AND started_at = ?", key,
         ).fetchone()
-        if existing is not None:
-            return int(existing["id"]), False
-        return self._insert_run(run, run.status, run.finished_at, run.summary or None), True
+        if existing is None:
+            return self._insert_run(run, run.status, run.finished_at, run.summary or None), True
+        run_id = int(existing["id"])
+        if existing["status"] not in _UNFINISHED:
+            return run_id, False
+        stored = {row[0] for row in self._conn.execute('SELECT "index" FROM requests WHERE run_id = ?', (run_id,))}
+        if not (lacking := [r for r in run.requests if r.index not in stored]):
+            return run_id, False
+        self._insert_requests(run_id, lacking)
+        self._conn.execute("UPDATE runs SET status = ?, error = ?, summary = ?, finished_at = ? WHERE id = ?",
+                           (run.status, run.error, _json_or_none(run.summary or None), run.finished_at, run_id))
+        return run_id, True
 
     def add_request(self, run_id: int, rec: RequestRecord) -> None:
         """Record one finished request, committed at once."""
         self.add_requests(run_id, [rec])
 
-    def add_requests(self, run_id: int, recs: Iterable[RequestRecord]) -> None:
-        """Record several finished requests in one transaction (all or none)."""
-        with self._transaction(f"record requests of run {run_id}"):
+    def add_requests(self, run_id: int, recs: Iterable[RequestRecord], wait_s: float | None = None) -> None:
+        """Record several finished requests in one transaction (all or none), waiting up to `wait_s` (default: the
+        busy timeout) for another writer's lock."""
+        with self._transaction(f"record requests of run {run_id}", wait_s):
             self._require_run(run_id)
             self._insert_requests(run_id, recs)
 
     def finish_run(self, run_id: int, status: str, error: str | None = None,
-                   summary: dict[str, float] | None = None) -> None:
+                   summary: dict[str, float] | None = None, wait_s: float | None = None) -> None:
         """Close a run: status is one of ok | failed | interrupted; summary is the metrics dict, if any."""
         if status not in FINAL_STATUSES:
             raise ValueError(f"run status must be one of {', '.join(FINAL_STATUSES)}, not {status!r}")
-        with self._transaction(f"finish run {run_id}"):
+        with self._transaction(f"finish run {run_id}", wait_s):
             self._require_run(run_id)
             self._conn.execute(
                 "UPDATE runs SET status = ?, error = ?, summary = ?, finished_at = ? WHERE id = ?",
@@ -377,7 +431,7 @@ class ResultStore:
             try:
                 requests = self.get_run(row["id"]).requests
                 self.finish_run(row["id"], "interrupted", error=run_owner.KILLED_REASON,
-                                summary=summarize(requests))
+                                summary=summarize(requests), wait_s=_ABANDONED_WAIT_S)
             except StoreError:  # locked by a writer: the next store opened closes it; this one still reads
                 return
 
@@ -438,10 +492,10 @@ class ResultStore:
             status=status,
             simulated=int(run.simulated),
             load=load_key(run.load),
-            server_info=json.dumps(run.server_info),
-            backend_flags=json.dumps(run.backend_flags),
-            kernels=json.dumps(run.kernels),
-            environment=json.dumps(run.environment),
+            server_info=_json(run.server_info),
+            backend_flags=_json(run.backend_flags),
+            kernels=_json(run.kernels),
+            environment=_json(run.environment),
             finished_at=finished_at,
             summary=_json_or_none(summary),
         )
@@ -484,8 +538,9 @@ class ResultStore:
         return runs
 
     @contextmanager
-    def _transaction(self, what: str) -> Iterator[None]:
-        with self._errors(what):
+    def _transaction(self, what: str, wait_s: float | None = None) -> Iterator[None]:
+        """A write transaction; its lock is waited for `wait_s` (default: the busy timeout)."""
+        with self._errors(what), self._busy_timeout(wait_s):
             self._conn.execute("BEGIN IMMEDIATE")  # take the write lock now: no deadlock on upgrade
             try:
                 yield
@@ -493,6 +548,17 @@ class ResultStore:
                 self._conn.execute("ROLLBACK")
                 raise
             self._conn.execute("COMMIT")
+
+    @contextmanager
+    def _busy_timeout(self, wait_s: float | None) -> Iterator[None]:
+        if wait_s is None:
+            yield
+            return
+        self._conn.execute(f"PRAGMA busy_timeout = {int(wait_s * 1000)}")
+        try:
+            yield
+        finally:
+            self._conn.execute(f"PRAGMA busy_timeout = {int(self.busy_timeout_s * 1000)}")
 
     @contextmanager
     def _errors(self, what: str) -> Iterator[None]:
@@ -510,6 +576,12 @@ class ResultStore:
 
 def _may_write(path: Path) -> bool:
     return os.access(path, os.W_OK)
+
+
+def _file_identity(path: Path) -> tuple[int, int]:
+    """What tells one file from another at the same path: device and inode."""
+    found = os.stat(path)
+    return found.st_dev, found.st_ino
 
 
 _MAX_ROW_ID = 2**63 - 1

@@ -27,9 +27,9 @@ def test_measured_runs_carry_the_caveat_and_simulated_runs_do_not(start_sim, tmp
         monkeypatch.delenv("MPFA_PREFILL", raising=False)
     server = start_sim("mpfa")
     if measured:  # answer /get_server_info as SGLang serving the plugin would: without the simulator's flag
-        get_json = bench._get_json
-        monkeypatch.setattr(bench, "_get_json", lambda url, timeout=10.0: {
-            k: v for k, v in get_json(url, timeout).items() if k != "simulated"})
+        fetch_json = bench.fetch_json
+        monkeypatch.setattr(bench, "fetch_json", lambda url, body=None: {
+            k: v for k, v in fetch_json(url, body).items() if k != "simulated"})
     scenario = Scenario(name="tiny", description="", model="llama-3.1-8b", input_len=[64], output_len=2,
                         num_requests=2, warmup_requests=0, repeats=2, seed=1, concurrency=[2])
     out = io.StringIO()

@@ -17,10 +17,10 @@ from mpfa.mpfa_cli.results.store import ResultStore
 
 def _measured_runs(start_sim, tmp_path, monkeypatch, model: str, tp: int = 1, reported: bool = False) -> list:
     server = start_sim("mpfa", model=model)
-    get_json = bench._get_json
+    fetch_json = bench.fetch_json
     hidden = ("simulated",) if reported else ("simulated", "kernels")
-    monkeypatch.setattr(bench, "_get_json", lambda url, timeout=10.0: {
-        k: v for k, v in get_json(url, timeout).items() if k not in hidden})
+    monkeypatch.setattr(bench, "fetch_json", lambda url, body=None: {
+        k: v for k, v in fetch_json(url, body).items() if k not in hidden})
     scenario = Scenario(name="tiny", description="", model=model, input_len=[64], output_len=2, num_requests=1,
                         warmup_requests=0, repeats=1, seed=1, concurrency=[1])
     with ResultStore(tmp_path / "r.db") as store:
