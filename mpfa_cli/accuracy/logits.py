@@ -382,7 +382,7 @@ def run_logits(
         with progress_bar(console) as progress, served(spec, model, context_len, opts, progress) as (url, info, _):
             if opts.engine == "url":
                 verify_server(info, spec)  # `served` checks the servers it launches itself
-            simulated = simulated or opts.engine == "sim" or bool(info.get("simulated"))
+            simulated = simulated or opts.engine == "sim" or info.get("simulated") is True
             server_info[spec.name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
             answers[spec.name] = {}
             for n in input_lens:

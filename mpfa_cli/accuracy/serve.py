@@ -147,7 +147,7 @@ def run_served_accuracy(
                     served(spec, model, context_length(cells, max_new_tokens), opts, progress) as (url, info, _):
                 if opts.engine == "url":
                     verify_server(info, spec)  # `served` checks the servers it launches itself
-                result.simulated = result.simulated or opts.engine == "sim" or bool(info.get("simulated"))
+                result.simulated = result.simulated or opts.engine == "sim" or info.get("simulated") is True
                 result.server_info[name] = {k: v for k in SERVER_KEYS if (v := _find_key(info, k)) is not None}
                 result.provenance[name] = provenance(spec, opts, shape, environment)
                 for cell in cells:

@@ -41,6 +41,7 @@ from ..harness.records import RunRecord
 from .tables import (CAVEAT_MARK, BackendResult, Config, Estimate, add_footnotes, aggregate, backend_label,
                      caveat_notes, context_label, format_number, id_list, load_label)
 from ..harness.scenario import MAX_INPUT_LEN, MAX_REPEATS, load_problem
+from ..harness.safe_files import write_private
 from ..results.store import StoredRun, load_key
 
 DEFAULT_TOLERANCE = 0.05
@@ -433,6 +434,6 @@ def _identity(runs: Sequence[RunRecord]) -> tuple[str, str, bool]:
 def _write_json(path: Path, doc: Any, what: str) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps(doc, indent=2, allow_nan=False) + "\n", encoding="utf-8")
+        write_private(path, (json.dumps(doc, indent=2, allow_nan=False) + "\n").encode(), "baseline")
     except OSError as exc:
         raise UserError(f"cannot write {what} file {path}: {exc.strerror or exc}") from None

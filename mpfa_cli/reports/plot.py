@@ -22,6 +22,7 @@ import matplotlib.pyplot as plt  # noqa: E402  (after selecting the backend)
 from matplotlib.figure import Figure  # noqa: E402
 
 from ..errors import UserError  # noqa: E402
+from ..harness.safe_files import replace_private  # noqa: E402
 from .tables import (CompareRow, Config, backend_label, caveat_notes, caveated_backends, compare_rows, context_label,
                      engine_label, mixed_workloads, workload_notes)
 from ..results.store import StoredRun  # noqa: E402
@@ -135,7 +136,8 @@ def save_figure(fig: Figure, paths: Sequence[Path]) -> list[Path]:
     try:
         for path in paths:
             path.parent.mkdir(parents=True, exist_ok=True)
-            fig.savefig(path, format=path.suffix.lstrip(".") or "png", dpi=DPI)
+            with replace_private(path, "plot", binary=True) as stream:
+                fig.savefig(stream, format=path.suffix.lstrip(".") or "png", dpi=DPI)
     except OSError as exc:
         raise UserError(f"cannot write plot {path}: {exc.strerror or exc}") from None
     finally:

@@ -31,6 +31,7 @@ from ..errors import UserError, field_names
 from ..harness.records import RequestRecord
 from ..harness.scenario import MAX_INPUT_LEN, MAX_OUTPUT_LEN, MAX_REPEATS, MAX_REQUESTS, load_problem
 from ..harness.served_kernels import describe_kernels
+from ..harness.safe_files import replace_private, write_private
 from .metrics import registry
 from .metrics.per_request import measured
 from .metrics.summary import summarize
@@ -60,9 +61,9 @@ def export_runs(runs: Sequence[StoredRun], fmt: str, dest: Path | TextIO,
             if dest.suffix == ".gz":
                 text = io.StringIO(newline="")
                 _write(runs, fmt, text, include_requests)
-                dest.write_bytes(gzip.compress(text.getvalue().encode("utf-8"), mtime=0))  # same runs, same bytes
-                return
-            with dest.open("w", newline="", encoding="utf-8") as stream:
+                write_private(dest, gzip.compress(text.getvalue().encode("utf-8"), mtime=0), "export file")  # same
+                return  # runs, same bytes
+            with replace_private(dest, "export file") as stream:
                 _write(runs, fmt, stream, include_requests)
         except OSError as exc:
             raise UserError(f"cannot write export file {dest}: {exc.strerror or exc}") from None
