@@ -126,7 +126,7 @@ class FakeSglang:
         write_gz_trace(self.traces[stage], path)
 
     async def server_info(self, request: web.Request) -> web.Response:
-        return web.json_response({"model_path": "meta-llama/Llama-3.1-8B-Instruct", "attention_backend": "fa3",
+        return web.json_response({"model_path": "models/llama-3.1-8b", "attention_backend": "fa3",
                                   "tp_size": 1, "max_total_num_tokens": 500000})
 
     async def flush_cache(self, request: web.Request) -> web.Response:

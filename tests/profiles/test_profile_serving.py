@@ -118,7 +118,7 @@ def test_profile_serving_runs_both_windows(tmp_path, monkeypatch, fake_sglang, s
     assert [g["max_new_tokens"] for g in generated[2:]] == [STEPS + serving.DECODE_MARGIN] * 2
     assert all(g["prompt_tokens"] == 64 for g in generated)
 
-    assert profile.server == {"model_path": "meta-llama/Llama-3.1-8B-Instruct", "attention_backend": "fa3",
+    assert profile.server == {"model_path": "models/llama-3.1-8b", "attention_backend": "fa3",
                               "tp_size": 1}
     assert profile.decode.trace_path.endswith("-TP-0-DECODE.trace.json.gz")
     for stage, expected in ((profile.prefill, prefill_expected), (profile.decode, decode_expected)):
@@ -179,7 +179,7 @@ def test_report_shows_each_stage_and_its_largest_kernels(tmp_path, fake_sglang, 
     with serve_app(fake.app()) as url:
         profile = serving.profile_serving(url, 64, 2, STEPS, tmp_path)
     categories, kernels = serving_sections(profile)
-    assert "Llama-3.1-8B-Instruct" in categories.title and "(fa3)" in categories.title
+    assert "llama-3.1-8b" in categories.title and "(fa3)" in categories.title
     prefill_row = categories.rows[0]
     assert prefill_row[0] == "prefill"
     assert prefill_row[1] == f"{sum(prefill_expected.values()) / 1e3:,.2f}"

@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from mpfa.mpfa_cli.app import app
 from mpfa.mpfa_cli.errors import UserError
 from mpfa.mpfa_cli.harness.records import RunRecord
-from mpfa.mpfa_cli.results import metrics
+from mpfa.mpfa_cli.results.metrics.summary import summarize
 from mpfa.mpfa_cli.results.recovery import UNCLOSED_REASON, RecoveryFile, read_recovery, read_runs_file
 from mpfa.mpfa_cli.results.run_owner import KILLED_REASON
 from mpfa.mpfa_cli.results.store import ResultStore
@@ -32,7 +32,7 @@ def _recovery(tmp_path, run: RunRecord, requests, end: str | None = "ok") -> Rec
     recovery.add_run(run)
     recovery.add_requests(run.id, requests)
     if end:
-        recovery.end_run(run.id, end, None, metrics.summarize(requests))
+        recovery.end_run(run.id, end, None, summarize(requests))
     recovery.close()
     return recovery
 
@@ -86,7 +86,7 @@ def test_import_completes_the_unfinished_copy_of_a_run_and_leaves_a_finished_one
     with ResultStore(db) as store:
         (back,) = store.list_runs(with_requests=True)
     assert (back.id, back.status, back.error, back.requests) == (run_id, "ok", None, requests)
-    assert back.summary == metrics.summarize(requests)
+    assert back.summary == summarize(requests)
     again = mpfa("import", recovery.path, "--db", db)
     assert again.exit_code == 0 and "skipped 1 already stored" in again.output
 
