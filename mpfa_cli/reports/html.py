@@ -30,7 +30,8 @@ h1 { font-size: 1.6em; margin-bottom: .2em; } h2 { margin-top: 1.8em; border-bot
 table { border-collapse: collapse; margin: .4em 1.5em 1.2em 0; display: inline-table; vertical-align: top; }
 caption { text-align: left; font-weight: 600; padding: .3em 0; }
 th, td { border: 1px solid #d0d0d6; padding: .25em .6em; text-align: left; vertical-align: top; }
-th { background: #f2f2f6; } table.runs td { white-space: nowrap; } td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
+th { background: #f2f2f6; } table.runs td { white-space: nowrap; }
+td.num { text-align: right; font-variant-numeric: tabular-nums; white-space: nowrap; }
 .speedup { display: block; font-size: .9em; } .better { color: #137333; font-weight: 600; }
 .worse { color: #c5221f; font-weight: 600; } .overlap { color: #777; }
 ul.notes { color: #8a4b00; } code { background: #f2f2f6; padding: 0 .25em; }

@@ -14,6 +14,7 @@ from typer.testing import CliRunner
 
 from mpfa.mpfa_cli.app import app
 from mpfa.mpfa_cli.reports.html import render_report
+from mpfa.mpfa_cli.results.export import export_runs
 from mpfa.mpfa_cli.results.store import ResultStore
 
 CHROMIUM = next((found for name in ("chromium", "chromium-browser", "google-chrome")
@@ -80,6 +81,18 @@ def test_report_command_writes_an_owner_only_page_of_the_selected_runs(tmp_path,
     refused = report("--db", db, "--output", tmp_path / "link.html")
     assert refused.exit_code == 2 and "is a symbolic link" in refused.output
     assert report("--db", db, "-o", page, "--ref", "fa3-fp8").exit_code == 2  # no such backend among the runs
+
+
+def test_report_takes_its_runs_from_exports_as_compare_does(tmp_path, sweep):
+    exported, page = tmp_path / "runs.json", tmp_path / "report.html"
+    export_runs(sweep(), "json", exported)
+    result = report("--from", exported, "-o", page)
+    assert result.exit_code == 0, result.output
+    assert "using 8 runs of 1 export(s) (scenario paper)" in result.output
+    assert page.read_text().count('<tr id="run-') == 8
+    refused = report("1", "--from", exported, "-o", page)
+    assert refused.exit_code == 2
+    assert "--from takes the runs from the exports: drop the run ids and --db" in refused.output
 
 
 def chromium(*args: str, profile: Path) -> subprocess.CompletedProcess:
