@@ -16,7 +16,8 @@ from ..results.store import StoredRun
 from ..harness.served_kernels import describe_kernels
 from .plot import figure_png, figure_scenarios, serving_figure
 from .tables import (CompareRow, backend_label, caveated_backends, compare_notes, compare_rows, context_label,
-                     engine_label, mixed_workloads, runs_records, simulated_title, speedup_text)
+                     WORKLOAD_MARK, engine_label, mixed_workloads, runs_records, simulated_title,
+                     speedup_text)
 
 SIMULATED_NOTE = ("SIMULATED: every number in this report comes from mpfa's latency model (engine sim), not from a "
                   "GPU; it rehearses the workflow and says nothing about a backend's real speed.")
@@ -70,7 +71,7 @@ def _comparison(runs: Sequence[StoredRun], backends: list[str], rows: list[Compa
     header = "".join(f'<th>{escape(backend_label(b, b in marked))}</th>' for b in backends)
     for config in dict.fromkeys(row.config for row in rows):
         caption = (f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}"
-                   + (" ‡" if config in mixed else ""))
+                   + (f" {WORKLOAD_MARK}" if config in mixed else ""))
         body = "".join(f"<tr><th>{escape(registry.column(row.metric).label)}</th>"
                        + "".join(_cell(row, b, ref_backend) for b in backends) + "</tr>"
                        for row in rows if row.config == config)
