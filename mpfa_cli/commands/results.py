@@ -1,4 +1,4 @@
-"""Stored runs: `mpfa runs`, `show`, `compare`, `export`, `import`, `plot` and `gate`."""
+"""Stored runs: `mpfa runs`, `show`, `compare`, `export`, `import`, `plot`, `gate` and `report`."""
 from __future__ import annotations
 
 import json
@@ -254,3 +254,24 @@ def gate(
     if not result.ok:
         raise UserError(result.failure(), exit_code=1)
 
+
+
+@cli_errors
+def report(
+    run_ids: RunIds = None, ref: RefOption = None, scenario: ScenarioFilter = None,
+    output: Annotated[Path, typer.Option("--output", "-o", help="HTML file to write.")] = Path("mpfa-report.html"),
+    from_exports: FromExports = None, db: DbOption = None,
+) -> None:
+    """One self-contained HTML file (no network needed to view it): compare's tables with CIs and speed-ups, plot's
+    figures, the runs' provenance, caveats and the SIMULATED label where it applies. Runs are selected as by
+    `mpfa compare`."""
+    from ..harness.safe_files import write_private
+    from ..reports.html import render_report
+    from ..reports.tables import default_reference
+
+    with _runs_store(from_exports, db, run_ids, "the run ids") as store:
+        runs = compared_runs(store, run_ids, scenario)
+    used = used_line(runs, from_exports)
+    console.print(used, highlight=False)
+    write_private(output, render_report(runs, ref or default_reference(runs), used).encode(), "report")
+    console.print(f"wrote {output}", highlight=False)

@@ -10,6 +10,7 @@ as is any configuration whose runs served different workloads (‡, `report.work
 """
 from __future__ import annotations
 
+import io
 import math
 import time
 from collections.abc import Sequence
@@ -41,13 +42,32 @@ _MARKERS = ("o", "s", "^", "D", "v", "P", "X")
 def plot_runs(runs: Sequence[StoredRun], ref_backend: str, out: Path, fmt: str = "png") -> list[Path]:
     """One figure per scenario of the runs that finished ok, written as `fmt` (png, svg or both) beside `out`
     (named by the scenario when there are several); returns the paths written."""
-    scenarios = sorted({r.scenario for r in runs if r.status == "ok"}) or [None]
+    scenarios = figure_scenarios(runs)
     paths = []
     for scenario in scenarios:
         named = out if len(scenarios) == 1 else out.with_name(f"{out.stem}-{scenario}{out.suffix}")
-        fig = _serving_figure([r for r in runs if scenario is None or r.scenario == scenario], ref_backend)
-        paths += save_figure(fig, figure_paths(named, fmt))
+        paths += save_figure(serving_figure(runs, ref_backend, scenario), figure_paths(named, fmt))
     return paths
+
+
+def figure_scenarios(runs: Sequence[StoredRun]) -> list[str | None]:
+    """The scenarios of the runs that finished ok, one figure each (None, one figure of all: none finished ok)."""
+    return sorted({r.scenario for r in runs if r.status == "ok"}) or [None]
+
+
+def serving_figure(runs: Sequence[StoredRun], ref_backend: str, scenario: str | None) -> Figure:
+    """The figure of `scenario`'s runs (of all the runs when None)."""
+    return _serving_figure([r for r in runs if scenario is None or r.scenario == scenario], ref_backend)
+
+
+def figure_png(fig: Figure) -> bytes:
+    """The figure as PNG bytes (at the DPI of the files); closes it."""
+    stream = io.BytesIO()
+    try:
+        fig.savefig(stream, format="png", dpi=DPI)
+    finally:
+        plt.close(fig)
+    return stream.getvalue()
 
 
 def check_figure_format(fmt: str) -> None:

@@ -258,7 +258,7 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
     """One value column per backend (mean ± 95% CI over repeats) and a speedup column per non-reference one."""
     backends, rows = compare_rows(runs, ref_backend, metric_names)
     title = f"Backends vs {ref_backend} (mean ± 95% CI over repeats; speedup ×: >1 is better)"
-    table = Table(title=_simulated_title(title, runs), title_justify="left")
+    table = Table(title=simulated_title(title, runs), title_justify="left")
     for column in ("scenario", "context", "load", "metric"):
         table.add_column(column)
     marked = caveated_backends(r for r in runs if r.status == "ok")
@@ -275,13 +275,13 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
         for backend in backends:
             cells.append(row.values[backend].format() if backend in row.values else "—")
             if backend != ref_backend:
-                cells.append(_speedup_text(row, backend, ref_backend))
+                cells.append(speedup_text(row, backend, ref_backend))
         table.add_row(*cells)
-    add_footnotes(table, _compare_notes(runs, rows, mixed))
+    add_footnotes(table, compare_notes(runs, rows, mixed))
     return folding(table)
 
 
-def _speedup_text(row: CompareRow, backend: str, ref_backend: str) -> Text:
+def speedup_text(row: CompareRow, backend: str, ref_backend: str) -> Text:
     """The speed-up, green or red only where the two 95% CIs do not overlap; dim with '≈' where they do (or where
     a single repeat gives no CI)."""
     value = row.speedups.get(backend)
@@ -312,7 +312,7 @@ def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
     mixed = mixed_workloads(runs)
     heading = (f"Backends vs {ref_backend}: mean ± 95% CI over repeats; under each value its speed-up (>1 is "
                "better), coloured only where the CIs do not overlap, else ≈")
-    parts: list[RenderableType] = [Text(_simulated_title(heading, runs), style="bold")]
+    parts: list[RenderableType] = [Text(simulated_title(heading, runs), style="bold")]
     for config in dict.fromkeys(row.config for row in rows):
         mark = f" {WORKLOAD_MARK}" if config in mixed else ""
         title = f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}{mark}"
@@ -323,12 +323,13 @@ def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
         for row in (r for r in rows if r.config == config):
             table.add_row(registry.column(row.metric).label, *(_cell(row, b, ref_backend) for b in backends))
         parts.append(folding(table))
-    parts.extend(Text(line) for line in _compare_notes(runs, rows, mixed))
+    parts.extend(Text(line) for line in compare_notes(runs, rows, mixed))
     return Group(*parts)
 
 
-def _compare_notes(runs: Sequence[StoredRun], rows: Sequence[CompareRow],
+def compare_notes(runs: Sequence[StoredRun], rows: Sequence[CompareRow],
                    mixed: dict[Config, dict[str, set[str]]]) -> list[str]:
+    """A comparison's footnotes: runs left out, caveats (†), differing workloads (‡), ratios measured apart (§)."""
     left_out = sum(r.status != "ok" for r in runs)
     notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
     return [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed), *apart_notes(rows)]
@@ -358,7 +359,7 @@ def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
         return format_records(compare_records(runs, ref_backend, metric_names), fmt)
     backends, rows = compare_rows(runs, ref_backend, metric_names)
     heading = f"Backends vs {ref_backend}: mean ± 95% CI over repeats (speed-up: >1 is better, ≈ where CIs overlap)"
-    lines = [f"**{_simulated_title(heading, runs)}**"]
+    lines = [f"**{simulated_title(heading, runs)}**"]
     for config in dict.fromkeys(row.config for row in rows):
         lines += ["", f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}", "",
                   "| metric | " + " | ".join(backends) + " |", "|---|" + "---:|" * len(backends)]
@@ -404,10 +405,10 @@ def _cell(row: CompareRow, backend: str, ref_backend: str) -> Text:
     value = Text(row.values[backend].format())
     if backend == ref_backend or backend not in row.speedups:
         return value
-    return Text.assemble(value, "\n", _speedup_text(row, backend, ref_backend))
+    return Text.assemble(value, "\n", speedup_text(row, backend, ref_backend))
 
 
-def _simulated_title(title: str, runs: Sequence[RunRecord]) -> str:
+def simulated_title(title: str, runs: Sequence[RunRecord]) -> str:
     return f"{_SIMULATED} — {title}" if any(r.simulated for r in runs) else title
 
 
@@ -492,7 +493,7 @@ def _status_text(run: RunRecord) -> Text:
 def runs_table(runs: Sequence[StoredRun]) -> Table:
     """The `mpfa runs` listing: one line per run with its key metrics."""
     # One line per run at 100 columns: no vertical rules (a listing, not a grid), the engine without its gloss.
-    table = Table(title=_simulated_title("Runs", runs), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
+    table = Table(title=simulated_title("Runs", runs), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1), collapse_padding=True)
     for column in ("id", "when", "scenario", "backend", "engine", "point", "rep", "status"):
         table.add_column(column, justify="right" if column in ("id", "rep") else "left")
