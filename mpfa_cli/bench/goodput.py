@@ -92,7 +92,7 @@ def next_rates(start: float, most_probes: int) -> Generator[float | None, bool, 
         elif passed == 0.0:
             rate = rate / 2
         else:
-            rate = math.sqrt(passed * failed)
+            rate = float(f"{math.sqrt(passed * failed):.3g}")  # a rate a label shows in full
         if failed / max(passed, MIN_RATE) <= 1 + PRECISION or rate < MIN_RATE or rate in (passed, failed):
             break
     yield None
