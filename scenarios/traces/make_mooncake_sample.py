@@ -2,8 +2,8 @@
 
 Seeded, so a rerun writes the same file: 120 requests arriving as a Poisson process at ~2 requests/s. Two in three
 open with one of 6 shared documents (2 to 16 blocks of 512 tokens: a system prompt or a RAG context); every
-request then has 1 to 8 blocks of its own, so no two prompts are equal. Run from this folder:
-`python make_mooncake_sample.py`.
+request then has 1 to 8 blocks of its own, so no two prompts are equal. Run it as
+`python -m mpfa.scenarios.traces.make_mooncake_sample`.
 """
 from __future__ import annotations
 
