@@ -274,7 +274,7 @@ def run_bench(
     plan = run_plan(scenario)
     step_count = len(plan) if steps is None else most_steps
     requests = len(specs) * (sum(point.num_requests + warmup for point, _, warmup in plan) if steps is None else
-                             step_count * scenario.num_requests + scenario.warmup_requests)
+                             step_count * scenario.num_requests + scenario.warmup_requests * len(scenario.input_len))
     try:
         with _signals_interrupt(), BenchProgress(console, len(specs) * step_count, requests, opts.verbose) as progress:
             for spec in specs:
