@@ -22,7 +22,7 @@ import functools
 import os
 import signal
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +47,7 @@ from ..harness.served_kernels import (SGLANG_DEFAULT_KV_CACHE_DTYPES, kernel_ser
                                       served_kernels)
 from ..harness.server_json import fetch_json
 from ..harness.sim_server import prompt_digest
+from ..harness.trace import Trace
 from ..harness.server import STOP_SIGNALS, ServerError, ServerProcess, pick_port, stop_signals_held
 from ..results.store import ResultStore
 from .recorder import RunRecorder
@@ -246,10 +247,18 @@ def served(
         yield url, info, server
 
 
+Step = tuple[LoadPoint, int, int]  # (point, repeat, warmup requests)
+# A backend's steps, one at a time: each step's measured requests are sent back in, so that a search
+# (`goodput.py`) can choose its next point from the last one's outcome.
+Steps = Generator[Step, list[RequestRecord], None]
+
+
 def run_bench(
-    scenario: Scenario, specs: list[BackendSpec], opts: BenchOptions, store: ResultStore, console: Console
+    scenario: Scenario, specs: list[BackendSpec], opts: BenchOptions, store: ResultStore, console: Console,
+    steps: Callable[[BackendSpec], Steps] | None = None, most_steps: int | None = None,
 ) -> list[int]:
-    """Measure every backend; returns the ids of the runs it stored."""
+    """Measure every backend, the scenario's plan (`run_plan`) or the `steps` given, at most `most_steps` per
+    backend; returns the ids of the runs it stored."""
     shape = load_model_shape(scenario.model)
     # The heads of one tensor-parallel rank (SGLang replicates KV heads over ranks beyond their count). A prefill
     # kernel that shape does not take fails here, before any server starts.
@@ -259,13 +268,18 @@ def run_bench(
     environment = collect_environment()
     gpu = gpu_label(opts.engine == "sim", environment["gpus"])
     context_len = max(scenario.input_len) + scenario.output_len + 64
+    if opts.modelled_clock and scenario.trace is not None:
+        _check_modelled_trace(scenario.trace)
     recorder = RunRecorder(store, opts.run_dir)
     plan = run_plan(scenario)
-    requests = len(specs) * sum(point.num_requests + warmup for point, _, warmup in plan)
+    step_count = len(plan) if steps is None else most_steps
+    requests = len(specs) * (sum(point.num_requests + warmup for point, _, warmup in plan) if steps is None else
+                             step_count * scenario.num_requests + scenario.warmup_requests * len(scenario.input_len))
     try:
-        with _signals_interrupt(), BenchProgress(console, len(specs) * len(plan), requests, opts.verbose) as progress:
+        with _signals_interrupt(), BenchProgress(console, len(specs) * step_count, requests, opts.verbose) as progress:
             for spec in specs:
-                _run_backend(spec, scenario, plan, opts, recorder, console, progress, expected[spec.name],
+                backend_steps = _fixed(plan) if steps is None else steps(spec)
+                _run_backend(spec, scenario, backend_steps, opts, recorder, console, progress, expected[spec.name],
                              environment, gpu, context_len)
         recorder.require_present()
     finally:
@@ -285,8 +299,14 @@ def run_plan(scenario: Scenario) -> list[tuple[LoadPoint, int, int]]:
     return plan
 
 
+def _fixed(plan: list[Step]) -> Steps:
+    """A plan's steps, whatever each measured."""
+    for step in plan:
+        yield step
+
+
 def _run_backend(
-    spec: BackendSpec, scenario: Scenario, plan: list[tuple[LoadPoint, int, int]], opts: BenchOptions,
+    spec: BackendSpec, scenario: Scenario, steps: Steps, opts: BenchOptions,
     recorder: RunRecorder, console: Console, progress: BenchProgress, expected_kernels: dict[str, str],
     environment: dict[str, Any], gpu: str, context_len: int,
 ) -> None:
@@ -299,7 +319,9 @@ def _run_backend(
             console.print(Text(f"{spec.name} {CAVEAT_MARK} caveat: {caveat}", style="yellow"))
         kernels = _reported_kernels(info) or expected_kernels
         server_info = redact_info(without_bundled_model_paths(info, scenario.model))
-        for point, repeat, warmup in plan:
+        step = next(steps, None)
+        while step is not None:
+            point, repeat, warmup = step
             run = RunRecord(
                 scenario=scenario.name, backend=spec.name, engine=opts.engine, simulated=simulated,
                 caveat=caveat, load=point.load, repeat=repeat, input_len=point.input_len,
@@ -308,13 +330,23 @@ def _run_backend(
                 workload_hash=serving_workload.workload_hash(
                     seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,
                     num_requests=point.num_requests, load=point.load,
+                    **({"trace_sha256": point.trace.sha256} if point.trace is not None else {}),
                 ),
                 started_at=time.time(), model=model_name(scenario.model), gpu=gpu,
                 server_info={**server_info, "metrics_clock": "modelled" if opts.modelled_clock else "wall"},
                 backend_flags=_flags(spec, opts), kernels=kernels, environment=environment,
             )
             recorder.begin(run)
-            _measure(run, point, warmup, scenario, opts, url, recorder, progress, server)
+            records = _measure(run, point, warmup, scenario, opts, url, recorder, progress, server)
+            step = _send(steps, records)
+
+
+def _send(steps: Steps, records: list[RequestRecord]) -> Step | None:
+    """The next step, given what the last one measured; None once there is none."""
+    try:
+        return steps.send(records)
+    except StopIteration:
+        return None
 
 
 def _reported_kernels(info: dict[str, Any]) -> dict[str, str] | None:
@@ -330,9 +362,9 @@ def _reported_kernels(info: dict[str, Any]) -> dict[str, str] | None:
 def _measure(
     run: RunRecord, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
     url: str, recorder: RunRecorder, progress: BenchProgress, server: ServerProcess | None,
-) -> None:
+) -> list[RequestRecord]:
     """Measure one step of the plan into its run (begun): whatever happens, the run ends ok, failed or
-    interrupted."""
+    interrupted. Returns its measured requests (warmup aside)."""
     label = f"{run.backend} {point.label} #{run.repeat + 1}"
     records: list[RequestRecord] = []
     digests: dict[int, str] = {}
@@ -345,19 +377,15 @@ def _measure(
         progress.request_done()
 
     try:
-        prompts, measured_digests = _workload(scenario.seed, point.num_requests, point.input_len)
+        prompts, measured_digests, output_lens, arrivals = _point_workload(point, scenario.seed)
         warmup_prompts, warmup_digests = _workload(scenario.seed + 1, warmup, point.input_len)
-        arrivals = (
-            serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
-            if point.rate is not None else None
-        )
         digests.update({**dict(enumerate(measured_digests)), **{-1 - i: d for i, d in enumerate(warmup_digests)}})
         if opts.modelled_clock:
             arrivals = _send_load_hint(url, point, arrivals, digests, warmup)
         progress.step_started(label, point.num_requests + warmup)
         client.run(client.run_load(
             url, prompts, scenario.output_len, concurrency=point.concurrency, arrivals=arrivals,
-            warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
+            output_lens=output_lens, warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
             timeouts=opts.timeouts,
         ))
     except KeyboardInterrupt:
@@ -381,6 +409,37 @@ def _measure(
     else:
         recorder.finish("ok", error=None, summary=summary)
     progress.step_done(label, "ok" if not failed else f"{len(failed)} failed")
+    return [r for r in records if not r.warmup]
+
+
+def _point_workload(point: LoadPoint, seed: int
+                    ) -> tuple[list[list[int]], list[str], list[int] | None, list[float] | None]:
+    """A point's measured prompts, their digests, their own output lengths (a trace's; None: the scenario's) and
+    their send times (None: a closed loop)."""
+    if point.trace is None:
+        prompts, digests = _workload(seed, point.num_requests, point.input_len)
+        arrivals = (serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, seed)
+                    if point.rate is not None else None)
+        return prompts, digests, None, arrivals
+    prompts, digests = _trace_workload(point.trace)
+    return prompts, digests, point.trace.output_lengths(), point.trace.send_times(point.speedup)
+
+
+def _check_modelled_trace(trace: Trace) -> None:
+    """The simulator's modelled clock tells requests apart by their prompt: a trace that repeats one cannot be
+    replayed on it."""
+    first_at: dict[str, int] = {}
+    for index, digest in enumerate(_trace_workload(trace)[1]):
+        if (first := first_at.setdefault(digest, index)) != index:
+            raise UserError(f"trace {trace.name}: requests {first + 1} and {index + 1} have the same prompt, which "
+                            "the simulator's modelled clock cannot tell apart; replay it with --real-time")
+
+
+@functools.lru_cache(maxsize=2)
+def _trace_workload(trace: Trace) -> tuple[list[list[int]], list[str]]:
+    """A trace's prompts and their digests, made once for every repeat and backend."""
+    prompts = trace.prompts()
+    return prompts, [prompt_digest(prompt) for prompt in prompts]
 
 
 @functools.lru_cache(maxsize=4)
@@ -422,8 +481,10 @@ def estimated_seconds(scenario: Scenario, specs: list[BackendSpec], opts: BenchO
         model = LatencyModel(spec.sim, shape)
         for point in scenario.points():
             requests = point.num_requests + scenario.warmup_requests
-            modelled = point_seconds(model, point.input_len, scenario.output_len, requests, point.concurrency,
-                                     point.rate)
+            rate = point.rate
+            if point.trace is not None and (span := point.trace.send_times(point.speedup)[-1]) > 0:
+                rate = point.num_requests / span  # the replay's mean rate
+            modelled = point_seconds(model, point.input_len, scenario.output_len, requests, point.concurrency, rate)
             prompt_tokens = requests * point.input_len
             cost = SIM_SECONDS_PER_PROMPT_TOKEN * prompt_tokens if opts.engine == "sim" else 0.0
             total += scenario.repeats * (modelled * pace + cost)

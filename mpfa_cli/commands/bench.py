@@ -1,6 +1,8 @@
 """`mpfa bench` (measure scenarios against backends) and `mpfa serve-sim` (the built-in simulated server)."""
 from __future__ import annotations
 
+import math
+import re
 from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
@@ -11,9 +13,13 @@ from ..errors import UserError
 from ..harness.request_timeouts import BadTimeout, Timeouts
 
 if TYPE_CHECKING:  # the bench itself is imported when the command runs
+    from ..bench.goodput import MAX_PROBES, GoodputSearch
     from ..bench.runner import BenchOptions
+    from ..harness.scenario import Scenario
 
 DEFAULT_TIMEOUTS = Timeouts()
+GOODPUT_SHARE = 0.9  # --goodput-search: the share of requests meeting every SLO, as AIPerf's and vLLM's goodput
+GOODPUT_PROBES = 8  # and the most rates each search measures
 
 SIM_TIME_SCALE = 1e-4  # the simulator runs 10000x faster than modelled unless asked otherwise
 SIM_BACKENDS = "fa4-bf16,flashinfer-fp8,mpfa"  # bench's default backends on the simulator
@@ -38,7 +44,11 @@ def bench(
     warmup_requests: Annotated[Optional[int], typer.Option("--warmup-requests", help="Override: unmeasured requests each server gets before the first repeat at each input length.")] = None,
     repeats: Annotated[Optional[int], typer.Option(help="Override: repeats of every point.")] = None,
     seed: Annotated[Optional[int], typer.Option(help="Override: seed of the prompts' token ids.")] = None,
-    slo: Annotated[Optional[str], typer.Option(help="Goodput SLO in ms, e.g. ttft=2000,tpot=50: each run's summary adds goodput, the requests per second that met every bound given.")] = None,
+    speedup: Annotated[Optional[float], typer.Option(help="Override: a trace scenario's replay speed-up (send times are the trace's timestamps divided by it).")] = None,
+    slo: Annotated[Optional[str], typer.Option(help="Goodput SLO, e.g. ttft=2s,tpot=50ms (a bare number is ms): each run's summary adds goodput, the requests per second that met every bound given.")] = None,
+    goodput_search: Annotated[bool, typer.Option("--goodput-search/--no-goodput-search", help="Per backend and input length, find the highest request rate (Poisson) at which --goodput-share of the requests meet --slo, by a bounded sweep from the scenario's lowest rate (else 1/s); every probe is a stored run.")] = False,
+    goodput_share: Annotated[float, typer.Option(help="With --goodput-search: the share of requests that must meet every SLO.")] = GOODPUT_SHARE,
+    goodput_probes: Annotated[int, typer.Option(help="With --goodput-search: the most load points each search measures.")] = GOODPUT_PROBES,
     prefill_kernel: PrefillKernelOption = None,
     port: PortOption = None,
     tp: Annotated[int, typer.Option(help="SGLang tensor parallelism.")] = 1,
@@ -69,7 +79,7 @@ def bench(
         "model": model, "output_len": output_len, "num_requests": num_requests,
         "warmup_requests": warmup_requests, "repeats": repeats, "seed": seed,
         "concurrency": number_list(concurrency, "--concurrency"), "rate": number_list(rate, "--rate", float),
-        "input_len": number_list(input_len, "--input-len"),
+        "input_len": number_list(input_len, "--input-len"), "speedup": speedup,
     }
     check_format(output_format)
     if api not in APIS:
@@ -85,6 +95,7 @@ def bench(
     if backend_label is not None and (url is None or backend is not None):
         raise UserError("--backend-label names the backend of a --url server, instead of --backend")
     backend = backend_label or backend
+    search = _goodput_search(spec, slo, goodput_share, goodput_probes, output_format) if goodput_search else None
     chosen_engine = resolve_engine(engine, url)
     specs = resolve_backends(backend or (SIM_BACKENDS if chosen_engine == "sim" else SERVER_BACKENDS), chosen_engine)
     if chosen_engine != "sglang" and (tp, dp) != (1, 1):
@@ -100,11 +111,16 @@ def bench(
         )
         if chosen_engine == "sim":
             info.print("[yellow]engine: sim — every number below is SIMULATED (no GPU, no model)[/]")
-        info.print(f"{len(specs)} backend(s) x {len(spec.points())} point(s) x {spec.repeats} repeat(s); "
-                      f"estimated duration {_duration(estimated_seconds(spec, specs, opts))} "
-                      f"({_pace(opts)})", highlight=False)  # Rich would colour '0x' of '10000x' as hex
+        if search is None:
+            info.print(f"{len(specs)} backend(s) x {len(spec.points())} point(s) x {spec.repeats} repeat(s); "
+                       f"estimated duration {_duration(estimated_seconds(spec, specs, opts))} "
+                       f"({_pace(opts)})", highlight=False)  # Rich would colour '0x' of '10000x' as hex
+        else:
+            info.print(f"{len(specs)} backend(s) x {len(spec.input_len)} input length(s): goodput search of at most "
+                       f"{search.most_probes} rate(s) each ({_pace(opts)})", highlight=False)
         try:
-            run_ids = run_bench(spec, specs, opts, store, info)
+            run_ids = run_bench(spec, specs, opts, store, info, steps=search and search.steps,
+                                most_steps=search and search.most_probes * len(spec.input_len))
         except RunInterrupted as exc:
             err_console.print(f"[yellow]{exc}[/]")
             raise typer.Exit(130) from None
@@ -112,7 +128,13 @@ def bench(
         info.print(f"stored runs {run_ids[0]}–{run_ids[-1]} in {store.path}")
         if any(r.status != "ok" for r in runs):
             raise UserError("some runs failed: see `mpfa runs` and `mpfa show RUN`", exit_code=1)
-        if output_format != "table":
+        if search is not None:
+            from ..bench.goodput import goodput_json, goodput_table
+            if output_format == "json":
+                print(goodput_json(search), end="")
+            else:
+                console.print(goodput_table(search))
+        elif output_format != "table":
             print(format_compare(runs, specs[0].name, output_format), end="")
         else:
             console.print(compare_table(runs, specs[0].name) if wide else compare_tables(runs, specs[0].name))
@@ -140,19 +162,42 @@ def _timeouts(connect: float, first_token: float, chunk: float, request: float) 
         raise UserError(f"--{flag}-timeout: expected a positive number of seconds") from None
 
 
+def _goodput_search(scenario: Scenario, slo: str | None, share: float, probes: int, output_format: str
+                    ) -> GoodputSearch:
+    """The search `--goodput-search` asks for, its flags checked."""
+    from ..bench.goodput import MAX_PROBES, GoodputSearch
+
+    if slo is None:
+        raise UserError("--goodput-search needs --slo, e.g. --slo ttft=2s,tpot=50ms")
+    if scenario.trace is not None:
+        raise UserError("--goodput-search sweeps request rates; a trace replay sets its own send times")
+    if not 0 < share <= 1:
+        raise UserError(f"--goodput-share: expected a share in (0, 1], got {share:g}")
+    if not 1 <= probes <= MAX_PROBES:
+        raise UserError(f"--goodput-probes: expected an integer in [1, {MAX_PROBES}], got {probes}")
+    if output_format not in ("table", "json"):
+        raise UserError("--goodput-search prints its answer as a table or json")
+    return GoodputSearch(scenario, _parse_slo(slo), share, probes)
+
+
+_SLO_UNITS_MS = {"ms": 1.0, "s": 1000.0, "": 1.0}
+
+
 def _parse_slo(text: str) -> dict[str, float]:
-    """`ttft=2000,tpot=50` (milliseconds) -> {"ttft": 2000.0, "tpot": 50.0}."""
+    """`ttft=2s,tpot=50ms` or `ttft=2000,tpot=50` (a bare number is ms) -> {"ttft": 2000.0, "tpot": 50.0}."""
     from ..results.metrics.per_request import SLO_KEYS
 
     slo: dict[str, float] = {}
     for part in text.split(","):
         key, _, value = part.partition("=")
+        number, unit = re.fullmatch(r"\s*(.*?)\s*(ms|s|)\s*", value).groups()  # type: ignore[union-attr]
         try:
-            slo[key.strip()] = float(value)
+            slo[key.strip()] = float(number) * _SLO_UNITS_MS[unit]
         except ValueError:
-            raise UserError(f"--slo: expected key=milliseconds pairs such as ttft=2000,tpot=50, got '{text}'") from None
-        if key.strip() not in SLO_KEYS or slo[key.strip()] <= 0:
-            raise UserError(f"--slo: '{part}' is not valid; keys: {', '.join(SLO_KEYS)}, values > 0 ms")
+            raise UserError(f"--slo: expected key=value pairs such as ttft=2s,tpot=50ms (a bare number is ms), "
+                            f"got '{text}'") from None
+        if key.strip() not in SLO_KEYS or not 0 < slo[key.strip()] < math.inf:
+            raise UserError(f"--slo: '{part}' is not valid; keys: {', '.join(SLO_KEYS)}, values > 0 (ms or s)")
     return slo
 
 

@@ -43,7 +43,7 @@ from .request_timeouts import Timeouts
 from .stamped_reads import Connection, Connections, Endpoint, LastRead
 
 T = TypeVar("T")
-_Job = tuple[int, list[int]]  # (record index, prompt)
+_Job = tuple[int, list[int], int]  # (record index, prompt, output tokens)
 _Finish = Callable[[RequestRecord, "EventStream | None"], Awaitable[RequestRecord]]
 
 
@@ -111,6 +111,7 @@ async def run_load(
     *,
     concurrency: int | None = None,
     arrivals: Sequence[float] | None = None,
+    output_lens: Sequence[int] | None = None,
     warmup_prompts: Sequence[list[int]] = (),
     on_complete: Callable[[RequestRecord], None] | None = None,
     api: str = "sglang",
@@ -121,7 +122,8 @@ async def run_load(
 
     Load: `concurrency` alone keeps that many requests in flight (closed loop); `arrivals` (seconds from the
     start, one per prompt) dispatches on that schedule (open loop), capped at `concurrency` in flight if both
-    are given. Warmup prompts run first, at `concurrency` (or all at once), and are marked `warmup=True`
+    are given. `output_lens` (one per prompt) replaces `output_len` for the measured prompts, as a trace
+    replay's requests each ask for their own. Warmup prompts run first, at `concurrency` (or all at once), and are marked `warmup=True`
     with indices -1, -2, ... so they never collide with measured indices. `on_complete` gets each record as
     it finishes, warmup included. A request that waits longer than `timeouts` allows fails with the reason.
     """
@@ -135,10 +137,14 @@ async def run_load(
         raise ValueError(f"concurrency must be >= 1, got {concurrency}")
     if arrivals is not None and len(arrivals) != len(prompts):
         raise ValueError(f"{len(arrivals)} arrival times for {len(prompts)} prompts")
+    if output_lens is not None and (len(output_lens) != len(prompts) or min(output_lens, default=1) < 1):
+        raise ValueError(f"expected {len(prompts)} output lengths >= 1, got {len(output_lens)}")
     endpoint = Endpoint(url.rstrip("/") + APIS[api].path)
     with _CyclicGcPause() as gc_pause:
-        return await _run_load(endpoint, prompts, output_len, concurrency, arrivals, warmup_prompts, on_complete,
-                               APIS[api], model, timeouts, gc_pause)
+        return await _run_load(endpoint, prompts, [output_len] * len(prompts) if output_lens is None else output_lens,
+                               output_len,
+                               concurrency, arrivals, warmup_prompts, on_complete, APIS[api], model, timeouts,
+                               gc_pause)
 
 
 class _CyclicGcPause:
@@ -170,7 +176,8 @@ class _CyclicGcPause:
 
 
 async def _run_load(
-    endpoint: Endpoint, prompts: Sequence[list[int]], output_len: int, concurrency: int | None,
+    endpoint: Endpoint, prompts: Sequence[list[int]], output_lens: Sequence[int], warmup_output_len: int,
+    concurrency: int | None,
     arrivals: Sequence[float] | None, warmup_prompts: Sequence[list[int]],
     on_complete: Callable[[RequestRecord], None] | None, api: Api, model: str | None, timeouts: Timeouts,
     gc_pause: _CyclicGcPause,
@@ -191,9 +198,10 @@ async def _run_load(
         task.add_done_callback(parsers.discard)
 
     connections = Connections(endpoint, last_read)
-    limits = StreamLimits.for_request(output_len)
-    requests = Requests(connections, endpoint, lambda prompt: orjson.dumps(api.payload(prompt, output_len, model)),
-                        output_len, functools.partial(EventStream, api, limits, on_backlog), timeouts)
+    requests = Requests(
+        connections, endpoint, lambda prompt, output_len: orjson.dumps(api.payload(prompt, output_len, model)),
+        lambda output_len: functools.partial(EventStream, api, StreamLimits.for_request(output_len), on_backlog),
+        timeouts)
 
     async def finish(record: RequestRecord, stream: EventStream | None) -> RequestRecord:
         """Parse the stream, fill in the record and hand it to `on_complete`, each at a turn."""
@@ -211,9 +219,9 @@ async def _run_load(
         return record
 
     try:
-        warm = [(-1 - i, p) for i, p in enumerate(warmup_prompts)]
+        warm = [(-1 - i, p, warmup_output_len) for i, p in enumerate(warmup_prompts)]
         records = await _closed_loop(requests, finish, warm, concurrency or max(len(warm), 1), warmup=True)
-        jobs = list(enumerate(prompts))
+        jobs = [(i, prompt, n) for i, (prompt, n) in enumerate(zip(prompts, output_lens))]
         if arrivals is None:
             records += await _closed_loop(requests, finish, jobs, concurrency, warmup=False)
         else:
@@ -288,18 +296,18 @@ async def _open_loop(
     begin = loop.time()
     tasks: list[asyncio.Task] = []
 
-    async def one(index: int, prompt: list[int]) -> RequestRecord:
+    async def one(index: int, prompt: list[int], output_len: int) -> RequestRecord:
         async with slots:
-            flight = await requests.start(index, prompt, False)
+            flight = await requests.start(index, prompt, output_len, False)
             stream = await requests.end(flight)
         return await finish(flight.record, stream)  # type: ignore[arg-type]
 
     try:
-        for (index, prompt), offset in zip(jobs, arrivals):
+        for job, offset in zip(jobs, arrivals):
             delay = begin + offset - loop.time()
             if delay > 0:
                 await asyncio.sleep(delay)
-            tasks.append(asyncio.create_task(one(index, prompt)))
+            tasks.append(asyncio.create_task(one(*job)))
     except BaseException:
         await _cancel_all(tasks)
         raise

@@ -39,31 +39,31 @@ class Flight:
 class Requests:
     """Sends the load's requests to one endpoint (`body(prompt)` builds a request's JSON) and reads their outcome."""
 
-    def __init__(self, connections: Connections, endpoint: Endpoint, body: Callable[[list[int]], bytes],
-                 output_len: int, new_sink: Callable[[Callable[[], None]], BodySink], timeouts: Timeouts) -> None:
+    def __init__(self, connections: Connections, endpoint: Endpoint, body: Callable[[list[int], int], bytes],
+                 new_sink: Callable[[int], Callable[[Callable[[], None]], BodySink]], timeouts: Timeouts) -> None:
         self._connections = connections
         self._endpoint = endpoint
-        self._body = body
-        self._output_len = output_len
-        self._new_sink = new_sink
+        self._body = body  # (prompt, output tokens) -> the request's JSON
+        self._new_sink = new_sink  # output tokens -> the sink factory of a response that may carry that many
         self._timeouts = timeouts
 
-    def _flight(self, index: int, prompt: list[int], warmup: bool) -> Flight:
+    def _flight(self, index: int, prompt: list[int], output_len: int, warmup: bool) -> Flight:
         # dispatch_s: when the request was begun; moved to its write to the socket once it has a connection
         now = time.perf_counter()
-        record = RequestRecord(index=index, input_len=len(prompt), max_new_tokens=self._output_len,
+        record = RequestRecord(index=index, input_len=len(prompt), max_new_tokens=output_len,
                                dispatch_s=now, warmup=warmup)
         return Flight(record, prompt, now + self._timeouts.request_s)
 
     def _send(self, flight: Flight, connection: Connection) -> Flight:
-        request = self._endpoint.post(self._body(flight.prompt))
-        flight.connection, flight.exchange = connection, Exchange(self._new_sink, ERROR_BODY_BYTES)
+        output_len = flight.record.max_new_tokens
+        request = self._endpoint.post(self._body(flight.prompt, output_len))
+        flight.connection, flight.exchange = connection, Exchange(self._new_sink(output_len), ERROR_BODY_BYTES)
         flight.record.dispatch_s = connection.send(request, flight.exchange)
         return flight
 
-    async def start(self, index: int, prompt: list[int], warmup: bool) -> Flight:
+    async def start(self, index: int, prompt: list[int], output_len: int, warmup: bool) -> Flight:
         """Write the request on an idle connection, or on a new one."""
-        flight = self._flight(index, prompt, warmup)
+        flight = self._flight(index, prompt, output_len, warmup)
         try:
             connection = await self._connections.take(self._timeouts, flight.deadline_s)
         except RequestFailed as exc:
@@ -71,9 +71,9 @@ class Requests:
             return flight
         return self._send(flight, connection)
 
-    def write(self, connection: Connection, index: int, prompt: list[int], warmup: bool) -> Flight:
+    def write(self, connection: Connection, index: int, prompt: list[int], output_len: int, warmup: bool) -> Flight:
         """Write the request on `connection`, free now."""
-        return self._send(self._flight(index, prompt, warmup), connection)
+        return self._send(self._flight(index, prompt, output_len, warmup), connection)
 
     async def end(self, flight: Flight) -> BodySink | None:
         """Wait for the response: the body's sink of a 200 that ended (or that the sink stopped), else None

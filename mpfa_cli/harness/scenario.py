@@ -12,27 +12,35 @@ from typing import Any
 
 from ..errors import UserError, field_names
 from .latency_model import ModelShape
+from .trace import MAX_SPEEDUP, Trace, load_trace
 from ...scenarios import MODEL_DIR, SCENARIO_DIR
 
 
 @dataclass(frozen=True)
 class LoadPoint:
-    """One measured configuration: a context length at one concurrency or arrival rate."""
+    """One measured configuration: a context length at one concurrency or arrival rate, or a trace replayed at its
+    timestamps divided by `speedup` (`input_len` then its longest prompt)."""
 
     input_len: int
     num_requests: int
     concurrency: int | None = None
     rate: float | None = None
     burstiness: float = 1.0
+    trace: Trace | None = None
+    speedup: float = 1.0
 
     @property
     def load(self) -> dict[str, Any]:
+        if self.trace is not None:
+            return {"trace": self.trace.name, "speedup": self.speedup}
         if self.concurrency is not None:
             return {"concurrency": self.concurrency}
         return {"rate": self.rate, "burstiness": self.burstiness}
 
     @property
     def label(self) -> str:
+        if self.trace is not None:
+            return f"trace {self.trace.name} x{self.speedup:g}"
         load = f"c={self.concurrency}" if self.concurrency is not None else f"rate={self.rate}/s"
         return f"{self.input_len // 1024}K {load}" if self.input_len >= 1024 else f"{self.input_len} {load}"
 
@@ -53,11 +61,17 @@ class Scenario:
     rate: list[float] = field(default_factory=list)
     burstiness: float = 1.0
     explicit_points: list[LoadPoint] = field(default_factory=list)
+    trace: Trace | None = None  # replayed instead of input_len x concurrency (or rate): `_with_trace`
+    speedup: float = 1.0
 
     def points(self) -> list[LoadPoint]:
-        """The `[[points]]` the file lists, else every input length at every concurrency (or rate)."""
+        """The `[[points]]` the file lists, else every input length at every concurrency (or rate), else the
+        trace's replay."""
         if self.explicit_points:
             return self.explicit_points
+        if self.trace is not None:
+            return [LoadPoint(input_len=self.input_len[0], num_requests=self.num_requests, trace=self.trace,
+                              speedup=self.speedup)]
         loads = [dict(concurrency=c) for c in self.concurrency] or [
             dict(rate=r, burstiness=self.burstiness) for r in self.rate
         ]
@@ -95,10 +109,18 @@ MAX_SEED = 2**63 - 1
 
 def load_problem(load: Any) -> str | None:
     """Why a load as stored with a run or a baseline entry is not one a scenario makes, if it is not: it must be
-    {"concurrency": c} or {"rate": r[, "burstiness": b]}, within the scenario bounds."""
+    {"concurrency": c}, {"rate": r[, "burstiness": b]} or {"trace": name, "speedup": s}, within the scenario
+    bounds."""
     def number(value: Any) -> bool:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
 
+    if isinstance(load, dict) and load.keys() == {"trace", "speedup"}:
+        name, speedup = load["trace"], load["speedup"]
+        if not (isinstance(name, str) and 0 < len(name) <= 200):
+            return f"load trace {name!r:.40} is not a trace's name"
+        if not (number(speedup) and 0 < speedup <= MAX_SPEEDUP):
+            return f"load speedup {speedup!r:.40} is not a number in (0, {MAX_SPEEDUP:g}]"
+        return None
     if isinstance(load, dict) and load.keys() == {"concurrency"}:
         concurrency = load["concurrency"]
         if isinstance(concurrency, int) and not isinstance(concurrency, bool) and 1 <= concurrency <= MAX_CONCURRENCY:
@@ -111,7 +133,7 @@ def load_problem(load: Any) -> str | None:
         if not (number(burstiness) and 0 < burstiness < math.inf):
             return f"load burstiness {burstiness!r:.40} is not a finite number > 0"
         return None
-    return f"load {load!r:.60} is neither {{concurrency}} nor {{rate, burstiness}}"
+    return f"load {load!r:.60} is neither {{concurrency}}, {{rate, burstiness}} nor {{trace, speedup}}"
 
 
 def available_scenarios() -> list[str]:
@@ -177,6 +199,10 @@ def _parse(raw: dict[str, Any], path: Path) -> Scenario:
         raise UserError(f"{path}: unknown field(s) {field_names(unknown)}; valid: {', '.join(sorted(known))}")
     if "points" in raw:
         return _with_points(raw, path)
+    if "trace" in raw:
+        return _with_trace(raw, path)
+    if "speedup" in raw:
+        raise UserError(f"{path}: speedup applies to a trace replay (a scenario with trace = \"FILE.jsonl\")")
     missing = [f for f in ("model", "input_len", "output_len", "num_requests") if f not in raw]
     if missing:
         raise UserError(f"{path}: missing field(s) {', '.join(missing)}")
@@ -244,6 +270,32 @@ def _with_points(raw: dict[str, Any], path: Path) -> Scenario:
         repeats=raw.get("repeats", 1), seed=raw.get("seed", 0),
         concurrency=sorted({p.concurrency for p in explicit if p.concurrency is not None}),
         rate=sorted({p.rate for p in explicit if p.rate is not None}), explicit_points=explicit,
+    )
+    _validate(scenario, path)
+    return scenario
+
+
+def _with_trace(raw: dict[str, Any], path: Path) -> Scenario:
+    """A scenario that replays a trace (`trace.py`), named by a path relative to the scenario file's folder: its
+    requests, lengths and send times come from the trace, sped up `speedup` times."""
+    clash = sorted({"input_len", "output_len", "num_requests", "concurrency", "rate", "burstiness"} & set(raw))
+    if clash:
+        raise UserError(f"{path}: a trace sets each request's lengths and send time; {', '.join(clash)} do not apply")
+    if "model" not in raw:
+        raise UserError(f"{path}: missing field(s) model")
+    if not isinstance(raw["trace"], str):
+        raise UserError(f"{path}: trace: expected a path to a JSONL file, got {raw['trace']!r:.40}")
+    speedup = raw.get("speedup", 1.0)
+    if not isinstance(speedup, (int, float)) or isinstance(speedup, bool) or not 0 < speedup <= MAX_SPEEDUP:
+        raise UserError(f"{path}: speedup: expected a number in (0, {MAX_SPEEDUP:g}], got {speedup!r:.40}")
+    _check_int_fields(raw, path)
+    trace = load_trace(path.parent / raw["trace"])
+    scenario = Scenario(
+        name=path.stem, description=raw.get("description", ""), model=raw["model"],
+        input_len=[max(r.input_length for r in trace.requests)],
+        output_len=max(r.output_length for r in trace.requests), num_requests=len(trace.requests),
+        warmup_requests=raw.get("warmup_requests", 0), repeats=raw.get("repeats", 1), seed=raw.get("seed", 0),
+        trace=trace, speedup=float(speedup),
     )
     _validate(scenario, path)
     return scenario

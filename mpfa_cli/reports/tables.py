@@ -75,7 +75,10 @@ class Config:
 
 
 def load_label(load: dict[str, Any]) -> str:
-    """'c=8' for a closed loop, 'rate=2.0/s' for an open loop (with burstiness when it is not 1)."""
+    """'c=8' for a closed loop, 'rate=2.0/s' for an open loop (with burstiness when it is not 1), 'trace NAME x2'
+    for a trace replayed twice as fast as recorded."""
+    if "trace" in load:
+        return f"trace {load['trace']} x{load['speedup']:g}"
     if "concurrency" in load:
         return f"c={load['concurrency']}"
     label = f"rate={load['rate']}/s"

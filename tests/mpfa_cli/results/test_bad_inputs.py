@@ -101,7 +101,7 @@ def with_request(run: dict, **fields: Any) -> dict:
     (lambda r: with_request(r, chunk_tokens=[0] * len(r["requests"][1]["chunk_s"])), ["chunk_tokens must each be"]),
     (lambda r: with_request(r, chunk_s=[], chunk_tokens=[], error=None), ["completed without an error but has no"]),
     (lambda r: with_request(r, dispatch_s=None), ["dispatch_s is None"]),
-    (lambda r: {**r, "load": {}}, ["run 3: load {} is neither {concurrency} nor {rate, burstiness}"]),
+    (lambda r: {**r, "load": {}}, ["run 3: load {} is neither {concurrency}, {rate, burstiness} nor {trace, speedup}"]),
     (lambda r: {**r, "load": {"rate": 0}}, ["run 3: load rate 0 is not a number in (0, 1e+06]"]),
     (lambda r: {**r, "a\nb": 1}, ["unknown field(s) 'a\\nb'"]),
 ])
