@@ -30,6 +30,7 @@ from ..errors import UserError
 from ..harness.records import RunRecord
 from ..results.run_owner import status_label
 from ..harness.served_kernels import describe_kernels
+from ..harness.sim_knobs import knobs_label
 from ..results.store import StoredRun, load_key
 
 _SHOWN_STATS = ("mean", "median", "p90", "p99")  # the stats of each distribution `mpfa show` prints
@@ -186,8 +187,10 @@ class CompareRow:
     apart: dict[str, tuple[str, ...]]  # by non-reference backend: what its runs and the reference's do not share
 
 
-# The baselines an inference engineer runs today, strongest first: the default reference of compare and plot.
+# The baselines an inference engineer runs today, strongest first: the default reference of every speed-up (bench,
+# compare, plot), so one backend's ratio reads the same in each.
 REFERENCE_ORDER = ("fa3-fp8", "fa3-bf16", "flashinfer-fp8", "fa4-bf16")
+REFERENCE_RULE = f"the first of {', '.join(REFERENCE_ORDER)} among the runs, else the first by name"
 
 
 def default_reference(runs: Sequence[RunRecord]) -> str:
@@ -196,6 +199,13 @@ def default_reference(runs: Sequence[RunRecord]) -> str:
     if not measured:
         raise UserError("no run among these finished ok: nothing to compare")
     return next((name for name in REFERENCE_ORDER if name in measured), measured[0])
+
+
+def reference_heading(ref_backend: str, runs: Sequence[RunRecord]) -> str:
+    """'Backends vs fa3-fp8 (the reference: the strongest baseline measured; --ref to change)', or '(--ref)'."""
+    chosen = ("the strongest baseline measured; --ref to change"
+              if ref_backend == default_reference(runs) else "given by --ref")
+    return f"Backends vs {ref_backend} ({chosen})"
 
 
 def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
@@ -257,7 +267,7 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
                   metric_names: Sequence[str] | None = None) -> Table:
     """One value column per backend (mean ± 95% CI over repeats) and a speedup column per non-reference one."""
     backends, rows = compare_rows(runs, ref_backend, metric_names)
-    title = f"Backends vs {ref_backend} (mean ± 95% CI over repeats; speedup ×: >1 is better)"
+    title = f"{reference_heading(ref_backend, runs)}: mean ± 95% CI over repeats; speedup ×: >1 is better"
     table = Table(title=_simulated_title(title, runs), title_justify="left")
     for column in ("scenario", "context", "load", "metric"):
         table.add_column(column)
@@ -310,8 +320,8 @@ def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
     backends, rows = compare_rows(runs, ref_backend, metric_names)
     marked = caveated_backends(r for r in runs if r.status == "ok")
     mixed = mixed_workloads(runs)
-    heading = (f"Backends vs {ref_backend}: mean ± 95% CI over repeats; under each value its speed-up (>1 is "
-               "better), coloured only where the CIs do not overlap, else ≈")
+    heading = (f"{reference_heading(ref_backend, runs)}: mean ± 95% CI over repeats; under each value its speed-up "
+               "(>1 is better), coloured only where the CIs do not overlap, else ≈")
     parts: list[RenderableType] = [Text(_simulated_title(heading, runs), style="bold")]
     for config in dict.fromkeys(row.config for row in rows):
         mark = f" {WORKLOAD_MARK}" if config in mixed else ""
@@ -357,7 +367,8 @@ def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
     if fmt in ("json", "csv"):
         return format_records(compare_records(runs, ref_backend, metric_names), fmt)
     backends, rows = compare_rows(runs, ref_backend, metric_names)
-    heading = f"Backends vs {ref_backend}: mean ± 95% CI over repeats (speed-up: >1 is better, ≈ where CIs overlap)"
+    heading = (f"{reference_heading(ref_backend, runs)}: mean ± 95% CI over repeats (speed-up: >1 is better, ≈ where "
+               "CIs overlap)")
     lines = [f"**{_simulated_title(heading, runs)}**"]
     for config in dict.fromkeys(row.config for row in rows):
         lines += ["", f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}", "",
@@ -407,8 +418,18 @@ def _cell(row: CompareRow, backend: str, ref_backend: str) -> Text:
     return Text.assemble(value, "\n", _speedup_text(row, backend, ref_backend))
 
 
+def simulated_label(runs: Iterable[RunRecord]) -> str | None:
+    """'SIMULATED', with the simulator's knobs where they were set ('SIMULATED, slowed 1.2x, noise 3% (seed 0)');
+    None when no run is simulated."""
+    simulated = [r for r in runs if r.simulated]
+    if not simulated:
+        return None
+    knobs = [label for label in dict.fromkeys(knobs_label(r.server_info) for r in simulated) if label]
+    return ", ".join([_SIMULATED, *knobs])
+
+
 def _simulated_title(title: str, runs: Sequence[RunRecord]) -> str:
-    return f"{_SIMULATED} — {title}" if any(r.simulated for r in runs) else title
+    return f"{label} — {title}" if (label := simulated_label(runs)) else title
 
 
 # --- workloads: runs of one configuration that did not serve the same requests -------------------------------------
@@ -572,7 +593,7 @@ def show_run(run: StoredRun) -> RenderableType:
         meta.add_row(key, value)
     parts: list[RenderableType] = []
     if run.simulated:
-        parts.append(Text(f"{_SIMULATED}: every number below comes from the latency model, not a GPU",
+        parts.append(Text(f"{simulated_label([run])}: every number below comes from the latency model, not a GPU",
                           style="bold magenta"))
     parts.append(folding(meta))
     summary, note = _display_summary(run)
