@@ -483,6 +483,15 @@ def folding(table: Table) -> Table:
     return table
 
 
+def whole_words(table: Table) -> Table:
+    """The table with no column narrower than its longest word, so that Rich wraps its cells between words rather
+    than split a name such as 'serving-matrix' over two lines."""
+    for column in table.columns:
+        words = [word for cell in column.cells for word in (cell.plain if isinstance(cell, Text) else str(cell)).split()]
+        column.min_width = max(map(len, words), default=None)
+    return table
+
+
 def add_footnotes(table: Table, lines: Sequence[str]) -> None:
     """Print `lines` under the table, left-aligned (nothing when there are none)."""
     if lines:
@@ -510,29 +519,32 @@ def _status_text(run: RunRecord) -> Text:
     return Text(status_label(run.status, run.environment), style=_STATUS_STYLE.get(run.status, ""))
 
 
-def runs_table(runs: Sequence[StoredRun]) -> Table:
-    """The `mpfa runs` listing: one line per run with its key metrics."""
-    # One line per run at 100 columns: no vertical rules (a listing, not a grid), the engine without its gloss.
+def runs_table(runs: Sequence[StoredRun], more: int = 0) -> Table:
+    """The `mpfa runs` listing: one row per run with its key metrics; `more`: how many older runs are not listed.
+
+    It fits 80 columns without splitting a word: the scenario and its point share a column, as do the backend and
+    its engine, each wrapping at its spaces; repeats count from 1, as the bench's progress does."""
     table = Table(title=_simulated_title("Runs", runs), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1), collapse_padding=True)
-    for column in ("id", "when", "scenario", "backend", "engine", "point", "rep", "status"):
-        table.add_column(column, justify="right" if column in ("id", "rep") else "left")
+    for column in ("id", "when", "scenario point", "backend engine", "rep", "status"):
+        table.add_column(column.replace(" ", "\n"), justify="right" if column in ("id", "rep") else "left")
     listed = registry.shown_in(registry.Report.RUNS)
     for metric in listed:
         table.add_column(registry.column(metric).label.replace(" ", "\n"), justify="right")  # "TTFT / p50 / (ms)"
     for run in runs:
         table.add_row(
-            str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)), run.scenario,
-            backend_label(run.backend, bool(run.caveat)),
-            Text(run.engine, style="magenta" if run.simulated else ""),
-            f"{context_label(run.input_len)} {load_label(run.load)}", str(run.repeat),
-            _status_text(run),
+            str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)),
+            f"{run.scenario} {context_label(run.input_len)} {load_label(run.load)}",
+            Text.assemble(backend_label(run.backend, bool(run.caveat)), " ",
+                          (run.engine, "magenta" if run.simulated else "")),
+            str(run.repeat + 1), _status_text(run),
             *(format_number(run_metric(run, m)) for m in listed),
         )
     simulated = ["simulated runs come from the latency model (engine sim), not from a GPU"] if any(
         r.simulated for r in runs) else []
-    add_footnotes(table, [*simulated, *caveat_notes(runs)])
-    return folding(table)
+    older = [f"{more} older run(s) not listed: --all lists every run"] if more else []
+    add_footnotes(table, [*simulated, *caveat_notes(runs), *older])
+    return whole_words(folding(table))
 
 
 def runs_records(runs: Sequence[StoredRun]) -> list[dict[str, Any]]:
@@ -575,7 +587,7 @@ def show_run(run: StoredRun) -> RenderableType:
         ("backend", backend_label(run.backend, bool(run.caveat))),
         ("engine", engine_label(run)),
         ("load", f"{context_label(run.input_len)} input, {run.output_len} output, {load_label(run.load)}, "
-                 f"{run.num_requests} requests, repeat {run.repeat}, seed {run.seed}"),
+                 f"{run.num_requests} requests, repeat {run.repeat + 1}, seed {run.seed}"),
         ("workload", run.workload_hash),
         ("model", run.model or "—"),
         ("gpu", run.gpu or "—"),
