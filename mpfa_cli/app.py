@@ -16,10 +16,25 @@ app = typer.Typer(
 )
 
 
+def _print_version(asked: bool) -> None:
+    """`mpfa --version`: the installed version, and the git revision of a checkout."""
+    if not asked:
+        return
+    from importlib.metadata import version
+
+    from .harness.environment import git_revision
+
+    revision = git_revision()
+    print(f"mpfa {version('mpfa')}" + (f" (git {revision})" if revision else ""))
+    raise typer.Exit()
+
+
 @app.callback()
 @common.cli_errors
 def main(debug: Annotated[bool, typer.Option("--debug/--no-debug", help="On an error, print the Python traceback "
-                                             "before the one-line message.")] = False) -> None:
+                                             "before the one-line message.")] = False,
+         version: Annotated[bool, typer.Option("--version", is_eager=True, callback=_print_version,
+                                               help="Print the version and exit.")] = False) -> None:
     """The global options; then the modules $MPFA_EXTENSIONS names, which may register backends."""
     common.set_debug(debug)
     load_extensions()

@@ -46,6 +46,7 @@ from ..harness.scenario import LoadPoint, Scenario, is_bundled_model, load_model
 from ..harness.served_kernels import (SGLANG_DEFAULT_KV_CACHE_DTYPES, kernel_server_args, launch_page_size,
                                       served_kernels)
 from ..harness.server_json import fetch_json
+from ..harness.sim_knobs import SimKnobs
 from ..harness.sim_server import prompt_digest
 from ..harness.trace import Trace
 from ..harness.server import STOP_SIGNALS, ServerError, ServerProcess, pick_port, stop_signals_held
@@ -71,6 +72,7 @@ class BenchOptions:
     verbose: bool = False  # progress: a line or bar per step's requests, not only the overall one
     timeouts: client.Timeouts = field(default_factory=client.Timeouts)  # per request: a stalled server fails it
     labelled: bool = False  # --url: the backend names were given as labels, not checked against the server
+    sim_knobs: SimKnobs = field(default_factory=SimKnobs)  # simulator: slowdown and seeded noise (CI rehearsals)
 
     @property
     def modelled_clock(self) -> bool:
@@ -229,7 +231,7 @@ def served(
         return
     port = pick_port(opts.port, highest=65535 if opts.engine == "sim" else SGLANG_HIGHEST_PORT)
     if opts.engine == "sim":
-        launch = sim_launch(spec, port, opts.time_scale, model, opts.server_args_for(spec))
+        launch = sim_launch(spec, port, opts.time_scale, model, [*opts.sim_knobs.args(), *opts.server_args_for(spec)])
     else:
         launch = sglang_launch(spec, port, model, context_len, opts.tp, opts.dp, opts.server_args_for(spec))
     url = f"http://127.0.0.1:{port}"

@@ -10,6 +10,10 @@ from typing import Annotated, Callable, NoReturn, Optional
 import typer
 from rich.console import Console
 from rich.markup import escape
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+from typer import rich_utils
 from typer.core import TyperOption
 from typer.exceptions import TyperException
 
@@ -19,7 +23,9 @@ from ..results.store import ResultStore
 console = Console()
 err_console = Console(stderr=True)
 
-DbOption = Annotated[Optional[Path], typer.Option("--db", help="Results database, in a folder that exists (default: $MPFA_DB, else ~/.local/share/mpfa/results.db, whose folder is created).")]
+DB_HELP = ("Results database, in a folder that exists (default: $MPFA_DB, else ~/.local/share/mpfa/results.db, whose "
+           "folder is created).")
+DbOption = Annotated[Optional[Path], typer.Option("--db", metavar="FILE", help=DB_HELP)]
 # The options of the commands that start servers (`bench`, `logits`, `accuracy serve`).
 EngineOption = Annotated[str, typer.Option(help="auto (sglang with a GPU, else sim), sim, sglang.")]
 PortOption = Annotated[Optional[int], typer.Option(help="Preferred server port (another is picked if it is in use).")]
@@ -35,16 +41,51 @@ PrefillKernelOption = Annotated[Optional[str], typer.Option("--prefill-kernel", 
 
 # Typer releases without Rich type display (the GPU host's pinned stack has one) keep their own help.
 _typer_display_type = getattr(TyperOption, "display_type_rich", None)
+# Typer's placeholders for an option without a metavar, as words ("<list[str]>" reads as Python, not as a value).
+_PLACEHOLDERS = {"<str>": "TEXT", "<int>": "INTEGER", "<float>": "NUMBER", "<path>": "PATH", "<list[str]>": "TEXT",
+                 "<list[int]>": "INTEGER", "<list[path]>": "PATH"}
 
 
 def _flag_display_type(option: TyperOption, ctx: typer.Context) -> str | None:
     """A flag takes no value, so its help shows no type: `--wide/--narrow`, not `--wide --narrow <bool>` (Typer's
-    Rich help prints every option's type, flags' included)."""
-    return None if option.is_flag else _typer_display_type(option, ctx)
+    Rich help prints every option's type, flags' included); other types read as words (`_PLACEHOLDERS`)."""
+    if option.is_flag:
+        return None
+    shown = _typer_display_type(option, ctx)
+    return _PLACEHOLDERS.get(str(shown).lower(), shown)
+
+
+NAMES_WIDTH = 22  # an option's names wrap at this width (`--allow-missing /` over `--no-allow-missing`)
+
+
+def _options_panel(*, name: str, params: list, ctx: typer.Context, markup_mode: str, console: Console) -> None:
+    """Typer's options panel in three columns: an option's names (its short form and negation wrap under it), the
+    placeholder of its value, its help. Typer's own gives the short form and the negation columns of their own,
+    which at 80 columns leave the help ~25 and cut long option names, words and defaults short with '…'."""
+    if not params:
+        return
+    table = Table(highlight=True, show_header=False, expand=True, box=None, padding=(0, 1))
+    table.add_column(overflow="fold", max_width=NAMES_WIDTH)  # the names: never cut, folded
+    table.add_column(overflow="fold", style=rich_utils.STYLE_TYPES)
+    table.add_column(ratio=1, overflow="fold")
+    for param in params:
+        names = ", ".join(param.opts) if isinstance(param, TyperOption) else param.display_name_raw
+        if getattr(param, "secondary_opts", None):
+            names += " / " + ", ".join(param.secondary_opts)
+        if param.required:
+            names = f"{rich_utils.REQUIRED_SHORT_STRING} {names}"
+        help_parts = rich_utils._get_parameter_help(param=param, ctx=ctx, markup_mode=markup_mode)
+        for part in help_parts.renderables:  # a word longer than the column (a path) folds instead of being cut
+            if isinstance(part, Text):
+                part.overflow = "fold"
+        table.add_row(rich_utils.highlighter(names), param.display_type_rich(ctx=ctx) or "", help_parts)
+    console.print(Panel(table, border_style=rich_utils.STYLE_OPTIONS_PANEL_BORDER, title=name,
+                        title_align=rich_utils.ALIGN_OPTIONS_PANEL))
 
 
 if _typer_display_type is not None:
     TyperOption.display_type_rich = _flag_display_type
+    rich_utils._print_options_panel = _options_panel
 
 
 def cli_errors(fn: Callable) -> Callable:

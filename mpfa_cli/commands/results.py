@@ -17,23 +17,29 @@ from .selection import (AccuracyFlag, BackendFilter, FormatOption, RefOption, Ru
 from ..errors import UserError
 
 
+RUNS_LISTED = 20  # `mpfa runs` lists the newest 20 unless --all or --limit
 FromExports = Annotated[Optional[list[Path]], typer.Option("--from", help="Take the runs from these JSON exports (repeat the flag) instead of the database.")]
 
 
 @cli_errors
 def runs(
     scenario: ScenarioFilter = None, backend: BackendFilter = None,
-    limit: Annotated[int, typer.Option(help="Newest N runs.")] = 50, output_format: FormatOption = "table",
-    db: DbOption = None,
+    limit: Annotated[int, typer.Option(metavar="N", help="Newest N runs.")] = RUNS_LISTED,
+    every_run: Annotated[bool, typer.Option("--all/--newest", help="Every run, not only the newest --limit.")] = False,
+    output_format: FormatOption = "table", db: DbOption = None,
 ) -> None:
-    """List stored runs, newest first."""
+    """List stored runs, newest first (repeats count from 1)."""
     from ..reports.tables import check_format, format_records, runs_records, runs_table
 
     check_format(output_format)
+    if limit < 1:
+        raise UserError("--limit: expected a number of runs >= 1")
     with open_store(db) as store:
-        listed = store.list_runs(scenario=scenario, backend=backend, limit=limit)
+        listed = store.list_runs(scenario=scenario, backend=backend, limit=None if every_run else limit + 1)
+        more = 0 if len(listed) <= limit or every_run else len(store.list_runs(scenario=scenario, backend=backend)) - limit
+    listed = listed if every_run else listed[:limit]
     if output_format == "table":
-        console.print(runs_table(listed))
+        console.print(runs_table(listed, more))
     else:
         print(format_records(runs_records(listed), output_format), end="")
 

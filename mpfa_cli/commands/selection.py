@@ -9,7 +9,8 @@ import typer
 
 from .common import open_store
 from ..errors import UserError
-from ..reports.tables import REFERENCE_ORDER, time_scale
+from ..harness.sim_knobs import knobs_label
+from ..reports.tables import REFERENCE_RULE, time_scale
 from ..results.store import ResultStore, StoredProfile, StoredRun
 
 
@@ -27,7 +28,8 @@ ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only 
 BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
 FormatOption = Annotated[str, typer.Option("--format", help="table, json, csv or md (Markdown).")]
 WideFlag = Annotated[bool, typer.Option("--wide/--narrow", help="One flat table of every point (needs ~140+ columns) instead of one table per point.")]
-RefOption = Annotated[Optional[str], typer.Option("--ref", help=f"Reference backend (default: the first of {', '.join(REFERENCE_ORDER)} among the runs).")]
+REFERENCE_HELP = f"Reference backend of the speed-ups (default, as in bench, compare and plot: {REFERENCE_RULE})."
+RefOption = Annotated[Optional[str], typer.Option("--ref", metavar="BACKEND", help=REFERENCE_HELP)]
 AccuracyFlag = Annotated[bool, typer.Option("--accuracy/--no-accuracy", help="The ids are stored `mpfa accuracy task` results (default: the newest), not runs.")]
 
 
@@ -61,12 +63,14 @@ SETUP: dict[str, Callable[[StoredRun], Any]] = {
     "GPU": lambda run: run.gpu or "unknown",
     "model": lambda run: run.model or "unknown",
     "time scale": lambda run: time_scale(run) or "real time",
+    "simulator knobs": lambda run: knobs_label(run.server_info) or "none",
 }
 
 
 def compared_runs(store: ResultStore, run_ids: list[int] | None, scenario: str | None) -> list[StoredRun]:
     """`compare`/`plot`: the runs named, else the newest of each configuration of `scenario` (default: the scenario
-    of the newest run that finished ok). Runs of different engines, GPUs, models or time scales are refused."""
+    of the newest run that finished ok). Runs of different engines, GPUs, models, time scales or simulator knobs are
+    refused."""
     if not run_ids and scenario is None and (newest := store.list_runs(status="ok", limit=1)):
         scenario = newest[0].scenario
     runs = selected_runs(store, run_ids, scenario, None)

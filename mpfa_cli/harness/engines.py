@@ -83,7 +83,22 @@ class ServerLaunch:
     env: dict[str, str]
 
 
+# serve-sim flags the launch itself sets: given again as a server argument they would change nothing measured (the
+# metrics are in modelled time at any time scale), so they are refused with what to use instead.
+SIM_LAUNCH_FLAGS = {"--time-scale": "--time-scale paces the simulator; its metrics are in modelled time at any pace "
+                                    "(for a slower backend: --sim-slowdown 1.2; for noisy repeats: --sim-noise 3%)"}
+
+
+def refuse_sim_launch_flags(extra_args: list[str]) -> None:
+    """A UserError for an extra simulator argument of `SIM_LAUNCH_FLAGS`."""
+    for arg in extra_args:
+        if (flag := arg.split("=", 1)[0]) in SIM_LAUNCH_FLAGS:
+            raise UserError(f"--server-arg {arg}: {SIM_LAUNCH_FLAGS[flag]}")
+
+
 def sim_launch(spec: BackendSpec, port: int, time_scale: float, model: str, extra_args: list[str]) -> ServerLaunch:
+    """`mpfa serve-sim` for `spec`; an extra argument of `SIM_LAUNCH_FLAGS` is a UserError."""
+    refuse_sim_launch_flags(extra_args)
     return ServerLaunch(
         command=[
             sys.executable, "-m", "mpfa.mpfa_cli", "serve-sim", "--host", "127.0.0.1", "--port", str(port),

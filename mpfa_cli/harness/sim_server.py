@@ -22,7 +22,8 @@ are SIMULATED, meaningless as accuracy).
 
 Two endpoints of its own let `mpfa bench` run it faster than modelled with unchanged numbers: `POST /sim_load`
 takes a `LoadHint` (how the next requests arrive), and `GET /sim_clock/{prompt digest}` answers a finished
-request's arrival and token times on the latency model's clock (see `BatchScheduler`).
+request's arrival and token times on the latency model's clock (see `BatchScheduler`). For CI rehearsals its step
+times can be slowed and made noisy, seeded (`sim_knobs`); the server info reports both.
 """
 from __future__ import annotations
 
@@ -46,6 +47,7 @@ from .client_apis import chat_text
 from .latency_model import LatencyModel, ModelShape
 from .scenario import load_model_shape
 from .served_kernels import launch_page_size, served_kernels
+from .sim_knobs import SimKnobs, StepFactors, knobs_label
 from .serving_workload import hashed_token_ids
 
 MAX_RUNNING_REQUESTS = 1024
@@ -138,8 +140,10 @@ class BatchScheduler:
     does: whatever has arrived joins the next step.
     """
 
-    def __init__(self, latency: LatencyModel, time_scale: float, max_running: int = MAX_RUNNING_REQUESTS) -> None:
+    def __init__(self, latency: LatencyModel, time_scale: float, max_running: int = MAX_RUNNING_REQUESTS,
+                 factors: StepFactors | None = None) -> None:
         self.latency = latency
+        self.factors = factors  # the CI-rehearsal knobs (`sim_knobs`): every step time is multiplied by its factor
         self.time_scale = time_scale
         self.max_running = max_running
         self.kv_capacity = latency.kv_capacity_tokens
@@ -172,6 +176,8 @@ class BatchScheduler:
         self.hint, self._owed, self._phase_start, self._arrived_count = hint, 0, None, 0
         if hint is not None:
             self.clock = 0.0
+            if self.factors is not None:
+                self.factors.next_phase()
 
     def submit(self, request: SimRequest) -> None:
         self.check_fits(request.input_len, len(request.output_ids))
@@ -254,6 +260,8 @@ class BatchScheduler:
                 seconds = self.latency.decode_step_seconds([r.input_len + r.emitted for r in self.running])
             else:  # only aborted requests were waiting
                 continue
+            if self.factors is not None:
+                seconds *= self.factors.factor
             self.clock += seconds
             now = loop.time()
             deadline = (deadline if now - deadline < LATE_TOLERANCE_S else now) + seconds * self.time_scale
@@ -371,7 +379,7 @@ class SimServer:
     def __init__(
         self, backend: str, model: ModelShape, *, time_scale: float, startup_delay: float,
         die_after_requests: int | None, incremental_streaming_output: bool, trace_chunks: bool,
-        prefill_kernel: str | None = None,
+        prefill_kernel: str | None = None, knobs: SimKnobs = SimKnobs(),
     ) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -384,6 +392,7 @@ class SimServer:
         self.kernels = served_kernels(spec, model.q_heads, model.kv_heads, launch_page_size(spec), prefill_kernel,
                                       source="simulated")
         self.time_scale = time_scale
+        self.knobs = knobs
         self.startup_delay = startup_delay
         self.die_after_requests = die_after_requests
         self.incremental = incremental_streaming_output
@@ -397,7 +406,7 @@ class SimServer:
     # --- lifecycle -------------------------------------------------------------------------------------------
 
     async def scheduler_context(self, app: web.Application) -> AsyncIterator[None]:
-        self.scheduler = BatchScheduler(self.latency, self.time_scale)
+        self.scheduler = BatchScheduler(self.latency, self.time_scale, factors=self.knobs.phases(self.spec.name))
         self.ready_at = time.monotonic() + self.startup_delay
         task = asyncio.create_task(self.scheduler.run())
         task.add_done_callback(_exit_if_crashed)
@@ -430,6 +439,7 @@ class SimServer:
             "skip_tokenizer_init": True,
             "incremental_streaming_output": self.incremental,
             "time_scale": self.time_scale,
+            **self.knobs.server_info(),
             "version": "mpfa-sim",
         })
 
@@ -709,6 +719,7 @@ def build_app(
     backend: str, *, model: str | ModelShape = "llama-3.1-8b", time_scale: float = 1.0,
     startup_delay: float = 0.0, die_after_requests: int | None = None,
     incremental_streaming_output: bool = False, trace_chunks: bool = False, prefill_kernel: str | None = None,
+    knobs: SimKnobs = SimKnobs(),
 ) -> web.Application:
     """The simulator as an aiohttp application (the scheduler starts with the app). ``prefill_kernel``: the MpFA
     prefill kernel it says it simulates (`served_kernels`; the latency model does not depend on it)."""
@@ -716,7 +727,7 @@ def build_app(
     sim = SimServer(
         backend, shape, time_scale=time_scale, startup_delay=startup_delay, die_after_requests=die_after_requests,
         incremental_streaming_output=incremental_streaming_output, trace_chunks=trace_chunks,
-        prefill_kernel=prefill_kernel,
+        prefill_kernel=prefill_kernel, knobs=knobs,
     )
     app = web.Application(client_max_size=256 * 1024**2)  # 128K-token prompts as JSON are a few MB
     app.cleanup_ctx.append(sim.scheduler_context)
@@ -741,15 +752,16 @@ def run_sim_server(
     host: str, port: int, backend: str, *, model: str | ModelShape = "llama-3.1-8b", time_scale: float = 1.0,
     startup_delay: float = 0.0, die_after_requests: int | None = None,
     incremental_streaming_output: bool = False, trace_chunks: bool = False, prefill_kernel: str | None = None,
+    knobs: SimKnobs = SimKnobs(),
 ) -> None:
     """Serve until SIGINT/SIGTERM (blocking)."""
     app = build_app(
         backend, model=model, time_scale=time_scale, startup_delay=startup_delay,
         die_after_requests=die_after_requests, incremental_streaming_output=incremental_streaming_output,
-        trace_chunks=trace_chunks, prefill_kernel=prefill_kernel,
+        trace_chunks=trace_chunks, prefill_kernel=prefill_kernel, knobs=knobs,
     )
     name = model.name if isinstance(model, ModelShape) else model
     print(f"mpfa serve-sim: SIMULATED '{backend}' serving {name} on http://{host}:{port} "
-          f"(time scale {time_scale})", flush=True)
+          f"(time scale {time_scale}{', ' + label if (label := knobs_label(knobs.server_info())) else ''})", flush=True)
     web.run_app(app, host=host, port=port, print=None, access_log=None, shutdown_timeout=1.0,
                 loop=new_event_loop())

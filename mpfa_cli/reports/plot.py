@@ -25,7 +25,7 @@ from matplotlib.figure import Figure  # noqa: E402
 from ..errors import UserError  # noqa: E402
 from ..harness.safe_files import replace_private  # noqa: E402
 from .tables import (CompareRow, Config, backend_label, caveat_notes, caveated_backends, compare_rows, context_label,
-                     engine_label, mixed_workloads, workload_notes)
+                     engine_label, mixed_workloads, simulated_label, workload_notes)
 from ..results.store import StoredRun  # noqa: E402
 
 PANELS = (
@@ -147,7 +147,7 @@ def _title(runs: Sequence[StoredRun], ref_backend: str) -> str:
         days[0] if len(days) == 1 else f"{days[0]} – {days[-1]}",
     ])
     title = f"{scenario}: serving throughput and speed-up vs {ref_backend}\n{setup}"
-    return f"SIMULATED (latency model, no GPU) — {title}" if any(r.simulated for r in runs) else title
+    return f"{label} (latency model, no GPU) — {title}" if (label := simulated_label(runs)) else title
 
 
 def save_figure(fig: Figure, paths: Sequence[Path]) -> list[Path]:

@@ -30,6 +30,7 @@ from ..errors import UserError
 from ..harness.records import RunRecord
 from ..results.run_owner import status_label
 from ..harness.served_kernels import describe_kernels
+from ..harness.sim_knobs import knobs_label
 from ..results.store import StoredRun, load_key
 
 _SHOWN_STATS = ("mean", "median", "p90", "p99")  # the stats of each distribution `mpfa show` prints
@@ -189,8 +190,10 @@ class CompareRow:
     apart: dict[str, tuple[str, ...]]  # by non-reference backend: what its runs and the reference's do not share
 
 
-# The baselines an inference engineer runs today, strongest first: the default reference of compare and plot.
+# The baselines an inference engineer runs today, strongest first: the default reference of every speed-up (bench,
+# compare, plot), so one backend's ratio reads the same in each.
 REFERENCE_ORDER = ("fa3-fp8", "fa3-bf16", "flashinfer-fp8", "fa4-bf16")
+REFERENCE_RULE = f"the first of {', '.join(REFERENCE_ORDER)} among the runs, else the first by name"
 
 
 def default_reference(runs: Sequence[RunRecord]) -> str:
@@ -199,6 +202,13 @@ def default_reference(runs: Sequence[RunRecord]) -> str:
     if not measured:
         raise UserError("no run among these finished ok: nothing to compare")
     return next((name for name in REFERENCE_ORDER if name in measured), measured[0])
+
+
+def reference_heading(ref_backend: str, runs: Sequence[RunRecord]) -> str:
+    """'Backends vs fa3-fp8 (the reference: the strongest baseline measured; --ref to change)', or '(--ref)'."""
+    chosen = ("the strongest baseline measured; --ref to change"
+              if ref_backend == default_reference(runs) else "given by --ref")
+    return f"Backends vs {ref_backend} ({chosen})"
 
 
 def compare_rows(runs: Sequence[StoredRun], ref_backend: str,
@@ -260,7 +270,7 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
                   metric_names: Sequence[str] | None = None) -> Table:
     """One value column per backend (mean ± 95% CI over repeats) and a speedup column per non-reference one."""
     backends, rows = compare_rows(runs, ref_backend, metric_names)
-    title = f"Backends vs {ref_backend} (mean ± 95% CI over repeats; speedup ×: >1 is better)"
+    title = f"{reference_heading(ref_backend, runs)}: mean ± 95% CI over repeats; speedup ×: >1 is better"
     table = Table(title=simulated_title(title, runs), title_justify="left")
     for column in ("scenario", "context", "load", "metric"):
         table.add_column(column)
@@ -313,8 +323,8 @@ def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
     backends, rows = compare_rows(runs, ref_backend, metric_names)
     marked = caveated_backends(r for r in runs if r.status == "ok")
     mixed = mixed_workloads(runs)
-    heading = (f"Backends vs {ref_backend}: mean ± 95% CI over repeats; under each value its speed-up (>1 is "
-               "better), coloured only where the CIs do not overlap, else ≈")
+    heading = (f"{reference_heading(ref_backend, runs)}: mean ± 95% CI over repeats; under each value its speed-up "
+               "(>1 is better), coloured only where the CIs do not overlap, else ≈")
     parts: list[RenderableType] = [Text(simulated_title(heading, runs), style="bold")]
     for config in dict.fromkeys(row.config for row in rows):
         mark = f" {WORKLOAD_MARK}" if config in mixed else ""
@@ -361,7 +371,8 @@ def format_compare(runs: Sequence[StoredRun], ref_backend: str, fmt: str,
     if fmt in ("json", "csv"):
         return format_records(compare_records(runs, ref_backend, metric_names), fmt)
     backends, rows = compare_rows(runs, ref_backend, metric_names)
-    heading = f"Backends vs {ref_backend}: mean ± 95% CI over repeats (speed-up: >1 is better, ≈ where CIs overlap)"
+    heading = (f"{reference_heading(ref_backend, runs)}: mean ± 95% CI over repeats (speed-up: >1 is better, ≈ where "
+               "CIs overlap)")
     lines = [f"**{simulated_title(heading, runs)}**"]
     for config in dict.fromkeys(row.config for row in rows):
         lines += ["", f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}", "",
@@ -411,8 +422,18 @@ def _cell(row: CompareRow, backend: str, ref_backend: str) -> Text:
     return Text.assemble(value, "\n", speedup_text(row, backend, ref_backend))
 
 
+def simulated_label(runs: Iterable[RunRecord]) -> str | None:
+    """'SIMULATED', with the simulator's knobs where they were set ('SIMULATED, slowed 1.2x, noise 3% (seed 0)');
+    None when no run is simulated."""
+    simulated = [r for r in runs if r.simulated]
+    if not simulated:
+        return None
+    knobs = [label for label in dict.fromkeys(knobs_label(r.server_info) for r in simulated) if label]
+    return ", ".join([_SIMULATED, *knobs])
+
+
 def simulated_title(title: str, runs: Sequence[RunRecord]) -> str:
-    return f"{_SIMULATED} — {title}" if any(r.simulated for r in runs) else title
+    return f"{label} — {title}" if (label := simulated_label(runs)) else title
 
 
 # --- workloads: runs of one configuration that did not serve the same requests -------------------------------------
@@ -466,6 +487,15 @@ def folding(table: Table) -> Table:
     return table
 
 
+def whole_words(table: Table) -> Table:
+    """The table with no column narrower than its longest word, so that Rich wraps its cells between words rather
+    than split a name such as 'serving-matrix' over two lines."""
+    for column in table.columns:
+        words = [word for cell in column.cells for word in (cell.plain if isinstance(cell, Text) else str(cell)).split()]
+        column.min_width = max(map(len, words), default=None)
+    return table
+
+
 def add_footnotes(table: Table, lines: Sequence[str]) -> None:
     """Print `lines` under the table, left-aligned (nothing when there are none)."""
     if lines:
@@ -493,29 +523,32 @@ def _status_text(run: RunRecord) -> Text:
     return Text(status_label(run.status, run.environment), style=_STATUS_STYLE.get(run.status, ""))
 
 
-def runs_table(runs: Sequence[StoredRun]) -> Table:
-    """The `mpfa runs` listing: one line per run with its key metrics."""
-    # One line per run at 100 columns: no vertical rules (a listing, not a grid), the engine without its gloss.
+def runs_table(runs: Sequence[StoredRun], more: int = 0) -> Table:
+    """The `mpfa runs` listing: one row per run with its key metrics; `more`: how many older runs are not listed.
+
+    It fits 80 columns without splitting a word: the scenario and its point share a column, as do the backend and
+    its engine, each wrapping at its spaces; repeats count from 1, as the bench's progress does."""
     table = Table(title=simulated_title("Runs", runs), title_justify="left", box=box.SIMPLE_HEAD, pad_edge=False,
                   padding=(0, 1), collapse_padding=True)
-    for column in ("id", "when", "scenario", "backend", "engine", "point", "rep", "status"):
-        table.add_column(column, justify="right" if column in ("id", "rep") else "left")
+    for column in ("id", "when", "scenario point", "backend engine", "rep", "status"):
+        table.add_column(column.replace(" ", "\n"), justify="right" if column in ("id", "rep") else "left")
     listed = registry.shown_in(registry.Report.RUNS)
     for metric in listed:
         table.add_column(registry.column(metric).label.replace(" ", "\n"), justify="right")  # "TTFT / p50 / (ms)"
     for run in runs:
         table.add_row(
-            str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)), run.scenario,
-            backend_label(run.backend, bool(run.caveat)),
-            Text(run.engine, style="magenta" if run.simulated else ""),
-            f"{context_label(run.input_len)} {load_label(run.load)}", str(run.repeat),
-            _status_text(run),
+            str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)),
+            f"{run.scenario} {context_label(run.input_len)} {load_label(run.load)}",
+            Text.assemble(backend_label(run.backend, bool(run.caveat)), " ",
+                          (run.engine, "magenta" if run.simulated else "")),
+            str(run.repeat + 1), _status_text(run),
             *(format_number(run_metric(run, m)) for m in listed),
         )
     simulated = ["simulated runs come from the latency model (engine sim), not from a GPU"] if any(
         r.simulated for r in runs) else []
-    add_footnotes(table, [*simulated, *caveat_notes(runs)])
-    return folding(table)
+    older = [f"{more} older run(s) not listed: --all lists every run"] if more else []
+    add_footnotes(table, [*simulated, *caveat_notes(runs), *older])
+    return whole_words(folding(table))
 
 
 def runs_records(runs: Sequence[StoredRun]) -> list[dict[str, Any]]:
@@ -558,7 +591,7 @@ def show_run(run: StoredRun) -> RenderableType:
         ("backend", backend_label(run.backend, bool(run.caveat))),
         ("engine", engine_label(run)),
         ("load", f"{context_label(run.input_len)} input, {run.output_len} output, {load_label(run.load)}, "
-                 f"{run.num_requests} requests, repeat {run.repeat}, seed {run.seed}"),
+                 f"{run.num_requests} requests, repeat {run.repeat + 1}, seed {run.seed}"),
         ("workload", run.workload_hash),
         ("model", run.model or "—"),
         ("gpu", run.gpu or "—"),
@@ -576,7 +609,7 @@ def show_run(run: StoredRun) -> RenderableType:
         meta.add_row(key, value)
     parts: list[RenderableType] = []
     if run.simulated:
-        parts.append(Text(f"{_SIMULATED}: every number below comes from the latency model, not a GPU",
+        parts.append(Text(f"{simulated_label([run])}: every number below comes from the latency model, not a GPU",
                           style="bold magenta"))
     parts.append(folding(meta))
     summary, note = _display_summary(run)

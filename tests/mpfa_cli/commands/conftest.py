@@ -28,6 +28,11 @@ class Mpfa:
     def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(*args), capture_output=True, text=True, timeout=timeout, env=self.env())
 
+    def run_at(self, columns: int, *args: str) -> subprocess.CompletedProcess:
+        """`mpfa ARGS` in a terminal `columns` wide."""
+        return subprocess.run(self.command(*args), capture_output=True, text=True, timeout=120,
+                              env={**self.env(), "COLUMNS": str(columns)})
+
     def popen(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen(self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                                 env=self.env())
