@@ -166,6 +166,7 @@ def serve_sim(
     prefill_kernel: Annotated[Optional[str], typer.Option("--mpfa-prefill-kernel", help="The MpFA prefill kernel it says it simulates, as the SGLang plugin's flag (fp8, exact, mma-sync).")] = None,
     startup_delay: Annotated[float, typer.Option(help="Seconds /health_generate answers 503 (tests readiness).")] = 0.0,
     die_after_requests: Annotated[Optional[int], typer.Option(help="Exit abruptly after this many completed requests (fault tests).")] = None,
+    disable_radix_cache: Annotated[bool, typer.Option("--disable-radix-cache", help="Model no prefix cache, as SGLang's flag (`mpfa bench` gives it unless the workload shares prefixes).")] = False,
 ) -> None:
     """Serve SGLang's HTTP API on a deterministic latency model (every number it produces is simulated)."""
     from ..harness.engines import serving_backend
@@ -179,4 +180,5 @@ def serve_sim(
         raise UserError(f"port {port} on {host} is already in use")
     serving_backend(backend)
     run_sim_server(host, port, backend, model=model, time_scale=time_scale, prefill_kernel=prefill_kernel,
-                   startup_delay=startup_delay, die_after_requests=die_after_requests)
+                   startup_delay=startup_delay, die_after_requests=die_after_requests,
+                   radix_cache=not disable_radix_cache)
