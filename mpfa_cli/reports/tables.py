@@ -28,6 +28,7 @@ from ..results.metrics.repeats import mean_ci95
 from ..results.metrics.summary import summarize
 from ..errors import UserError
 from ..harness.records import RunRecord
+from ..results.prefix_hits import hits_notes
 from ..results.run_owner import status_label
 from ..harness.served_kernels import describe_kernels
 from ..results.store import StoredRun, load_key
@@ -331,7 +332,8 @@ def _compare_notes(runs: Sequence[StoredRun], rows: Sequence[CompareRow],
                    mixed: dict[Config, dict[str, set[str]]]) -> list[str]:
     left_out = sum(r.status != "ok" for r in runs)
     notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
-    return [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed), *apart_notes(rows)]
+    return [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed), *apart_notes(rows),
+            *hits_notes(list(runs))]
 
 
 def compare_records(runs: Sequence[StoredRun], ref_backend: str,
@@ -580,7 +582,7 @@ def show_run(run: StoredRun) -> RenderableType:
         parts.extend(_summary_tables(summary))
     if note:
         parts.append(Text(note, style="yellow"))
-    parts.extend(Text(line, style="yellow") for line in caveat_notes([run]))
+    parts.extend(Text(line, style="yellow") for line in [*caveat_notes([run]), *hits_notes([run])])
     return Group(*parts)
 
 
