@@ -166,7 +166,7 @@ def serve_sim(
     prefill_kernel: Annotated[Optional[str], typer.Option("--mpfa-prefill-kernel", help="The MpFA prefill kernel it says it simulates, as the SGLang plugin's flag (fp8, exact, mma-sync).")] = None,
     startup_delay: Annotated[float, typer.Option(help="Seconds /health_generate answers 503 (tests readiness).")] = 0.0,
     die_after_requests: Annotated[Optional[int], typer.Option(help="Exit abruptly after this many completed requests (fault tests).")] = None,
-    disable_radix_cache: Annotated[bool, typer.Option("--disable-radix-cache", help="Model no prefix cache, as SGLang's flag (`mpfa bench` gives it unless the workload shares prefixes).")] = False,
+    disable_radix_cache: Annotated[bool, typer.Option("--disable-radix-cache/--radix-cache", help="Model no prefix cache, as SGLang's flag (`mpfa bench` gives it unless the workload shares prefixes); the cache is on by default, as SGLang's.")] = False,
 ) -> None:
     """Serve SGLang's HTTP API on a deterministic latency model (every number it produces is simulated)."""
     from ..harness.engines import serving_backend
