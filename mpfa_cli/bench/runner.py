@@ -18,6 +18,7 @@ server in modelled seconds. The stored numbers are the same at any speed-up.
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import signal
@@ -32,9 +33,10 @@ from rich.console import Console
 from rich.text import Text
 
 from ...backends.specs import BackendSpec
-from ..harness import client, serving_workload
+from ..harness import client, conversations, serving_workload
 from ..results.metrics.summary import summarize
-from ..harness.engines import READY_TIMEOUT_S, SGLANG_HIGHEST_PORT, gpu_label, model_name, sglang_launch, sim_launch
+from ..harness.engines import (READY_TIMEOUT_S, SGLANG_HIGHEST_PORT, gpu_label, model_name, radix_cache_args,
+                               sglang_launch, sim_launch)
 from ..harness.environment import collect_environment
 from ..errors import UserError
 from ..harness.latency_model import LatencyModel, point_seconds
@@ -42,6 +44,7 @@ from .progress import BenchProgress, ServerBar
 from ..harness.records import RequestRecord, RunRecord
 from ..reports.tables import CAVEAT_MARK
 from ..harness.redaction import redact_args, redact_info
+from ..harness.prefix_workloads import MultiTurn
 from ..harness.scenario import LoadPoint, Scenario, is_bundled_model, load_model_shape, without_bundled_model_paths
 from ..harness.served_kernels import (SGLANG_DEFAULT_KV_CACHE_DTYPES, kernel_server_args, launch_page_size,
                                       served_kernels)
@@ -216,11 +219,13 @@ def verify_weights(info: dict[str, Any], model: str) -> None:
 
 @contextmanager
 def served(
-    spec: BackendSpec, model: str, context_len: int, opts: BenchOptions, progress: BenchProgress | ServerBar
+    spec: BackendSpec, model: str, context_len: int, opts: BenchOptions, progress: BenchProgress | ServerBar,
+    radix_cache: bool = False,
 ) -> Iterator[tuple[str, dict[str, Any], ServerProcess | None]]:
     """A ready server for `spec` (launched, or the one at --url): yields its URL, server info and process. A
-    server whose `/get_server_info` contradicts the backend or the model is refused; a --url server must report
-    its backend, unless that was given as a label."""
+    launched server has its prefix (radix) cache on only with `radix_cache`. A server whose `/get_server_info`
+    contradicts the backend or the model is refused; a --url server must report its backend, unless that was
+    given as a label."""
     if opts.engine == "url":
         url = opts.url.rstrip("/")
         info = fetch_json(f"{url}/get_server_info")
@@ -231,9 +236,11 @@ def served(
         return
     port = pick_port(opts.port, highest=65535 if opts.engine == "sim" else SGLANG_HIGHEST_PORT)
     if opts.engine == "sim":
-        launch = sim_launch(spec, port, opts.time_scale, model, [*opts.sim_knobs.args(), *opts.server_args_for(spec)])
+        launch = sim_launch(spec, port, opts.time_scale, model, [*opts.sim_knobs.args(), *opts.server_args_for(spec)],
+                            radix_cache)
     else:
-        launch = sglang_launch(spec, port, model, context_len, opts.tp, opts.dp, opts.server_args_for(spec))
+        launch = sglang_launch(spec, port, model, context_len, opts.tp, opts.dp, opts.server_args_for(spec),
+                               radix_cache)
     url = f"http://127.0.0.1:{port}"
     log = opts.run_dir / f"server-{spec.name}-{int(time.time())}.log"
     with ServerProcess(launch.command, log, url, launch.env) as server:
@@ -313,7 +320,7 @@ def _run_backend(
     environment: dict[str, Any], gpu: str, context_len: int,
 ) -> None:
     """One backend's server and every step of the plan on it."""
-    with served(spec, scenario.model, context_len, opts, progress) as (url, info, server):
+    with served(spec, scenario.model, context_len, opts, progress, scenario.shares_prefixes) as (url, info, server):
         simulated = opts.engine == "sim" or info.get("simulated") is True  # a JSON true, not "false" or 1
         # A simulated run's numbers come from the latency model, not from the code the caveat is about.
         caveat = None if simulated else spec.caveat_for(os.environ)
@@ -321,6 +328,10 @@ def _run_backend(
             console.print(Text(f"{spec.name} {CAVEAT_MARK} caveat: {caveat}", style="yellow"))
         kernels = _reported_kernels(info) or expected_kernels
         server_info = redact_info(without_bundled_model_paths(info, scenario.model))
+        page_size = _find_key(info, "page_size")
+        declared = workload_declaration(scenario, page_size if isinstance(page_size, int) and page_size > 0
+                                        else launch_page_size(spec))
+        run_number = 0
         step = next(steps, None)
         while step is not None:
             point, repeat, warmup = step
@@ -331,15 +342,17 @@ def _run_backend(
                 num_requests=point.num_requests, seed=scenario.seed,
                 workload_hash=serving_workload.workload_hash(
                     seed=scenario.seed, input_len=point.input_len, output_len=scenario.output_len,
-                    num_requests=point.num_requests, load=point.load,
+                    num_requests=point.num_requests, load=point.load, **_sharing(scenario),
                     **({"trace_sha256": point.trace.sha256} if point.trace is not None else {}),
                 ),
                 started_at=time.time(), model=model_name(scenario.model), gpu=gpu,
-                server_info={**server_info, "metrics_clock": "modelled" if opts.modelled_clock else "wall"},
-                backend_flags=_flags(spec, opts), kernels=kernels, environment=environment,
+                server_info={**server_info, "metrics_clock": "modelled" if opts.modelled_clock else "wall",
+                             "workload": declared},
+                backend_flags=_flags(spec, opts, scenario.shares_prefixes), kernels=kernels, environment=environment,
             )
             recorder.begin(run)
-            records = _measure(run, point, warmup, scenario, opts, url, recorder, progress, server)
+            records = _measure(run, point, warmup, scenario, opts, url, recorder, progress, server, run_number)
+            run_number += 1
             step = _send(steps, records)
 
 
@@ -349,6 +362,26 @@ def _send(steps: Steps, records: list[RequestRecord]) -> Step | None:
         return steps.send(records)
     except StopIteration:
         return None
+
+
+def _sharing(scenario: Scenario) -> dict[str, Any]:
+    """What a workload that shares prefixes adds to its hash (nothing for unshareable prompts: their hash stays)."""
+    if scenario.workload is None:
+        return {}
+    return {"workload": {"kind": scenario.workload.kind, **dataclasses.asdict(scenario.workload)}}
+
+
+def workload_declaration(scenario: Scenario, page_size: int) -> dict[str, Any]:
+    """What a run's workload declares of its prefix sharing, stored with the run (`server_info["workload"]`): its
+    kind, whether the server was asked for its prefix cache, and the prompt tokens the measured requests should
+    find cached on pages of `page_size` (0 for prompts that share nothing)."""
+    workload = scenario.workload
+    if workload is None:
+        return {"kind": "unshared", "prefix_cache": False, "expected_cached_tokens": 0}
+    expected = (workload.expected_cached_tokens(page_size, scenario.output_len) if isinstance(workload, MultiTurn)
+                else workload.expected_cached_tokens(page_size))
+    return {"kind": workload.kind, "prefix_cache": True, "page_size": page_size,
+            "expected_cached_tokens": expected}
 
 
 def _reported_kernels(info: dict[str, Any]) -> dict[str, str] | None:
@@ -363,7 +396,7 @@ def _reported_kernels(info: dict[str, Any]) -> dict[str, str] | None:
 
 def _measure(
     run: RunRecord, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions,
-    url: str, recorder: RunRecorder, progress: BenchProgress, server: ServerProcess | None,
+    url: str, recorder: RunRecorder, progress: BenchProgress, server: ServerProcess | None, run_number: int = 0,
 ) -> list[RequestRecord]:
     """Measure one step of the plan into its run (begun): whatever happens, the run ends ok, failed or
     interrupted. Returns its measured requests (warmup aside)."""
@@ -379,17 +412,30 @@ def _measure(
         progress.request_done()
 
     try:
-        prompts, measured_digests, output_lens, arrivals = _point_workload(point, scenario.seed)
-        warmup_prompts, warmup_digests = _workload(scenario.seed + 1, warmup, point.input_len)
-        digests.update({**dict(enumerate(measured_digests)), **{-1 - i: d for i, d in enumerate(warmup_digests)}})
-        if opts.modelled_clock:
-            arrivals = _send_load_hint(url, point, arrivals, digests, warmup)
-        progress.step_started(label, point.num_requests + warmup)
-        client.run(client.run_load(
-            url, prompts, scenario.output_len, concurrency=point.concurrency, arrivals=arrivals,
-            output_lens=output_lens, warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
-            timeouts=opts.timeouts,
-        ))
+        if isinstance(scenario.workload, MultiTurn):
+            _converse(scenario.workload, point, warmup, scenario, opts, url, run_number, digests, on_complete,
+                      progress, label)
+        else:
+            if point.trace is not None:
+                prompts, output_lens, arrivals = _trace_point(point)
+                warmup_prompts = _unshared(scenario.seed + 1, warmup, point.input_len)
+            else:
+                prompts, warmup_prompts = _prompts(scenario, point, warmup, run_number)
+                output_lens = None
+                arrivals = (
+                    serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, scenario.seed)
+                    if point.rate is not None else None
+                )
+            digests.update({**{i: prompt_digest(p) for i, p in enumerate(prompts)},
+                            **{-1 - i: prompt_digest(p) for i, p in enumerate(warmup_prompts)}})
+            if opts.modelled_clock:
+                arrivals = _send_load_hint(url, point, arrivals, digests, warmup)
+            progress.step_started(label, point.num_requests + warmup)
+            client.run(client.run_load(
+                url, prompts, scenario.output_len, concurrency=point.concurrency, arrivals=arrivals,
+                output_lens=output_lens, warmup_prompts=warmup_prompts, on_complete=on_complete, api=opts.api,
+                timeouts=opts.timeouts,
+            ))
     except KeyboardInterrupt:
         _ignore_stop_signals()
         with stop_signals_held():
@@ -414,17 +460,10 @@ def _measure(
     return [r for r in records if not r.warmup]
 
 
-def _point_workload(point: LoadPoint, seed: int
-                    ) -> tuple[list[list[int]], list[str], list[int] | None, list[float] | None]:
-    """A point's measured prompts, their digests, their own output lengths (a trace's; None: the scenario's) and
-    their send times (None: a closed loop)."""
-    if point.trace is None:
-        prompts, digests = _workload(seed, point.num_requests, point.input_len)
-        arrivals = (serving_workload.arrival_times(point.num_requests, point.rate, point.burstiness, seed)
-                    if point.rate is not None else None)
-        return prompts, digests, None, arrivals
-    prompts, digests = _trace_workload(point.trace)
-    return prompts, digests, point.trace.output_lengths(), point.trace.send_times(point.speedup)
+def _trace_point(point: LoadPoint) -> tuple[list[list[int]], list[int], list[float]]:
+    """A trace point's prompts, their own output lengths and their send times."""
+    assert point.trace is not None
+    return _trace_workload(point.trace)[0], point.trace.output_lengths(), point.trace.send_times(point.speedup)
 
 
 def _check_modelled_trace(trace: Trace) -> None:
@@ -444,12 +483,39 @@ def _trace_workload(trace: Trace) -> tuple[list[list[int]], list[str]]:
     return prompts, [prompt_digest(prompt) for prompt in prompts]
 
 
+def _prompts(scenario: Scenario, point: LoadPoint, warmup: int, run_number: int
+             ) -> tuple[list[list[int]], list[list[int]]]:
+    """(measured, warmup) prompts of the plan's run `run_number`: unshareable ones, the same at every repeat, or
+    a shared-prefix workload's, fresh for every run so that none hits the cache another filled."""
+    if scenario.workload is None:
+        return (_unshared(scenario.seed, point.num_requests, point.input_len),
+                _unshared(scenario.seed + 1, warmup, point.input_len))
+    return scenario.workload.prompts(scenario.seed, run_number, warmup, scenario.warmup_requests)
+
+
 @functools.lru_cache(maxsize=4)
-def _workload(seed: int, count: int, input_len: int) -> tuple[list[list[int]], list[str]]:
-    """A workload's prompts and their digests, made once for every repeat and backend (a 128K-token prompt takes
-    ~20 ms)."""
-    prompts = serving_workload.make_prompts(seed, count, input_len)
-    return prompts, [prompt_digest(prompt) for prompt in prompts]
+def _unshared(seed: int, count: int, input_len: int) -> list[list[int]]:
+    """A workload's prompts, made once for every repeat and backend (a 128K-token prompt takes ~20 ms)."""
+    return serving_workload.make_prompts(seed, count, input_len)
+
+
+def _converse(workload: MultiTurn, point: LoadPoint, warmup: int, scenario: Scenario, opts: BenchOptions, url: str,
+              run_number: int, digests: dict[int, str], on_complete: Any, progress: BenchProgress,
+              label: str) -> None:
+    """One run of a multi-turn workload (`conversations`). On the simulator's modelled clock think time is paced
+    at `time_scale` and, as the modelled clock does not run while it waits for requests, not modelled."""
+    if opts.api != "sglang":
+        raise UserError("multi-turn workloads need --api sglang: the next turn holds the output ids of the last, "
+                        "which only SGLang's /generate returns")
+    if opts.modelled_clock:
+        _send_load_hint(url, point, None, digests, warmup)
+    progress.step_started(label, point.num_requests + warmup)
+    pace = opts.time_scale if opts.engine == "sim" else 1.0
+    client.run(conversations.run_conversations(
+        url, workload, scenario.seed, run_number, scenario.output_len, concurrency=point.concurrency or 1,
+        think_time_s=workload.think_time_s * pace, warmup=warmup, max_warmup=scenario.warmup_requests,
+        on_prompt=lambda index, prompt: digests.__setitem__(index, prompt_digest(prompt)),
+        on_complete=on_complete, timeouts=opts.timeouts))
 
 
 def _send_load_hint(url: str, point: LoadPoint, arrivals: list[float] | None, digests: dict[int, str],
@@ -494,10 +560,12 @@ def estimated_seconds(scenario: Scenario, specs: list[BackendSpec], opts: BenchO
     return total
 
 
-def _flags(spec: BackendSpec, opts: BenchOptions) -> list[str]:
-    """The server flags that define what was measured, parallelism included, as stored: secrets redacted."""
+def _flags(spec: BackendSpec, opts: BenchOptions, radix_cache: bool = False) -> list[str]:
+    """The server flags that define what was measured, parallelism and a launched server's prefix cache included,
+    as stored: secrets redacted."""
     parallel = ["--tp-size", str(opts.tp), "--dp-size", str(opts.dp)] if opts.engine == "sglang" else []
-    return redact_args([*spec.sglang_args, *parallel, *opts.server_args_for(spec)])
+    cache = radix_cache_args(radix_cache) if opts.engine != "url" else []
+    return redact_args([*spec.sglang_args, *parallel, *cache, *opts.server_args_for(spec)])
 
 
 def progress_bar(console: Console) -> ServerBar:

@@ -237,6 +237,7 @@ def serve_sim(
     sim_slowdown: Annotated[float, typer.Option(metavar="X", help="Multiply every modelled step time by X (1.2: a 20% slower backend), for CI rehearsals; reported in /get_server_info.")] = 1.0,
     sim_noise: Annotated[str, typer.Option(metavar="PCT", help="Each load phase's (a bench repeat's) step times vary by this relative standard deviation, e.g. 3%.")] = "0%",
     sim_noise_seed: Annotated[int, typer.Option(metavar="N", help="Seed of --sim-noise: the same seed, the same variation.")] = 0,
+    disable_radix_cache: Annotated[bool, typer.Option("--disable-radix-cache/--radix-cache", help="Model no prefix cache, as SGLang's flag (`mpfa bench` gives it unless the workload shares prefixes); the cache is on by default, as SGLang's.")] = False,
 ) -> None:
     """Serve SGLang's HTTP API on a deterministic latency model (every number it produces is simulated)."""
     from ..harness.engines import serving_backend
@@ -251,4 +252,4 @@ def serve_sim(
     serving_backend(backend)
     run_sim_server(host, port, backend, model=model, time_scale=time_scale, prefill_kernel=prefill_kernel,
                    startup_delay=startup_delay, die_after_requests=die_after_requests,
-                   knobs=_sim_knobs(sim_slowdown, sim_noise, sim_noise_seed))
+                   knobs=_sim_knobs(sim_slowdown, sim_noise, sim_noise_seed), radix_cache=not disable_radix_cache)

@@ -117,15 +117,17 @@ async def run_load(
     api: str = "sglang",
     model: str | None = None,
     timeouts: Timeouts = Timeouts(),
+    on_answer: Callable[[RequestRecord, list[int]], None] | None = None,
 ) -> list[RequestRecord]:
     """Send every prompt and return one record per request: warmup records first, then measured ones by index.
 
     Load: `concurrency` alone keeps that many requests in flight (closed loop); `arrivals` (seconds from the
     start, one per prompt) dispatches on that schedule (open loop), capped at `concurrency` in flight if both
     are given. `output_lens` (one per prompt) replaces `output_len` for the measured prompts, as a trace
-    replay's requests each ask for their own. Warmup prompts run first, at `concurrency` (or all at once), and are marked `warmup=True`
-    with indices -1, -2, ... so they never collide with measured indices. `on_complete` gets each record as
-    it finishes, warmup included. A request that waits longer than `timeouts` allows fails with the reason.
+    replay's requests each ask for their own. Warmup prompts run first, at `concurrency` (or all at once), and are
+    marked `warmup=True` with indices -1, -2, ... so they never collide with measured indices. `on_complete` gets each record as
+    it finishes, warmup included, after `on_answer` got it with the output ids the server returned (`/generate`
+    only; empty elsewhere). A request that waits longer than `timeouts` allows fails with the reason.
     """
     if api not in APIS:
         raise ValueError(f"unknown api '{api}'; valid: {', '.join(APIS)}")
@@ -142,9 +144,8 @@ async def run_load(
     endpoint = Endpoint(url.rstrip("/") + APIS[api].path)
     with _CyclicGcPause() as gc_pause:
         return await _run_load(endpoint, prompts, [output_len] * len(prompts) if output_lens is None else output_lens,
-                               output_len,
-                               concurrency, arrivals, warmup_prompts, on_complete, APIS[api], model, timeouts,
-                               gc_pause)
+                               output_len, concurrency, arrivals, warmup_prompts, on_complete, APIS[api], model,
+                               timeouts, gc_pause, on_answer)
 
 
 class _CyclicGcPause:
@@ -180,7 +181,7 @@ async def _run_load(
     concurrency: int | None,
     arrivals: Sequence[float] | None, warmup_prompts: Sequence[list[int]],
     on_complete: Callable[[RequestRecord], None] | None, api: Api, model: str | None, timeouts: Timeouts,
-    gc_pause: _CyclicGcPause,
+    gc_pause: _CyclicGcPause, on_answer: Callable[[RequestRecord, list[int]], None] | None,
 ) -> list[RequestRecord]:
     last_read = LastRead()
     turns = Turns(last_read)
@@ -210,6 +211,8 @@ async def _run_load(
                 await turns.take()
                 stream.parse()
             stream.fill(record)
+        if on_answer is not None:
+            on_answer(record, stream.counts.output_ids if stream is not None else [])
         if record.error is not None and gc_pause.note_failure():
             await turns.take()
             gc.collect()

@@ -28,12 +28,14 @@ MAX_COUNT = 2**31  # token counts at or above this in an event make it unreadabl
 class StreamCounts:
     """What a stream's events have said so far about its tokens."""
 
-    __slots__ = ("counted", "server_total", "prompt_tokens", "finished", "error")
+    __slots__ = ("counted", "server_total", "prompt_tokens", "cached_tokens", "output_ids", "finished", "error")
 
     def __init__(self) -> None:
         self.counted = 0  # tokens attributed to chunks
         self.server_total: int | None = None  # the server's latest count of all output tokens
         self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None  # prompt tokens served from the server's prefix cache
+        self.output_ids: list[int] = []  # `/generate`: the output ids so far (cumulative or incremental chunks)
         self.finished = False  # a finish reason arrived
         self.error: str | None = None  # the server aborted the request
 
@@ -98,6 +100,11 @@ def _sglang_event(event: dict[str, Any], counts: StreamCounts) -> int:
     counts.set_total(_count(meta["completion_tokens"]))
     if (prompt := meta.get("prompt_tokens")) is not None:
         counts.prompt_tokens = _count(prompt)
+    if (cached := meta.get("cached_tokens")) is not None:
+        counts.cached_tokens = _count(cached)
+    if isinstance(ids := event.get("output_ids"), list):
+        # cumulative chunks repeat every id so far, incremental ones (--incremental-streaming-output) carry the new
+        counts.output_ids = ids if len(ids) == counts.server_total else counts.output_ids + ids
     finish = meta.get("finish_reason")
     if finish is not None:
         counts.finished = True
@@ -120,6 +127,8 @@ def _openai_event(event: dict[str, Any], counts: StreamCounts, *,
         counts.set_total(_count(usage["completion_tokens"]))
         if (prompt := usage.get("prompt_tokens")) is not None:
             counts.prompt_tokens = _count(prompt)
+        if (cached := (usage.get("prompt_tokens_details") or {}).get("cached_tokens")) is not None:
+            counts.cached_tokens = _count(cached)
     choices = event.get("choices") or []
     if not choices:
         return 0

@@ -159,6 +159,7 @@ class EventStream:
         record.completion_s = self.done_s or record.completion_s
         record.output_tokens = counts.server_total or 0
         record.prompt_tokens = counts.prompt_tokens
+        record.cached_tokens = counts.cached_tokens
         if self.done_s is None and self._reader.mid_event:
             record.error = "stream ended inside an event (no empty line after it)"
         else:

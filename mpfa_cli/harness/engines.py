@@ -96,27 +96,36 @@ def refuse_sim_launch_flags(extra_args: list[str]) -> None:
             raise UserError(f"--server-arg {arg}: {SIM_LAUNCH_FLAGS[flag]}")
 
 
-def sim_launch(spec: BackendSpec, port: int, time_scale: float, model: str, extra_args: list[str]) -> ServerLaunch:
+def radix_cache_args(radix_cache: bool) -> list[str]:
+    """The server flag that turns SGLang's prefix (radix) cache off, unless the workload shares prefixes: prompts
+    that share nothing on purpose must not hit a cache that earlier repeats filled."""
+    return [] if radix_cache else ["--disable-radix-cache"]
+
+
+def sim_launch(spec: BackendSpec, port: int, time_scale: float, model: str, extra_args: list[str],
+               radix_cache: bool = False) -> ServerLaunch:
     """`mpfa serve-sim` for `spec`; an extra argument of `SIM_LAUNCH_FLAGS` is a UserError."""
     refuse_sim_launch_flags(extra_args)
     return ServerLaunch(
         command=[
             sys.executable, "-m", "mpfa.mpfa_cli", "serve-sim", "--host", "127.0.0.1", "--port", str(port),
-            "--backend", spec.name, "--time-scale", str(time_scale), "--model", model, *extra_args,
+            "--backend", spec.name, "--time-scale", str(time_scale), "--model", model,
+            *radix_cache_args(radix_cache), *extra_args,
         ],
         env={},
     )
 
 
 def sglang_launch(
-    spec: BackendSpec, port: int, model: str, context_len: int, tp: int, dp: int, extra_args: list[str]
+    spec: BackendSpec, port: int, model: str, context_len: int, tp: int, dp: int, extra_args: list[str],
+    radix_cache: bool = False,
 ) -> ServerLaunch:
-    """SGLang with the backend's flags, dummy weights for a bundled config, radix cache off."""
+    """SGLang with the backend's flags, dummy weights for a bundled config, the radix cache off unless asked."""
     path = model_dir(model)
     dummy = ["--load-format", "dummy"] if is_bundled_model(model) else []
     command = [
         sys.executable, "-m", "sglang.launch_server", "--model-path", str(path), *dummy,
-        "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), "--disable-radix-cache",
+        "--skip-tokenizer-init", "--host", "127.0.0.1", "--port", str(port), *radix_cache_args(radix_cache),
         "--grammar-backend", "none", "--context-length", str(context_len), "--tp-size", str(tp),
         "--dp-size", str(dp), *spec.sglang_args, *extra_args,
     ]

@@ -10,13 +10,14 @@ Notation: P = parameters that take part in the per-token matmuls (all layers + L
 L = layers, H = query heads, d = head dim, Hkv = KV heads, F = dense BF16 peak FLOP/s, B = HBM bandwidth.
 
     linear(t)        = max(2·P·t / (GEMM_EFFICIENCY·F),  W / (WEIGHT_STREAM_EFFICIENCY·B))   # t tokens in a step
-    prefill(n_1..n_k) = overhead + linear(Σ n_i) + Σ 4·L·H·d·n_i(n_i+1)/2 / (attention_efficiency·F)
+    prefill(n_1..n_k) = overhead + linear(Σ (n_i − c_i)) + Σ 4·L·H·d·(n_i(n_i+1) − c_i(c_i+1))/2 / (attention_efficiency·F)
     decode(c_1..c_k)  = overhead + linear(k) + Σ c_i · kv_bytes_per_token / (kv_bandwidth_efficiency·B)
     kv_bytes_per_token = L·Hkv·d·(k_bytes_per_element + v_bytes_per_element)
     kv_capacity_tokens = (MEM_FRACTION_STATIC·HBM_BYTES − W) / kv_bytes_per_token
 
 The prefill attention term counts QKᵀ and PV (2 matmuls × 2 FLOP per multiply-add) over the causal half of
-the n×n score matrix; decode attention is bound by reading each running request's KV cache once per step.
+the n×n score matrix, less the rows of the c_i prompt tokens a prefix cache already holds (their queries are not
+computed; the new ones still attend to the whole context); decode attention is bound by reading each running request's KV cache once per step.
 """
 from __future__ import annotations
 
@@ -107,14 +108,18 @@ class LatencyModel:
         stream = self.model.weight_bytes / (WEIGHT_STREAM_EFFICIENCY * HBM_BANDWIDTH)
         return max(compute, stream)
 
-    def prefill_seconds(self, prompt_lens: Sequence[int]) -> float:
-        """One prefill step over new prompts of these lengths (each also yields its first output token)."""
+    def prefill_seconds(self, prompt_lens: Sequence[int], cached_lens: Sequence[int] | None = None) -> float:
+        """One prefill step over new prompts of these lengths (each also yields its first output token), of which
+        the first `cached_lens` tokens each are in the prefix cache (default: none)."""
         if not prompt_lens:
             raise ValueError("a prefill step needs at least one prompt")
+        cached = list(cached_lens) if cached_lens is not None else [0] * len(prompt_lens)
+        if len(cached) != len(prompt_lens) or not all(0 <= c < n for c, n in zip(cached, prompt_lens)):
+            raise ValueError("each prompt's cached tokens must be in [0, its length)")
         m = self.model
-        pairs = sum(n * (n + 1) / 2 for n in prompt_lens)
+        pairs = sum((n * (n + 1) - c * (c + 1)) / 2 for n, c in zip(prompt_lens, cached))
         attention = 4 * m.layers * m.q_heads * m.head_dim * pairs / (self.costs.attention_efficiency * DENSE_BF16_FLOPS)
-        return self.costs.step_overhead_s + self._linear_seconds(sum(prompt_lens)) + attention
+        return self.costs.step_overhead_s + self._linear_seconds(sum(prompt_lens) - sum(cached)) + attention
 
     def decode_step_seconds(self, context_lens: Sequence[int]) -> float:
         """One decode step for running requests whose KV caches hold these many tokens each."""

@@ -23,6 +23,7 @@ class RequestRecord:
     completion_s: float | None = None
     output_tokens: int = 0  # as counted by the server (meta_info.completion_tokens)
     prompt_tokens: int | None = None  # as counted by the server (meta_info.prompt_tokens)
+    cached_tokens: int | None = None  # prompt tokens the server's prefix cache held (meta_info.cached_tokens)
     error: str | None = None
 
     @property

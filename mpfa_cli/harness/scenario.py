@@ -13,6 +13,7 @@ from typing import Any
 from ..errors import UserError, field_names
 from .latency_model import ModelShape
 from .trace import MAX_SPEEDUP, Trace, load_trace
+from .prefix_workloads import MAX_HISTORY_TOKENS, MultiTurn, SharedPrefix
 from ...scenarios import MODEL_DIR, SCENARIO_DIR
 
 
@@ -63,6 +64,12 @@ class Scenario:
     explicit_points: list[LoadPoint] = field(default_factory=list)
     trace: Trace | None = None  # replayed instead of input_len x concurrency (or rate): `_with_trace`
     speedup: float = 1.0
+    # Prompts that share prefixes on purpose (served with the prefix cache on); None: every prompt unshareable
+    workload: SharedPrefix | MultiTurn | None = None
+
+    @property
+    def shares_prefixes(self) -> bool:
+        return self.workload is not None
 
     def points(self) -> list[LoadPoint]:
         """The `[[points]]` the file lists, else every input length at every concurrency (or rate), else the
@@ -193,16 +200,20 @@ def load_scenario(name_or_path: str, overrides: dict[str, Any] | None = None) ->
 
 def _parse(raw: dict[str, Any], path: Path) -> Scenario:
     """A scenario from its fields (the file's, flags applied), validated."""
-    known = {f.name for f in dataclasses.fields(Scenario)} - {"name", "explicit_points"} | {"points"}
+    known = {f.name for f in dataclasses.fields(Scenario)} - {"name", "explicit_points", "workload"} | {"points"}
+    known |= set(_WORKLOADS)
     unknown = sorted(set(raw) - known)
     if unknown:
         raise UserError(f"{path}: unknown field(s) {field_names(unknown)}; valid: {', '.join(sorted(known))}")
     if "points" in raw:
+        if set(_WORKLOADS) & set(raw):
+            raise UserError(f"{path}: [[points]] do not go with {' or '.join(_WORKLOADS)}")
         return _with_points(raw, path)
     if "trace" in raw:
         return _with_trace(raw, path)
     if "speedup" in raw:
         raise UserError(f"{path}: speedup applies to a trace replay (a scenario with trace = \"FILE.jsonl\")")
+    workload = _workload(raw, path)
     missing = [f for f in ("model", "input_len", "output_len", "num_requests") if f not in raw]
     if missing:
         raise UserError(f"{path}: missing field(s) {', '.join(missing)}")
@@ -224,9 +235,61 @@ def _parse(raw: dict[str, Any], path: Path) -> Scenario:
         concurrency=_as_list(raw["concurrency"], int, f"{path}: concurrency") if "concurrency" in raw else [],
         rate=[float(r) for r in _as_list(raw["rate"], (int, float), f"{path}: rate")] if "rate" in raw else [],
         burstiness=_burstiness(raw, path),
+        workload=workload,
     )
     _validate(scenario, path)
     return scenario
+
+
+# The tables that declare a workload sharing prefixes: its fields, and whether each is an int (else a number >= 0).
+_WORKLOADS: dict[str, tuple[type[SharedPrefix] | type[MultiTurn], dict[str, bool]]] = {
+    "shared_prefix": (SharedPrefix, {"groups": True, "prefix_len": True, "suffix_len": True, "per_group": True}),
+    "multi_turn": (MultiTurn, {"conversations": True, "turns": True, "user_len": True, "think_time_s": False}),
+}
+
+
+def _workload(raw: dict[str, Any], path: Path) -> SharedPrefix | MultiTurn | None:
+    """The `[shared_prefix]` or `[multi_turn]` table, validated; it sets `input_len` (the longest prompt) and
+    `num_requests` in `raw`, which must not give them."""
+    given = [name for name in _WORKLOADS if name in raw]
+    if not given:
+        return None
+    if len(given) > 1:
+        raise UserError(f"{path}: give [shared_prefix] or [multi_turn], not both")
+    name = given[0]
+    cls, fields = _WORKLOADS[name]
+    table = raw.pop(name)
+    where = f"{path}: [{name}]"
+    if not isinstance(table, dict):
+        raise UserError(f"{where}: expected a table of {', '.join(fields)}")
+    if unknown := sorted(set(table) - set(fields)):
+        raise UserError(f"{where}: unknown field(s) {field_names(unknown)}; valid: {', '.join(fields)}")
+    if missing := [f for f, is_int in fields.items() if f not in table and is_int]:
+        raise UserError(f"{where}: missing field(s) {', '.join(missing)}")
+    for key, value in table.items():
+        is_number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if not (isinstance(value, int) if fields[key] else is_number) or isinstance(value, bool):
+            raise UserError(f"{where}: {key}: expected {'an integer' if fields[key] else 'a number'}, "
+                            f"got {value!r:.40}")
+        low = 1 if fields[key] else 0
+        if not (low <= value < math.inf):
+            raise UserError(f"{where}: {key} must be >= {low}, got {value}")
+    if clash := [f for f in ("input_len", "num_requests") if f in raw]:
+        raise UserError(f"{where} sets the prompts' lengths and count: {', '.join(clash)} do not apply")
+    workload = cls(**table)
+    if isinstance(workload, MultiTurn):
+        if "rate" in raw:
+            raise UserError(f"{where}: conversations run at a concurrency (conversations in flight), not a rate")
+        output_len = raw.get("output_len", 1)
+        longest = workload.prompt_len(workload.turns, output_len if isinstance(output_len, int) else 1)
+        if longest + output_len > MAX_HISTORY_TOKENS:
+            raise UserError(f"{where}: the last turn's history ({longest} + {output_len} tokens) exceeds "
+                            f"{MAX_HISTORY_TOKENS} tokens")
+        raw["input_len"] = longest
+    else:
+        raw["input_len"] = workload.input_len
+    raw["num_requests"] = workload.num_requests
+    return workload
 
 
 def _check_int_fields(raw: dict[str, Any], path: Path) -> None:

@@ -20,6 +20,11 @@ deterministic function of the prompt (`echoed_ids`): a span of the prompt's own 
 whatever tokenizer built the prompt and decode to deterministic text (`mpfa accuracy serve` scores it; the scores
 are SIMULATED, meaningless as accuracy).
 
+With `radix_cache` (SGLang's default; `--disable-radix-cache` turns it off, as there) it models SGLang's prefix
+cache (`sim_prefix_cache`), on pages of the backend's page size: a request's prompt tokens found cached are not
+prefilled again (the new ones still attend to the whole context), its `meta_info.cached_tokens` (OpenAI:
+`usage.prompt_tokens_details.cached_tokens`) says how many, and the cache gives way to running requests' KV.
+
 Two endpoints of its own let `mpfa bench` run it faster than modelled with unchanged numbers: `POST /sim_load`
 takes a `LoadHint` (how the next requests arrive), and `GET /sim_clock/{prompt digest}` answers a finished
 request's arrival and token times on the latency model's clock (see `BatchScheduler`). For CI rehearsals its step
@@ -49,6 +54,7 @@ from .scenario import load_model_shape
 from .served_kernels import launch_page_size, served_kernels
 from .sim_knobs import SimKnobs, StepFactors, knobs_label
 from .serving_workload import hashed_token_ids
+from .sim_prefix_cache import PrefixCache
 
 MAX_RUNNING_REQUESTS = 1024
 LATE_TOLERANCE_S = 2e-3  # a step that starts later than this behind schedule starts from now (no catch-up burst)
@@ -115,6 +121,8 @@ class SimRequest:
     # a write is the send() itself, so on loopback the bytes are in the client's socket by the second stamp.
     sent: list[tuple[float, float, int]] | None = None
     logprobs: "SimLogprobs | None" = None  # when the request set return_logprob
+    input_ids: np.ndarray | None = None  # the prompt, for the prefix cache
+    cached_tokens: int = 0  # of the prompt, found in the prefix cache when it was admitted
     arrival_v: float = 0.0  # modelled time it arrived
     token_v: list[float] = field(default_factory=list)  # modelled time each output token was made
 
@@ -141,9 +149,10 @@ class BatchScheduler:
     """
 
     def __init__(self, latency: LatencyModel, time_scale: float, max_running: int = MAX_RUNNING_REQUESTS,
-                 factors: StepFactors | None = None) -> None:
+                 factors: StepFactors | None = None, prefix_cache: PrefixCache | None = None) -> None:
         self.latency = latency
         self.factors = factors  # the CI-rehearsal knobs (`sim_knobs`): every step time is multiplied by its factor
+        self.prefix_cache = prefix_cache
         self.time_scale = time_scale
         self.max_running = max_running
         self.kv_capacity = latency.kv_capacity_tokens
@@ -239,7 +248,15 @@ class BatchScheduler:
             self.kv_used += request.kv_tokens
             self.running.append(request)
             admitted.append(request)
+            if self.prefix_cache is not None and request.input_ids is not None:
+                request.cached_tokens = self.prefix_cache.match(request.input_ids)
         return admitted
+
+    def _cache(self, ids: np.ndarray | None) -> None:
+        """Put `ids` in the prefix cache, within what the running requests leave of the KV cache."""
+        if self.prefix_cache is not None and ids is not None:
+            self.prefix_cache.insert(ids)
+            self.prefix_cache.evict_to(self.kv_capacity - self.kv_used)
 
     async def run(self) -> None:
         loop = asyncio.get_running_loop()
@@ -254,7 +271,10 @@ class BatchScheduler:
             admitted = self._admit()
             if admitted:
                 stepped = admitted
-                seconds = self.latency.prefill_seconds([r.input_len for r in admitted])
+                seconds = self.latency.prefill_seconds([r.input_len for r in admitted],
+                                                       [r.cached_tokens for r in admitted])
+                for request in admitted:
+                    self._cache(request.input_ids)
             elif self.running:
                 stepped = self.running
                 seconds = self.latency.decode_step_seconds([r.input_len + r.emitted for r in self.running])
@@ -285,6 +305,8 @@ class BatchScheduler:
             if request.finished or request.aborted:
                 self.kv_used -= request.kv_tokens
                 finished += request.finished
+                if request.finished and request.input_ids is not None:  # SGLang caches all but the last token
+                    self._cache(np.concatenate([request.input_ids, request.output_ids[:-1]]))
             else:
                 keep.append(request)
         self.running = keep
@@ -379,7 +401,7 @@ class SimServer:
     def __init__(
         self, backend: str, model: ModelShape, *, time_scale: float, startup_delay: float,
         die_after_requests: int | None, incremental_streaming_output: bool, trace_chunks: bool,
-        prefill_kernel: str | None = None, knobs: SimKnobs = SimKnobs(),
+        prefill_kernel: str | None = None, knobs: SimKnobs = SimKnobs(), radix_cache: bool = False,
     ) -> None:
         if not time_scale > 0:
             raise ValueError(f"time_scale must be > 0, got {time_scale}")
@@ -393,6 +415,7 @@ class SimServer:
                                       source="simulated")
         self.time_scale = time_scale
         self.knobs = knobs
+        self.radix_cache = radix_cache
         self.startup_delay = startup_delay
         self.die_after_requests = die_after_requests
         self.incremental = incremental_streaming_output
@@ -406,7 +429,9 @@ class SimServer:
     # --- lifecycle -------------------------------------------------------------------------------------------
 
     async def scheduler_context(self, app: web.Application) -> AsyncIterator[None]:
-        self.scheduler = BatchScheduler(self.latency, self.time_scale, factors=self.knobs.phases(self.spec.name))
+        cache = PrefixCache(launch_page_size(self.spec)) if self.radix_cache else None
+        self.scheduler = BatchScheduler(self.latency, self.time_scale, factors=self.knobs.phases(self.spec.name),
+                                        prefix_cache=cache)
         self.ready_at = time.monotonic() + self.startup_delay
         task = asyncio.create_task(self.scheduler.run())
         task.add_done_callback(_exit_if_crashed)
@@ -438,6 +463,7 @@ class SimServer:
             "model_path": self.latency.model.name,
             "skip_tokenizer_init": True,
             "incremental_streaming_output": self.incremental,
+            "disable_radix_cache": not self.radix_cache,
             "time_scale": self.time_scale,
             **self.knobs.server_info(),
             "version": "mpfa-sim",
@@ -519,7 +545,8 @@ class SimServer:
         self._next_rid += 1
         digest = prompt_digest(parsed.input_ids)
         output_ids = echoed_ids(parsed.input_ids.tolist(), digest, parsed.max_new_tokens)
-        sim = SimRequest(f"sim-{self._next_rid}", int(parsed.input_ids.size), output_ids, received, digest)
+        sim = SimRequest(f"sim-{self._next_rid}", int(parsed.input_ids.size), output_ids, received, digest,
+                         input_ids=parsed.input_ids if self.radix_cache else None)
         if parsed.return_logprob:
             if parsed.logprob_start_len >= parsed.input_ids.size:
                 raise BadRequest(f"logprob_start_len ({parsed.logprob_start_len}) must be < the prompt length "
@@ -581,7 +608,8 @@ class _SglangFormat:
     @staticmethod
     def _meta(sim: SimRequest, tokens: int, elapsed_s: float) -> dict[str, Any]:
         meta: dict[str, Any] = {
-            "id": sim.rid, "prompt_tokens": sim.input_len, "completion_tokens": tokens, "cached_tokens": 0,
+            "id": sim.rid, "prompt_tokens": sim.input_len, "completion_tokens": tokens,
+            "cached_tokens": sim.cached_tokens,
             "finish_reason": None,
         }
         if tokens == len(sim.output_ids):
@@ -661,8 +689,9 @@ class _OpenAIFormat:
         self.model = model
 
     @staticmethod
-    def _usage(sim: SimRequest, tokens: int) -> dict[str, int]:
-        return {"prompt_tokens": sim.input_len, "completion_tokens": tokens, "total_tokens": sim.input_len + tokens}
+    def _usage(sim: SimRequest, tokens: int) -> dict[str, Any]:
+        return {"prompt_tokens": sim.input_len, "completion_tokens": tokens, "total_tokens": sim.input_len + tokens,
+                "prompt_tokens_details": {"cached_tokens": sim.cached_tokens}}
 
     def _body(self, sim: SimRequest, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": sim.rid, "object": "text_completion", "created": int(time.time()), "model": self.model,
@@ -720,6 +749,7 @@ def build_app(
     startup_delay: float = 0.0, die_after_requests: int | None = None,
     incremental_streaming_output: bool = False, trace_chunks: bool = False, prefill_kernel: str | None = None,
     knobs: SimKnobs = SimKnobs(),
+    radix_cache: bool = False,
 ) -> web.Application:
     """The simulator as an aiohttp application (the scheduler starts with the app). ``prefill_kernel``: the MpFA
     prefill kernel it says it simulates (`served_kernels`; the latency model does not depend on it)."""
@@ -727,7 +757,7 @@ def build_app(
     sim = SimServer(
         backend, shape, time_scale=time_scale, startup_delay=startup_delay, die_after_requests=die_after_requests,
         incremental_streaming_output=incremental_streaming_output, trace_chunks=trace_chunks,
-        prefill_kernel=prefill_kernel, knobs=knobs,
+        prefill_kernel=prefill_kernel, knobs=knobs, radix_cache=radix_cache,
     )
     app = web.Application(client_max_size=256 * 1024**2)  # 128K-token prompts as JSON are a few MB
     app.cleanup_ctx.append(sim.scheduler_context)
@@ -753,12 +783,13 @@ def run_sim_server(
     startup_delay: float = 0.0, die_after_requests: int | None = None,
     incremental_streaming_output: bool = False, trace_chunks: bool = False, prefill_kernel: str | None = None,
     knobs: SimKnobs = SimKnobs(),
+    radix_cache: bool = False,
 ) -> None:
     """Serve until SIGINT/SIGTERM (blocking)."""
     app = build_app(
         backend, model=model, time_scale=time_scale, startup_delay=startup_delay,
         die_after_requests=die_after_requests, incremental_streaming_output=incremental_streaming_output,
-        trace_chunks=trace_chunks, prefill_kernel=prefill_kernel, knobs=knobs,
+        trace_chunks=trace_chunks, prefill_kernel=prefill_kernel, knobs=knobs, radix_cache=radix_cache,
     )
     name = model.name if isinstance(model, ModelShape) else model
     print(f"mpfa serve-sim: SIMULATED '{backend}' serving {name} on http://{host}:{port} "

@@ -28,6 +28,7 @@ from ..results.metrics.repeats import mean_ci95
 from ..results.metrics.summary import summarize
 from ..errors import UserError
 from ..harness.records import RunRecord
+from ..results.prefix_hits import hits_notes
 from ..results.run_owner import status_label
 from ..harness.served_kernels import describe_kernels
 from ..harness.sim_knobs import knobs_label
@@ -345,7 +346,8 @@ def compare_notes(runs: Sequence[StoredRun], rows: Sequence[CompareRow],
     """A comparison's footnotes: runs left out, caveats (†), differing workloads (‡), ratios measured apart (§)."""
     left_out = sum(r.status != "ok" for r in runs)
     notes = [f"{left_out} run(s) that did not finish ok are left out"] if left_out else []
-    return [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed), *apart_notes(rows)]
+    return [*notes, *caveat_notes(r for r in runs if r.status == "ok"), *workload_notes(mixed), *apart_notes(rows),
+            *hits_notes(list(runs))]
 
 
 def compare_records(runs: Sequence[StoredRun], ref_backend: str,
@@ -617,7 +619,7 @@ def show_run(run: StoredRun) -> RenderableType:
         parts.extend(_summary_tables(summary))
     if note:
         parts.append(Text(note, style="yellow"))
-    parts.extend(Text(line, style="yellow") for line in caveat_notes([run]))
+    parts.extend(Text(line, style="yellow") for line in [*caveat_notes([run]), *hits_notes([run])])
     return Group(*parts)
 
 

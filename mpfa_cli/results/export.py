@@ -108,7 +108,7 @@ _RUN_RANGES = {"repeat": (0, MAX_REPEATS - 1), "input_len": (1, MAX_INPUT_LEN), 
 _REQUEST_RANGES = {"index": (-MAX_REQUESTS, MAX_REQUESTS),  # warmup requests count down from -1
                     "input_len": (1, MAX_INPUT_LEN),
                    "max_new_tokens": (1, MAX_OUTPUT_LEN), "output_tokens": (0, MAX_OUTPUT_LEN),
-                   "prompt_tokens": (0, _INT64[1])}
+                   "prompt_tokens": (0, _INT64[1]), "cached_tokens": (0, _INT64[1])}
 
 
 def run_from_dict(data: Any) -> StoredRun:
@@ -130,7 +130,8 @@ def run_from_dict(data: Any) -> StoredRun:
 
 
 def _request_from_dict(data: Any, what: str) -> RequestRecord:
-    request = dataclass_from_dict(RequestRecord, data, what, derived={"ok"}, ranges=_REQUEST_RANGES)
+    request = dataclass_from_dict(RequestRecord, data, what, optional={"cached_tokens"}, derived={"ok"},
+                                  ranges=_REQUEST_RANGES)
     where = f"{what} {request.index}"
     if len(request.chunk_s) != len(request.chunk_tokens):
         raise ValueError(f"{where} has {len(request.chunk_s)} chunk_s but {len(request.chunk_tokens)} chunk_tokens")

@@ -30,7 +30,7 @@ from ..errors import UserError
 from ..harness.records import RequestRecord, RunRecord
 from ..harness.safe_files import private_dir, refuse_link, touch_private
 
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 FINAL_STATUSES = ("ok", "failed", "interrupted")
 _UNFINISHED = ("running", "interrupted")  # a run an import may complete with the requests it lacks
 _ABANDONED_WAIT_S = 1.0  # closing another bench's abandoned run waits no longer: the next store opened retries
@@ -110,9 +110,12 @@ def _add_run_caveats(conn: sqlite3.Connection) -> None:
 # Version 4: `runs.kernels`, the attention kernels the run's server ran (`RunRecord.kernels`); {} for older runs.
 _RUN_KERNELS = "ALTER TABLE runs ADD COLUMN kernels JSON NOT NULL DEFAULT '{}'"
 
+# Version 5: `requests.cached_tokens`, the prompt tokens the server's prefix cache held (NULL where not reported).
+_REQUEST_CACHED_TOKENS = "ALTER TABLE requests ADD COLUMN cached_tokens INTEGER"
+
 # What brings a database from version N - 1 to version N: SQL statements, or a function of the connection.
 _UPGRADES: dict[int, str | Callable[[sqlite3.Connection], None]] = {
-    1: _SCHEMA, 2: _PROFILES_SCHEMA, 3: _add_run_caveats, 4: _RUN_KERNELS,
+    1: _SCHEMA, 2: _PROFILES_SCHEMA, 3: _add_run_caveats, 4: _RUN_KERNELS, 5: _REQUEST_CACHED_TOKENS,
 }
 
 _RUN_COLUMNS = (
@@ -122,7 +125,7 @@ _RUN_COLUMNS = (
 )
 _REQUEST_COLUMNS = (
     "run_id", '"index"', "warmup", "input_len", "max_new_tokens", "dispatch_s", "chunk_s",
-    "chunk_tokens", "completion_s", "output_tokens", "prompt_tokens", "error",
+    "chunk_tokens", "completion_s", "output_tokens", "prompt_tokens", "error", "cached_tokens",
 )
 
 
@@ -512,7 +515,7 @@ class ResultStore:
             (
                 run_id, r.index, int(r.warmup), r.input_len, r.max_new_tokens, r.dispatch_s,
                 json.dumps(r.chunk_s), json.dumps(r.chunk_tokens), r.completion_s, r.output_tokens,
-                r.prompt_tokens, r.error,
+                r.prompt_tokens, r.error, r.cached_tokens,
             )
             for r in recs
         ]
@@ -658,6 +661,7 @@ def _request_from_row(row: sqlite3.Row) -> RequestRecord:
         completion_s=row["completion_s"],
         output_tokens=row["output_tokens"],
         prompt_tokens=row["prompt_tokens"],
+        cached_tokens=row["cached_tokens"],
         error=row["error"],
     )
 

@@ -6,7 +6,7 @@ gate on.
 """
 from __future__ import annotations
 
-from .per_request import e2e_s, itl_gaps_s, meets_slo, tpot_s, ttft_s
+from .per_request import Sample, e2e_s, itl_gaps_s, meets_slo, tpot_s, ttft_s
 from .registry import Distribution, Report, RunValue, ServerValue, register
 
 register(RunValue(
@@ -57,6 +57,32 @@ register(RunValue(
     explanation="Goodput: requests per second that finished and met every given SLO (TTFT and/or TPOT, in ms); "
                 "a request without a TPOT (one output token) meets any TPOT SLO.",
     value=lambda run: sum(meets_slo(r, run.slo) for r in run.ok) / run.span_s if run.span_s else None))
+
+
+def _cached_tokens(run: Sample) -> float | None:
+    """Prompt tokens of the successful requests that the server found in its prefix cache; None where no request
+    reported it (servers that do not say)."""
+    reported = [r.cached_tokens for r in run.ok if r.cached_tokens is not None]
+    return float(sum(reported)) if reported else None
+
+
+def _hit_rate(run: Sample) -> float | None:
+    cached = _cached_tokens(run)
+    prompt = sum(r.prompt_tokens if r.prompt_tokens is not None else r.input_len for r in run.ok)
+    return None if cached is None or not prompt else 100.0 * cached / prompt
+
+
+register(RunValue(
+    name="cached_tokens", header="cached", unit="tokens", better=None,
+    explanation="Prompt tokens of the successful requests that the server found in its prefix (radix) cache, as "
+                "it reports them (SGLang's meta_info.cached_tokens, OpenAI's prompt_tokens_details); a run whose "
+                "total differs from what its workload declares is flagged.",
+    value=_cached_tokens))
+register(RunValue(
+    name="hit_rate", header="prefix hits", unit="%", better="higher", shown=Report.COMPARE,
+    explanation="Prefix-cache hit rate: cached prompt tokens over all prompt tokens of the successful requests. "
+                "Only workloads that share prefixes (shared-prefix, multi-turn) are served with the cache on.",
+    value=_hit_rate))
 register(ServerValue(
     name="kv_tokens", header="KV cache", unit="tokens", better="higher", server_key="max_total_num_tokens",
     shown=Report.COMPARE,

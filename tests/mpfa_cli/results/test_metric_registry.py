@@ -9,8 +9,8 @@ from mpfa.mpfa_cli.results.metrics.registry import Report, RunValue
 
 
 def test_each_report_reads_its_columns_from_the_declarations():
-    assert registry.shown_in(Report.COMPARE) == ["otps", "ttft_ms_median", "ttft_ms_p99", "tpot_ms_median",
-                                                 "itl_ms_p99", "kv_tokens"]
+    assert registry.shown_in(Report.COMPARE) == ["otps", "hit_rate", "ttft_ms_median", "ttft_ms_p99",
+                                                 "tpot_ms_median", "itl_ms_p99", "kv_tokens"]
     assert registry.shown_in(Report.GATE) == registry.shown_in(Report.RUNS) == ["otps", "ttft_ms_median",
                                                                                "tpot_ms_median"]
 

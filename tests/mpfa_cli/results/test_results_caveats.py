@@ -76,7 +76,7 @@ def test_a_version_2_database_is_upgraded_in_place(v2_database):
         new = store.begin_run(dataclasses.replace(mpfa, id=None, requests=[]))
         assert store.get_run(new).caveat == CAVEAT
     with sqlite3.connect(v2_database) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 4
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
 
 
 # --- tables ---------------------------------------------------------------------------------------------------------
