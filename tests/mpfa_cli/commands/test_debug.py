@@ -18,7 +18,7 @@ def _registered_commands():
 def broken_runs_table(monkeypatch):
     """`mpfa runs` raises what no code path expects."""
 
-    def boom(runs):
+    def boom(runs, more=0):
         raise ZeroDivisionError("the table broke\nand said more")
 
     monkeypatch.setattr(run_tables, "runs_table", boom)
