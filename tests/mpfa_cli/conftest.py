@@ -6,6 +6,7 @@ The suite runs with --import-mode=importlib, so helpers reach tests as fixtures,
 from __future__ import annotations
 
 import json
+import itertools
 import random
 import socket
 import sqlite3
@@ -148,10 +149,15 @@ def _make_run(backend: str, repeat: int = 0, summary: dict[str, float] | None = 
     return StoredRun(**fields)
 
 
+_passes = itertools.count()
+
+
 def _runs_with(metric: str, per_backend: dict[str, list[float]], **overrides: Any) -> list[StoredRun]:
-    """One run per (backend, repeat) whose summary holds `metric` = the given per-repeat value."""
+    """One run per (backend, repeat) whose summary holds `metric` = the given per-repeat value; each call a new pass
+    started after the one before (the gate judges only runs newer than its baseline's)."""
+    start = 1_700_000_000.0 + 1000 * next(_passes)
     return [
-        _make_run(backend, repeat, {metric: value}, **overrides)
+        _make_run(backend, repeat, {metric: value}, **{"started_at": start + repeat, **overrides})
         for backend, values in per_backend.items()
         for repeat, value in enumerate(values)
     ]
