@@ -80,7 +80,8 @@ def compare(
     check_format(output_format)
     with _runs_store(from_exports, db, run_ids, "the run ids") as store:
         runs = compared_runs(store, run_ids, scenario)
-    (console if output_format == "table" else err_console).print(used_line(runs, from_exports), highlight=False)
+    (console if output_format == "table" else err_console).print(used_line(runs, from_exports), highlight=False,
+                                                                 markup=False)
     ref = ref or default_reference(runs)
     if output_format != "table":
         print(format_compare(runs, ref, output_format), end="")
@@ -127,7 +128,7 @@ def import_runs(
         outcomes = store.import_runs(check.run for _, check in checked)
     for path in files:
         mine = [(check, outcome) for (p, check), outcome in zip(checked, outcomes) if p == path]
-        console.print(f"{_import_line(path, mine)} — {store.path}", highlight=False, soft_wrap=True)
+        console.print(f"{_import_line(path, mine)} — {store.path}", highlight=False, soft_wrap=True, markup=False)
 
 
 def _checked_exports(files: list[Path]) -> list:
@@ -204,7 +205,7 @@ def plot(
     else:
         with _runs_store(from_exports, db, run_ids, "the run ids") as store:
             selected = compared_runs(store, run_ids, scenario)
-        console.print(used_line(selected, from_exports), highlight=False)
+        console.print(used_line(selected, from_exports), highlight=False, markup=False)
         paths = plot_runs(selected, ref or default_reference(selected), output or Path("mpfa-serving.png"), figure_format)
     console.print(f"wrote {', '.join(map(str, paths))}", highlight=False)
 

@@ -28,6 +28,7 @@ from ..results.metrics.repeats import mean_ci95
 from ..results.metrics.summary import summarize
 from ..errors import UserError
 from ..harness.records import RunRecord
+from ..results.export import csv_safe
 from ..results.run_owner import status_label
 from ..harness.served_kernels import describe_kernels
 from ..results.store import StoredRun, load_key
@@ -40,6 +41,19 @@ CAVEAT_MARK = "†"  # marks a backend whose runs carry a caveat; the caveat its
 WORKLOAD_MARK = "‡"  # marks a configuration whose runs served different workloads (output length, requests, seed)
 APART_MARK = "§"  # marks a speed-up measured on different machines or revisions (machine starts, GPUs, mpfa revisions)
 _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
+
+
+def plain(value: str, style: str = "") -> Text:
+    """A user string (a scenario, backend or model name, an error) as Rich shows it literally: never read as markup
+    (`[/x]` in a name), control characters such as terminal escape sequences written out (`\\x1b`), not sent."""
+    return Text("".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in value), style=style)
+
+
+def kernels_text(kernels: Any) -> str:
+    """`describe_kernels`, or what a record that holds no kernel names holds (a run stored by an older mpfa)."""
+    if isinstance(kernels, dict) and all(isinstance(v, str) for v in kernels.values()):
+        return describe_kernels(kernels)
+    return f"unreadable ({json.dumps(kernels)[:80]})"
 
 
 def speedup(metric: str, reference: float, value: float) -> float:
@@ -264,13 +278,13 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
     marked = caveated_backends(r for r in runs if r.status == "ok")
     for backend in backends:
         label = backend_label(backend, backend in marked)
-        table.add_column(label, justify="right")
+        table.add_column(plain(label), justify="right")
         if backend != ref_backend:
-            table.add_column(f"{label} speedup", justify="right")
+            table.add_column(plain(f"{label} speedup"), justify="right")
     mixed = mixed_workloads(runs)
     for row in rows:
         load = f"{row.config.load_label} {WORKLOAD_MARK}" if row.config in mixed else row.config.load_label
-        cells: list[RenderableType] = [row.config.scenario, context_label(row.config.input_len), load,
+        cells: list[RenderableType] = [plain(row.config.scenario), context_label(row.config.input_len), load,
                                        f"{row.metric} ({registry.column(row.metric).unit})"]
         for backend in backends:
             cells.append(row.values[backend].format() if backend in row.values else "—")
@@ -316,10 +330,10 @@ def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
     for config in dict.fromkeys(row.config for row in rows):
         mark = f" {WORKLOAD_MARK}" if config in mixed else ""
         title = f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}{mark}"
-        table = Table(title=title, title_justify="left")
+        table = Table(title=plain(title), title_justify="left")
         table.add_column("metric")
         for backend in backends:
-            table.add_column(backend_label(backend, backend in marked), justify="right")
+            table.add_column(plain(backend_label(backend, backend in marked)), justify="right")
         for row in (r for r in rows if r.config == config):
             table.add_row(registry.column(row.metric).label, *(_cell(row, b, ref_backend) for b in backends))
         parts.append(folding(table))
@@ -385,7 +399,7 @@ def format_records(records: Sequence[dict[str, Any]], fmt: str) -> str:
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
-        writer.writerows(records)
+        writer.writerows({k: csv_safe(v) for k, v in record.items()} for record in records)
         return out.getvalue()
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_md_cell(r[c]) for c in columns) + " |" for r in records]
@@ -465,7 +479,7 @@ def folding(table: Table) -> Table:
 def add_footnotes(table: Table, lines: Sequence[str]) -> None:
     """Print `lines` under the table, left-aligned (nothing when there are none)."""
     if lines:
-        table.caption = "\n".join(lines)
+        table.caption = plain("\n".join(lines))
         table.caption_justify = "left"
 
 
@@ -501,9 +515,9 @@ def runs_table(runs: Sequence[StoredRun]) -> Table:
         table.add_column(registry.column(metric).label.replace(" ", "\n"), justify="right")  # "TTFT / p50 / (ms)"
     for run in runs:
         table.add_row(
-            str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)), run.scenario,
-            backend_label(run.backend, bool(run.caveat)),
-            Text(run.engine, style="magenta" if run.simulated else ""),
+            str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)), plain(run.scenario),
+            plain(backend_label(run.backend, bool(run.caveat))),
+            plain(run.engine, "magenta" if run.simulated else ""),
             f"{context_label(run.input_len)} {load_label(run.load)}", str(run.repeat),
             _status_text(run),
             *(format_number(run_metric(run, m)) for m in listed),
@@ -533,7 +547,7 @@ def show_record(run: StoredRun) -> dict[str, Any]:
             "input_len": run.input_len, "output_len": run.output_len, "load": load_label(run.load),
             "num_requests": run.num_requests, "repeat": run.repeat, "seed": run.seed,
             "workload_hash": run.workload_hash, "model": run.model, "gpu": run.gpu,
-            "kernels": describe_kernels(run.kernels), "started_at": _when(run.started_at),
+            "kernels": kernels_text(run.kernels), "started_at": _when(run.started_at),
             "finished_at": _when(run.finished_at) if run.finished_at else None, "status": run.status,
             "error": run.error, **{k: _finite(v) for k, v in sorted(summary.items())}}
 
@@ -559,17 +573,17 @@ def show_run(run: StoredRun) -> RenderableType:
         ("model", run.model or "—"),
         ("gpu", run.gpu or "—"),
         *([("time scale", scale)] if (scale := time_scale(run)) else []),
-        ("kernels", describe_kernels(run.kernels)),
+        ("kernels", kernels_text(run.kernels)),
         ("started", _when(run.started_at)),
         ("finished", _when(run.finished_at) if run.finished_at else "—"),
         ("status", _status_text(run)),
     ]
     if run.error:
-        rows.append(("error", Text(run.error, style="red")))
+        rows.append(("error", plain(run.error, "red")))
     if run.backend_flags:
         rows.append(("server flags", " ".join(run.backend_flags)))
     for key, value in rows:
-        meta.add_row(key, value)
+        meta.add_row(key, plain(value) if isinstance(value, str) else value)
     parts: list[RenderableType] = []
     if run.simulated:
         parts.append(Text(f"{_SIMULATED}: every number below comes from the latency model, not a GPU",

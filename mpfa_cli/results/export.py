@@ -338,7 +338,13 @@ def _write(runs: Sequence[StoredRun], fmt: str, stream: TextIO, include_requests
         row["load"] = load_key(run.load)
         row["kernels"] = describe_kernels(run.kernels)
         row.update({k: _finite_or_none(v) for k, v in run.summary.items()})
-        writer.writerow(row)
+        writer.writerow({k: csv_safe(v) for k, v in row.items()})
+
+
+def csv_safe(value: Any) -> Any:
+    """A CSV cell a spreadsheet shows as text: a string starting =, +, -, @ (or a tab or CR, which some read past)
+    would be run as a formula (`=HYPERLINK(...)` in a scenario name), so it gets a leading '."""
+    return f"'{value}" if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r") else value
 
 
 def _finite_or_none(value: float) -> float | None:
