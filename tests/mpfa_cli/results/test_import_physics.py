@@ -3,6 +3,7 @@ range, an `ok` run without all its requests; oversized exports (a gzip bomb) and
 memory. Each refusal is one line naming the file, the run and the request; nothing is stored."""
 from __future__ import annotations
 
+import dataclasses
 import gzip
 import json
 import tracemalloc
@@ -16,6 +17,7 @@ from mpfa.mpfa_cli.app import app
 from mpfa.mpfa_cli.errors import UserError
 from mpfa.mpfa_cli.results.export import MAX_EXPORT_BYTES, read_export, run_to_dict
 from mpfa.mpfa_cli.results.metrics.summary import summarize
+from mpfa.mpfa_cli.results.recovery import RecoveryFile
 from mpfa.mpfa_cli.results.store import ResultStore
 
 
@@ -115,3 +117,18 @@ def test_an_oversized_string_is_refused(tmp_path, good_run, field, limit):
     assert f"{field} holds a string of {limit + 1} characters (at most {limit})" in result.stderr
     path.write_text(json.dumps({"runs": [{**good_run, "scenario": "x" * 10_000_000}]}))
     assert mpfa("import", path, "--db", tmp_path / "r.db").exit_code == 2
+
+
+def test_a_recovery_file_holding_an_impossible_request_is_refused(tmp_path, make_run, random_requests):
+    """Recovery files are read through the same checks: a request whose first token precedes its dispatch."""
+    requests = [r for r in random_requests(6) if r.ok]
+    requests[1] = dataclasses.replace(requests[1], dispatch_s=requests[1].chunk_s[0] + 1.0)
+    recovery = RecoveryFile([tmp_path], "results")
+    recovery.add_run(make_run("mpfa", 0, id=5, num_requests=4, status="running"))
+    recovery.add_requests(5, requests)
+    recovery.end_run(5, "ok", None, summarize(requests))
+    recovery.close()
+    result = mpfa("import", recovery.path, "--db", tmp_path / "r.db")
+    assert result.exit_code == 2 and "run 5 request 0: first token at" in result.stderr, result.output
+    with ResultStore(tmp_path / "r.db") as store:
+        assert store.list_runs() == []
