@@ -42,7 +42,7 @@ from ..results.export import dataclass_from_dict
 from ..results.metrics import registry
 from ..harness.records import RunRecord
 from .tables import (CAVEAT_MARK, BackendResult, Config, Estimate, aggregate, backend_label,
-                     caveat_notes, context_label, format_number, format_records, id_list, load_label)
+                     caveat_notes, context_label, format_number, format_records, id_list, load_label, plain)
 from ..harness.scenario import MAX_INPUT_LEN, MAX_REPEATS, load_problem
 from ..harness.safe_files import write_private
 from ..results.store import StoredRun, load_key
@@ -423,24 +423,24 @@ def gate_table(result: GateResult, verbose: bool = False) -> RenderableType | No
     rows = shown_checks(result, verbose)
     if not rows:
         return None
-    cells = {id(check): _row_cells(check, result) for check in rows}
-    widths = [max(len(column), *(cells[id(c)][i].cell_len for c in rows)) for i, column in enumerate(_COLUMNS[:-1])]
-    points: dict[tuple[Config, str], list[GateCheck]] = {}
+    points: dict[tuple[Config, str], list[list[Text]]] = {}
     for check in rows:
-        points.setdefault(_point(check), []).append(check)
+        points.setdefault(_point(check), []).append(_row_cells(check, result))
+    every_row = [cells for point in points.values() for cells in point]
+    widths = [max(len(column), *(cells[i].cell_len for cells in every_row)) for i, column in enumerate(_COLUMNS[:-1])]
     parts: list[RenderableType] = []
-    for n, checks in enumerate(points.values()):
-        e = checks[0].entry
-        parts.append(Text(f"{e.scenario} {context_label(e.input_len)} {load_label(e.load)} · "
-                          f"{backend_label(e.backend, bool(checks[0].caveat))}", style="bold"))
+    for n, ((config, backend), point_rows) in enumerate(points.items()):
+        caveated = any(c.caveat for c in rows if _point(c) == (config, backend))
+        parts.append(plain(f"{config.scenario} {context_label(config.input_len)} {config.load_label} · "
+                           f"{backend_label(backend, caveated)}", "bold"))
         table = Table(box=None, show_header=n == 0, header_style="bold dim", pad_edge=False, padding=(0, 1))
         for column, width in zip(_COLUMNS, [*widths, None]):
             table.add_column(column, width=width, overflow="fold",
                              justify="right" if column in ("baseline", "current", "change") else "left")
-        for check in checks:
-            table.add_row(*cells[id(check)])
+        for cells in point_rows:
+            table.add_row(*cells)
         parts.append(table)
-    parts.extend(Text(line) for line in caveat_notes(rows))
+    parts.extend(plain(line) for line in caveat_notes(rows))
     return Group(*parts)
 
 
@@ -448,7 +448,7 @@ def _row_cells(check: GateCheck, result: GateResult) -> list[Text]:
     missing_style = "dim" if result.allow_missing else "bold red"
     return [Text(registry.column(check.entry.metric).label), Text(check.entry.estimate.format()),
             Text(check.current.format() if check.current else "—"), Text(_change(check) or "—"),
-            Text(check.status, style=_STATUS_STYLE.get(check.status, missing_style)), Text(check.decided_by)]
+            Text(check.status, style=_STATUS_STYLE.get(check.status, missing_style)), plain(check.decided_by)]
 
 
 def _change(check: GateCheck) -> str | None:
