@@ -379,7 +379,7 @@ def gate_summary(result: GateResult) -> str:
     else:
         failing = {_point(c) for c in result.checks if _fails(c, result)}
         line = f"Gate FAILED: {len(failing)} of {len(points)} point(s): {result.failure()}"
-    return line + ("; SIMULATED (latency model, not a GPU)" if result.simulated else "")
+    return line + ("; SIMULATED" if result.simulated else "")
 
 
 def _point(check: GateCheck) -> tuple[Config, str]:

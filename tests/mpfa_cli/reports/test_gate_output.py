@@ -71,7 +71,7 @@ def test_a_passing_gate_says_so_in_one_line(judged, make_run, tmp_path):
 def test_simulated_runs_are_labelled(judged):
     db, baseline = judged(True)
     result = mpfa("gate", "--baseline", baseline, "--db", db)
-    assert result.stdout.splitlines()[0].endswith("; SIMULATED (latency model, not a GPU)")
+    assert result.stdout.splitlines()[0].endswith("; SIMULATED")
     doc = json.loads(mpfa("gate", "--baseline", baseline, "--db", db, "--format", "json").stdout)
     assert doc["simulated"] is True and "SIMULATED" in doc["summary"]
 
