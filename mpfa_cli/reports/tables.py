@@ -28,9 +28,8 @@ from ..results.metrics.repeats import mean_ci95
 from ..results.metrics.summary import summarize
 from ..errors import UserError
 from ..harness.records import RunRecord
-from ..results.export import csv_safe
+from ..results.export import csv_safe, kernels_text
 from ..results.run_owner import status_label
-from ..harness.served_kernels import describe_kernels
 from ..results.store import StoredRun, load_key
 
 _SHOWN_STATS = ("mean", "median", "p90", "p99")  # the stats of each distribution `mpfa show` prints
@@ -47,13 +46,6 @@ def plain(value: str, style: str = "") -> Text:
     """A user string (a scenario, backend or model name, an error) as Rich shows it literally: never read as markup
     (`[/x]` in a name), control characters such as terminal escape sequences written out (`\\x1b`), not sent."""
     return Text("".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in value), style=style)
-
-
-def kernels_text(kernels: Any) -> str:
-    """`describe_kernels`, or what a record that holds no kernel names holds (a run stored by an older mpfa)."""
-    if isinstance(kernels, dict) and all(isinstance(v, str) for v in kernels.values()):
-        return describe_kernels(kernels)
-    return f"unreadable ({json.dumps(kernels)[:80]})"
 
 
 def speedup(metric: str, reference: float, value: float) -> float:

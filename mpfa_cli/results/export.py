@@ -336,9 +336,16 @@ def _write(runs: Sequence[StoredRun], fmt: str, stream: TextIO, include_requests
     for run in runs:
         row: dict[str, Any] = {c: getattr(run, c) for c in _CSV_RUN_COLUMNS}
         row["load"] = load_key(run.load)
-        row["kernels"] = describe_kernels(run.kernels)
+        row["kernels"] = kernels_text(run.kernels)
         row.update({k: _finite_or_none(v) for k, v in run.summary.items()})
         writer.writerow({k: csv_safe(v) for k, v in row.items()})
+
+
+def kernels_text(kernels: Any) -> str:
+    """`describe_kernels`, or what a record that holds no kernel names holds (a run stored by an older mpfa)."""
+    if isinstance(kernels, dict) and all(isinstance(v, str) for v in kernels.values()):
+        return describe_kernels(kernels)
+    return f"unreadable ({json.dumps(kernels)[:80]})"
 
 
 def csv_safe(value: Any) -> Any:

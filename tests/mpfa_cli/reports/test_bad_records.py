@@ -89,3 +89,11 @@ def test_export_into_a_closed_pipe_ends_quietly(hostile_db, tmp_path, make_run):
                "echo \"${PIPESTATUS[0]}\"")
     done = subprocess.run(["bash", "-c", command], capture_output=True, text=True, timeout=60)
     assert done.stderr == "" and done.stdout.strip() == "141", done
+
+
+def test_a_kernels_value_that_is_not_a_mapping_does_not_break_a_csv_export(hostile_db):
+    with sqlite3.connect(hostile_db) as conn:
+        conn.execute("UPDATE runs SET kernels = ? WHERE id = 1", (json.dumps("fa3"),))
+    result = mpfa("export", "1", "--format", "csv", "--db", hostile_db)
+    assert result.exit_code == 0, result.output
+    assert next(csv.DictReader(io.StringIO(result.stdout)))["kernels"] == 'unreadable ("fa3")'
