@@ -57,7 +57,7 @@ def scenarios() -> None:
     """List the bundled scenarios."""
     from rich.table import Table
 
-    from ..reports.tables import folding
+    from ..reports.tables import folding, plain
     from ..harness.scenario import available_scenarios, load_scenario
 
     table = Table(title="Scenarios")
@@ -65,8 +65,9 @@ def scenarios() -> None:
         table.add_column(col)
     for name in available_scenarios():
         s = load_scenario(name)
-        table.add_row(name, s.model, ", ".join(p.label for p in s.points()), str(s.output_len),
-                      "/".join(sorted({str(p.num_requests) for p in s.points()}, key=int)), str(s.repeats), s.description)
+        table.add_row(plain(name), plain(s.model), ", ".join(p.label for p in s.points()), str(s.output_len),
+                      "/".join(sorted({str(p.num_requests) for p in s.points()}, key=int)), str(s.repeats),
+                      plain(s.description))
     console.print(folding(table))
 
 

@@ -3,6 +3,8 @@ of comma-separated option values."""
 from __future__ import annotations
 
 import functools
+import os
+import sys
 import traceback
 from pathlib import Path
 from typing import Annotated, Callable, NoReturn, Optional
@@ -96,7 +98,11 @@ def cli_errors(fn: Callable) -> Callable:
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
-            return fn(*args, **kwargs)
+            result = fn(*args, **kwargs)
+            sys.stdout.flush()  # here, where a closed pipe is caught, not at exit
+            return result
+        except BrokenPipeError:
+            _reader_gone()
         except (typer.Exit, typer.Abort, TyperException):
             raise  # Typer's own ends: usage errors (exit 2) and explicit exits
         except UserError as exc:
@@ -109,6 +115,13 @@ def cli_errors(fn: Callable) -> Callable:
             _fail(f"unexpected {type(exc).__name__}: {first_line}{hint}", 1)
 
     return wrapper
+
+
+def _reader_gone() -> NoReturn:
+    """The reader of stdout left (`mpfa export | head -c 100`): stop quietly with the shell's SIGPIPE status, 141;
+    stdout goes to /dev/null so the interpreter's last flush has nowhere to fail."""
+    os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    raise typer.Exit(141)
 
 
 _debug = False  # the global --debug, set by the app's callback before any command runs

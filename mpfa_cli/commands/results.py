@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
+from rich.markup import escape
 
 from .common import DbOption, cli_errors, console, err_console, number_list, open_store
 from .selection import (AccuracyFlag, BackendFilter, FormatOption, RefOption, RunIds, ScenarioFilter, WideFlag,
@@ -85,7 +86,8 @@ def compare(
     check_format(output_format)
     with _runs_store(from_exports, db, run_ids, "the run ids") as store:
         runs = compared_runs(store, run_ids, scenario)
-    (console if output_format == "table" else err_console).print(used_line(runs, from_exports), highlight=False)
+    (console if output_format == "table" else err_console).print(used_line(runs, from_exports), highlight=False,
+                                                                 markup=False)
     ref = ref or default_reference(runs)
     if output_format != "table":
         print(format_compare(runs, ref, output_format), end="")
@@ -132,7 +134,7 @@ def import_runs(
         outcomes = store.import_runs(check.run for _, check in checked)
     for path in files:
         mine = [(check, outcome) for (p, check), outcome in zip(checked, outcomes) if p == path]
-        console.print(f"{_import_line(path, mine)} — {store.path}", highlight=False, soft_wrap=True)
+        console.print(f"{_import_line(path, mine)} — {store.path}", highlight=False, soft_wrap=True, markup=False)
 
 
 def _checked_exports(files: list[Path]) -> list:
@@ -209,7 +211,7 @@ def plot(
     else:
         with _runs_store(from_exports, db, run_ids, "the run ids") as store:
             selected = compared_runs(store, run_ids, scenario)
-        console.print(used_line(selected, from_exports), highlight=False)
+        console.print(used_line(selected, from_exports), highlight=False, markup=False)
         paths = plot_runs(selected, ref or default_reference(selected), output or Path("mpfa-serving.png"), figure_format)
     console.print(f"wrote {', '.join(map(str, paths))}", highlight=False)
 
@@ -223,18 +225,23 @@ def gate(
     benchmark_json: Annotated[Optional[Path], typer.Option(help="Also write PREFIX-bigger.json (throughputs) and PREFIX-smaller.json (latencies): the runs' gated metrics for github-action-benchmark's custom tools.", metavar="PREFIX")] = None,
     allow_caveats: Annotated[bool, typer.Option("--allow-caveats/--no-allow-caveats", help="Gate runs whose numbers carry a caveat (not the backend's own; refused otherwise).")] = False,
     allow_missing: Annotated[bool, typer.Option("--allow-missing/--no-allow-missing", help="Pass although baseline entries have no current result or only failed runs.")] = False,
+    verbose: Annotated[bool, typer.Option("--verbose/--no-verbose", help="List every row, not only the regressions and missing points.")] = False,
+    output_format: Annotated[str, typer.Option("--format", help="table, md (Markdown) or json (every row).")] = "table",
     from_exports: FromExports = None, scenario: ScenarioFilter = None, db: DbOption = None,
 ) -> None:
-    """Judge the runs against a baseline: a regression is a drop beyond the tolerance with separated 95% CIs (the
-    tolerance alone where a side has a single repeat; each row says which rule decided it).
+    """Judge the newest pass of each point against a baseline: a regression is a drop beyond the tolerance with
+    separated 95% CIs (the tolerance alone where a side has a single repeat; each row says which rule decided it).
+    A point fails where any of its judged repeats failed, and where its runs are not newer than the baseline's.
 
-    A baseline written from exports (--write-baseline --from) lists them under its inputs.
+    Prints the verdict in one line, then the regressions and missing points (every row with --verbose). A baseline
+    written from exports (--write-baseline --from) lists them under its inputs.
 
-    Exit codes: 0 passed; 1 a regression, or a baseline entry missing or failed (unless --allow-missing);
-    2 bad usage or bad input (a malformed baseline, an unknown run id, incomparable runs).
+    Exit codes: 0 passed; 1 a regression, or a baseline point missing, failed or not re-measured (unless
+    --allow-missing); 2 bad usage or bad input (a malformed baseline, an unknown run id, incomparable runs).
     """
     from ..reports import gate as gating
 
+    gating.check_gate_format(output_format)
     named = distinct_ids([i for text in results or [] for i in number_list(text, "--results")])
     with _runs_store(from_exports, db, named, "--results") as store:
         runs = store.get_runs(named) if named else gating.newest_passes(store.list_runs(scenario=scenario))
@@ -256,9 +263,14 @@ def gate(
             raise UserError(f"no runs of {judged.gpu}, {judged.model} in {where}: every baseline entry is "
                             "missing", exit_code=1)
         result = gating.run_gate(judged, runs, gating.parse_tolerance(tolerance), allow_caveats, allow_missing)
-    console.print(gating.gate_table(result))
+    if output_format != "table":
+        print(gating.format_gate(result, output_format, verbose), end="")
+    else:
+        console.print(escape(gating.gate_summary(result)), style="bold" if result.ok else "bold red", highlight=False)
+        if (table := gating.gate_table(result, verbose)) is not None:
+            console.print(table)
     if not result.ok:
-        raise UserError(result.failure(), exit_code=1)
+        raise typer.Exit(1)
 
 
 

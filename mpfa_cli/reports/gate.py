@@ -9,10 +9,12 @@ A (scenario, context, load, backend, metric) entry regresses only when BOTH
 With a single repeat on either side no interval exists; that side counts as its point value, so the gate
 then falls back to the tolerance alone, and its row says so ("decided by").
 
-A baseline entry with no current result fails the gate too, unless `allow_missing`: "missing" (no run of that
-backend and point, or none of its workload) and "failed" (its runs ended failed or interrupted). Unless runs are
-named, only the newest pass of each (backend, point) counts (`newest_passes`): repeats of an older `mpfa bench`
-are not pooled with the current ones.
+A baseline entry with no trustworthy current result fails the gate too, unless `allow_missing`: "missing" (no run
+of that backend and point, or none of its workload), "failed" (any judged repeat of the point ended failed or
+interrupted: the ok ones are not judged without it) and "not re-measured" (a judged run started no later than the
+newest run the baseline was written from: the gate would judge the baseline's own runs). Unless runs are named,
+only the newest pass of each (backend, point) counts (`newest_passes`): repeats of an older `mpfa bench` are not
+pooled with the current ones.
 
 Runs that carry a caveat (their numbers are measured but not the backend's own, see `BackendSpec.caveat`) are
 refused, for a baseline and for judging alike, unless `allow_caveats` is set: a gate should not pass or fail on
@@ -31,6 +33,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
@@ -38,8 +41,8 @@ from ..errors import UserError
 from ..results.export import dataclass_from_dict
 from ..results.metrics import registry
 from ..harness.records import RunRecord
-from .tables import (CAVEAT_MARK, BackendResult, Config, Estimate, add_footnotes, aggregate, backend_label,
-                     caveat_notes, context_label, format_number, id_list, load_label)
+from .tables import (CAVEAT_MARK, BackendResult, Config, Estimate, aggregate, backend_label,
+                     caveat_notes, context_label, format_number, format_records, id_list, load_label, plain)
 from ..harness.scenario import MAX_INPUT_LEN, MAX_REPEATS, load_problem
 from ..harness.safe_files import write_private
 from ..results.store import StoredRun, load_key
@@ -63,6 +66,7 @@ class BaselineEntry:
     workload: str | None = None  # the workload hash of those runs (None: mixed, or a baseline older than the field)
     kernels: dict[str, str] | None = None  # the attention kernels their server ran (None: they differ, or unknown)
     revision: str | None = None  # their mpfa revision(s), comma-separated (None: not recorded)
+    measured_until: float | None = None  # start (wall clock) of the newest of those runs (None: an older baseline)
 
     @property
     def key(self) -> tuple[Config, str, str]:
@@ -83,7 +87,8 @@ class Baseline:
     inputs: list[str] = field(default_factory=list)  # the exports it was written from (`mpfa gate --from`)
 
 
-MISSING_STATUSES = ("missing", "failed", "other workload")  # no current result: fail unless allow_missing
+# No trustworthy current result: these fail the gate unless allow_missing.
+MISSING_STATUSES = ("missing", "failed", "other workload", "not re-measured")
 
 
 @dataclass
@@ -93,7 +98,7 @@ class GateCheck:
     entry: BaselineEntry
     current: Estimate | None
     worsening: float  # relative: +0.10 is 10% worse than the baseline mean, negative is better
-    status: str  # regression | ok | within noise | improved | missing | failed | other workload
+    status: str  # regression | ok | within noise | improved | one of MISSING_STATUSES
     decided_by: str  # the rule that set the status: tolerance and CIs, tolerance alone (n=1), or why none
     caveat: str | None = None  # of the current results, else of the baseline entry
 
@@ -107,6 +112,7 @@ class GateResult:
     checks: list[GateCheck]
     tolerance: float
     allow_missing: bool = False
+    simulated: bool = False  # judged simulated runs (the latency model's numbers, not a GPU's)
 
     @property
     def regressions(self) -> list[GateCheck]:
@@ -124,7 +130,7 @@ class GateResult:
         """Why the gate failed, in one line."""
         parts = [f"{len(self.regressions)} regression(s) beyond {self.tolerance:.1%}"] if self.regressions else []
         if self.missing and not self.allow_missing:
-            parts.append(f"{len(self.missing)} baseline entr(y/ies) missing or failed "
+            parts.append(f"{len(self.missing)} baseline entr(y/ies) missing, failed or not re-measured "
                          "(--allow-missing accepts that)")
         return "; ".join(parts)
 
@@ -163,7 +169,7 @@ def baseline_from_runs(runs: Sequence[StoredRun], metric_names: Sequence[str] | 
                 load=json.loads(config.load), metric=name, higher_is_better=registry.higher_is_better(name),
                 mean=est.mean, ci_low=est.ci_low, ci_high=est.ci_high, n=est.n, caveat=result.caveat,
                 workload=result.workload, kernels=json.loads(kernels) if kernels else None,
-                revision=", ".join(revisions) or None,
+                revision=", ".join(revisions) or None, measured_until=max(r.started_at for r in result.runs),
             ))
     if not entries:
         raise UserError("no run that finished ok with gated metrics: nothing to put in a baseline")
@@ -208,7 +214,7 @@ def _baseline_from_dict(doc: Any) -> Baseline:
 
 
 def _entry_from_dict(data: Any, what: str) -> BaselineEntry:
-    entry = dataclass_from_dict(BaselineEntry, data, what, optional={"caveat", "workload", "kernels", "revision"},
+    entry = dataclass_from_dict(BaselineEntry, data, what, optional={"caveat", "workload", "kernels", "revision", "measured_until"},
                                 ranges={"n": (1, MAX_REPEATS), "input_len": (1, MAX_INPUT_LEN)})
     if entry.higher_is_better != registry.higher_is_better(entry.metric):
         raise ValueError(f"{what}: higher_is_better is {entry.higher_is_better} for {entry.metric}")
@@ -264,10 +270,16 @@ def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = D
         config, backend, metric = entry.key
         result = results.get((config, backend))
         current = result.estimates.get(metric) if result else None
-        if current is None:
-            check = _absent(entry, unfinished.get((config, backend), []))
+        if failed := unfinished.get((config, backend)):
+            check = _failed(entry, failed)
+        elif current is None:
+            check = GateCheck(entry, None, math.nan, "missing", "no run of this backend and point")
         elif entry.workload and result.workload != entry.workload:  # other output length / requests / seed
             check = GateCheck(entry, None, math.nan, "other workload", "its runs served another workload")
+        elif stale := [r for r in result.runs if entry.measured_until is not None
+                       and r.started_at <= entry.measured_until]:
+            check = GateCheck(entry, None, math.nan, "not re-measured",
+                              f"run(s) {id_list(stale)} started before the baseline's newest run: measure anew")
         else:
             check = _judge(entry, current, tolerance)
         check.caveat = (result.caveat if result else None) or entry.caveat
@@ -275,7 +287,7 @@ def run_gate(baseline: Baseline, runs: Sequence[StoredRun], tolerance: float = D
     if all(c.status in ("missing", "other workload") for c in checks):
         raise UserError("none of the results match a baseline entry (scenario, context, load, backend, workload): "
                         "every baseline entry is missing", exit_code=1)
-    return GateResult(checks, tolerance, allow_missing)
+    return GateResult(checks, tolerance, allow_missing, simulated)
 
 
 def _unfinished(runs: Sequence[StoredRun]) -> dict[tuple[Config, str], list[StoredRun]]:
@@ -287,9 +299,7 @@ def _unfinished(runs: Sequence[StoredRun]) -> dict[tuple[Config, str], list[Stor
     return by_key
 
 
-def _absent(entry: BaselineEntry, unfinished: Sequence[StoredRun]) -> GateCheck:
-    if not unfinished:
-        return GateCheck(entry, None, math.nan, "missing", "no run of this backend and point")
+def _failed(entry: BaselineEntry, unfinished: Sequence[StoredRun]) -> GateCheck:
     reason = next((r.error for r in unfinished if r.error), None) or unfinished[0].status
     return GateCheck(entry, None, math.nan, "failed",
                      f"run(s) {id_list(unfinished)} {unfinished[0].status}: {reason.splitlines()[0]:.80}")
@@ -346,37 +356,103 @@ def _bounds(est: Estimate) -> tuple[float, float]:
     return est.ci_low, est.ci_high
 
 
+# --- the verdict: a summary line, then the rows that failed (all with verbose) ----------------------------------
+
+GATE_FORMATS = ("table", "md", "json")
 _STATUS_STYLE = {"regression": "bold red", "within noise": "yellow", "ok": "green", "improved": "cyan"}
 
 
-def _missing_style(result: GateResult) -> str:
-    """A missing or failed entry is red where it fails the gate, dim where --allow-missing accepts it."""
-    return "dim" if result.allow_missing else "bold red"
+def check_gate_format(fmt: str) -> None:
+    if fmt not in GATE_FORMATS:
+        raise UserError(f"--format: '{fmt}' is not one of {', '.join(GATE_FORMATS)}")
 
 
-def gate_table(result: GateResult) -> Table:
+def gate_summary(result: GateResult) -> str:
+    """The verdict in one line: 'Gate passed: 4 points ...' or 'Gate FAILED: 1 of 4 points: ...', SIMULATED where
+    the runs are the latency model's."""
+    points = {_point(c) for c in result.checks}
     if result.ok:
-        title = f"Gate passed (tolerance {result.tolerance:.1%}, 95% CIs)"
+        line = (f"Gate passed: {len(points)} point(s), {len(result.checks)} metric(s) within "
+                f"{result.tolerance:.1%} (95% CIs)")
         if result.missing:
-            title += f"; {len(result.missing)} entr(y/ies) missing or failed, allowed by --allow-missing"
+            line += f"; {len(result.missing)} missing or failed, allowed by --allow-missing"
     else:
-        title = f"Gate failed: {result.failure()}"
-    table = Table(title=title, title_justify="left")
-    for column in ("scenario", "context", "load", "backend", "metric", "baseline", "current", "change", "status",
-                   "decided by"):
-        table.add_column(column, justify="right" if column in ("baseline", "current", "change") else "left")
-    for check in result.checks:
-        e = check.entry
-        change = "—" if check.current is None else f"{_relative_change(e.mean, check.current.mean):+.1%}"
-        table.add_row(
-            e.scenario, context_label(e.input_len), load_label(e.load), backend_label(e.backend, bool(check.caveat)),
-            f"{e.metric} ({registry.column(e.metric).unit})", e.estimate.format(),
-            check.current.format() if check.current else "—", change,
-            Text(check.status, style=_STATUS_STYLE.get(check.status, _missing_style(result))),
-            check.decided_by,
-        )
-    add_footnotes(table, caveat_notes(result.checks))
-    return table
+        failing = {_point(c) for c in result.checks if _fails(c, result)}
+        line = f"Gate FAILED: {len(failing)} of {len(points)} point(s): {result.failure()}"
+    return line + ("; SIMULATED" if result.simulated else "")
+
+
+def _point(check: GateCheck) -> tuple[Config, str]:
+    config, backend, _ = check.entry.key
+    return config, backend
+
+
+def _fails(check: GateCheck, result: GateResult) -> bool:
+    return check.status == "regression" or (check.status in MISSING_STATUSES and not result.allow_missing)
+
+
+def shown_checks(result: GateResult, verbose: bool = False) -> list[GateCheck]:
+    """The rows a verdict lists: every one with `verbose`, else the regressions and missing points."""
+    return [c for c in result.checks if verbose or c.status == "regression" or c.status in MISSING_STATUSES]
+
+
+def gate_records(checks: Sequence[GateCheck]) -> list[dict[str, Any]]:
+    """The rows flat, one record per check, for --format md|json."""
+    return [{"scenario": c.entry.scenario, "context": context_label(c.entry.input_len),
+             "load": load_label(c.entry.load), "backend": c.backend, "metric": c.entry.metric,
+             "baseline": c.entry.estimate.format(), "current": c.current.format() if c.current else None,
+             "change": _change(c), "status": c.status, "decided_by": c.decided_by, "caveat": c.caveat}
+            for c in checks]
+
+
+def format_gate(result: GateResult, fmt: str, verbose: bool = False) -> str:
+    """The verdict as Markdown (the summary, then a table of the rows shown) or JSON (every row)."""
+    if fmt == "json":
+        return json.dumps({"passed": result.ok, "summary": gate_summary(result), "simulated": result.simulated,
+                           "tolerance": result.tolerance, "checks": gate_records(result.checks)}, indent=1) + "\n"
+    rows = shown_checks(result, verbose)
+    return f"**{gate_summary(result)}**\n" + (f"\n{format_records(gate_records(rows), 'md')}" if rows else "")
+
+
+_COLUMNS = ("metric", "baseline", "current", "change", "status", "why")
+
+
+def gate_table(result: GateResult, verbose: bool = False) -> RenderableType | None:
+    """The rows shown (`shown_checks`), under a heading line per point (scenario, context, load, backend), in columns
+    of one width throughout; only "why" wraps, at its spaces, so no cell is cut at 80 columns (None: no rows)."""
+    rows = shown_checks(result, verbose)
+    if not rows:
+        return None
+    points: dict[tuple[Config, str], list[list[Text]]] = {}
+    for check in rows:
+        points.setdefault(_point(check), []).append(_row_cells(check, result))
+    every_row = [cells for point in points.values() for cells in point]
+    widths = [max(len(column), *(cells[i].cell_len for cells in every_row)) for i, column in enumerate(_COLUMNS[:-1])]
+    parts: list[RenderableType] = []
+    for n, ((config, backend), point_rows) in enumerate(points.items()):
+        caveated = any(c.caveat for c in rows if _point(c) == (config, backend))
+        parts.append(plain(f"{config.scenario} {context_label(config.input_len)} {config.load_label} · "
+                           f"{backend_label(backend, caveated)}", "bold"))
+        table = Table(box=None, show_header=n == 0, header_style="bold dim", pad_edge=False, padding=(0, 1))
+        for column, width in zip(_COLUMNS, [*widths, None]):
+            table.add_column(column, width=width, overflow="fold",
+                             justify="right" if column in ("baseline", "current", "change") else "left")
+        for cells in point_rows:
+            table.add_row(*cells)
+        parts.append(table)
+    parts.extend(plain(line) for line in caveat_notes(rows))
+    return Group(*parts)
+
+
+def _row_cells(check: GateCheck, result: GateResult) -> list[Text]:
+    missing_style = "dim" if result.allow_missing else "bold red"
+    return [Text(registry.column(check.entry.metric).label), Text(check.entry.estimate.format()),
+            Text(check.current.format() if check.current else "—"), Text(_change(check) or "—"),
+            Text(check.status, style=_STATUS_STYLE.get(check.status, missing_style)), plain(check.decided_by)]
+
+
+def _change(check: GateCheck) -> str | None:
+    return None if check.current is None else f"{_relative_change(check.entry.mean, check.current.mean):+.1%}"
 
 
 # --- github-action-benchmark -------------------------------------------------------------------------------------

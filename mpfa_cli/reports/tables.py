@@ -28,9 +28,9 @@ from ..results.metrics.repeats import mean_ci95
 from ..results.metrics.summary import summarize
 from ..errors import UserError
 from ..harness.records import RunRecord
+from ..results.export import csv_safe, kernels_text
 from ..results.prefix_hits import hits_notes
 from ..results.run_owner import status_label
-from ..harness.served_kernels import describe_kernels
 from ..harness.sim_knobs import knobs_label
 from ..results.store import StoredRun, load_key
 
@@ -42,6 +42,12 @@ CAVEAT_MARK = "†"  # marks a backend whose runs carry a caveat; the caveat its
 WORKLOAD_MARK = "‡"  # marks a configuration whose runs served different workloads (output length, requests, seed)
 APART_MARK = "§"  # marks a speed-up measured on different machines or revisions (machine starts, GPUs, mpfa revisions)
 _STATUS_STYLE = {"ok": "green", "failed": "red", "interrupted": "yellow", "running": "cyan"}
+
+
+def plain(value: str, style: str = "") -> Text:
+    """A user string (a scenario, backend or model name, an error) as Rich shows it literally: never read as markup
+    (`[/x]` in a name), control characters such as terminal escape sequences written out (`\\x1b`), not sent."""
+    return Text("".join(c if c.isprintable() or c == "\n" else repr(c)[1:-1] for c in value), style=style)
 
 
 def speedup(metric: str, reference: float, value: float) -> float:
@@ -278,13 +284,13 @@ def compare_table(runs: Sequence[StoredRun], ref_backend: str,
     marked = caveated_backends(r for r in runs if r.status == "ok")
     for backend in backends:
         label = backend_label(backend, backend in marked)
-        table.add_column(label, justify="right")
+        table.add_column(plain(label), justify="right")
         if backend != ref_backend:
-            table.add_column(f"{label} speedup", justify="right")
+            table.add_column(plain(f"{label} speedup"), justify="right")
     mixed = mixed_workloads(runs)
     for row in rows:
         load = f"{row.config.load_label} {WORKLOAD_MARK}" if row.config in mixed else row.config.load_label
-        cells: list[RenderableType] = [row.config.scenario, context_label(row.config.input_len), load,
+        cells: list[RenderableType] = [plain(row.config.scenario), context_label(row.config.input_len), load,
                                        f"{row.metric} ({registry.column(row.metric).unit})"]
         for backend in backends:
             cells.append(row.values[backend].format() if backend in row.values else "—")
@@ -330,10 +336,10 @@ def compare_tables(runs: Sequence[StoredRun], ref_backend: str,
     for config in dict.fromkeys(row.config for row in rows):
         mark = f" {WORKLOAD_MARK}" if config in mixed else ""
         title = f"{config.scenario} · {context_label(config.input_len)} input · {config.load_label}{mark}"
-        table = Table(title=title, title_justify="left")
+        table = Table(title=plain(title), title_justify="left")
         table.add_column("metric")
         for backend in backends:
-            table.add_column(backend_label(backend, backend in marked), justify="right")
+            table.add_column(plain(backend_label(backend, backend in marked)), justify="right")
         for row in (r for r in rows if r.config == config):
             table.add_row(registry.column(row.metric).label, *(_cell(row, b, ref_backend) for b in backends))
         parts.append(folding(table))
@@ -402,7 +408,7 @@ def format_records(records: Sequence[dict[str, Any]], fmt: str) -> str:
         out = io.StringIO()
         writer = csv.DictWriter(out, fieldnames=columns, lineterminator="\n")
         writer.writeheader()
-        writer.writerows(records)
+        writer.writerows({k: csv_safe(v) for k, v in record.items()} for record in records)
         return out.getvalue()
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(_md_cell(r[c]) for c in columns) + " |" for r in records]
@@ -501,7 +507,7 @@ def whole_words(table: Table) -> Table:
 def add_footnotes(table: Table, lines: Sequence[str]) -> None:
     """Print `lines` under the table, left-aligned (nothing when there are none)."""
     if lines:
-        table.caption = "\n".join(lines)
+        table.caption = plain("\n".join(lines))
         table.caption_justify = "left"
 
 
@@ -540,9 +546,9 @@ def runs_table(runs: Sequence[StoredRun], more: int = 0) -> Table:
     for run in runs:
         table.add_row(
             str(run.id), time.strftime("%m-%d %H:%M", time.localtime(run.started_at)),
-            f"{run.scenario} {context_label(run.input_len)} {load_label(run.load)}",
-            Text.assemble(backend_label(run.backend, bool(run.caveat)), " ",
-                          (run.engine, "magenta" if run.simulated else "")),
+            Text.assemble(plain(run.scenario), f" {context_label(run.input_len)} {load_label(run.load)}"),
+            Text.assemble(plain(backend_label(run.backend, bool(run.caveat))), " ",
+                          plain(run.engine, "magenta" if run.simulated else "")),
             str(run.repeat + 1), _status_text(run),
             *(format_number(run_metric(run, m)) for m in listed),
         )
@@ -572,7 +578,7 @@ def show_record(run: StoredRun) -> dict[str, Any]:
             "input_len": run.input_len, "output_len": run.output_len, "load": load_label(run.load),
             "num_requests": run.num_requests, "repeat": run.repeat, "seed": run.seed,
             "workload_hash": run.workload_hash, "model": run.model, "gpu": run.gpu,
-            "kernels": describe_kernels(run.kernels), "started_at": _when(run.started_at),
+            "kernels": kernels_text(run.kernels), "started_at": _when(run.started_at),
             "finished_at": _when(run.finished_at) if run.finished_at else None, "status": run.status,
             "error": run.error, **{k: _finite(v) for k, v in sorted(summary.items())}}
 
@@ -598,17 +604,17 @@ def show_run(run: StoredRun) -> RenderableType:
         ("model", run.model or "—"),
         ("gpu", run.gpu or "—"),
         *([("time scale", scale)] if (scale := time_scale(run)) else []),
-        ("kernels", describe_kernels(run.kernels)),
+        ("kernels", kernels_text(run.kernels)),
         ("started", _when(run.started_at)),
         ("finished", _when(run.finished_at) if run.finished_at else "—"),
         ("status", _status_text(run)),
     ]
     if run.error:
-        rows.append(("error", Text(run.error, style="red")))
+        rows.append(("error", plain(run.error, "red")))
     if run.backend_flags:
         rows.append(("server flags", " ".join(run.backend_flags)))
     for key, value in rows:
-        meta.add_row(key, value)
+        meta.add_row(key, plain(value) if isinstance(value, str) else value)
     parts: list[RenderableType] = []
     if run.simulated:
         parts.append(Text(f"{simulated_label([run])}: every number below comes from the latency model, not a GPU",

@@ -5,11 +5,17 @@ Every exported run carries `simulated` and `caveat`, so simulator numbers cannot
 caveated numbers (measured, but not the backend's own) for clean ones, downstream, and the `kernels` its server ran
 (CSV: as one line, `describe_kernels`).
 A file name ending in `.gz` is written gzip-compressed (exports with every request are mostly repeated digits:
-about 6x smaller), and a gzip file is read back as such. Non-finite metric values are written as JSON null / an
+about 6x smaller), and a gzip file is read back as such, streamed and cut off past `MAX_EXPORT_BYTES` (a gzip bomb
+costs at most that much memory before it is refused). Non-finite metric values are written as JSON null / an
 empty CSV cell. A JSON export read back gives the runs
 as exported (null metrics as NaN); exports written before runs had a `caveat` read as caveat None, and those
 written without `--requests` as runs without requests, and those written before runs had `kernels` as runs with none
 recorded.
+
+Nothing read back is taken on trust: beyond types and ranges, a run must be physically possible (`ImpossibleRun`):
+each request's times ordered (dispatch <= first chunk <= ... <= completion), its tokens within what it asked for,
+its index in range, and a run marked ok must hold every one of its requests. Strings are bounded
+(`MAX_NAME_CHARS` for names, `MAX_TEXT_CHARS` for any other).
 """
 from __future__ import annotations
 
@@ -83,11 +89,23 @@ def run_to_dict(run: StoredRun, include_requests: bool = False) -> dict[str, Any
     return data
 
 
+# The most JSON one export may hold, decompressed: 7x the largest committed export (9 MB); parsing that much costs
+# at most ~0.4 GB (docs/reliability.md).
+MAX_EXPORT_BYTES = 64 * 2**20
+MAX_NAME_CHARS = 256  # scenario, backend, engine, model, gpu, workload hash, status
+MAX_TEXT_CHARS = 65536  # any other string: an error message, a server flag, a server-info value
+_NAMES = ("scenario", "backend", "engine", "model", "gpu", "workload_hash", "status")
+
+
+class ImpossibleRun(ValueError):
+    """A run that no bench could have measured: times out of order, tokens beyond the request, an index out of
+    range, or `ok` without all its requests."""
+
+
 def read_export(path: Path) -> list[StoredRun]:
     """The runs of a JSON export written by `export_runs` (ids as exported); anything else is a UserError."""
     try:
-        raw = path.read_bytes()
-        doc = json.loads((gzip.decompress(raw) if raw[:2] == b"\x1f\x8b" else raw).decode("utf-8"))
+        doc = json.loads(_export_bytes(path).decode("utf-8"))
     except OSError as exc:  # gzip.BadGzipFile is one
         raise UserError(f"cannot read {path}: {exc.strerror or exc}") from None
     except (EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError, RecursionError):
@@ -96,8 +114,22 @@ def read_export(path: Path) -> list[StoredRun]:
         raise UserError(f"{path} is not an mpfa JSON export (no top-level \"runs\" list)")
     try:
         return [run_from_dict(data) for data in doc["runs"]]
+    except ImpossibleRun as exc:
+        raise UserError(f"{path}: {exc}: not imported") from None
     except ValueError as exc:
         raise UserError(f"{path} is not an mpfa JSON export: {exc}") from None
+
+
+def _export_bytes(path: Path) -> bytes:
+    """The file's bytes, decompressed if gzip, read in a stream that stops past `MAX_EXPORT_BYTES`."""
+    with path.open("rb") as raw:
+        compressed = raw.read(2) == b"\x1f\x8b"
+        raw.seek(0)
+        data = (gzip.GzipFile(fileobj=raw, mode="rb") if compressed else raw).read(MAX_EXPORT_BYTES + 1)
+    if len(data) > MAX_EXPORT_BYTES:
+        raise UserError(f"{path} holds more than {MAX_EXPORT_BYTES // 2**20} MiB of JSON"
+                        f"{' once decompressed' if compressed else ''}: refused (split the export by scenario)")
+    return data
 
 
 # Ranges of a run's and a request's numbers (inclusive); every other int must fit SQLite's 64 bits, every float
@@ -126,7 +158,38 @@ def run_from_dict(data: Any) -> StoredRun:
     if len(set(indices)) < len(indices):
         twice = next(i for i in indices if indices.count(i) > 1)
         raise ValueError(f"run {run.id} lists request index {twice} twice")
+    _check_physics(run)
     return run
+
+
+def _check_physics(run: StoredRun) -> None:
+    """Raise `ImpossibleRun` naming the run (and request) that no bench could have measured."""
+    if run.finished_at is not None and run.finished_at < run.started_at:
+        raise ImpossibleRun(f"run {run.id} finished at {run.finished_at} before it started at {run.started_at}")
+    for request in run.requests:
+        where = f"run {run.id} request {request.index}"
+        if not request.warmup and not 0 <= request.index < run.num_requests:
+            raise ImpossibleRun(f"{where}: index out of range (its measured requests are 0..{run.num_requests - 1})")
+        if problem := _timing_problem(request):
+            raise ImpossibleRun(f"{where}: {problem}")
+    measured_count = sum(not r.warmup for r in run.requests)
+    if run.status == "ok" and run.requests and measured_count != run.num_requests:
+        raise ImpossibleRun(f"run {run.id} is marked ok but holds {measured_count} of its {run.num_requests} "
+                            "requests")
+
+
+def _timing_problem(request: RequestRecord) -> str | None:
+    """What makes one request's record impossible, if anything: times out of order or more tokens than asked."""
+    times = [request.dispatch_s, *request.chunk_s]
+    if request.chunk_s and request.chunk_s[0] < request.dispatch_s:
+        return f"first token at {request.chunk_s[0]} s, before its dispatch at {request.dispatch_s} s (negative TTFT)"
+    if any(later < earlier for earlier, later in zip(times[1:], times[2:])):
+        return "chunk times run backwards"
+    if request.completion_s is not None and request.completion_s < times[-1]:
+        return f"completion at {request.completion_s} s, before its last chunk or dispatch at {times[-1]} s"
+    if (tokens := max(sum(request.chunk_tokens), request.output_tokens)) > request.max_new_tokens:
+        return f"{tokens} tokens for a request of at most {request.max_new_tokens}"
+    return None
 
 
 def _request_from_dict(data: Any, what: str) -> RequestRecord:
@@ -156,6 +219,9 @@ def dataclass_from_dict(cls: type, data: Any, what: str, optional: set[str] = fr
     if missing := sorted(n for n in fields if n not in data and n not in optional):
         raise ValueError(f"a {what} lacks field(s) {', '.join(missing)}")
     for name, value in data.items():
+        limit = MAX_NAME_CHARS if name in _NAMES else MAX_TEXT_CHARS
+        if (longest := _longest_string(value)) > limit:
+            raise ValueError(f"a {what}'s {name} holds a string of {longest} characters (at most {limit})")
         if name in fields and not _conforms(value, hints[name]):
             raise ValueError(f"a {what}'s {name} is {value!r:.40}, not {_type_name(hints[name])}")
         low, high = (ranges or {}).get(name, _INT64)
@@ -189,6 +255,17 @@ def _conforms(value: Any, hint: Any) -> bool:
 
 def _is_number(value: Any, kind: type) -> bool:
     return isinstance(value, int if kind is int else (int, float)) and not isinstance(value, bool)
+
+
+def _longest_string(value: Any) -> int:
+    """The length of the longest string in a JSON value, keys included (0: none)."""
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, list):
+        return max(map(_longest_string, value), default=0)
+    if isinstance(value, dict):
+        return max((max(len(str(k)), _longest_string(v)) for k, v in value.items()), default=0)
+    return 0
 
 
 def _all_finite(value: Any) -> bool:
@@ -260,9 +337,22 @@ def _write(runs: Sequence[StoredRun], fmt: str, stream: TextIO, include_requests
     for run in runs:
         row: dict[str, Any] = {c: getattr(run, c) for c in _CSV_RUN_COLUMNS}
         row["load"] = load_key(run.load)
-        row["kernels"] = describe_kernels(run.kernels)
+        row["kernels"] = kernels_text(run.kernels)
         row.update({k: _finite_or_none(v) for k, v in run.summary.items()})
-        writer.writerow(row)
+        writer.writerow({k: csv_safe(v) for k, v in row.items()})
+
+
+def kernels_text(kernels: Any) -> str:
+    """`describe_kernels`, or what a record that holds no kernel names holds (a run stored by an older mpfa)."""
+    if isinstance(kernels, dict) and all(isinstance(v, str) for v in kernels.values()):
+        return describe_kernels(kernels)
+    return f"unreadable ({json.dumps(kernels)[:80]})"
+
+
+def csv_safe(value: Any) -> Any:
+    """A CSV cell a spreadsheet shows as text: a string starting =, +, -, @ (or a tab or CR, which some read past)
+    would be run as a formula (`=HYPERLINK(...)` in a scenario name), so it gets a leading '."""
+    return f"'{value}" if isinstance(value, str) and value[:1] in ("=", "+", "-", "@", "\t", "\r") else value
 
 
 def _finite_or_none(value: float) -> float | None:

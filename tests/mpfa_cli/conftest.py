@@ -6,6 +6,7 @@ The suite runs with --import-mode=importlib, so helpers reach tests as fixtures,
 from __future__ import annotations
 
 import json
+import itertools
 import random
 import socket
 import sqlite3
@@ -111,13 +112,14 @@ MODEL = "llama-3.1-8b"
 
 
 def _random_requests(rng: random.Random, n: int, input_len: int = 2048, max_new: int = 16) -> list[RequestRecord]:
-    """`n` requests with random dispatch, first-token and chunk times; one warmup and one failure among them."""
+    """`n` requests with random dispatch, first-token and chunk times: a warmup (index -1, as the client numbers
+    them), then measured ones 0..n-2, the last of them failed."""
     records = []
     t = rng.uniform(0.0, 1.0)
     for i in range(n):
         t += rng.uniform(0.01, 0.2)
         if i == n - 1:
-            records.append(RequestRecord(i, input_len, max_new, t, error=f"HTTP 500 (req {rng.randint(0, 99)})"))
+            records.append(RequestRecord(i - 1, input_len, max_new, t, error=f"HTTP 500 (req {rng.randint(0, 99)})"))
             continue
         chunk_s, chunk_tokens = [], []
         clock = t + rng.uniform(0.05, 0.5)
@@ -129,7 +131,7 @@ def _random_requests(rng: random.Random, n: int, input_len: int = 2048, max_new:
             produced += k
             clock += rng.uniform(0.005, 0.03)
         records.append(RequestRecord(
-            index=i, input_len=input_len, max_new_tokens=max_new, dispatch_s=t, warmup=(i == 0),
+            index=i - 1, input_len=input_len, max_new_tokens=max_new, dispatch_s=t, warmup=(i == 0),
             chunk_s=chunk_s, chunk_tokens=chunk_tokens, completion_s=chunk_s[-1] + rng.uniform(0, 0.01),
             output_tokens=produced, prompt_tokens=input_len + rng.randint(0, 3),
         ))
@@ -148,10 +150,15 @@ def _make_run(backend: str, repeat: int = 0, summary: dict[str, float] | None = 
     return StoredRun(**fields)
 
 
+_passes = itertools.count()
+
+
 def _runs_with(metric: str, per_backend: dict[str, list[float]], **overrides: Any) -> list[StoredRun]:
-    """One run per (backend, repeat) whose summary holds `metric` = the given per-repeat value."""
+    """One run per (backend, repeat) whose summary holds `metric` = the given per-repeat value; each call a new pass
+    started after the one before (the gate judges only runs newer than its baseline's)."""
+    start = 1_700_000_000.0 + 1000 * next(_passes)
     return [
-        _make_run(backend, repeat, {metric: value}, **overrides)
+        _make_run(backend, repeat, {metric: value}, **{"started_at": start + repeat, **overrides})
         for backend, values in per_backend.items()
         for repeat, value in enumerate(values)
     ]

@@ -10,7 +10,7 @@ from mpfa.mpfa_cli.results.store import ResultStore
 CAVEAT = BACKENDS["mpfa"].caveat
 
 
-def _store_runs(db) -> None:
+def _store_runs(db, started_at: float = 1_764_000_000.0) -> None:
     """Two repeats each of a measured fa4-bf16 and a measured, caveated mpfa run, finished ok."""
     with ResultStore(db) as store:
         for backend in ("fa4-bf16", "mpfa"):
@@ -18,7 +18,7 @@ def _store_runs(db) -> None:
                 run = RunRecord(
                     scenario="smoke", backend=backend, engine="sglang", simulated=False, load={"concurrency": 2},
                     repeat=repeat, input_len=256, output_len=8, num_requests=4, seed=3, workload_hash="5a1e",
-                    started_at=1_764_000_000.0 + repeat, caveat=BACKENDS[backend].caveat, model="llama-3.1-8b",
+                    started_at=started_at + repeat, caveat=BACKENDS[backend].caveat, model="llama-3.1-8b",
                     gpu="NVIDIA H200",
                 )
                 store.finish_run(store.begin_run(run), "ok", summary={
@@ -40,6 +40,7 @@ def test_runs_marks_and_gate_refuses_caveated_runs_unless_allowed(mpfa, tmp_path
     written = mpfa("gate", "--baseline", str(baseline), "--write-baseline", "--allow-caveats")
     assert written.returncode == 0, written.stderr
     assert {e["caveat"] for e in json.loads(baseline.read_text())["entries"]} == {None, CAVEAT}
-    judged = mpfa("gate", "--baseline", str(baseline), "--allow-caveats")
+    _store_runs(mpfa.db, started_at=1_764_000_100.0)  # measured anew
+    judged = mpfa("gate", "--baseline", str(baseline), "--allow-caveats", "--verbose")
     assert judged.returncode == 0, judged.stderr
     assert "Gate passed" in judged.stdout and "mpfa †" in judged.stdout

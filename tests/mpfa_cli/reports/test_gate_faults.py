@@ -41,6 +41,12 @@ def gated(tmp_path, make_run):
     return db, baseline
 
 
+def remeasure(db: Path, make_run) -> None:
+    """A new pass of both backends with the baseline's numbers, started after it."""
+    stored(db, otps_runs(make_run, "mpfa", [1000, 1002, 998], offset=100)
+           + otps_runs(make_run, "fa4-bf16", [500, 501, 499], offset=100))
+
+
 def test_baseline_records_n_gpu_kernels_and_revision(gated):
     _, path = gated
     baseline = read_baseline(path)
@@ -56,7 +62,8 @@ def test_a_backend_whose_newest_runs_all_failed_fails_the_gate(gated, make_run):
               for i in range(3)])
     result = mpfa("gate", "--baseline", baseline, "--db", db)
     assert result.exit_code == 1, result.output
-    assert "1 baseline entr(y/ies) missing or failed" in result.stderr
+    assert result.stdout.startswith("Gate FAILED: 1 of 2 point(s): 1 baseline entr(y/ies) missing, failed or not "
+                                    "re-measured")
     assert "failed" in result.stdout and "server died" in result.stdout
     assert mpfa("gate", "--baseline", baseline, "--db", db, "--allow-missing").exit_code == 0
 
@@ -83,9 +90,10 @@ def test_only_the_newest_pass_counts_unless_runs_are_named(gated, make_run):
         current = newest_passes(store.list_runs())
     assert sorted(r.id for r in current) == [7, 8, 9, 10]
     result = mpfa("gate", "--baseline", baseline, "--db", db)
-    assert result.exit_code == 1 and "1 regression(s) beyond 5.0%" in result.stderr
-    # Named, the runs are judged as given: here the old pass alone, which passes.
-    assert mpfa("gate", "--baseline", baseline, "--results", "1,2,3,4,5,6", "--db", db).exit_code == 0
+    assert result.exit_code == 1 and "1 regression(s) beyond 5.0%" in result.stdout
+    # Named, the runs are judged as given: here the old pass alone, the baseline's own runs, not a re-measurement.
+    result = mpfa("gate", "--baseline", baseline, "--results", "1,2,3,4,5,6", "--db", db)
+    assert result.exit_code == 1 and result.stdout.count("not re-measured  run(s)") == 2, result.output
 
 
 def test_each_row_says_which_rule_decided_it(make_run, runs_with):
@@ -97,10 +105,11 @@ def test_each_row_says_which_rule_decided_it(make_run, runs_with):
     assert check.decided_by == "5.0% and 95% CIs"
 
 
-def test_benchmark_json_writes_github_benchmark_files_beside_the_verdict(gated, tmp_path):
+def test_benchmark_json_writes_github_benchmark_files_beside_the_verdict(gated, tmp_path, make_run):
     """`--benchmark-json PREFIX` also writes PREFIX-bigger.json and PREFIX-smaller.json (github-action-benchmark) of
     the runs judged; the verdict is unchanged."""
     db, baseline = gated
+    remeasure(db, make_run)
     result = mpfa("gate", "--baseline", baseline, "--db", db, "--benchmark-json", tmp_path / "bench")
     assert result.exit_code == 0 and "Gate passed" in result.output
     bigger = json.loads((tmp_path / "bench-bigger.json").read_text())
@@ -116,10 +125,11 @@ def test_one_run_named_twice_is_refused(gated):
         assert result.exit_code == 2 and "named more than once" in result.stderr, result.output
 
 
-def test_gate_from_exports_uses_only_them_and_refuses_results_or_db(gated, tmp_path):
+def test_gate_from_exports_uses_only_them_and_refuses_results_or_db(gated, tmp_path, make_run):
     """--from gates the runs of the exports named (the database is not read or written); with --results or --db, or
     an export that is not there, it says so in one line."""
     db, baseline = gated
+    remeasure(db, make_run)
     export = tmp_path / "runs.json"
     assert mpfa("export", "--requests", "-o", export, "--db", db).exit_code == 0
     before = db.read_bytes()
@@ -154,3 +164,44 @@ def test_compare_and_plot_from_exports_match_the_database(gated, tmp_path):
     refused = mpfa("compare", "1", "--from", export)
     assert refused.exit_code == 2 and refused.stderr.strip() == \
         "error: --from takes the runs from the exports: drop the run ids and --db", refused.output
+
+
+def test_a_point_whose_newest_pass_has_a_failed_repeat_fails(gated, make_run):
+    """The issue's case: the newest pass's repeat 1 failed for every backend, its other repeats are fine."""
+    db, baseline = gated
+    for backend, values in (("mpfa", [1000, 1001, 999]), ("fa4-bf16", [500, 501, 499])):
+        runs = otps_runs(make_run, backend, values, offset=100)
+        runs[1] = make_run(backend, 1, {}, status="failed", error="HTTP 500", started_at=1_700_000_101.0)
+        stored(db, runs)
+    result = mpfa("gate", "--baseline", baseline, "--db", db)
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith("Gate FAILED: 2 of 2 point(s)")
+    assert result.stdout.count("HTTP 500") == 2
+
+
+def test_a_baseline_point_that_was_not_re_measured_fails(tmp_path, make_run):
+    """The issue's case: after the README recipe only one of two points is measured anew; the other's newest pass is
+    the very runs the baseline was written from, and fails, naming them."""
+    db, baseline = tmp_path / "r.db", tmp_path / "baseline.json"
+    one, eight = {"concurrency": 1}, {"concurrency": 8}
+    stored(db, otps_runs(make_run, "mpfa", [1000, 1002], load=one) + otps_runs(make_run, "mpfa", [900, 902], load=eight))
+    assert mpfa("gate", "--write-baseline", "--baseline", baseline, "--db", db).exit_code == 0
+    stored(db, otps_runs(make_run, "mpfa", [1001, 1003], offset=100, load=one))
+    result = mpfa("gate", "--baseline", baseline, "--db", db)
+    assert result.exit_code == 1, result.output
+    assert result.stdout.startswith("Gate FAILED: 1 of 2 point(s)")
+    assert "c=8" in result.stdout and "not re-measured" in result.stdout and "c=1 " not in result.stdout
+    # Once that point is measured anew too, the gate passes.
+    stored(db, otps_runs(make_run, "mpfa", [901, 903], offset=200, load=eight))
+    assert mpfa("gate", "--baseline", baseline, "--db", db).exit_code == 0
+
+
+def test_a_baseline_without_its_runs_start_times_is_judged_as_before(gated, tmp_path):
+    """A baseline written before `measured_until` existed cannot tell its own runs: it judges them as it did."""
+    db, path = gated
+    doc = json.loads(path.read_text())
+    for entry in doc["entries"]:
+        del entry["measured_until"]
+    older = tmp_path / "older.json"
+    older.write_text(json.dumps(doc))
+    assert mpfa("gate", "--baseline", older, "--db", db).exit_code == 0

@@ -1,7 +1,8 @@
 """The committed H100 baseline (profiles/baselines/h100.json) gated through the CLI against the committed exports it
 was written from (each point's backends side by side on one GPU; four machine starts: 32K and 128K at c=1, 16K and
 64K (c=1) with 16K c=8, 32K and 64K at c=8, 128K at c=8):
-it passes, and a copy with one backend's requests degraded fails whatever its stale summary says. A change to the
+a re-measurement of them passes (copies started later), the very runs it was written from are not one and fail, and
+a re-measured copy with one backend's requests degraded fails whatever its stale summary says. A change to the
 gate's logic, its aggregation or the baseline format that breaks either fails here, on CPU, without a GPU.
 
 The baseline is written (docs/performance.md, "The CI gate's baseline") by
@@ -48,8 +49,12 @@ def imported(db: Path, *exports: Path) -> list[str]:
         return [arg for run in store.list_runs() for arg in ("--results", str(run.id))]
 
 
+LATER = 86_400.0  # seconds a copy's runs are moved later: a re-measurement, after the baseline's runs
+
+
 def degraded_copies(dest: Path, factor: float = 0.7) -> list[Path]:
-    """Every export with DEGRADED's runs slowed down by `factor` (`degraded_copy`), in `dest`."""
+    """Every export re-measured (started a day later) with DEGRADED's runs slowed down by `factor`
+    (`degraded_copy`), in `dest`."""
     return [degraded_copy(path, dest / f"degraded-{path.stem}", factor) for path in EXPORTS]  # plain .json
 
 
@@ -60,6 +65,8 @@ def degraded_copy(path: Path, dest: Path, factor: float = 0.7) -> Path:
     doc = json.loads(gzip.decompress(path.read_bytes()))
     hit = 0
     for run in doc["runs"]:
+        run["started_at"] += LATER
+        run["finished_at"] = run["finished_at"] and run["finished_at"] + LATER
         if (run["scenario"], run["backend"]) == DEGRADED:
             start = min(r["dispatch_s"] for r in run["requests"])
             stretch = lambda t: start + (t - start) / factor  # noqa: E731
@@ -74,15 +81,19 @@ def degraded_copy(path: Path, dest: Path, factor: float = 0.7) -> Path:
 
 
 def regression_lines(output: str) -> list[str]:
-    return [line for line in output.splitlines() if "│ regression " in line]
+    return [line for line in output.splitlines() if " regression " in line]
 
 
-def test_baseline_passes_on_the_runs_it_was_written_from(tmp_path):
-    results = imported(tmp_path / "r.db", *EXPORTS)
+def test_baseline_passes_a_re_measurement_and_fails_the_runs_it_was_written_from(tmp_path):
+    results = imported(tmp_path / "r.db", *degraded_copies(tmp_path, factor=1.0))
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 0, result.output
-    assert "Gate passed" in result.output
-    assert "not measured" not in result.output and "regression" not in result.output
+    assert result.output == "Gate passed: 23 point(s), 69 metric(s) within 5.0% (95% CIs)\n"
+    own = imported(tmp_path / "own.db", *EXPORTS)
+    result = mpfa("gate", "--baseline", BASELINE, *own, "--db", tmp_path / "own.db")
+    assert result.exit_code == 1, result.output
+    assert result.output.startswith("Gate FAILED: 23 of 23 point(s): 69 baseline entr(y/ies) missing, failed or not "
+                                    "re-measured")
 
 
 def test_a_later_rerun_reproduces_the_baseline(tmp_path):
@@ -90,7 +101,8 @@ def test_a_later_rerun_reproduces_the_baseline(tmp_path):
     the baseline: fa3-fp8 and mpfa within 0.5% of their earlier means."""
     rerun = PROFILES / "results" / "serve-serving-matrix-128k-c1-fa3-fp8-mpfa-h100.json.gz"
     results = imported(tmp_path / "r.db", rerun)
-    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing")
+    result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing",
+                  "--verbose")
     assert result.exit_code == 0, result.output
     assert result.output.count("current n=1") == 6 and "regression" not in result.output
 
@@ -133,19 +145,20 @@ def test_write_baseline_from_the_exports_rewrites_the_committed_one(tmp_path, mo
     assert {k: v for k, v in fresh.items() if k != "created_at"} == \
         {k: v for k, v in committed.items() if k != "created_at"}
     result = mpfa("gate", "--baseline", BASELINE, *[a for n in named for a in ("--from", n)])
-    assert result.exit_code == 0 and "Gate passed" in result.output, result.output
+    assert result.exit_code == 1 and "23 of 23 point(s)" in result.output, result.output  # not re-measured
 
 
 def test_gate_fails_on_a_drop_hidden_behind_a_stale_summary(tmp_path):
     results = imported(tmp_path / "r.db", *degraded_copies(tmp_path))
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 1, result.output
-    assert f"{3 * POINTS} regression(s) beyond 5.0%" in result.stderr
+    assert result.stdout.startswith(f"Gate FAILED: {POINTS} of 23 point(s): {3 * POINTS} regression(s) beyond 5.0%")
     regressions = regression_lines(result.stdout)
-    assert len(regressions) == 3 * POINTS and all(" mpfa " in line for line in regressions)
-    assert any("otps" in line and "-30.0%" in line for line in regressions)
-    assert any("tpot_ms_median" in line and "+42.9%" in line for line in regressions)
-    assert any("ttft_ms_median" in line and "+42.9%" in line for line in regressions)
+    assert len(regressions) == 3 * POINTS
+    assert result.stdout.count(" · mpfa\n") == POINTS and " · fa3" not in result.stdout
+    assert any("OTPS" in line and "-30.0%" in line for line in regressions)
+    assert any("TPOT p50" in line and "+42.9%" in line for line in regressions)
+    assert any("TTFT p50" in line and "+42.9%" in line for line in regressions)
 
 
 @pytest.mark.parametrize("factor, exit_code", [(0.8, 1), (0.99, 0)])
@@ -170,8 +183,9 @@ def test_runs_of_another_workload_are_not_judged(tmp_path):
     results = imported(tmp_path / "r.db", *worse)
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 1, result.output  # no comparable result for mpfa
-    assert "missing or failed" in result.stderr
+    assert "other workload" in result.stdout and "missing, failed or not re-measured" in result.stdout
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db", "--allow-missing")
     assert result.exit_code == 0, result.output
-    other = [line for line in result.stdout.splitlines() if line.rstrip(" │").endswith("other workload")]
-    assert len(other) == POINTS * len(GATED) and all(" mpfa " in line for line in other)
+    other = [line for line in result.stdout.splitlines() if "  other workload  " in line]
+    assert len(other) == POINTS * len(GATED) and result.stdout.count(" · mpfa\n") == POINTS
+    assert " · fa3" not in result.stdout

@@ -2,12 +2,13 @@
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 
 import pytest
 from rich.console import Console
 
 from mpfa.mpfa_cli.errors import UserError
-from mpfa.mpfa_cli.reports.gate import (baseline_from_runs, gate_table, parse_tolerance, read_baseline, run_gate,
+from mpfa.mpfa_cli.reports.gate import (baseline_from_runs, gate_summary, gate_table, parse_tolerance, read_baseline, run_gate,
                                         write_baseline, write_github_benchmark)
 
 
@@ -27,7 +28,8 @@ def test_throughput_drop_beyond_tolerance_with_separated_cis_fails(rng, runs_wit
     assert not result.ok
     (check,) = result.regressions
     assert check.entry.metric == "otps" and check.worsening == pytest.approx(0.15, abs=0.03)
-    assert "1 regression(s)" in render(gate_table(result))
+    assert gate_summary(result).startswith("Gate FAILED: 1 of 1 point(s): 1 regression(s)")
+    assert "regression" in render(gate_table(result))
 
 
 def test_latency_rise_beyond_tolerance_with_separated_cis_fails(rng, runs_with):
@@ -93,7 +95,9 @@ def test_baseline_round_trip(tmp_path, rng, make_run):
     assert {e["metric"] for e in doc["entries"]} == {"otps", "ttft_ms_median", "tpot_ms_median"}
     assert len(doc["entries"]) == 2 * 2 * 3
     assert read_baseline(tmp_path / "sub" / "baseline.json") == written
-    assert run_gate(written, runs, tolerance=0.0).ok
+    # The baseline's own runs are not a re-measurement; the same numbers measured later pass.
+    assert {c.status for c in run_gate(written, runs).checks} == {"not re-measured"}
+    assert run_gate(written, [replace(r, started_at=r.started_at + 1000) for r in runs], tolerance=0.0).ok
 
 
 def test_bad_baseline_and_tolerance_are_clear_errors(tmp_path):

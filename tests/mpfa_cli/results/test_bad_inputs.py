@@ -129,7 +129,7 @@ def test_a_stale_summary_is_replaced_by_its_requests_and_said_so(tmp_path, expor
 
 
 def test_an_ok_run_with_failed_requests_is_stored_failed(tmp_path, export_run):
-    result = mpfa("import", write(tmp_path / "e.json", {"runs": [{**export_run, "status": "ok"}]}),
+    result = mpfa("import", write(tmp_path / "e.json", {"runs": [{**export_run, "status": "ok", "num_requests": 4}]}),
                   "--db", tmp_path / "r.db")
     assert result.exit_code == 0 and "did not finish ok" in result.stdout
     with ResultStore(tmp_path / "r.db") as store:

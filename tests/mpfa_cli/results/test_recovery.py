@@ -22,8 +22,9 @@ def mpfa(*args):
     return CliRunner().invoke(app, [str(a) for a in args], env={"COLUMNS": "250"})
 
 
-def _run(make_run) -> RunRecord:
-    stored = make_run("fa4-bf16")
+def _run(make_run, num_requests: int = 16) -> RunRecord:
+    """A running fa4-bf16 run of `num_requests` measured requests (an ok one must hold them all)."""
+    stored = make_run("fa4-bf16", num_requests=num_requests)
     return RunRecord(**{f.name: getattr(stored, f.name) for f in dataclasses.fields(RunRecord)} | {"status": "running"})
 
 
@@ -38,7 +39,7 @@ def _recovery(tmp_path, run: RunRecord, requests, end: str | None = "ok") -> Rec
 
 
 def test_a_recovery_file_is_owner_only_in_the_first_folder_there_and_reads_back(tmp_path, make_run, random_requests):
-    run, requests = _run(make_run), random_requests(7)[:6]
+    run, requests = _run(make_run, num_requests=5), random_requests(7)[:6]
     run.id = 7
     recovery = _recovery(tmp_path, run, requests + requests[:2])  # a request written twice is one request
     assert recovery.path.parent == tmp_path and stat.S_IMODE(recovery.path.stat().st_mode) == 0o600
@@ -75,7 +76,7 @@ def test_a_bad_recovery_line_is_one_line_naming_the_file(tmp_path, make_run, lin
 
 def test_import_completes_the_unfinished_copy_of_a_run_and_leaves_a_finished_one(tmp_path, make_run, random_requests):
     db, requests = tmp_path / "r.db", random_requests(9)[:8]
-    run = _run(make_run)
+    run = _run(make_run, num_requests=7)
     with ResultStore(db) as store:
         run_id = store.begin_run(run)
         store.add_requests(run_id, requests[:3])
@@ -93,7 +94,7 @@ def test_import_completes_the_unfinished_copy_of_a_run_and_leaves_a_finished_one
 
 def test_import_never_changes_a_run_that_finished_ok(tmp_path, make_run, random_requests):
     db, requests = tmp_path / "r.db", random_requests(5)[:4]
-    run = _run(make_run)
+    run = _run(make_run, num_requests=3)
     with ResultStore(db) as store:
         run_id = store.begin_run(run)
         store.add_requests(run_id, requests[:2])
