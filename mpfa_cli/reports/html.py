@@ -127,14 +127,14 @@ def _setup(runs: Sequence[StoredRun]) -> str:
 
 
 def _runs_table(runs: Sequence[StoredRun]) -> str:
-    """Every run (`mpfa runs`' records): its id, configuration, repeat, status, when, mpfa revision, time scale."""
+    """Every run (`mpfa runs`' records): its id, configuration, repeat (from 1, as `mpfa runs`), status, when, mpfa revision, time scale."""
     columns = ("id", "scenario", "backend", "engine", "point", "repeat", "status", "started", "revision", "time scale")
     head = "".join(f"<th>{c}</th>" for c in columns)
     body = []
     ordered = sorted(runs, key=lambda r: r.id or 0)
     for run, record in zip(ordered, runs_records(ordered)):
         cells = (record["id"], record["scenario"], backend_label(run.backend, bool(run.caveat)), engine_label(run),
-                 f"{context_label(run.input_len)} {record['load']}", record["repeat"], record["status"],
+                 f"{context_label(run.input_len)} {record['load']}", record["repeat"] + 1, record["status"],
                  record["started_at"], run.environment.get("mpfa_revision"), record["time_scale"])
         body.append(f'<tr id="run-{run.id}">' + "".join(f"<td>{escape('—' if c is None else str(c))}</td>"
                                                         for c in cells) + "</tr>")
