@@ -23,6 +23,7 @@ import functools
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ from ..results.store import ResultStore
 from .recorder import RunRecorder
 
 
+INVOCATION_DIGITS = 8  # of a bench call's random hex id: shown whole, and unlikely to repeat in one database
+
+
 @dataclass
 class BenchOptions:
     engine: str  # sim | sglang | url
@@ -76,6 +80,7 @@ class BenchOptions:
     timeouts: client.Timeouts = field(default_factory=client.Timeouts)  # per request: a stalled server fails it
     labelled: bool = False  # --url: the backend names were given as labels, not checked against the server
     sim_knobs: SimKnobs = field(default_factory=SimKnobs)  # simulator: slowdown and seeded noise (CI rehearsals)
+    invocation: str = field(default_factory=lambda: uuid.uuid4().hex[:INVOCATION_DIGITS])  # this bench call's id
 
     @property
     def modelled_clock(self) -> bool:
@@ -349,6 +354,7 @@ def _run_backend(
                 server_info={**server_info, "metrics_clock": "modelled" if opts.modelled_clock else "wall",
                              "workload": declared},
                 backend_flags=_flags(spec, opts, scenario.shares_prefixes), kernels=kernels, environment=environment,
+                invocation=opts.invocation,
             )
             recorder.begin(run)
             records = _measure(run, point, warmup, scenario, opts, url, recorder, progress, server, run_number)
