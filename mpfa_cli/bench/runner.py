@@ -23,6 +23,7 @@ import functools
 import os
 import signal
 import time
+import uuid
 from collections.abc import Callable, Generator, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -57,6 +58,9 @@ from ..results.store import ResultStore
 from .recorder import RunRecorder
 
 
+INVOCATION_DIGITS = 8  # of a bench call's random hex id: shown whole, and unlikely to repeat in one database
+
+
 @dataclass
 class BenchOptions:
     engine: str  # sim | sglang | url
@@ -76,6 +80,7 @@ class BenchOptions:
     timeouts: client.Timeouts = field(default_factory=client.Timeouts)  # per request: a stalled server fails it
     labelled: bool = False  # --url: the backend names were given as labels, not checked against the server
     sim_knobs: SimKnobs = field(default_factory=SimKnobs)  # simulator: slowdown and seeded noise (CI rehearsals)
+    invocation: str = field(default_factory=lambda: uuid.uuid4().hex[:INVOCATION_DIGITS])  # this bench call's id
 
     @property
     def modelled_clock(self) -> bool:
@@ -87,10 +92,18 @@ class BenchOptions:
         return [*kernel_server_args(spec, self.prefill_kernel), *self.server_args]
 
 
-# For `estimated_seconds`: the simulator's cost per prompt token sent (serialized, parsed, hashed) on a 2-core CPU,
-# and how long a server takes to get ready.
+# For `estimated_seconds`, as measured with the simulator on a 2-core CPU: its cost per prompt token sent (serialized,
+# parsed, hashed); the bench's own start (imports, environment); the fixed cost of each step (a run begun and closed
+# in the store, the simulator's load hint and the wait for its first requests) and of each request (its stream, the
+# store's write and, on the modelled clock, the read of its modelled times). A server's start-to-stop: the simulator's
+# (ready in 1-1.5 s, polled every 0.5 s, stopped in ~0.3 s, checked); SGLang's is an assumption, not a measurement:
+# ~90 s for an 8B model with dummy weights and CUDA graphs captured (a real checkpoint loads longer). A --url
+# server is already running.
 SIM_SECONDS_PER_PROMPT_TOKEN = 0.3e-6
-SERVER_START_S = {"sim": 1.5, "sglang": 90.0}
+BENCH_START_S = 0.5
+STEP_OVERHEAD_S = 0.03
+REQUEST_OVERHEAD_S = 0.002
+SERVER_START_S = {"sim": 1.6, "sglang": 90.0}
 
 
 class RunInterrupted(Exception):
@@ -349,6 +362,7 @@ def _run_backend(
                 server_info={**server_info, "metrics_clock": "modelled" if opts.modelled_clock else "wall",
                              "workload": declared},
                 backend_flags=_flags(spec, opts, scenario.shares_prefixes), kernels=kernels, environment=environment,
+                invocation=opts.invocation,
             )
             recorder.begin(run)
             records = _measure(run, point, warmup, scenario, opts, url, recorder, progress, server, run_number)
@@ -540,11 +554,12 @@ def _use_modelled_times(record: RequestRecord, url: str, digest: str) -> None:
 
 
 def estimated_seconds(scenario: Scenario, specs: list[BackendSpec], opts: BenchOptions) -> float:
-    """A rough wall-clock duration of the whole bench, from the latency model (one H200): modelled time at the
-    pace the engine runs, plus the simulator's cost of moving the prompts or a real server's start."""
+    """A rough wall-clock duration of the whole bench: each point's modelled time (the latency model of one H200)
+    at the pace the engine runs, plus what the model leaves out: the simulator's cost of moving the prompts, the
+    fixed costs of the bench, of each step and request, and each server's start and stop (`SERVER_START_S`)."""
     shape = load_model_shape(scenario.model)
     pace = opts.time_scale if opts.engine == "sim" else 1.0
-    total = 0.0
+    total = BENCH_START_S
     for spec in specs:
         model = LatencyModel(spec.sim, shape)
         for point in scenario.points():
@@ -555,7 +570,7 @@ def estimated_seconds(scenario: Scenario, specs: list[BackendSpec], opts: BenchO
             modelled = point_seconds(model, point.input_len, scenario.output_len, requests, point.concurrency, rate)
             prompt_tokens = requests * point.input_len
             cost = SIM_SECONDS_PER_PROMPT_TOKEN * prompt_tokens if opts.engine == "sim" else 0.0
-            total += scenario.repeats * (modelled * pace + cost)
+            total += scenario.repeats * (modelled * pace + cost + STEP_OVERHEAD_S + requests * REQUEST_OVERHEAD_S)
         total += SERVER_START_S.get(opts.engine, 0.0)
     return total
 

@@ -169,7 +169,8 @@ def _duration(seconds: float) -> str:
 
 def _pace(opts: BenchOptions) -> str:
     if opts.engine != "sim":
-        return "from the latency model of one H200; the server's start is a guess"
+        return ("from the latency model of one H200" + ("; assumes ~90 s per SGLang server start" if opts.engine ==
+                                                         "sglang" else "; the --url server's own speed may differ"))
     if opts.real_time:
         return "real time: requests timed on the client's clock"
     return (f"{1 / opts.time_scale:.0f}x faster than modelled; metrics in modelled time; "

@@ -86,8 +86,8 @@ def compare(
     check_format(output_format)
     with _runs_store(from_exports, db, run_ids, "the run ids") as store:
         runs = compared_runs(store, run_ids, scenario)
-    (console if output_format == "table" else err_console).print(used_line(runs, from_exports), highlight=False,
-                                                                 markup=False)
+        used = used_line(runs, store, from_exports)
+    (console if output_format == "table" else err_console).print(used, highlight=False, markup=False)
     ref = ref or default_reference(runs)
     if output_format != "table":
         print(format_compare(runs, ref, output_format), end="")
@@ -211,7 +211,8 @@ def plot(
     else:
         with _runs_store(from_exports, db, run_ids, "the run ids") as store:
             selected = compared_runs(store, run_ids, scenario)
-        console.print(used_line(selected, from_exports), highlight=False, markup=False)
+            used = used_line(selected, store, from_exports)
+        console.print(used, highlight=False, markup=False)
         paths = plot_runs(selected, ref or default_reference(selected), output or Path("mpfa-serving.png"), figure_format)
     console.print(f"wrote {', '.join(map(str, paths))}", highlight=False)
 
@@ -289,7 +290,7 @@ def report(
 
     with _runs_store(from_exports, db, run_ids, "the run ids") as store:
         runs = compared_runs(store, run_ids, scenario)
-    used = used_line(runs, from_exports)
+        used = used_line(runs, store, from_exports)
     console.print(used, highlight=False)
     write_private(output, render_report(runs, ref or default_reference(runs), used).encode(), "report")
     console.print(f"wrote {output}", highlight=False)

@@ -23,7 +23,7 @@ def run_id(text: str) -> int:
                                  f"not --flag {text})") from None
 
 
-RunIds = Annotated[Optional[list[int]], typer.Argument(parser=run_id, help="Run ids (default: the newest run of each configuration of the scenario).")]
+RunIds = Annotated[Optional[list[int]], typer.Argument(parser=run_id, help="Run ids (default: per backend and point, the runs of the newest bench that measured it).")]
 ScenarioFilter = Annotated[Optional[str], typer.Option("--scenario", help="Only runs of this scenario (compare, plot: default the newest run's).")]
 BackendFilter = Annotated[Optional[str], typer.Option("--backend", help="Only runs of this backend.")]
 FormatOption = Annotated[str, typer.Option("--format", help="table, json, csv or md (Markdown).")]
@@ -42,7 +42,8 @@ def distinct_ids(run_ids: list[int] | None) -> list[int] | None:
 
 def selected_runs(store: ResultStore, run_ids: list[int] | None, scenario: str | None,
                   backend: str | None) -> list[StoredRun]:
-    """The runs named, else the newest successful run of each configuration (optionally filtered)."""
+    """The runs named, else per backend and point the successful runs of the newest bench that measured it
+    (`ResultStore.latest_runs`; optionally filtered)."""
     runs = (store.get_runs(distinct_ids(run_ids)) if run_ids
             else store.latest_runs(scenario=scenario, backend=backend))
     if runs:
@@ -68,7 +69,7 @@ SETUP: dict[str, Callable[[StoredRun], Any]] = {
 
 
 def compared_runs(store: ResultStore, run_ids: list[int] | None, scenario: str | None) -> list[StoredRun]:
-    """`compare`/`plot`: the runs named, else the newest of each configuration of `scenario` (default: the scenario
+    """`compare`/`plot`: the runs named, else the newest bench's of each point of `scenario` (default: the scenario
     of the newest run that finished ok). Runs of different engines, GPUs, models, time scales or simulator knobs are
     refused."""
     if not run_ids and scenario is None and (newest := store.list_runs(status="ok", limit=1)):
@@ -90,12 +91,29 @@ def refuse_mixed_setups(runs: list[StoredRun]) -> None:
             raise UserError(f"these runs differ in {name}: {groups}; name the runs of one {name} by id")
 
 
-def used_line(runs: list[StoredRun], exports: list | None = None) -> str:
-    """'using runs 1–4, 9 (scenario paper)': which runs a comparison or plot used; read from `exports` (paths), their
-    ids are those of a throw-away database, so the line counts the runs instead."""
+def used_line(runs: list[StoredRun], store: ResultStore, exports: list | None = None) -> str:
+    """'using runs 1–4, 9 (scenario paper) from bench 3f2a9c01 (interrupted)': which runs a comparison or plot used,
+    and which `mpfa bench` calls measured them; read from `exports` (paths), their ids are those of a throw-away
+    database, so the line counts the runs instead."""
     scenarios = ", ".join(dict.fromkeys(run.scenario for run in runs))
     which = f"{len(runs)} runs of {len(exports)} export(s)" if exports else id_ranges([run.id for run in runs])
-    return f"using {which} (scenario {scenarios})"
+    return " ".join(filter(None, [f"using {which} (scenario {scenarios})", benches_phrase(runs, store)]))
+
+
+SHOWN_BENCHES = 3  # a used-runs line names at most this many bench calls, the newest
+
+
+def benches_phrase(runs: list[StoredRun], store: ResultStore) -> str:
+    """'from benches 3f2a9c01 (interrupted), 0a1b2c3d': the bench calls (invocations) of `runs`, newest first, each
+    marked if it was interrupted; runs stored before calls were recorded are 'unrecorded' ('' if all are)."""
+    calls = list(dict.fromkeys(run.invocation for run in sorted(runs, key=lambda r: r.id, reverse=True)))
+    if calls == [None]:
+        return ""
+    interrupted = store.interrupted_invocations(calls)
+    names = [("unrecorded" if call is None else call) + (" (interrupted)" if call in interrupted else "")
+             for call in calls[:SHOWN_BENCHES]]
+    more = f" and {len(calls) - SHOWN_BENCHES} older" if len(calls) > SHOWN_BENCHES else ""
+    return f"from bench{'es' if len(calls) > 1 else ''} {', '.join(names)}{more}"
 
 
 def id_ranges(ids: list[int]) -> str:

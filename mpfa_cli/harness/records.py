@@ -62,5 +62,8 @@ class RunRecord:
     # for MpFA, {"attention_backend", "source"} for the others; {} for runs stored before kernels were recorded.
     kernels: dict[str, str] = field(default_factory=dict)
     environment: dict[str, Any] = field(default_factory=dict)
+    # The `mpfa bench` call that measured the run (one id per call), so that a comparison takes one call's runs of
+    # a point rather than mixing an interrupted call's with an older one's; None for runs stored before it was.
+    invocation: str | None = None
     requests: list[RequestRecord] = field(default_factory=list)
     id: int | None = None  # assigned by the store

@@ -235,7 +235,15 @@ class BatchScheduler:
             self.clock = self.scheduled[0].arrival_v
             self.waiting.append(self.scheduled.pop(0))
 
+    def _order_waiting(self) -> None:
+        """Waiting requests in order of modelled arrival, those of one instant by prompt digest: requests sent at
+        once reach the server in either order, which must not decide who joins a step first, nor the order in
+        which a step's times are summed (the stored numbers would differ in the last bit between identical runs)."""
+        if len(self.waiting) > 1:
+            self.waiting = deque(sorted(self.waiting, key=lambda r: (r.arrival_v, r.digest)))
+
     def _admit(self) -> list[SimRequest]:
+        self._order_waiting()
         admitted = []
         while self.waiting and len(self.running) < self.max_running:
             request = self.waiting[0]

@@ -10,7 +10,7 @@ costs at most that much memory before it is refused). Non-finite metric values a
 empty CSV cell. A JSON export read back gives the runs
 as exported (null metrics as NaN); exports written before runs had a `caveat` read as caveat None, and those
 written without `--requests` as runs without requests, and those written before runs had `kernels` as runs with none
-recorded.
+recorded, and those written before runs had an `invocation` (the bench call that measured them) as runs of none.
 
 Nothing read back is taken on trust: beyond types and ranges, a run must be physically possible (`ImpossibleRun`):
 each request's times ordered (dispatch <= first chunk <= ... <= completion), its tokens within what it asked for,
@@ -49,7 +49,7 @@ EXPORT_FORMATS = ("json", "csv")
 _CSV_RUN_COLUMNS = (
     "id", "scenario", "backend", "engine", "simulated", "caveat", "load", "repeat", "input_len", "output_len",
     "num_requests", "seed", "workload_hash", "started_at", "finished_at", "status", "error", "model", "gpu",
-    "kernels",
+    "kernels", "invocation",
 )
 
 
@@ -148,7 +148,7 @@ def run_from_dict(data: Any) -> StoredRun:
     of range, and the first request that is inconsistent (chunk lists of different lengths, an index twice)."""
     if isinstance(data, dict) and isinstance(data.get("summary"), dict):  # exported null metrics are NaN
         data = {**data, "summary": {k: math.nan if v is None else v for k, v in data["summary"].items()}}
-    run = dataclass_from_dict(StoredRun, data, "run", optional={"caveat", "requests", "kernels"}, ranges=_RUN_RANGES)
+    run = dataclass_from_dict(StoredRun, data, "run", optional={"caveat", "requests", "kernels", "invocation"}, ranges=_RUN_RANGES)
     if run.status not in (*FINAL_STATUSES, "running"):
         raise ValueError(f"run {run.id} has status {run.status!r}, not one of {', '.join(FINAL_STATUSES)}, running")
     if (problem := load_problem(run.load)) is not None:

@@ -30,7 +30,7 @@ from ..errors import UserError
 from ..harness.records import RequestRecord, RunRecord
 from ..harness.safe_files import private_dir, refuse_link, touch_private
 
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 FINAL_STATUSES = ("ok", "failed", "interrupted")
 _UNFINISHED = ("running", "interrupted")  # a run an import may complete with the requests it lacks
 _ABANDONED_WAIT_S = 1.0  # closing another bench's abandoned run waits no longer: the next store opened retries
@@ -113,15 +113,19 @@ _RUN_KERNELS = "ALTER TABLE runs ADD COLUMN kernels JSON NOT NULL DEFAULT '{}'"
 # Version 5: `requests.cached_tokens`, the prompt tokens the server's prefix cache held (NULL where not reported).
 _REQUEST_CACHED_TOKENS = "ALTER TABLE requests ADD COLUMN cached_tokens INTEGER"
 
+# Version 6: `runs.invocation`, the `mpfa bench` call that measured the run (`RunRecord.invocation`); NULL before.
+_RUN_INVOCATION = "ALTER TABLE runs ADD COLUMN invocation TEXT"
+
 # What brings a database from version N - 1 to version N: SQL statements, or a function of the connection.
 _UPGRADES: dict[int, str | Callable[[sqlite3.Connection], None]] = {
     1: _SCHEMA, 2: _PROFILES_SCHEMA, 3: _add_run_caveats, 4: _RUN_KERNELS, 5: _REQUEST_CACHED_TOKENS,
+    6: _RUN_INVOCATION,
 }
 
 _RUN_COLUMNS = (
     "scenario", "backend", "engine", "simulated", "load", "repeat", "input_len", "output_len",
     "num_requests", "seed", "workload_hash", "started_at", "status", "error", "caveat", "model", "gpu",
-    "server_info", "backend_flags", "kernels", "environment",
+    "server_info", "backend_flags", "kernels", "environment", "invocation",
 )
 _REQUEST_COLUMNS = (
     "run_id", '"index"', "warmup", "input_len", "max_new_tokens", "dispatch_s", "chunk_s",
@@ -409,17 +413,31 @@ class ResultStore:
         simulated: bool | None = None,
         with_requests: bool = False,
     ) -> list[StoredRun]:
-        """For each (scenario, backend, engine, input_len, load, repeat) the newest run that finished ok.
+        """For each backend and point (scenario, backend, engine, input_len, load) the runs that finished ok of the
+        newest bench invocation that has one, the newest of each repeat; newest first.
 
-        This is the current result set of every configuration measured, the natural input of compare/plot.
+        This is the current result set of every configuration measured, the natural input of compare/plot: a bench
+        interrupted after some repeats of a point gives those repeats alone, never mixed with an older bench's.
+        Runs stored before invocations were recorded count as one invocation.
         """
         where, params = _filters(scenario, backend, engine, "ok", simulated, None)
-        newest = (
-            f"id IN (SELECT MAX(id) FROM runs WHERE {where} "
-            "GROUP BY scenario, backend, engine, input_len, load, repeat)"
-        )
-        runs = self._select(newest, params)
+        invocation_of: dict[tuple[Any, ...], str | None] = {}
+        chosen: dict[tuple[Any, ...], StoredRun] = {}
+        for run in self._select(where, params):
+            point = (run.scenario, run.backend, run.engine, run.input_len, load_key(run.load))
+            if run.invocation == invocation_of.setdefault(point, run.invocation):
+                chosen.setdefault((*point, run.repeat), run)
+        runs = list(chosen.values())
         return self._with_requests(runs) if with_requests else runs
+
+    def interrupted_invocations(self, invocations: Iterable[str | None]) -> set[str]:
+        """Those of `invocations` (bench calls) with a run that was interrupted (Ctrl-C, a signal, a killed bench)."""
+        named = json.dumps(sorted({i for i in invocations if i is not None}))
+        with self._errors("read runs"):
+            rows = self._conn.execute(
+                "SELECT DISTINCT invocation FROM runs WHERE status = 'interrupted' "
+                "AND invocation IN (SELECT value FROM json_each(?))", (named,)).fetchall()
+        return {row[0] for row in rows}
 
     # --- internals ---------------------------------------------------------------------------------
 
@@ -645,6 +663,7 @@ def _run_from_row(row: sqlite3.Row) -> StoredRun:
         backend_flags=json.loads(row["backend_flags"]),
         kernels=json.loads(row["kernels"]),
         environment=json.loads(row["environment"]),
+        invocation=row["invocation"],
         summary=_summary_from_json(row["summary"]),
     )
 

@@ -72,11 +72,12 @@ def test_a_version_2_database_is_upgraded_in_place(v2_database):
         assert fa4.summary == {"otps": 250.0, "ttft_ms_median": 500.0, "n_ok": 2.0}
         assert [len(r.requests) for r in (fa4, mpfa, mpfa_sim)] == [2, 2, 2]
         assert fa4.requests[1].chunk_s == [0.6, 0.62] and fa4.server_info == {"attention_backend": "fa4"}
+        assert fa4.invocation is None  # stored before bench calls were recorded
         assert store.get_profile(1).result == {"mpfa": {"us": 40.5}}
         new = store.begin_run(dataclasses.replace(mpfa, id=None, requests=[]))
         assert store.get_run(new).caveat == CAVEAT
     with sqlite3.connect(v2_database) as conn:
-        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 5
+        assert conn.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION == 6
 
 
 # --- tables ---------------------------------------------------------------------------------------------------------

@@ -39,9 +39,9 @@ def test_round_trip_export_import_export_is_equal_apart_from_ids(tmp_path):
     assert "imported 8 run(s) as runs 1–8" in result.output
     out = tmp_path / "again.json"
     assert mpfa("export", "--requests", "-o", out, "--db", db).exit_code == 0
-    # The export predates runs' kernel records and requests' cached tokens: its runs import with none recorded.
+    # The export predates runs' kernel records, bench calls and requests' cached tokens: its runs import with none.
     assert without_ids(exported(out)) == [
-        {**r, "kernels": {}, "requests": [{**q, "cached_tokens": None} for q in r["requests"]]}
+        {**r, "kernels": {}, "invocation": None, "requests": [{**q, "cached_tokens": None} for q in r["requests"]]}
         for r in without_ids(exported(NEW_EXPORT))]
 
 
@@ -78,7 +78,8 @@ def test_an_old_export_imports_with_no_caveat_and_no_kernels(tmp_path):
     assert mpfa("export", "-o", out, "--db", db).exit_code == 0
     again = exported(out)
     assert [r["caveat"] for r in again] == [None] * 6
-    assert without_ids(again) == [{**r, "caveat": None, "kernels": {}} for r in without_ids(exported(OLD_EXPORT))]
+    assert without_ids(again) == [{**r, "caveat": None, "kernels": {}, "invocation": None}
+                                  for r in without_ids(exported(OLD_EXPORT))]
 
 
 def test_every_field_survives_including_nan_unfinished_failed_and_simulated(tmp_path, make_run, random_requests):
