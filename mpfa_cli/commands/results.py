@@ -291,6 +291,6 @@ def report(
     with _runs_store(from_exports, db, run_ids, "the run ids") as store:
         runs = compared_runs(store, run_ids, scenario)
         used = used_line(runs, store, from_exports)
-    console.print(used, highlight=False)
+    console.print(used, highlight=False, markup=False)
     write_private(output, render_report(runs, ref or default_reference(runs), used).encode(), "report")
     console.print(f"wrote {output}", highlight=False)
