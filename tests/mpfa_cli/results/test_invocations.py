@@ -16,8 +16,8 @@ from mpfa.mpfa_cli.results.store import ResultStore
 def _bench(make_run, invocation: str | None, start: float, repeats: int, status_of_last: str = "ok",
            **fields) -> list:
     """One bench call's runs of fa4-bf16 and mpfa at one point; its last run ends `status_of_last`."""
-    runs = [make_run(backend, repeat, {"otps": 1000.0}, started_at=start + 10 * b + repeat, invocation=invocation,
-                     **fields)
+    runs = [make_run(backend, repeat, {"otps": 1000.0}, started_at=start + 10 * b + repeat,
+                     finished_at=start + 10 * b + repeat + 0.5, invocation=invocation, **fields)
             for b, backend in enumerate(("fa4-bf16", "mpfa")) for repeat in range(repeats)]
     runs[-1].status = status_of_last
     return runs
@@ -65,7 +65,8 @@ def test_exports_carry_the_invocation_and_older_exports_read_as_none(tmp_path, m
 def test_compare_names_the_benches_used_and_the_interrupted_one(tmp_path, make_run):
     db = tmp_path / "r.db"
     with ResultStore(db) as store:
-        store.import_runs([make_run("mpfa", 0, {"otps": 1.0}, invocation="77777777", scenario="other", started_at=1e9),
+        store.import_runs([make_run("mpfa", 0, {"otps": 1.0}, invocation="77777777", scenario="other", started_at=1e9,
+                                    finished_at=1e9 + 1),
                            *_bench(make_run, "0a1b2c3d", 2e9, 3), *_bench(make_run, "3f2a9c01", 3e9, 2, "interrupted")])
     result = CliRunner().invoke(app, ["compare", "--db", str(db)], env={"COLUMNS": "100"})
     assert result.exit_code == 0, result.output
