@@ -21,7 +21,7 @@ NVFP4 (as NVIDIA defines it for Blackwell block-scaled MMA, here used as a stora
 * Packing: two codes per byte, element ``2i`` in the LOW nibble, ``2i+1`` in the high nibble (the layout of
   ``torch.float4_e2m1fn_x2`` and CUDA's ``__nv_fp4x2_e2m1``). Scales live in their own tensor.
 * NaN/Inf input: ``FormatError`` (a ``ValueError``).
-* "4/6" block scales (``scale_choice="4/6"``, for the K cache; "Four Over Six"): each block is also encoded with its
+* "4/6" block scales (``scale_choice="4/6"``, for the K cache): each block is also encoded with its
   max scaled to 4 instead of 6 (finer steps near the max: 3, 4 instead of 4, 6) and keeps the encoding with the
   smaller sum of squared errors; the stored format and its decoding are unchanged.
 
