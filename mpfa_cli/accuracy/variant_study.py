@@ -9,15 +9,22 @@ or the other: `fp8_k_on_worst_heads` forms it from the two variants' rows withou
 from __future__ import annotations
 
 from collections.abc import Sequence
+from pathlib import Path
 
+from rich.console import Console
 from rich.table import Table
 
 from ...kernels.formats import NVFP4_BLOCK
 from ...kernels.kv_capacity import kv_bytes_per_token
+from .kernel_error import load_or_capture, run_kernel_accuracy
 from ...kernels.reference import CALIBRATED, E4M3_ROW, NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, VARIANTS
 
 BASELINE = "mpfa"
 NVFP4_K, FP8_K = "mpfa", "mpfa-k8"
+STUDY_VARIANTS = ("bf16", "fp8", "fp8-calibrated", "mpfa", "mpfa-qk8tile-psum", "mpfa-q8", "mpfa-had16", "mpfa-had128",
+                  "mpfa-k46", "mpfa-q8-had16", "mpfa-q8-had128", "mpfa-q8-k46", "mpfa-had16-k46", "mpfa-q8-had128-k46",
+                  "mpfa-k8", "mpfa-q8-k8")
+FP8_K_SHARES = (0.125, 0.25)
 # the uncentered baselines' caches (`kv_capacity` formats)
 _BASELINE_CACHES = {"bf16": "bf16", "fp8": "fp8", **{name: "fp8" for name in CALIBRATED}}
 
@@ -87,3 +94,32 @@ def render_study_table(summary: list[dict], model: str) -> Table:
         table.add_row(s["variant"], f"{s['bytes']:g}", f"{s['mean']:.4f}",
                       f"{s['worst']:.4f} {s['worst_head']}", ratio)
     return table
+
+
+def print_variant_study(
+    source: str | Path,
+    variants: Sequence[str] = STUDY_VARIANTS,
+    *,
+    layers: Sequence[int] | str | None = None,
+    seq_len: int = 2048,
+    group_size: int | None = None,
+    console: Console | None = None,
+) -> list[dict]:
+    """The study on one source (`kernel_error.load_or_capture`): print the summary table, the per-head errors and
+    FP8 K on the worst ``FP8_K_SHARES`` of heads (when mpfa and mpfa-k8 ran); return the per-head rows.
+    ``group_size``: the model's Hq / Hkv for the byte counts (default: the captured heads', which a fixture that
+    keeps a few query heads per KV head understates)."""
+    console = console or Console()
+    acts = load_or_capture(source, layers=layers, seq_len=seq_len)
+    rows = run_kernel_accuracy(acts, variants)
+    head_dim = acts.layers[0].q.shape[-1]
+    group = group_size or len(acts.q_heads) // len(acts.kv_heads)
+    console.print(render_study_table(summarize_variants(rows, variants, head_dim, group), acts.model))
+    for r in rows:
+        console.print(f"layer {r['layer']} KV head {r['kv_head']}: " + " ".join(f"{v} {r[v]:.4f}" for v in variants))
+    if NVFP4_K in variants and FP8_K in variants:
+        for share in FP8_K_SHARES:
+            mix = fp8_k_on_worst_heads(rows, share, head_dim, group)
+            console.print(f"FP8 K on the worst {share:.1%} of heads {mix['heads']}: mean {mix['mean']:.4f}, "
+                          f"worst {mix['worst']:.4f}, {mix['bytes']:g} bytes/token/KV head")
+    return rows

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
+from rich.console import Console
 
 from mpfa.kernels.kv_capacity import kv_bytes_per_token
-from mpfa.mpfa_cli.accuracy.variant_study import fp8_k_on_worst_heads, kv_bytes, summarize_variants
+from mpfa.mpfa_cli.accuracy.variant_study import (fp8_k_on_worst_heads, kv_bytes, print_variant_study,
+                                                   summarize_variants)
 
 
 def test_kv_bytes_change_only_with_the_k_cache_format() -> None:
@@ -39,3 +43,13 @@ def test_summary_gives_mean_worst_head_and_ratio_to_mpfa() -> None:
     mpfa, k8 = summarize_variants(ROWS, ["mpfa", "mpfa-k8"], 128, 6)
     assert mpfa["mean"] == pytest.approx(0.055) and mpfa["worst"] == 0.10 and mpfa["worst_head"] == (0, 0)
     assert k8["vs_mpfa"] == pytest.approx(0.0275 / 0.055) and k8["bytes"] == kv_bytes("mpfa-k8", 128, 6)
+
+
+def test_study_on_the_real_fixture_prints_the_table_and_the_mix() -> None:
+    console = Console(record=True, width=200)
+    fixture = Path(__file__).parents[2] / "fixtures" / "activations" / "smollm2-135m.pt"
+    rows = print_variant_study(fixture, ["mpfa", "mpfa-q8", "mpfa-k8"], group_size=3, console=console)
+    text = console.export_text()
+    assert len(rows) == 2 and all(r["mpfa-q8"] < r["mpfa"] for r in rows)  # FP8 Q errs less than NVFP4 Q here
+    assert "mpfa-q8" in text and "FP8 K on the worst 25.0% of heads" in text
+    assert f"{kv_bytes('mpfa-k8', 64, 3):g}" in text
