@@ -26,7 +26,9 @@ Operands: every variant except ``float64`` first rounds q, k, v to BF16 (the ser
 along head_dim; NVFP4 V (``qk4-pv4``) is blocked along tokens (the PV GEMM's reduction dimension, 16-token blocks
 from the sequence start) and NVFP4 P along the keys of its tile. ``mpfa-qk8row`` / ``mpfa-qk8tile`` requantize the
 NVFP4 Q/K to e4m3 with power-of-two scales for an FP8 QK^T MMA, per row (Q; K of ``qk8row``) or per KV tile (K of
-``qk8tile``, at tile time; see `VariantSpec`). FP8 K/V use scale 1.0 (FlashInfer's default; V takes
+``qk8tile``, at tile time; see `VariantSpec`). The variant study's candidates (``mpfa-q8``, ``-had16`` / ``-had128``,
+``-k46``, ``-k8`` and their combinations) put e4m3 Q or K, a block Hadamard rotation of Q and K or K's 4/6 NVFP4
+block scales into `mpfa` (`VariantSpec`). FP8 K/V use scale 1.0 (FlashInfer's default; V takes
 an optional per-KV-head ``v_scale``), FP8 P the analytic scale 448. The ``fp8`` variant mirrors FlashInfer with an FP8
 KV cache: Q stays BF16, K/V are upcast exactly to BF16, P is BF16 for the PV GEMM. l sums the FP32 P, except in
 ``mpfa-qk8tile-psum`` (the sums of the FP8 P the PV GEMM consumes: a kernel that adds a row of ones to V^T).
