@@ -148,7 +148,8 @@ def _block_scale(blocks: torch.Tensor, target: float, g: torch.Tensor | None) ->
     return scale if g is None else scale / g
 
 
-def _encode_blocks(blocks: torch.Tensor, scale: torch.Tensor, g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def _encode_blocks(blocks: torch.Tensor, scale: torch.Tensor,
+                   g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Codes [..., nb, 16] and e4m3 scales [..., nb] of FP32 blocks with the FP32 block ``scale`` (`_block_scale`).
     Scales beyond e4m3's range saturate at 448 (callers check)."""
     scales = scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
@@ -177,7 +178,8 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = 
     if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise FormatError(f"NVFP4 needs a last dimension that is a multiple of {NVFP4_BLOCK}, got {tuple(x.shape)}")
     if scale_choice not in NVFP4_SCALE_CHOICES:
-        raise FormatError(f"unknown NVFP4 scale choice {scale_choice!r}; choose one of {', '.join(NVFP4_SCALE_CHOICES)}")
+        raise FormatError(
+            f"unknown NVFP4 scale choice {scale_choice!r}; choose one of {', '.join(NVFP4_SCALE_CHOICES)}")
     _check_finite(x, "NVFP4 input")
     g = _as_global_scale(global_scale, x.device)
     blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
