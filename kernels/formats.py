@@ -21,6 +21,9 @@ NVFP4 (as NVIDIA defines it for Blackwell block-scaled MMA, here used as a stora
 * Packing: two codes per byte, element ``2i`` in the LOW nibble, ``2i+1`` in the high nibble (the layout of
   ``torch.float4_e2m1fn_x2`` and CUDA's ``__nv_fp4x2_e2m1``). Scales live in their own tensor.
 * NaN/Inf input: ``FormatError`` (a ``ValueError``).
+* "4/6" block scales (``scale_choice="4/6"``, for the K cache): each block is also encoded with its
+  max scaled to 4 instead of 6 (finer steps near the max: 3, 4 instead of 4, 6) and keeps the encoding with the
+  smaller sum of squared errors; the stored format and its decoding are unchanged.
 
 FP8 e4m3 (K/V in the FP8 baseline, V and P in MpFA): ``cast_rne(x / scale)`` saturating at +-448 (like CUDA's
 ``cvt.rn.satfinite``); NaN/Inf input is an error. P uses the fixed analytic scale 448 (P is in [0, 1]):
@@ -138,27 +141,64 @@ def nvfp4_global_scale(x: torch.Tensor) -> torch.Tensor:
     return torch.where(amax > 0, _divide(amax, E4M3_MAX * E2M1_MAX), torch.ones_like(amax))
 
 
-def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = None) -> NVFP4Tensor:
-    """Quantize along the last dimension (a multiple of 16) to NVFP4; see the module docstring for rounding rules."""
+def _block_scale(blocks: torch.Tensor, target: float, g: torch.Tensor | None) -> torch.Tensor:
+    """FP32 scale [..., nb] that maps each block's max to ``target`` (6: NVFP4's ``amax / 6``; 4: the 4/6 choice's
+    alternative), before its e4m3 rounding."""
+    scale = _divide(blocks.abs().amax(-1), target)
+    return scale if g is None else scale / g
+
+
+def _encode_blocks(blocks: torch.Tensor, scale: torch.Tensor,
+                   g: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Codes [..., nb, 16] and e4m3 scales [..., nb] of FP32 blocks with the FP32 block ``scale`` (`_block_scale`).
+    Scales beyond e4m3's range saturate at 448 (callers check)."""
+    scales = scale.clamp(max=E4M3_MAX).to(torch.float8_e4m3fn)
+    decoded = scales.float() if g is None else scales.float() * g
+    nonzero = (decoded > 0).unsqueeze(-1)
+    safe = torch.where(nonzero, decoded.unsqueeze(-1), torch.ones_like(decoded).unsqueeze(-1))
+    scaled = torch.where(nonzero, blocks / safe, torch.zeros_like(blocks))
+    return encode_e2m1(scaled), scales
+
+
+def _block_values(codes: torch.Tensor, scales: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    decoded = scales.float() if g is None else scales.float() * g
+    return decode_e2m1(codes) * decoded.unsqueeze(-1)
+
+
+NVFP4_SCALE_CHOICES = ("6", "4/6")
+
+
+def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = None, *,
+                   scale_choice: str = "6") -> NVFP4Tensor:
+    """Quantize along the last dimension (a multiple of 16) to NVFP4; see the module docstring for rounding rules.
+
+    ``scale_choice="4/6"``: per block, also encode with the block max scaled to 4 (scale ``e4m3(amax / 4)``, where
+    that scale fits e4m3) and keep whichever encoding has the smaller sum of squared errors of its 16 dequantized
+    values against the FP32 input (ties: 6). Decoding is unchanged: only the encoder chooses."""
     if x.dim() == 0 or x.shape[-1] % NVFP4_BLOCK:
         raise FormatError(f"NVFP4 needs a last dimension that is a multiple of {NVFP4_BLOCK}, got {tuple(x.shape)}")
+    if scale_choice not in NVFP4_SCALE_CHOICES:
+        raise FormatError(
+            f"unknown NVFP4 scale choice {scale_choice!r}; choose one of {', '.join(NVFP4_SCALE_CHOICES)}")
     _check_finite(x, "NVFP4 input")
     g = _as_global_scale(global_scale, x.device)
     blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
-    scale = _divide(blocks.abs().amax(-1), E2M1_MAX)
-    if g is not None:
-        scale = scale / g
+    scale = _block_scale(blocks, E2M1_MAX, g)
     if scale.numel() and bool((scale > _E4M3_OVERFLOW).any()):
         raise FormatError(
             f"NVFP4 block scale amax/6 = {float(scale.max()):.6g} overflows e4m3 (max {E4M3_MAX:g}); "
             "pass global_scale=nvfp4_global_scale(x)"
         )
-    scales = scale.to(torch.float8_e4m3fn)
-    decoded = scales.float() if g is None else scales.float() * g
-    nonzero = (decoded > 0).unsqueeze(-1)
-    safe = torch.where(nonzero, decoded.unsqueeze(-1), torch.ones_like(decoded).unsqueeze(-1))
-    scaled = torch.where(nonzero, blocks / safe, torch.zeros_like(blocks))
-    return NVFP4Tensor(pack_e2m1(encode_e2m1(scaled).flatten(-2)), scales, g)
+    codes, scales = _encode_blocks(blocks, scale, g)
+    if scale_choice == "4/6":
+        scale4 = _block_scale(blocks, 4.0, g)
+        codes4, scales4 = _encode_blocks(blocks, scale4, g)
+        errors = [(_block_values(c, s, g).double() - blocks.double()).square().sum(-1)
+                  for c, s in ((codes, scales), (codes4, scales4))]
+        use4 = (errors[1] < errors[0]) & (scale4 <= _E4M3_OVERFLOW)
+        codes = torch.where(use4.unsqueeze(-1), codes4, codes)
+        scales = torch.where(use4, scales4.view(torch.uint8), scales.view(torch.uint8)).view(torch.float8_e4m3fn)
+    return NVFP4Tensor(pack_e2m1(codes.flatten(-2)), scales, g)
 
 
 def dequantize_nvfp4(t: NVFP4Tensor) -> torch.Tensor:
@@ -168,9 +208,10 @@ def dequantize_nvfp4(t: NVFP4Tensor) -> torch.Tensor:
     return (values * decoded.unsqueeze(-1)).flatten(-2)
 
 
-def fake_quant_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = None) -> torch.Tensor:
-    """``dequantize_nvfp4(quantize_nvfp4(x))`` in FP32."""
-    return dequantize_nvfp4(quantize_nvfp4(x, global_scale))
+def fake_quant_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = None, *,
+                     scale_choice: str = "6") -> torch.Tensor:
+    """``dequantize_nvfp4(quantize_nvfp4(x, global_scale, scale_choice=scale_choice))`` in FP32."""
+    return dequantize_nvfp4(quantize_nvfp4(x, global_scale, scale_choice=scale_choice))
 
 
 def _as_fp8_scale(scale: float | torch.Tensor, device: torch.device) -> torch.Tensor:

@@ -26,7 +26,9 @@ Operands: every variant except ``float64`` first rounds q, k, v to BF16 (the ser
 along head_dim; NVFP4 V (``qk4-pv4``) is blocked along tokens (the PV GEMM's reduction dimension, 16-token blocks
 from the sequence start) and NVFP4 P along the keys of its tile. ``mpfa-qk8row`` / ``mpfa-qk8tile`` requantize the
 NVFP4 Q/K to e4m3 with power-of-two scales for an FP8 QK^T MMA, per row (Q; K of ``qk8row``) or per KV tile (K of
-``qk8tile``, at tile time; see `VariantSpec`). FP8 K/V use scale 1.0 (FlashInfer's default; V takes
+``qk8tile``, at tile time; see `VariantSpec`). The variant study's candidates (``mpfa-q8``, ``-had16`` / ``-had128``,
+``-k46``, ``-k8`` and their combinations) put e4m3 Q or K, a block Hadamard rotation of Q and K or K's 4/6 NVFP4
+block scales into `mpfa` (`VariantSpec`). FP8 K/V use scale 1.0 (FlashInfer's default; V takes
 an optional per-KV-head ``v_scale``), FP8 P the analytic scale 448. The ``fp8`` variant mirrors FlashInfer with an FP8
 KV cache: Q stays BF16, K/V are upcast exactly to BF16, P is BF16 for the PV GEMM. l sums the FP32 P, except in
 ``mpfa-qk8tile-psum`` (the sums of the FP8 P the PV GEMM consumes: a kernel that adds a row of ones to V^T).
@@ -43,10 +45,12 @@ from dataclasses import dataclass
 import torch
 
 from .formats import NVFP4_BLOCK, fake_quant_fp8, fake_quant_fp8_pow2, fake_quant_nvfp4, fake_quant_p_fp8
+from .rotation import block_hadamard
 from .smoothing import SmoothingMeans, center, check_cu_seqlens, delta_s, delta_s_padded, masked_means, sequence_means
 
 NVFP4_E4M3_ROW = "nvfp4>e4m3-row"
 NVFP4_E4M3_TILE = "nvfp4>e4m3-tile"
+E4M3_ROW = "e4m3-row"
 
 
 @dataclass(frozen=True)
@@ -56,7 +60,13 @@ class VariantSpec:
     ``nvfp4>e4m3-row`` (Q, K) and ``nvfp4>e4m3-tile`` (K): NVFP4 requantized to e4m3 with one power-of-two scale
     (`formats.fake_quant_fp8_pow2`) per row (a token's head_dim in one head) or per KV tile (the ``block_n`` keys of
     one KV head, tiles aligned to the sequence start, the last one partial), for an FP8 QK^T MMA that applies the
-    scales outside. Prepared tile-format keys are the NVFP4 values (the cache); the KV tile loop requantizes them."""
+    scales outside. Prepared tile-format keys are the NVFP4 values (the cache); the KV tile loop requantizes them.
+    ``e4m3-row`` (Q, K): e4m3 straight from the (centered) BF16 value, one power-of-two scale per row.
+
+    ``rotation``: a Hadamard block (`rotation.block_hadamard`, blocks of ``min(rotation, head_dim)`` channels; 0: none)
+    applied in FP32 to the (centered) Q and K before their formats; Delta_S is formed from the unrotated centered K
+    (the rotation is orthonormal: Q K^T is unchanged in exact arithmetic). ``k_scale_choice``: the NVFP4 block-scale
+    rule of K at cache write (`formats.quantize_nvfp4`: "6", or "4/6" per block)."""
 
     name: str
     q: str
@@ -66,10 +76,19 @@ class VariantSpec:
     smoothing: bool
     description: str
     l_sums_p_operand: bool = False  # l sums P in its operand format (as the PV GEMM sees it), not the FP32 P
+    rotation: int = 0
+    k_scale_choice: str = "6"
 
     @property
     def compute_dtype(self) -> torch.dtype:
         return torch.float64 if self.q == "exact" else torch.float32
+
+
+def _mpfa_candidate(name: str, description: str, *, q: str = "nvfp4", k: str = "nvfp4", rotation: int = 0,
+                    k_scale_choice: str = "6") -> VariantSpec:
+    """A candidate numerics of the variant study (docs/accuracy.md): `mpfa` (centering, FP8 P and V) with other Q/K
+    formats, a rotation or K's block-scale choice."""
+    return VariantSpec(name, q, k, "fp8", "fp8", True, description, rotation=rotation, k_scale_choice=k_scale_choice)
 
 
 # Variants that are another one with calibrated FP8 scales, one K and one V scale per KV head (amax / 448 of what a
@@ -96,6 +115,21 @@ VARIANTS: dict[str, VariantSpec] = {  # the numerics registry: numerics name -> 
                     "mpfa-qk8tile with l summing the FP8 P (row sums on the PV MMA)", l_sums_p_operand=True),
         VariantSpec("qk8tile-psum-direct", NVFP4_E4M3_ROW, NVFP4_E4M3_TILE, "fp8", "fp8", False,
                     "mpfa-qk8tile-psum without smoothing (the fp8 prefill kernel's direct build)", l_sums_p_operand=True),
+        _mpfa_candidate("mpfa-q8", "mpfa with Q in e4m3 (per-row power-of-two scale) instead of NVFP4", q=E4M3_ROW),
+        _mpfa_candidate("mpfa-had16", "mpfa with Q and K Hadamard-rotated in 16-channel blocks", rotation=16),
+        _mpfa_candidate("mpfa-had128", "mpfa with Q and K Hadamard-rotated in 128-channel blocks", rotation=128),
+        _mpfa_candidate("mpfa-k46", "mpfa with K's NVFP4 block scales chosen 4/6", k_scale_choice="4/6"),
+        _mpfa_candidate("mpfa-q8-had16", "mpfa-q8 with Q and K rotated in 16-channel blocks", q=E4M3_ROW, rotation=16),
+        _mpfa_candidate("mpfa-q8-had128", "mpfa-q8 with Q and K rotated in 128-channel blocks", q=E4M3_ROW,
+                        rotation=128),
+        _mpfa_candidate("mpfa-q8-k46", "mpfa-q8 with K's block scales chosen 4/6", q=E4M3_ROW, k_scale_choice="4/6"),
+        _mpfa_candidate("mpfa-had16-k46", "mpfa-had16 with K's block scales chosen 4/6", rotation=16,
+                        k_scale_choice="4/6"),
+        _mpfa_candidate("mpfa-q8-had128-k46", "mpfa-q8-had128 with K's block scales chosen 4/6", q=E4M3_ROW,
+                        rotation=128, k_scale_choice="4/6"),
+        _mpfa_candidate("mpfa-k8", "mpfa with the centered K in e4m3 (per-row power-of-two scale)", k=E4M3_ROW),
+        _mpfa_candidate("mpfa-q8-k8", "mpfa with the centered Q and K in e4m3 (per-row power-of-two scales)",
+                        q=E4M3_ROW, k=E4M3_ROW),
     )
 }
 
@@ -211,13 +245,27 @@ def _fake_quant_along_tokens(v: torch.Tensor) -> torch.Tensor:
     return fake_quant_nvfp4(by_channel)[..., :length].movedim(-1, -3)
 
 
-def _operand(x: torch.Tensor, fmt: str) -> torch.Tensor:
+def _operand(x: torch.Tensor, fmt: str, scale_choice: str = "6") -> torch.Tensor:
     if fmt == "bf16":
         return x.float()
     if fmt == "fp8":
         return fake_quant_fp8(x)
-    values = fake_quant_nvfp4(x)
+    if fmt == E4M3_ROW:
+        return fake_quant_fp8_pow2(x)
+    values = fake_quant_nvfp4(x, scale_choice=scale_choice)
     return fake_quant_fp8_pow2(values) if fmt == NVFP4_E4M3_ROW else values
+
+
+def _qk_operands(spec: VariantSpec, q: torch.Tensor, k: torch.Tensor,
+                 k_scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q and K (BF16-rounded, centered for smoothing variants) through the variant's rotation and formats;
+    ``k_scale`` is FP8 K's scale, broadcastable over k."""
+    if spec.rotation:
+        block = min(spec.rotation, q.shape[-1])
+        q, k = block_hadamard(q, block), block_hadamard(k, block)
+    if spec.k == "fp8":
+        return _operand(q, spec.q), fake_quant_fp8(k, k_scale)
+    return _operand(q, spec.q), _operand(k, spec.k, spec.k_scale_choice)
 
 
 @dataclass(frozen=True)
@@ -286,8 +334,8 @@ def _prepare(
         v_op = fake_quant_fp8(v, _kv_scale(v_scale, v, "v_scale"))
     else:
         v_op = _operand(v, spec.v)
-    k_op = fake_quant_fp8(k, _kv_scale(k_scale, k, "k_scale")) if spec.k == "fp8" else _operand(k, spec.k)
-    return Operands(_operand(q, spec.q), k_op, v_op, ds)
+    q_op, k_op = _qk_operands(spec, q, k, _kv_scale(k_scale, k, "k_scale"))
+    return Operands(q_op, k_op, v_op, ds)
 
 
 def _p_operand(p: torch.Tensor, fmt: str) -> torch.Tensor:
@@ -554,8 +602,8 @@ def prepare_batch(
         v_op = fake_quant_fp8(v, _head_scale(v_scale, v, "v_scale"))
     else:
         v_op = _operand(v, spec.v)
-    k_op = fake_quant_fp8(k, _head_scale(k_scale, k, "k_scale")) if spec.k == "fp8" else _operand(k, spec.k)
-    return Operands(_operand(q, spec.q), k_op, v_op, ds)
+    q_op, k_op = _qk_operands(spec, q, k, _head_scale(k_scale, k, "k_scale"))
+    return Operands(q_op, k_op, v_op, ds)
 
 
 def _head_scale(scale: torch.Tensor | None, x: torch.Tensor, name: str) -> torch.Tensor | float:

