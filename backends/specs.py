@@ -21,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from ..kernels.sm90.dispatch import PREFILL_KERNELS
+
 
 @dataclass(frozen=True)
 class SimulatedCosts:
@@ -261,7 +263,8 @@ register_kernel_variant(KernelVariant(
 register_kernel_variant(KernelVariant(
     "flashinfer-fp8-fmha-v2", "FlashInfer's FP8 prefill on TRT-LLM's FMHAv2 context kernel",
     KernelBench(f"{_FLASHINFER}:FlashInferFmhaV2Fp8")))
-for _kernel in ("exact", "mma-sync"):
+# Every MpFA prefill kernel but the first, which `mpfa` itself runs wherever the wgmma kernels fit, pinned for timing.
+for _kernel in list(PREFILL_KERNELS)[1:]:
     register_kernel_variant(KernelVariant(
         f"mpfa-{_kernel}", f"MpFA with the {_kernel} prefill kernel pinned",
         KernelBench(_MPFA, {"prefill_kernel": _kernel}), serve_as=f"--backend mpfa --prefill-kernel {_kernel}"))

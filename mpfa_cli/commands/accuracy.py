@@ -13,6 +13,7 @@ from .common import (CellsOption, DbOption, EngineOption, PortOption, PrefillKer
 from .selection import accuracy_results as stored_accuracy_results
 from ..accuracy.serve import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
 from ..errors import UserError
+from ..harness.safe_files import write_private
 
 accuracy_app = typer.Typer(help="Accuracy of the attention variants (NVFP4/FP8 numerics) on real model data.",
                            no_args_is_help=True)
@@ -410,7 +411,7 @@ def accuracy_served(
     if output is None:
         print(text, end="" if text.endswith("\n") else "\n")
     else:
-        output.write_text(text)
+        write_private(output, text.encode(), "accuracy export")
         console.print(f"wrote {output}")
 
 
@@ -518,4 +519,4 @@ def accuracy_predict_logits(
     prediction = predict(checkpoint, variants, ref, number_list(input_len, "--input-len"), prompts, seed, progress)
     render(prediction, console)
     if json_path is not None:
-        json_path.write_text(json.dumps(prediction.to_json(), indent=2) + "\n")
+        write_private(json_path, (json.dumps(prediction.to_json(), indent=2) + "\n").encode(), "prediction")

@@ -125,9 +125,9 @@ async def run_load(
     start, one per prompt) dispatches on that schedule (open loop), capped at `concurrency` in flight if both
     are given. `output_lens` (one per prompt) replaces `output_len` for the measured prompts, as a trace
     replay's requests each ask for their own. Warmup prompts run first, at `concurrency` (or all at once), and are
-    marked `warmup=True` with indices -1, -2, ... so they never collide with measured indices. `on_complete` gets each record as
-    it finishes, warmup included, after `on_answer` got it with the output ids the server returned (`/generate`
-    only; empty elsewhere). A request that waits longer than `timeouts` allows fails with the reason.
+    marked `warmup=True` with indices -1, -2, ... so they never collide with measured indices. `on_complete` gets
+    each record as it finishes, warmup included, after `on_answer` got it with the output ids the server returned
+    (`/generate` only; empty elsewhere). A request that waits longer than `timeouts` allows fails with the reason.
     """
     if api not in APIS:
         raise ValueError(f"unknown api '{api}'; valid: {', '.join(APIS)}")
