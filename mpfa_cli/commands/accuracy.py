@@ -118,13 +118,15 @@ def accuracy_results(
 def _list_accuracy_results(stored: list) -> None:
     from rich.table import Table
 
+    from ..reports.tables import plain
+
     table = Table(title="Accuracy-task results", title_justify="left")
     for column in ("id", "model", "device", "tasks (examples)", "variants", "merged from"):
         table.add_column(column)
     for p in stored:
         tasks = ", ".join(f"{t['task']} ({t['examples']})" for t in p.result["tasks"])
-        table.add_row(str(p.id), p.result["model"], p.result["device"], tasks, ", ".join(p.params["variants"]),
-                      ", ".join(map(str, p.params.get("merged_from", []))))
+        table.add_row(str(p.id), plain(p.result["model"]), plain(p.result["device"]), plain(tasks),
+                      plain(", ".join(p.params["variants"])), ", ".join(map(str, p.params.get("merged_from", []))))
     console.print(table)
 
 
@@ -451,12 +453,15 @@ def accuracy_import(
 def _list_served(stored: list) -> None:
     from rich.table import Table
 
+    from ..reports.tables import plain
+
     table = Table(title="Served accuracy results", title_justify="left")
     for column in ("id", "engine", "model", "GPU", "backends", "cells", "simulated", "failed", "merged from"):
         table.add_column(column)
     for p in stored:
-        table.add_row(str(p.id), p.params.get("engine", ""), p.result["model"], p.gpu, ", ".join(p.result["backends"]),
-                      str(len(p.result["cells"])), "SIMULATED" if p.simulated else "", ", ".join(p.result["errors"]),
+        table.add_row(str(p.id), plain(p.params.get("engine", "")), plain(p.result["model"]), plain(p.gpu),
+                      plain(", ".join(p.result["backends"])), str(len(p.result["cells"])),
+                      "SIMULATED" if p.simulated else "", plain(", ".join(p.result["errors"])),
                       ", ".join(map(str, p.params.get("merged_from", []))))
     console.print(table)
 
