@@ -380,6 +380,8 @@ def _send(steps: Steps, records: list[RequestRecord]) -> Step | None:
 
 def _sharing(scenario: Scenario) -> dict[str, Any]:
     """What a workload that shares prefixes adds to its hash (nothing for unshareable prompts: their hash stays)."""
+    if scenario.trace is not None:
+        return {"trace_blocks": "per-run"}  # block tokens keyed by the run, first tokens distinct per block
     if scenario.workload is None:
         return {}
     return {"workload": {"kind": scenario.workload.kind, **dataclasses.asdict(scenario.workload)}}
@@ -390,6 +392,10 @@ def workload_declaration(scenario: Scenario, page_size: int) -> dict[str, Any]:
     kind, whether the server was asked for its prefix cache, and the prompt tokens the measured requests should
     find cached on pages of `page_size` (0 for prompts that share nothing)."""
     workload = scenario.workload
+    if workload is None and scenario.shares_prefixes:
+        assert scenario.trace is not None
+        return {"kind": "trace", "prefix_cache": True, "page_size": page_size,
+                "most_cached_tokens": scenario.trace.most_cached_tokens(page_size)}
     if workload is None:
         return {"kind": "unshared", "prefix_cache": False, "expected_cached_tokens": 0}
     expected = (workload.expected_cached_tokens(page_size, scenario.output_len) if isinstance(workload, MultiTurn)
@@ -431,7 +437,7 @@ def _measure(
                       progress, label)
         else:
             if point.trace is not None:
-                prompts, output_lens, arrivals = _trace_point(point)
+                prompts, output_lens, arrivals = _trace_point(point, scenario.seed, run_number)
                 warmup_prompts = _unshared(scenario.seed + 1, warmup, point.input_len)
             else:
                 prompts, warmup_prompts = _prompts(scenario, point, warmup, run_number)
@@ -474,26 +480,27 @@ def _measure(
     return [r for r in records if not r.warmup]
 
 
-def _trace_point(point: LoadPoint) -> tuple[list[list[int]], list[int], list[float]]:
-    """A trace point's prompts, their own output lengths and their send times."""
+def _trace_point(point: LoadPoint, seed: int, run_number: int) -> tuple[list[list[int]], list[int], list[float]]:
+    """A trace point's prompts for run `run_number` of the plan, their own output lengths and their send times."""
     assert point.trace is not None
-    return _trace_workload(point.trace)[0], point.trace.output_lengths(), point.trace.send_times(point.speedup)
+    return (_trace_workload(point.trace, seed, run_number)[0], point.trace.output_lengths(),
+            point.trace.send_times(point.speedup))
 
 
 def _check_modelled_trace(trace: Trace) -> None:
     """The simulator's modelled clock tells requests apart by their prompt: a trace that repeats one cannot be
     replayed on it."""
     first_at: dict[str, int] = {}
-    for index, digest in enumerate(_trace_workload(trace)[1]):
+    for index, digest in enumerate(_trace_workload(trace, 0, 0)[1]):
         if (first := first_at.setdefault(digest, index)) != index:
             raise UserError(f"trace {trace.name}: requests {first + 1} and {index + 1} have the same prompt, which "
                             "the simulator's modelled clock cannot tell apart; replay it with --real-time")
 
 
 @functools.lru_cache(maxsize=2)
-def _trace_workload(trace: Trace) -> tuple[list[list[int]], list[str]]:
-    """A trace's prompts and their digests, made once for every repeat and backend."""
-    prompts = trace.prompts()
+def _trace_workload(trace: Trace, seed: int, run_number: int) -> tuple[list[list[int]], list[str]]:
+    """A trace's prompts for one run of the plan and their digests, made once for every backend."""
+    prompts = trace.prompts(seed, run_number)
     return prompts, [prompt_digest(prompt) for prompt in prompts]
 
 

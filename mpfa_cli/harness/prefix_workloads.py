@@ -17,19 +17,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from .serving_workload import VOCAB_RANGE, hashed_token_ids
+from .serving_workload import hashed_token_ids, slot_token
 
 MAX_HISTORY_TOKENS = 128 * 1024  # the longest conversation (last prompt + its answer) a multi-turn workload makes
-_DISTINCT = VOCAB_RANGE[1] - VOCAB_RANGE[0]  # first tokens that can be told apart
-
-
-def _first_token(slot: int) -> int:
-    return VOCAB_RANGE[0] + slot % _DISTINCT
 
 
 def _drawn(first_slot: int, key: str, count: int) -> list[int]:
-    """`count` ids keyed by `key`, the first one `_first_token(first_slot)`."""
-    return [_first_token(first_slot), *hashed_token_ids(key.encode(), count - 1)]
+    """`count` ids keyed by `key`, the first one `slot_token(first_slot)`."""
+    return [slot_token(first_slot), *hashed_token_ids(key.encode(), count - 1)]
 
 
 @dataclass(frozen=True)

@@ -69,7 +69,7 @@ class Scenario:
 
     @property
     def shares_prefixes(self) -> bool:
-        return self.workload is not None
+        return self.workload is not None or (self.trace is not None and self.trace.shares_prefixes)
 
     def points(self) -> list[LoadPoint]:
         """The `[[points]]` the file lists, else every input length at every concurrency (or rate), else the

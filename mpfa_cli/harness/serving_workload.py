@@ -27,6 +27,15 @@ def hashed_token_ids(key: bytes, count: int, vocab: tuple[int, int] = VOCAB_RANG
     return (low + words % (high - low)).tolist()
 
 
+DISTINCT_FIRST_TOKENS = VOCAB_RANGE[1] - VOCAB_RANGE[0]
+
+
+def slot_token(slot: int) -> int:
+    """The first token of prompt part number `slot`: parts of different slots (below DISTINCT_FIRST_TOKENS apart)
+    start differently, so a prefix cache matches none of them by chance, even with pages of one token."""
+    return VOCAB_RANGE[0] + slot % DISTINCT_FIRST_TOKENS
+
+
 def make_prompt(seed: int, index: int, input_len: int, vocab: tuple[int, int] = VOCAB_RANGE) -> list[int]:
     """Prompt number `index` of the workload `seed`: exactly `input_len` token ids."""
     if input_len < 1:

@@ -4,9 +4,10 @@ A trace is JSONL, one request per line: `timestamp` (ms from the trace's start),
 and `hash_ids`, the ids of the prompt's 512-token blocks: equal ids mean equal blocks, so requests whose leading
 hash_ids agree share that prompt prefix (what a prefix cache can reuse). Blank lines are skipped.
 
-A block's token ids are drawn from SHAKE-256 keyed by its id alone (`block_token_ids`), so they are the same in every
-trace and on every machine; a prompt is its blocks in order, the last cut to `input_length`. Requests whose first
-blocks differ can still agree on their first token by chance (one in ~29,000 per pair), as two random prompts can.
+A block's token ids are drawn from SHAKE-256 keyed by the seed, the run's place in the bench's plan (so no repeat
+hits the prefix cache an earlier one filled) and its id (`block_token_ids`); a prompt is its blocks in order, the
+last cut to `input_length`. Each distinct id's block starts with its own token (`slot_token`), so prompts share
+exactly the leading blocks whose ids agree, never a token more by chance.
 """
 from __future__ import annotations
 
@@ -19,7 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import UserError
-from .serving_workload import hashed_token_ids
+from .serving_workload import hashed_token_ids, slot_token
 
 BLOCK_TOKENS = 512  # tokens per hash id, as in the Mooncake traces
 FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
@@ -50,9 +51,42 @@ class Trace:
     requests: tuple[TraceRequest, ...]
     sha256: str
 
-    def prompts(self) -> list[list[int]]:
-        """Each request's exact token ids, built from its hash ids."""
-        return [trace_prompt(r.hash_ids, r.input_length) for r in self.requests]
+    def prompts(self, seed: int = 0, run: int = 0) -> list[list[int]]:
+        """Each request's exact token ids, built from its hash ids, for run `run` of a plan of seed `seed`."""
+        slots = {block_id: slot for slot, block_id in enumerate(sorted(self.block_ids))}
+        first_slot = run * len(slots)
+        blocks = {block_id: block_token_ids(block_id, seed, run, first_slot + slot) for block_id, slot in slots.items()}
+        return [[t for block_id in r.hash_ids for t in blocks[block_id]][:r.input_length] for r in self.requests]
+
+    @functools.cached_property
+    def block_ids(self) -> frozenset[int]:
+        return frozenset(block_id for r in self.requests for block_id in r.hash_ids)
+
+    @property
+    def shares_prefixes(self) -> bool:
+        """Whether some request opens with the same block as an earlier one (served with the prefix cache on)."""
+        return len({r.hash_ids[0] for r in self.requests}) < len(self.requests)
+
+    def most_cached_tokens(self, page_size: int) -> int:
+        """The prompt tokens a prefix cache of `page_size` can hold for the replay: each request's longest prefix
+        that an earlier request's prompt holds, in whole pages and but its last token (SGLang computes at least one).
+        A request sent before the one that shares its blocks has been prefilled finds fewer."""
+        root: dict[int, tuple[int, dict]] = {}  # block id -> (tokens of it earlier prompts held, its children)
+        total = 0
+        for r in self.requests:
+            node, held = root, 0
+            for block_id in r.hash_ids:
+                if block_id not in node:
+                    break
+                held, node = node[block_id]
+            total += min(held, r.input_length - 1) // page_size * page_size
+            node = root
+            for k, block_id in enumerate(r.hash_ids, start=1):
+                tokens = min(r.input_length, k * BLOCK_TOKENS)
+                seen, children = node.get(block_id, (0, {}))
+                node[block_id] = (max(seen, tokens), children)
+                node = children
+        return total
 
     def output_lengths(self) -> list[int]:
         return [r.output_length for r in self.requests]
@@ -65,18 +99,9 @@ class Trace:
         return [(r.timestamp_ms - start) / 1000.0 / speedup for r in self.requests]
 
 
-@functools.lru_cache(maxsize=4096)
-def block_token_ids(block_id: int) -> tuple[int, ...]:
-    """The 512 token ids of hash id `block_id`."""
-    return tuple(hashed_token_ids(f"mpfa-trace-block:{block_id}".encode(), BLOCK_TOKENS))
-
-
-def trace_prompt(hash_ids: tuple[int, ...], input_length: int) -> list[int]:
-    """The prompt of `hash_ids`' blocks, cut to `input_length` tokens."""
-    tokens: list[int] = []
-    for block_id in hash_ids:
-        tokens.extend(block_token_ids(block_id))
-    return tokens[:input_length]
+def block_token_ids(block_id: int, seed: int, run: int, slot: int) -> list[int]:
+    """The 512 token ids of hash id `block_id` in run `run` of seed `seed`, the first one `slot_token(slot)`."""
+    return [slot_token(slot), *hashed_token_ids(f"mpfa-trace-block:{seed}:{run}:{block_id}".encode(), BLOCK_TOKENS - 1)]
 
 
 def load_trace(path: Path) -> Trace:

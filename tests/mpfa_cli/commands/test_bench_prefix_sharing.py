@@ -85,3 +85,25 @@ def test_plain_scenarios_run_with_the_prefix_cache_off(mpfa, scenario_file) -> N
         assert "--disable-radix-cache" in json.loads(run["backend_flags"])
         assert json.loads(run["server_info"])["workload"]["expected_cached_tokens"] == 0
     assert {r["cached_tokens"] for r in requests} == {0}  # the second repeat's same prompts hit nothing
+
+
+def test_a_trace_that_shares_blocks_runs_with_the_prefix_cache_on_and_each_repeat_misses_the_last(mpfa, tmp_path):
+    lines = [{"timestamp": 0, "input_length": 700, "output_length": 4, "hash_ids": [7, 8]},
+             {"timestamp": 900, "input_length": 600, "output_length": 4, "hash_ids": [7, 9]},
+             {"timestamp": 1800, "input_length": 300, "output_length": 4, "hash_ids": [5]}]
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(line) + "\n" for line in lines))
+    (tmp_path / "trace.toml").write_text('model = "llama-3.1-8b"\ntrace = "t.jsonl"\nrepeats = 2\n'
+                                         "warmup_requests = 0\nseed = 0\n")
+    result = mpfa("bench", "--scenario", str(tmp_path / "trace.toml"), "--backend", "fa3-fp8,mpfa", "--real-time")
+    assert result.returncode == 0, result.stderr
+    runs, requests = _stored(mpfa.db)
+    assert len(runs) == 4
+    for run in runs:
+        info = json.loads(run["server_info"])
+        assert "--disable-radix-cache" not in json.loads(run["backend_flags"]) and info["disable_radix_cache"] is False
+        page = 128 if run["backend"] == "mpfa" else 1
+        assert info["workload"] == {"kind": "trace", "prefix_cache": True, "page_size": page,
+                                    "most_cached_tokens": 512 // page * page}
+        # the second request reuses block 7; the second repeat's blocks are its own, so it hits the same
+        assert [r["cached_tokens"] for r in requests if r["run_id"] == run["id"]] == [0, 512 // page * page, 0]
+    assert "trace's shared blocks" not in result.stdout

@@ -9,7 +9,7 @@ import pytest
 
 from mpfa.mpfa_cli.errors import UserError
 from mpfa.mpfa_cli.harness.scenario import load_problem, load_scenario
-from mpfa.mpfa_cli.harness.trace import BLOCK_TOKENS, MAX_LINE_CHARS, block_token_ids, load_trace, trace_prompt
+from mpfa.mpfa_cli.harness.trace import BLOCK_TOKENS, MAX_LINE_CHARS, block_token_ids, load_trace
 from mpfa.scenarios import SCENARIO_DIR
 
 SAMPLE = SCENARIO_DIR / "traces" / "mooncake-sample.jsonl"
@@ -100,10 +100,45 @@ def test_prompts_share_exactly_the_leading_blocks_whose_hash_ids_agree():
     assert len(set(map(tuple, prompts))) == len(prompts)  # and no prompt twice
 
 
-def test_a_block_is_the_same_tokens_wherever_it_appears_and_the_last_is_cut():
-    assert trace_prompt((7, 8), 700) == [*block_token_ids(7), *block_token_ids(8)[:188]]
-    assert trace_prompt((8,), 512) == list(block_token_ids(8))
-    assert block_token_ids(7) != block_token_ids(8)
+def test_a_block_is_the_same_tokens_wherever_it_appears_in_a_run_and_the_last_is_cut(tmp_path):
+    trace = load_trace(_write(tmp_path, _line(0, 700, 1, (7, 8)), _line(1, 512, 1, (8,)), _line(2, 600, 1, (7, 9))))
+    first, second, third = trace.prompts(seed=3, run=1)
+    assert first[512:] == second[:188] and first[:512] == third[:512]
+    assert second == block_token_ids(8, 3, 1, 3 + 1)  # slots: ids in order (7, 8, 9), after run 0's three
+    assert len({first[0], second[0], third[512]}) == 3  # each block opens with its own token
+
+
+def test_a_later_run_shares_no_first_token_with_an_earlier_one_and_the_seed_changes_every_block():
+    trace = load_trace(SAMPLE)
+    run0, run1, seed1 = trace.prompts(0, 0), trace.prompts(0, 1), trace.prompts(1, 0)
+    assert {p[0] for p in run0}.isdisjoint(p[0] for p in run1)  # a repeat hits nothing an earlier one cached
+    assert all(a[1:512] != b[1:512] for a, b in zip(run0, seed1))
+
+
+def _most_cached_brute(prompts: list[list[int]], page: int) -> int:
+    total = 0
+    for i, a in enumerate(prompts):
+        held = max((_common_prefix(a, b) for b in prompts[:i]), default=0)
+        total += min(held, len(a) - 1) // page * page
+    return total
+
+
+@pytest.mark.parametrize("page", [1, 128])
+def test_most_cached_tokens_is_each_requests_longest_earlier_prefix(page):
+    trace = load_trace(SAMPLE)
+    assert trace.shares_prefixes
+    most = trace.most_cached_tokens(page)
+    assert most == _most_cached_brute(trace.prompts(), page) > 0
+
+
+def test_most_cached_tokens_of_a_small_trace(tmp_path):
+    # request 2 holds request 1's 700 tokens but its last; request 3 shares block 7 only; request 4 nothing
+    trace = load_trace(_write(tmp_path, _line(0, 700, 1, (7, 8)), _line(1, 700, 1, (7, 8)),
+                              _line(2, 1024, 1, (7, 9)), _line(3, 100, 1, (5,))))
+    assert trace.most_cached_tokens(1) == 699 + 512
+    assert trace.most_cached_tokens(128) == 640 + 512
+    unshared = load_trace(_write(tmp_path, _line(0, 700, 1, (7, 8)), _line(1, 512, 1, (8,))))
+    assert not unshared.shares_prefixes and unshared.most_cached_tokens(1) == 0
 
 
 def test_send_times_are_the_timestamps_from_the_first_divided_by_the_speedup(tmp_path):
