@@ -17,6 +17,7 @@ alone). The simulator answers with a span of the prompt (`sim_server.echoed_ids`
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -26,7 +27,7 @@ from ..harness.engines import gpu_label
 from ..harness.latency_model import ModelShape
 from .logits import SERVER_KEYS, ResponseError, post_generate, response_meta
 from .served import INTERRUPTED, ServedAccuracy, scored_at
-from ..harness.scenario import load_model_shape
+from ..harness.scenario import is_bundled_model, load_model_shape, model_dir
 from ..harness.served_kernels import launch_page_size, runs_mpfa_kernels, served_kernels
 from .tasks.items import ChoiceItem, GenerationItem
 from .tasks.scoring import best_choice
@@ -50,13 +51,20 @@ def choice_body(context: Sequence[int], choice: Sequence[int]) -> dict[str, Any]
 
 def answer(url: str, item: GenerationItem, tok: TaskTokenizer, max_new_tokens: int) -> tuple[float, str]:
     """(score, answer text) of one greedy answer from the server."""
+    score, text, _ = answered(url, item, tok, max_new_tokens)
+    return score, text
+
+
+def answered(url: str, item: GenerationItem, tok: TaskTokenizer, max_new_tokens: int
+             ) -> tuple[float, str, dict[str, Any]]:
+    """(score, answer text, the response's `meta_info`) of one greedy answer from the server."""
     body = post_generate(url, generation_body(item, max_new_tokens, tok.stop_ids()))
-    response_meta(body, len(item.prompt))
+    meta = response_meta(body, len(item.prompt))
     ids = body.get("output_ids")
     if not isinstance(ids, list) or len(ids) > max_new_tokens:
         raise ResponseError(f"response carries output_ids {ids!r:.80} for at most {max_new_tokens} new tokens")
     text = answer_text(tok, ids)
-    return item.score(text), text
+    return item.score(text), text, meta
 
 
 def choice_logprob(url: str, context: Sequence[int], choice: Sequence[int]) -> float:
@@ -117,6 +125,15 @@ def workload(cells: Sequence[Cell]) -> tuple[int, int]:
                 requests += 1
                 tokens += len(item.prompt)
     return requests, tokens
+
+
+def trained_window(model: str) -> int | None:
+    """The positions a model directory's weights were trained for (its config.json's `max_position_embeddings`);
+    None for a bundled config (dummy weights) or a config that names none."""
+    if is_bundled_model(model):
+        return None
+    window = json.loads((model_dir(model) / "config.json").read_text()).get("max_position_embeddings")
+    return int(window) if window else None
 
 
 def check_window(cells: Sequence[Cell], max_new_tokens: int, window: int) -> None:

@@ -194,12 +194,10 @@ def accuracy_serve(
     db: DbOption = None,
 ) -> None:
     """Task scores of each backend through its server, each vs the reference with a paired 95% interval."""
-    import json
-
     from .side_by_side import options_per_backend, served_backends
-    from ..accuracy.serve import check_window, run_served_accuracy, workload
+    from ..accuracy.serve import check_window, run_served_accuracy, trained_window, workload
     from ..harness.engines import gpu_label, model_name, resolve_backends
-    from ..harness.scenario import is_bundled_model, model_dir
+    from ..harness.scenario import is_bundled_model
     from ..accuracy.served import KIND, render
     from ..harness.served_kernels import check_prefill_kernel
     from ..accuracy.tasks.tokens import ByteTokenizer, load_tokenizer
@@ -212,10 +210,8 @@ def accuracy_serve(
     try:
         tok = load_tokenizer(tokenizer or (ByteTokenizer.name if is_bundled_model(model) else model))
         asked = chosen_cells(ctx, tok, cells, tasks, lengths, limit, offset, seed)
-        if not is_bundled_model(model):  # real weights: stay inside the window the model was trained on
-            config = json.loads((model_dir(model) / "config.json").read_text())
-            if window := config.get("max_position_embeddings"):
-                check_window(asked, max_new_tokens, int(window))
+        if window := trained_window(model):  # real weights: stay inside the window the model was trained on
+            check_window(asked, max_new_tokens, window)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 

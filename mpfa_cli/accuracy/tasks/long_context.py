@@ -6,12 +6,17 @@
   key's number. `niah-single` hides one needle, `niah-multikey` four with distinct keys (the asked one at the
   question's depth, the others at seeded depths). Question i of a cell puts the asked needle at depth
   DEPTHS[i % 10] (0 = the haystack's start, 1 = its end), so 10 questions per depth need 100 per cell.
+* Shared documents (`shared_needle_documents`): `niah-multikey` documents asked once per needle, every question's
+  prompt the same document ids then its own question, so that a server's prefix cache can serve all but the first
+  question of a document from the pages that question wrote.
 * `squad-long`: a SQuAD question with its passage among passages of other SQuAD articles (seeded order, the
   passage at a seeded position), the last distractor cut so that the prompt has exactly the length asked.
 
 Every prompt is one chat turn built as ids (`TaskTokenizer.chat_ids`): instruction, the context ids, question; its
 length is exactly `length` tokens of the model's tokenizer. Everything random is drawn from
-`random.Random(f"{seed}:{task}:{length}:{index or question id}")`, so a seed gives the same prompts on any machine.
+`random.Random(f"{seed}:{task}:{length}:{key}")`, the key a question's index or id (a shared document's
+`shared-{index}`, and `shared-starts` for the sentences the documents begin at), so a seed gives the same prompts on
+any machine.
 """
 
 from __future__ import annotations
@@ -39,6 +44,7 @@ _KEY_FIRST = ("amber", "brisk", "copper", "dusty", "eager", "frosty", "gentle", 
               "mellow", "nimble", "olive", "placid", "quiet")
 _KEY_SECOND = ("falcon", "harbor", "lantern", "meadow", "orchard", "pebble", "quarry", "ribbon", "saddle", "thistle",
                "umbrella", "violin", "walnut", "anchor", "bramble", "canyon")
+_KEYS = tuple(f"{a}-{b}" for a in _KEY_FIRST for b in _KEY_SECOND)
 _SENTENCE_END = re.compile(r"(?<=[.!?])(?=\s)")
 
 
@@ -99,30 +105,84 @@ def _flat(pieces: Sequence[Sequence[int]]) -> list[int]:
     return [t for piece in pieces for t in piece]
 
 
+def _value(rng: random.Random) -> str:
+    return str(rng.randrange(1_000_000, 10_000_000))
+
+
+def _needle_ids(tok: TaskTokenizer, key: str, value: str) -> tuple[int, ...]:
+    return tuple(tok.encode(NEEDLE.format(key=key, value=value)))
+
+
+def _needle_body(tok: TaskTokenizer, task: str, haystack: Haystack, length: int,
+                 needles: Sequence[tuple[tuple[int, ...], float]], after: str, start: int) -> list[int]:
+    """Haystack ids from sentence `start` with the (needle ids, depth) inserted, as many as make the prompt with
+    question `after` exactly `length` tokens."""
+    budget = length - _overhead(tok, NEEDLE_INSTRUCTION, after) - sum(len(ids) for ids, _ in needles)
+    if budget < 1:
+        raise ValueError(f"{task}: {length} tokens cannot hold the question and its needles")
+    return _flat(_insert(haystack.take(start, budget), needles))
+
+
 def needle_items(
     tok: TaskTokenizer, task: str, haystack: Haystack, length: int, count: int, seed: int = 0, first: int = 0
 ) -> list[GenerationItem]:
     """Questions `first` .. `first + count - 1` of a needle task at `length` prompt tokens."""
     if task not in NEEDLE_TASKS:
         raise ValueError(f"unknown needle task {task!r}; known: {', '.join(NEEDLE_TASKS)}")
-    keys = [f"{a}-{b}" for a in _KEY_FIRST for b in _KEY_SECOND]
     items = []
     for index in range(first, first + count):
         rng = _rng(seed, task, length, index)
-        chosen = rng.sample(keys, NEEDLE_TASKS[task])
-        values = [str(rng.randrange(1_000_000, 10_000_000)) for _ in chosen]
+        chosen = rng.sample(_KEYS, NEEDLE_TASKS[task])
+        values = [_value(rng) for _ in chosen]
         depth = DEPTHS[index % len(DEPTHS)]
-        needles = [(tuple(tok.encode(NEEDLE.format(key=k, value=v))), depth if i == 0 else rng.random())
+        needles = [(_needle_ids(tok, k, v), depth if i == 0 else rng.random())
                    for i, (k, v) in enumerate(zip(chosen, values))]
         after = NEEDLE_QUESTION.format(key=chosen[0])
-        budget = length - _overhead(tok, NEEDLE_INSTRUCTION, after) - sum(len(ids) for ids, _ in needles)
-        if budget < 1:
-            raise ValueError(f"{task}: {length} tokens cannot hold the question and its needles")
-        body = _flat(_insert(haystack.take(rng.randrange(len(haystack.sentences)), budget), needles))
+        body = _needle_body(tok, task, haystack, length, needles, after, rng.randrange(len(haystack.sentences)))
         prompt = tok.chat_ids(NEEDLE_INSTRUCTION, body, after)
         items.append(GenerationItem(task, f"{task}-{length}-{index}", tuple(prompt), (values[0],), "contains",
                                     length, depth))
     return items
+
+
+def shared_needle_documents(
+    tok: TaskTokenizer, haystack: Haystack, length: int, documents: int, seed: int = 0
+) -> list[tuple[GenerationItem, ...]]:
+    """`documents` four-needle (`niah-multikey`) documents, each asked once per needle: the questions of document d
+    are questions 4d .. 4d + 3 of the task's layout (question i's needle at depth DEPTHS[i % 10]; a document's
+    other needles are its other questions'), each prompt the document's ids then the question, exactly `length`
+    tokens. So the questions of a document share all but their question's tokens: its four keys are drawn among
+    keys whose questions have the same token count. Documents begin at distinct haystack sentences, so that no
+    two share more than the chat turn's opening and a few tokens."""
+    task = "niah-multikey"
+    per_document = NEEDLE_TASKS[task]
+    if documents > len(haystack.sentences):
+        raise ValueError(f"{task}: {documents} documents need as many haystack sentences to start at, the haystack "
+                         f"has {len(haystack.sentences)}")
+    by_size: dict[int, list[str]] = {}
+    for key in _KEYS:
+        by_size.setdefault(_overhead(tok, NEEDLE_INSTRUCTION, NEEDLE_QUESTION.format(key=key)), []).append(key)
+    pool = [key for keys in by_size.values() if len(keys) >= per_document for key in keys]
+    if not pool:
+        raise ValueError(f"{task}: no {per_document} keys whose questions have the same token count")
+    size = {key: n for n, keys in by_size.items() for key in keys}
+    starts = _rng(seed, task, length, "shared-starts").sample(range(len(haystack.sentences)), documents)
+    out = []
+    for document, start in enumerate(starts):
+        rng = _rng(seed, task, length, f"shared-{document}")
+        asked = rng.choice(pool)
+        chosen = [asked, *rng.sample([k for k in by_size[size[asked]] if k != asked], per_document - 1)]
+        values = [_value(rng) for _ in chosen]
+        depths = [DEPTHS[(per_document * document + j) % len(DEPTHS)] for j in range(per_document)]
+        questions = [NEEDLE_QUESTION.format(key=k) for k in chosen]
+        body = _needle_body(tok, task, haystack, length,
+                            [(_needle_ids(tok, k, v), d) for k, v, d in zip(chosen, values, depths)], questions[0],
+                            start)
+        out.append(tuple(
+            GenerationItem(task, f"{task}-{length}-doc{document}-{j}", tuple(tok.chat_ids(NEEDLE_INSTRUCTION, body, q)),
+                           (value,), "contains", length, depth)
+            for j, (q, value, depth) in enumerate(zip(questions, values, depths))))
+    return out
 
 
 def squad_long_items(

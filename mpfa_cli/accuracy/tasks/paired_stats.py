@@ -4,6 +4,7 @@ The difference is mean(score - reference) over the questions; its 95% interval i
 interval (questions resampled with replacement, both scores of a question kept together), seeded, so the same
 scores give the same interval. `n_for_half_width` is how many questions a 95% interval of `half_width` needs at the
 observed spread of the per-question differences (normal approximation: n = (z * sd / half_width)^2).
+`mcnemar_exact_p` tests pass/fail scores for a difference: the exact two-sided McNemar test on the discordant pairs.
 """
 
 from __future__ import annotations
@@ -68,3 +69,17 @@ def paired_difference(
     low, high = np.percentile(means, [2.5, 97.5])
     return PairedDifference(int(d.size), float(d.mean()), float(low), float(high), int(np.count_nonzero(d)),
                             n_for_half_width(d, half_width))
+
+
+def mcnemar_exact_p(scores: Sequence[float], reference: Sequence[float]) -> float:
+    """Exact two-sided McNemar p-value of pass/fail scores (0 or 1) on the same questions: of the n questions
+    passed by one side only, b by `scores`, under no difference b ~ Binomial(n, 1/2); p = min(1, 2 P[X <= min(b,
+    n - b)]), 1 when no question differs."""
+    if len(scores) != len(reference) or not scores:
+        raise ValueError(f"need two equally long, non-empty score lists, got {len(scores)} and {len(reference)}")
+    if any(x not in (0, 1) for x in (*scores, *reference)):
+        raise ValueError("McNemar's test takes pass/fail scores of 0 or 1")
+    only_scores = sum(1 for a, b in zip(scores, reference) if a > b)
+    n = only_scores + sum(1 for a, b in zip(scores, reference) if a < b)
+    tail = sum(math.comb(n, k) for k in range(min(only_scores, n - only_scores) + 1))
+    return min(1.0, 2 * tail / 2**n)

@@ -2,6 +2,7 @@
 scored; the stored result's summary, JSON round trip and CSV rows."""
 from __future__ import annotations
 
+import json
 import random
 
 import pytest
@@ -30,6 +31,12 @@ def test_answer_sends_ids_greedy_and_scores_the_decoded_first_line(monkeypatch):
     assert accuracy_serve.answer("http://x", ITEM, TOK, 16) == (1.0, "4711")
     assert sent[0]["input_ids"] == list(ITEM.prompt)
     assert sent[0]["sampling_params"] == {"max_new_tokens": 16, "temperature": 0, "stop_token_ids": [TOK.EOS]}
+
+
+def test_answered_also_returns_the_response_meta_info(monkeypatch):
+    meta = {"prompt_tokens": len(ITEM.prompt), "cached_tokens": 128}
+    _canned(monkeypatch, lambda body: {"output_ids": TOK.encode("4711"), "meta_info": meta})
+    assert accuracy_serve.answered("http://x", ITEM, TOK, 16) == (1.0, "4711", meta)
 
 
 @pytest.mark.parametrize("body, message", [
@@ -81,6 +88,14 @@ def test_window_check_names_the_longest_length_that_fits():
     accuracy_serve.check_window([cell], 28, 128)
     with pytest.raises(ValueError, match="needs 129 positions, the model's window is 128: use lengths of at most 99"):
         accuracy_serve.check_window([cell], 29, 128)
+
+
+def test_trained_window_is_a_model_directorys_own(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"max_position_embeddings": 32768}))
+    assert accuracy_serve.trained_window(str(tmp_path)) == 32768
+    (tmp_path / "config.json").write_text("{}")
+    assert accuracy_serve.trained_window(str(tmp_path)) is None
+    assert accuracy_serve.trained_window("llama-3.1-8b") is None  # a bundled config: dummy weights, no window
 
 
 def test_merge_joins_backends_run_apart_on_the_same_questions():

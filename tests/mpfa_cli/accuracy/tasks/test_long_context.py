@@ -1,14 +1,19 @@
 """Long-context task builders with the byte tokenizer (every token known): exact lengths, needles where asked,
-the SQuAD passage hidden among other articles' passages, determinism."""
+documents whose questions share all but their own tokens, the SQuAD passage hidden among other articles'
+passages, determinism."""
 
 from __future__ import annotations
+
+import os
+import string
 
 import pytest
 
 from mpfa.mpfa_cli.accuracy.tasks.data import SquadExample, TaskDataError
 from mpfa.mpfa_cli.accuracy.tasks.items import GenerationItem, choice_items, squad_items
 from mpfa.mpfa_cli.accuracy.tasks.data import ChoiceExample
-from mpfa.mpfa_cli.accuracy.tasks.long_context import DEPTHS, NEEDLE, Haystack, needle_items, squad_long_items
+from mpfa.mpfa_cli.accuracy.tasks.long_context import (DEPTHS, NEEDLE, NEEDLE_INSTRUCTION, NEEDLE_QUESTION, Haystack,
+                                                       needle_items, shared_needle_documents, squad_long_items)
 from mpfa.mpfa_cli.accuracy.tasks.tokens import ByteTokenizer, answer_text
 
 TOK = ByteTokenizer()
@@ -53,6 +58,60 @@ def test_needles_refuse_a_length_that_cannot_hold_them():
         needle_items(TOK, "niah-single", Haystack.from_text(TOK, ESSAY), 100, count=1)
     with pytest.raises(ValueError, match="unknown needle task"):
         needle_items(TOK, "niah-other", Haystack.from_text(TOK, ESSAY), 4000, count=1)
+
+
+# Every sentence begins with its own character, none with the needles' "T": documents that begin at different
+# sentences share no text.
+DISTINCT = " ".join(f"{c}{c} is a sentence about startups and painters."
+                    for c in (string.ascii_letters + string.digits).replace("T", ""))
+
+
+def _asked_key(item: GenerationItem) -> str:
+    return _text(item).split("What is the special magic number for ")[1].split(" mentioned")[0]
+
+
+def test_shared_documents_ask_each_needle_after_the_same_document_ids():
+    docs = shared_needle_documents(TOK, Haystack.from_text(TOK, DISTINCT), 3000, documents=3, seed=2)
+    items = [it for doc in docs for it in doc]
+    assert [len(doc) for doc in docs] == [4, 4, 4]
+    assert [it.depth for it in items] == [DEPTHS[i % len(DEPTHS)] for i in range(12)]  # question 4d + j's depth
+    for doc in docs:
+        documents = set()
+        for it in doc:
+            assert (len(it.prompt), it.length, it.metric, it.task) == (3000, 3000, "contains", "niah-multikey")
+            (value,) = it.answers
+            text = _text(it)
+            assert text.count("The special magic number for") == 4 and f"for {_asked_key(it)} is: {value}." in text
+            tail = TOK.encode(NEEDLE_QUESTION.format(key=_asked_key(it)) + "\nAssistant:")
+            assert it.prompt[-len(tail):] == tuple(tail)  # the question's own tokens, after the document
+            documents.add(it.prompt[: -len(tail)])
+        assert len(documents) == 1  # one document, the same ids for every question
+        assert len({it.answers for it in doc}) == len({_asked_key(it) for it in doc}) == 4  # each needle asked once
+
+
+def test_different_shared_documents_share_only_the_chat_turns_opening():
+    docs = shared_needle_documents(TOK, Haystack.from_text(TOK, DISTINCT), 3000, documents=5, seed=2)
+    opening = [TOK.BOS, *TOK.encode(f"User: {NEEDLE_INSTRUCTION}")]
+    needle = len(TOK.encode(NEEDLE.format(key="", value="")))
+    at_start = [d for d, doc in enumerate(docs) if any(it.depth == 0 for it in doc)]
+    assert at_start == [0, 2]  # questions 0 and 10; documents 1, 3 and 4 begin with a haystack sentence
+    for i in range(len(docs)):
+        for j in range(i + 1, len(docs)):
+            shared = os.path.commonprefix([docs[i][0].prompt, docs[j][0].prompt])
+            assert list(shared[: len(opening)]) == opening
+            # beyond it a space, or the first words of two needles at depth 0: never haystack text
+            assert len(shared) - len(opening) < (needle if {i, j} <= set(at_start) else 2)
+
+
+def test_shared_documents_are_seeded_and_refuse_what_cannot_be_built():
+    hay = Haystack.from_text(TOK, DISTINCT)
+    docs = shared_needle_documents(TOK, hay, 3000, documents=2, seed=5)
+    assert shared_needle_documents(TOK, hay, 3000, documents=2, seed=5) == docs
+    assert shared_needle_documents(TOK, hay, 3000, documents=2, seed=6) != docs
+    with pytest.raises(ValueError, match="cannot hold"):
+        shared_needle_documents(TOK, hay, 150, documents=1)
+    with pytest.raises(ValueError, match="haystack sentences"):
+        shared_needle_documents(TOK, hay, 3000, documents=len(hay.sentences) + 1)
 
 
 def _squad(n_articles: int = 30) -> list[SquadExample]:
