@@ -76,11 +76,13 @@ def test_result_summary_round_trip_and_csv():
 
 
 def test_window_check_names_the_longest_length_that_fits():
-    cell = Cell("niah-single", 100, (GenerationItem("niah-single", "n", (1,) * 100, ("1",), "contains", 100),))
-    assert accuracy_serve.context_length([cell], 28) == 128
-    accuracy_serve.check_window([cell], 28, 128)
-    with pytest.raises(ValueError, match="needs 129 positions, the model's window is 128: use lengths of at most 99"):
-        accuracy_serve.check_window([cell], 29, 128)
+    cell = Cell("niah-single", 100, (GenerationItem("niah-single", "n", (1,) * 100, ("1",), "contains", 100),), 28)
+    longer = Cell("ruler-cwe", 90, (GenerationItem("ruler-cwe", "c", (1,) * 90, ("a",), "all", 90),), 39)
+    assert accuracy_serve.context_length([cell]) == 128 and accuracy_serve.context_length([cell, longer]) == 129
+    accuracy_serve.check_window([cell], 128)
+    with pytest.raises(ValueError, match="ruler-cwe@90: its longest prompt with 39 new tokens needs 129 positions, "
+                                         "the model's window is 128: use lengths of at most 89 tokens for ruler-cwe"):
+        accuracy_serve.check_window([cell, longer], 128)
 
 
 def test_merge_joins_backends_run_apart_on_the_same_questions():

@@ -1,6 +1,7 @@
 """The existing served tasks' prompts, pinned: the first question of each (the long ones at 4096 tokens) built from
 fixed data with the byte tokenizer hashes to what it did before the RULER-style tasks were added, so adding tasks
-(or per-task answer budgets) leaves their token ids, answers and metrics, hence their scores, as they were."""
+(or per-task answer budgets) leaves their token ids, answers, metrics and answer budget, hence their scores, as they
+were."""
 
 from __future__ import annotations
 
@@ -37,3 +38,4 @@ def test_the_existing_tasks_first_questions_are_unchanged(monkeypatch):
                  else [item.prompt, item.answers, item.metric, item.depth])
         digest.update(json.dumps([cell.key, item.id, *asked]).encode())
     assert digest.hexdigest() == PINNED
+    assert {cell.max_new_tokens for cell in cells} == {32}  # the answer budget they have always been scored with
