@@ -6,7 +6,7 @@ ids in, ids out), so the prompt lengths are exact and the answers are decoded by
 * a question answered by greedy decoding (`GenerationItem`):
   `{"input_ids": [...], "sampling_params": {"max_new_tokens": N, "temperature": 0, "stop_token_ids": [...]}}`
   with N its cell's answer budget (`Cell.max_new_tokens`); the output ids up to the first stop id, decoded, first
-  line (all of it for the metric "all"), are the answer (`tokens.answer_text`);
+  line (all of it for the metric "share"), are the answer (`tokens.answer_text`);
 * a multiple-choice question (`ChoiceItem`): one request per choice, context + choice ids with
   `"return_logprob": true, "logprob_start_len": len(context) - 1` and one new token; the choice's log-likelihood
   is the sum of the `input_token_logprobs` of its tokens (the last len(choice) entries, checked against the ids).

@@ -14,7 +14,7 @@ tokens of the model's tokenizer, like the needle tasks of `long_context`:
 
 Keys are pairs of essay words and the listed words essay words: lowercase, 4-8 letters, used twice or more, none of
 the tasks' own wording (an answer that restates the question must not find them). Every answer is scored as RULER's
-`string_match_all` scores it (metric "all", `scoring.share_found`): the share of the expected strings in the whole
+`string_match_all` scores it (metric "share", `scoring.share_found`): the share of the expected strings in the whole
 answer. A task's answer budget (max_new_tokens) is its `RulerTask.answer_tokens`. What fills a prompt to its exact
 length is cut at the end: the last essay sentence (mv, mq), needle line (mk), filler line (vt), list entry (cwe) or
 dots (fwe); the fill never repeats an asked string or outnumbers a common or frequent word.
@@ -264,6 +264,6 @@ def ruler_items(
     for index in range(first, first + count):
         asked = RULER_TASKS[task].build(src, _rng(seed, task, length, index), task, length, index)
         prompt = src.tok.chat_ids(asked.before, asked.body, asked.after)
-        items.append(GenerationItem(task, f"{task}-{length}-{index}", tuple(prompt), asked.answers, "all", length,
+        items.append(GenerationItem(task, f"{task}-{length}-{index}", tuple(prompt), asked.answers, "share", length,
                                     asked.depth))
     return items
