@@ -22,7 +22,8 @@ def run_emulated_accuracy(
     attach: Callable, *, device: str, seed: int, max_new_tokens: int, batch_size: int, batch_tokens: int,
     progress: Progress, on_cell: Callable[[str, str, list[float]], None],
 ) -> ServedAccuracy:
-    """Every variant on every cell (`emulate_cells`); `on_cell(variant, key, scores)` as each is done."""
+    """Every variant on every cell (`emulate_cells`); `on_cell(variant, key, scores)` as each is done;
+    `max_new_tokens`: the result's answer budget (`ServedAccuracy.empty`), each cell answered within its own."""
     result = ServedAccuracy.empty(model_name(model), tokenizer_name, ref, list(variants), list(cells), seed,
                                   max_new_tokens)
     environment = collect_environment()
@@ -31,9 +32,8 @@ def run_emulated_accuracy(
         result.server_info[variant] = {"engine": "emulate", "variant": variant}
         result.provenance[variant] = {**where, "kernels": {"emulated": variant}}
     try:
-        for variant, key, scores, said in emulate_cells(lm, cells, variants, attach, max_new_tokens=max_new_tokens,
-                                                        batch_size=batch_size, batch_tokens=batch_tokens,
-                                                        progress=progress):
+        for variant, key, scores, said in emulate_cells(lm, cells, variants, attach, batch_size=batch_size,
+                                                        batch_tokens=batch_tokens, progress=progress):
             result.scores.setdefault(variant, {})[key] = scores
             result.answers.setdefault(variant, {})[key] = said
             on_cell(variant, key, scores)

@@ -4,8 +4,9 @@ Every backend's server gets the same prompts as token ids on SGLang's native `/g
 ids in, ids out), so the prompt lengths are exact and the answers are decoded by the model's tokenizer here:
 
 * a question answered by greedy decoding (`GenerationItem`):
-  `{"input_ids": [...], "sampling_params": {"max_new_tokens": N, "temperature": 0, "stop_token_ids": [...]}}`;
-  the output ids up to the first stop id, decoded, first line, are the answer (`tokens.answer_text`);
+  `{"input_ids": [...], "sampling_params": {"max_new_tokens": N, "temperature": 0, "stop_token_ids": [...]}}`
+  with N its cell's answer budget (`Cell.max_new_tokens`); the output ids up to the first stop id, decoded, first
+  line (all of it for the metric "share"), are the answer (`tokens.answer_text`);
 * a multiple-choice question (`ChoiceItem`): one request per choice, context + choice ids with
   `"return_logprob": true, "logprob_start_len": len(context) - 1` and one new token; the choice's log-likelihood
   is the sum of the `input_token_logprobs` of its tokens (the last len(choice) entries, checked against the ids).
@@ -34,7 +35,6 @@ from .tasks.scoring import best_choice
 from .tasks.task_sets import Cell
 from .tasks.tokens import TaskTokenizer, answer_text
 
-DEFAULT_MAX_NEW_TOKENS = 32  # a 7-digit needle after a model restates the question (one token per digit)
 DEFAULT_CONCURRENCY = 8
 
 
@@ -63,7 +63,7 @@ def answered(url: str, item: GenerationItem, tok: TaskTokenizer, max_new_tokens:
     ids = body.get("output_ids")
     if not isinstance(ids, list) or len(ids) > max_new_tokens:
         raise ResponseError(f"response carries output_ids {ids!r:.80} for at most {max_new_tokens} new tokens")
-    text = answer_text(tok, ids)
+    text = answer_text(tok, ids, item.first_line)
     return item.score(text), text, meta
 
 
@@ -90,12 +90,12 @@ def choose(url: str, item: ChoiceItem) -> tuple[float, int]:
 
 
 def score_cell(
-    url: str, cell: Cell, tok: TaskTokenizer, max_new_tokens: int, concurrency: int, on_done: Callable[[], None]
+    url: str, cell: Cell, tok: TaskTokenizer, concurrency: int, on_done: Callable[[], None]
 ) -> tuple[list[float], list[str | int]]:
     """Per-question scores and answers (text, or chosen option) of one cell, in question order."""
     def one(item: GenerationItem | ChoiceItem) -> tuple[float, str | int]:
         try:
-            result = choose(url, item) if isinstance(item, ChoiceItem) else answer(url, item, tok, max_new_tokens)
+            result = choose(url, item) if isinstance(item, ChoiceItem) else answer(url, item, tok, cell.max_new_tokens)
         except ResponseError as exc:
             raise ResponseError(f"{cell.key} question {item.id}: {exc}") from None
         on_done()
@@ -106,9 +106,9 @@ def score_cell(
     return [score for score, _ in results], [said for _, said in results]
 
 
-def context_length(cells: Sequence[Cell], max_new_tokens: int) -> int:
-    """The server context the longest request needs: its prompt and every token it may generate."""
-    return max(len(item.prompt) + max_new_tokens if isinstance(item, GenerationItem)
+def context_length(cells: Sequence[Cell]) -> int:
+    """The server context the longest request needs: its prompt and every token its cell lets it generate."""
+    return max(len(item.prompt) + cell.max_new_tokens if isinstance(item, GenerationItem)
                else len(item.context) + max(len(c) for c in item.choices) + 1
                for cell in cells for item in cell.items)
 
@@ -136,20 +136,23 @@ def trained_window(model: str) -> int | None:
     return int(window) if window else None
 
 
-def check_window(cells: Sequence[Cell], max_new_tokens: int, window: int) -> None:
+def check_window(cells: Sequence[Cell], window: int) -> None:
     """Refuse requests longer than the model's trained window (positions past it are extrapolated RoPE)."""
-    if (needed := context_length(cells, max_new_tokens)) > window:
-        raise ValueError(f"the longest prompt with {max_new_tokens} new tokens needs {needed} positions, the model's "
-                         f"window is {window}: use lengths of at most {window - max_new_tokens} tokens")
+    for cell in cells:
+        if (needed := context_length([cell])) > window:
+            raise ValueError(f"{cell.key}: its longest prompt with {cell.max_new_tokens} new tokens needs {needed} "
+                             f"positions, the model's window is {window}: use lengths of at most "
+                             f"{window - cell.max_new_tokens} tokens for {cell.task}")
 
 
 def run_served_accuracy(
     specs: list, ref: str, cells: list[Cell], tok: TaskTokenizer, model: str, options_for: Callable[[Any], Any],
-    console, *, seed: int, max_new_tokens: int = DEFAULT_MAX_NEW_TOKENS, concurrency: int = DEFAULT_CONCURRENCY,
+    console, *, seed: int, max_new_tokens: int, concurrency: int = DEFAULT_CONCURRENCY,
 ) -> ServedAccuracy:
     """Serve each backend in turn (`bench.served`; `model`: a bundled config or a model directory) and score every
-    cell on it; a backend whose server fails a request keeps the error and the cells scored before it. The result
-    names the model as bench does (a directory by its name)."""
+    cell on it, each answer within its cell's budget (`max_new_tokens`: the result's, `ServedAccuracy.empty`); a
+    backend whose server fails a request keeps the error and the cells scored before it. The result names the model
+    as bench does (a directory by its name)."""
     from ..bench.runner import _find_key, progress_bar, served, verify_server
     from ..harness.engines import model_name
     from ..harness.environment import collect_environment
@@ -161,7 +164,7 @@ def run_served_accuracy(
     for spec, opts, name in zip(specs, options, names):
         try:
             with progress_bar(console) as progress, \
-                    served(spec, model, context_length(cells, max_new_tokens), opts, progress) as (url, info, _):
+                    served(spec, model, context_length(cells), opts, progress) as (url, info, _):
                 if opts.engine == "url":
                     verify_server(info, spec)  # `served` checks the servers it launches itself
                 result.simulated = result.simulated or opts.engine == "sim" or info.get("simulated") is True
@@ -170,8 +173,7 @@ def run_served_accuracy(
                 for cell in cells:
                     bar = progress.add_task(f"{name} {cell.key}", total=len(cell.items))
                     try:
-                        scores, answers = score_cell(url, cell, tok, max_new_tokens, concurrency,
-                                                     lambda: progress.advance(bar))
+                        scores, answers = score_cell(url, cell, tok, concurrency, lambda: progress.advance(bar))
                     except ResponseError as exc:
                         result.errors[name] = str(exc)
                         break

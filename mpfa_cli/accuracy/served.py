@@ -15,7 +15,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 from .tasks.paired_stats import HALF_WIDTH, PairedDifference, paired_difference
-from .tasks.task_sets import cell_key
+from .tasks.task_sets import TASK_GROUPS, cell_key
 
 KIND = "accuracy-serve"
 INTERRUPTED = "interrupted"  # the error of the backend a Ctrl-C stopped
@@ -23,13 +23,15 @@ INTERRUPTED = "interrupted"  # the error of the backend a Ctrl-C stopped
 
 @dataclass
 class CellInfo:
-    """What a cell asked: its task, context length (None: natural), metric, question ids and needle depths."""
+    """What a cell asked: its task, context length (None: natural), metric, question ids and needle depths, and the
+    greedy tokens its answers could take where they differ from the result's `max_new_tokens` (None: those)."""
 
     task: str
     length: int | None
     metric: str
     ids: list[str]
     depths: list[float | None]
+    max_new_tokens: int | None = None
 
     @property
     def key(self) -> str:
@@ -59,7 +61,7 @@ class ServedAccuracy:
     backends: list[str]
     cells: list[CellInfo]
     seed: int
-    max_new_tokens: int
+    max_new_tokens: int  # the answer budget of every cell that records none
     simulated: bool = False
     scores: dict[str, dict[str, list[float]]] = field(default_factory=dict)  # backend -> cell key -> per question
     answers: dict[str, dict[str, list[str | int]]] = field(default_factory=dict)  # answer text or chosen option
@@ -72,9 +74,10 @@ class ServedAccuracy:
     @classmethod
     def empty(cls, model: str, tokenizer: str, ref: str, backends: list[str], cells: list, seed: int,
               max_new_tokens: int) -> ServedAccuracy:
-        """A result with no scores yet for the `task_sets.Cell`s to be asked."""
-        infos = [CellInfo(c.task, c.length, c.items[0].metric, [i.id for i in c.items], [i.depth for i in c.items])
-                 for c in cells]
+        """A result with no scores yet for the `task_sets.Cell`s to be asked; a cell's answer budget is recorded where
+        it differs from `max_new_tokens` (the tasks that declare their own, unless one budget was asked for all)."""
+        infos = [CellInfo(c.task, c.length, c.items[0].metric, [i.id for i in c.items], [i.depth for i in c.items],
+                          None if c.max_new_tokens == max_new_tokens else c.max_new_tokens) for c in cells]
         return cls(model, tokenizer, ref, backends, infos, seed, max_new_tokens)
 
     def to_json(self) -> dict[str, Any]:
@@ -95,10 +98,23 @@ class ServedAccuracy:
 
     def pooled(self) -> list[SummaryRow]:
         """Per task asked at two or more lengths, every backend over all of them (length None), still paired
-        question by question with the reference: a loss too small for any one cell's 40 questions shows here."""
+        question by question with the reference: a loss too small for any one cell's 40 questions shows here. Then
+        per group of tasks (`task_sets.TASK_GROUPS`, as `ruler`) of which two or more were asked, the same over the
+        group's cells at each length and, asked at two or more, over all its cells (length None)."""
         tasks = dict.fromkeys(c.task for c in self.cells)
         keyed = {task: [c.key for c in self.cells if c.task == task] for task in tasks}
-        return [row for task, keys in keyed.items() if len(keys) > 1 for row in self._rows(task, None, keys)]
+        rows = [row for task, keys in keyed.items() if len(keys) > 1 for row in self._rows(task, None, keys)]
+        for group, members in TASK_GROUPS.items():
+            cells = [c for c in self.cells if c.task in members]
+            if len({c.task for c in cells}) < 2:
+                continue
+            lengths = dict.fromkeys(c.length for c in cells)
+            for length in lengths:
+                if len(keys := [c.key for c in cells if c.length == length]) > 1:
+                    rows += self._rows(group, length, keys)
+            if len(lengths) > 1:
+                rows += self._rows(group, None, [c.key for c in cells])
+        return rows
 
     def _rows(self, task: str, length: int | None, keys: list[str]) -> list[SummaryRow]:
         """A row per backend scored on every cell of `keys` (their questions joined), the reference first."""
@@ -209,7 +225,7 @@ def _backend_cells(rows: dict[str, SummaryRow], ordered: list[str]) -> list[str]
 
 
 def _by_backend(rows: list[SummaryRow], key: Callable[[SummaryRow], str]) -> dict[str, dict[str, SummaryRow]]:
-    """Summary rows grouped by `key` (a cell, a task), each group by backend."""
+    """Summary rows grouped by `key` (a cell, a task or group at a length or all), each group by backend."""
     grouped: dict[str, dict[str, SummaryRow]] = {}
     for row in rows:
         grouped.setdefault(key(row), {})[row.backend] = row
@@ -221,22 +237,26 @@ NEEDED_COLUMN = f"n for ±{100 * HALF_WIDTH:.0f}"  # questions a ±3-point inter
 
 
 def _groups(result: ServedAccuracy) -> tuple[list[Group], list[Group]]:
-    """The table's row groups: each cell, and each task over all its lengths (`pooled`)."""
+    """The table's row groups: each cell, and each task over all its lengths, each group of tasks (`pooled`)."""
     by_cell = _by_backend(result.summary(), lambda row: cell_key(row.task, row.length))
     cells = []
     for cell in result.cells:
         rows = by_cell.get(cell.key, {})
         n = max((r.n for r in rows.values()), default=len(cell.ids))
         cells.append((cell.task, "natural" if cell.length is None else str(cell.length), cell.metric, rows, n))
-    pooled = [(task, "all", next(c.metric for c in result.cells if c.task == task), rows,
-               max(r.n for r in rows.values())) for task, rows in _by_backend(result.pooled(), lambda r: r.task).items()]
+    pooled = []
+    for rows in _by_backend(result.pooled(), lambda r: cell_key(r.task, r.length)).values():
+        first = next(iter(rows.values()))
+        metric = next(c.metric for c in result.cells if c.task in TASK_GROUPS.get(first.task, (first.task,)))
+        pooled.append((first.task, "all" if first.length is None else str(first.length), metric, rows,
+                       max(r.n for r in rows.values())))
     return cells, pooled
 
 
 def render(result: ServedAccuracy, console) -> None:
-    """One table: a row per cell, then a row per task over all its lengths (`pooled`); per backend its score and
-    (not the reference) Δ with the 95% interval; the questions a ±3-point interval needs at the spread seen. Where
-    a column per backend would not fit the console, a row per cell and backend instead."""
+    """One table: a row per cell, then a row per task over all its lengths and per group of tasks (`pooled`); per
+    backend its score and (not the reference) Δ with the 95% interval; the questions a ±3-point interval needs at
+    the spread seen. Where a column per backend would not fit the console, a row per cell and backend instead."""
     from rich.measure import Measurement
 
     title = f"Task accuracy ({result.model}, tokenizer {result.tokenizer}; Δ vs {result.ref}, " \
@@ -370,12 +390,14 @@ def _join_questions(merged: ServedAccuracy, part: ServedAccuracy) -> None:
     for cell in part.cells:
         mine = cells.get(cell.key)
         if mine is None:  # a cell only `part` asked: an empty one to add to
-            mine = cells[cell.key] = CellInfo(cell.task, cell.length, cell.metric, [], [])
+            mine = cells[cell.key] = CellInfo(cell.task, cell.length, cell.metric, [], [], cell.max_new_tokens)
             merged.cells.append(mine)
             for backend in merged.backends:
                 merged.scores[backend][cell.key], merged.answers[backend][cell.key] = [], []
         elif twice := set(mine.ids) & set(cell.ids):
             raise ValueError(f"cannot join {cell.key}: question {sorted(twice)[0]} is in more than one of the results")
+        elif mine.max_new_tokens != cell.max_new_tokens:
+            raise ValueError(f"cannot join {cell.key}: its answers had different budgets")
         mine.ids += cell.ids
         mine.depths += cell.depths
         for backend in merged.backends:

@@ -11,7 +11,9 @@ from .common import (CellsOption, DbOption, EngineOption, PortOption, PrefillKer
                      RunDirOption, ServerArgOption, TimeScaleOption, UrlsOption, cli_errors, console, err_console,
                      number_list, open_store)
 from .selection import accuracy_results as stored_accuracy_results
-from ..accuracy.serve import DEFAULT_CONCURRENCY, DEFAULT_MAX_NEW_TOKENS
+from ..accuracy.serve import DEFAULT_CONCURRENCY
+from ..accuracy.tasks.items import DEFAULT_MAX_NEW_TOKENS
+from ..accuracy.tasks.task_sets import tasks_help
 from ..errors import UserError
 from ..harness.safe_files import write_private
 
@@ -148,17 +150,19 @@ def accuracy_convert(
 
 
 def chosen_cells(ctx: typer.Context, tok, cells: str | None, tasks: str, lengths: str, limit: int, offset: int,
-                 seed: int) -> list:
-    """The cells asked: `--cells` (each its own question count), or every task at every length with `--limit`."""
-    from ..accuracy.tasks.task_sets import build_cells, build_picked_cells, parse_cells
+                 seed: int, max_new_tokens: int | None) -> list:
+    """The cells asked: `--cells` (each its own question count), or every task at every length with `--limit`; each
+    answered within `max_new_tokens` tokens (None: its task's own budget)."""
+    from ..accuracy.tasks.task_sets import build_cells, build_picked_cells, parse_cells, with_answer_tokens
 
     if cells is None:
-        return build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()], number_list(lengths, "--lengths"),
-                           limit=limit, offset=offset, seed=seed)
+        asked = build_cells(tok, [t.strip() for t in tasks.split(",") if t.strip()], number_list(lengths, "--lengths"),
+                            limit=limit, offset=offset, seed=seed)
+        return with_answer_tokens(asked, max_new_tokens)
     if given := [f"--{name}" for name in ("tasks", "lengths", "limit")
                  if getattr(ctx.get_parameter_source(name), "name", None) != "DEFAULT"]:  # Typer may carry its own click
         raise UserError(f"--cells replaces {', '.join(given)}: pass one or the other")
-    return build_picked_cells(tok, parse_cells(cells), offset=offset, seed=seed)
+    return with_answer_tokens(build_picked_cells(tok, parse_cells(cells), offset=offset, seed=seed), max_new_tokens)
 
 
 def asked_params(asked: list, cells: str | None, limit: int, offset: int, seed: int) -> dict:
@@ -175,13 +179,13 @@ def accuracy_serve(
     ref: Annotated[str, typer.Option("--ref", help="The backend the others are compared with; runs only if in --backend (split a long job by backend, then join: `mpfa accuracy served A,B --merge`).")] = "fa3-bf16",
     model: Annotated[str, typer.Option(help="A model directory (real weights; its tokenizer builds the prompts) or a bundled config (dummy weights: plumbing only).")] = "llama-3.1-8b",
     tokenizer: Annotated[Optional[str], typer.Option(help="'bytes' or a model directory (default: --model's directory; 'bytes' for a bundled config).")] = None,
-    tasks: Annotated[str, typer.Option(help="Comma-separated: niah-single, niah-multikey, squad-long (at every --lengths), squad, social_iqa.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
-    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks; a prompt and its answer must fit the model's window (Qwen2.5: 32,768 = 32,736 + 32 new tokens).")] = "4096,8192,16384,32736",
+    tasks: Annotated[str, typer.Option(help=f"Comma-separated: {tasks_help()}.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
+    lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks; a prompt and its answer must fit the model's window (Qwen2.5: 32,768 = 32,736 + 32 new tokens; the ruler tasks' answers take more: see --tasks).")] = "4096,8192,16384,32736",
     limit: Annotated[int, typer.Option(help="Questions per task and length (needles: question i at depth i % 10).")] = 100,
     cells: CellsOption = None,
     offset: Annotated[int, typer.Option(help="Skip the first N questions of each task and length.")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the haystacks, needles, distractor order and the bootstrap.")] = 0,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer (scored: its first line).")] = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Greedy tokens per answer, every task (default: each task's own; scored: its first line, all of it for the ruler tasks).", show_default=False)] = None,
     concurrency: Annotated[int, typer.Option(help="Requests in flight per server (1: every question runs alone).")] = DEFAULT_CONCURRENCY,
     engine: EngineOption = "auto",
     url: UrlsOption = None,
@@ -202,16 +206,16 @@ def accuracy_serve(
     from ..harness.served_kernels import check_prefill_kernel
     from ..accuracy.tasks.tokens import ByteTokenizer, load_tokenizer
 
-    if max_new_tokens < 1 or concurrency < 1:
+    if (max_new_tokens is not None and max_new_tokens < 1) or concurrency < 1:
         raise UserError("--max-new-tokens and --concurrency must be >= 1")
     prefill_kernel = check_prefill_kernel(prefill_kernel)
     chosen_engine, names, url_of = served_backends(backend, ref, url, engine)
     specs = resolve_backends(",".join(sorted(names, key=lambda n: n != ref)), chosen_engine)
     try:
         tok = load_tokenizer(tokenizer or (ByteTokenizer.name if is_bundled_model(model) else model))
-        asked = chosen_cells(ctx, tok, cells, tasks, lengths, limit, offset, seed)
+        asked = chosen_cells(ctx, tok, cells, tasks, lengths, limit, offset, seed, max_new_tokens)
         if window := trained_window(model):  # real weights: stay inside the window the model was trained on
-            check_window(asked, max_new_tokens, window)
+            check_window(asked, window)
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
@@ -225,7 +229,7 @@ def accuracy_serve(
         console.print(f"{len(asked)} cells, {sum(len(c.items) for c in asked)} questions: {requests} requests and "
                       f"{tokens:,} prompt tokens per backend, {len(specs)} backend(s)", highlight=False)
         result = run_served_accuracy(specs, ref, asked, tok, model, options_for, console, seed=seed,
-                                     max_new_tokens=max_new_tokens, concurrency=concurrency)
+                                     max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS, concurrency=concurrency)
         render(result, console)
         gpu = gpu_label(result.simulated)
         params = {"backends": result.backends, "ref": ref, "model": model_name(model), "tokenizer": tok.name,
@@ -248,13 +252,13 @@ def accuracy_emulate(
     model: Annotated[str, typer.Option("--model", help="A model directory (as given to `accuracy serve --model`), a .gguf file, or qwen2.5-coder-1.5b / smollm2-135m.")],
     variants: Annotated[str, typer.Option(help="Comma-separated attention variants of the numerics reference (mpfa-qk8tile-psum: the shipped fp8 prefill kernel; fp8-calibrated).")] = "bf16,fp8,fp8-calibrated,mpfa,mpfa-qk8tile-psum",
     ref: Annotated[str, typer.Option("--ref", help="The variant the others are compared with.")] = "bf16",
-    tasks: Annotated[str, typer.Option(help="Comma-separated, as for `accuracy serve`.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
+    tasks: Annotated[str, typer.Option(help=f"Comma-separated, as for `accuracy serve`: {tasks_help()}.")] = "niah-single,niah-multikey,squad-long,squad,social_iqa",
     lengths: Annotated[str, typer.Option(help="Comma-separated prompt lengths (tokens) of the long-context tasks.")] = "4096,8192,16384,32736",
     limit: Annotated[int, typer.Option(help="Questions per task and length.")] = 100,
     cells: CellsOption = None,
     offset: Annotated[int, typer.Option(help="Skip the first N questions of each task and length.")] = 0,
     seed: Annotated[int, typer.Option(help="Seed of the prompts and the bootstrap (the same as the served run's to compare).")] = 0,
-    max_new_tokens: Annotated[int, typer.Option("--max-new-tokens", help="Greedy tokens per answer.")] = DEFAULT_MAX_NEW_TOKENS,
+    max_new_tokens: Annotated[Optional[int], typer.Option("--max-new-tokens", help="Greedy tokens per answer, every task (default: each task's own).", show_default=False)] = None,
     batch_size: Annotated[int, typer.Option("--batch-size", help="Questions per forward call.")] = 16,
     batch_tokens: Annotated[int, typer.Option("--batch-tokens", help="Prompt tokens per forward call at most (one question at least): the memory bound of long prompts.")] = 65536,
     device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
@@ -276,14 +280,14 @@ def accuracy_emulate(
     chosen = [v.strip() for v in variants.split(",") if v.strip()]
     if bad := [v for v in chosen if v not in SWAP_VARIANTS]:
         raise UserError(f"unknown variant {', '.join(bad)}; choose from {', '.join(SWAP_VARIANTS)}")
-    if max_new_tokens < 1 or batch_size < 1 or batch_tokens < 1:
+    if (max_new_tokens is not None and max_new_tokens < 1) or batch_size < 1 or batch_tokens < 1:
         raise UserError("--max-new-tokens, --batch-size and --batch-tokens must be >= 1")
     try:
         lm = load_model(model, device)
         tok = HFTokenizer(lm.tokenizer, lm.name)
-        asked = chosen_cells(ctx, tok, cells, tasks, lengths, limit, offset, seed)
+        asked = chosen_cells(ctx, tok, cells, tasks, lengths, limit, offset, seed, max_new_tokens)
         if window := getattr(lm.model.config, "max_position_embeddings", None):
-            check_window(asked, max_new_tokens, int(window))
+            check_window(asked, int(window))
         attach = installer(lm, tok, chosen)
     except ValueError as exc:
         raise UserError(str(exc)) from None
@@ -301,7 +305,7 @@ def accuracy_emulate(
                           highlight=False)
 
         result = run_emulated_accuracy(lm, tok.name, model, asked, chosen, ref, attach, device=device, seed=seed,
-                                       max_new_tokens=max_new_tokens, batch_size=batch_size,
+                                       max_new_tokens=max_new_tokens or DEFAULT_MAX_NEW_TOKENS, batch_size=batch_size,
                                        batch_tokens=batch_tokens, progress=advance, on_cell=cell_done)
     if done := cells_done(result):
         render(result, console)

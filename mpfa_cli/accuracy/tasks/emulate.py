@@ -1,10 +1,10 @@
 """The cells of `mpfa accuracy serve` answered by the numerics reference instead of a server.
 
 Cell by cell, the shortest first, each attention variant is swapped into the model in turn (`runner.installer`)
-and answers the cell's questions: greedy answers in padded batches (`generation.greedy_answers`, the first line of the answer, as the served
-path scores it), choices by their summed log-likelihood (`generation.batch_choice_logprobs`). The per-question
-scores and answers come out in the served path's layout, so an emulated variant and a served backend compare
-question by question on the same prompts.
+and answers the cell's questions: greedy answers in padded batches (`generation.greedy_answers`, within the cell's
+answer budget, the first line of the answer or all of it as the served path scores it), choices by their summed
+log-likelihood (`generation.batch_choice_logprobs`). The per-question scores and answers come out in the served
+path's layout, so an emulated variant and a served backend compare question by question on the same prompts.
 """
 
 from __future__ import annotations
@@ -22,8 +22,8 @@ Progress = Callable[[str, str, int, int], None]
 
 
 def emulate_cells(
-    lm: LoadedModel, cells: Sequence[Cell], variants: Sequence[str], attach: Callable, *, max_new_tokens: int,
-    batch_size: int, progress: Progress, batch_tokens: int | None = None,
+    lm: LoadedModel, cells: Sequence[Cell], variants: Sequence[str], attach: Callable, *, batch_size: int,
+    progress: Progress, batch_tokens: int | None = None,
 ) -> Iterator[tuple[str, str, list[float], list[str | int]]]:
     """Every variant on every cell, as (variant, cell key, scores, answers) once each is done: the shortest cells
     first, all variants of a cell before the next, so a run stopped early keeps whole cells of the most questions.
@@ -50,7 +50,7 @@ def emulate_cells(
                 prompts = [list(it.prompt) for it in items]
                 answers = in_order(length_batches([len(p) for p in prompts], size),
                                    lambda batch: greedy_answers(lm, [prompts[i] for i in batch], attention,
-                                                                max_new_tokens),
+                                                                cell.max_new_tokens, items[0].first_line),
                                    done)
                 yield variant, cell.key, [it.score(a) for a, it in zip(answers, items)], answers
 

@@ -133,11 +133,13 @@ def _check_rows(rows: Sequence[Sequence[int]], what: str) -> None:
 
 @torch.inference_mode()
 def greedy_answers(
-    lm: LoadedModel, prompts: Sequence[list[int]], attention: VariantAttention, max_new_tokens: int
+    lm: LoadedModel, prompts: Sequence[list[int]], attention: VariantAttention, max_new_tokens: int,
+    first_line: bool = True,
 ) -> list[str]:
-    """Greedy (temperature 0) continuation of each prompt, up to an end-of-sequence token, a newline or
-    `max_new_tokens` tokens: the decoded text of its first line, stripped. One padded prefill, then one decode step
-    per new token for all rows at once until every row has stopped (a stopped row appends a masked pad token)."""
+    """Greedy (temperature 0) continuation of each prompt, up to an end-of-sequence token, a newline (unless not
+    `first_line`) or `max_new_tokens` tokens: the decoded text of its first line (all of it), stripped. One padded
+    prefill, then one decode step per new token for all rows at once until every row has stopped (a stopped row
+    appends a masked pad token)."""
     _check_rows(prompts, "prompt")
     attention.reset()
     stops, pad = _stop_ids(lm), _pad_id(lm)
@@ -158,7 +160,7 @@ def greedy_answers(
                 active[b] = False
                 continue
             generated[b].append(token)
-            if "\n" in lm.tokenizer.decode(generated[b]):
+            if first_line and "\n" in lm.tokenizer.decode(generated[b]):
                 active[b] = False
         if not any(active) or step == max_new_tokens - 1:
             break
@@ -166,7 +168,8 @@ def greedy_answers(
         mask = torch.cat([mask, torch.tensor(active)[:, None]], 1)
         out = _forward(lm, attention, feed, mask, (lengths + step)[:, None], cache=_cache(out))
         logits = out.logits
-    return [lm.tokenizer.decode(g, skip_special_tokens=True).strip().split("\n")[0].strip() for g in generated]
+    texts = [lm.tokenizer.decode(g, skip_special_tokens=True).strip() for g in generated]
+    return [text.split("\n")[0].strip() for text in texts] if first_line else texts
 
 
 def choice_logprobs(

@@ -2,9 +2,10 @@
 
 A `GenerationItem` is answered by greedy decoding and scored on the answer text (`metric`: "f1", SQuAD's F1 against
 the best reference answer; "contains": 1 when a reference answer appears in the answer, the needle tasks' string
-match); a `ChoiceItem` by the summed log-likelihood of each choice after its context (BIG-bench
+match; "share": the share of the reference strings found, RULER's string_match_all), the first line of it or,
+for "share", all of it; a `ChoiceItem` by the summed log-likelihood of each choice after its context (BIG-bench
 multiple_choice_grade). SQuAD and multiple-choice prompts at their natural length are built here; the long-context
-ones in `long_context`.
+ones in `long_context` and `ruler`.
 """
 
 from __future__ import annotations
@@ -13,14 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from .data import ChoiceExample, SquadExample
-from .scoring import normalize_answer, squad_f1
+from .scoring import normalize_answer, share_found, squad_f1
 from .tokens import TaskTokenizer
 
 SQUAD_INSTRUCTION = (
     "Answer the question with a short span copied from the passage. "
     "Reply with the answer only, in at most five words."
 )
-METRICS = ("f1", "contains")
+METRICS = ("f1", "contains", "share")
+DEFAULT_MAX_NEW_TOKENS = 32  # a 7-digit needle after a model restates the question (one token per digit)
 
 
 @dataclass(frozen=True)
@@ -36,6 +38,12 @@ class GenerationItem:
     length: int | None = None
     depth: float | None = None
 
+    @property
+    def first_line(self) -> bool:
+        """Whether the answer scored is its first line (SQuAD, the needles) or all of it ("share": a list may take
+        several lines, and RULER scores the whole output)."""
+        return self.metric != "share"
+
     def score(self, answer: str) -> float:
         """The answer's score in [0, 1]."""
         if self.metric == "f1":
@@ -43,6 +51,8 @@ class GenerationItem:
         if self.metric == "contains":
             said = normalize_answer(answer)
             return float(any(normalize_answer(truth) in said for truth in self.answers))
+        if self.metric == "share":
+            return share_found(answer, self.answers)
         raise ValueError(f"unknown metric {self.metric!r}; known: {', '.join(METRICS)}")
 
 

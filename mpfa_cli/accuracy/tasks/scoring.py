@@ -1,5 +1,6 @@
-"""Task metrics: SQuAD v1.1 F1 / exact match (the official evaluation script's normalisation) and the
-multiple-choice grade from per-choice log-likelihoods."""
+"""Task metrics: SQuAD v1.1 F1 / exact match (the official evaluation script's normalisation), the share of
+expected strings an answer names (RULER's string_match_all) and the multiple-choice grade from per-choice
+log-likelihoods."""
 
 from __future__ import annotations
 
@@ -47,6 +48,16 @@ def squad_exact_match(prediction: str, truths: Sequence[str]) -> float:
     """1.0 when the normalised prediction equals a normalised reference answer, else 0.0."""
     _require_truths(truths)
     return float(any(normalize_answer(prediction) == normalize_answer(t) for t in truths))
+
+
+def share_found(answer: str, expected: Sequence[str]) -> float:
+    """RULER's string_match_all for one answer: the share of `expected` found in it, case-insensitive, each as a whole
+    word (RULER takes any substring; here a value inside a longer number or a word inside a longer one, e.g. "form"
+    in "information", is not found)."""
+    if not expected:
+        raise ValueError("a question scored by the share found needs at least one expected string")
+    found = sum(bool(re.search(rf"(?<!\w){re.escape(e)}(?!\w)", answer, re.IGNORECASE)) for e in expected)
+    return found / len(expected)
 
 
 def continuation_logprobs(logits: torch.Tensor, tokens: torch.Tensor, valid: torch.Tensor | None = None) -> list[float]:

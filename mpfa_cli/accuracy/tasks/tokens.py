@@ -124,8 +124,10 @@ def load_tokenizer(source: str) -> TaskTokenizer:
         raise ValueError(f"{path}: no tokenizer found ({exc})") from None
 
 
-def answer_text(tokenizer: TaskTokenizer, ids: Sequence[int]) -> str:
-    """A greedy answer's text: the ids up to the first stop id, decoded, its first line, stripped."""
+def answer_text(tokenizer: TaskTokenizer, ids: Sequence[int], first_line: bool = True) -> str:
+    """A greedy answer's text: the ids up to the first stop id, decoded, stripped; its first line unless not
+    `first_line`."""
     stops = tokenizer.stop_ids()
     end = next((i for i, t in enumerate(ids) if t in stops), len(ids))
-    return tokenizer.decode(ids[:end]).strip().split("\n")[0].strip()
+    text = tokenizer.decode(ids[:end]).strip()
+    return text.split("\n")[0].strip() if first_line else text

@@ -46,7 +46,8 @@ from rich.console import Console
 
 from mpfa.backends.specs import backend_spec
 from mpfa.mpfa_cli.accuracy.logits import post_generate, response_meta
-from mpfa.mpfa_cli.accuracy.serve import DEFAULT_MAX_NEW_TOKENS, answered, trained_window
+from mpfa.mpfa_cli.accuracy.serve import answered, trained_window
+from mpfa.mpfa_cli.accuracy.tasks.items import DEFAULT_MAX_NEW_TOKENS
 from mpfa.mpfa_cli.accuracy.served import scored_at
 from mpfa.mpfa_cli.accuracy.tasks.data import essay_text
 from mpfa.mpfa_cli.accuracy.tasks.long_context import CONTEXT_LENGTHS, Haystack, shared_needle_documents

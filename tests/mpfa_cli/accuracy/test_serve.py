@@ -39,6 +39,13 @@ def test_answered_also_returns_the_response_meta_info(monkeypatch):
     assert accuracy_serve.answered("http://x", ITEM, TOK, 16) == (1.0, "4711", meta)
 
 
+def test_an_answer_scored_by_the_share_found_is_all_of_it(monkeypatch):
+    item = GenerationItem("ruler-mv", "v-0", ITEM.prompt, ("1111111", "2222222"), "share", 4096)
+    _canned(monkeypatch, lambda body: {"output_ids": TOK.encode("1111111\n2222222\n") + [TOK.EOS],
+                                       "meta_info": {"prompt_tokens": len(item.prompt)}})
+    assert accuracy_serve.answer("http://x", item, TOK, 20) == (1.0, "1111111\n2222222")
+
+
 @pytest.mark.parametrize("body, message", [
     ({"output_ids": [], "meta_info": {"prompt_tokens": 5}}, "counted 5 prompt tokens, 6 were sent"),
     ({"error": {"message": "boom"}}, "server error: boom"),
@@ -82,12 +89,28 @@ def test_result_summary_round_trip_and_csv():
     assert lines[1].startswith("7,fa4-bf16,niah-single,4096,n-0,")
 
 
+def test_a_cell_records_its_answer_budget_where_it_differs_from_the_results():
+    def cell(task: str, budget: int) -> Cell:
+        return Cell(task, 600, (GenerationItem(task, f"{task}-0", (1,), ("a",), "share", 600),), budget)
+
+    result = ServedAccuracy.empty("m", "bytes", "fa3-bf16", ["fa3-bf16"], [cell("ruler-mk", 32),
+                                                                          cell("ruler-cwe", 120)], 0, 32)
+    assert [c.max_new_tokens for c in result.cells] == [None, 120]
+    assert ServedAccuracy.from_json(result.to_json()) == result
+    old = result.to_json()  # a result stored before cells recorded a budget still loads
+    for info in old["cells"]:
+        del info["max_new_tokens"]
+    assert [c.max_new_tokens for c in ServedAccuracy.from_json(old).cells] == [None, None]
+
+
 def test_window_check_names_the_longest_length_that_fits():
-    cell = Cell("niah-single", 100, (GenerationItem("niah-single", "n", (1,) * 100, ("1",), "contains", 100),))
-    assert accuracy_serve.context_length([cell], 28) == 128
-    accuracy_serve.check_window([cell], 28, 128)
-    with pytest.raises(ValueError, match="needs 129 positions, the model's window is 128: use lengths of at most 99"):
-        accuracy_serve.check_window([cell], 29, 128)
+    cell = Cell("niah-single", 100, (GenerationItem("niah-single", "n", (1,) * 100, ("1",), "contains", 100),), 28)
+    longer = Cell("ruler-cwe", 90, (GenerationItem("ruler-cwe", "c", (1,) * 90, ("a",), "share", 90),), 39)
+    assert accuracy_serve.context_length([cell]) == 128 and accuracy_serve.context_length([cell, longer]) == 129
+    accuracy_serve.check_window([cell], 128)
+    with pytest.raises(ValueError, match="ruler-cwe@90: its longest prompt with 39 new tokens needs 129 positions, "
+                                         "the model's window is 128: use lengths of at most 89 tokens for ruler-cwe"):
+        accuracy_serve.check_window([cell, longer], 128)
 
 
 def test_trained_window_is_a_model_directorys_own(tmp_path):
@@ -157,6 +180,9 @@ def test_merge_joins_shards_of_the_same_backends_question_by_question():
         merge_served([first, overlapping])
     with pytest.raises(ValueError, match="scored on .*'abc'.* and on .*'def'"):
         merge_served([first, shard([more], {"fa3-bf16": [1.0] * 2, "mpfa": [1.0] * 2}, "def")])
+    longer = Cell("niah-multikey", 600, more.items, max_new_tokens=64)
+    with pytest.raises(ValueError, match="cannot join niah-multikey@600: its answers had different budgets"):
+        merge_served([first, shard([longer], {"fa3-bf16": [1.0] * 2, "mpfa": [1.0] * 2})])
     partial = shard([more, single], {"fa3-bf16": [1.0] * 3, "mpfa": [0.0] * 3})
     del partial.scores["mpfa"]["niah-single@600"]
     with pytest.raises(ValueError, match="not scored on every cell"):
@@ -232,3 +258,36 @@ def test_pooled_rows_join_a_tasks_lengths_and_stay_paired():
     assert mpfa_row.difference == paired_difference(joined["mpfa"], joined["fa3-bf16"], seed=7)
     del result.scores["mpfa"]["niah-single@1024"]  # not scored on every length: no pooled row for it
     assert [r.backend for r in result.pooled()] == ["fa3-bf16"]
+
+
+def test_pooled_rows_join_a_groups_tasks_per_length_and_over_all():
+    """The `ruler` tasks: per length one row per backend over every task's questions there, then over every length;
+    each still paired question by question with the reference."""
+    from mpfa.mpfa_cli.accuracy.tasks.paired_stats import paired_difference
+
+    def cell(task, length, n):
+        return Cell(task, length, tuple(GenerationItem(task, f"{task}{length}-{i}", (1,), ("a",), "share", length)
+                                         for i in range(n)))
+
+    cells = [cell("ruler-mk", 512, 3), cell("ruler-cwe", 512, 4), cell("ruler-mk", 1024, 3),
+             cell("ruler-cwe", 1024, 4), cell("ruler-vt", 2048, 5), cell("niah-single", 512, 2)]
+    result = ServedAccuracy.empty("m", "bytes", "fa3-bf16", ["fa3-bf16", "mpfa"], cells, 7, 32)
+    gen = random.Random(9)
+    for backend in result.backends:
+        result.scores[backend] = {c.key: [gen.choice([0.0, 0.25, 0.5, 1.0]) for _ in c.ids] for c in result.cells}
+    rows = {(r.task, r.length, r.backend): r for r in result.pooled()}
+    # per task over its lengths (ruler-vt and niah-single: one length, no row), then the group at 512, 1024, all
+    assert list(dict.fromkeys((t, n) for t, n, _ in rows)) == [("ruler-mk", None), ("ruler-cwe", None),
+                                                                ("ruler", 512), ("ruler", 1024), ("ruler", None)]
+
+    def joined(backend, keys):
+        return [s for key in keys for s in result.scores[backend][key]]
+
+    at_512 = ["ruler-mk@512", "ruler-cwe@512"]
+    row = rows[("ruler", 512, "mpfa")]
+    assert row.n == 7 and row.score == pytest.approx(sum(joined("mpfa", at_512)) / 7)
+    assert row.difference == paired_difference(joined("mpfa", at_512), joined("fa3-bf16", at_512), seed=7)
+    everything = [c.key for c in result.cells if c.task.startswith("ruler-")]
+    assert rows[("ruler", None, "mpfa")].n == 19 and rows[("ruler", None, "mpfa")].difference == \
+        paired_difference(joined("mpfa", everything), joined("fa3-bf16", everything), seed=7)
+    assert rows[("ruler", None, "fa3-bf16")].difference is None

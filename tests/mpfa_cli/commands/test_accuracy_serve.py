@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import csv
 import io
+import itertools
 import json
 import signal
 import time
@@ -15,9 +16,10 @@ import psutil
 from mpfa.backends.specs import backend_spec
 from mpfa.mpfa_cli.harness.sim_server import SimLogprobs, echoed_ids, prompt_digest
 from mpfa.mpfa_cli.results.store import ResultStore
-from mpfa.mpfa_cli.accuracy.tasks.items import ChoiceItem
+from mpfa.mpfa_cli.accuracy.tasks.items import DEFAULT_MAX_NEW_TOKENS, ChoiceItem
 from mpfa.mpfa_cli.accuracy.tasks.scoring import best_choice
-from mpfa.mpfa_cli.accuracy.tasks.task_sets import build_cells
+from mpfa.mpfa_cli.accuracy.tasks.ruler import RULER_TASKS
+from mpfa.mpfa_cli.accuracy.tasks.task_sets import build_cells, build_picked_cells, parse_cells
 from mpfa.mpfa_cli.accuracy.tasks.tokens import ByteTokenizer, answer_text
 
 BACKENDS = ("fa3-bf16", "mpfa")
@@ -28,7 +30,7 @@ INTERVALS_EXPORT = RESULTS / "accuracy-serve-niah-intervals-qwen2.5-coder-1.5b-f
 EMULATED_EXPORT = RESULTS / "accuracy-emulate-niah-4k-8k-qwen2.5-coder-1.5b-bf16-mpfa-qk8tile-psum-h100.json"
 
 
-def _expected(cell, backend: str, tok: ByteTokenizer) -> tuple[list[float], list]:
+def _expected(cell, backend: str, tok: ByteTokenizer, max_new: int = MAX_NEW) -> tuple[list[float], list]:
     """What the simulator's answers must score: generation echoes a prompt span; a choice's log-likelihood sums the
     simulated logprobs of its tokens."""
     scores, said = [], []
@@ -44,7 +46,8 @@ def _expected(cell, backend: str, tok: ByteTokenizer) -> tuple[list[float], list
             scores.append(float(pick in item.correct))
             said.append(pick)
         else:
-            text = answer_text(tok, echoed_ids(list(item.prompt), prompt_digest(list(item.prompt)), MAX_NEW))
+            text = answer_text(tok, echoed_ids(list(item.prompt), prompt_digest(list(item.prompt)), max_new),
+                               item.first_line)
             scores.append(item.score(text))
             said.append(text)
     return scores, said
@@ -132,6 +135,42 @@ def test_cells_asks_each_cell_its_own_number_of_questions_and_the_same_questions
     assert asked["niah-single600"] == full["niah-single600"][:2]
     scores = picked.result["scores"]["fa3-bf16"]
     assert scores["niah-multikey@900"] == whole.result["scores"]["fa3-bf16"]["niah-multikey@900"]
+
+
+def test_the_ruler_group_is_asked_with_each_tasks_answer_budget(mpfa, task_cache):
+    """`--cells ruler@4096=N`: every RULER-style task, each answered within its own budget and scored on all of the
+    answer (the simulator echoes as many prompt ids as it is asked for); `--max-new-tokens` sets one for all."""
+    words = ["".join(letters) for letters in itertools.product("bcdfghjklm", repeat=4)]  # no English word
+    (task_cache / "models" / "text" / "paul_graham_essays.txt").write_text(
+        " ".join(" ".join(words[i:i + 8]) + "." for i in range(0, len(words), 8)) * 2)
+    base = ("accuracy", "serve", "--engine", "sim", "--time-scale", "0.02", "-b", ",".join(BACKENDS), "--seed", "1")
+    run = mpfa(*base, "--cells", "ruler@4096=2", timeout=120)
+    assert run.returncode == 0, run.stderr
+    assert f"{len(RULER_TASKS)} cells, {2 * len(RULER_TASKS)} questions" in run.stdout
+    assert " ruler " in run.stdout  # the group's pooled row
+    tok = ByteTokenizer()
+    cells = build_picked_cells(tok, parse_cells("ruler@4096=2"), seed=1)
+    with ResultStore(mpfa.db) as store:
+        doc = store.get_profile(1).result
+    assert doc["max_new_tokens"] == DEFAULT_MAX_NEW_TOKENS
+    budgets = {c["task"]: c["max_new_tokens"] or doc["max_new_tokens"] for c in doc["cells"]}
+    assert budgets == {task: spec.answer_tokens for task, spec in RULER_TASKS.items()}
+    for backend in BACKENDS:
+        for cell in cells:
+            scores, said = _expected(cell, backend, tok, cell.max_new_tokens)
+            assert doc["answers"][backend][cell.key] == said and doc["scores"][backend][cell.key] == scores
+    run = mpfa(*base, "--cells", "ruler-cwe@4096=1", "--max-new-tokens", "9", timeout=120)
+    assert run.returncode == 0, run.stderr
+    with ResultStore(mpfa.db) as store:
+        doc = store.get_profile(2).result
+    assert doc["max_new_tokens"] == 9 and doc["cells"][0]["max_new_tokens"] is None
+    cwe = next(c for c in cells if c.task == "ruler-cwe")
+    assert doc["answers"]["fa3-bf16"][cwe.key] == _expected(cwe, "fa3-bf16", tok, 9)[1][:1]
+    run = mpfa(*base, "--cells", "ruler@1024=2")
+    assert run.returncode == 2 and "Traceback" not in run.stderr
+    assert run.stderr.strip().splitlines() == ["error: ruler-cwe: 1024 tokens cannot hold 10 words 30 times each"]
+    helped = " ".join(mpfa("accuracy", "serve", "--help").stdout.replace("│", " ").split())  # tasks and the group
+    assert all(task in helped for task in RULER_TASKS) and "; ruler: ruler-mk," in helped
 
 
 def test_ctrl_c_stores_the_cells_scored_so_far_and_stops_the_server(mpfa, task_cache):

@@ -39,9 +39,9 @@ def test_emulated_answers_are_each_question_alone():
     items = tuple(GenerationItem("niah-single", f"q{i}", p, (a[:2] if i else "zzz",), "contains")
                   for i, (p, a) in enumerate(zip(prompts, first)))
     choice = ChoiceItem("social_iqa", "c0", prompts[1], ((12, 13), (14,), (15, 16, 17)), frozenset({0}))
-    cells = [Cell("niah-single", 64, items), Cell("social_iqa", None, (choice,))]
+    cells = [Cell("niah-single", 64, items, max_new_tokens=5), Cell("social_iqa", None, (choice,))]
     seen = []
-    out = emulate_cells(lm, cells, ["bf16", "mpfa"], lambda v: install(model, v), max_new_tokens=5, batch_size=2,
+    out = emulate_cells(lm, cells, ["bf16", "mpfa"], lambda v: install(model, v), batch_size=2,
                         progress=lambda *args: seen.append(args), batch_tokens=20)
     done = {(variant, key): (scores, answers) for variant, key, scores, answers in out}
     # the shortest cell first, every variant of a cell before the next

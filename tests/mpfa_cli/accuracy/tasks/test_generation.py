@@ -107,6 +107,27 @@ def test_batched_greedy_answers_equal_one_at_a_time(variant):
     assert len(alone[1]) <= 1 and max(len(a) for a in alone) == 8  # rows stopped at different steps
 
 
+@torch.inference_mode()
+def test_greedy_answers_go_past_a_newline_unless_first_line():
+    """A newline ends a first-line answer (SQuAD, the needles), not a whole one (the RULER-style lists)."""
+    lm = _tiny_lm(11)
+    prompt = _ids(12, 24)
+    attention = install(lm.model, "float64")
+    lm.model.generation_config.eos_token_id = [VOCAB]  # no id stops: every answer runs to max_new_tokens
+    whole = greedy_answers(lm, [prompt], attention, 6, first_line=False)[0]
+    assert len(whole) == 6
+    letter = whole[2]
+
+    class _Lines(_LetterTokenizer):  # the third answer token's letter is now a newline
+        def decode(self, ids, skip_special_tokens=False):
+            return super().decode(ids, skip_special_tokens).replace(letter, "\n")
+
+    lm = LoadedModel(lm.name, lm.model, _Lines(), lm.device)
+    lines = whole.replace(letter, "\n")
+    assert greedy_answers(lm, [prompt], attention, 6, first_line=False) == [lines.strip()]
+    assert greedy_answers(lm, [prompt], attention, 6) == [lines.split("\n")[0]]
+
+
 def _choices_one_at_a_time(lm: LoadedModel, context: list[int], choices: list[list[int]], attention) -> list[float]:
     """The unpadded path: the context's prefill, then each choice alone on a copy of its cache (no slot mask)."""
     import copy

@@ -1,4 +1,5 @@
-"""SQuAD F1 / EM and the multiple-choice metrics against hand-checked cases."""
+"""SQuAD F1 / EM, the share of expected strings found (RULER's string_match_all) and the multiple-choice metrics
+against hand-checked cases."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import pytest
 import torch
 
 from mpfa.mpfa_cli.accuracy.tasks.scoring import (best_choice, choice_grade, continuation_logprobs, normalize_answer,
-                                                  squad_exact_match, squad_f1)
+                                                  share_found, squad_exact_match, squad_f1)
 
 
 def test_normalize_answer_follows_the_squad_script():
@@ -40,6 +41,20 @@ def test_squad_metrics_need_a_reference():
         squad_f1("x", [])
     with pytest.raises(ValueError, match="reference answer"):
         squad_exact_match("x", [])
+
+
+def test_share_found_counts_each_expected_string_once_as_a_whole_word():
+    expected = ("1234567", "7654321", "2345678", "8765432")
+    assert share_found("The numbers are 1234567, 7654321, 2345678 and 8765432.", expected) == 1.0  # right
+    assert share_found("1234567\n2345678", expected) == 0.5  # partial, over lines
+    assert share_found("1234567 1234567 1234567 1234567", expected) == 0.25  # one found, however often
+    assert share_found("I don't know.", expected) == 0.0  # wrong
+    assert share_found("12345678 and 76543210", expected) == 0.0  # inside longer numbers: not found
+    words = ("form", "garden", "tree")
+    assert share_found("Information, GARDEN, Trees", words) == pytest.approx(1 / 3)  # case-insensitive, whole words
+    assert share_found("form-garden: tree.", words) == 1.0  # punctuation ends a word
+    with pytest.raises(ValueError, match="at least one expected string"):
+        share_found("x", ())
 
 
 def test_continuation_logprobs_match_float64_log_softmax():
