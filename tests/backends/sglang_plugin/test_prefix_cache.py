@@ -19,7 +19,7 @@ from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
 from mpfa.backends.sglang_plugin.pool_sizing import PoolGeometry  # noqa: E402
 from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402
 
-HQ, HKV, D, PAGE, LAYER = 8, 2, 128, 16, 1
+HQ, HKV, D, PAGE, LAYER = 8, 2, 128, 32, 1  # 32: the smallest page the sm90 prefill kernel takes
 PREFIX, A_LEN, B_LEN = 2 * PAGE, 2 * PAGE + 9, 2 * PAGE + 21  # B shares A's first two (full) pages
 
 
