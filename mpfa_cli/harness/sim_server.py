@@ -454,6 +454,14 @@ class SimServer:
 
     # --- info endpoints --------------------------------------------------------------------------------------
 
+    async def flush_cache(self, request: web.Request) -> web.Response:
+        """SGLang's /flush_cache: empty the prefix cache, refused (400) while a request is queued or running."""
+        if self.scheduler is None or not self.scheduler.idle:
+            return _error(400, "Cache not flushed: requests are running or waiting")
+        if self.scheduler.prefix_cache is not None:
+            self.scheduler.prefix_cache.evict_to(0)
+        return web.Response(text="Cache flushed.")
+
     async def health(self, request: web.Request) -> web.Response:
         return web.Response(text="ok")
 
@@ -773,6 +781,7 @@ def build_app(
         web.get("/health", sim.health),
         web.get("/health_generate", sim.health_generate),
         web.get("/get_server_info", sim.server_info),
+        web.route("*", "/flush_cache", sim.flush_cache),
         web.post("/generate", sim.generate),
         web.post("/v1/completions", sim.completions),
         web.post("/v1/chat/completions", sim.chat_completions),

@@ -80,3 +80,13 @@ def test_the_simulator_reports_hits_like_sglang_only_with_the_radix_cache(start_
     follow_up = turn + _generate(on, turn)["output_ids"][:3]
     usage = _generate(on, follow_up + make_prompt(3, 3, 10), "/v1/completions")["usage"]
     assert usage["prompt_tokens_details"]["cached_tokens"] == 640
+
+
+def test_flush_cache_empties_the_prefix_cache_as_sglangs_does(start_sim) -> None:
+    server = start_sim("mpfa", radix_cache=True)
+    prompt = make_prompt(5, 0, 300) + make_prompt(5, 1, 40)
+    _generate(server, prompt)
+    assert _generate(server, prompt)["meta_info"]["cached_tokens"] == 256
+    status, raw = server.post("/flush_cache", {})
+    assert (status, raw) == (200, b"Cache flushed.")
+    assert _generate(server, prompt)["meta_info"]["cached_tokens"] == 0
