@@ -63,7 +63,7 @@ E4M3_MAX = 448.0
 NVFP4_BLOCK = 16
 P_FP8_SCALE = 448.0
 
-_E4M3_OVERFLOW = 464.0  # values above this round (RNE) past E4M3_MAX
+E4M3_OVERFLOW = 464.0  # values above this round (RNE) past E4M3_MAX
 # Midpoint i lies between codes i and i+1; a tie goes to the even code, i.e. up exactly when i is odd.
 _E2M1_MIDPOINTS = (0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0)
 _E2M1_TIE_UP = (False, True, False, True, False, True, False)
@@ -184,7 +184,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = 
     g = _as_global_scale(global_scale, x.device)
     blocks = x.float().unflatten(-1, (-1, NVFP4_BLOCK))
     scale = _block_scale(blocks, E2M1_MAX, g)
-    if scale.numel() and bool((scale > _E4M3_OVERFLOW).any()):
+    if scale.numel() and bool((scale > E4M3_OVERFLOW).any()):
         raise FormatError(
             f"NVFP4 block scale amax/6 = {float(scale.max()):.6g} overflows e4m3 (max {E4M3_MAX:g}); "
             "pass global_scale=nvfp4_global_scale(x)"
@@ -195,7 +195,7 @@ def quantize_nvfp4(x: torch.Tensor, global_scale: float | torch.Tensor | None = 
         codes4, scales4 = _encode_blocks(blocks, scale4, g)
         errors = [(_block_values(c, s, g).double() - blocks.double()).square().sum(-1)
                   for c, s in ((codes, scales), (codes4, scales4))]
-        use4 = (errors[1] < errors[0]) & (scale4 <= _E4M3_OVERFLOW)
+        use4 = (errors[1] < errors[0]) & (scale4 <= E4M3_OVERFLOW)
         codes = torch.where(use4.unsqueeze(-1), codes4, codes)
         scales = torch.where(use4, scales4.view(torch.uint8), scales.view(torch.uint8)).view(torch.float8_e4m3fn)
     return NVFP4Tensor(pack_e2m1(codes.flatten(-2)), scales, g)

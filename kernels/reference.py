@@ -28,7 +28,9 @@ from the sequence start) and NVFP4 P along the keys of its tile. ``mpfa-qk8row``
 NVFP4 Q/K to e4m3 with power-of-two scales for an FP8 QK^T MMA, per row (Q; K of ``qk8row``) or per KV tile (K of
 ``qk8tile``, at tile time; see `VariantSpec`). The variant study's candidates (``mpfa-q8``, ``-had16`` / ``-had128``,
 ``-k46``, ``-k8`` and their combinations) put e4m3 Q or K, a block Hadamard rotation of Q and K or K's 4/6 NVFP4
-block scales into `mpfa` (`VariantSpec`). FP8 K/V use scale 1.0 (FlashInfer's default; V takes
+block scales into `mpfa` (`VariantSpec`). The served options of `served_numerics` (``MPFA_NUMERICS``) are registered
+for every variant a served kernel computes (`SERVED_BASES`): ``<base>-had128-k46`` rotates the BF16 inputs in FP32
+as the server does, before centering (``rotate_inputs``). FP8 K/V use scale 1.0 (FlashInfer's default; V takes
 an optional per-KV-head ``v_scale``), FP8 P the analytic scale 448. The ``fp8`` variant mirrors FlashInfer with an FP8
 KV cache: Q stays BF16, K/V are upcast exactly to BF16, P is BF16 for the PV GEMM. l sums the FP32 P, except in
 ``mpfa-qk8tile-psum`` (the sums of the FP8 P the PV GEMM consumes: a kernel that adds a row of ones to V^T).
@@ -40,12 +42,13 @@ FP32 matmuls (PyTorch's default): the FP8 P_hat / 448 is not TF32-exact.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from .formats import NVFP4_BLOCK, fake_quant_fp8, fake_quant_fp8_pow2, fake_quant_nvfp4, fake_quant_p_fp8
-from .rotation import block_hadamard
+from .rotation import GemmRotation, block_hadamard
+from .served_numerics import PAPER, SERVED_NUMERICS
 from .smoothing import SmoothingMeans, center, check_cu_seqlens, delta_s, delta_s_padded, masked_means, sequence_means
 
 NVFP4_E4M3_ROW = "nvfp4>e4m3-row"
@@ -65,8 +68,11 @@ class VariantSpec:
 
     ``rotation``: a Hadamard block (`rotation.block_hadamard`, blocks of ``min(rotation, head_dim)`` channels; 0: none)
     applied in FP32 to the (centered) Q and K before their formats; Delta_S is formed from the unrotated centered K
-    (the rotation is orthonormal: Q K^T is unchanged in exact arithmetic). ``k_scale_choice``: the NVFP4 block-scale
-    rule of K at cache write (`formats.quantize_nvfp4`: "6", or "4/6" per block)."""
+    (the rotation is orthonormal: Q K^T is unchanged in exact arithmetic). ``rotate_inputs``: the rotation is applied
+    instead to the BF16 Q and K inputs, in FP32 (`rotation.GemmRotation`), before centering, as a server rotates its
+    activations before its KV write; the means, centering and Delta_S are then the rotated inputs' (means passed in
+    must be too). ``k_scale_choice``: the NVFP4 block-scale rule of K at cache write (`formats.quantize_nvfp4`:
+    "6", or "4/6" per block)."""
 
     name: str
     q: str
@@ -77,6 +83,7 @@ class VariantSpec:
     description: str
     l_sums_p_operand: bool = False  # l sums P in its operand format (as the PV GEMM sees it), not the FP32 P
     rotation: int = 0
+    rotate_inputs: bool = False
     k_scale_choice: str = "6"
 
     @property
@@ -132,6 +139,16 @@ VARIANTS: dict[str, VariantSpec] = {  # the numerics registry: numerics name -> 
                         q=E4M3_ROW, k=E4M3_ROW),
     )
 }
+# The numerics the served kernels compute (`mpfa.kernels.sm90.dispatch`: compensated, and their direct builds) and,
+# for each served option other than the paper's, the variant each computes under it (`ServedNumerics.variant`).
+SERVED_BASES = ("mpfa", "mpfa-qk8tile-psum", "qk4-pv8-direct", "qk8tile-psum-direct")
+VARIANTS.update({
+    option.variant(base): replace(VARIANTS[base], name=option.variant(base), rotation=option.rotation,
+                                  rotate_inputs=bool(option.rotation), k_scale_choice=option.k_scale_choice,
+                                  description=f"{base} served with MPFA_NUMERICS={option.name}: {option.description}")
+    for option in SERVED_NUMERICS.values() if option != PAPER
+    for base in SERVED_BASES
+})
 
 
 @dataclass(frozen=True)
@@ -260,12 +277,21 @@ def _qk_operands(spec: VariantSpec, q: torch.Tensor, k: torch.Tensor,
                  k_scale: float | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Q and K (BF16-rounded, centered for smoothing variants) through the variant's rotation and formats;
     ``k_scale`` is FP8 K's scale, broadcastable over k."""
-    if spec.rotation:
+    if spec.rotation and not spec.rotate_inputs:
         block = min(spec.rotation, q.shape[-1])
         q, k = block_hadamard(q, block), block_hadamard(k, block)
     if spec.k == "fp8":
         return _operand(q, spec.q), fake_quant_fp8(k, k_scale)
     return _operand(q, spec.q), _operand(k, spec.k, spec.k_scale_choice)
+
+
+def _rotated_inputs(spec: VariantSpec, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Q and K (BF16 values) as a ``rotate_inputs`` variant's server hands them to its KV write: rotated in FP32;
+    others unchanged."""
+    if not spec.rotate_inputs:
+        return q, k
+    rotate = GemmRotation(min(spec.rotation, q.shape[-1]), q.device)
+    return rotate(q), rotate(k)
 
 
 @dataclass(frozen=True)
@@ -320,6 +346,7 @@ def _prepare(
     if spec.q == "exact":
         return Operands(q.double(), seqs.k.double(), seqs.v.double(), None)
     q, k, v = (x.to(torch.bfloat16).float() for x in (q, seqs.k, seqs.v))
+    q, k = _rotated_inputs(spec, q, k)
     ds = None
     if spec.smoothing:
         if means is None:
@@ -586,6 +613,7 @@ def prepare_batch(
     if spec.q == "exact":
         return Operands(q.double(), k.double(), v.double(), None)
     q, k, v = (x.to(torch.bfloat16).float() for x in (q, k, v))
+    q, k = _rotated_inputs(spec, q, k)
     ds = None
     if spec.smoothing:
         if means is None:

@@ -8,6 +8,12 @@ so that the NVFP4 block scale of the rotated vector is set by its norm rather th
 
 The +-1 butterfly (fast Walsh-Hadamard transform, ``log2 b`` add/subtract stages) runs in the input's dtype and the
 ``1 / sqrt(b)`` scaling comes last; in float64 on BF16 inputs every stage is exact, so only the final scaling rounds.
+
+`GemmRotation` is the form a server runs on its BF16 activations (``MPFA_NUMERICS=had128-k46``, `served_numerics`):
+one FP32 GEMM with the +-1 Sylvester matrix (products exact, also under TF32: BF16 values and +-1 fit its 10-bit
+mantissa) and the same ``1 / sqrt(b)`` scaling, kept in FP32 (rounding the rotated values back to BF16 would add
+2**-9 of the whole vector to every channel, which on keys with a large constant bias is of the size of the NVFP4
+error of the centered key). It equals ``block_hadamard`` of the widened input up to the order of its FP32 sums.
 """
 
 from __future__ import annotations
@@ -19,13 +25,19 @@ import torch
 HADAMARD_BLOCKS = (16, 128)
 
 
-def hadamard_matrix(block: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
-    """The orthonormal Sylvester Hadamard matrix ``H_block / sqrt(block)`` [block, block] (block a power of two)."""
+def sylvester_signs(block: int, dtype: torch.dtype = torch.float64,
+                    device: torch.device | str | None = None) -> torch.Tensor:
+    """The Sylvester Hadamard matrix ``H_block`` [block, block], entries +-1 (block a power of two)."""
     _check_block(block)
-    h = torch.ones((1, 1), dtype=dtype)
+    h = torch.ones((1, 1), dtype=dtype, device=device)
     while h.shape[0] < block:
         h = torch.cat((torch.cat((h, h), 1), torch.cat((h, -h), 1)), 0)
-    return h / math.sqrt(block)
+    return h
+
+
+def hadamard_matrix(block: int, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """The orthonormal Sylvester Hadamard matrix ``H_block / sqrt(block)`` [block, block] (block a power of two)."""
+    return sylvester_signs(block, dtype) / math.sqrt(block)
 
 
 def block_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -43,6 +55,24 @@ def block_hadamard(x: torch.Tensor, block: int) -> torch.Tensor:
         y = torch.stack((a + b, a - b), -2).flatten(-3)
         half *= 2
     return (y / torch.tensor(math.sqrt(block), dtype=y.dtype, device=y.device)).reshape(x.shape)
+
+
+class GemmRotation:
+    """``x`` [..., n] (n a multiple of ``block``) -> FP32 ``x diag(H_block, ...)``: ``x`` widened to FP32, one GEMM
+    with the +-1 matrix, divided by ``sqrt(block)`` (correctly rounded, as `block_hadamard`). Its constants live on
+    ``device``, built once: a call copies nothing from the host (CUDA-graph capturable)."""
+
+    def __init__(self, block: int, device: torch.device | str | None = None) -> None:
+        self.block = block
+        self.signs = sylvester_signs(block, torch.float32, device)
+        self.root = torch.tensor(math.sqrt(block), dtype=torch.float32, device=device)
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        n = x.shape[-1]
+        if n % self.block:
+            raise ValueError(f"the last dimension ({n}) must be a multiple of the Hadamard block {self.block}")
+        y = x.float().unflatten(-1, (n // self.block, self.block)) @ self.signs
+        return y.div_(self.root).flatten(-2)
 
 
 def _check_block(block: int) -> None:

@@ -11,6 +11,11 @@ prefill kernel `mpfa.kernels.sm90.dispatch` chooses for the shape (`mpfa.kernels
 ``--mpfa-prefill-kernel`` / ``$MPFA_PREFILL_KERNEL`` override it, `kernel_choice`), or ``reference`` the SLOW
 REFERENCE PATH (`reference_extend`), whose runs `mpfa bench` marks with a caveat.
 ``mpfa-direct`` runs the kernels' direct builds (``compensate=False``: no Delta_S read; its side cache holds zeros).
+Numerics (`mpfa.kernels.served_numerics`, ``$MPFA_NUMERICS``): ``paper`` as above; ``had128-k46`` rotates every
+step's Q and the new tokens' K per head (`rotation.GemmRotation`, FP32) before the means, the KV write and the
+attention, so keys are rotated once, at their write, and every query (extend with or without a cached prefix,
+decode) is rotated before it reads them; the write kernel picks K's block scales 4/6. V, the attention kernels and
+the output are unchanged.
 """
 
 from __future__ import annotations
@@ -26,6 +31,8 @@ from .reference_extend import reference_extend
 from ..specs import PREFILL_PATHS
 from .variants import BackendVariant
 from ...kernels.cache_layout import CenteredQuery
+from ...kernels.rotation import GemmRotation
+from ...kernels.served_numerics import PAPER, ServedNumerics
 from ...kernels.smoothing import SmoothingMeans
 
 
@@ -82,15 +89,22 @@ class ExtendBatch:
 
 
 class MpfaAttention:
-    """The KV write, decode and slow prefill of every layer of one `MpfaKVStore`."""
+    """The KV write, decode and slow prefill of every layer of one `MpfaKVStore`, in the given served numerics."""
 
-    def __init__(self, store: MpfaKVStore, variant: BackendVariant, prefill: str = "reference") -> None:
+    def __init__(self, store: MpfaKVStore, variant: BackendVariant, prefill: str = "reference",
+                 numerics: ServedNumerics = PAPER) -> None:
         if variant.smoothing != store.smoothing:
             raise ValueError(f"backend {variant.backend} needs a store with smoothing={variant.smoothing}")
         if prefill not in PREFILL_PATHS:
             raise ValueError(f"prefill must be one of {', '.join(PREFILL_PATHS)}, got {prefill!r}")
-        self.store, self.variant, self.prefill = store, variant, prefill
+        self.store, self.variant, self.prefill, self.numerics = store, variant, prefill, numerics
         self.num_q_heads, self.head_dim = store.geometry.num_q_heads, store.geometry.head_dim
+        device = store.q_mean.device
+        self.rotate = GemmRotation(numerics.rotation, device) if numerics.rotation else None
+
+    def _rotated(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, Hq, d] and k [T, Hkv, d] as the numerics write and attend them: rotated (FP32) or as given."""
+        return (q, k) if self.rotate is None else (self.rotate(q), self.rotate(k))
 
     def _means(self, layer: int, rows: torch.Tensor) -> tuple[SmoothingMeans, torch.Tensor]:
         """The layer's means table and each token's row in it (its request's first page; row 0, the zero row,
@@ -99,18 +113,19 @@ class MpfaAttention:
 
     def write(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
               rows: torch.Tensor) -> CenteredQuery:
-        """Quantize the new tokens into their slots; return their centered NVFP4 Q. q [T, Hq * d] or [T, Hq, d]."""
+        """Quantize the new tokens (Q and K as `_rotated` gives them) into their slots; return their centered NVFP4
+        Q. q [T, Hq, d]."""
         from ...kernels.sm90.quantize_cache import quantize_to_cache
 
         means, rows = self._means(layer, rows)
-        return quantize_to_cache(q.view(-1, self.num_q_heads, self.head_dim), k, v, slots, rows, means,
-                                 self.store.layer(layer))
+        return quantize_to_cache(q, k, v, slots, rows, means, self.store.layer(layer),
+                                 k_scale_choice=self.numerics.k_scale_choice)
 
     def extend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, batch: ExtendBatch,
                sm_scale: float) -> torch.Tensor:
         """Prefill / chunked-prefill step -> [T, Hq, d] in q's dtype (the prefill kernel, or the SLOW REFERENCE
         PATH; see the module docstring)."""
-        q3 = q.view(-1, self.num_q_heads, self.head_dim)
+        q3, k = self._rotated(q.view(-1, self.num_q_heads, self.head_dim), k)
         if self.variant.smoothing and batch.any_starting:
             freeze_means(self.store, layer, q3, k, batch.cu_seqlens_q, batch.first_pages, batch.starting)
         query = self.write(layer, q3, k, v, batch.slots, batch.token_means_row)
@@ -124,7 +139,7 @@ class MpfaAttention:
                                seq_lens_k_host=[b - a for a, b in zip(batch.cu_k, batch.cu_k[1:])])
         else:
             out = reference_extend(query, cache, batch.kv_slots, batch.cu_q, batch.cu_k,
-                                   variant=self.variant.numerics, sm_scale=sm_scale)
+                                   variant=self.numerics.variant(self.variant.numerics), sm_scale=sm_scale)
         return out.to(q.dtype)
 
     def decode(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, slots: torch.Tensor,
@@ -132,6 +147,7 @@ class MpfaAttention:
         """One decode token per request -> [B, Hq, d] (``out`` if given: contiguous BF16 [B, Hq, d])."""
         from ...kernels.sm90.decode_launch import mpfa_decode
 
+        q, k = self._rotated(q.view(-1, self.num_q_heads, self.head_dim), k)
         query = self.write(layer, q, k, v, slots, batch.first_pages)
         return mpfa_decode(query, self.store.layer(layer), batch.page_table, batch.seq_lens, batch.workspace,
                            sm_scale=sm_scale, out=out, compensate=self.variant.smoothing)

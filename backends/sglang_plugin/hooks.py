@@ -4,8 +4,8 @@ KV pool without forking SGLang. Every hook is a pass-through unless ``--attentio
 * ``ServerArgs.add_cli_args`` (AFTER): add ``--mpfa-prefill-kernel`` (`kernel_choice`; the one hook that acts
   whatever the backend: the argument must parse before the backend is known).
 * ``ServerArgs._handle_attention_backend_compatibility`` (AFTER): validate the server arguments, the model, the
-  prefill kernel choice and the machine in the launcher, before any scheduler starts; disable the prefill CUDA
-  graph.
+  prefill kernel choice, ``$MPFA_NUMERICS`` and the machine in the launcher, before any scheduler starts; disable
+  the prefill CUDA graph.
 * ``DefaultPoolConfigurator._compute_cell_size`` (AROUND): the MpFA bytes per token, the means' share included
   (`pool_sizing.cell_size`), so the token capacity SGLang derives from free memory reflects the real cache.
 * ``ModelRunnerKVCacheMixin._init_pools`` (AROUND): run SGLang's own pool construction with its MHA pool class
@@ -21,7 +21,7 @@ from typing import Any
 from .pool_sizing import cell_size
 from .kernel_choice import add_server_arguments, check_prefill_kernel
 from .setup_checks import (MpfaSetupError, check_device, check_kernel_packages, check_model, check_server_args,
-                           prefill_path)
+                           numerics, prefill_path)
 from .variants import is_mpfa_backend, variant_of
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ def after_attention_backend_compat(result: Any, server_args: Any, *args: Any, **
     check_model(config.head_dim, config.v_head_dim, *heads, str(config.dtype))
     if prefill_path() == "kernel":
         check_prefill_kernel(*heads, getattr(server_args, "page_size", None) or _DEFAULT_PAGE_SIZE)
+    numerics()
     return None
 
 

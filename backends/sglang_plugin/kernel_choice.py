@@ -56,9 +56,10 @@ def check_prefill_kernel(num_q_heads: int, num_kv_heads: int, page_size: int) ->
 
 
 @lru_cache(maxsize=None)
-def log_kernels(backend: str, num_q_heads: int, num_kv_heads: int, page_size: int, prefill_path: str) -> None:
-    """Log once per process and shape which kernels the backend runs."""
+def log_kernels(backend: str, num_q_heads: int, num_kv_heads: int, page_size: int, prefill_path: str,
+                numerics: str) -> None:
+    """Log once per process and shape which kernels the backend runs, in which numerics (``$MPFA_NUMERICS``)."""
     prefill = (f"sm90 {check_prefill_kernel(num_q_heads, num_kv_heads, page_size)}" if prefill_path == "kernel"
                else "SLOW REFERENCE PATH ($MPFA_PREFILL=reference; its timings are not MpFA's)")
-    logger.info("MpFA backend %s, %d:%d heads, pages of %d: decode = sm90 %s, prefill = %s", backend, num_q_heads,
-                num_kv_heads, page_size, dispatch.DECODE_KERNEL.name, prefill)
+    logger.info("MpFA backend %s, %d:%d heads, pages of %d: decode = sm90 %s, prefill = %s, numerics = %s",
+                backend, num_q_heads, num_kv_heads, page_size, dispatch.DECODE_KERNEL.name, prefill, numerics)

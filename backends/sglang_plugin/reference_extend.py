@@ -5,7 +5,9 @@ after operand preparation) in PyTorch on the *cache contents*: the centered NVFP
 the NVFP4 K codes and scales, FP8 V and BF16 Delta_S read back through each request's slots. The KV-write kernel
 is bit-exact with the reference formats given the means, so this equals ``reference.attention(q, k, v,
 variant=..., causal=True, means=frozen means)`` on the raw inputs (Delta_S up to one BF16 ulp), including a chunk
-whose prefix was written by an earlier chunk. Rows are processed in blocks of ``BLOCK_M`` queries (per-row results
+whose prefix was written by an earlier chunk. Under ``MPFA_NUMERICS=had128-k46`` the cache and Q hold the rotated
+operands, and ``variant`` is the served one (``mpfa-had128-k46``: the reference rotates the raw inputs itself, and
+the frozen means are the rotated inputs'). Rows are processed in blocks of ``BLOCK_M`` queries (per-row results
 do not depend on the block; only the 128-key tiles do). It synchronises with the host and is orders of magnitude
 slower than a kernel: its timings must never be reported as MpFA's.
 """

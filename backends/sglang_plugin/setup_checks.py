@@ -2,7 +2,8 @@
 
 Runs twice: on SGLang's ``ServerArgs`` in the launcher (`check_server_args`, through a hook on the attention-backend
 resolution step, before any scheduler starts) and in each scheduler when the backend is built (`check_model`,
-`check_device`, `check_kernel_packages`, `prefill_path`). SGLang-free: arguments are read by attribute name.
+`check_device`, `check_kernel_packages`, `prefill_path`, `numerics`). SGLang-free: arguments are read by attribute
+name.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from typing import Any
 
 from .variants import is_mpfa_backend
 from ..specs import PREFILL_ENV, PREFILL_PATHS
+from ...kernels.served_numerics import ServedNumerics, served_numerics
 
 HEAD_DIM = 128
 MAX_GROUP = 8  # query heads per KV head the sm90 decode kernel packs
@@ -37,6 +39,14 @@ def prefill_path() -> str:
     if path not in PREFILL_PATHS:
         _fail(f"{PREFILL_ENV}={path!r}: choose one of {', '.join(PREFILL_PATHS)}")
     return path
+
+
+def numerics() -> ServedNumerics:
+    """The numerics ``$MPFA_NUMERICS`` selects (``paper`` when unset); a bad value is one line."""
+    try:
+        return served_numerics()
+    except ValueError as error:
+        raise MpfaSetupError(f"MpFA attention backend: {error}") from None
 
 
 def check_model(head_dim: int, v_head_dim: int, num_q_heads: int, num_kv_heads: int, dtype: str) -> None:

@@ -17,7 +17,7 @@ from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
 from .attention import ExtendBatch, MpfaAttention
 from .decode_plan import GraphDecodeBuffers, eager_decode_batch
 from .kernel_choice import log_kernels
-from .setup_checks import MpfaSetupError, prefill_path
+from .setup_checks import MpfaSetupError, numerics, prefill_path
 from .variants import BackendVariant
 
 
@@ -35,7 +35,7 @@ class MpfaAttnBackend(AttentionBackend):
                                  f"(is the plugin loaded in the scheduler? check SGLANG_PLUGINS)")
         check_layers(model_runner.model)
         self.variant, self.pool = variant, pool
-        self.core = MpfaAttention(pool.store, variant, prefill_path())
+        self.core = MpfaAttention(pool.store, variant, prefill_path(), numerics())
         self.req_to_token = model_runner.req_to_token_pool.req_to_token
         self.page_size = model_runner.page_size
         self.device = torch.device(model_runner.device, torch.cuda.current_device())
@@ -44,7 +44,8 @@ class MpfaAttnBackend(AttentionBackend):
         self.num_sms = torch.cuda.get_device_properties(self.device).multi_processor_count
         self.forward_metadata: Any = None
         self.graph_buffers: GraphDecodeBuffers | None = None
-        log_kernels(variant.backend, self.num_q_heads, self.num_kv_heads, self.page_size, self.core.prefill)
+        log_kernels(variant.backend, self.num_q_heads, self.num_kv_heads, self.page_size, self.core.prefill,
+                    self.core.numerics.name)
         self._compile_kernels()
 
     def _compile_kernels(self) -> None:

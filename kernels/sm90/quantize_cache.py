@@ -4,9 +4,12 @@ For every new token and KV head: center K with the request's frozen K mean and w
 scales, FP8 V (scale 1), and Delta_S[j, h] = Q_bar[h] . K_c[j] for the group's query heads into the token's slot
 (`cache_layout`: K codes and V token-major, K scales and Delta_S head-major, Delta_S padding left unwritten);
 center the group's query heads with Q_bar and return them in NVFP4 (this step's attention operand). Formats are
-bit-exact with `mpfa.kernels.formats` applied to ``bf16(x) - mean`` in FP32 (a BF16 mean widened exactly); Delta_S is an FP32 dot product
+bit-exact with `mpfa.kernels.formats` applied to ``x - mean`` in FP32 (x BF16, or FP32 as the rotated Q and K of
+``MPFA_NUMERICS=had128-k46``; a BF16 mean widened exactly); Delta_S is an FP32 dot product
 rounded to BF16, so it can differ from the reference's summation order by one BF16 ulp where the FP32 sums
 straddle a rounding boundary. K blocks whose scale would overflow e4m3 saturate at 448 (the reference raises).
+``k_scale_choice`` picks K's block scales as `formats.quantize_nvfp4`'s ``scale_choice`` ("6", the paper's, or
+"4/6", a compile-time option of the kernel); Q's are always "6". Readers are unchanged: they decode codes x scale.
 """
 
 from __future__ import annotations
@@ -16,16 +19,18 @@ import triton
 import triton.language as tl
 
 from ..cache_layout import CenteredQuery, MpfaKVCache, check_head_dim
+from ..formats import NVFP4_SCALE_CHOICES
 from ..smoothing import SmoothingMeans
 from .triton_formats import bf16_bits, e4m3_code, nvfp4_block
 
-_MEAN_DTYPES = (torch.bfloat16, torch.float32)
+_WIDENED_DTYPES = (torch.bfloat16, torch.float32)  # Q, K and the means: read as either, widened to FP32
+_DTYPE_NAMES = {torch.bfloat16: "BF16", torch.float32: "FP32"}
 
 
 @triton.jit
 def _load_centered(x_ptr, mean_ptr, rows, row_mask, NUM_BLOCKS: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Rows [R] of BF16 x minus their means (BF16 or FP32, widened), in FP32, split into even and odd elements
-    [R, NUM_BLOCKS, 8]."""
+    """Rows [R] of x (BF16 or FP32) minus their means (BF16 or FP32, widened), in FP32, split into even and odd
+    elements [R, NUM_BLOCKS, 8]."""
     blk = tl.arange(0, NUM_BLOCKS)[None, :, None]
     pair = tl.arange(0, 8)[None, None, :]
     even = rows[:, None, None] * HEAD_DIM + blk * 16 + 2 * pair
@@ -43,7 +48,7 @@ def _quantize_cache_kernel(
     k_codes_ptr, k_scales_ptr, v_cache_ptr, delta_s_ptr, q_codes_ptr, q_scales_ptr,
     q_stride, k_stride, v_stride, num_slots,
     NUM_KV_HEADS: tl.constexpr, GROUP: tl.constexpr, GROUP_POW2: tl.constexpr, DS_ROW: tl.constexpr,
-    HEAD_DIM: tl.constexpr,
+    HEAD_DIM: tl.constexpr, K_SCALE_46: tl.constexpr,
 ):
     token = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -57,7 +62,7 @@ def _quantize_cache_kernel(
     k_even, k_odd = _load_centered(
         k_ptr + token * k_stride + kv_head * HEAD_DIM, k_mean_ptr + (req * NUM_KV_HEADS + kv_head) * HEAD_DIM,
         tl.full((1,), 0, tl.int32), one, num_blocks, HEAD_DIM)
-    k_bytes, k_scale = nvfp4_block(k_even, k_odd)
+    k_bytes, k_scale = nvfp4_block(k_even, k_odd, K_SCALE_46)
     cache_row = slot * NUM_KV_HEADS + kv_head  # token-major K codes and V: [slot, kv_head]
     head_row = kv_head.to(tl.int64) * num_slots + slot  # head-major K scales and Delta_S: [kv_head, slot]
     byte_idx = tl.arange(0, num_blocks)[None, :, None] * 8 + tl.arange(0, 8)[None, None, :]
@@ -85,18 +90,19 @@ def _quantize_cache_kernel(
     q_even, q_odd = _load_centered(
         q_ptr + token * q_stride + kv_head * GROUP * HEAD_DIM, q_mean_ptr + (req * num_q_heads + kv_head * GROUP) * HEAD_DIM,
         g, valid, num_blocks, HEAD_DIM)
-    q_bytes, q_scale = nvfp4_block(q_even, q_odd)
+    q_bytes, q_scale = nvfp4_block(q_even, q_odd, False)
     q_row = token * num_q_heads + heads
     tl.store(q_codes_ptr + q_row[:, None, None] * (HEAD_DIM // 2) + byte_idx, q_bytes.to(tl.uint8), mask=head_mask)
     tl.store(q_scales_ptr + q_row[:, None] * num_blocks + tl.arange(0, num_blocks)[None, :], q_scale.to(tl.uint8),
              mask=valid[:, None])
 
 
-def _check_rows(name: str, x: torch.Tensor, tokens: int, heads: int, head_dim: int) -> None:
-    if x.shape != (tokens, heads, head_dim) or x.dtype != torch.bfloat16 or x.stride()[1:] != (head_dim, 1):
-        raise ValueError(
-            f"{name} must be BF16 [{tokens}, {heads}, {head_dim}] with contiguous heads, got {x.dtype} {tuple(x.shape)}"
-        )
+def _check_rows(name: str, x: torch.Tensor, tokens: int, heads: int, head_dim: int,
+                dtypes: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> None:
+    if x.shape != (tokens, heads, head_dim) or x.dtype not in dtypes or x.stride()[1:] != (head_dim, 1):
+        allowed = " or ".join(_DTYPE_NAMES[d] for d in dtypes)
+        raise ValueError(f"{name} must be {allowed} [{tokens}, {heads}, {head_dim}] with contiguous heads, got "
+                         f"{x.dtype} {tuple(x.shape)}")
 
 
 def quantize_to_cache(
@@ -108,13 +114,16 @@ def quantize_to_cache(
     means: SmoothingMeans,
     cache: MpfaKVCache,
     out: CenteredQuery | None = None,
+    *,
+    k_scale_choice: str = "6",
 ) -> CenteredQuery:
     """Write the new tokens into ``cache`` and return their centered NVFP4 Q.
 
-    q [T, Hq, d], k / v [T, Hkv, d] BF16 (token stride free); ``slots`` [T] the cache slot of each token
-    (SGLang's ``out_cache_loc``); ``request_index`` [T] int32, the request each token belongs to (row of the
-    means); ``means`` the requests' frozen means (q_mean [B, Hq, d], k_mean [B, Hkv, d], contiguous, BF16 as the
-    SGLang plugin stores them or FP32, widened to FP32 either way).
+    q [T, Hq, d], k [T, Hkv, d] BF16 or FP32, v [T, Hkv, d] BF16 (token stride free); ``slots`` [T] the cache slot
+    of each token (SGLang's ``out_cache_loc``); ``request_index`` [T] int32, the request each token belongs to (row
+    of the means); ``means`` the requests' frozen means (q_mean [B, Hq, d], k_mean [B, Hkv, d], contiguous, BF16 as the
+    SGLang plugin stores them or FP32, widened to FP32 either way); ``k_scale_choice``: K's NVFP4 block-scale
+    choice, "6" (the paper's) or "4/6" (`formats.quantize_nvfp4`).
     ``out`` may be preallocated (CUDA-graph capture); no host synchronisation happens here."""
     tokens, num_q_heads, head_dim = q.shape
     num_kv_heads = cache.num_kv_heads
@@ -122,14 +131,16 @@ def quantize_to_cache(
     if num_q_heads != cache.num_q_heads or head_dim != cache.head_dim:
         raise ValueError(f"q [{tokens}, {num_q_heads}, {head_dim}] does not match the cache "
                          f"(Hq={cache.num_q_heads}, d={cache.head_dim})")
-    _check_rows("q", q, tokens, num_q_heads, head_dim)
-    _check_rows("k", k, tokens, num_kv_heads, head_dim)
+    _check_rows("q", q, tokens, num_q_heads, head_dim, _WIDENED_DTYPES)
+    _check_rows("k", k, tokens, num_kv_heads, head_dim, _WIDENED_DTYPES)
     _check_rows("v", v, tokens, num_kv_heads, head_dim)
+    if k_scale_choice not in NVFP4_SCALE_CHOICES:
+        raise ValueError(f"k_scale_choice must be one of {', '.join(NVFP4_SCALE_CHOICES)}, got {k_scale_choice!r}")
     if slots.shape != (tokens,) or request_index.shape != (tokens,):
         raise ValueError(f"slots and request_index must both be [{tokens}], got {tuple(slots.shape)} and "
                          f"{tuple(request_index.shape)}")
     for name, mean, heads in (("q_mean", means.q_mean, num_q_heads), ("k_mean", means.k_mean, num_kv_heads)):
-        if (mean.dim() != 3 or mean.shape[1:] != (heads, head_dim) or mean.dtype not in _MEAN_DTYPES
+        if (mean.dim() != 3 or mean.shape[1:] != (heads, head_dim) or mean.dtype not in _WIDENED_DTYPES
                 or not mean.is_contiguous()):
             raise ValueError(f"{name} must be contiguous BF16 or FP32 [batch, {heads}, {head_dim}], got {mean.dtype} "
                              f"{tuple(mean.shape)}")
@@ -143,6 +154,6 @@ def quantize_to_cache(
         out.codes, out.scales.view(torch.uint8),
         q.stride(0), k.stride(0), v.stride(0), cache.num_slots,
         NUM_KV_HEADS=num_kv_heads, GROUP=group, GROUP_POW2=triton.next_power_of_2(group),
-        DS_ROW=cache.delta_s.shape[2], HEAD_DIM=head_dim,
+        DS_ROW=cache.delta_s.shape[2], HEAD_DIM=head_dim, K_SCALE_46=k_scale_choice == "4/6",
     )
     return out

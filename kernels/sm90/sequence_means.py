@@ -42,12 +42,13 @@ def _sequence_means_kernel(x_ptr, cu_ptr, out_ptr, x_stride,
 
 
 def sequence_means(x: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
-    """x [T, H, d] BF16 (heads contiguous), cu_seqlens [B + 1] int32 on x's device -> FP32 means [B, H, d].
+    """x [T, H, d] BF16 or FP32 (heads contiguous), cu_seqlens [B + 1] int32 on x's device -> FP32 means
+    [B, H, d].
 
     The sequence bounds are read on the device: no host synchronisation."""
     tokens, num_heads, head_dim = x.shape
-    if x.dtype != torch.bfloat16 or x.stride()[1:] != (head_dim, 1) or head_dim & (head_dim - 1):
-        raise ValueError(f"x must be BF16 [T, H, d] with contiguous heads and a power-of-two d, got {x.dtype} "
+    if x.dtype not in (torch.bfloat16, torch.float32) or x.stride()[1:] != (head_dim, 1) or head_dim & (head_dim - 1):
+        raise ValueError(f"x must be BF16 or FP32 [T, H, d] with contiguous heads and a power-of-two d, got {x.dtype} "
                          f"{tuple(x.shape)}")
     if cu_seqlens.dim() != 1 or cu_seqlens.numel() < 2 or cu_seqlens.dtype != torch.int32:
         raise ValueError(f"cu_seqlens must be int32 [batch + 1], got {cu_seqlens.dtype} {tuple(cu_seqlens.shape)}")

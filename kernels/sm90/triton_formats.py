@@ -10,7 +10,10 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from ..formats import E4M3_OVERFLOW
+
 _E4M3_MIN_NORMAL_EXP = tl.constexpr(121)  # biased FP32 exponent of 2**-6, the smallest normal e4m3 value
+_E4M3_OVERFLOW = tl.constexpr(E4M3_OVERFLOW)  # a block scale above it does not fit e4m3
 
 
 @triton.jit
@@ -62,16 +65,53 @@ def e2m1_code(v):
 
 
 @triton.jit
-def nvfp4_block(even, odd):
-    """NVFP4 of blocks held as their even and odd elements [..., 8] -> (packed bytes [..., 8], scale codes [...]).
+def e2m1_magnitude(code):
+    """e2m1 code (int32, sign bit ignored) -> its magnitude in FP32: 0, 0.5, then 1.0 * 2**e or 1.5 * 2**e."""
+    m = code & 7
+    normal = ((((m >> 1) + 126) << 23) | ((m & 1) << 22)).to(tl.float32, bitcast=True)
+    return tl.where(m >= 2, normal, m.to(tl.float32) * 0.5)
 
-    Scale ``e4m3(amax / 6)`` (saturated at 448 where the reference raises), elements ``x / scale`` to e2m1; a block
-    whose scale is 0 gets codes 0. Byte i of a block holds element 2i (low nibble) and 2i+1 (high nibble)."""
-    amax = tl.maximum(tl.max(tl.abs(even), axis=-1), tl.max(tl.abs(odd), axis=-1))
-    scale_code = e4m3_code(tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, 6.0, tl.float32)), 448.0))
+
+@triton.jit
+def _nvfp4_encode(even, odd, amax, TARGET: tl.constexpr):
+    """Blocks' e2m1 codes (even, odd elements) and e4m3 scale codes with each block's max scaled to ``TARGET``
+    (scale ``e4m3(amax / TARGET)`` saturated at 448); a block whose scale is 0 gets codes 0. Also the decoded
+    scale [..., 1]."""
+    scale_code = e4m3_code(tl.minimum(tl.math.div_rn(amax, tl.full(amax.shape, TARGET, tl.float32)), 448.0))
     scale = tl.expand_dims(e4m3_value(scale_code), len(scale_code.shape))
     nonzero = scale > 0
     safe = tl.where(nonzero, scale, 1.0)
     lo = tl.where(nonzero, e2m1_code(tl.math.div_rn(even, safe)), 0)
     hi = tl.where(nonzero, e2m1_code(tl.math.div_rn(odd, safe)), 0)
+    return lo, hi, scale_code, scale
+
+
+@triton.jit
+def _squared_error(even, odd, lo, hi, scale):
+    """Each block's sum of squared errors of its dequantized values against the FP32 input, in FP64 as the
+    reference forms it (a code's sign is its element's: magnitudes suffice)."""
+    d_even = (e2m1_magnitude(lo) * scale).to(tl.float64) - tl.abs(even).to(tl.float64)
+    d_odd = (e2m1_magnitude(hi) * scale).to(tl.float64) - tl.abs(odd).to(tl.float64)
+    return tl.sum(d_even * d_even, axis=-1) + tl.sum(d_odd * d_odd, axis=-1)
+
+
+@triton.jit
+def nvfp4_block(even, odd, SCALE_46: tl.constexpr):
+    """NVFP4 of blocks held as their even and odd elements [..., 8] -> (packed bytes [..., 8], scale codes [...]).
+
+    Scale ``e4m3(amax / 6)`` (saturated at 448 where the reference raises), elements ``x / scale`` to e2m1; a block
+    whose scale is 0 gets codes 0. Byte i of a block holds element 2i (low nibble) and 2i+1 (high nibble).
+    ``SCALE_46``: the "4/6" choice of `formats.quantize_nvfp4`: a block also encoded with ``e4m3(amax / 4)`` (where
+    ``amax / 4`` fits e4m3) keeps that encoding if its sum of squared errors is smaller (ties: 6). The FP64 sums add
+    the same squares in another order than the reference's: two errors within one FP64 rounding of each other could
+    choose differently."""
+    amax = tl.maximum(tl.max(tl.abs(even), axis=-1), tl.max(tl.abs(odd), axis=-1))
+    lo, hi, scale_code, scale = _nvfp4_encode(even, odd, amax, 6.0)
+    if SCALE_46:
+        lo4, hi4, scale_code4, scale4 = _nvfp4_encode(even, odd, amax, 4.0)
+        fits = tl.math.div_rn(amax, tl.full(amax.shape, 4.0, tl.float32)) <= _E4M3_OVERFLOW
+        use4 = fits & (_squared_error(even, odd, lo4, hi4, scale4) < _squared_error(even, odd, lo, hi, scale))
+        lo = tl.where(tl.expand_dims(use4, len(use4.shape)), lo4, lo)
+        hi = tl.where(tl.expand_dims(use4, len(use4.shape)), hi4, hi)
+        scale_code = tl.where(use4, scale_code4, scale_code)
     return lo | (hi << 4), scale_code

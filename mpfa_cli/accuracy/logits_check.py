@@ -43,16 +43,20 @@ def served_numerics(specs: list[BackendSpec], model: str, prefill_kernel: str | 
     (prefill) runs the numerics of the prefill kernel its servers run for ``model`` (`served_kernels`, with
     ``prefill_kernel`` or ``$MPFA_PREFILL_KERNEL`` passed on to the servers): the fp8 kernel's "mpfa-qk8tile-psum",
     the exact and mma-sync kernels' the paper's "mpfa"; ``mpfa-direct`` that variant without the centering (None
-    where the reference has no such variant: its row is not checked)."""
+    where the reference has no such variant: its row is not checked); each under the servers' ``$MPFA_NUMERICS``
+    (`ServedNumerics.variant`: "mpfa-had128-k46" for "mpfa" under had128-k46)."""
     if not any(runs_mpfa_kernels(s) for s in specs):
         return {s.name: s.numerics for s in specs}
+    from ...kernels.served_numerics import SERVED_NUMERICS
     from ...kernels.sm90.dispatch import PREFILL_KERNELS
 
     mpfa = BACKENDS["mpfa"]
     shape = load_model_shape(model)
-    kernel = served_kernels(mpfa, shape.q_heads, shape.kv_heads, launch_page_size(mpfa), prefill_kernel)["prefill"]
-    prompt = mpfa.numerics if kernel == REFERENCE_PREFILL else PREFILL_KERNELS[kernel].numerics
-    served = {"mpfa": prompt, "qk4-pv8-direct": DIRECT_NUMERICS.get(prompt)}  # None: no such reference variant
+    kernels = served_kernels(mpfa, shape.q_heads, shape.kv_heads, launch_page_size(mpfa), prefill_kernel)
+    prompt = mpfa.numerics if kernels["prefill"] == REFERENCE_PREFILL else PREFILL_KERNELS[kernels["prefill"]].numerics
+    option = SERVED_NUMERICS[kernels["numerics"]]
+    direct = DIRECT_NUMERICS.get(prompt)  # None: no such reference variant
+    served = {"mpfa": option.variant(prompt), "qk4-pv8-direct": direct and option.variant(direct)}
     return {s.name: served.get(s.numerics, s.numerics) for s in specs}
 
 

@@ -5,7 +5,9 @@ An MpFA backend's server runs the prefill kernel that `mpfa.kernels.sm90.dispatc
 query and KV heads and page size, and the split-KV decode. The override is the user's prefill kernel (`mpfa bench
 --prefill-kernel`, passed on as the plugin's server argument), else ``$MPFA_PREFILL_KERNEL``, which the servers
 inherit. With ``MPFA_PREFILL=reference`` in the server's environment the prefill is the plugin's PyTorch
-reference path, no kernel. Other backends run SGLang's attention backend: their record names it.
+reference path, no kernel. The numerics the kernels serve are ``$MPFA_NUMERICS``'s (`served_numerics`: ``paper``
+unless set), which the servers inherit too: an MpFA record names them (``numerics``). Other backends run SGLang's
+attention backend: their record names it.
 
 `source` says where the names come from: ``dispatch`` (worked out here for what the server was asked to run) or
 ``simulated`` (the simulator's claim: no kernel ran).
@@ -17,6 +19,7 @@ from collections.abc import Mapping
 from types import ModuleType
 
 from ...backends.specs import PREFILL_ENV, PREFILL_PATHS, BackendSpec
+from ...kernels.served_numerics import PAPER, served_numerics
 from ..errors import UserError
 
 SGLANG_DEFAULT_PAGE_SIZE = 1
@@ -60,19 +63,22 @@ def check_prefill_kernel(kernel: str | None) -> str | None:
 def served_kernels(spec: BackendSpec, q_heads: int, kv_heads: int, page_size: int, prefill_kernel: str | None = None,
                    source: str = "dispatch") -> dict[str, str]:
     """The kernels the backend's server runs for a model of ``q_heads``:``kv_heads`` heads on pages of
-    ``page_size`` keys, ``prefill_kernel`` (else ``$MPFA_PREFILL_KERNEL``) overriding the choice; a shape the
-    override does not fit is a UserError. ``source``: "dispatch" or "simulated" (see the module's docstring)."""
+    ``page_size`` keys, ``prefill_kernel`` (else ``$MPFA_PREFILL_KERNEL``) overriding the choice, and for MpFA the
+    numerics they serve; a shape the override does not fit, or an unknown ``$MPFA_NUMERICS``, is a UserError.
+    ``source``: "dispatch" or "simulated" (see the module's docstring)."""
     if not runs_mpfa_kernels(spec):
         return {"attention_backend": spec.expect.get("attention_backend", spec.name), "source": source}
     dispatch = _dispatch()
+    server_env = {**os.environ, **spec.env}
     try:
         choice = dispatch.requested_prefill_kernel(prefill_kernel)  # else $MPFA_PREFILL_KERNEL's
         prefill = dispatch.prefill_kernel(q_heads, kv_heads, page_size, choice)
+        numerics = served_numerics(server_env)
     except ValueError as exc:
         raise UserError(f"{spec.name}: {exc}") from None
-    if {**os.environ, **spec.env}.get(PREFILL_ENV) == PREFILL_PATHS[1]:
+    if server_env.get(PREFILL_ENV) == PREFILL_PATHS[1]:
         prefill = REFERENCE_PREFILL
-    kernels = {"prefill": prefill, "decode": dispatch.DECODE_KERNEL.name}
+    kernels = {"prefill": prefill, "decode": dispatch.DECODE_KERNEL.name, "numerics": numerics.name}
     if choice is not None:
         kernels["prefill_override"] = choice
     return {**kernels, "source": source}
@@ -89,13 +95,16 @@ def kernel_server_args(spec: BackendSpec, prefill_kernel: str | None) -> list[st
 
 
 def describe_kernels(kernels: Mapping[str, str]) -> str:
-    """One line: "prefill fp8 (override), decode split-kv" or "SGLang attention backend fa4", then "(simulated)"
-    for the simulator's claim; "not recorded" for runs stored before kernels were."""
+    """One line: "prefill fp8 (override), decode split-kv" (", numerics had128-k46" when they are not the paper's)
+    or "SGLang attention backend fa4", then "(simulated)" for the simulator's claim; "not recorded" for runs stored
+    before kernels were."""
     if not kernels:
         return "not recorded"
     if "attention_backend" in kernels:
         text = f"SGLang attention backend {kernels['attention_backend']}"
     else:
         override = " (override)" if kernels.get("prefill_override") else ""
+        numerics = kernels.get("numerics", PAPER.name)  # runs stored before the option served the paper's
         text = f"prefill {kernels['prefill']}{override}, decode {kernels['decode']}"
+        text += "" if numerics == PAPER.name else f", numerics {numerics}"
     return f"{text} (simulated: no kernel ran)" if kernels.get("source") == "simulated" else text

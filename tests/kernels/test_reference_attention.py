@@ -130,13 +130,22 @@ def test_registry_matches_the_spec() -> None:
         "mpfa-q8-had128-k46": ("e4m3-row", "nvfp4", "fp8", "fp8", True),
         "mpfa-k8": ("nvfp4", "e4m3-row", "fp8", "fp8", True),
         "mpfa-q8-k8": ("e4m3-row", "e4m3-row", "fp8", "fp8", True),
+        # MPFA_NUMERICS=had128-k46 on each served kernel's numerics: the base's formats
+        "mpfa-had128-k46": ("nvfp4", "nvfp4", "fp8", "fp8", True),
+        "mpfa-qk8tile-psum-had128-k46": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", True),
+        "qk4-pv8-direct-had128-k46": ("nvfp4", "nvfp4", "fp8", "fp8", False),
+        "qk8tile-psum-direct-had128-k46": ("nvfp4>e4m3-row", "nvfp4>e4m3-tile", "fp8", "fp8", False),
     }
-    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == ["mpfa-qk8tile-psum", "qk8tile-psum-direct"]
+    assert [name for name, s in VARIANTS.items() if s.l_sums_p_operand] == [
+        "mpfa-qk8tile-psum", "qk8tile-psum-direct", "mpfa-qk8tile-psum-had128-k46", "qk8tile-psum-direct-had128-k46"]
+    served = ["mpfa-had128-k46", "mpfa-qk8tile-psum-had128-k46", "qk4-pv8-direct-had128-k46",
+              "qk8tile-psum-direct-had128-k46"]
     assert {name: s.rotation for name, s in VARIANTS.items() if s.rotation} == {
         "mpfa-had16": 16, "mpfa-had128": 128, "mpfa-q8-had16": 16, "mpfa-q8-had128": 128, "mpfa-had16-k46": 16,
-        "mpfa-q8-had128-k46": 128}
+        "mpfa-q8-had128-k46": 128, **{name: 128 for name in served}}
+    assert [name for name, s in VARIANTS.items() if s.rotate_inputs] == served
     assert [name for name, s in VARIANTS.items() if s.k_scale_choice != "6"] == [
-        "mpfa-k46", "mpfa-q8-k46", "mpfa-had16-k46", "mpfa-q8-had128-k46"]
+        "mpfa-k46", "mpfa-q8-k46", "mpfa-had16-k46", "mpfa-q8-had128-k46", *served]
 
 
 def test_fp8_variant_quantizes_only_k_and_v(make_batch) -> None:
@@ -162,30 +171,34 @@ def emulate_one_tile(variant: str, q: torch.Tensor, k: torch.Tensor, v: torch.Te
     spec = VARIANTS[variant]
     group, head_dim = q.shape[1] // k.shape[1], q.shape[2]
     q, k, v = q.float(), k.float(), v.float()
+    block = min(spec.rotation, head_dim) or 1  # 1: no rotation (the identity)
+    rotation = torch.block_diag(*[hadamard_matrix(block)] * (head_dim // block))
+    if spec.rotate_inputs:  # the BF16 inputs rotated (float64 here, the variant's GEMM in FP32), before centering
+        q, k = (q.double() @ rotation).float(), (k.double() @ rotation).float()
     cu_q, cu_k = torch.tensor([0, q.shape[0]]), torch.tensor([0, k.shape[0]])
     shift = torch.zeros(q.shape[1], 1, k.shape[0])
     if spec.smoothing:
         q_mean, k_mean = sequence_means(q, cu_q), sequence_means(k, cu_k)
         q, k = center(q, q_mean, cu_q), center(k, k_mean, cu_k)
         shift = delta_s(q_mean, k, cu_k).float().T[:, None, :]
-    if spec.rotation:  # dense block-diagonal Hadamard of the centered Q and K (Delta_S above is unrotated)
-        block = min(spec.rotation, head_dim)
-        rotation = torch.block_diag(*[hadamard_matrix(block)] * (head_dim // block))
-        q, k = q @ rotation.float(), k @ rotation.float()
-    formats = {
-        "bf16": lambda x: x,
-        "fp8": fake_quant_fp8,
-        "nvfp4": fake_quant_nvfp4,
-        "e4m3-row": fake_quant_fp8_pow2,  # per token and head
-        "nvfp4>e4m3-row": lambda x: fake_quant_fp8_pow2(fake_quant_nvfp4(x)),  # per token and head
-        "nvfp4>e4m3-tile": lambda x: fake_quant_fp8_pow2(fake_quant_nvfp4(x), (0, 2)),  # the one tile, per KV head
-    }
-    q_op = formats[spec.q](q)
-    k_op = fake_quant_nvfp4(k, scale_choice=spec.k_scale_choice) if spec.k == "nvfp4" else formats[spec.k](k)
+    if spec.rotation and not spec.rotate_inputs:  # block-diagonal Hadamard of the centered Q and K (Delta_S above
+        q, k = q @ rotation.float(), k @ rotation.float()  # is unrotated)
+    def formats(nvfp4):  # K's NVFP4 takes its block-scale choice (4/6), Q's the standard one
+        return {
+            "bf16": lambda x: x,
+            "fp8": fake_quant_fp8,
+            "nvfp4": nvfp4,
+            "e4m3-row": fake_quant_fp8_pow2,  # per token and head
+            "nvfp4>e4m3-row": lambda x: fake_quant_fp8_pow2(nvfp4(x)),  # per token and head
+            "nvfp4>e4m3-tile": lambda x: fake_quant_fp8_pow2(nvfp4(x), (0, 2)),  # the one tile, per KV head
+        }
+
+    q_op = formats(fake_quant_nvfp4)[spec.q](q)
+    k_op = formats(lambda x: fake_quant_nvfp4(x, scale_choice=spec.k_scale_choice))[spec.k](k)
     if spec.v == "nvfp4":  # 16-token blocks per channel
         v_op = _nvfp4_padded(v.permute(1, 2, 0)).permute(2, 0, 1)
     else:
-        v_op = formats[spec.v](v)
+        v_op = formats(fake_quant_nvfp4)[spec.v](v)
     s = torch.einsum("ihd,jhd->hij", q_op, k_op.repeat_interleave(group, 1)) + shift
     if causal:
         offset = k.shape[0] - q.shape[0]

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from mpfa.kernels.rotation import block_hadamard, hadamard_matrix
+from mpfa.kernels.rotation import GemmRotation, block_hadamard, hadamard_matrix, sylvester_signs
 
 
 @pytest.mark.parametrize("block", [1, 2, 16, 128])
@@ -52,3 +52,20 @@ def test_rejects_bad_blocks() -> None:
         block_hadamard(torch.zeros(4, 48), 12)
     with pytest.raises(ValueError, match="multiple of the Hadamard block"):
         block_hadamard(torch.zeros(4, 48), 32)
+
+
+def test_gemm_rotation_is_the_butterfly_up_to_fp32_sum_order(gen: torch.Generator) -> None:
+    """The served form (one FP32 GEMM with the +-1 matrix, then / sqrt(block)) on BF16 activations with a large
+    channel (a K bias): FP32, within FP32 rounding of the butterfly and equal to it on most values."""
+    x = (torch.randn(64, 3, 256, generator=gen) * 2 + 40 * (torch.arange(256) == 9)).bfloat16()
+    rotate = GemmRotation(128)
+    y = rotate(x)
+    butterfly = block_hadamard(x.float(), 128)
+    assert y.dtype == torch.float32 and y.shape == x.shape
+    torch.testing.assert_close(y, butterfly, rtol=2e-6, atol=2e-6 * float(x.float().abs().max()))
+    assert float((y == butterfly).float().mean()) > 0.5
+    dense = torch.block_diag(*[hadamard_matrix(128)] * 2)
+    assert float((y.double() - x.double() @ dense).abs().max()) < 1e-5 * float(x.float().abs().max())
+    assert torch.equal(rotate.signs, sylvester_signs(128, torch.float32))
+    with pytest.raises(ValueError, match="multiple of the Hadamard block 128"):
+        rotate(torch.zeros(2, 64))

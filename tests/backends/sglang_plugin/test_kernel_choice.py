@@ -88,18 +88,31 @@ def test_the_launcher_refuses_a_kernel_the_model_does_not_take(monkeypatch):
     _launch(40, 8, 32)
 
 
+def test_the_launcher_refuses_unknown_numerics_in_one_line(monkeypatch):
+    monkeypatch.setattr(hooks, "check_device", lambda capability: None)
+    monkeypatch.setattr(hooks, "check_kernel_packages", lambda: None)
+    monkeypatch.delenv(PREFILL_KERNEL_ENV, raising=False)
+    monkeypatch.setenv("MPFA_NUMERICS", "had128-k46")
+    _launch(32, 8, 128)
+    monkeypatch.setenv("MPFA_NUMERICS", "had128")
+    with pytest.raises(MpfaSetupError) as info:
+        _launch(32, 8, 128)
+    assert str(info.value) == "MpFA attention backend: MPFA_NUMERICS='had128': choose one of paper, had128-k46"
+
+
 def test_the_backend_logs_its_kernels_once_per_shape(monkeypatch, caplog):
     monkeypatch.delenv(PREFILL_KERNEL_ENV, raising=False)
     kernel_choice.log_kernels.cache_clear()
     with caplog.at_level(logging.INFO, logger=kernel_choice.__name__):
         for _ in range(2):
-            kernel_choice.log_kernels("mpfa", 32, 8, 128, "kernel")
-        kernel_choice.log_kernels("mpfa", 48, 8, 128, "kernel")
-        kernel_choice.log_kernels("mpfa-direct", 32, 8, 128, "reference")
+            kernel_choice.log_kernels("mpfa", 32, 8, 128, "kernel", "paper")
+        kernel_choice.log_kernels("mpfa", 48, 8, 128, "kernel", "had128-k46")
+        kernel_choice.log_kernels("mpfa-direct", 32, 8, 128, "reference", "paper")
     assert [r.getMessage() for r in caplog.records] == [
-        "MpFA backend mpfa, 32:8 heads, pages of 128: decode = sm90 split-kv, prefill = sm90 fp8",
-        "MpFA backend mpfa, 48:8 heads, pages of 128: decode = sm90 split-kv, prefill = sm90 fp8",
+        "MpFA backend mpfa, 32:8 heads, pages of 128: decode = sm90 split-kv, prefill = sm90 fp8, numerics = paper",
+        "MpFA backend mpfa, 48:8 heads, pages of 128: decode = sm90 split-kv, prefill = sm90 fp8, "
+        "numerics = had128-k46",
         "MpFA backend mpfa-direct, 32:8 heads, pages of 128: decode = sm90 split-kv, prefill = SLOW REFERENCE PATH "
-        "($MPFA_PREFILL=reference; its timings are not MpFA's)",
+        "($MPFA_PREFILL=reference; its timings are not MpFA's), numerics = paper",
     ]
     kernel_choice.log_kernels.cache_clear()

@@ -1,7 +1,8 @@
 """The fused quantize + paged-cache write (Triton) against the reference formats: codes, scales, FP8 V and the
 centered Q bit for bit, Delta_S to one BF16 ulp, each at its place in the cache layout (K codes and V at [slot,
-KV head], K scales and Delta_S head-major at [KV head, slot], Delta_S padding untouched); and the smoothing-means
-reduction against float64.
+KV head], K scales and Delta_S head-major at [KV head, slot], Delta_S padding untouched); K's "4/6" block scales
+(``k_scale_choice``) and FP32 Q/K inputs (the rotated ones of ``MPFA_NUMERICS=had128-k46``) the same way; and the
+smoothing-means reduction against float64.
 
 Runs on the GPU when there is one, else in Triton's CPU interpreter (see conftest)."""
 
@@ -14,6 +15,7 @@ pytest.importorskip("triton")
 
 from mpfa.kernels import SmoothingMeans, center, delta_s, quantize_fp8, quantize_nvfp4  # noqa: E402
 from mpfa.kernels.cache_layout import MpfaKVCache  # noqa: E402
+from mpfa.kernels.rotation import GemmRotation  # noqa: E402
 from mpfa.kernels.smoothing import sequence_means as reference_means  # noqa: E402
 from mpfa.kernels.sm90.quantize_cache import quantize_to_cache  # noqa: E402
 from mpfa.kernels.sm90.sequence_means import sequence_means  # noqa: E402
@@ -33,12 +35,13 @@ def _random_rows(gen: torch.Generator, tokens: int, heads: int, scale: float, of
     return (torch.randn(tokens, heads, HEAD_DIM, generator=gen) * scale + offsets).bfloat16()
 
 
-def _write(q, k, v, lengths, slots, means, num_q_heads, num_kv_heads, device, num_pages=8, page_size=16):
+def _write(q, k, v, lengths, slots, means, num_q_heads, num_kv_heads, device, num_pages=8, page_size=16,
+           k_scale_choice="6"):
     cache = MpfaKVCache.allocate(num_pages, page_size, num_q_heads, num_kv_heads, HEAD_DIM, device).fill_(POISON)
     request = torch.repeat_interleave(torch.arange(len(lengths), dtype=torch.int32), torch.tensor(lengths))
     dev_means = SmoothingMeans(means.q_mean.to(device), means.k_mean.to(device))
     query = quantize_to_cache(q.to(device), k.to(device), v.to(device), slots.to(device), request.to(device),
-                              dev_means, cache)
+                              dev_means, cache, k_scale_choice=k_scale_choice)
     return cache, query
 
 
@@ -52,8 +55,8 @@ def _head_major(x: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
     return x.cpu()[:, slots].transpose(0, 1)
 
 
-def _assert_written_exactly(cache, query, q, k, v, slots, means, cu):
-    k_ref = quantize_nvfp4(center(k.float(), means.k_mean, cu))
+def _assert_written_exactly(cache, query, q, k, v, slots, means, cu, k_scale_choice="6"):
+    k_ref = quantize_nvfp4(center(k.float(), means.k_mean, cu), scale_choice=k_scale_choice)
     q_ref = quantize_nvfp4(center(q.float(), means.q_mean, cu))
     assert torch.equal(cache.k_codes.cpu()[slots], k_ref.codes)
     assert torch.equal(_head_major(cache.k_scales.view(torch.uint8), slots), _bits(k_ref.scales))
@@ -126,9 +129,75 @@ def test_cache_write_rounding_edges(device):
     _assert_written_exactly(cache, query, q, k, v, slots, means, _cumulative([1]))
 
 
-def test_sequence_means_match_float64(device, gen):
+def _four_wins(k: torch.Tensor, means: SmoothingMeans, cu: torch.Tensor) -> torch.Tensor:
+    """Per K block: whether the "4/6" choice took the scale e4m3(amax / 4) that differs from amax / 6's."""
+    centered = center(k.float(), means.k_mean, cu)
+    chosen = quantize_nvfp4(centered, scale_choice="4/6").scales.view(torch.uint8)
+    return chosen != quantize_nvfp4(centered).scales.view(torch.uint8)
+
+
+@pytest.mark.parametrize("num_q_heads,num_kv_heads", [(8, 2), (10, 2)], ids=["gqa4", "gqa5"])
+def test_k46_scales_and_fp32_rotated_inputs_are_bit_exact(device, gen, num_q_heads, num_kv_heads):
+    """``MPFA_NUMERICS=had128-k46``'s write: Q and K rotated in FP32 (not rounded back to BF16), BF16 means of the
+    rotated values, K's block scales chosen 4/6 (both choices occur on these blocks), Q's kept at 6."""
+    lengths = [7, 1, 12]
+    tokens, cu = sum(lengths), _cumulative(lengths)
+    rotate = GemmRotation(HEAD_DIM)
+    q = rotate(_random_rows(gen, tokens, num_q_heads, 1.0, 4.0))
+    k = rotate(_random_rows(gen, tokens, num_kv_heads, 1.5, 8.0))
+    v = _random_rows(gen, tokens, num_kv_heads, 1.0, 0.0)
+    assert q.dtype == k.dtype == torch.float32 and not torch.equal(k, k.bfloat16().float())
+    means = SmoothingMeans(reference_means(q, cu).bfloat16(), reference_means(k, cu).bfloat16())
+    slots = torch.randperm(8 * 16, generator=gen)[:tokens]
+    cache, query = _write(q, k, v, lengths, slots, means, num_q_heads, num_kv_heads, device, k_scale_choice="4/6")
+    _assert_written_exactly(cache, query, q, k, v, slots, means, cu, k_scale_choice="4/6")
+    assert 0.1 < float(_four_wins(k, means, cu).float().mean()) < 0.9
+
+
+def _k46_edge_blocks() -> list[tuple[list[float], str]]:
+    """K blocks at the edges of the 4/6 choice, each with the scale target it must take."""
+    return [
+        ([4.0, 3.0, -1.5], "4"),  # amax / 6 rounds to 0.6875, which misses 4, 3, 1.5; amax / 4 = 1 is exact
+        ([6.0, 1.0], "6"),  # scale 1 is exact; 1.5 would round 1 to 0.75
+        ([6.0, 3.0, -1.5], "6"),  # a tie: both exact (scales 1 and 1.5), the standard scale stays
+        ([0.0], "6"),  # all zero: scale 0 either way
+        ([1800.0], "4"),  # amax / 4 = 450 in (448, 464]: saturates at 448, still fits, and errs 8 against 72
+        ([2560.0, 1792.0], "6"),  # amax / 4 = 640 > 464: never taken, though 448 would err less (16384 < 20480)
+        ([2752.0, -7.0], "6"),  # amax / 6 in (448, 464]: the standard scale saturates at 448
+        ([4 * 2.0**-8, 3 * 2.0**-8, -1.5 * 2.0**-8], "4"),  # e4m3 subnormal scales: 2**-8 exact, amax / 6 is not
+        ([5 * 2.0**-10], "4"),  # amax / 6 flushes to 0 (error 5 * 2**-10); amax / 4 rounds to 2**-9 (error 2**-10)
+    ]
+
+
+def test_k46_choice_at_its_edges(device, gen):
+    edges = _k46_edge_blocks()
+    blocks = torch.zeros(16, 16)  # two tokens of one KV head: 16 blocks, the edge ones, then Gaussian ones
+    for i, (values, _) in enumerate(edges):
+        blocks[i, : len(values)] = torch.tensor(values)
+    blocks[len(edges):] = torch.randn(16 - len(edges), 16, generator=gen) * 3
+    k = blocks.view(2, 1, HEAD_DIM).bfloat16()
+    assert torch.equal(k.float().view(16, 16)[: len(edges)], blocks[: len(edges)]), "edges must be exact in BF16"
+    means = SmoothingMeans(torch.zeros(1, 2, HEAD_DIM), torch.zeros(1, 1, HEAD_DIM))
+    cu = _cumulative([2])
+    amax = blocks[: len(edges)].abs().amax(-1)
+    for target in ("4", "6"):  # each edge block takes the scale its target names
+        rows = [i for i, (_, t) in enumerate(edges) if t == target]
+        expected = (amax[rows] / float(target)).clamp(max=448).to(torch.float8_e4m3fn).view(torch.uint8)
+        chosen = quantize_nvfp4(blocks[rows], scale_choice="4/6").scales.view(torch.uint8).flatten()
+        assert torch.equal(chosen, expected), f"edge blocks {rows} do not take scale amax / {target}"
+    q = _random_rows(gen, 2, 2, 1.0, 4.0)
+    v = _random_rows(gen, 2, 1, 1.0, 0.0)
+    slots = torch.tensor([3, 17])
+    cache, query = _write(q, k, v, [2], slots, means, 2, 1, device, k_scale_choice="4/6")
+    _assert_written_exactly(cache, query, q, k, v, slots, means, cu, k_scale_choice="4/6")
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32-rotated"])
+def test_sequence_means_match_float64(device, gen, dtype):
     lengths = [40, 0, 3, 70, 1000]  # 1000: 16 slices of 64 tokens, the last one partial
     x = _random_rows(gen, sum(lengths), 3, 2.0, 20.0)
+    if dtype == torch.float32:  # the rotated Q and K of MPFA_NUMERICS=had128-k46
+        x = GemmRotation(HEAD_DIM)(x)
     cu = _cumulative(lengths)
     means = sequence_means(x.to(device), cu.to(device, torch.int32)).cpu()
     expected = reference_means(x.double(), cu)
@@ -143,8 +212,12 @@ def test_bad_inputs_raise_clear_errors(device):
     slots = torch.arange(3, device=device)
     request = torch.zeros(3, dtype=torch.int32, device=device)
     means = SmoothingMeans(torch.zeros(1, 8, HEAD_DIM, device=device), torch.zeros(1, 2, HEAD_DIM, device=device))
-    with pytest.raises(ValueError, match="k must be BF16"):
-        quantize_to_cache(q, kv.float(), kv, slots, request, means, cache)
+    with pytest.raises(ValueError, match="k must be BF16 or FP32"):
+        quantize_to_cache(q, kv.half(), kv, slots, request, means, cache)
+    with pytest.raises(ValueError, match="v must be BF16 "):
+        quantize_to_cache(q, kv, kv.float(), slots, request, means, cache)
+    with pytest.raises(ValueError, match="k_scale_choice must be one of 6, 4/6"):
+        quantize_to_cache(q, kv, kv, slots, request, means, cache, k_scale_choice="4")
     with pytest.raises(ValueError, match="slots and request_index"):
         quantize_to_cache(q, kv, kv, slots[:2], request, means, cache)
     with pytest.raises(ValueError, match="k_mean must be contiguous BF16 or FP32"):

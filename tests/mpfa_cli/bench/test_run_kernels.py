@@ -33,12 +33,14 @@ def _measured_runs(start_sim, tmp_path, monkeypatch, model: str, tp: int = 1, re
 def no_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
     monkeypatch.delenv("MPFA_PREFILL", raising=False)
+    monkeypatch.delenv("MPFA_NUMERICS", raising=False)
 
 
 @pytest.mark.parametrize(("tp", "prefill"), [(1, "fp8"), (8, "mma-sync")], ids=["40:8-heads", "5:1-heads-per-rank"])
 def test_the_kernels_follow_the_heads_of_one_rank(start_sim, tmp_path, monkeypatch, tp, prefill):
     [run] = _measured_runs(start_sim, tmp_path, monkeypatch, "qwen3-14b", tp)
-    assert (run.simulated, run.kernels) == (False, {"prefill": prefill, "decode": "split-kv", "source": "dispatch"})
+    assert (run.simulated, run.kernels) == (False, {"prefill": prefill, "decode": "split-kv", "numerics": "paper",
+                                                    "source": "dispatch"})
 
 
 def test_the_reference_prefill_path_is_recorded(start_sim, tmp_path, monkeypatch):
@@ -47,6 +49,12 @@ def test_the_reference_prefill_path_is_recorded(start_sim, tmp_path, monkeypatch
     assert run.kernels["prefill"] == "pytorch-reference" and run.caveat is not None
 
 
+def test_the_served_numerics_are_recorded(start_sim, tmp_path, monkeypatch):
+    monkeypatch.setenv("MPFA_NUMERICS", "had128-k46")  # the benchmark's environment, which its servers inherit
+    [run] = _measured_runs(start_sim, tmp_path, monkeypatch, "llama-3.1-8b")
+    assert run.kernels["numerics"] == "had128-k46"
+
+
 def test_what_the_server_reports_is_recorded(start_sim, tmp_path, monkeypatch):
     [run] = _measured_runs(start_sim, tmp_path, monkeypatch, "llama-3.1-8b", reported=True)
-    assert run.kernels == {"prefill": "fp8", "decode": "split-kv", "source": "simulated"}
+    assert run.kernels == {"prefill": "fp8", "decode": "split-kv", "numerics": "paper", "source": "simulated"}

@@ -50,8 +50,8 @@ def test_bench_passes_the_prefill_kernel_on_and_stores_what_ran(mpfa, scenario_f
     assert (fa4, mpfa_name) == ("fa4-bf16", "mpfa")
     assert fa4_kernels == {"attention_backend": "fa4", "source": "simulated"}
     assert "--mpfa-prefill-kernel" not in fa4_flags  # SGLang's own backends do not take it
-    assert mpfa_kernels == {"prefill": "exact", "decode": "split-kv", "prefill_override": "exact",
-                            "source": "simulated"}
+    assert mpfa_kernels == {"prefill": "exact", "decode": "split-kv", "numerics": "paper",
+                            "prefill_override": "exact", "source": "simulated"}
     assert mpfa_flags[-2:] == ["--mpfa-prefill-kernel", "exact"]
     shown = mpfa("show", "2")
     assert shown.returncode == 0, shown.stderr
@@ -63,7 +63,23 @@ def test_bench_stores_the_default_kernel_for_the_model(mpfa, scenario_file, gqa8
     result = mpfa("bench", "--scenario", str(scenario_file(model=str(gqa8_model))), "--backend", "mpfa", *FAST)
     assert result.returncode == 0, result.stderr
     [(_, kernels, _)] = _stored(mpfa.db)
-    assert kernels == {"prefill": "fp8", "decode": "split-kv", "source": "simulated"}  # GQA 8
+    assert kernels == {"prefill": "fp8", "decode": "split-kv", "numerics": "paper", "source": "simulated"}  # GQA 8
+
+
+def test_bench_stores_and_shows_the_served_numerics(mpfa, scenario_file, monkeypatch) -> None:
+    monkeypatch.setenv("MPFA_NUMERICS", "had128-k46")
+    result = mpfa("bench", "--scenario", str(scenario_file()), "--backend", "mpfa", *FAST)
+    assert result.returncode == 0, result.stderr
+    [(_, kernels, _)] = _stored(mpfa.db)
+    assert kernels["numerics"] == "had128-k46"
+    shown = mpfa("show", "1")
+    assert "prefill fp8, decode split-kv, numerics had128-k46 (simulated: no kernel ran)" in shown.stdout
+    monkeypatch.setenv("MPFA_NUMERICS", "had256")
+    result = mpfa("bench", "--scenario", str(scenario_file()), "--backend", "mpfa", *FAST)
+    assert result.returncode == 2 and "Traceback" not in result.stderr
+    assert result.stderr.strip().splitlines()[-1].endswith(
+        "mpfa: MPFA_NUMERICS='had256': choose one of paper, had128-k46")
+    assert "starting server" not in result.stdout and len(_stored(mpfa.db)) == 1
 
 
 def test_a_prefill_kernel_the_model_does_not_take_fails_before_any_server(mpfa, scenario_file, gqa9_model) -> None:

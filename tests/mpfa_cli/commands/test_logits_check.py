@@ -40,6 +40,7 @@ def test_mpfa_prompts_are_checked_against_the_prefill_kernel_s_numerics(monkeypa
     specs = [BACKENDS[name] for name in ("fa4-bf16", "mpfa", "mpfa-direct")]
     monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
     monkeypatch.delenv("MPFA_PREFILL", raising=False)
+    monkeypatch.delenv("MPFA_NUMERICS", raising=False)
     fp8 = {"fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile-psum", "mpfa-direct": "qk8tile-psum-direct"}
     paper = {"fa4-bf16": "bf16", "mpfa": "mpfa", "mpfa-direct": "qk4-pv8-direct"}
     assert served_numerics(specs, "llama-3.1-8b") == fp8  # the default for GQA 4: the fp8 kernel
@@ -53,8 +54,20 @@ def test_mpfa_prompts_are_checked_against_the_prefill_kernel_s_numerics(monkeypa
     assert served_numerics(specs[:1], "llama-3.1-8b") == {"fa4-bf16": "bf16"}  # no MpFA server: nothing to choose
 
 
+def test_mpfa_is_checked_against_the_variant_its_served_numerics_make(monkeypatch):
+    monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
+    monkeypatch.delenv("MPFA_PREFILL", raising=False)
+    monkeypatch.setenv("MPFA_NUMERICS", "had128-k46")  # the servers inherit it
+    specs = [BACKENDS[name] for name in ("fa4-bf16", "mpfa", "mpfa-direct")]
+    assert served_numerics(specs, "llama-3.1-8b") == {
+        "fa4-bf16": "bf16", "mpfa": "mpfa-qk8tile-psum-had128-k46", "mpfa-direct": "qk8tile-psum-direct-had128-k46"}
+    assert served_numerics(specs, "llama-3.1-8b", "exact") == {
+        "fa4-bf16": "bf16", "mpfa": "mpfa-had128-k46", "mpfa-direct": "qk4-pv8-direct-had128-k46"}
+
+
 def test_the_reference_prefill_path_computes_the_paper_s_numerics(monkeypatch):
     monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
+    monkeypatch.delenv("MPFA_NUMERICS", raising=False)
     monkeypatch.setenv("MPFA_PREFILL", "reference")
     assert served_numerics([BACKENDS["mpfa"]], "llama-3.1-8b") == {"mpfa": "mpfa"}
 

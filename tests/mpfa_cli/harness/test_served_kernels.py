@@ -14,12 +14,13 @@ from mpfa.mpfa_cli.harness.served_kernels import (check_prefill_kernel, describe
 def no_override(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("MPFA_PREFILL_KERNEL", raising=False)
     monkeypatch.delenv("MPFA_PREFILL", raising=False)
+    monkeypatch.delenv("MPFA_NUMERICS", raising=False)
 
 
 def test_mpfa_runs_the_dispatched_prefill_kernel_and_the_split_kv_decode():
     for name in ("mpfa", "mpfa-direct"):
         assert served_kernels(BACKENDS[name], 32, 8, 128) == {"prefill": "fp8", "decode": "split-kv",
-                                                              "source": "dispatch"}
+                                                              "numerics": "paper", "source": "dispatch"}
     assert served_kernels(BACKENDS["mpfa"], 64, 8, 128)["prefill"] == "fp8"  # GQA 8, the wgmma kernels' largest group
     assert served_kernels(BACKENDS["mpfa"], 5, 1, 128)["prefill"] == "mma-sync"  # odd head count: no wgmma kernel
     assert served_kernels(BACKENDS["mpfa"], 40, 8, 16)["prefill"] == "mma-sync"  # pages of 16 keys
@@ -28,7 +29,8 @@ def test_mpfa_runs_the_dispatched_prefill_kernel_and_the_split_kv_decode():
 def test_the_override_is_recorded_with_the_kernel_it_chose(monkeypatch: pytest.MonkeyPatch):
     mpfa = BACKENDS["mpfa"]
     assert served_kernels(mpfa, 32, 8, 128, "exact", source="simulated") == {
-        "prefill": "exact", "decode": "split-kv", "prefill_override": "exact", "source": "simulated"}
+        "prefill": "exact", "decode": "split-kv", "numerics": "paper", "prefill_override": "exact",
+        "source": "simulated"}
     monkeypatch.setenv("MPFA_PREFILL_KERNEL", "mma-sync")  # inherited by the servers
     assert served_kernels(mpfa, 32, 8, 128)["prefill"] == "mma-sync"
     assert served_kernels(mpfa, 32, 8, 128, "fp8")["prefill"] == "fp8"  # the server argument wins
@@ -40,6 +42,16 @@ def test_the_override_is_recorded_with_the_kernel_it_chose(monkeypatch: pytest.M
 def test_the_reference_prefill_path_runs_no_prefill_kernel(monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setenv("MPFA_PREFILL", "reference")
     assert served_kernels(BACKENDS["mpfa"], 32, 8, 128)["prefill"] == "pytorch-reference"
+
+
+def test_the_numerics_the_servers_inherit_are_recorded_and_checked(monkeypatch: pytest.MonkeyPatch):
+    monkeypatch.setenv("MPFA_NUMERICS", "had128-k46")
+    for name in ("mpfa", "mpfa-direct"):
+        assert served_kernels(BACKENDS[name], 32, 8, 128)["numerics"] == "had128-k46"
+    assert "numerics" not in served_kernels(BACKENDS["fa3-fp8"], 32, 8, 128)  # MpFA's option only
+    monkeypatch.setenv("MPFA_NUMERICS", "fp4-all-the-way")
+    with pytest.raises(UserError, match="^mpfa: MPFA_NUMERICS='fp4-all-the-way': choose one of paper, had128-k46$"):
+        served_kernels(BACKENDS["mpfa"], 32, 8, 128)
 
 
 def test_other_backends_name_their_sglang_attention_backend():
@@ -70,5 +82,9 @@ def test_one_line_per_record():
         "prefill fp8, decode split-kv"
     overridden = {"prefill": "exact", "decode": "split-kv", "prefill_override": "exact", "source": "simulated"}
     assert describe_kernels(overridden) == "prefill exact (override), decode split-kv (simulated: no kernel ran)"
+    assert describe_kernels({"prefill": "fp8", "decode": "split-kv", "numerics": "paper", "source": "dispatch"}) == \
+        "prefill fp8, decode split-kv"
+    assert describe_kernels({"prefill": "fp8", "decode": "split-kv", "numerics": "had128-k46",
+                             "source": "dispatch"}) == "prefill fp8, decode split-kv, numerics had128-k46"
     assert describe_kernels({"attention_backend": "fa4", "source": "dispatch"}) == "SGLang attention backend fa4"
     assert describe_kernels({}) == "not recorded"
