@@ -1,7 +1,13 @@
 """The decode path on the GPU: prefill through `MpfaAttention.extend`, then one decode token per request through
 the KV-write kernel and the sm90 split-KV decode, against `mpfa.kernels.reference.decode_partials` with the
 kernel's tiling and the frozen prefill means, and against float64 truth; the CUDA-graph buffers captured once and
-replayed. Outputs and workspaces are NaN-poisoned before each launch; NaN never passes."""
+replayed. Outputs and workspaces are NaN-poisoned before each launch; NaN never passes.
+
+Each test runs in every served numerics (`mpfa.kernels.served_numerics`, ``MPFA_NUMERICS``). Under ``had128-k46``
+the plugin rotates Q and K (FP32 GEMM) before the means and the KV write (K's 4/6 block scales), the decode step's
+query on its own call; the reference is `decode_partials` of the served variant (``mpfa-had128-k46``,
+``qk4-pv8-direct-had128-k46``) with the stored (rotated) means, and the graph replays the rotation (its constants
+live on the GPU) as it runs eagerly. The ``had128-k46`` cases have not yet run on a GPU."""
 
 from __future__ import annotations
 
@@ -21,21 +27,24 @@ from mpfa.backends.sglang_plugin.decode_plan import GraphDecodeBuffers, eager_de
 from mpfa.backends.sglang_plugin.kv_store import MpfaKVStore  # noqa: E402
 from mpfa.backends.sglang_plugin.variants import variant_of  # noqa: E402
 from mpfa.kernels import SmoothingMeans, attention_float64, decode_partials, merge_partials  # noqa: E402
+from mpfa.kernels.served_numerics import SERVED_NUMERICS  # noqa: E402
 from mpfa.kernels.sm90.decode_layout import TILE_KEYS  # noqa: E402
 
 D = 128
 LAYER = 1
+SERVED = pytest.mark.parametrize("numerics", SERVED_NUMERICS.values(), ids=list(SERVED_NUMERICS))
 
 
-def _prefilled(paged, lengths, hq, hkv, page_size, backend):
-    """Requests whose tokens except the last are prefilled (one extend step); returns (paged, store, core)."""
+def _prefilled(paged, lengths, hq, hkv, page_size, backend, numerics):
+    """Requests whose tokens except the last are prefilled (one extend step, reference path) in the given served
+    numerics; returns (paged, store, core)."""
     p = paged(lengths, hq, hkv, page_size, "cuda")
     variant = variant_of(backend)
     store = MpfaKVStore.allocate(p.num_slots, page_size, PoolGeometry(hq, hkv, D, 2), variant.smoothing,
                                  "cuda")
     for cache in store.caches:
         cache.fill_(0xFF)
-    core = MpfaAttention(store, variant)
+    core = MpfaAttention(store, variant, numerics=numerics)
     s = p.step([(0, n - 1) for n in lengths], "cuda")
     batch = ExtendBatch.build(p.req_to_token, s["rows"], s["slots"], s["prefix"], s["extend"], page_size)
     core.extend(LAYER, s["q"], s["k"], s["v"], batch, D**-0.5)
@@ -59,9 +68,10 @@ def _rms(a, b):
 CASES = [([130, 1000, 7], 32, 8, 128, "mpfa"), ([300, 45], 10, 2, 16, "mpfa"), ([513, 64], 8, 2, 128, "mpfa-direct")]
 
 
+@SERVED
 @pytest.mark.parametrize("lengths,hq,hkv,page_size,backend", CASES, ids=["32x8-page128", "gqa5-page16", "direct"])
-def test_decode_matches_reference(paged, lengths, hq, hkv, page_size, backend):
-    p, store, core = _prefilled(paged, lengths, hq, hkv, page_size, backend)
+def test_decode_matches_reference(paged, numerics, lengths, hq, hkv, page_size, backend):
+    p, store, core = _prefilled(paged, lengths, hq, hkv, page_size, backend, numerics)
     q, k, v, slots, rows, seq_lens = _decode_inputs(p, lengths)
     batch = eager_decode_batch(p.req_to_token, rows, seq_lens, max(lengths), page_size, hq, hkv, 132)
     _poison(batch)
@@ -76,9 +86,9 @@ def test_decode_matches_reference(paged, lengths, hq, hkv, page_size, backend):
     if variant.smoothing:
         index = torch.tensor([int(p.req_to_token[row, 0]) // page_size for row in p.rows], device="cuda")
         means = SmoothingMeans(store.q_mean[LAYER][index].cpu(), store.k_mean[LAYER][index].cpu())
-    ref = merge_partials(decode_partials(q.cpu(), k_all, v_all, variant=variant.numerics, cu_seqlens_k=cu_k,
-                                         partition_size=batch.workspace.partition_size, block_n=TILE_KEYS,
-                                         means=means))
+    ref = merge_partials(decode_partials(q.cpu(), k_all, v_all, variant=numerics.variant(variant.numerics),
+                                         cu_seqlens_k=cu_k, partition_size=batch.workspace.partition_size,
+                                         block_n=TILE_KEYS, means=means))
     exact = attention_float64(q.cpu(), k_all, v_all, causal=False, cu_seqlens_q=torch.arange(len(lengths) + 1),
                               cu_seqlens_k=cu_k)
     got = out.float().cpu()
@@ -88,9 +98,10 @@ def test_decode_matches_reference(paged, lengths, hq, hkv, page_size, backend):
     assert _rms(got, exact) <= 1.01 * _rms(ref, exact) + 4e-3
 
 
-def test_cuda_graph_replay_equals_eager(paged):
+@SERVED
+def test_cuda_graph_replay_equals_eager(paged, numerics):
     lengths, hq, hkv, page_size = [900, 300, 64], 8, 2, 16
-    p, store, core = _prefilled(paged, lengths, hq, hkv, page_size, "mpfa")
+    p, store, core = _prefilled(paged, lengths, hq, hkv, page_size, "mpfa", numerics)
     q, k, v, slots, rows, seq_lens = _decode_inputs(p, lengths)
     buffers = GraphDecodeBuffers(4, hq, hkv, p.req_to_token.shape[1], page_size, "cuda", 132)
     out = torch.empty((3, hq, D), dtype=torch.bfloat16, device="cuda")

@@ -7,7 +7,8 @@ fixture: post-RoPE Q/K/V, layer 0's K-bias heads among them) it errs less agains
 The SmolLM2 fixture (head_dim 64) cannot go through the plugin, which serves head_dim 128 only; on it the reference
 variant errs more than ``mpfa`` (docs/accuracy.md: a 128-channel rotation is model-dependent). The decode kernel
 needs a GPU: here a stand-in reads the cache the decode step wrote with the reference path's tiles, which checks
-the query the plugin hands to the kernel and the key it wrote (test_gpu_numerics runs the kernels themselves)."""
+the query the plugin hands to the kernel and the key it wrote (test_gpu_prefill and test_gpu_decode run the kernels
+themselves, in each served numerics)."""
 
 from __future__ import annotations
 
