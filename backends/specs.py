@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..kernels.sm90.dispatch import PREFILL_KERNELS
+from . import kv_scales
 
 
 @dataclass(frozen=True)
@@ -63,6 +64,7 @@ class BackendSpec:
     caveat: str | None = None  # one sentence: which of its measured numbers are not the backend's own, if any
     caveat_when: Mapping[str, str] = field(default_factory=dict)  # server environment it applies to ({}: always)
     numerics: str | None = None  # the `mpfa.kernels.reference` variant whose attention numerics it computes
+    kv_scales: bool = False  # serves only a checkpoint carrying calibrated FP8 KV scales (`kv_scales.py`)
 
     def caveat_for(self, environ: Mapping[str, str]) -> str | None:
         """The caveat of a server started with `environ` (its own `env` applied on top), or None."""
@@ -184,7 +186,7 @@ register_backend(BackendSpec(
     modules=_SGLANG + ("sgl_kernel",),
     compute_capabilities=("9.0",),
 ))
-register_backend(BackendSpec(
+_FA3_FP8 = BackendSpec(
     name="fa3-fp8",
     numerics="fp8-qkpv",
     description="FlashAttention-3 with an FP8 (e4m3) KV cache; SGLang casts Q to e4m3 too",
@@ -195,6 +197,20 @@ register_backend(BackendSpec(
     kernel_bench=KernelBench(_FA3, {"kv_fp8": True}),
     modules=_SGLANG + ("sgl_kernel",),
     compute_capabilities=("9.0",),
+)
+register_backend(_FA3_FP8)
+# The same server and kernels with the checkpoint's calibrated scales switched on: one K and one V scale per layer,
+# the finest SGLang applies here (`kv_scales.py`). `mpfa profile` times its kernels as fa3-fp8's (the scales' values
+# change no timing); the simulator models it as fa3-fp8; no reference variant computes per-layer scales.
+register_backend(replace(
+    _FA3_FP8,
+    name="fa3-fp8-calibrated",
+    numerics=None,
+    description="fa3-fp8 with the checkpoint's calibrated K and V scales, one each per layer "
+                "(`mpfa accuracy calibrate-kv`)",
+    sglang_args=_FA3_FP8.sglang_args + kv_scales.SGLANG_ARGS,
+    kernel_bench=None,
+    kv_scales=True,
 ))
 register_backend(BackendSpec(
     name="flashinfer-fp8",

@@ -149,6 +149,41 @@ def accuracy_convert(
     console.print(f"wrote a BF16 checkpoint of {source} to {written}")
 
 
+@accuracy_app.command("calibrate-kv")
+@cli_errors
+def accuracy_calibrate_kv(
+    checkpoint: Annotated[Path, typer.Argument(help="A transformers checkpoint directory (from `mpfa accuracy convert`).")],
+    tokenizer: Annotated[Optional[str], typer.Option(help="'bytes' or a model directory (default: the checkpoint's).")] = None,
+    prompts: Annotated[int, typer.Option(help="Calibration prompts (Python's reference documentation, none repeated).")] = 8,
+    prompt_tokens: Annotated[int, typer.Option("--prompt-tokens", help="Tokens per prompt.")] = 4096,
+    margin: Annotated[float, typer.Option(help="Scale = amax x margin / 448 (at least 1).")] = 1.0,
+    device: Annotated[str, typer.Option(help="cpu or cuda.")] = "cpu",
+) -> None:
+    """Write calibrated FP8 KV-cache scales into a checkpoint, for `-b fa3-fp8-calibrated`.
+
+    One K and one V scale per layer (what SGLang applies), amax / 448 of
+    the keys and values the checkpoint computes on text no task uses (the
+    Python reference documentation); other backends serve the checkpoint as
+    before. Provenance: kv_scales.json.
+    """
+    _require_accuracy_extra("calibrate-kv")
+    from ..accuracy.kv_calibration import calibrate_checkpoint, python_docs
+    from ..accuracy.tasks.tokens import load_tokenizer
+    from ...backends.kv_scales import PROVENANCE_FILE
+
+    if device not in ("cpu", "cuda"):
+        raise UserError(f"--device: '{device}' is not cpu or cuda")
+    if not (checkpoint / "config.json").is_file():
+        raise UserError(f"{checkpoint}: not a checkpoint directory (no config.json)")
+    try:
+        tok = load_tokenizer(tokenizer or str(checkpoint))
+        written = calibrate_checkpoint(checkpoint, tok, python_docs(), prompts, prompt_tokens, margin, device)
+    except (ValueError, OSError) as exc:  # KVScalesError is a ValueError
+        raise UserError(str(exc)) from None
+    console.print(f"calibrated the K and V scales of {len(written['k_scale'])} layers on {written['tokens']:,} tokens "
+                  f"of {written['text']}: {checkpoint / PROVENANCE_FILE}", highlight=False, markup=False)
+
+
 def chosen_cells(ctx: typer.Context, tok, cells: str | None, tasks: str, lengths: str, limit: int, offset: int,
                  seed: int, max_new_tokens: int | None) -> list:
     """The cells asked: `--cells` (each its own question count), or every task at every length with `--limit`; each
@@ -210,7 +245,7 @@ def accuracy_serve(
         raise UserError("--max-new-tokens and --concurrency must be >= 1")
     prefill_kernel = check_prefill_kernel(prefill_kernel)
     chosen_engine, names, url_of = served_backends(backend, ref, url, engine)
-    specs = resolve_backends(",".join(sorted(names, key=lambda n: n != ref)), chosen_engine)
+    specs = resolve_backends(",".join(sorted(names, key=lambda n: n != ref)), chosen_engine, model)
     try:
         tok = load_tokenizer(tokenizer or (ByteTokenizer.name if is_bundled_model(model) else model))
         asked = chosen_cells(ctx, tok, cells, tasks, lengths, limit, offset, seed, max_new_tokens)

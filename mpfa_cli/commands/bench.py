@@ -105,7 +105,8 @@ def bench(
     backend = backend_label or backend
     search = _goodput_search(spec, slo, goodput_share, goodput_probes, output_format) if goodput_search else None
     chosen_engine = resolve_engine(engine, url)
-    specs = resolve_backends(backend or (SIM_BACKENDS if chosen_engine == "sim" else SERVER_BACKENDS), chosen_engine)
+    specs = resolve_backends(backend or (SIM_BACKENDS if chosen_engine == "sim" else SERVER_BACKENDS), chosen_engine,
+                             spec.model)
     if chosen_engine != "sglang" and (tp, dp) != (1, 1):
         raise UserError("--tp/--dp apply to the sglang engine only")
     knobs = _sim_knobs(sim_slowdown, sim_noise, spec.seed)

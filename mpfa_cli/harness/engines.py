@@ -7,6 +7,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from ...backends.kv_scales import KVScalesError, read_kv_scales
 from ...backends.specs import BACKENDS, BackendSpec, UnknownBackend, backend_spec
 from ..errors import UserError
 from .scenario import is_bundled_model, model_dir
@@ -60,20 +61,37 @@ def serving_backend(name: str) -> BackendSpec:
         raise UserError(str(exc)) from None
 
 
-def resolve_backends(names: str, engine: str) -> list[BackendSpec]:
-    """Validate a comma-separated backend list; on the SGLang engine, check each one can run here."""
-    specs = []
-    for name in [n.strip() for n in names.split(",") if n.strip()]:
-        spec = serving_backend(name)
-        if engine == "sglang" and (missing := spec.missing()):
-            what = "the MpFA SGLang plugin is not built yet" if spec.plugin in missing else "missing packages"
-            raise UserError(
-                f"backend '{name}' cannot run on SGLang here: {what} ({', '.join(missing)}); "
-                "install with `pip install -e .[serve,kernels]`"
-            )
-        specs.append(spec)
+def check_checkpoint(spec: BackendSpec, model: str) -> None:
+    """A UserError where the backend serves only checkpoints with calibrated KV scales and `model` has none."""
+    if not spec.kv_scales:
+        return
+    try:
+        if is_bundled_model(model):
+            raise KVScalesError(f"'{model}' is a bundled config (dummy weights)")
+        read_kv_scales(model_dir(model))
+    except KVScalesError as exc:
+        raise UserError(f"backend '{spec.name}' serves only a checkpoint with calibrated FP8 KV scales, and {exc}; "
+                        "write them with `mpfa accuracy calibrate-kv DIR`") from None
+
+
+def resolve_backends(names: str, engine: str, model: str | None = None) -> list[BackendSpec]:
+    """Validate a comma-separated backend list; on the SGLang engine, check that the `model` its servers will load
+    (if given) suits each one (`check_checkpoint`), then that each one can run here."""
+    specs = [serving_backend(name) for name in [n.strip() for n in names.split(",") if n.strip()]]
     if not specs:
         raise UserError(f"no backend given; valid: {', '.join(BACKENDS)}")
+    if engine != "sglang":
+        return specs
+    if model is not None:
+        for spec in specs:
+            check_checkpoint(spec, model)
+    for spec in specs:
+        if missing := spec.missing():
+            what = "the MpFA SGLang plugin is not built yet" if spec.plugin in missing else "missing packages"
+            raise UserError(
+                f"backend '{spec.name}' cannot run on SGLang here: {what} ({', '.join(missing)}); "
+                "install with `pip install -e .[serve,kernels]`"
+            )
     return specs
 
 
@@ -120,7 +138,9 @@ def sglang_launch(
     spec: BackendSpec, port: int, model: str, context_len: int, tp: int, dp: int, extra_args: list[str],
     radix_cache: bool = False,
 ) -> ServerLaunch:
-    """SGLang with the backend's flags, dummy weights for a bundled config, the radix cache off unless asked."""
+    """SGLang with the backend's flags, dummy weights for a bundled config, the radix cache off unless asked; a
+    UserError for a model the backend cannot serve (`check_checkpoint`)."""
+    check_checkpoint(spec, model)
     path = model_dir(model)
     dummy = ["--load-format", "dummy"] if is_bundled_model(model) else []
     command = [
