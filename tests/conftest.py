@@ -10,6 +10,11 @@ is imported through its installed `mpfa` namespace, never from the root).
 Under pytest-xdist (``-n N``) each worker's torch takes an equal share of the CPU cores: the GPU tests' float64
 oracles otherwise run N x cores threads, which on the H200 host (16 cores, 8 workers) made tests take longer than
 a 120 s per-test timeout.
+
+The CLI makes its Rich consoles at import, and Rich fixes a console's width from $COLUMNS when it is made. An xdist
+worker starts with COLUMNS=80 and LINES=24 in its environment (readline, imported by the controlling pytest process,
+exports them), which would fix the in-process CLI at 80 columns whatever width a test's CliRunner sets; they are
+dropped here, before any test module imports the CLI, so each test's own $COLUMNS is what its output is made for.
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ import torch
 
 _ROOT = Path(__file__).resolve().parent.parent
 sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _ROOT]
+
+for _name in ("COLUMNS", "LINES"):
+    os.environ.pop(_name, None)
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
