@@ -56,7 +56,9 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     """`asyncio.run` on `new_event_loop()`; use it to drive `run_load`. Ctrl-C (SIGINT) cancels `main`, which
     cancels its requests and waits for them, then raises KeyboardInterrupt here; another Ctrl-C meanwhile is
     ignored (asyncio's own handler would raise it inside an event-loop callback: a connection's, say, which the
-    loop would report as a broken connection)."""
+    loop would report as a broken connection). From the first Ctrl-C on, SIGINT stays blocked in this thread: the
+    caller is stopping, and one let through once the loop's handler is gone would raise inside the loop's shutdown
+    ("Cannot close a running event loop") or inside the caller's cleanup before it could hold signals back."""
     with asyncio.Runner(loop_factory=new_event_loop) as runner:
         interrupted, result = runner.run(_until_ctrl_c(main))
     if interrupted:
@@ -73,6 +75,7 @@ async def _until_ctrl_c(main: Coroutine[Any, Any, T]) -> tuple[bool, T | None]:
         nonlocal interrupted
         if not interrupted:
             interrupted = True
+            signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
             task.cancel()
 
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
