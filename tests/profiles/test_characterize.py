@@ -9,7 +9,9 @@ import sys
 
 import pytest
 import torch
+from typer.testing import CliRunner
 
+from mpfa.mpfa_cli.app import app
 from mpfa.mpfa_cli.errors import ProfileError
 from mpfa.profiles import characterize as ch
 from mpfa.profiles.attention_workload import AttentionWorkload
@@ -148,6 +150,5 @@ def test_cli_without_gpu_is_a_one_line_error(tmp_path):
     lines = [line for line in result.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "no CUDA device" in lines[0] and "Traceback" not in result.stderr
     assert not (tmp_path / "results.db").exists()
-    bad = subprocess.run([sys.executable, "-m", "mpfa.mpfa_cli", "profile", "characterize", "--seq", "lots"],
-                         capture_output=True, text=True, env=env, timeout=120)
-    assert bad.returncode == 2 and "lots" in bad.stderr
+    bad = CliRunner().invoke(app, ["profile", "characterize", "--seq", "lots"], env=env)  # refused before any work
+    assert bad.exit_code == 2 and "lots" in bad.stderr

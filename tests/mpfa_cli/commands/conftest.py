@@ -1,13 +1,18 @@
-"""Run `mpfa` as a real subprocess against the simulator, each test with its own database."""
+"""Run `mpfa` as a real subprocess against the simulator, each test with its own database; or in this process, for
+a command that starts no server and takes no signal, where a subprocess would only add an interpreter's start."""
 from __future__ import annotations
 
 import json
 import os
 import subprocess
 import sys
+import traceback
 from pathlib import Path
 
 import pytest
+from typer.testing import CliRunner
+
+from mpfa.mpfa_cli.app import app
 
 FAST_SIM = ["--time-scale", "0.02"]
 
@@ -20,18 +25,31 @@ class Mpfa:
     def command(self, *args: str) -> list[str]:
         return [sys.executable, "-m", "mpfa.mpfa_cli", *args]
 
+    def settings(self, columns: int = 200) -> dict[str, str]:
+        """What `mpfa` reads from its environment here: this test's database and the terminal's width."""
+        return {"MPFA_DB": str(self.db), "COLUMNS": str(columns)}
+
     def env(self) -> dict[str, str]:
         # PYTHONSAFEPATH: `python -m` must not put the checkout on sys.path, where its top-level `kernels` folder would
         # shadow the `kernels` package transformers imports (the installed `mpfa` command never does)
-        return {**os.environ, "MPFA_DB": str(self.db), "COLUMNS": "200", "PYTHONSAFEPATH": "1"}
+        return {**os.environ, **self.settings(), "PYTHONSAFEPATH": "1"}
 
     def __call__(self, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
         return subprocess.run(self.command(*args), capture_output=True, text=True, timeout=timeout, env=self.env())
 
+    def invoke(self, *args: str, columns: int = 200) -> subprocess.CompletedProcess:
+        """`mpfa ARGS` run in this process (in a terminal `columns` wide), answered as the subprocess would be: an
+        exception that escapes the command is its traceback on stderr and exit status 1, as Python does."""
+        result = CliRunner().invoke(app, list(args), env=self.settings(columns), prog_name="mpfa")
+        stderr = result.stderr
+        if result.exception is not None and not isinstance(result.exception, SystemExit):
+            stderr += "".join(traceback.format_exception(result.exception))
+        return subprocess.CompletedProcess(self.command(*args), result.exit_code, result.stdout, stderr)
+
     def run_at(self, columns: int, *args: str) -> subprocess.CompletedProcess:
         """`mpfa ARGS` in a terminal `columns` wide."""
         return subprocess.run(self.command(*args), capture_output=True, text=True, timeout=120,
-                              env={**self.env(), "COLUMNS": str(columns)})
+                              env={**self.env(), **self.settings(columns)})
 
     def popen(self, *args: str) -> subprocess.Popen:
         return subprocess.Popen(self.command(*args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,

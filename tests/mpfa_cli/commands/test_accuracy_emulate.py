@@ -47,7 +47,7 @@ def test_emulate_asks_the_shortest_cells_first_and_ctrl_c_keeps_the_cells_done(m
     assert proc.returncode == 130, stderr
     assert stderr.strip().splitlines() == ["error: interrupted"]
     assert done[-2:] == ["bf16 niah-single@300", "mpfa-qk8tile-psum niah-single@300"]  # the short cell first
-    (stored,) = json.loads(mpfa("accuracy", "served", "1", "--format", "json").stdout)
+    (stored,) = json.loads(mpfa.invoke("accuracy", "served", "1", "--format", "json").stdout)
     assert stored["interrupted"] and stored["params"]["status"] == "interrupted"
     assert stored["params"]["limit"] == {"niah-multikey@2000": 400, "niah-single@300": 2}
     assert {v: sorted(cells) for v, cells in stored["scores"].items()} == {
@@ -56,6 +56,6 @@ def test_emulate_asks_the_shortest_cells_first_and_ctrl_c_keeps_the_cells_done(m
     where = stored["provenance"]["mpfa-qk8tile-psum"]
     assert where["gpu"] == "cpu" and where["kernels"] == {"emulated": "mpfa-qk8tile-psum"} and where["date"]
     export = mpfa.tmp / "emulated.json"
-    assert mpfa("accuracy", "served", "1", "--format", "json", "-o", str(export)).returncode == 0
-    imported = mpfa("accuracy", "import", str(export), "--db", str(mpfa.tmp / "elsewhere.db"))
+    assert mpfa.invoke("accuracy", "served", "1", "--format", "json", "-o", str(export)).returncode == 0
+    imported = mpfa.invoke("accuracy", "import", str(export), "--db", str(mpfa.tmp / "elsewhere.db"))
     assert imported.returncode == 0, imported.stderr

@@ -86,31 +86,32 @@ def test_serve_scores_every_backend_through_the_simulator_and_stores_it(mpfa, ta
         assert where["kernels"]["source"] == "simulated"
     assert f"scored on simulated at mpfa {doc['provenance']['mpfa']['mpfa_revision']}" in run.stdout
 
+    # `served`, `plot --accuracy` and `import` as processes; the other listings, which start nothing, in this one
     listed = mpfa("accuracy", "served")
     assert listed.returncode == 0 and "SIMULATED" in listed.stdout
-    exported = mpfa("accuracy", "served", str(stored.id), "--format", "csv")
+    exported = mpfa.invoke("accuracy", "served", str(stored.id), "--format", "csv")
     rows = list(csv.DictReader(io.StringIO(exported.stdout)))
     assert len(rows) == len(BACKENDS) * sum(len(c.items) for c in cells)
     assert {r["simulated"] for r in rows} == {"True"}
-    summary = json.loads(mpfa("accuracy", "served", str(stored.id), "--format", "json").stdout)[0]["summary"]
-    assert json.loads(mpfa("accuracy", "served", str(stored.id), "--format", "json").stdout)[0]["provenance"] == \
-        doc["provenance"]
+    (served,) = json.loads(mpfa.invoke("accuracy", "served", str(stored.id), "--format", "json").stdout)
+    summary = served["summary"]
+    assert served["provenance"] == doc["provenance"]
     other = [r for r in summary if r["backend"] == "mpfa"]
     assert len(other) == len(cells) and all(r["difference"]["n"] == 6 for r in other)
-    plot = mpfa("accuracy", "served", str(stored.id), "--plot", str(mpfa.tmp / "served.png"))
+    plot = mpfa.invoke("accuracy", "served", str(stored.id), "--plot", str(mpfa.tmp / "served.png"))
     assert plot.returncode == 0 and (mpfa.tmp / "served.png").stat().st_size > 0
     # beside speed results: compare and plot --accuracy take it (the newest accuracy result by default)
-    compared = mpfa("compare", "--accuracy")
+    compared = mpfa.invoke("compare", "--accuracy")
     assert compared.returncode == 0 and "SIMULATED" in compared.stdout and "niah-multikey" in compared.stdout
     figure = mpfa("plot", "--accuracy", str(stored.id), "--format", "both", "-o", str(mpfa.tmp / "acc.png"))
     assert figure.returncode == 0 and all((mpfa.tmp / f"acc.{kind}").stat().st_size > 0 for kind in ("png", "svg"))
     # exported and imported elsewhere: the same result, simulated, with its summary recomputed from the scores
     export = mpfa.tmp / "served.json"
-    assert mpfa("accuracy", "served", str(stored.id), "--format", "json", "-o", str(export)).returncode == 0
+    assert mpfa.invoke("accuracy", "served", str(stored.id), "--format", "json", "-o", str(export)).returncode == 0
     elsewhere = mpfa.tmp / "elsewhere.db"
     imported = mpfa("accuracy", "import", str(export), "--db", str(elsewhere))
     assert imported.returncode == 0 and "(simulated)" in imported.stdout, imported.stderr
-    again = json.loads(mpfa("accuracy", "served", "1", "--format", "json", "--db", str(elsewhere)).stdout)[0]
+    again = json.loads(mpfa.invoke("accuracy", "served", "1", "--format", "json", "--db", str(elsewhere)).stdout)[0]
     first = json.loads(export.read_text())[0]
     assert {k: v for k, v in again.items() if k not in ("id", "params")} == \
         {k: v for k, v in first.items() if k not in ("id", "params")}
@@ -192,13 +193,14 @@ def test_ctrl_c_stores_the_cells_scored_so_far_and_stops_the_server(mpfa, task_c
     assert len(stored.result["scores"]["fa3-bf16"]["niah-single@600"]) == 3
     assert not [p for p in psutil.process_iter(["cmdline"]) if str(mpfa.tmp) in " ".join(p.info["cmdline"] or [])]
     export = mpfa.tmp / "interrupted.json"  # mpfa was never scored: the export still imports
-    assert mpfa("accuracy", "served", "1", "--format", "json", "-o", str(export)).returncode == 0
-    imported = mpfa("accuracy", "import", str(export), "--db", str(mpfa.tmp / "elsewhere.db"))
+    assert mpfa.invoke("accuracy", "served", "1", "--format", "json", "-o", str(export)).returncode == 0
+    imported = mpfa.invoke("accuracy", "import", str(export), "--db", str(mpfa.tmp / "elsewhere.db"))
     assert imported.returncode == 0, imported.stderr
 
 
 def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):
-    for args, message in [
+    """The first refusal through a real `mpfa` process, the others in this one (they start nothing)."""
+    for index, (args, message) in enumerate([
         (("--tasks", "bogus"), "unknown task bogus"),
         (("--tasks", "niah-single", "--lengths", "100"), "at least 256 tokens"),
         (("--tokenizer", "/nonexistent"), "neither 'bytes' nor a model directory"),
@@ -207,22 +209,22 @@ def test_serve_refuses_bad_input_in_one_line(mpfa, task_cache):
         (("--cells", "squad@600=20"), "take a length of at least 256 tokens"),
         (("--cells", "niah-single@600"), "bad cell 'niah-single@600'"),
         (("--cells", "niah-single@600=2,niah-single@600=3"), "cells must not repeat"),
-    ]:
-        run = mpfa("accuracy", "serve", "--engine", "sim", *args)
+    ]):
+        run = (mpfa if index == 0 else mpfa.invoke)("accuracy", "serve", "--engine", "sim", *args)
         assert run.returncode == 2, (args, run.stderr)
         assert message in run.stderr and "Traceback" not in run.stderr
         assert len(run.stderr.strip().splitlines()) == 1, run.stderr
-    run = mpfa("accuracy", "served", "1")
+    run = mpfa.invoke("accuracy", "served", "1")
     assert run.returncode == 2 and "no profile with id 1" in run.stderr
 
 
 def test_the_committed_served_export_imports_with_its_gpu_and_summary(mpfa):
     """The H100 needle results (docs/accuracy.md) stored from their export alone: GPU named, every backend's
     per-cell difference to fa3-bf16 recomputed from the scores equal to the export's."""
-    run = mpfa("accuracy", "import", str(SERVED_EXPORT))
+    run = mpfa.invoke("accuracy", "import", str(SERVED_EXPORT))
     assert run.returncode == 0 and "(NVIDIA H100 80GB HBM3)" in run.stdout, run.stderr
     (exported,) = json.loads(SERVED_EXPORT.read_text())
-    (stored,) = json.loads(mpfa("accuracy", "served", "1", "--format", "json").stdout)
+    (stored,) = json.loads(mpfa.invoke("accuracy", "served", "1", "--format", "json").stdout)
     assert stored["summary"] == exported["summary"]
     assert stored["backends"] == ["fa3-bf16", "mpfa+fp8", "mpfa+exact", "fa3-fp8", "mpfa-direct", "fa4-bf16",
                                   "flashinfer-fp8"]
@@ -230,7 +232,7 @@ def test_the_committed_served_export_imports_with_its_gpu_and_summary(mpfa):
     four = next(r for r in stored["pooled"] if (r["task"], r["backend"]) == ("niah-multikey", "mpfa+fp8"))
     assert (four["n"], round(100 * four["difference"]["mean"], 1), round(100 * four["difference"]["low"], 1),
             round(100 * four["difference"]["high"], 1)) == (160, -3.8, -7.5, -0.6)  # docs/accuracy.md's table
-    table = mpfa("accuracy", "served", "1")
+    table = mpfa.invoke("accuracy", "served", "1")
     assert table.returncode == 0 and "§" in table.stdout  # the reference predates recorded provenance
     assert sum(" all " in line for line in table.stdout.splitlines()) >= 2  # a pooled row per needle task
 
@@ -243,8 +245,8 @@ def _rounded(row: dict) -> tuple:
 def test_the_committed_interval_run_recomputes_to_docs_accuracy_numbers(mpfa):
     """The H100 run with as many questions per cell as ±3 points needed at n = 40 (two shards joined): recomputed
     from its scores, the differences docs/accuracy.md quotes."""
-    assert mpfa("accuracy", "import", str(INTERVALS_EXPORT)).returncode == 0
-    (stored,) = json.loads(mpfa("accuracy", "served", "1", "--format", "json").stdout)
+    assert mpfa.invoke("accuracy", "import", str(INTERVALS_EXPORT)).returncode == 0
+    (stored,) = json.loads(mpfa.invoke("accuracy", "served", "1", "--format", "json").stdout)
     (exported,) = json.loads(INTERVALS_EXPORT.read_text())
     assert stored["summary"] == exported["summary"] and stored["pooled"] == exported["pooled"]
     mpfa_rows = {(r["task"], r["length"]): _rounded(r) for r in stored["summary"] if r["backend"] == "mpfa"}
@@ -260,11 +262,11 @@ def test_the_committed_interval_run_recomputes_to_docs_accuracy_numbers(mpfa):
 def test_the_emulation_answers_the_served_questions_as_the_servers_did(mpfa):
     """The reference emulation on the H100 (`mpfa accuracy emulate`, the 4K and 8K cells it finished) joined with the
     served run: the same questions, and per question the same score as the served backend of the same numerics."""
-    assert mpfa("accuracy", "import", str(SERVED_EXPORT)).returncode == 0
-    assert mpfa("accuracy", "import", str(EMULATED_EXPORT)).returncode == 0
-    merged = mpfa("accuracy", "served", "1,2", "--merge")
+    assert mpfa.invoke("accuracy", "import", str(SERVED_EXPORT)).returncode == 0
+    assert mpfa.invoke("accuracy", "import", str(EMULATED_EXPORT)).returncode == 0
+    merged = mpfa.invoke("accuracy", "served", "1,2", "--merge")
     assert merged.returncode == 0, merged.stderr
-    (result,) = json.loads(mpfa("accuracy", "served", "3", "--format", "json").stdout)
+    (result,) = json.loads(mpfa.invoke("accuracy", "served", "3", "--format", "json").stdout)
     emulated = result["scores"]["mpfa-qk8tile-psum"]
     assert sorted(emulated) == ["niah-multikey@4096", "niah-multikey@8192", "niah-single@4096", "niah-single@8192"]
     same_answers = 0
@@ -280,16 +282,16 @@ def test_import_refuses_a_result_without_gpu_unless_named_and_a_non_export_in_on
     (exported,) = json.loads(SERVED_EXPORT.read_text())
     older = mpfa.tmp / "older.json"  # as exports were written before they named the GPU
     older.write_text(json.dumps([{k: v for k, v in exported.items() if k not in ("gpu", "params")}]))
-    refused = mpfa("accuracy", "import", str(older))
+    refused = mpfa.invoke("accuracy", "import", str(older))
     assert refused.returncode == 2 and "do not name their GPU: pass --gpu" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1 and "Traceback" not in refused.stderr
-    named = mpfa("accuracy", "import", str(older), "--gpu", "NVIDIA H100 80GB HBM3")
+    named = mpfa.invoke("accuracy", "import", str(older), "--gpu", "NVIDIA H100 80GB HBM3")
     assert named.returncode == 0 and "(NVIDIA H100 80GB HBM3)" in named.stdout
     for content, reason in (("{}", "not a list of results"), ("[{\"model\": 1}]", "result 1:"),
                             ("not json", "is not a served-accuracy export")):
         bad = mpfa.tmp / "bad.json"
         bad.write_text(content)
-        run = mpfa("accuracy", "import", str(bad), "--gpu", "x")
+        run = mpfa.invoke("accuracy", "import", str(bad), "--gpu", "x")
         assert run.returncode == 2 and reason in run.stderr and "Traceback" not in run.stderr, run.stderr
         assert len(run.stderr.strip().splitlines()) == 1
     with ResultStore(mpfa.db) as store:

@@ -51,7 +51,7 @@ def test_shared_prefix_hits_exactly_what_it_declares_on_every_repeat(mpfa, tmp_p
         assert summary["cached_tokens"] == 4 * (300 // page * page)
         assert summary["hit_rate"] == 100 * summary["cached_tokens"] / (6 * 320)
     assert {row["metric"] for row in json.loads(result.stdout)} >= {"hit_rate"}
-    shown = mpfa("compare", "--scenario", "sharing")
+    shown = mpfa.invoke("compare", "--scenario", "sharing")
     assert shown.returncode == 0, shown.stderr
     assert "prefix hits (%)" in shown.stdout and "workload declares" not in shown.stdout
 

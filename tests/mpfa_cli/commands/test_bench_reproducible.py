@@ -20,7 +20,7 @@ def _measured(mpfa, db: Path, *args: str) -> tuple[list[dict], str, float]:
     took = time.perf_counter() - start
     assert result.returncode == 0, result.stderr
     export = db.with_suffix(".json")
-    assert mpfa("export", "--requests", "--db", str(db), "-o", str(export)).returncode == 0
+    assert mpfa.invoke("export", "--requests", "--db", str(db), "-o", str(export)).returncode == 0
     runs = [{k: v for k, v in run.items() if k not in VOLATILE} for run in json.loads(export.read_text())["runs"]]
     return runs, result.stdout, took
 

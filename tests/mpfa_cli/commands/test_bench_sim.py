@@ -115,7 +115,7 @@ def test_warmup_requests_and_slo_flags_reach_the_runs(mpfa, scenario_file) -> No
 
 @pytest.mark.parametrize("slo", ["ttft=fast", "ttfb=100", "tpot=0"])
 def test_a_bad_slo_is_one_line(mpfa, slo) -> None:
-    result = mpfa("bench", "--slo", slo)
+    result = mpfa.invoke("bench", "--slo", slo)
     assert result.returncode == 2 and result.stderr.startswith("error: --slo: ") and "Traceback" not in result.stderr
 
 
@@ -128,14 +128,14 @@ def test_unknown_backend_and_scenario_exit_2(mpfa) -> None:
 
 
 def test_a_kernel_bench_variant_is_refused_with_how_to_serve_its_kernels(mpfa) -> None:
-    result = mpfa("bench", "--backend", "mpfa-exact")
+    result = mpfa.invoke("bench", "--backend", "mpfa-exact")
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "'mpfa-exact' is a kernel-bench variant" in result.stderr
     assert "serve its kernels with `mpfa bench --backend mpfa --prefill-kernel exact`" in " ".join(result.stderr.split())
 
 
 def test_unknown_api_is_one_line(mpfa) -> None:
-    result = mpfa("bench", "--api", "nope")
+    result = mpfa.invoke("bench", "--api", "nope")
     assert result.returncode == 2 and "--api: 'nope' is not one of sglang, openai" in result.stderr
     assert "Traceback" not in result.stderr
 
@@ -143,14 +143,14 @@ def test_unknown_api_is_one_line(mpfa) -> None:
 def test_malformed_scenario_one_line_error(mpfa, tmp_path) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("input_len = [1,\n")
-    result = mpfa("bench", "--scenario", str(bad))
+    result = mpfa.invoke("bench", "--scenario", str(bad))
     assert result.returncode == 2 and f"{bad}:" in result.stderr and "Traceback" not in result.stderr
 
 
 def test_zero_requests_rejected(mpfa) -> None:
-    result = mpfa("bench", "--num-requests", "0")
+    result = mpfa.invoke("bench", "--num-requests", "0")
     assert result.returncode == 2 and "num_requests must be" in result.stderr
-    result = mpfa("bench", "--output-len", "0")
+    result = mpfa.invoke("bench", "--output-len", "0")
     assert result.returncode == 2 and "output_len must be" in result.stderr
 
 
@@ -176,7 +176,7 @@ def test_server_never_ready_times_out_without_orphans(mpfa, scenario_file) -> No
 
 @pytest.mark.parametrize("flag", ["--connect-timeout", "--first-token-timeout", "--chunk-timeout", "--request-timeout"])
 def test_a_timeout_that_is_not_positive_is_one_line(mpfa, flag) -> None:
-    result = mpfa("bench", flag, "0")
+    result = mpfa.invoke("bench", flag, "0")
     assert result.returncode == 2 and f"{flag}: expected a positive number of seconds" in result.stderr
     assert "Traceback" not in result.stderr
 

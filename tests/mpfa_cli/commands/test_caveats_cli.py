@@ -1,4 +1,5 @@
-"""Caveated runs through the real CLI: `mpfa runs` marks them, `mpfa gate` refuses them unless --allow-caveats."""
+"""Caveated runs through the CLI (in this process: these commands start nothing): `mpfa runs` marks them, `mpfa gate`
+refuses them unless --allow-caveats."""
 from __future__ import annotations
 
 import json
@@ -27,20 +28,20 @@ def _store_runs(db, started_at: float = 1_764_000_000.0) -> None:
 
 def test_runs_marks_and_gate_refuses_caveated_runs_unless_allowed(mpfa, tmp_path) -> None:
     _store_runs(mpfa.db)
-    listed = mpfa("runs")
+    listed = mpfa.invoke("runs")
     assert listed.returncode == 0, listed.stderr
     assert listed.stdout.count("mpfa †") == 2 and "fa4-bf16 †" not in listed.stdout
     assert " ".join(listed.stdout.split()).count(CAVEAT) == 1
 
     baseline = tmp_path / "baseline.json"
-    refused = mpfa("gate", "--baseline", str(baseline), "--write-baseline")
+    refused = mpfa.invoke("gate", "--baseline", str(baseline), "--write-baseline")
     assert refused.returncode == 2 and "Traceback" not in refused.stderr
     assert "carry a caveat" in refused.stderr and "--allow-caveats" in refused.stderr and not baseline.exists()
 
-    written = mpfa("gate", "--baseline", str(baseline), "--write-baseline", "--allow-caveats")
+    written = mpfa.invoke("gate", "--baseline", str(baseline), "--write-baseline", "--allow-caveats")
     assert written.returncode == 0, written.stderr
     assert {e["caveat"] for e in json.loads(baseline.read_text())["entries"]} == {None, CAVEAT}
     _store_runs(mpfa.db, started_at=1_764_000_100.0)  # measured anew
-    judged = mpfa("gate", "--baseline", str(baseline), "--allow-caveats", "--verbose")
+    judged = mpfa.invoke("gate", "--baseline", str(baseline), "--allow-caveats", "--verbose")
     assert judged.returncode == 0, judged.stderr
     assert "Gate passed" in judged.stdout and "mpfa †" in judged.stdout

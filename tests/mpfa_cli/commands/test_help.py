@@ -11,8 +11,10 @@ from typer.testing import CliRunner
 
 from mpfa.mpfa_cli.app import app
 
+MPFA = typer.main.get_command(app)  # the Click command tree, built once: each build takes tens of milliseconds
 
-def command_paths(command=typer.main.get_command(app), path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+
+def command_paths(command=MPFA, path: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
     """The path of every command: the groups (`mpfa`, `mpfa accuracy`) and the leaves (`accuracy task` included)."""
     yield path
     for name, sub in getattr(command, "commands", {}).items():
@@ -25,7 +27,7 @@ def commands() -> list[tuple[str, ...]]:
 
 
 def command_at(path: tuple[str, ...]):
-    command = typer.main.get_command(app)
+    command = MPFA
     for name in path:
         command = command.commands[name]
     return command

@@ -1,5 +1,6 @@
 """At 80 and 100 columns, `bench --help`, `gate --help`, `runs` and `compare` cut nothing short: no '…', every option
-name and default whole, no word of a run listing split over lines; `runs` lists the newest 20 unless --all."""
+name and default whole, no word of a run listing split over lines; `runs` lists the newest 20 unless --all. The
+panels of `bench --help` and the version are read from a real `mpfa` process, the rest in this one."""
 from __future__ import annotations
 
 import re
@@ -15,10 +16,11 @@ from mpfa.mpfa_cli.results.store import ResultStore, StoredRun
 
 WIDTHS = (80, 100)
 BACKENDS = ("fa4-bf16", "flashinfer-fp8", "mpfa")
+MPFA = typer.main.get_command(app)
 
 
 def _options(*path: str) -> list[TyperOption]:
-    command = typer.main.get_command(app)
+    command = MPFA
     for name in path:
         command = command.commands[name]
     return [p for p in command.params if isinstance(p, TyperOption)]
@@ -32,7 +34,7 @@ def _plain(text: str) -> str:
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("command", ["bench", "gate"])
 def test_help_cuts_no_option_name_or_default(mpfa, command: str, width: int) -> None:
-    result = mpfa.run_at(width, command, "--help")
+    result = mpfa.invoke(command, "--help", columns=width)
     assert result.returncode == 0, result.stderr
     assert "…" not in result.stdout, result.stdout
     assert max(map(len, result.stdout.splitlines())) <= width
@@ -83,7 +85,7 @@ def stored(mpfa) -> list[int]:
 @pytest.mark.parametrize("width", WIDTHS)
 @pytest.mark.parametrize("command", ["runs", "compare"])
 def test_runs_and_compare_cut_and_split_nothing(mpfa, stored, command: str, width: int) -> None:
-    result = mpfa.run_at(width, command)
+    result = mpfa.invoke(command, columns=width)
     assert result.returncode == 0, result.stderr
     assert "…" not in result.stdout, result.stdout
     assert max(map(len, result.stdout.splitlines())) <= width
@@ -92,11 +94,11 @@ def test_runs_and_compare_cut_and_split_nothing(mpfa, stored, command: str, widt
 
 
 def test_runs_lists_the_newest_20_unless_all_and_counts_repeats_from_1(mpfa, stored) -> None:
-    listed = mpfa.run_at(100, "runs").stdout
+    listed = mpfa.invoke("runs", columns=100).stdout
     ids = [int(line.split()[0]) for line in listed.splitlines() if re.match(r"\s*\d+\s+\d\d-\d\d ", line)]
     assert ids == sorted(stored, reverse=True)[:20]
     assert "9 older run(s) not listed: --all lists every run" in listed
-    every = mpfa.run_at(100, "runs", "--all").stdout
+    every = mpfa.invoke("runs", "--all", columns=100).stdout
     assert len([line for line in every.splitlines() if re.match(r"\s*\d+\s+\d\d-\d\d ", line)]) == 29
     reps = {line.split()[8] for line in listed.splitlines() if re.match(r"\s*\d+\s+\d\d-\d\d ", line)}
     assert reps == {"1", "2", "3"}

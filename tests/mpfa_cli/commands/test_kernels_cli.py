@@ -88,7 +88,7 @@ def test_a_prefill_kernel_the_model_does_not_take_fails_before_any_server(mpfa, 
     assert result.returncode == 2 and "Traceback" not in result.stderr
     assert "mpfa: the fp8 prefill kernel needs a GQA group of 1 to 8" in result.stderr
     assert "starting server" not in result.stdout and not _stored(mpfa.db)
-    result = mpfa("bench", "--prefill-kernel", "fastest")
+    result = mpfa.invoke("bench", "--prefill-kernel", "fastest")
     assert result.returncode == 2 and "--prefill-kernel: " in result.stderr
 
 
@@ -96,11 +96,11 @@ def test_backends_lists_the_kernels_each_runs(mpfa) -> None:
     result = mpfa("backends")
     assert result.returncode == 0, result.stderr
     assert "prefill fp8, decode split-kv" in result.stdout and "SGLang attention backend flashinfer" in result.stdout
-    result = mpfa("backends", "--model", "llama-3.1-70b")
+    result = mpfa.invoke("backends", "--model", "llama-3.1-70b")  # the options in this process
     assert "prefill fp8, decode split-kv" in result.stdout and "64:8 heads" in result.stdout
-    result = mpfa("backends", "--prefill-kernel", "exact")
+    result = mpfa.invoke("backends", "--prefill-kernel", "exact")
     assert "prefill exact (override), decode split-kv" in result.stdout
-    result = mpfa("backends", "--model", "llama-3.1-70b", "--prefill-kernel", "exact")  # GQA 8 by name
+    result = mpfa.invoke("backends", "--model", "llama-3.1-70b", "--prefill-kernel", "exact")  # GQA 8 by name
     assert result.returncode == 0 and "prefill exact (override), decode split-kv" in result.stdout
-    result = mpfa("backends", "--model", "llama-3.1-70b", "--prefill-kernel", "mma-sync")
+    result = mpfa.invoke("backends", "--model", "llama-3.1-70b", "--prefill-kernel", "mma-sync")
     assert result.returncode == 0 and "prefill mma-sync" in result.stdout

@@ -109,20 +109,20 @@ def test_cli_predicted_factor_is_the_allowed_ratio(mpfa, tmp_path: Path):
     wide = mpfa(*args, "--predicted-factor", "1000000")
     assert wide.returncode == 0, wide.stderr
     assert "measured vs predicted" in wide.stdout
-    refused = mpfa(*args, "--predicted-factor", "1")
+    refused = mpfa.invoke(*args, "--predicted-factor", "1")
     assert refused.returncode == 2 and "--predicted-factor must be > 1" in refused.stderr
     assert "ready" not in refused.stdout
 
 
 def test_cli_refuses_an_unknown_prefill_kernel_before_serving(mpfa):
-    out = mpfa("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32",
-               "--prefill-kernel", "mma", *FAST)
+    out = mpfa.invoke("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32",
+                      "--prefill-kernel", "mma", *FAST)
     assert out.returncode == 2 and "--prefill-kernel" in out.stderr and "ready" not in out.stdout
 
 
 def test_cli_refuses_a_bad_prediction_file_before_serving(mpfa, tmp_path: Path):
     path = tmp_path / "pred.json"
     path.write_text("{not json")
-    out = mpfa("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32", "--predicted",
-               str(path), *FAST)
+    out = mpfa.invoke("logits", "--engine", "sim", "--backend", "fa4-bf16,mpfa", "--input-len", "32", "--predicted",
+                      str(path), *FAST)
     assert out.returncode == 2 and "cannot read a prediction JSON" in out.stderr and "ready" not in out.stdout

@@ -1,4 +1,5 @@
-"""`mpfa logits` end to end as a real subprocess: against the simulator, against servers that miscount, bad input."""
+"""`mpfa logits` end to end as a real subprocess: against the simulator, against servers that miscount; bad input
+(refused before any server starts) in this process."""
 from __future__ import annotations
 
 import json
@@ -127,7 +128,7 @@ def test_url_servers_are_checked_against_their_backend(mpfa, fake_sglang):
     (["--backend", "fa4-bf16,mpfa", "--url", "http://127.0.0.1:1"], "--url: 1 URL(s) for 2 backend(s)"),
 ])
 def test_bad_input_is_one_line_and_exit_2(mpfa, args, message):
-    out = mpfa("logits", "--engine", "sim", *args)
+    out = mpfa.invoke("logits", "--engine", "sim", *args)
     assert out.returncode == 2, out.stdout
     lines = out.stderr.strip().splitlines()
     assert len(lines) == 1 and message in lines[0]
