@@ -77,7 +77,7 @@ def _check(out, ref, exact):
 
 
 def test_single_chunk_prefill_matches_reference(device, paged):
-    lengths = [37, 70, 5]
+    lengths = [21, 35, 5]  # pages of 16: one and a part, two and a part, a part
     p, store, core = _setup(paged, lengths, "mpfa", device)
     spans = [(0, n) for n in lengths]
     out, _ = _extend(core, p, spans, device)
@@ -91,21 +91,21 @@ def test_single_chunk_prefill_matches_reference(device, paged):
 
 
 def test_chunked_prefill_freezes_means_from_the_first_chunk(device, paged):
-    """Step 1: request A's first chunk. Step 2: A's second chunk (prefix 48) with request B starting (mixed)."""
-    p, store, core = _setup(paged, [80, 30], "mpfa", device)
+    """Step 1: request A's first chunk. Step 2: A's second chunk (prefix 32) with request B starting (mixed)."""
+    p, store, core = _setup(paged, [48, 20], "mpfa", device)
     a_row, b_row = _first_pages(p)
-    _extend(core, p.only(0), [(0, 48)], device)
+    _extend(core, p.only(0), [(0, 32)], device)
     first = (store.q_mean[1][a_row].clone(), store.k_mean[1][a_row].clone())
-    out, batch = _extend(core, p, [(48, 80), (0, 30)], device)
+    out, batch = _extend(core, p, [(32, 48), (0, 20)], device)
     assert batch.starting.tolist() == [False, True]
     assert torch.equal(store.q_mean[1][a_row], first[0]) and torch.equal(store.k_mean[1][a_row], first[1])
     torch.testing.assert_close(store.k_mean[1][b_row].double().cpu(),
-                               sequence_means(p.k[1].double(), torch.tensor([0, 30]))[0], rtol=BF16_ROUNDING,
+                               sequence_means(p.k[1].double(), torch.tensor([0, 20]))[0], rtol=BF16_ROUNDING,
                                atol=1e-5)
-    a_chunk1 = SmoothingMeans(sequence_means(p.q[0][:48], torch.tensor([0, 48])),
-                              sequence_means(p.k[0][:48], torch.tensor([0, 48])))
+    a_chunk1 = SmoothingMeans(sequence_means(p.q[0][:32], torch.tensor([0, 32])),
+                              sequence_means(p.k[0][:32], torch.tensor([0, 32])))
     torch.testing.assert_close(first[0].cpu().double(), a_chunk1.q_mean[0].double(), rtol=BF16_ROUNDING, atol=1e-5)
-    _check(out, *_reference(p, [(48, 80), (0, 30)], "mpfa", _stored_means(store, p)))
+    _check(out, *_reference(p, [(32, 48), (0, 20)], "mpfa", _stored_means(store, p)))
 
 
 @pytest.mark.slow  # on a CPU: Triton's interpreter, ~8 s; GPU runs (-m gpu) include it
