@@ -49,6 +49,14 @@ def imported(db: Path, *exports: Path) -> list[str]:
         return [arg for run in store.list_runs() for arg in ("--results", str(run.id))]
 
 
+@pytest.fixture(scope="module")
+def own(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[str]]:
+    """The very runs the baseline was written from, imported once for the tests that only read them: the database
+    and its runs as `--results` arguments."""
+    db = tmp_path_factory.mktemp("own") / "own.db"
+    return db, imported(db, *EXPORTS)
+
+
 LATER = 86_400.0  # seconds a copy's runs are moved later: a re-measurement, after the baseline's runs
 
 
@@ -84,13 +92,13 @@ def regression_lines(output: str) -> list[str]:
     return [line for line in output.splitlines() if " regression " in line]
 
 
-def test_baseline_passes_a_re_measurement_and_fails_the_runs_it_was_written_from(tmp_path):
+def test_baseline_passes_a_re_measurement_and_fails_the_runs_it_was_written_from(tmp_path, own):
     results = imported(tmp_path / "r.db", *degraded_copies(tmp_path, factor=1.0))
     result = mpfa("gate", "--baseline", BASELINE, *results, "--db", tmp_path / "r.db")
     assert result.exit_code == 0, result.output
     assert result.output == "Gate passed: 23 point(s), 69 metric(s) within 5.0% (95% CIs)\n"
-    own = imported(tmp_path / "own.db", *EXPORTS)
-    result = mpfa("gate", "--baseline", BASELINE, *own, "--db", tmp_path / "own.db")
+    own_db, own_results = own
+    result = mpfa("gate", "--baseline", BASELINE, *own_results, "--db", own_db)
     assert result.exit_code == 1, result.output
     assert result.output.startswith("Gate FAILED: 23 of 23 point(s): 69 baseline entr(y/ies) missing, failed or not "
                                     "re-measured")
@@ -107,11 +115,10 @@ def test_a_later_rerun_reproduces_the_baseline(tmp_path):
     assert result.output.count("current n=1") == 6 and "regression" not in result.output
 
 
-def test_baseline_is_what_write_baseline_makes_of_those_runs(tmp_path):
+def test_baseline_is_what_write_baseline_makes_of_those_runs(own):
     """Regenerate with the commands in this module's docstring when the gate's metrics or aggregation change."""
-    imported(tmp_path / "r.db", *EXPORTS)
     committed = read_baseline(BASELINE)
-    with ResultStore(tmp_path / "r.db") as store:
+    with ResultStore(own[0]) as store:
         fresh = baseline_from_runs(newest_passes(store.list_runs()))  # what `mpfa gate --write-baseline` judges
     assert (committed.gpu, committed.model, committed.simulated) == ("NVIDIA H100 80GB HBM3", "llama-3.1-8b", False)
     assert [(e.scenario, e.backend, e.input_len, e.load, e.metric, e.n, e.workload) for e in committed.entries] == [
