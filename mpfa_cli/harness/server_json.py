@@ -36,7 +36,7 @@ def fetch_json(url: str, body: dict[str, Any] | None = None, timeout_s: float = 
     try:
         data = _exchange(connection, parts, body, max_bytes, url, deadline)
     except (OSError, http.client.HTTPException) as exc:
-        if deadline.passed:
+        if deadline.passed or isinstance(exc, TimeoutError):  # a socket timeout is the whole timeout_s as well
             raise UserError(f"cannot read {url}: no complete reply within {timeout_s:g} s", exit_code=1) from None
         raise UserError(f"cannot read {url}: {type(exc).__name__}: {exc}", exit_code=1) from None
     finally:
