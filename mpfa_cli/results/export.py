@@ -162,8 +162,14 @@ def run_from_dict(data: Any) -> StoredRun:
     return run
 
 
+LAST_EPOCH_S = 253402300799.0  # 9999-12-31 23:59:59 UTC: the last time a run's date can be shown
+
+
 def _check_physics(run: StoredRun) -> None:
     """Raise `ImpossibleRun` naming the run (and request) that no bench could have measured."""
+    for name in ("started_at", "finished_at"):
+        if (when := getattr(run, name)) is not None and not 0 <= when <= LAST_EPOCH_S:
+            raise ImpossibleRun(f"run {run.id} {name} {when:g} is not a time between 1970 and 9999")
     if run.finished_at is not None and run.finished_at < run.started_at:
         raise ImpossibleRun(f"run {run.id} finished at {run.finished_at} before it started at {run.started_at}")
     for request in run.requests:

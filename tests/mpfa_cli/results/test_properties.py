@@ -259,3 +259,12 @@ def test_a_stored_summary_holds_no_nan_and_reads_back_as_written(store, summary)
     back = store.get_run(run_id).summary
     assert back.keys() == summary.keys()
     assert all(back[k] == v if math.isfinite(v) else math.isnan(back[k]) for k, v in summary.items())
+
+
+@pytest.mark.parametrize("when", [-6.776804060974081e16, 1e300])
+def test_an_export_whose_run_started_at_no_showable_time_is_refused(export, when):
+    run, path = export
+    path.write_text(json.dumps({"runs": [{**run, "started_at": when}]}))
+    with pytest.raises(UserError) as refused:
+        read_export(path)
+    assert one_line_naming(refused.value, path) and "started_at" in str(refused.value)
